@@ -1,0 +1,96 @@
+"""Metric records and the reduction rules of SPEC §8.1.
+
+A value is a float or a `(numerator, denominator)` pair. Within a logging window, per key:
+  1. pairs -> rate = sum(num) / sum(den) (NaN if the denominators sum to 0) -- never a mean of ratios;
+  2. otherwise the words of the key's last path component (split on "_") decide: "total" or "count" ->
+     sum (a counter); else "max" -> max; else "min" -> min (whole words only: `perf/maximal_s` is a gauge);
+  3. otherwise -> mean (a gauge).
+NaN floats are discarded first; a key whose values were all NaN reduces to None.
+Pure Python: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+MetricValue = float | tuple[float, float]
+Reduction = Literal["rate", "sum", "max", "min", "mean"]
+
+COUNTER_WORDS = ("total", "count")
+
+
+def reduction_for(key: str, value: MetricValue) -> Reduction:
+    """Which rule of SPEC §8.1 reduces `key` (given one of its values)."""
+    if isinstance(value, tuple):
+        return "rate"
+    words = key.rsplit("/", 1)[-1].split("_")
+    if any(word in words for word in COUNTER_WORDS):
+        return "sum"
+    if "max" in words:
+        return "max"
+    if "min" in words:
+        return "min"
+    return "mean"
+
+
+def reduce_values(key: str, values: list[MetricValue]) -> float | None:
+    """Reduce one key's window of values; None when every value was NaN (or there were none)."""
+    if not values:
+        return None
+    rule = reduction_for(key, values[0])
+    if rule == "rate":
+        num = sum(float(v[0]) for v in values)  # type: ignore[index]
+        den = sum(float(v[1]) for v in values)  # type: ignore[index]
+        return num / den if den != 0 else math.nan
+    floats = [float(v) for v in values if not math.isnan(float(v))]  # type: ignore[arg-type]
+    if not floats:
+        return None
+    if rule == "sum":
+        return sum(floats)
+    if rule == "max":
+        return max(floats)
+    if rule == "min":
+        return min(floats)
+    return sum(floats) / len(floats)
+
+
+class MetricSink:
+    """Collects metric values over a logging window and reduces them by SPEC §8.1's rules.
+
+    A key must keep one shape (float or pair) for its whole life; mixing them is a bug and raises.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[MetricValue]] = defaultdict(list)
+
+    def add(self, key: str, value: MetricValue) -> None:
+        if isinstance(value, list):
+            value = tuple(value)  # pairs may arrive as lists after JSON/Ray round trips
+        if isinstance(value, tuple):
+            if len(value) != 2:
+                raise ValueError(f"metric {key!r}: a rate is a (numerator, denominator) pair, got {value!r}")
+            value = (float(value[0]), float(value[1]))
+        else:
+            value = float(value)
+        seen = self._values.get(key)
+        if seen and isinstance(seen[0], tuple) != isinstance(value, tuple):
+            raise ValueError(f"metric {key!r} was logged both as a rate pair and as a float; keep one shape")
+        self._values[key].append(value)
+
+    def update(self, metrics: Mapping[str, MetricValue] | Iterable[tuple[str, MetricValue]]) -> None:
+        items = metrics.items() if isinstance(metrics, Mapping) else metrics
+        for key, value in items:
+            self.add(key, value)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def reduce(self, clear: bool = True) -> dict[str, float | None]:
+        """Reduce every key of the window; clears the window unless `clear=False`."""
+        out = {key: reduce_values(key, values) for key, values in sorted(self._values.items())}
+        if clear:
+            self._values.clear()
+        return out

@@ -1,0 +1,55 @@
+import math
+
+import pytest
+
+from rlasync.metrics import MetricSink, reduction_for
+
+
+def reduce(pairs):
+    sink = MetricSink()
+    for key, value in pairs:
+        sink.add(key, value)
+    return sink.reduce()
+
+
+def test_gauge_is_mean_and_nan_is_discarded():
+    assert reduce([("perf/step_s", 1.0), ("perf/step_s", 3.0), ("perf/step_s", math.nan)]) == {"perf/step_s": 2.0}
+
+
+def test_total_and_count_words_sum():
+    out = reduce([("sample/dropped_stale_total", 2), ("sample/dropped_stale_total", 3), ("x/y_count", 1), ("x/y_count", 1)])
+    assert out == {"sample/dropped_stale_total": 5.0, "x/y_count": 2.0}
+
+
+def test_max_and_min_words_but_maximal_stays_a_gauge():
+    out = reduce([("a/staleness_max", 1), ("a/staleness_max", 4), ("b/len_min", 3), ("b/len_min", 2),
+                  ("perf/maximal_s", 1), ("perf/maximal_s", 3)])
+    assert out == {"a/staleness_max": 4.0, "b/len_min": 2.0, "perf/maximal_s": 2.0}
+
+
+def test_only_last_path_component_counts():
+    assert reduction_for("total/latency_s", 1.0) == "mean"
+    assert reduction_for("tools/search/call_count", 1.0) == "sum"
+
+
+def test_rate_is_ratio_of_sums_not_mean_of_ratios():
+    out = reduce([("batch/packing_ratio", (200, 100)), ("batch/packing_ratio", (0, 1))])
+    assert out["batch/packing_ratio"] == pytest.approx(200 / 101)
+
+
+def test_rate_with_zero_denominator_is_nan():
+    assert math.isnan(reduce([("batch/pad_frac", (0, 0))])["batch/pad_frac"])
+
+
+def test_all_nan_key_logs_none_and_window_clears():
+    sink = MetricSink()
+    sink.add("reward", math.nan)
+    assert sink.reduce() == {"reward": None}
+    assert sink.reduce() == {}
+
+
+def test_mixing_shapes_raises():
+    sink = MetricSink()
+    sink.add("k", 1.0)
+    with pytest.raises(ValueError, match="both as a rate pair and as a float"):
+        sink.add("k", (1, 2))
