@@ -1,0 +1,3 @@
+from rlasync.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""The `rlasync` command line.
+
+    rlasync check-model MODEL_PATH      is this architecture supported by tree packing? (exit 0 = yes)
+    rlasync config show [CONFIG.yaml] [--set key=value ...]   print the resolved config as JSON
+
+Each subcommand imports its heavy dependencies only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _check_model(argv: Sequence[str]) -> int:
+    from rlasync.model.check import main
+
+    return main(list(argv))
+
+
+def _config(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rlasync config", description="Resolve and print a config.")
+    parser.add_argument("action", choices=["show"])
+    parser.add_argument("path", nargs="?", help="YAML config file (optional)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    from rlasync.config import load_config
+
+    try:
+        config = load_config(args.path, args.overrides)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    return 0
+
+
+COMMANDS = {
+    "check-model": (_check_model, "compare tree-packed and unpacked log-probs of a model; exit non-zero on mismatch"),
+    "config": (_config, "resolve a YAML config with --set overrides and print it"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: rlasync COMMAND [ARGS...]\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:<14}{help_text}")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from rlasync import __version__
+
+        print(__version__)
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"rlasync: unknown command {argv[0]!r}; run `rlasync --help`", file=sys.stderr)
+        return 2
+    return command[0](argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
