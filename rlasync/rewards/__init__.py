@@ -1,0 +1,29 @@
+"""Rewards: the calling convention (`call_reward_funcs`, `RewardTable`) and built-in reward functions.
+
+Built-ins have TRL's signatures (`f(completions, ..., **kwargs) -> list[float | None]`) and are module-level
+functions, so they pickle into a spawned rollout process. Importing this package does not load math-verify;
+`accuracy_reward` imports it on first use.
+"""
+
+from rlasync.rewards.accuracy_rewards import accuracy_reward, last_number_reward
+from rlasync.rewards.calling import (
+    RewardFunctionError,
+    RewardTable,
+    call_reward_funcs,
+    reward_func_name,
+    unique_names,
+)
+from rlasync.rewards.format_rewards import think_format_reward
+from rlasync.rewards.text import completion_text
+
+__all__ = [
+    "RewardFunctionError",
+    "RewardTable",
+    "accuracy_reward",
+    "call_reward_funcs",
+    "completion_text",
+    "last_number_reward",
+    "reward_func_name",
+    "think_format_reward",
+    "unique_names",
+]

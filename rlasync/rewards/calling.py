@@ -1,0 +1,202 @@
+"""The reward-function calling convention (TRL's, SPEC §2.6.1) and the table of per-source rewards it fills.
+
+Every reward function is called once per group, on the whole group, with keyword arguments:
+
+    prompts         [G] the prompt of each rollout (the same prompt repeated)
+    completions     [G] each rollout's completion (a list of messages)
+    completion_ids  [G] each rollout's generated token ids (all turns concatenated)
+    <column>        [G] every dataset column except prompt/completion/completion_ids, repeated G times
+
+and returns `G` rewards, each an `int`, a `float` or `None` (not scored by this function). Functions should
+accept `**kwargs` so that unused dataset columns do not break them. Sync functions run in a worker thread
+(`asyncio.to_thread`), coroutine functions are awaited, and all of them run concurrently.
+
+`bool` is not accepted as a reward (convert with `float(...)`): a list of booleans usually means a check
+was returned where a score was meant. Infinite values are rejected; NaN counts as `None`. A function that
+raises, returns the wrong number of values or a value of another type fails the group with a
+`RewardFunctionError` naming the function.
+
+Each function becomes one column of a `RewardTable`; other sources (an environment's `get_reward`, a
+loop-provided rollout reward) are added as further named columns. A rollout's reward is the sum of its
+columns ignoring NaN; a rollout that no column scored gets NaN (unscorable), not 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+RewardFunc = Callable[..., Any]
+"""A reward function: `f(*, prompts, completions, completion_ids, **columns) -> list[float | int | None]`
+(or a coroutine function returning that list)."""
+
+RewardColumns = Mapping[str, Sequence[float | None]] | Iterable[tuple[str, Sequence[float | None]]]
+"""Extra named reward columns, `G` values each (`None` = not scored)."""
+
+RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+class RewardFunctionError(ValueError):
+    """A reward function (or an extra reward column) broke the calling convention; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RewardTable:
+    """Per-source rewards of one group.
+
+    names:   one unique name per column (function name, environment class name, ...)
+    values:  [C, G] float64; `values[k, i]` is column `k`'s reward for rollout `i`, NaN where not scored
+    """
+
+    names: tuple[str, ...]
+    values: np.ndarray
+
+    @property
+    def num_rollouts(self) -> int:
+        return int(self.values.shape[1])
+
+    def column(self, name: str) -> np.ndarray:
+        """The `[G]` rewards of the column called `name`."""
+        return self.values[self.names.index(name)]
+
+    def totals(self) -> np.ndarray:
+        """`[G]` summed reward per rollout over the columns, NaN ignored; NaN where no column scored it."""
+        unscored = np.isnan(self.values).all(axis=0)
+        totals = np.nansum(self.values, axis=0)
+        totals[unscored] = np.nan
+        return totals
+
+
+def reward_func_name(func: RewardFunc) -> str:
+    """The column name of a reward function.
+
+    A function's `__name__`; the wrapped function's name for a `functools.partial`; for a callable object,
+    its `__name__` attribute if it has one, else its class name.
+    """
+    while isinstance(func, functools.partial):
+        func = func.func
+    name = getattr(func, "__name__", None)
+    return name if isinstance(name, str) and name else type(func).__name__
+
+
+def unique_names(names: Iterable[str]) -> list[str]:
+    """Make names unique in order: the first `x` stays `x`, later ones become `x_2`, `x_3`, ..."""
+    taken: set[str] = set()
+    unique = []
+    for name in names:
+        candidate, suffix = name, 2
+        while candidate in taken:
+            candidate, suffix = f"{name}_{suffix}", suffix + 1
+        taken.add(candidate)
+        unique.append(candidate)
+    return unique
+
+
+async def call_reward_funcs(
+    reward_funcs: Sequence[RewardFunc],
+    *,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    reward_kwargs: Mapping[str, Sequence[Any]],
+    extra_columns: RewardColumns | None = None,
+) -> RewardTable:
+    """Score one group: call every reward function concurrently, then append the extra columns.
+
+    Columns come in the order: reward functions, then `extra_columns`; duplicate names get `_2`, `_3`, ...
+    Raises `RewardFunctionError` when a function raises (chained), returns the wrong length or a non-number.
+    """
+    num_rollouts = len(completions)
+    kwargs = _reward_call_kwargs(prompts, completions, completion_ids, reward_kwargs)
+    outcomes = await asyncio.gather(*(_call_reward_func(func, kwargs) for func in reward_funcs), return_exceptions=True)
+    extra = reward_column_items(extra_columns)
+    names = unique_names([reward_func_name(func) for func in reward_funcs] + [name for name, _ in extra])
+    func_names, extra_names = names[: len(reward_funcs)], names[len(reward_funcs) :]
+    rows = [
+        _to_column(outcome, f"reward function '{name}'", num_rollouts)
+        for name, outcome in zip(func_names, outcomes, strict=True)
+    ]
+    rows += [
+        _to_column(values, f"reward column '{name}'", num_rollouts)
+        for name, (_, values) in zip(extra_names, extra, strict=True)
+    ]
+    values = np.stack(rows) if rows else np.empty((0, num_rollouts), dtype=np.float64)
+    return RewardTable(names=tuple(names), values=values)
+
+
+def reward_column_items(columns: RewardColumns | None) -> list[tuple[str, Sequence[float | None]]]:
+    """Reward columns, given as a mapping or as `(name, values)` pairs, as a list of pairs."""
+    if columns is None:
+        return []
+    return list(columns.items() if isinstance(columns, Mapping) else columns)
+
+
+def _reward_call_kwargs(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    reward_kwargs: Mapping[str, Sequence[Any]],
+) -> dict[str, Any]:
+    clashing = sorted(set(reward_kwargs) & set(RESERVED_ARGUMENTS))
+    if clashing:
+        raise ValueError(
+            f"dataset column(s) {clashing} clash with the reward-function arguments {list(RESERVED_ARGUMENTS)}: "
+            "rename the column(s)"
+        )
+    return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **reward_kwargs}
+
+
+async def _call_reward_func(func: RewardFunc, kwargs: dict[str, Any]) -> Any:
+    """Await a coroutine function; run anything else in a thread, awaiting its result if that is awaitable
+    (an object with an `async def __call__`, say)."""
+    if inspect.iscoroutinefunction(func):
+        return await func(**kwargs)
+    result = await asyncio.to_thread(func, **kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _to_column(outcome: Any, source: str, num_rollouts: int) -> np.ndarray:
+    """Check one source's output (or the exception it raised) and turn it into a `[G]` float64 column."""
+    if isinstance(outcome, BaseException):
+        if not isinstance(outcome, Exception):
+            raise outcome  # cancellation and interpreter exits are not reward errors
+        raise RewardFunctionError(f"{source} raised {type(outcome).__name__}: {outcome}") from outcome
+    if not isinstance(outcome, list | tuple | np.ndarray):
+        raise RewardFunctionError(
+            f"{source} returned {type(outcome).__name__}; expected a list of {num_rollouts} rewards "
+            "(int, float or None), one per completion"
+        )
+    if len(outcome) != num_rollouts:
+        raise RewardFunctionError(
+            f"{source} returned {len(outcome)} rewards for {num_rollouts} completions; "
+            "return exactly one reward (or None) per completion"
+        )
+    return np.array([_to_reward(value, source, index) for index, value in enumerate(outcome)], dtype=np.float64)
+
+
+def _to_reward(value: Any, source: str, index: int) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, bool | np.bool_):
+        raise RewardFunctionError(
+            f"{source} returned the bool {value!r} for completion {index}; rewards must be int, float or None "
+            "(convert with float(...))"
+        )
+    if not isinstance(value, numbers.Real):
+        raise RewardFunctionError(
+            f"{source} returned {value!r} ({type(value).__name__}) for completion {index}; "
+            "rewards must be int, float or None"
+        )
+    if math.isinf(value):
+        raise RewardFunctionError(
+            f"{source} returned {value} for completion {index}; rewards must be finite (None leaves it unscored)"
+        )
+    return float(value)

@@ -1,0 +1,224 @@
+"""Scoring a complete group: rewards, advantages, the zero-std drop, and the samples the learner trains on.
+
+    RolloutGroup ──call_reward_funcs──► RewardTable (one column per source) ──totals──► group.rewards [G]
+        ──compute_advantages(group)──► advantages [G]
+        ──degenerate group? (SPEC §2.6.3)──► dropped: no samples
+                               otherwise ──► one RolloutSample per TrainingSequence, the conversation's
+                                             advantage stamped unchanged on each of its rows
+
+Reward columns, in order: the reward functions, one column per environment class found in `env_rewards`
+(named after the class), `rollout_reward` for `Rollout.reward` values (`group.rollout_rewards`), then the
+caller's `extra_columns` (e.g. `harness_reward`). Duplicate names get `_2`, `_3`, ...
+
+Metric names are the seed's (SPEC §8.3), with no 1.16 aliases:
+
+* per sample (`RolloutSample.metrics`, one dict per row, averaged over trained samples by the collator):
+  `reward_trained` (the conversation's summed reward, NaN if unscorable; 1.16 called it `reward`),
+  `reward_group_std` (the advantage divisor; 1.16 `reward_std`), `rewards/<name>/group_std` per column, and,
+  when the group made at least one tool call, `tools/call_frequency` (the conversation's calls) and
+  `tools/failure_frequency` (its failures / calls, 0 without calls).
+* per group (`ScoredGroup.metrics`, recorded by the worker for every group, dropped ones included): lists of
+  values to append to the metric sink, each reduced by mean: `reward` (every scored summed reward),
+  `rewards/<name>/mean` (every scored value of the column), `frac_zero_std_groups` (1.0 if the group is
+  degenerate, else 0.0) and, for a degenerate group with some scored reward, `reward_zero_std_groups` (its
+  mean reward). Keys without values are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlasync.advantages import group_advantages, group_reward_std, is_degenerate_group
+from rlasync.rewards.calling import (
+    RewardColumns,
+    RewardFunc,
+    RewardTable,
+    call_reward_funcs,
+    reward_column_items,
+)
+from rlasync.rollout.records import RolloutGroup, RolloutSample
+
+ROLLOUT_REWARD_COLUMN = "rollout_reward"
+
+ComputeAdvantages = Callable[[RolloutGroup], np.ndarray]
+"""`compute_advantages(group) -> [G]` advantages; `group.rewards` is set when it is called."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredGroup:
+    """The outcome of scoring one group.
+
+    samples:      what to enqueue (empty when dropped)
+    dropped:      the group was degenerate and dropping is on
+    rewards:      [G] summed reward per rollout, NaN where unscorable
+    advantages:   [G] one advantage per rollout (computed for dropped groups too)
+    reward_table: the per-source rewards behind `rewards`
+    metrics:      worker-side metric values of this group (see the module docstring)
+    """
+
+    samples: list[RolloutSample]
+    dropped: bool
+    rewards: np.ndarray
+    advantages: np.ndarray
+    reward_table: RewardTable
+    metrics: dict[str, list[float]]
+
+
+def default_compute_advantages(group: RolloutGroup) -> np.ndarray:
+    """GRPO's group-normalised advantage of `group.rewards` (SPEC §2.6.2)."""
+    return group_advantages(group.rewards)[0]
+
+
+async def score_group(
+    group: RolloutGroup,
+    reward_funcs: Sequence[RewardFunc],
+    *,
+    compute_advantages: ComputeAdvantages | None = None,
+    extra_columns: RewardColumns | None = None,
+    drop_zero_std_groups: bool = True,
+) -> ScoredGroup:
+    """Score `group`, set `group.rewards`, and build its samples unless the group is dropped.
+
+    `drop_zero_std_groups=False` keeps degenerate groups (TRL 1.16: they train with zero advantages).
+    Raises `ValueError` when the group is malformed or has no reward source, `RewardFunctionError` when a
+    reward function breaks the calling convention.
+    """
+    _check_group(group)
+    columns = _group_reward_columns(group, extra_columns)
+    if not reward_funcs and not columns and not group.rollout_rewards:
+        raise ValueError(
+            "No reward source provided: pass reward functions, use an environment that defines `get_reward`, "
+            "or a rollout loop that sets `Rollout.reward`."
+        )
+    table = await call_reward_funcs(
+        reward_funcs,
+        prompts=group.prompts,
+        completions=group.completions,
+        completion_ids=group.completions_ids,
+        reward_kwargs=group.reward_kwargs,
+        extra_columns=columns,
+    )
+    group.rewards = table.totals()
+    advantages = _run_compute_advantages(compute_advantages or default_compute_advantages, group)
+    degenerate = is_degenerate_group(group.rewards)
+    dropped = degenerate and drop_zero_std_groups
+    samples = [] if dropped else _build_samples(group, advantages, _sample_metrics(group, table))
+    return ScoredGroup(
+        samples=samples,
+        dropped=dropped,
+        rewards=group.rewards,
+        advantages=advantages,
+        reward_table=table,
+        metrics=_group_metrics(table, group.rewards, degenerate),
+    )
+
+
+def _check_group(group: RolloutGroup) -> None:
+    """Every per-rollout list has one entry per rollout (the optional ones may be empty instead)."""
+    num_rollouts = len(group)
+    if num_rollouts == 0:
+        raise ValueError(f"group {group.group_id} has no rollouts")
+    required = {
+        "prompts": group.prompts,
+        "completions_ids": group.completions_ids,
+        "completions_sequences": group.completions_sequences,
+    }
+    optional = {
+        "tool_call_counts": group.tool_call_counts,
+        "tool_failure_counts": group.tool_failure_counts,
+        "env_rewards": group.env_rewards,
+        "rollout_rewards": group.rollout_rewards,
+    }
+    dataset_columns = {f"reward_kwargs[{name!r}]": values for name, values in group.reward_kwargs.items()}
+    checked = {**required, **{name: values for name, values in optional.items() if values}, **dataset_columns}
+    for name, values in checked.items():
+        if len(values) != num_rollouts:
+            raise ValueError(
+                f"group {group.group_id}: {name} has {len(values)} entries for {num_rollouts} completions; "
+                "every per-rollout field needs one entry per completion"
+            )
+
+
+def _group_reward_columns(
+    group: RolloutGroup, extra_columns: RewardColumns | None
+) -> list[tuple[str, Sequence[float | None]]]:
+    """Reward columns beyond the functions': environment classes, `Rollout.reward`, then `extra_columns`."""
+    num_rollouts = len(group)
+    env_columns: dict[str, list[float | None]] = {}
+    for index, entry in enumerate(group.env_rewards):
+        if entry is not None:
+            env_name, value = entry
+            env_columns.setdefault(env_name, [None] * num_rollouts)[index] = value
+    columns = list(env_columns.items())
+    if any(value is not None for value in group.rollout_rewards):
+        columns.append((ROLLOUT_REWARD_COLUMN, list(group.rollout_rewards)))
+    return columns + reward_column_items(extra_columns)
+
+
+def _run_compute_advantages(compute_advantages: ComputeAdvantages, group: RolloutGroup) -> np.ndarray:
+    advantages = np.asarray(compute_advantages(group), dtype=np.float64)
+    if advantages.shape != (len(group),):
+        raise ValueError(
+            f"compute_advantages must return one advantage per rollout, shape ({len(group)},); "
+            f"got shape {advantages.shape}"
+        )
+    if not np.isfinite(advantages).all():
+        raise ValueError(
+            f"compute_advantages returned non-finite advantages {advantages.tolist()}; "
+            "give unscorable rollouts (NaN reward) advantage 0"
+        )
+    return advantages
+
+
+def _sample_metrics(group: RolloutGroup, table: RewardTable) -> list[dict[str, float]]:
+    """Per-rollout metric dicts (shared by the rollout's rows; each row gets its own copy)."""
+    shared = {"reward_group_std": group_reward_std(group.rewards)}
+    shared.update({f"rewards/{name}/group_std": group_reward_std(table.column(name)) for name in table.names})
+    per_rollout = [{"reward_trained": float(reward), **shared} for reward in group.rewards]
+    if sum(group.tool_call_counts) > 0:
+        failure_counts = group.tool_failure_counts or [0] * len(group)
+        for metrics, calls, failures in zip(per_rollout, group.tool_call_counts, failure_counts, strict=True):
+            metrics["tools/call_frequency"] = float(calls)
+            metrics["tools/failure_frequency"] = failures / calls if calls > 0 else 0.0
+    return per_rollout
+
+
+def _build_samples(group: RolloutGroup, advantages: np.ndarray, metrics: list[dict[str, float]]) -> list[RolloutSample]:
+    """One sample per training sequence; every row of a conversation gets the conversation's advantage."""
+    return [
+        RolloutSample(
+            input_ids=sequence.input_ids,
+            completion_mask=sequence.completion_mask,
+            sampler_logprobs=sequence.sampler_logprobs,
+            advantage=float(advantages[index]),
+            group_id=group.group_id,
+            policy_version=group.policy_version,
+            row_index=group.row_index,
+            sampler_topk_ids=sequence.sampler_topk_ids,
+            sampler_topk_logprobs=sequence.sampler_topk_logprobs,
+            sampling_mask=sequence.sampling_mask,
+            metrics=dict(metrics[index]),
+            prompt=group.prompts[index],
+            completion=group.completions[index],
+        )
+        for index, sequences in enumerate(group.completions_sequences)
+        for sequence in sequences
+    ]
+
+
+def _group_metrics(table: RewardTable, rewards: np.ndarray, degenerate: bool) -> dict[str, list[float]]:
+    """Worker-side metric values of one group (dropped or not)."""
+    metrics: dict[str, list[float]] = {"frac_zero_std_groups": [float(degenerate)]}
+    scored = rewards[~np.isnan(rewards)]
+    if scored.size:
+        metrics["reward"] = scored.tolist()
+        if degenerate:
+            metrics["reward_zero_std_groups"] = [float(scored.mean())]
+    for name, column in zip(table.names, table.values, strict=True):
+        column_scored = column[~np.isnan(column)]
+        if column_scored.size:
+            metrics[f"rewards/{name}/mean"] = column_scored.tolist()
+    return metrics
