@@ -8,7 +8,9 @@
 
 Reward columns, in order: the reward functions, one column per environment class found in `env_rewards`
 (named after the class), `rollout_reward` for `Rollout.reward` values (`group.rollout_rewards`), then the
-caller's `extra_columns` (e.g. `harness_reward`). Duplicate names get `_2`, `_3`, ...
+caller's `extra_columns` (e.g. `harness_reward`). Duplicate names get `_2`, `_3`, ... The `rollout_reward`
+column exists only when some rollout set a reward; a non-empty `rollout_rewards` list still counts as a reward
+source, so a group where every `Rollout.reward` is None is unscorable rather than an error.
 
 Metric names are the seed's (SPEC §8.3), with no 1.16 aliases:
 
@@ -17,11 +19,11 @@ Metric names are the seed's (SPEC §8.3), with no 1.16 aliases:
   `reward_group_std` (the advantage divisor; 1.16 `reward_std`), `rewards/<name>/group_std` per column, and,
   when the group made at least one tool call, `tools/call_frequency` (the conversation's calls) and
   `tools/failure_frequency` (its failures / calls, 0 without calls).
-* per group (`ScoredGroup.metrics`, recorded by the worker for every group, dropped ones included): lists of
-  values to append to the metric sink, each reduced by mean: `reward` (every scored summed reward),
-  `rewards/<name>/mean` (every scored value of the column), `frac_zero_std_groups` (1.0 if the group is
-  degenerate, else 0.0) and, for a degenerate group with some scored reward, `reward_zero_std_groups` (its
-  mean reward). Keys without values are left out.
+* per group (`ScoredGroup.metrics`, recorded by the worker for every group, dropped ones included):
+  `(key, value)` items, one per value, ready for `MetricSink.update`; every key is reduced by mean:
+  `reward` (one item per scored summed reward), `rewards/<name>/mean` (one per scored value of the column),
+  `frac_zero_std_groups` (1.0 if the group is degenerate, else 0.0) and, for a degenerate group with some
+  scored reward, `reward_zero_std_groups` (its mean reward).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class ScoredGroup:
     rewards:      [G] summed reward per rollout, NaN where unscorable
     advantages:   [G] one advantage per rollout (computed for dropped groups too)
     reward_table: the per-source rewards behind `rewards`
-    metrics:      worker-side metric values of this group (see the module docstring)
+    metrics:      worker-side metric items `(key, value)` of this group (see the module docstring)
     """
 
     samples: list[RolloutSample]
@@ -64,7 +66,7 @@ class ScoredGroup:
     rewards: np.ndarray
     advantages: np.ndarray
     reward_table: RewardTable
-    metrics: dict[str, list[float]]
+    metrics: list[tuple[str, float]]
 
 
 def default_compute_advantages(group: RolloutGroup) -> np.ndarray:
@@ -209,16 +211,13 @@ def _build_samples(group: RolloutGroup, advantages: np.ndarray, metrics: list[di
     ]
 
 
-def _group_metrics(table: RewardTable, rewards: np.ndarray, degenerate: bool) -> dict[str, list[float]]:
-    """Worker-side metric values of one group (dropped or not)."""
-    metrics: dict[str, list[float]] = {"frac_zero_std_groups": [float(degenerate)]}
+def _group_metrics(table: RewardTable, rewards: np.ndarray, degenerate: bool) -> list[tuple[str, float]]:
+    """Worker-side metric items of one group (dropped or not)."""
     scored = rewards[~np.isnan(rewards)]
-    if scored.size:
-        metrics["reward"] = scored.tolist()
-        if degenerate:
-            metrics["reward_zero_std_groups"] = [float(scored.mean())]
+    items = [("frac_zero_std_groups", float(degenerate))]
+    if degenerate and scored.size:
+        items.append(("reward_zero_std_groups", float(scored.mean())))
+    items += [("reward", value) for value in scored.tolist()]
     for name, column in zip(table.names, table.values, strict=True):
-        column_scored = column[~np.isnan(column)]
-        if column_scored.size:
-            metrics[f"rewards/{name}/mean"] = column_scored.tolist()
-    return metrics
+        items += [(f"rewards/{name}/mean", value) for value in column[~np.isnan(column)].tolist()]
+    return items

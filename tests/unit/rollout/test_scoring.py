@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from rlasync.metrics import MetricSink
 from rlasync.rewards import RewardFunctionError
 from rlasync.rollout.records import RolloutGroup, TrainingSequence
 from rlasync.rollout.scoring import score_group
@@ -39,6 +40,14 @@ def one_row_each(n):
 
 def score(group, reward_funcs, **kwargs):
     return asyncio.run(score_group(group, reward_funcs, **kwargs))
+
+
+def metric_values(scored):
+    """The group's metric items as {key: [values in order]}."""
+    values = {}
+    for key, value in scored.metrics:
+        values.setdefault(key, []).append(value)
+    return values
 
 
 def test_one_advantage_per_conversation_stamped_on_every_row():
@@ -104,7 +113,7 @@ def test_single_scorable_rollout_group_is_dropped_by_default():
     assert scored.dropped and scored.samples == []
     assert scored.advantages.tolist() == [0.0, 0.0]
     assert math.isnan(scored.rewards[0]) and scored.rewards[1] == 2.0
-    assert scored.metrics == {
+    assert metric_values(scored) == {
         "frac_zero_std_groups": [1.0],
         "reward": [2.0],
         "reward_zero_std_groups": [2.0],
@@ -118,9 +127,9 @@ def test_zero_std_group_is_dropped_and_counted():
 
     scored = score(make_group(one_row_each(4)), [always_one])
     assert scored.dropped and scored.samples == []
-    assert scored.metrics["frac_zero_std_groups"] == [1.0]
-    assert scored.metrics["reward_zero_std_groups"] == [1.0]
-    assert scored.metrics["reward"] == [1.0] * 4
+    assert metric_values(scored)["frac_zero_std_groups"] == [1.0]
+    assert metric_values(scored)["reward_zero_std_groups"] == [1.0]
+    assert metric_values(scored)["reward"] == [1.0] * 4
 
     kept = score(make_group(one_row_each(4)), [always_one], drop_zero_std_groups=False)
     assert not kept.dropped and [s.advantage for s in kept.samples] == [0.0] * 4
@@ -132,7 +141,7 @@ def test_group_without_any_scored_reward_is_dropped_without_a_reward():
 
     scored = score(make_group(one_row_each(3)), [nothing])
     assert scored.dropped and np.isnan(scored.rewards).all()
-    assert scored.metrics == {"frac_zero_std_groups": [1.0]}
+    assert metric_values(scored) == {"frac_zero_std_groups": [1.0]}
 
 
 def test_kept_group_metrics_cover_every_scored_completion():
@@ -145,7 +154,7 @@ def test_kept_group_metrics_cover_every_scored_completion():
     scored = score(make_group(one_row_each(4)), [graded, bonus])
     assert not scored.dropped and len(scored.samples) == 4
     assert scored.rewards[[0, 1, 3]].tolist() == [0.5, 1.0, 1.5] and math.isnan(scored.rewards[2])
-    assert scored.metrics == {
+    assert metric_values(scored) == {
         "frac_zero_std_groups": [0.0],
         "reward": [0.5, 1.0, 1.5],
         "rewards/graded/mean": [0.0, 1.0, 1.0],
@@ -155,6 +164,20 @@ def test_kept_group_metrics_cover_every_scored_completion():
     assert metrics["rewards/bonus/group_std"] == 0.0
     assert metrics["rewards/graded/group_std"] == pytest.approx(np.std([0.0, 1.0, 1.0]))
     assert metrics["reward_group_std"] == pytest.approx(np.std([0.5, 1.0, 1.5]))
+
+
+def test_group_metrics_feed_the_metric_sink():
+    def always_one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    sink = MetricSink()
+    sink.update(score(make_group(one_row_each(2)), [two_reward]).metrics)
+    sink.update(score(make_group(one_row_each(4)), [always_one]).metrics)
+    logged = sink.reduce()
+    assert logged["reward"] == pytest.approx((1 + 3 + 4) / 6)  # mean over every scored completion
+    assert logged["frac_zero_std_groups"] == 0.5
+    assert logged["reward_zero_std_groups"] == 1.0
+    assert logged["rewards/two_reward/mean"] == 2.0 and logged["rewards/always_one/mean"] == 1.0
 
 
 def test_compute_advantages_hook_sees_rewards_and_runs_for_dropped_groups():
@@ -192,7 +215,7 @@ def test_environment_rollout_and_extra_columns_are_reward_sources():
     scored = score(group, [], extra_columns={"harness_reward": [None, None, 4.0]})
     assert scored.reward_table.names == ("MathEnv", "CodeEnv", "rollout_reward", "harness_reward")
     assert scored.rewards.tolist() == [1.0, 2.5, 4.0]
-    assert scored.metrics["rewards/MathEnv/mean"] == [1.0]
+    assert metric_values(scored)["rewards/MathEnv/mean"] == [1.0]
     assert "rewards/rollout_reward/group_std" in scored.samples[0].metrics
 
 
