@@ -157,6 +157,7 @@ class RolloutSample:
     prompt: Any = None
     completion: Any = None
     enqueued_at: float = 0.0
+    rollout_id: str = ""
 
     def __post_init__(self) -> None:
         _check_token_arrays(self, "RolloutSample")

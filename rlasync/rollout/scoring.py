@@ -205,6 +205,7 @@ def _build_samples(group: RolloutGroup, advantages: np.ndarray, metrics: list[di
             metrics=dict(metrics[index]),
             prompt=group.prompts[index],
             completion=group.completions[index],
+            rollout_id=sequence.rollout_id,
         )
         for index, sequences in enumerate(group.completions_sequences)
         for sequence in sequences
