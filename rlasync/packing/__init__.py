@@ -1,0 +1,39 @@
+"""Tree packing for GRPO: prefix-trie rows, their depth-first layout, micro-batch planners, collation, metrics.
+
+Pure numpy: importing this package never loads torch or ray (SPEC §4, DESIGN §3 "Tree packing").
+
+  trie     TreeRow: one rank's row as a prefix trie over its samples, priced by unique tokens / load / trained
+  layout   pack(row) -> PackedRow: DFS layout, subtree_end mask rule, segments, loss terms
+  planner  TokenBudgetBatcher / FixedCountBatcher -> MicroBatch (one TreeRow per rank)
+  collate  pad_rows: stack a micro-batch's PackedRows into [P, ...] arrays with the broadcast scalars
+  metrics  packing_metrics: the collator's batch/* and sample/* metrics
+"""
+
+from rlasync.packing.collate import pad_rows
+from rlasync.packing.layout import IGNORE_INDEX, PackedRow, pack, sample_positions
+from rlasync.packing.metrics import packing_metrics
+from rlasync.packing.planner import (
+    PLACEMENTS,
+    FixedCountBatcher,
+    MicroBatch,
+    Placement,
+    TokenBudgetBatcher,
+    balance_groups,
+)
+from rlasync.packing.trie import TreeRow
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PLACEMENTS",
+    "FixedCountBatcher",
+    "MicroBatch",
+    "PackedRow",
+    "Placement",
+    "TokenBudgetBatcher",
+    "TreeRow",
+    "balance_groups",
+    "pack",
+    "packing_metrics",
+    "pad_rows",
+    "sample_positions",
+]

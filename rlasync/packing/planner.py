@@ -1,0 +1,301 @@
+"""Micro-batch planners: which sample goes into which rank's row (SPEC §4.5, §4.8).
+
+A micro-batch is one `TreeRow` per DP rank. Planning is separate from doing: the planners only decide placements
+(they fill `TreeRow`s, which price themselves); `MicroBatch.pack()` / `layout.pack` build the arrays.
+
+Both planners are incremental, for a pull loop over the sample stream:
+
+    batcher = TokenBudgetBatcher(num_ranks=P, token_budget=B)
+    for sample in stream:
+        for micro_batch in batcher.push(sample):   # micro-batches closed by this push (at most one)
+            train_on(micro_batch)
+    last = batcher.flush()                        # end of a finite stream (e.g. an epoch)
+
+Invariants of every emitted micro-batch: exactly `num_ranks` rows and none of them empty (a rank with nothing to
+forward would leave the other ranks' collectives waiting); with a token budget, every row holds at most
+`token_budget` unique tokens and at most `token_budget` trained tokens.
+
+`flush()` with fewer buffered samples than ranks cannot fill every row: it returns None and keeps the samples
+buffered (`pending`), so a later `push` continues with them; `take_pending()` hands them back instead.
+
+Dropped oversize samples (`len > token_budget`) are counted, never raised: `dropped_oversize_count` on the
+batcher is the running total, and each `MicroBatch.dropped_oversize_count` holds the drops since the previous
+emitted micro-batch (so summing the micro-batches' counts gives the total; drops after the last emitted
+micro-batch show up only on the batcher until the next one).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from rlasync.packing.collate import pad_rows
+from rlasync.packing.layout import PackedRow, pack
+from rlasync.packing.metrics import packing_metrics
+from rlasync.packing.trie import TreeRow
+from rlasync.rollout.records import RolloutSample
+
+logger = logging.getLogger(__name__)
+
+Placement = Literal["seed", "1.16"]
+PLACEMENTS: tuple[Placement, ...] = ("seed", "1.16")
+
+
+@dataclass(eq=False)
+class MicroBatch:
+    """One row per rank, as planned.
+
+    `token_budget` is the budget the rows were planned under (None for fixed-count batches);
+    `dropped_oversize_count` the oversize samples dropped since the previous micro-batch (None without a budget).
+    """
+
+    rows: list[TreeRow]
+    token_budget: int | None = None
+    dropped_oversize_count: int | None = None
+
+    @property
+    def samples(self) -> list[RolloutSample]:
+        """All samples, row by row."""
+        return [sample for row in self.rows for sample in row.samples]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(row.num_samples for row in self.rows)
+
+    @property
+    def group_ids(self) -> set[int]:
+        """Groups trained by this micro-batch (feeds the trainer's "groups trained" set)."""
+        return set().union(*(row.groups for row in self.rows))
+
+    def pack(self) -> list[PackedRow]:
+        """Lay every row out (SPEC §4.2), rank order."""
+        return [pack(row) for row in self.rows]
+
+    def collate(self, pad_token_id: int) -> dict[str, np.ndarray]:
+        """Pack and pad the rows into rectangular [P, ...] arrays with the broadcast scalars (SPEC §4.6)."""
+        return pad_rows(self.pack(), pad_token_id)
+
+    def metrics(self) -> dict[str, Any]:
+        """Collator metrics of SPEC §4.6, plus `batch/dropped_oversize_count` when planned under a budget."""
+        return packing_metrics(self.rows, self.token_budget, dropped_oversize_count=self.dropped_oversize_count)
+
+
+class TokenBudgetBatcher:
+    """Rows bounded by `token_budget`, samples placed one at a time (SPEC §4.5, placement rule §4.8).
+
+    `placement="1.16"`: the home rows (rows already holding the sample's group) that fit, least loaded first;
+    else, if the sample has a home row and every row holds a sample, close the micro-batch (the sample then keeps
+    its prefix in a fresh row); else the least-loaded row that fits; if none fits, close.
+
+    `placement="seed"` (default) replaces that "home full → close" branch by the seed's guarded move: the
+    least-loaded fitting row is accepted if `row.load + row.delta_load(sample) <= max(row loads)` (moving the
+    sample away from its home does not raise the micro-batch's wall time), else close. A sample whose group is
+    in no row is placed as in 1.16. Ties always go to the lowest rank.
+    """
+
+    def __init__(self, num_ranks: int, token_budget: int, placement: Placement = "seed") -> None:
+        if num_ranks < 1:
+            raise ValueError(f"TokenBudgetBatcher: num_ranks must be >= 1, got {num_ranks}")
+        if token_budget < 1:
+            raise ValueError(f"TokenBudgetBatcher: token_budget must be >= 1, got {token_budget}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"TokenBudgetBatcher: placement must be one of {PLACEMENTS}, got {placement!r}")
+        self.num_ranks = num_ranks
+        self.token_budget = token_budget
+        self.placement = placement
+        self.dropped_oversize_count = 0  # running total since construction
+        self._dropped_since_emit = 0
+        self._rows = _empty_rows(num_ranks)
+
+    @property
+    def pending(self) -> list[RolloutSample]:
+        """Samples placed in the open (not yet emitted) rows."""
+        return [sample for row in self._rows for sample in row.samples]
+
+    def take_pending(self) -> list[RolloutSample]:
+        """Empty the open rows and return their samples."""
+        samples = self.pending
+        self._rows = _empty_rows(self.num_ranks)
+        return samples
+
+    def push(self, sample: RolloutSample) -> list[MicroBatch]:
+        """Place `sample`; return the micro-batch its placement closed (empty list or one micro-batch)."""
+        _check_not_empty(sample)
+        if len(sample) > self.token_budget:
+            self._drop(sample)
+            return []
+        closed: list[MicroBatch] = []
+        rank = self._place(sample)
+        if rank is None:  # a fresh set of rows always has room for an admissible sample
+            closed.append(self._emit())
+            rank = self._place(sample)
+            assert rank is not None
+        self._rows[rank].add(sample)
+        return closed
+
+    def flush(self) -> MicroBatch | None:
+        """Emit the open rows at the end of a finite stream.
+
+        Empty rows are first filled by moving samples out of rows holding several (rows only shrink, so the
+        budget still holds). With fewer samples than ranks nothing is emitted: returns None, samples stay pending.
+        """
+        num_samples = sum(row.num_samples for row in self._rows)
+        if num_samples < self.num_ranks:
+            return None
+        _fill_empty_rows(self._rows)
+        return self._emit()
+
+    def plan(self, samples: Iterable[RolloutSample]) -> list[MicroBatch]:
+        """Plan a finite list: every push, then a flush. Samples left over (< num_ranks) stay `pending`."""
+        batches = [batch for sample in samples for batch in self.push(sample)]
+        last = self.flush()
+        return batches if last is None else [*batches, last]
+
+    def _place(self, sample: RolloutSample) -> int | None:
+        rows = self._rows
+        fitting = [r for r, row in enumerate(rows) if row.fits(sample, self.token_budget)]
+        home = [r for r, row in enumerate(rows) if sample.group_id in row.groups]
+        home_fitting = [r for r in home if r in fitting]
+        if home_fitting:
+            return _least_loaded(rows, home_fitting)
+        best = _least_loaded(rows, fitting)
+        if not home or any(row.num_samples == 0 for row in rows):
+            return best
+        if self.placement == "1.16" or best is None:
+            return None
+        max_load = max(row.load for row in rows)
+        return best if rows[best].load + rows[best].delta_load(sample) <= max_load else None
+
+    def _drop(self, sample: RolloutSample) -> None:
+        self.dropped_oversize_count += 1
+        self._dropped_since_emit += 1
+        logger.warning(
+            "dropping a sample of %d tokens (group %d): longer than token_budget=%d, it fits in no row",
+            len(sample),
+            sample.group_id,
+            self.token_budget,
+        )
+
+    def _emit(self) -> MicroBatch:
+        batch = MicroBatch(self._rows, self.token_budget, self._dropped_since_emit)
+        self._rows = _empty_rows(self.num_ranks)
+        self._dropped_since_emit = 0
+        return batch
+
+
+class FixedCountBatcher:
+    """Micro-batches of exactly `microbatch_size` samples (B × P), balanced by attention cost (SPEC §4.5).
+
+    Buffered samples are bucketed by group (first-seen order); while there are fewer groups than ranks the largest
+    group is split in two (first ⌊n/2⌋, rest); each group is priced by the load of a TreeRow holding it alone, and
+    groups go, heaviest first (LPT), whole into the currently least-loaded row. No budget: peak memory is unbounded.
+    """
+
+    def __init__(self, num_ranks: int, microbatch_size: int) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"FixedCountBatcher: num_ranks must be >= 1, got {num_ranks}")
+        if microbatch_size < num_ranks:
+            raise ValueError(
+                f"FixedCountBatcher: microbatch_size ({microbatch_size}) must be >= num_ranks ({num_ranks}) "
+                "so that every rank gets a sample"
+            )
+        self.num_ranks = num_ranks
+        self.microbatch_size = microbatch_size
+        self._buffer: list[RolloutSample] = []
+
+    @property
+    def pending(self) -> list[RolloutSample]:
+        """Buffered samples not yet emitted."""
+        return list(self._buffer)
+
+    def take_pending(self) -> list[RolloutSample]:
+        samples, self._buffer = self._buffer, []
+        return samples
+
+    def push(self, sample: RolloutSample) -> list[MicroBatch]:
+        """Buffer `sample`; return the micro-batch it completed (empty list or one micro-batch)."""
+        _check_not_empty(sample)
+        self._buffer.append(sample)
+        if len(self._buffer) < self.microbatch_size:
+            return []
+        return [MicroBatch(balance_groups(self.take_pending(), self.num_ranks))]
+
+    def flush(self) -> MicroBatch | None:
+        """Emit a short micro-batch of the buffered samples; None (samples stay pending) if fewer than ranks."""
+        if len(self._buffer) < self.num_ranks:
+            return None
+        return MicroBatch(balance_groups(self.take_pending(), self.num_ranks))
+
+    def plan(self, samples: Iterable[RolloutSample]) -> list[MicroBatch]:
+        """Plan a finite list: every push, then a flush. Samples left over (< num_ranks) stay `pending`."""
+        batches = [batch for sample in samples for batch in self.push(sample)]
+        last = self.flush()
+        return batches if last is None else [*batches, last]
+
+
+def balance_groups(samples: Sequence[RolloutSample], num_ranks: int) -> list[TreeRow]:
+    """Partition `samples` (at least `num_ranks`) into `num_ranks` non-empty rows, whole groups, LPT by load."""
+    if len(samples) < num_ranks:
+        raise ValueError(f"balance_groups: {len(samples)} samples cannot fill {num_ranks} rows")
+    groups = _split_until(_bucket_by_group(samples), num_ranks)
+    prices = [_row_of(group).load for group in groups]
+    order = sorted(range(len(groups)), key=lambda g: -prices[g])  # stable: ties keep first-seen order
+    rows = _empty_rows(num_ranks)
+    for g in order:
+        row = min(rows, key=lambda row: row.load)  # min() keeps the lowest rank on ties
+        for sample in groups[g]:
+            row.add(sample)
+    return rows
+
+
+def _bucket_by_group(samples: Sequence[RolloutSample]) -> list[list[RolloutSample]]:
+    buckets: dict[int, list[RolloutSample]] = {}
+    for sample in samples:
+        buckets.setdefault(sample.group_id, []).append(sample)
+    return list(buckets.values())
+
+
+def _split_until(groups: list[list[RolloutSample]], num_groups: int) -> list[list[RolloutSample]]:
+    """Split the largest group (first on ties) into [first ⌊n/2⌋, rest] until there are `num_groups` groups."""
+    groups = list(groups)
+    while len(groups) < num_groups:
+        largest = max(range(len(groups)), key=lambda g: len(groups[g]))
+        group = groups[largest]
+        half = len(group) // 2
+        groups[largest : largest + 1] = [group[:half], group[half:]]
+    return groups
+
+
+def _row_of(samples: Iterable[RolloutSample]) -> TreeRow:
+    row = TreeRow()
+    for sample in samples:
+        row.add(sample)
+    return row
+
+
+def _fill_empty_rows(rows: list[TreeRow]) -> None:
+    """Move last-added samples from the heaviest multi-sample rows into empty rows, rebuilding the donors."""
+    for empty in [r for r, row in enumerate(rows) if row.num_samples == 0]:
+        donors = [r for r, row in enumerate(rows) if row.num_samples >= 2]
+        donor = max(donors, key=lambda r: rows[r].load)  # max() keeps the lowest rank on ties
+        *kept, moved = rows[donor].samples
+        rows[donor] = _row_of(kept)
+        rows[empty] = _row_of([moved])
+
+
+def _least_loaded(rows: Sequence[TreeRow], candidates: Iterable[int]) -> int | None:
+    """The candidate with the smallest load, lowest rank on ties; None without candidates."""
+    return min(candidates, key=lambda r: (rows[r].load, r), default=None)
+
+
+def _empty_rows(num_ranks: int) -> list[TreeRow]:
+    return [TreeRow() for _ in range(num_ranks)]
+
+
+def _check_not_empty(sample: RolloutSample) -> None:
+    if len(sample) == 0:
+        raise ValueError(f"cannot plan an empty sample (group {sample.group_id}): input_ids has no token")
