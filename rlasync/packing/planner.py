@@ -97,7 +97,9 @@ class TokenBudgetBatcher:
     in no row is placed as in 1.16. Ties always go to the lowest rank.
     """
 
-    def __init__(self, num_ranks: int, token_budget: int, placement: Placement = "seed") -> None:
+    def __init__(
+        self, num_ranks: int, token_budget: int, placement: Placement = "seed", share_prefixes: bool = True
+    ) -> None:
         if num_ranks < 1:
             raise ValueError(f"TokenBudgetBatcher: num_ranks must be >= 1, got {num_ranks}")
         if token_budget < 1:
@@ -107,9 +109,10 @@ class TokenBudgetBatcher:
         self.num_ranks = num_ranks
         self.token_budget = token_budget
         self.placement = placement
+        self.share_prefixes = share_prefixes
         self.dropped_oversize_count = 0  # running total since construction
         self._dropped_since_emit = 0
-        self._rows = _empty_rows(num_ranks)
+        self._rows = _empty_rows(num_ranks, share_prefixes)
 
     @property
     def pending(self) -> list[RolloutSample]:
@@ -119,7 +122,7 @@ class TokenBudgetBatcher:
     def take_pending(self) -> list[RolloutSample]:
         """Empty the open rows and return their samples."""
         samples = self.pending
-        self._rows = _empty_rows(self.num_ranks)
+        self._rows = _empty_rows(self.num_ranks, self.share_prefixes)
         return samples
 
     def push(self, sample: RolloutSample) -> list[MicroBatch]:
@@ -182,7 +185,7 @@ class TokenBudgetBatcher:
 
     def _emit(self) -> MicroBatch:
         batch = MicroBatch(self._rows, self.token_budget, self._dropped_since_emit)
-        self._rows = _empty_rows(self.num_ranks)
+        self._rows = _empty_rows(self.num_ranks, self.share_prefixes)
         self._dropped_since_emit = 0
         return batch
 
@@ -195,7 +198,7 @@ class FixedCountBatcher:
     groups go, heaviest first (LPT), whole into the currently least-loaded row. No budget: peak memory is unbounded.
     """
 
-    def __init__(self, num_ranks: int, microbatch_size: int) -> None:
+    def __init__(self, num_ranks: int, microbatch_size: int, share_prefixes: bool = True) -> None:
         if num_ranks < 1:
             raise ValueError(f"FixedCountBatcher: num_ranks must be >= 1, got {num_ranks}")
         if microbatch_size < num_ranks:
@@ -205,6 +208,7 @@ class FixedCountBatcher:
             )
         self.num_ranks = num_ranks
         self.microbatch_size = microbatch_size
+        self.share_prefixes = share_prefixes
         self._buffer: list[RolloutSample] = []
 
     @property
@@ -222,13 +226,13 @@ class FixedCountBatcher:
         self._buffer.append(sample)
         if len(self._buffer) < self.microbatch_size:
             return []
-        return [MicroBatch(balance_groups(self.take_pending(), self.num_ranks))]
+        return [MicroBatch(balance_groups(self.take_pending(), self.num_ranks, self.share_prefixes))]
 
     def flush(self) -> MicroBatch | None:
         """Emit a short micro-batch of the buffered samples; None (samples stay pending) if fewer than ranks."""
         if len(self._buffer) < self.num_ranks:
             return None
-        return MicroBatch(balance_groups(self.take_pending(), self.num_ranks))
+        return MicroBatch(balance_groups(self.take_pending(), self.num_ranks, self.share_prefixes))
 
     def plan(self, samples: Iterable[RolloutSample]) -> list[MicroBatch]:
         """Plan a finite list: every push, then a flush. Samples left over (< num_ranks) stay `pending`."""
@@ -237,14 +241,16 @@ class FixedCountBatcher:
         return batches if last is None else [*batches, last]
 
 
-def balance_groups(samples: Sequence[RolloutSample], num_ranks: int) -> list[TreeRow]:
+def balance_groups(
+    samples: Sequence[RolloutSample], num_ranks: int, share_prefixes: bool = True
+) -> list[TreeRow]:
     """Partition `samples` (at least `num_ranks`) into `num_ranks` non-empty rows, whole groups, LPT by load."""
     if len(samples) < num_ranks:
         raise ValueError(f"balance_groups: {len(samples)} samples cannot fill {num_ranks} rows")
     groups = _split_until(_bucket_by_group(samples), num_ranks)
-    prices = [_row_of(group).load for group in groups]
+    prices = [_row_of(group, share_prefixes).load for group in groups]
     order = sorted(range(len(groups)), key=lambda g: -prices[g])  # stable: ties keep first-seen order
-    rows = _empty_rows(num_ranks)
+    rows = _empty_rows(num_ranks, share_prefixes)
     for g in order:
         row = min(rows, key=lambda row: row.load)  # min() keeps the lowest rank on ties
         for sample in groups[g]:
@@ -270,8 +276,8 @@ def _split_until(groups: list[list[RolloutSample]], num_groups: int) -> list[lis
     return groups
 
 
-def _row_of(samples: Iterable[RolloutSample]) -> TreeRow:
-    row = TreeRow()
+def _row_of(samples: Iterable[RolloutSample], share_prefixes: bool = True) -> TreeRow:
+    row = TreeRow(share_prefixes)
     for sample in samples:
         row.add(sample)
     return row
@@ -283,8 +289,8 @@ def _fill_empty_rows(rows: list[TreeRow]) -> None:
         donors = [r for r, row in enumerate(rows) if row.num_samples >= 2]
         donor = max(donors, key=lambda r: rows[r].load)  # max() keeps the lowest rank on ties
         *kept, moved = rows[donor].samples
-        rows[donor] = _row_of(kept)
-        rows[empty] = _row_of([moved])
+        rows[donor] = _row_of(kept, rows[donor].share_prefixes)
+        rows[empty] = _row_of([moved], rows[donor].share_prefixes)
 
 
 def _least_loaded(rows: Sequence[TreeRow], candidates: Iterable[int]) -> int | None:
@@ -292,8 +298,8 @@ def _least_loaded(rows: Sequence[TreeRow], candidates: Iterable[int]) -> int | N
     return min(candidates, key=lambda r: (rows[r].load, r), default=None)
 
 
-def _empty_rows(num_ranks: int) -> list[TreeRow]:
-    return [TreeRow() for _ in range(num_ranks)]
+def _empty_rows(num_ranks: int, share_prefixes: bool = True) -> list[TreeRow]:
+    return [TreeRow(share_prefixes) for _ in range(num_ranks)]
 
 
 def _check_not_empty(sample: RolloutSample) -> None:

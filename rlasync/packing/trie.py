@@ -26,9 +26,15 @@ Key = tuple[int, int | None]
 
 
 class TreeRow:
-    """A growing row: samples folded into a prefix trie, children kept in insertion order."""
+    """A growing row: samples folded into a prefix trie, children kept in insertion order.
 
-    def __init__(self) -> None:
+    `share_prefixes=False` gives plain padding-free packing: every sample is its own chain (nothing is
+    shared), with the same layout, attention rule and costs. Benchmarks compare against it, and the
+    distillation trainer packs that way.
+    """
+
+    def __init__(self, share_prefixes: bool = True) -> None:
+        self.share_prefixes = share_prefixes
         self._node_tokens: list[int] = []  # [n] token id of each node
         self._node_depths: list[int] = []  # [n] 0-based depth = position in every sample through the node
         self._node_parents: list[int] = []  # [n] parent node, -1 for a root
@@ -129,7 +135,10 @@ class TreeRow:
         nodes = self._walk(ids)
         parent = nodes[-1] if nodes else -1
         for depth in range(len(nodes), len(ids)):
-            parent = self._new_node(_key(ids, depth), depth, parent)
+            key = _key(ids, depth)
+            if parent < 0 and not self.share_prefixes:
+                key = (-1 - len(self._samples), None)  # a root of its own: no later sample can walk into it
+            parent = self._new_node(key, ids[depth], depth, parent)
             nodes.append(parent)
             self._load += depth + 1
         self._sample_nodes.append(np.asarray(nodes, dtype=np.int64))
@@ -141,6 +150,8 @@ class TreeRow:
     def _walk(self, ids: list[int]) -> list[int]:
         """Nodes of the longest prefix of `ids`' keys already in the trie."""
         nodes: list[int] = []
+        if not self.share_prefixes:
+            return nodes
         level = self._roots
         for depth in range(len(ids)):
             node = level.get(_key(ids, depth))
@@ -150,9 +161,9 @@ class TreeRow:
             level = self._children[node]
         return nodes
 
-    def _new_node(self, key: Key, depth: int, parent: int) -> int:
+    def _new_node(self, key: Key, token: int, depth: int, parent: int) -> int:
         node = len(self._node_tokens)
-        self._node_tokens.append(key[0])
+        self._node_tokens.append(token)
         self._node_depths.append(depth)
         self._node_parents.append(parent)
         self._children.append({})

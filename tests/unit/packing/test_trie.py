@@ -113,3 +113,22 @@ def test_children_and_roots_keep_insertion_order():
 def test_empty_sample_is_rejected():
     with pytest.raises(ValueError, match="at least one token"):
         TreeRow().add(make_sample([]))
+
+
+def test_unshared_rows_are_plain_padding_free_packing():
+    from rlasync.packing import TokenBudgetBatcher, pack, sample_positions
+
+    samples = [make_sample([1, 2, 3, 4], [0, 0, 1, 1]), make_sample([1, 2, 3, 5], [0, 0, 1, 1])]
+    shared, unshared = TreeRow(), TreeRow(share_prefixes=False)
+    for sample in samples:
+        shared.add(sample)
+        unshared.add(sample)
+    assert shared.num_tokens == 6 and unshared.num_tokens == 8 == unshared.num_raw_tokens
+    assert unshared.load == 2 * (4 * 5 // 2)
+    packed = pack(unshared)
+    assert packed.input_ids.tolist() == [1, 2, 3, 4, 1, 2, 3, 5]
+    assert packed.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert packed.subtree_end.tolist() == [4, 4, 4, 4, 8, 8, 8, 8]
+    assert [p.tolist() for p in sample_positions(unshared)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    batch = TokenBudgetBatcher(num_ranks=1, token_budget=8, share_prefixes=False).plan(samples)
+    assert len(batch) == 1 and batch[0].rows[0].num_tokens == 8
