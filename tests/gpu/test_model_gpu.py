@@ -1,0 +1,125 @@
+"""Tree attention on CUDA: compiled FlexAttention (BlockMask from subtree_end) equals the dense SDPA path.
+
+Run through the device tool: `pytest -m gpu tests/gpu/test_model_gpu.py`.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def tiny_model(family: str, dtype: torch.dtype, seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from rlasync.model import enable_tree_attention
+
+    shape = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+    )
+    if family == "llama":
+        config = LlamaConfig(**shape)
+    elif family == "qwen3":
+        config = Qwen3Config(**shape, head_dim=32)
+    else:  # a sliding window on layer 0, small enough to matter inside the samples
+        config = Qwen3Config(
+            **shape, head_dim=32, use_sliding_window=True, sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"],
+        )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).cuda().eval()
+    return model, enable_tree_attention(copy.deepcopy(model))
+
+
+def random_row(seed: int, vocab: int = 256):
+    """GRPO groups, a multi-turn chain and unrelated samples: a few hundred tokens, several 128-token blocks."""
+    rng = np.random.default_rng(seed)
+    seqs, prompts = [], []
+    for _ in range(3):
+        prompt = rng.integers(0, vocab, int(rng.integers(30, 90))).tolist()
+        for _ in range(4):
+            seqs.append(prompt + rng.integers(0, vocab, int(rng.integers(5, 70))).tolist())
+            prompts.append(len(prompt))
+    turn = rng.integers(0, vocab, 50).tolist()
+    for _ in range(3):
+        context = turn + rng.integers(0, vocab, 10).tolist()
+        turn = context + rng.integers(0, vocab, 40).tolist()
+        seqs.append(turn), prompts.append(len(context))
+    for _ in range(2):
+        seqs.append(rng.integers(0, vocab, 77).tolist()), prompts.append(13)
+    return seqs, prompts
+
+
+def packed(seqs, prompts):
+    from rlasync.model import packed_row_to_tensors
+    from rlasync.packing import TreeRow, pack
+    from rlasync.rollout.records import RolloutSample
+
+    row = TreeRow()
+    for seq, prompt in zip(seqs, prompts):
+        row.add(RolloutSample(seq, [0] * prompt + [1] * (len(seq) - prompt), [0.0] * len(seq), 0.0, group_id=0))
+    return packed_row_to_tensors(pack(row), "cuda")
+
+
+def scores_and_grads(model, row, backend):
+    from rlasync.model import packed_token_scores
+
+    model.zero_grad(set_to_none=True)
+    scores = packed_token_scores(model, row, backend=backend)
+    weights = torch.randn(scores.logprobs.shape, generator=torch.Generator().manual_seed(0)).cuda()
+    (weights * scores.logprobs).sum().div(scores.logprobs.numel()).backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return scores.logprobs.detach().float(), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_sliding"])
+def test_flex_attention_equals_dense_sdpa_path(family, dtype):
+    _, model = tiny_model(family, dtype)
+    for seed in range(2):  # two rows of different lengths: the compiled kernel handles a new N
+        row = packed(*random_row(seed))
+        assert row.num_tokens % 128 != 0 and row.num_tokens > 3 * 128
+        dense, dense_grads = scores_and_grads(model, row, "dense")
+        flex, flex_grads = scores_and_grads(model, row, "flex")
+        tolerance = TOLERANCE[dtype]
+        assert (dense - flex).abs().max().item() <= tolerance
+        for name in dense_grads:
+            scale = max(1.0, dense_grads[name].abs().max().item())
+            assert (dense_grads[name] - flex_grads[name]).abs().max().item() <= tolerance * scale, name
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_sliding"])
+def test_tree_packed_on_cuda_equals_unpacked_forward_in_float32(family):
+    from rlasync.model import sequence_logprobs
+
+    reference_model, tree_model = tiny_model(family, torch.float32)
+    seqs, prompts = random_row(7)
+    reference = torch.cat(sequence_logprobs(reference_model, seqs, prompts, packing="none"))
+    tree = torch.cat(sequence_logprobs(tree_model, seqs, prompts, packing="tree"))  # auto: flex on CUDA
+    assert (reference - tree).abs().max().item() <= 1e-4
+
+
+def test_check_model_cli_passes_on_cuda(tmp_path, capsys):
+    from rlasync.model.check import main
+
+    model, _ = tiny_model("qwen3", torch.float32)
+    model.save_pretrained(tmp_path / "m")
+    code = main([str(tmp_path / "m"), "--device", "cuda", "--tolerance", "1e-4"])
+    output = capsys.readouterr().out
+    assert code == 0, output
+    assert output.strip().splitlines()[-1].startswith("max_abs_diff=")

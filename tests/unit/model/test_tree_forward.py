@@ -1,0 +1,150 @@
+"""Tree-packed log-probs and gradients equal unpacked ones on tiny random transformers models (CPU, float32)."""
+
+import copy
+
+import pytest
+import torch
+
+from rlasync.model import (
+    build_tree_attention,
+    enable_tree_attention,
+    packed_token_scores,
+    sequence_logprobs,
+)
+from rlasync.model.attention import check_layer_types, check_tree_attention_support
+
+TOL = 1e-5
+
+
+def _linear_functional(logprobs, seed=1):
+    flat = torch.cat(logprobs)
+    weights = torch.randn(flat.shape, generator=torch.Generator().manual_seed(seed))
+    return (weights * flat).sum() / max(1, flat.numel())
+
+
+def _grads(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(reference_model, tree_model, seqs, prompts, **tree_kwargs):
+    reference = sequence_logprobs(reference_model, seqs, prompts, packing="none")
+    packed = sequence_logprobs(tree_model, seqs, prompts, packing="tree", **tree_kwargs)
+    assert [r.shape for r in reference] == [p.shape for p in packed]
+    value_diff = max((r - p).abs().max().item() for r, p in zip(reference, packed) if r.numel())
+    _linear_functional(reference).backward()
+    _linear_functional(packed).backward()
+    ref_grads, tree_grads = _grads(reference_model), _grads(tree_model)
+    assert ref_grads.keys() == tree_grads.keys() and ref_grads
+    grad_diff = max((ref_grads[n] - tree_grads[n]).abs().max().item() for n in ref_grads)
+    return value_diff, grad_diff
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("shape", ["grpo", "chain", "disjoint", "ragged"])
+def test_tree_packed_logprobs_and_gradients_equal_unpacked(make_model, scenarios, family, shape):
+    reference_model = make_model(family)
+    tree_model = enable_tree_attention(copy.deepcopy(reference_model))
+    value_diff, grad_diff = _compare(reference_model, tree_model, *scenarios(shape, seed=len(shape)))
+    assert value_diff <= TOL and grad_diff <= TOL, (value_diff, grad_diff)
+
+
+@pytest.mark.parametrize("family", ["qwen3_sliding", "gemma2"])
+def test_sliding_windows_and_softcaps_apply_on_depth_positions(make_model, scenarios, family):
+    reference_model = make_model(family)
+    tree_model = enable_tree_attention(copy.deepcopy(reference_model))
+    value_diff, grad_diff = _compare(reference_model, tree_model, *scenarios("mixed", seed=3))
+    assert value_diff <= TOL and grad_diff <= TOL, (value_diff, grad_diff)
+
+
+def test_gradient_checkpointing_and_training_mode_keep_the_tree_exact(make_model, scenarios):
+    reference_model = make_model("qwen3")
+    tree_model = enable_tree_attention(copy.deepcopy(reference_model))
+    enable = getattr(tree_model, "activation_checkpointing_enable", None) or tree_model.gradient_checkpointing_enable
+    enable()  # transformers >= 5.2x renamed gradient_checkpointing_enable
+    tree_model.train()
+    value_diff, grad_diff = _compare(reference_model, tree_model, *scenarios("mixed", seed=5))
+    assert value_diff <= TOL and grad_diff <= TOL, (value_diff, grad_diff)
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("family", ["llama", "qwen3_sliding"])
+def test_flex_backend_matches_dense_backend(make_model, scenarios, packed_tensors, family):
+    """FlexAttention run eagerly on CPU with a small block size, so the BlockMask spans many blocks (forward only:
+    FlexAttention has no CPU backward; tests/gpu checks gradients on CUDA)."""
+    model = enable_tree_attention(make_model(family))
+    seqs, prompts = scenarios("mixed", seed=2)
+    tensors = packed_tensors(seqs, prompts)
+    assert tensors.num_tokens > 3 * 16
+    with torch.no_grad():
+        dense = packed_token_scores(model, tensors, backend="dense")
+        flex = packed_token_scores(model, tensors, backend="flex", block_size=16, compile_flex=False)
+    assert (dense.logprobs - flex.logprobs).abs().max() <= TOL
+
+
+def test_plain_causal_packing_would_differ_so_the_comparison_has_power(make_model, scenarios, packed_tensors):
+    """Packing the same row with a plain causal mask (subtree_end = N) is far off: the tests above can fail."""
+    model = enable_tree_attention(make_model("llama"))
+    seqs, prompts = scenarios("grpo", seed=1)
+    tensors = packed_tensors(seqs, prompts)
+    tree = packed_token_scores(model, tensors).logprobs
+    causal = copy.copy(tensors)
+    object.__setattr__(causal, "subtree_end", torch.full_like(tensors.subtree_end, tensors.num_tokens))
+    assert (packed_token_scores(model, causal).logprobs - tree).abs().max() > 1e-2
+
+
+def test_a_plain_forward_of_a_tree_enabled_model_is_unchanged(make_model, scenarios):
+    reference_model = make_model("qwen3_sliding")
+    tree_model = enable_tree_attention(copy.deepcopy(reference_model))
+    ids = torch.tensor([[5, 9, 2, 7, 7, 1, 3, 8], [0, 0, 4, 6, 1, 2, 9, 9]])
+    attention_mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6])  # left padding
+    expected = reference_model(input_ids=ids, attention_mask=attention_mask).logits
+    got = tree_model(input_ids=ids, attention_mask=attention_mask).logits
+    assert (expected - got)[attention_mask.bool()].abs().max() <= TOL
+
+
+def test_unsupported_layer_types_are_refused():
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    config = Lfm2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="layer_types"):
+        check_layer_types(config)
+    with pytest.raises(ValueError, match=r"\['conv'\]"):
+        enable_tree_attention(AutoModelForCausalLM.from_config(config))
+
+
+def test_attention_sinks_are_refused():
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="sinks"):
+        check_tree_attention_support(model)
+    with pytest.raises(ValueError, match="sinks"):
+        enable_tree_attention(model)
+
+
+def test_scoring_needs_tree_attention(make_model):
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="enable_tree_attention"):
+        sequence_logprobs(model, [[1, 2, 3]], [1], packing="tree")
+
+
+def test_prompt_length_must_leave_a_predicting_token(make_model):
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="prompt_length"):
+        sequence_logprobs(model, [[1, 2, 3]], [0], packing="none")
+    assert sequence_logprobs(model, [[1, 2, 3]], [3], packing="none")[0].shape == (0,)
+
+
+def test_tree_attention_refuses_a_mismatched_row(make_model):
+    model = enable_tree_attention(make_model("llama"))
+    tree = build_tree_attention(torch.tensor([3, 3, 3]), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="built for 3 tokens"):
+        model.get_decoder()(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 1]]),
+                            attention_mask=tree.full_mask, use_cache=False, tree_attention=tree)  # fmt: skip
