@@ -384,7 +384,8 @@ def _flex_attention(
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
 
-    attention = _compiled_flex_attention() if compile else flex_attention
+    # inside an outer torch.compile the call is traced into that graph; eagerly it needs its own compiled kernel
+    attention = _compiled_flex_attention() if compile and not torch.compiler.is_compiling() else flex_attention
     return attention(
         query,
         key,
@@ -414,12 +415,11 @@ def _plain_attention(
     softcap: float | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if softcap is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None:  # transformers skipped a pure causal mask: bottom-right aligned lower triangle
         index_q = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
@@ -434,7 +434,7 @@ def _plain_attention(
 def register_tree_attention() -> None:
     """Register `ATTENTION_NAME` with transformers (idempotent; done on import of `rlasync.model`)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

@@ -92,8 +92,9 @@ def test_plain_causal_packing_would_differ_so_the_comparison_has_power(make_mode
     assert (packed_token_scores(model, causal).logprobs - tree).abs().max() > 1e-2
 
 
-def test_a_plain_forward_of_a_tree_enabled_model_is_unchanged(make_model, scenarios):
-    reference_model = make_model("qwen3_sliding")
+@pytest.mark.parametrize("family", ["qwen3_sliding", "gemma2"])
+def test_a_plain_forward_of_a_tree_enabled_model_is_unchanged(make_model, family):
+    reference_model = make_model(family)
     tree_model = enable_tree_attention(copy.deepcopy(reference_model))
     ids = torch.tensor([[5, 9, 2, 7, 7, 1, 3, 8], [0, 0, 4, 6, 1, 2, 9, 9]])
     attention_mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6])  # left padding
@@ -148,3 +149,120 @@ def test_tree_attention_refuses_a_mismatched_row(make_model):
     with pytest.raises(ValueError, match="built for 3 tokens"):
         model.get_decoder()(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 1]]),
                             attention_mask=tree.full_mask, use_cache=False, tree_attention=tree)  # fmt: skip
+
+
+def test_fsdp2_wrapped_tree_scorer_gives_the_same_scores_and_gradients(make_model, scenarios, packed_tensors, tmp_path):
+    """FSDP2 applied from outside (decoder layers, then the TreeScorer as root), with activation checkpointing."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from rlasync.model import TreeScorer
+
+    model = enable_tree_attention(make_model("qwen3"))
+    reference = copy.deepcopy(model)
+    row = packed_tensors(*scenarios("mixed", seed=4))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        scorer = TreeScorer(model)
+        for layer in model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(scorer)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        scorer.train()
+        scores = packed_token_scores(scorer, row)
+        _linear_functional([scores.logprobs]).backward()
+        grads = {name: p.grad.full_tensor() for name, p in scorer.model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    expected = packed_token_scores(reference, row)
+    _linear_functional([expected.logprobs]).backward()
+    assert (scores.logprobs - expected.logprobs).abs().max() <= TOL
+    for name, p in reference.named_parameters():
+        assert (grads[name] - p.grad).abs().max() <= TOL, name
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_a_decoder_layer_with_tree_attention_compiles_without_graph_breaks(make_model, packed_tensors, backend):
+    model = enable_tree_attention(make_model("qwen3_sliding"))
+    row = packed_tensors([[1, 2, 3, 4, 5], [1, 2, 3, 9]], [2, 2])
+    tree = build_tree_attention(row.subtree_end, row.position_ids, backend, windows=(4,), block_size=16)
+    decoder = model.get_decoder()
+    hidden = decoder.embed_tokens(row.input_ids[None])
+    rotary = decoder.rotary_emb(hidden, row.position_ids[None])
+
+    def layers(hidden):
+        for layer in decoder.layers:
+            hidden = layer(hidden, attention_mask=tree.full_mask, position_embeddings=rotary, tree_attention=tree)
+        return hidden
+
+    compiled = torch.compile(layers, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(hidden)
+        if backend == "dense":
+            assert torch.equal(out, layers(hidden))
+    assert out.shape == hidden.shape
+
+
+def _renormalised(logp, v, support, norm):
+    outside = v < 0 or (support is not None and v not in support)
+    return float("-inf") if outside else (logp[v] - norm).item()
+
+
+def test_sampler_topk_and_sampling_masks_flow_from_samples_to_scores(make_model, scenarios):
+    """PackedRow top-K ids and candidate sets reach the head: compare with the full logits of each sample."""
+    import numpy as np
+
+    from rlasync.model import packed_row_to_tensors
+    from rlasync.packing import TreeRow, pack
+    from rlasync.rollout.records import RolloutSample
+
+    model = make_model("qwen3")
+    tree_model = enable_tree_attention(copy.deepcopy(model))
+    seqs, prompts = scenarios("grpo", seed=8)
+    rng = np.random.default_rng(0)
+    row, samples = TreeRow(), []
+    for i, (seq, prompt) in enumerate(zip(seqs, prompts)):
+        length = len(seq)
+        topk = rng.integers(-1, 128, (length, 3))
+        candidates = rng.integers(-1, 128, (length, 5))
+        candidates[:, 0] = seq  # the sampled token is a candidate
+        topk[:, 0] = candidates[:, 1]
+        sample = RolloutSample(
+            seq, [0] * prompt + [1] * (length - prompt), [0.0] * length, 0.0, group_id=0,
+            sampler_topk_ids=topk, sampler_topk_logprobs=np.zeros((length, 3)),
+            sampling_mask=candidates if i % 2 else None,
+        )  # fmt: skip
+        row.add(sample)
+        samples.append(sample)
+    temperature = 0.8
+    scores = packed_token_scores(tree_model, packed_row_to_tensors(pack(row)), temperature=temperature)
+    expected_lp, expected_extra = [], []
+    for sample, prompt in zip(samples, prompts):
+        logits = model(input_ids=torch.as_tensor(sample.input_ids)[None]).logits[0].detach()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        for p in range(prompt, len(sample)):
+            support = None
+            if sample.sampling_mask is not None:
+                support = sorted({int(c) for c in sample.sampling_mask[p] if c >= 0})
+            norm = torch.logsumexp(logp[p - 1, support], 0) if support else torch.tensor(0.0)
+
+            expected_lp.append(_renormalised(logp[p - 1], int(sample.input_ids[p]), support, norm))
+            expected_extra.append(
+                [_renormalised(logp[p - 1], int(v), support, norm) for v in sample.sampler_topk_ids[p]]
+            )
+    torch.testing.assert_close(scores.logprobs, torch.tensor(expected_lp), atol=TOL, rtol=0)
+    torch.testing.assert_close(scores.extra_logprobs, torch.tensor(expected_extra), atol=TOL, rtol=0)
+
+
+def test_load_model_gives_a_tree_ready_model(make_model, tmp_path):
+    from rlasync.model import ATTENTION_NAME, TreeScorer, load_model
+
+    make_model("llama").save_pretrained(tmp_path / "m")
+    model = load_model(str(tmp_path / "m"), dtype="float32", device="cpu")
+    assert model.config._attn_implementation == ATTENTION_NAME
+    assert model.dtype == torch.float32
+    TreeScorer(model)
+    with pytest.raises(ValueError, match="tree attention"):
+        TreeScorer(make_model("llama"))
