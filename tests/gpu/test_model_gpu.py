@@ -93,7 +93,7 @@ def test_flex_attention_equals_dense_sdpa_path(family, dtype):
     _, model = tiny_model(family, dtype)
     for seed in range(2):  # two rows of different lengths: the compiled kernel handles a new N
         row = packed(*random_row(seed))
-        assert row.num_tokens % 128 != 0 and row.num_tokens > 3 * 128
+        assert row.num_tokens > 3 * 128  # several 128-token blocks (and, almost surely, a partial last one)
         dense, dense_grads = scores_and_grads(model, row, "dense")
         flex, flex_grads = scores_and_grads(model, row, "flex")
         tolerance = TOLERANCE[dtype]
