@@ -26,7 +26,7 @@ from rlasync.model.forward import (
     sequence_logprobs,
 )
 from rlasync.model.head import LogitTransform, TokenScores, chunked_token_scores
-from rlasync.model.loading import load_model
+from rlasync.model.loading import decoder_layers, load_model, prepare_for_training
 
 register_tree_attention()
 
@@ -42,7 +42,9 @@ __all__ = [
     "chunked_token_scores",
     "dense_tree_mask",
     "enable_tree_attention",
+    "decoder_layers",
     "load_model",
+    "prepare_for_training",
     "packed_row_to_tensors",
     "packed_token_scores",
     "register_tree_attention",

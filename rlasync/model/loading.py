@@ -47,3 +47,39 @@ def load_model(
     check_tree_attention_support(model)
     enable_tree_attention(model)  # a no-op when from_pretrained already set it; fails loudly otherwise
     return model.to(device)
+
+
+def prepare_for_training(
+    model: torch.nn.Module, *, gradient_checkpointing: bool = True, compile: bool = False
+) -> torch.nn.Module:
+    """Tree attention on, activation checkpointing per decoder layer, and (optionally) each decoder layer compiled.
+
+    Regional compilation: every decoder layer runs the same code, so one compiled graph serves all of them
+    (compile time does not grow with depth). Checkpointing wraps each compiled layer, so the recomputation in
+    backward runs the compiled code too. Returns `model` (changed in place).
+    """
+    if not getattr(model, "supports_gradient_checkpointing", True) and gradient_checkpointing:
+        raise ValueError(
+            f"{type(model).__name__} does not support gradient checkpointing; pass gradient_checkpointing=False"
+        )
+    enable_tree_attention(model)
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+    if compile:
+        for layer in decoder_layers(model):
+            layer.compile()
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's repeated blocks (`model.model.layers` for the Llama/Qwen families)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected get_decoder().layers)")
+    return list(layers)
