@@ -236,11 +236,10 @@ def _trained(row) -> int:
 def per_sample_logprobs(model, mode, num_rows: int) -> dict[int, np.ndarray]:
     """Per sample (keyed by object id), the trained tokens' log-probs in position order."""
     out: dict[int, np.ndarray] = {}
-    with torch.no_grad():
-        for i in range(min(num_rows, len(mode))):
-            scores, _ = mode.scores(model, i)
-            for sample, lps in mode.per_sample(i, scores.logprobs.float().cpu().numpy()):
-                out[id(sample)] = lps
+    for i in range(min(num_rows, len(mode))):  # grad mode on, as when timed: no_grad would recompile
+        scores, _ = mode.scores(model, i)
+        for sample, lps in mode.per_sample(i, scores.logprobs.detach().float().cpu().numpy()):
+            out[id(sample)] = lps
     return out
 
 
@@ -280,7 +279,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--check-rows", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile", choices=["none", "layers", "decoder"], default="decoder")
     parser.add_argument("--no-grad-ckpt", action="store_true")
     parser.add_argument("--shapes", default="1088x256x8@4096,544x128x8@8192,2048x512x8@6144")
     parser.add_argument("--out", default=None)
@@ -291,12 +290,15 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
+    torch._dynamo.config.recompile_limit = 64
     config = qwen3_06b_config(args.layers)
     if args.tiny:
         config.vocab_size, config.num_hidden_layers = 4096, 2
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device)
-    model = prepare_for_training(model, gradient_checkpointing=not args.no_grad_ckpt, compile=not args.no_compile)
+    model = prepare_for_training(
+        model, gradient_checkpointing=not args.no_grad_ckpt, compile=False if args.compile == "none" else args.compile
+    )
     model.train()
 
     shapes = []
@@ -312,7 +314,7 @@ def main() -> None:
         "python": platform.python_version(),
         "model_shape": "Qwen3-0.6B (random bf16 weights)",
         "gradient_checkpointing": not args.no_grad_ckpt,
-        "compiled": not args.no_compile,
+        "compile": args.compile,
         "shapes": {},
     }
     import transformers
@@ -320,6 +322,10 @@ def main() -> None:
     results["transformers"] = transformers.__version__
     for shape in shapes:
         results["shapes"][shape.name] = bench_shape(model, config, shape, args)
+        results["speedup_vs_padding_free"] = next(iter(results["shapes"].values()))["speedup_vs_padding_free"]
+        if args.out:  # written after every shape, so a run cut short keeps what it measured
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=2))
         print(
             shape.name, "speedup_vs_padding_free", results["shapes"][shape.name]["speedup_vs_padding_free"], flush=True
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -50,13 +50,19 @@ def load_model(
 
 
 def prepare_for_training(
-    model: torch.nn.Module, *, gradient_checkpointing: bool = True, compile: bool = False
+    model: torch.nn.Module,
+    *,
+    gradient_checkpointing: bool = True,
+    compile: bool | Literal["layers", "decoder"] = False,
 ) -> torch.nn.Module:
     """Tree attention on, activation checkpointing per decoder layer, and (optionally) each decoder layer compiled.
 
-    Regional compilation: every decoder layer runs the same code, so one compiled graph serves all of them
-    (compile time does not grow with depth). Checkpointing wraps each compiled layer, so the recomputation in
-    backward runs the compiled code too. Returns `model` (changed in place).
+    `compile=True` or "layers": regional compilation. Every decoder layer runs the same code, so one compiled
+    graph serves all of them (compile time does not grow with depth); checkpointing wraps each compiled layer.
+    Cheap to compile, but each layer call still pays Python and guard overhead: on an H200 a 3k-token row of a
+    0.6B model left the GPU idle half the time. "decoder": the whole decoder is one compiled graph with dynamic
+    shapes (checkpointing traced inside it): minutes to compile once, then GPU-bound.
+    Returns `model` (changed in place).
     """
     if not getattr(model, "supports_gradient_checkpointing", True) and gradient_checkpointing:
         raise ValueError(
@@ -71,9 +77,13 @@ def prepare_for_training(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if hasattr(model, "config"):
             model.config.use_cache = False
-    if compile:
+    if compile == "decoder":
+        model.get_decoder().compile(dynamic=True)
+    elif compile in (True, "layers"):
         for layer in decoder_layers(model):
             layer.compile()
+    elif compile is not False:
+        raise ValueError(f"compile={compile!r}: use False, True / 'layers' (each decoder layer) or 'decoder'")
     return model
 
 
