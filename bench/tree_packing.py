@@ -14,7 +14,7 @@ forwarded tokens/s, MFU (model FLOPs: 6 x matmul params per token for the layers
 trained token for the head, attention 12 x head_dim x heads x attended pairs; peak 989 TFLOP/s dense bf16),
 and the max |Δ| between the modes' per-token log-probs.
 
-    python bench/tree_packing.py --out bench/results/tree_packing_h200.json
+    python bench/tree_packing.py --out bench/results/tree_packing_h200.json   (results: bench/results/)
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--check-rows", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", choices=["none", "layers", "decoder"], default="decoder")
+    parser.add_argument("--compile", choices=["none", "layers", "decoder"], default="layers")
     parser.add_argument("--no-grad-ckpt", action="store_true")
     parser.add_argument("--shapes", default="1088x256x8@4096,544x128x8@8192,2048x512x8@6144")
     parser.add_argument("--out", default=None)
