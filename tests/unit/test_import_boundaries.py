@@ -9,7 +9,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-PURE = ["rlasync.config", "rlasync.packing", "rlasync.rollout", "rlasync.rewards", "rlasync.advantages", "rlasync.metrics"]
+PURE = [
+    "rlasync.config", "rlasync.packing", "rlasync.rollout", "rlasync.rewards", "rlasync.advantages", "rlasync.metrics",
+    "rlasync.engine",
+]
 TENSOR = ["rlasync.losses", "rlasync.model", "rlasync.cli"]
 
 
