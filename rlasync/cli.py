@@ -2,6 +2,7 @@
 
     rlasync check-model MODEL_PATH      is this architecture supported by tree packing? (exit 0 = yes)
     rlasync config show [CONFIG.yaml] [--set key=value ...]   print the resolved config as JSON
+    rlasync models prepare smollm2-135m-instruct              convert a shipped model to a cached HF folder
 
 Each subcommand imports its heavy dependencies only when it runs.
 """
@@ -37,9 +38,32 @@ def _config(argv: Sequence[str]) -> int:
     return 0
 
 
+def _models(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rlasync models", description="Model aliases (e.g. smollm2-135m-instruct).")
+    parser.add_argument("action", choices=["prepare", "list"])
+    parser.add_argument("name", nargs="?", help="alias to prepare")
+    parser.add_argument("--force", action="store_true", help="convert again even if cached")
+    args = parser.parse_args(argv)
+    from rlasync.model.registry import ALIASES, cache_dir, prepare_model
+
+    if args.action == "list":
+        for alias, spec in ALIASES.items():
+            print(f"{alias}  (GGUF from pip package {spec.pip_name}; cache {cache_dir() / 'models' / alias})")
+        return 0
+    if not args.name:
+        parser.error("prepare needs an alias, e.g. `rlasync models prepare smollm2-135m-instruct`")
+    try:
+        print(prepare_model(args.name, force=args.force))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 COMMANDS = {
     "check-model": (_check_model, "compare tree-packed and unpacked log-probs of a model; exit non-zero on mismatch"),
     "config": (_config, "resolve a YAML config with --set overrides and print it"),
+    "models": (_models, "prepare a model alias (`rlasync models prepare smollm2-135m-instruct`) or list them"),
 }
 
 

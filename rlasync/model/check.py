@@ -19,7 +19,10 @@ from typing import Any
 import numpy as np
 
 EXIT_OK, EXIT_MISMATCH, EXIT_UNSUPPORTED = 0, 1, 2
-DEFAULT_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-1}
+# float32: real models land around 1e-5 (SmolLM2-135M: 1.7e-5 on log-probs near -20), rounding in the float32
+# RoPE tables and 30 layers of accumulation, not the layout (a one-sample row matches to 1e-7); tiny test models
+# stay under 1e-6. A layout bug shows up as differences of order 0.1 and above.
+DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-1}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", choices=sorted(DEFAULT_TOLERANCE), default="float32")
     parser.add_argument(
-        "--tolerance", type=float, default=None, help="max allowed |difference| (default 1e-5 float32, 1e-1 bfloat16)"
+        "--tolerance", type=float, default=None, help="max allowed |difference| (default 1e-4 float32, 1e-1 bfloat16)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-length", type=int, default=48, help="upper bound on prompt and completion lengths")
@@ -125,7 +128,9 @@ def _load_reference(path: str, dtype: Any, device: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlasync.model.attention import check_layer_types
+    from rlasync.model.registry import resolve_model
 
+    path = resolve_model(path)
     config = AutoConfig.from_pretrained(path)
     check_layer_types(config)
     text = config.get_text_config()

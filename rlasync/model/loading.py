@@ -38,6 +38,9 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from rlasync.model.registry import resolve_model
+
+    path_or_id = resolve_model(path_or_id)  # aliases such as "smollm2-135m-instruct" become a cached folder
     register_tree_attention()
     config_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code")}
     check_layer_types(AutoConfig.from_pretrained(path_or_id, **config_kwargs))
