@@ -1,0 +1,5 @@
+"""The learner's core: one optimisation step on tree-packed micro-batches (no Ray; FSDP2 applied from outside)."""
+
+from rlasync.learner.step import LearnerStep, OptimizerSettings, build_optimizer
+
+__all__ = ["LearnerStep", "OptimizerSettings", "build_optimizer"]

@@ -1,0 +1,177 @@
+"""One optimisation step of asynchronous GRPO on tree-packed micro-batches (SPEC §4.6, §5, §8).
+
+    micro-batches of this rank ([PackedRow] x GA, one row per micro-batch)
+      -> per row: tree forward + chunked head (rlasync.model) -> TokenScores [M]
+      -> grpo_loss (rlasync.losses), normalised by the micro-batch's loss terms over all ranks and averaged over
+         the GA micro-batches -> backward
+      -> clip grad norm -> optimizer.step -> scheduler.step -> zero_grad
+
+The step knows nothing of Ray or of how rows were planned: the learner actor (or a test) hands it this rank's rows
+and the global loss-term counts. Distributed gradient averaging (FSDP2/DDP over P ranks) happens in backward;
+`num_ranks` only enters the normaliser. Every metric is a float or a (numerator, denominator) pair reduced by
+`rlasync.metrics` (SPEC §8.1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlasync.losses import LossConfig, grpo_loss
+from rlasync.metrics import MetricSink, MetricValue
+from rlasync.model import packed_row_to_tensors, packed_token_scores
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW and the learning-rate schedule (TrainingArguments names)."""
+
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "constant"
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    warmup_steps: float = 0
+    max_steps: int = -1
+
+    @classmethod
+    def from_args(cls, args: Any) -> OptimizerSettings:
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+
+def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over trainable parameters and the transformers scheduler named by `lr_scheduler_type`."""
+    from transformers import get_scheduler
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=settings.learning_rate,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_epsilon,
+        weight_decay=settings.weight_decay,
+    )
+    total = settings.max_steps if settings.max_steps > 0 else None
+    if total is None and settings.lr_scheduler_type not in ("constant", "constant_with_warmup"):
+        raise ValueError(
+            f"lr_scheduler_type={settings.lr_scheduler_type!r} decays over max_steps, but max_steps=-1 (the sample "
+            "stream has no known length): set max_steps, or use lr_scheduler_type='constant'"
+        )
+    warmup = settings.warmup_steps
+    if 0 < warmup < 1:
+        if total is None:
+            raise ValueError("warmup_steps in (0, 1) is a fraction of max_steps: set max_steps or give whole steps")
+        warmup = math.ceil(warmup * total)
+    scheduler = get_scheduler(
+        settings.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=int(warmup),
+        num_training_steps=total,
+        scheduler_specific_kwargs=settings.lr_scheduler_kwargs or {},
+    )
+    return optimizer, scheduler
+
+
+class LearnerStep:
+    """Runs optimisation steps of one rank: `step(rows, global_terms) -> metrics`.
+
+    `rows[i]` is this rank's PackedRow of micro-batch i; `global_terms[i]` is the number of loss terms of
+    micro-batch i summed over all ranks (the §5.2 normaliser). `temperature` divides the trainer's logits so the
+    trainer's distribution matches the sampler's.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loss_config: LossConfig,
+        *,
+        temperature: float = 1.0,
+        max_grad_norm: float = 1.0,
+        num_ranks: int = 1,
+        device: torch.device | str = "cpu",
+        clip_grad_norm: Callable[[float], torch.Tensor] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_config = loss_config
+        self.temperature = temperature
+        self.max_grad_norm = max_grad_norm
+        self.num_ranks = num_ranks
+        self.device = torch.device(device)
+        self._clip = clip_grad_norm or (
+            lambda max_norm: torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], max_norm
+            )
+        )
+        self.global_step = 0
+
+    def step(self, rows: Sequence[Any], global_terms: Sequence[float]) -> dict[str, MetricValue]:
+        if len(rows) != len(global_terms) or not rows:
+            raise ValueError(f"step needs one global_terms entry per row, got {len(rows)} rows, {len(global_terms)}")
+        self.model.train()
+        sink = MetricSink()
+        fwd_s = fwd_bwd_s = 0.0
+        total_loss = 0.0
+        for row, terms in zip(rows, global_terms):
+            start = time.perf_counter()
+            loss, metrics = self._loss(row, terms, len(rows))
+            forward_done = time.perf_counter()
+            loss.backward()
+            self._sync()
+            fwd_s += forward_done - start
+            fwd_bwd_s += time.perf_counter() - start
+            total_loss += float(loss.detach())
+            sink.update(metrics)
+        start = time.perf_counter()
+        grad_norm = float(self._clip(self.max_grad_norm))
+        self.optimizer.step()
+        self._sync()
+        optimizer_s = time.perf_counter() - start
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        out: dict[str, MetricValue] = {k: v for k, v in sink.reduce().items() if v is not None}
+        out.update(
+            {
+                "loss": total_loss,
+                "grad_norm": grad_norm,
+                "learning_rate": float(self.scheduler.get_last_lr()[0]),
+                "perf/fwd_s": fwd_s,
+                "perf/fwd_bwd_s": fwd_bwd_s,
+                "perf/optimizer_s": optimizer_s,
+                "batch/microbatches_per_step": float(len(rows)),
+            }
+        )
+        return out
+
+    def _loss(self, row: Any, global_terms: float, grad_accum_steps: int) -> tuple[torch.Tensor, dict]:
+        tensors = packed_row_to_tensors(row, self.device)
+        scores = packed_token_scores(self.model, tensors, temperature=self.temperature)
+        return grpo_loss(
+            scores.logprobs,
+            tensors.sampler_logprobs,
+            tensors.advantages,
+            tensors.sample_index,
+            config=self.loss_config,
+            num_tokens_global=float(global_terms),
+            num_ranks=self.num_ranks,
+            grad_accum_steps=grad_accum_steps,
+            entropy=scores.entropy.detach(),
+            head_trainer_logprobs=scores.extra_logprobs,
+            head_sampler_logprobs=tensors.sampler_topk_logprobs,
+        )
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
