@@ -53,3 +53,28 @@ def test_mixing_shapes_raises():
     sink.add("k", 1.0)
     with pytest.raises(ValueError, match="both as a rate pair and as a float"):
         sink.add("k", (1, 2))
+
+
+def test_jsonl_sink_appends_one_record_per_window_with_nan_as_null(tmp_path):
+    import json
+
+    from rlasync.metrics import JsonlSink, build_sinks
+
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.write(1, {"reward": 0.5, "loss": math.nan})
+    sink.write(2, {"reward": None})
+    sink.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward"]) for r in lines] == [(1, 0.5), (2, None)] and lines[0]["loss"] is None
+    with pytest.raises(ValueError, match="wandb"):
+        build_sinks(tmp_path, ["wandb"])
+
+
+def test_console_sink_shows_the_watched_numbers():
+    import io
+
+    from rlasync.metrics import ConsoleSink
+
+    stream = io.StringIO()
+    ConsoleSink(stream, max_steps=10).write(3, {"reward": 0.25, "perf/step_s": 1.5, "sample/staleness_mean": None})
+    assert stream.getvalue().strip() == "step 3/10 | reward 0.250 | step_s 1.50"

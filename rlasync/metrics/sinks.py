@@ -1,0 +1,100 @@
+"""Where one reduced record per logging window goes: `<output_dir>/metrics.jsonl` (always), TensorBoard when
+`report_to` names it, and a one-line console summary (step, reward, queue size, staleness, step time, tokens/s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+Record = dict[str, float | None]
+
+CONSOLE_KEYS = (
+    ("reward", "reward", "{:.3f}"),
+    ("rollout/queue_size", "queue", "{:.0f}"),
+    ("sample/staleness_mean", "stale", "{:.2f}"),
+    ("perf/step_s", "step_s", "{:.2f}"),
+    ("perf/wall_clock_trained_tokens_per_s", "tok/s", "{:.0f}"),
+    ("loss", "loss", "{:.4f}"),
+)
+
+
+class RecordSink(Protocol):
+    def write(self, step: int, record: Record) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends `{"step": ..., "time": ..., **record}` lines to a file (NaN/None written as null)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+
+    def write(self, step: int, record: Record) -> None:
+        clean = {k: (None if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in record.items()}
+        self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # tensorboard is an optional extra
+            raise ValueError(
+                "report_to includes 'tensorboard' but tensorboard is not installed: pip install 'rlasync[tensorboard]'"
+            ) from exc
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, step: int, record: Record) -> None:
+        for key, value in record.items():
+            if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class ConsoleSink:
+    """One compact line per record: the numbers a person watches while a run trains."""
+
+    def __init__(self, stream: TextIO | None = None, max_steps: int | None = None) -> None:
+        self._stream = stream or sys.stderr
+        self._max_steps = max_steps
+
+    def write(self, step: int, record: Record) -> None:
+        total = f"/{self._max_steps}" if self._max_steps and self._max_steps > 0 else ""
+        parts = [f"step {step}{total}"]
+        for key, label, fmt in CONSOLE_KEYS:
+            value = record.get(key)
+            if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                parts.append(f"{label} {fmt.format(value)}")
+        print(" | ".join(parts), file=self._stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def build_sinks(output_dir: str | Path, report_to: list[str] | None, *, console: bool = True, **kwargs: Any) -> list:
+    """The sinks for a run: metrics.jsonl always; tensorboard when asked ("all" includes it); console on request."""
+    report_to = list(report_to or [])
+    unknown = sorted(set(report_to) - {"tensorboard", "all", "none"})
+    if unknown:
+        raise ValueError(f"report_to={report_to}: unsupported sink(s) {unknown}; use 'tensorboard', 'all' or 'none'")
+    sinks: list = [JsonlSink(Path(output_dir) / "metrics.jsonl")]
+    if "tensorboard" in report_to or "all" in report_to:
+        sinks.append(TensorBoardSink(Path(output_dir) / "runs"))
+    if console:
+        sinks.append(ConsoleSink(max_steps=kwargs.get("max_steps")))
+    return sinks
