@@ -1,0 +1,108 @@
+"""Naming, manifest and streaming of parameters for a weight sync (the sender side, SPEC §6.2).
+
+The learner's parameter names carry wrappers (FSDP/DDP's `module.`, activation checkpointing's
+`_checkpoint_wrapped_module.`, PEFT's `base_model.model.` and `.base_layer`); an engine knows the plain HF names.
+`transfer_name` maps one to the other, `build_manifest` lists what a sync sends (name, dtype, global shape) from the
+same generator as the stream so the two agree element for element, and `stream_parameters` yields full tensors one
+parameter at a time (a DTensor shard is gathered with `full_tensor()`, never the whole model at once).
+`bucket_manifest` groups consecutive entries into buckets of bounded bytes for transports that prefer fewer,
+larger messages.
+
+Pure torch (no ray, no distributed setup of its own): the all-gathers happen inside `full_tensor()` on every rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+ADAPTER_MARKER = "lora_"
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    name: str  # HF name on the engine side
+    dtype: str  # e.g. "bfloat16"
+    shape: tuple[int, ...]  # global (unsharded) shape
+
+    @property
+    def num_bytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+def transfer_name(name: str) -> str:
+    """The engine-side name of a learner parameter (SPEC §6.2 rule 2-4 clean-ups)."""
+    name = name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
+    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+    return name.replace("modules_to_save.default.", "")
+
+
+def is_sent(name: str, param: torch.nn.Parameter, is_peft: bool = False) -> bool:
+    """Whether a sync sends this parameter: trainable ones (all of them under PEFT, whose frozen base weights are
+    what merging changes), never adapter weights themselves or PEFT's frozen `original_module` copies."""
+    if is_peft:
+        return ADAPTER_MARKER not in name and "original_module" not in name
+    return param.requires_grad
+
+
+def _sent_parameters(model: torch.nn.Module, is_peft: bool) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    seen: set[str] = set()
+    for name, param in model.named_parameters():  # tied weights appear once (remove_duplicate)
+        if not is_sent(name, param, is_peft):
+            continue
+        target = transfer_name(name)
+        if target in seen:
+            raise ValueError(f"two learner parameters map to the engine name {target!r}; check the wrappers")
+        seen.add(target)
+        yield target, param
+
+
+def build_manifest(model: torch.nn.Module, is_peft: bool = False) -> list[ManifestEntry]:
+    """Name, dtype and global shape of every parameter a sync sends, in stream order (no gathering needed)."""
+    return [
+        ManifestEntry(name, str(param.dtype).removeprefix("torch."), tuple(param.shape))
+        for name, param in _sent_parameters(model, is_peft)
+    ]
+
+
+def stream_parameters(
+    model: torch.nn.Module, device: torch.device | str | None = None, is_peft: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(engine name, full tensor)` in manifest order; each tensor is released when the generator advances.
+
+    Every rank of a sharded model must iterate the stream (each `full_tensor()` is a collective); only the sending
+    rank uses the values.
+    """
+    for name, param in _sent_parameters(model, is_peft):
+        data = param.detach()
+        full_tensor = getattr(data, "full_tensor", None)
+        if full_tensor is not None:  # a DTensor (FSDP2 shard): gather the global tensor
+            data = full_tensor()
+        yield name, data if device is None else data.to(device)
+
+
+def bucket_manifest(manifest: list[ManifestEntry], bucket_bytes: int) -> list[list[ManifestEntry]]:
+    """Consecutive entries grouped into buckets of at most `bucket_bytes` (a larger entry gets a bucket alone)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[ManifestEntry]] = []
+    size = 0
+    for entry in manifest:
+        if not buckets or size + entry.num_bytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(entry)
+        size += entry.num_bytes
+    return buckets
+
+
+def most_common_dtype(manifest: list[ManifestEntry]) -> str | None:
+    """The dtype most parameters are sent in (compared with the engine's dtype at init, SPEC §5.4)."""
+    counts = Counter(entry.dtype for entry in manifest)
+    return counts.most_common(1)[0][0] if counts else None
