@@ -1,0 +1,94 @@
+"""One generation request as the engine tracks it, from arrival to its `TurnRecord` (pure Python).
+
+A request's tokens are `token_ids = prompt + output`. The KV of `token_ids[:num_computed_tokens]` is in the cache
+(in `block_ids`); each step feeds the next uncomputed tokens, and once every token is computed the logits of the
+last one give the next sample. A preempted request drops its blocks and recomputes all its tokens later, keeping
+its output, log-probs and step counter (the index of the next token, `len(output_ids)`), so a seeded sample is
+unchanged by preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlasync.engine.base import SamplingParams
+from rlasync.rollout.records import TurnRecord
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_output_tokens: int  # params.max_tokens clipped to what max_model_len leaves after the prompt
+    stop_ids: frozenset[int]  # stop_token_ids, plus the EOS ids unless ignore_eos
+    token_ids: list[int] = field(init=False)
+    output_log_probs: list[float] = field(default_factory=list)
+    sampler_logprobs: list[dict[int, float]] | None = None
+    sampling_mask: list[list[int]] | None = None
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    handle: Any = None  # the engine's completion handle (an asyncio future); opaque here
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        if self.params.num_logprobs > 0:
+            self.sampler_logprobs = []
+        if self.params.filters and self.params.return_sampling_mask:
+            self.sampling_mask = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(
+        self,
+        token_id: int,
+        logprob: float,
+        top_logprobs: dict[int, float] | None = None,
+        candidates: list[int] | None = None,
+    ) -> str | None:
+        """Record one sampled token; returns the finish reason when this token ends the request, else None."""
+        self.token_ids.append(token_id)
+        self.output_log_probs.append(logprob)
+        if self.sampler_logprobs is not None:
+            self.sampler_logprobs.append(top_logprobs or {})
+        if self.sampling_mask is not None:
+            self.sampling_mask.append(candidates if candidates is not None else [])
+        if token_id in self.stop_ids:
+            return FINISH_STOP
+        if self.num_output_tokens >= self.max_output_tokens:
+            return FINISH_LENGTH
+        return None
+
+    def to_turn_record(self) -> TurnRecord:
+        return TurnRecord(
+            prompt_ids=list(self.prompt_ids),
+            output_ids=self.output_ids,
+            output_log_probs=list(self.output_log_probs),
+            output_sampling_mask=self.sampling_mask,
+            output_sampler_logprobs=self.sampler_logprobs,
+            finish_reason=self.finish_reason,
+        )

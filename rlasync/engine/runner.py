@@ -1,0 +1,172 @@
+"""Runs one engine step on the model: the flat batch through the decoder, the LM head on the sampled rows, the sampler.
+
+Input is plain data snapshotted by the engine loop (`ChunkInput` per scheduled request), output is plain data
+(`SampledToken` per request that samples this step), so the step can run in a worker thread while the event loop
+keeps accepting requests. Only the last position of each request that samples goes through the LM head (no
+[N, vocab] logits). `score` is a plain teacher-forced forward (no KV pool) for `Engine.score`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlasync.engine.base import SamplingParams, ScoreResult
+from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SCORE_CHUNK_ROWS = 256  # LM-head rows per chunk in `score`: bounds the [rows, vocab] float32 logits
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSpec:
+    params: SamplingParams
+    seed: int
+    step: int  # index of the token being generated within its request (counter-based randomness)
+    seen_ids: list[int] | None  # prompt + output so far, only when a repetition penalty applies
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInput:
+    """One request's part of a step: `token_ids` at positions `start...`, its blocks, and what to sample."""
+
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    sample: SampleSpec | None
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None  # the top-N processed log-probs (num_logprobs = N), finite ones only
+    candidates: list[int] | None  # the candidate set when top-k/top-p/min-p filter and it was asked for
+
+
+def check_engine_support(model: torch.nn.Module) -> None:
+    """Refuse (`ValueError`) a model the engine cannot run exactly."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"TorchEngine supports {list(SUPPORTED_MODEL_TYPES)} models, got model_type={model_type!r}")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if not layer_types <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"TorchEngine supports full and sliding attention layers only, got {sorted(layer_types)}")
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, device: torch.device) -> None:
+        check_engine_support(model)
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation != ATTENTION_NAME:
+            raise ValueError(f"{type(model).__name__} kept attn_implementation={model.config._attn_implementation!r}")
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.pool = pool
+        self.device = device
+        self.vocab_size = int(self.head.weight.shape[0])
+        # a 4D attention_mask is returned unchanged by transformers: no [N, N] mask is built for a paged step
+        self._no_mask = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=device)
+
+    # ---- one engine step ----------------------------------------------------------------------------------------
+
+    def execute(self, chunks: Sequence[ChunkInput]) -> list[SampledToken | None]:
+        """Run one step; returns, per chunk, its sampled token (None for a prefill chunk that does not sample)."""
+        with torch.inference_mode():
+            logits = self.forward(chunks)
+            specs = [chunk.sample for chunk in chunks if chunk.sample is not None]
+            sampled = iter(self.sample(logits, specs) if specs else [])
+            return [next(sampled) if chunk.sample is not None else None for chunk in chunks]
+
+    def forward(self, chunks: Sequence[ChunkInput]) -> torch.Tensor:
+        """Logits [S, V] float32 at the last position of each chunk that samples (S of them), in chunk order."""
+        meta = build_metadata(
+            self.pool,
+            [chunk.start for chunk in chunks],
+            [len(chunk.token_ids) for chunk in chunks],
+            [chunk.block_ids for chunk in chunks],
+            self.device,
+        )
+        flat_ids = [token for chunk in chunks for token in chunk.token_ids]
+        input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)
+        hidden = self.decoder(
+            input_ids=input_ids[None],
+            position_ids=meta.positions[None],
+            attention_mask=self._no_mask,
+            use_cache=False,
+            paged_attention=meta,
+        ).last_hidden_state[0]
+        rows, end = [], 0
+        for chunk in chunks:
+            end += len(chunk.token_ids)
+            if chunk.sample is not None:
+                rows.append(end - 1)
+        return self._logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head.weight, getattr(self.head, "bias", None)).float()
+
+    def sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampledToken]:
+        from rlasync.engine.sampler import BatchSampling, sample
+
+        params = [spec.params for spec in specs]
+        batch = BatchSampling.from_params(params, [spec.seed for spec in specs], self.device)
+        steps = torch.tensor([spec.step for spec in specs], dtype=torch.int64, device=self.device)
+        seen = None
+        if any(spec.seen_ids is not None for spec in specs):
+            seen = torch.zeros(len(specs), logits.shape[1], dtype=torch.bool, device=self.device)
+            for row, spec in enumerate(specs):
+                if spec.seen_ids:
+                    seen[row, torch.tensor(spec.seen_ids, dtype=torch.int64, device=self.device)] = True
+        wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
+        result = sample(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
+        return _unpack(result, params)
+
+    # ---- teacher-forced scoring ---------------------------------------------------------------------------------
+
+    def score(self, token_ids: Sequence[int], prompt_length: int, top_k: int) -> ScoreResult:
+        """Top-k and realised-token log-probs (temperature 1) of `token_ids[prompt_length:]`, one plain forward."""
+        with torch.inference_mode():
+            ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
+            hidden = self.decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+            hidden = hidden[prompt_length - 1 : -1]
+            targets = ids[prompt_length:]
+            k = min(top_k, self.vocab_size)
+            topk_ids, topk_logprobs, token_logprobs = [], [], []
+            for begin in range(0, hidden.shape[0], SCORE_CHUNK_ROWS):
+                logprobs = torch.log_softmax(self._logits(hidden[begin : begin + SCORE_CHUNK_ROWS]), dim=-1)
+                token_logprobs.append(logprobs.gather(1, targets[begin : begin + SCORE_CHUNK_ROWS, None])[:, 0])
+                if k > 0:
+                    values, indices = logprobs.topk(k, dim=-1)
+                    topk_ids.extend(indices.tolist())
+                    topk_logprobs.extend(values.tolist())
+            if k <= 0:
+                topk_ids = [[] for _ in range(hidden.shape[0])]
+                topk_logprobs = [[] for _ in range(hidden.shape[0])]
+            return ScoreResult(topk_ids, topk_logprobs, torch.cat(token_logprobs).tolist())
+
+
+def _unpack(result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """The sampler's batched tensors -> one `SampledToken` per row (Python values)."""
+    token_ids = result.token_ids.tolist()
+    logprobs = result.logprobs.tolist()
+    topn_ids = result.topn_ids.tolist() if result.topn_ids is not None else None
+    topn_logprobs = result.topn_logprobs.tolist() if result.topn_logprobs is not None else None
+    candidate_ids = result.candidate_ids.tolist() if result.candidate_ids is not None else None
+    num_candidates = result.num_candidates.tolist() if result.num_candidates is not None else None
+    out = []
+    for row, p in enumerate(params):
+        top = None
+        if p.num_logprobs > 0 and topn_ids is not None:
+            pairs = zip(topn_ids[row][: p.num_logprobs], topn_logprobs[row][: p.num_logprobs])
+            top = {int(i): float(lp) for i, lp in pairs if lp != float("-inf")}
+        candidates = None
+        if p.filters and p.return_sampling_mask and candidate_ids is not None:
+            candidates = candidate_ids[row][: num_candidates[row]]
+        out.append(SampledToken(int(token_ids[row]), float(logprobs[row]), top, candidates))
+    return out

@@ -1,0 +1,176 @@
+"""Which tokens of which requests the next engine step computes (pure Python, no torch).
+
+Two queues: `waiting` (FCFS; preempted requests go back to its front) and `running` (in admission order). Each
+`schedule()`:
+
+  1. every running request gets its next tokens: one for a decoding request, the rest of its prompt (or of its
+     recomputation after a preemption) for a prefilling one, bounded by the step's token budget
+     (`max_num_batched_tokens`; a long prefill is split over several steps: chunked prefill);
+  2. when a running request needs a new block and none is free, the most recently admitted running request is
+     preempted: its blocks are freed, it goes to the front of `waiting` with its output kept, and it will
+     recompute its tokens when readmitted (counted in `num_preemptions`);
+  3. if nothing was preempted, waiting requests are admitted in order while their next chunk's blocks fit, the
+     budget lasts and fewer than `max_num_seqs` run. Admission stops at the first that does not fit (no skipping:
+     a long prompt is not starved by short ones).
+
+While `paused`, nothing is scheduled. `complete(output)` marks the scheduled tokens computed once the step ran;
+`finish` / `abort` drop a request and free its blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
+from rlasync.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`request.token_ids[start : start + num_tokens]` are computed this step; `samples`: the chunk reaches the
+    request's last token, whose logits give its next sample."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+
+    @classmethod
+    def next_of(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(chunk.num_tokens == 1 for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1, got {max_num_seqs} and "
+                f"{max_num_batched_tokens}"
+            )
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.paused = False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        if request.num_tokens > self.allocator.capacity_tokens:
+            raise ValueError(
+                f"request {request.request_id} needs {request.num_tokens} KV slots but the cache holds "
+                f"{self.allocator.capacity_tokens}"
+            )
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        if self.paused:
+            return output
+        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        if not output.preempted:
+            self._admit_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._reserve(request, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    return budget
+            output.chunks.append(ScheduledChunk.next_of(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, request.num_computed_tokens + num_new):
+                return
+            self.waiting.popleft()
+            self.running.append(request)
+            output.chunks.append(ScheduledChunk.next_of(request, num_new))
+            budget -= num_new
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        """Grow the request's blocks to hold `num_tokens` tokens; False (nothing taken) if they are not free."""
+        missing = num_blocks_for(num_tokens, self.allocator.block_size) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        if missing > self.allocator.num_free:
+            return False
+        request.block_ids.extend(self.allocator.allocate(missing))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+
+    def complete(self, output: SchedulerOutput) -> None:
+        """The step of `output` ran: its tokens' KV is in the cache (requests dropped meanwhile are skipped)."""
+        for chunk in output.chunks:
+            request = chunk.request
+            if not request.is_finished and request.block_ids:
+                request.num_computed_tokens = chunk.end
+
+    def preempt_all(self) -> list[Request]:
+        """Preempt every running request (their KV is invalid, e.g. after a weight update); order is kept."""
+        preempted = []
+        while self.running:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def finish(self, request: Request) -> None:
+        """Drop a request (finished, aborted or failed) from whichever queue holds it and free its blocks."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+        self._release(request)

@@ -1,0 +1,391 @@
+"""`TorchEngine`: the built-in generation engine (continuous batching over a paged KV cache, CPU and GPU).
+
+    generate() ──► Request ──► Scheduler.waiting
+                                   │  engine loop (one asyncio task, started on first use):
+                                   │    wait for work ─► [model lock] schedule ─► runner step in a worker thread
+                                   │    (decoder on the flat batch, LM head on sampled rows, sampler)
+                                   │    ─► append tokens, check stops ─► resolve finished requests' futures
+                                   ▼
+                              TurnRecord
+
+Requests join and leave between steps. Every forward (a step, `score`) holds the model lock, and `pause()` takes it
+after setting the paused flag, so when `pause()` returns the step in flight has finished and none starts until
+`resume()`. A step that raises fails the requests it held with `EngineError` (never a silent hang); the loop goes on.
+
+Weights and in-flight KV: `load_weights` (paused only) copies in place, then by default
+(`kv_on_weight_update="recompute"`) preempts every running request: its KV was computed by the old weights, so it
+recomputes its prompt and its tokens so far under the new ones when resumed. Tokens already sampled keep the
+log-probs they were sampled with; every later token is sampled from, and reports, the new policy on a consistent
+context. This is what SPEC §2.3.2 describes for vLLM ("each weight sync preempts all running requests") and it is
+counted in `num_preemptions`. `"keep"` (vLLM's keep mode) keeps the stale KV: no recomputation, but later tokens
+are conditioned on old-policy keys/values that the trainer will never reproduce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
+from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
+from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, register_paged_attention
+from rlasync.engine.request import Request
+from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleSpec
+from rlasync.engine.scheduler import Scheduler, SchedulerOutput
+from rlasync.engine.weights import load_named_weights
+from rlasync.rollout.records import TurnRecord
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+class TorchEngine:
+    """The built-in engine (`rlasync.engine.base.Engine`) for Llama, Qwen2 and Qwen3 causal LMs.
+
+    model                  a model path / hub id, or an already-built transformers `PreTrainedModel`
+    dtype                  weights and KV cache dtype; default bfloat16 on CUDA, float32 on CPU (a built model keeps
+                           its own dtype unless one is given)
+    device                 default "cuda" when available, else "cpu"
+    max_model_len          prompt + output limit per request; default the model's max_position_embeddings
+    kv_cache_tokens        KV budget in tokens (rounded up to whole blocks); default: `gpu_memory_utilization` of
+                           the GPU's memory minus what is already used, or 1 GiB of KV on CPU; never below
+                           max_model_len (a lone request always fits)
+    block_size             tokens per KV block
+    max_num_seqs           most requests running at once
+    max_num_batched_tokens token budget of one step (longer prefills are chunked)
+    eos_token_ids          default the generation config's eos_token_id (or the model config's)
+    kv_on_weight_update    "recompute" (default) or "keep": see the module docstring
+    """
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        max_model_len: int | None = None,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        eos_token_ids: Sequence[int] | int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_on_weight_update: Literal["recompute", "keep"] = "recompute",
+    ) -> None:
+        if kv_on_weight_update not in ("recompute", "keep"):
+            raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = _build_model(model, dtype, self.device)
+        config = self.model.config
+        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        self.eos_token_ids = _eos_ids(self.model, eos_token_ids)
+        self.kv_on_weight_update = kv_on_weight_update
+        pool = _build_pool(
+            self.model, self.device, block_size, self.max_model_len, kv_cache_tokens, gpu_memory_utilization
+        )
+        self.block_size = block_size
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self._runner = ModelRunner(self.model, pool, self.device)
+        allocator = BlockAllocator(pool.num_blocks, block_size)
+        self._scheduler = Scheduler(allocator, max_num_seqs, max(max_num_batched_tokens, 1))
+        self._request_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+
+    # ---- the Engine interface -------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TurnRecord:
+        prompt = self._check_prompt(prompt_ids)
+        self._bind()
+        request = Request(
+            request_id=next(self._request_ids),
+            prompt_ids=prompt,
+            params=sampling,
+            seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
+            max_output_tokens=min(sampling.max_tokens, self.max_model_len - len(prompt)),
+            stop_ids=frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids),
+        )
+        request.handle = self._loop.create_future()
+        self._scheduler.add(request)
+        self._wake.set()
+        try:
+            return await request.handle
+        except asyncio.CancelledError:
+            if not request.is_finished:
+                request.finish_reason = FINISH_ABORT
+                self._scheduler.finish(request)
+            raise
+
+    async def score(self, token_ids: Sequence[int], prompt_length: int, top_k: int) -> ScoreResult:
+        """Teacher-forced log-probs (temperature 1) of `token_ids[prompt_length:]`: per position the top-k (id,
+        log-prob) pairs by rank and the realised token's log-prob. Waits while the engine is paused."""
+        ids = self._check_score_request(token_ids, prompt_length, top_k)
+        self._bind()
+        while True:
+            await self._resumed.wait()
+            async with self._model_lock:
+                if self._scheduler.paused:
+                    continue
+                return await asyncio.to_thread(self._runner.score, ids, prompt_length, top_k)
+
+    async def pause(self) -> None:
+        """Stop scheduling; returns once the forward in flight (if any) has finished. Requests are kept."""
+        self._bind()
+        self._scheduler.paused = True
+        self._resumed.clear()
+        async with self._model_lock:
+            pass
+
+    async def resume(self) -> None:
+        self._bind()
+        self._scheduler.paused = False
+        self._resumed.set()
+        self._wake.set()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._scheduler.paused
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Copy weights in place by HF parameter names; only while paused (`await pause()` first)."""
+        self._bind()
+        if not self._scheduler.paused:
+            raise RuntimeError("TorchEngine.load_weights needs a paused engine: await engine.pause() first")
+        async with self._model_lock:
+            await asyncio.to_thread(load_named_weights, self.model, named_tensors)
+            if self.kv_on_weight_update == "recompute":
+                self._scheduler.preempt_all()
+
+    def stats(self) -> EngineStats:
+        allocator = self._scheduler.allocator
+        return EngineStats(
+            kv_cache_usage_frac=allocator.usage_frac,
+            num_running=self._scheduler.num_running,
+            num_waiting=self._scheduler.num_waiting,
+            num_preemptions=self._scheduler.num_preemptions,
+            kv_capacity_tokens=allocator.capacity_tokens,
+            max_model_len=self.max_model_len,
+            extra={"num_steps": float(self._num_steps), "num_generated_tokens": float(self._num_generated_tokens)},
+        )
+
+    async def close(self) -> None:
+        """Stop the engine loop and fail every pending request with `EngineError`; later calls raise it too."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._fail_all(EngineError("TorchEngine was closed"))
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+
+    def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        if self._closed:
+            raise EngineError("TorchEngine is closed")
+        prompt = [int(token) for token in prompt_ids]
+        if not prompt:
+            raise RequestRejectedError("empty prompt: give at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise RequestRejectedError(
+                f"prompt of {len(prompt)} tokens leaves no room to generate: max_model_len is {self.max_model_len}"
+            )
+        self._check_token_range(prompt)
+        return prompt
+
+    def _check_score_request(self, token_ids: Sequence[int], prompt_length: int, top_k: int) -> list[int]:
+        if self._closed:
+            raise EngineError("TorchEngine is closed")
+        ids = [int(token) for token in token_ids]
+        if not 1 <= prompt_length < len(ids):
+            raise RequestRejectedError(
+                f"score: prompt_length={prompt_length} must be in [1, {len(ids)}) for {len(ids)} tokens"
+            )
+        if len(ids) > self.max_model_len:
+            raise RequestRejectedError(f"score: {len(ids)} tokens exceed max_model_len={self.max_model_len}")
+        if top_k < 0:
+            raise RequestRejectedError(f"score: top_k={top_k} must be >= 0")
+        self._check_token_range(ids)
+        return ids
+
+    def _check_token_range(self, ids: list[int]) -> None:
+        bad = [token for token in ids if not 0 <= token < self.vocab_size]
+        if bad:
+            raise RequestRejectedError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self._scheduler.finish(request)
+        if not request.handle.done():
+            request.handle.set_result(request.to_turn_record())
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        request.finish_reason = FINISH_ERROR
+        self._scheduler.finish(request)
+        if request.handle is not None and not request.handle.done():
+            request.handle.set_exception(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request in [*self._scheduler.running, *self._scheduler.waiting]:
+            self._fail(request, error)
+
+    # ---- the engine loop ------------------------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        """Start the loop task on the running event loop (first use, or a new event loop once the old one is gone)."""
+        if self._closed:
+            raise EngineError("TorchEngine is closed")
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not None and self._loop is not loop:
+            if not self._loop.is_closed() and self._scheduler.has_work:
+                raise EngineError("TorchEngine is serving requests on another event loop")
+            self._fail_all(EngineError("the event loop of this request was closed"))
+        if self._loop is not loop:
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._resumed = asyncio.Event()
+            self._model_lock = asyncio.Lock()
+            if not self._scheduler.paused:
+                self._resumed.set()
+        self._wake.set()
+        self._task = loop.create_task(self._run_loop(), name="TorchEngine loop")
+
+    async def _run_loop(self) -> None:
+        try:
+            while True:
+                if self._scheduler.paused or not self._scheduler.has_work:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                async with self._model_lock:
+                    if self._scheduler.paused:
+                        continue
+                    output = self._scheduler.schedule()
+                    if not output.chunks:
+                        raise RuntimeError(
+                            f"scheduler made an empty step with {self._scheduler.num_waiting} waiting and "
+                            f"{self._scheduler.num_running} running requests"
+                        )
+                    await self._step(output)
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in the loop itself: fail every request loudly, the next call restarts it
+            logger.exception("TorchEngine loop stopped")
+            self._fail_all(EngineError(f"TorchEngine loop stopped: {exc!r}"))
+
+    async def _step(self, output: SchedulerOutput) -> None:
+        chunk_inputs = [self._chunk_input(chunk) for chunk in output.chunks]
+        try:
+            sampled = await asyncio.to_thread(self._runner.execute, chunk_inputs)
+        except Exception as exc:
+            logger.exception("TorchEngine step failed")
+            error = EngineError(f"TorchEngine step failed: {exc!r}")
+            error.__cause__ = exc
+            for chunk in output.chunks:
+                if not chunk.request.is_finished:
+                    self._fail(chunk.request, error)
+            return
+        self._num_steps += 1
+        self._scheduler.complete(output)
+        for chunk, token in zip(output.chunks, sampled):
+            self._append(chunk.request, token)
+
+    def _append(self, request: Request, token: SampledToken | None) -> None:
+        if token is None or request.is_finished:
+            return
+        self._num_generated_tokens += 1
+        reason = request.append(token.token_id, token.logprob, token.top_logprobs, token.candidates)
+        if reason is not None:
+            self._finish(request, reason)
+
+    @staticmethod
+    def _chunk_input(chunk: Any) -> ChunkInput:
+        request = chunk.request
+        sample = None
+        if chunk.samples:
+            params = request.params
+            seen = list(request.token_ids) if params.repetition_penalty != 1.0 else None
+            sample = SampleSpec(params, request.seed, request.num_output_tokens, seen)
+        return ChunkInput(request.token_ids[chunk.start : chunk.end], chunk.start, list(request.block_ids), sample)
+
+
+# ---- construction helpers -----------------------------------------------------------------------------------------
+
+
+def _build_model(model: str | torch.nn.Module, dtype: str | torch.dtype | None, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    register_paged_attention()
+    if isinstance(model, str):
+        torch_dtype = _resolve_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype, attn_implementation=ATTENTION_NAME)
+    elif dtype is not None:
+        model = model.to(_resolve_dtype(dtype))
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(names)}")
+    return names[dtype]
+
+
+def _eos_ids(model: Any, eos_token_ids: Sequence[int] | int | None) -> frozenset[int]:
+    if eos_token_ids is None:
+        generation_config = getattr(model, "generation_config", None)
+        eos_token_ids = getattr(generation_config, "eos_token_id", None)
+        if eos_token_ids is None:
+            eos_token_ids = getattr(model.config, "eos_token_id", None)
+    if eos_token_ids is None:
+        return frozenset()
+    if isinstance(eos_token_ids, int):
+        return frozenset({eos_token_ids})
+    return frozenset(int(token) for token in eos_token_ids)
+
+
+def _build_pool(
+    model: Any,
+    device: torch.device,
+    block_size: int,
+    max_model_len: int,
+    kv_cache_tokens: int | None,
+    gpu_memory_utilization: float,
+) -> KVPool:
+    config = model.config
+    num_layers = int(config.num_hidden_layers)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    dtype = next(model.parameters()).dtype
+    bytes_per_token = KVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    if kv_cache_tokens is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(gpu_memory_utilization * total) - (total - free)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        kv_cache_tokens = max(budget // bytes_per_token, max_model_len)
+    elif kv_cache_tokens < max_model_len:
+        raise ValueError(
+            f"kv_cache_tokens={kv_cache_tokens} is below max_model_len={max_model_len}: a request of max_model_len "
+            "tokens could never run"
+        )
+    num_blocks = num_blocks_for(kv_cache_tokens, block_size)
+    return KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)

@@ -1,0 +1,168 @@
+"""The engine's scheduler and block allocator, without torch: admission by free blocks, chunked prefill, preemption
+(counted, most recent first, resumed in order with its output kept) and no block leaks."""
+
+import random
+
+import pytest
+
+from rlasync.engine.base import SamplingParams
+from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
+from rlasync.engine.request import FINISH_LENGTH, FINISH_STOP, Request
+from rlasync.engine.scheduler import Scheduler
+
+
+def make_request(request_id, prompt_len, max_tokens=8, stop_ids=()):
+    return Request(
+        request_id=request_id,
+        prompt_ids=list(range(1, prompt_len + 1)),
+        params=SamplingParams(max_tokens=max_tokens),
+        seed=request_id,
+        max_output_tokens=max_tokens,
+        stop_ids=frozenset(stop_ids),
+    )
+
+
+def run_step(scheduler, token=100):
+    """Schedule one step, mark it computed and append `token` to every request that samples; returns the output."""
+    output = scheduler.schedule()
+    apply(scheduler, output, token)
+    return output
+
+
+def apply(scheduler, output, token):
+    scheduler.complete(output)
+    for chunk in output.chunks:
+        if chunk.samples:
+            reason = chunk.request.append(token, -1.0)
+            if reason is not None:
+                chunk.request.finish_reason = reason
+                scheduler.finish(chunk.request)
+
+
+def test_allocator_hands_out_and_takes_back_blocks():
+    allocator = BlockAllocator(num_blocks=4, block_size=16)
+    blocks = allocator.allocate(3)
+    assert sorted(blocks) == [0, 1, 2] and allocator.num_free == 1 and allocator.usage_frac == 0.75
+    with pytest.raises(RuntimeError):
+        allocator.allocate(2)
+    allocator.free(blocks[:1])
+    with pytest.raises(RuntimeError, match="twice"):
+        allocator.free(blocks[:1])
+    assert allocator.num_free == 2 and allocator.capacity_tokens == 64
+    assert [num_blocks_for(n, 16) for n in (1, 16, 17, 32)] == [1, 1, 2, 2]
+
+
+def test_admission_stops_at_the_first_request_whose_blocks_do_not_fit():
+    scheduler = Scheduler(BlockAllocator(num_blocks=5, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
+    requests = [make_request(0, 6), make_request(1, 7), make_request(2, 3), make_request(3, 1)]
+    for request in requests:
+        scheduler.add(request)
+    output = scheduler.schedule()
+    # 2 + 2 blocks admitted; the third needs 1 block and fits, the fourth (1 block) no longer does
+    assert [chunk.request.request_id for chunk in output.chunks] == [0, 1, 2]
+    assert [chunk.num_tokens for chunk in output.chunks] == [6, 7, 3]
+    assert all(chunk.samples for chunk in output.chunks)
+    assert scheduler.num_running == 3 and scheduler.num_waiting == 1
+    assert scheduler.allocator.num_free == 0
+
+
+def test_max_num_seqs_and_the_token_budget_bound_a_step_and_long_prompts_are_chunked():
+    scheduler = Scheduler(BlockAllocator(num_blocks=64, block_size=4), max_num_seqs=2, max_num_batched_tokens=10)
+    for i, length in enumerate((4, 15, 3)):
+        scheduler.add(make_request(i, length))
+    first = run_step(scheduler)
+    assert [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in first.chunks] == [
+        (0, 0, 4, True),
+        (1, 0, 6, False),
+    ]
+    second = run_step(scheduler)  # request 0 decodes, request 1 continues its prefill; max_num_seqs keeps 2 out
+    assert [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in second.chunks] == [
+        (0, 4, 1, True),
+        (1, 6, 9, True),
+    ]
+    assert scheduler.num_waiting == 1
+
+
+def test_pause_schedules_nothing():
+    scheduler = Scheduler(BlockAllocator(num_blocks=8, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
+    scheduler.add(make_request(0, 5))
+    scheduler.paused = True
+    assert scheduler.schedule().chunks == []
+    scheduler.paused = False
+    assert len(scheduler.schedule().chunks) == 1
+
+
+def test_preemption_takes_the_latest_admitted_counts_it_and_resumes_in_order_with_output_kept():
+    # 4 blocks of 4: three 4-token prompts take 3; the first decode step needs 2 more
+    scheduler = Scheduler(BlockAllocator(num_blocks=4, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
+    requests = [make_request(i, 4, max_tokens=6) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    run_step(scheduler)  # prefill: every request samples its first token
+    assert all(r.num_output_tokens == 1 for r in requests)
+
+    output = run_step(scheduler, token=101)  # request 1 finds no block: request 2 (latest admitted) is preempted
+    assert output.preempted == [requests[2]]
+    assert [c.request.request_id for c in output.chunks] == [0, 1]
+    assert scheduler.num_preemptions == 1
+    assert list(scheduler.waiting) == [requests[2]]
+    assert requests[2].block_ids == [] and requests[2].num_computed_tokens == 0
+    assert requests[2].output_ids == [100]  # output kept
+
+    resumed = []
+    while scheduler.has_work:
+        output = scheduler.schedule()
+        if output.preempted:
+            assert list(scheduler.waiting)[: len(output.preempted)] == output.preempted[::-1]  # order kept
+        for chunk in output.chunks:  # a resumed request recomputes prompt + output, then samples its next step
+            if chunk.start == 0 and chunk.request.num_output_tokens > 0:
+                assert chunk.num_tokens == chunk.request.num_tokens and chunk.samples
+                resumed.append(chunk.request.request_id)
+        apply(scheduler, output, token=103)
+    # request 1 was preempted later but went to the front: requests resume in their admission order
+    assert resumed == [1, 2] and scheduler.num_preemptions == 2
+    assert all(r.finish_reason == FINISH_LENGTH and r.num_output_tokens == 6 for r in requests)
+    assert requests[1].output_ids[:2] == [100, 101] and requests[2].output_ids[:1] == [100]
+    assert scheduler.allocator.num_free == 4
+
+
+def test_preempt_all_keeps_order_and_counts():
+    scheduler = Scheduler(BlockAllocator(num_blocks=16, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
+    requests = [make_request(i, 3) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    run_step(scheduler)
+    assert scheduler.preempt_all() == requests[::-1]
+    assert list(scheduler.waiting) == requests
+    assert scheduler.num_preemptions == 3 and scheduler.allocator.num_free == 16
+
+
+def test_stop_token_ends_a_request():
+    request = make_request(0, 2, max_tokens=5, stop_ids={7})
+    assert request.append(3, -0.1) is None
+    assert request.append(7, -0.2) == FINISH_STOP
+    assert request.output_ids == [3, 7] and request.output_log_probs == [-0.1, -0.2]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_workloads_finish_every_request_and_leak_no_block(seed):
+    rng = random.Random(seed)
+    allocator = BlockAllocator(num_blocks=rng.randint(6, 20), block_size=rng.choice([1, 2, 4]))
+    scheduler = Scheduler(allocator, max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(1, 24))
+    capacity = allocator.capacity_tokens
+    requests = []
+    for i in range(20):
+        prompt_len = rng.randint(1, capacity - 1)
+        requests.append(make_request(i, prompt_len, max_tokens=rng.randint(1, capacity - prompt_len)))
+    pending = list(requests)
+    for _ in range(100_000):
+        if pending and rng.random() < 0.3:
+            scheduler.add(pending.pop(0))
+        if not scheduler.has_work and not pending:
+            break
+        output = run_step(scheduler, token=rng.randint(0, 50))
+        assert output.chunks or not scheduler.has_work
+        assert sum(len(r.block_ids) for r in scheduler.running) == allocator.num_used
+        assert output.num_tokens <= scheduler.max_num_batched_tokens
+    assert all(r.is_finished and r.num_output_tokens == r.max_output_tokens for r in requests)
+    assert allocator.num_free == allocator.num_blocks
