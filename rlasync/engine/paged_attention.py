@@ -16,16 +16,20 @@ i.e. per layer K and V are [num_blocks + 1, block_size, num_kv_heads, head_dim] 
 `block_table` kernels read). The extra last block is the null block: padded tokens of a fixed-size batch write there
 and padded block-table entries point there, so shapes can stay static (CUDA graphs) without branches.
 
-Attention backends (the seam for a GPU kernel is `_decode_attention` / `_prefill_attention`):
-  decode   requests feeding one token: keys gathered through the block table into [B, L_max] (padding masked),
-           one batched SDPA call;
-  prefill  requests feeding several tokens (a prompt, a chunk of it, or a recomputation): one SDPA call each over
-           their gathered keys, causal with the chunk's offset.
+Attention backends (`PagedAttentionMetadata.backend`):
+  varlen     CUDA: FlashAttention's varlen kernel reading the pool through `block_tables` (torch's
+             `torch.nn.attention.varlen.varlen_attn`), one call per layer for the whole step, decodes and prefills
+             alike, no gather; static shapes when the batch is padded (the decode CUDA-graph path).
+  reference  everywhere (CPU, tests, torch without paged varlen): requests feeding one token are batched (keys
+             gathered through the block table into [B, L_max], padding masked, one SDPA call); requests feeding
+             several tokens (a prompt, a chunk of it, a recomputation) get one SDPA call each over their gathered
+             keys, causal with the chunk's offset.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,15 +84,11 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True, eq=False)
-class PagedAttentionMetadata:
-    """Everything a layer needs for one step, built once per step and shared by all layers (tensors on device).
+class ReferencePlan:
+    """The reference backend's split of a step: decoding requests batched, multi-token requests one by one.
 
-    N = tokens in the flat row, B_d = decoding requests, L = longest decoding request after the step.
-    """
+    B_d = requests feeding one token, L = the longest of them after the step (tensors on device)."""
 
-    pool: KVPool
-    positions: torch.Tensor  # [N] int64: each token's position in its request
-    slot_mapping: torch.Tensor  # [N] int64: where each token's K/V goes
     decode_index: torch.Tensor  # [B_d] int64: row positions of the decoding requests' tokens
     decode_positions: torch.Tensor  # [B_d] int64
     decode_kv_slots: torch.Tensor  # [B_d, L] int64 (null slot past each request's end)
@@ -100,64 +100,123 @@ class PagedAttentionMetadata:
         return int(self.decode_index.shape[0])
 
 
+@dataclass(frozen=True, eq=False)
+class PagedAttentionMetadata:
+    """Everything a layer needs for one step, built once per step and shared by all layers.
+
+    N = tokens in the flat row (padding included), B = requests (padding rows included). Tensors are on the
+    model's device; `block_tables`, `query_start_loc` and `seq_lens` are what a paged kernel (FlashAttention's
+    varlen with `block_table`) reads, in int32. Padding rows feed one token at position 0, write it to the null
+    slot and read only the null block, so a fixed-size batch needs no branch.
+    """
+
+    pool: KVPool
+    backend: str  # "reference" or "varlen"
+    positions: torch.Tensor  # [N] int64: each token's position in its request
+    slot_mapping: torch.Tensor  # [N] int64: where each token's K/V goes
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: each request's length after the step (its keys)
+    seq_start_loc: torch.Tensor  # [B + 1] int32: cumulative seq_lens (FlashAttention's cu_seqlens_k)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, null-block padded
+    max_query_len: int
+    max_seq_len: int
+    reference: ReferencePlan | None  # built for the reference backend only
+
+
 def build_metadata(
     pool: KVPool,
     starts: list[int],
     lengths: list[int],
     block_ids: list[list[int]],
     device: torch.device,
+    backend: str = "reference",
+    max_blocks: int | None = None,
 ) -> PagedAttentionMetadata:
-    """Metadata of a step where request i feeds `lengths[i]` tokens at positions `starts[i]...` (flat-row order)."""
+    """Metadata of a step where request i feeds `lengths[i]` tokens at positions `starts[i]...` (flat-row order).
+
+    `max_blocks` fixes the block-table width (static shapes); default: the widest request of the step."""
     block_size = pool.block_size
     num_requests = len(starts)
-    max_blocks = max(len(blocks) for blocks in block_ids)
-    table = torch.full((num_requests, max_blocks), pool.null_block, dtype=torch.int64)
-    for i, blocks in enumerate(block_ids):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    request_slots = (table[:, :, None] * block_size + offsets).reshape(num_requests, max_blocks * block_size)
-
+    width = max_blocks if max_blocks is not None else max(len(blocks) for blocks in block_ids)
+    null = pool.null_block
+    table = torch.tensor([[*blocks, *[null] * (width - len(blocks))] for blocks in block_ids], dtype=torch.int64)
     lengths_t = torch.tensor(lengths, dtype=torch.int64)
     starts_t = torch.tensor(starts, dtype=torch.int64)
+    ends_t = starts_t + lengths_t
     row_of_token = torch.repeat_interleave(torch.arange(num_requests), lengths_t)
     q_begin = torch.cumsum(lengths_t, 0) - lengths_t
     positions = starts_t[row_of_token] + torch.arange(int(lengths_t.sum())) - q_begin[row_of_token]
-    slot_mapping = request_slots[row_of_token, positions]
+    slot_mapping = table[row_of_token, positions // block_size] * block_size + positions % block_size
+    reference = None
+    if backend == "reference":
+        reference = _reference_plan(pool, table, starts, lengths, q_begin, ends_t, device)
+    elif backend != "varlen":
+        raise ValueError(f"unknown paged attention backend {backend!r}: use 'reference' or 'varlen'")
+    query_start_loc = torch.cat([q_begin, lengths_t.sum()[None]])
+    seq_start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(ends_t, 0)])
+    return PagedAttentionMetadata(
+        pool=pool,
+        backend=backend,
+        positions=positions.to(device),
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+        seq_lens=ends_t.to(device=device, dtype=torch.int32),
+        seq_start_loc=seq_start_loc.to(device=device, dtype=torch.int32),
+        block_tables=table.to(device=device, dtype=torch.int32),
+        max_query_len=max(lengths),
+        max_seq_len=int(ends_t.max()),
+        reference=reference,
+    )
 
-    is_decode = [n == 1 for n in lengths]
-    decode_rows = [i for i, decode in enumerate(is_decode) if decode]
-    ends = starts_t + lengths_t
+
+def _reference_plan(
+    pool: KVPool,
+    table: torch.Tensor,
+    starts: list[int],
+    lengths: list[int],
+    q_begin: torch.Tensor,
+    ends: torch.Tensor,
+    device: torch.device,
+) -> ReferencePlan:
+    block_size = pool.block_size
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    request_slots = (table[:, :, None] * block_size + offsets).reshape(table.shape[0], -1)
+    decode_rows = [i for i, n in enumerate(lengths) if n == 1]
     if decode_rows:
         rows = torch.tensor(decode_rows, dtype=torch.int64)
         max_len = int(ends[rows].max())
-        decode_kv_slots = request_slots[rows, :max_len]
         decode_kv_valid = torch.arange(max_len)[None, :] < ends[rows, None]
-        decode_kv_slots = decode_kv_slots.masked_fill(~decode_kv_valid, pool.null_slot)
-        decode_index, decode_positions = q_begin[rows], starts_t[rows]
+        decode_kv_slots = request_slots[rows, :max_len].masked_fill(~decode_kv_valid, pool.null_slot)
+        decode_index, decode_positions = q_begin[rows], ends[rows] - 1
     else:
-        empty = torch.zeros(0, dtype=torch.int64)
-        decode_index, decode_positions = empty, empty
-        decode_kv_slots, decode_kv_valid = empty.view(0, 0), torch.zeros(0, 0, dtype=torch.bool)
+        decode_index = decode_positions = torch.zeros(0, dtype=torch.int64)
+        decode_kv_slots, decode_kv_valid = decode_index.view(0, 0), torch.zeros(0, 0, dtype=torch.bool)
     prefills = tuple(
         PrefillSegment(
             q_start=int(q_begin[i]),
-            q_end=int(q_begin[i] + lengths[i]),
+            q_end=int(q_begin[i]) + n,
             kv_slots=request_slots[i, : int(ends[i])].to(device),
             positions=torch.arange(starts[i], int(ends[i]), dtype=torch.int64, device=device),
         )
-        for i, decode in enumerate(is_decode)
-        if not decode
+        for i, n in enumerate(lengths)
+        if n != 1
     )
-    return PagedAttentionMetadata(
-        pool=pool,
-        positions=positions.to(device),
-        slot_mapping=slot_mapping.to(device),
+    return ReferencePlan(
         decode_index=decode_index.to(device),
         decode_positions=decode_positions.to(device),
         decode_kv_slots=decode_kv_slots.to(device),
         decode_kv_valid=decode_kv_valid.to(device),
         prefills=prefills,
     )
+
+
+def varlen_paged_available() -> bool:
+    """Whether this torch has FlashAttention varlen with a paged KV cache (`block_table`, CUDA only)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "block_table" in inspect.signature(varlen_attn).parameters
 
 
 def paged_attention_forward(
@@ -190,26 +249,17 @@ def paged_attention_forward(
     meta = paged_attention
     layer = module.layer_idx
     q = query[0].transpose(0, 1)  # [N, Hq, D]
-    k = key[0].transpose(0, 1)  # [N, Hkv, D]
-    v = value[0].transpose(0, 1)
     k_cache, v_cache = meta.pool.keys(layer), meta.pool.values(layer)
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-
-    output = torch.empty_like(q)
-    if meta.num_decodes:
-        output[meta.decode_index] = _decode_attention(
-            q[meta.decode_index], k_cache, v_cache, meta, scaling, sliding_window
-        )
-    for segment in meta.prefills:
-        q_segment = q[segment.q_start : segment.q_end]
-        output[segment.q_start : segment.q_end] = _prefill_attention(
-            q_segment, k_cache, v_cache, segment, scaling, sliding_window
-        )
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    if meta.backend == "varlen":
+        output = _varlen_attention(q, k_cache, v_cache, meta, scaling, sliding_window)
+    else:
+        output = _reference_attention(q, k_cache, v_cache, meta.reference, scaling, sliding_window)
     return output[None], None
 
 
-def _decode_attention(
+def _varlen_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -217,13 +267,62 @@ def _decode_attention(
     scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
+    """FlashAttention over the paged pool: one kernel for the whole step (decodes and prefills), causal with each
+    request's queries aligned to the end of its keys."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    pages_shape = (-1, meta.pool.block_size, *k_cache.shape[1:])
+    return varlen_attn(
+        q.to(k_cache.dtype),
+        k_cache.view(pages_shape),
+        v_cache.view(pages_shape),
+        meta.query_start_loc,
+        meta.seq_start_loc,
+        meta.max_query_len,
+        meta.max_seq_len,
+        scale=scaling,
+        window_size=(sliding_window - 1, 0) if sliding_window else (-1, 0),
+        enable_gqa=q.shape[1] != k_cache.shape[1],
+        seqused_k=meta.seq_lens,
+        block_table=meta.block_tables,
+    ).to(q.dtype)
+
+
+def _reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: ReferencePlan,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    output = torch.empty_like(q)
+    if plan.num_decodes:
+        output[plan.decode_index] = _decode_attention(
+            q[plan.decode_index], k_cache, v_cache, plan, scaling, sliding_window
+        )
+    for segment in plan.prefills:
+        output[segment.q_start : segment.q_end] = _prefill_attention(
+            q[segment.q_start : segment.q_end], k_cache, v_cache, segment, scaling, sliding_window
+        )
+    return output
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: ReferencePlan,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
     """q [B, Hq, D] (one token per request) -> [B, Hq, D]."""
-    keys = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[meta.decode_kv_slots].transpose(1, 2)
-    valid = meta.decode_kv_valid
+    keys = k_cache[plan.decode_kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[plan.decode_kv_slots].transpose(1, 2)
+    valid = plan.decode_kv_valid
     if sliding_window:
         key_positions = torch.arange(valid.shape[1], device=valid.device)
-        valid = valid & (key_positions[None, :] > meta.decode_positions[:, None] - sliding_window)
+        valid = valid & (key_positions[None, :] > plan.decode_positions[:, None] - sliding_window)
     out = F.scaled_dot_product_attention(
         q[:, :, None].to(keys.dtype),
         keys,

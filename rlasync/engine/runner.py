@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from rlasync.engine.base import SamplingParams, ScoreResult
-from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
+from rlasync.engine.cuda_graphs import DecodeGraphs
+from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata, varlen_paged_available
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SCORE_CHUNK_ROWS = 256  # LM-head rows per chunk in `score`: bounds the [rows, vocab] float32 logits
@@ -58,8 +59,32 @@ def check_engine_support(model: torch.nn.Module) -> None:
         raise ValueError(f"TorchEngine supports full and sliding attention layers only, got {sorted(layer_types)}")
 
 
+def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """ "auto": FlashAttention varlen over the paged pool on CUDA in 16-bit when torch has it, else the reference."""
+    if backend == "auto":
+        fast = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and varlen_paged_available()
+        return "varlen" if fast else "reference"
+    if backend not in ("varlen", "reference"):
+        raise ValueError(f"attention_backend={backend!r}: use 'auto', 'varlen' or 'reference'")
+    if backend == "varlen" and not (device.type == "cuda" and varlen_paged_available()):
+        raise ValueError("attention_backend='varlen' needs CUDA and a torch with paged varlen_attn (block_table)")
+    return backend
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: torch.device) -> None:
+    """Runs steps of `model` over `pool`. `cuda_graph_sizes` (varlen backend only): batch sizes whose decode steps
+    are captured as CUDA graphs; empty = every step eager."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        device: torch.device,
+        *,
+        max_model_len: int,
+        attention_backend: str = "auto",
+        cuda_graph_sizes: Sequence[int] = (),
+    ) -> None:
         check_engine_support(model)
         model.set_attn_implementation(ATTENTION_NAME)
         if model.config._attn_implementation != ATTENTION_NAME:
@@ -72,6 +97,12 @@ class ModelRunner:
         self.vocab_size = int(self.head.weight.shape[0])
         # a 4D attention_mask is returned unchanged by transformers: no [N, N] mask is built for a paged step
         self._no_mask = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=device)
+        self.backend = resolve_attention_backend(attention_backend, device, self.head.weight.dtype)
+        self.graphs = None
+        if cuda_graph_sizes and self.backend == "varlen":
+            self.graphs = DecodeGraphs(
+                self.decoder, self._logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask
+            )
 
     # ---- one engine step ----------------------------------------------------------------------------------------
 
@@ -85,15 +116,28 @@ class ModelRunner:
 
     def forward(self, chunks: Sequence[ChunkInput]) -> torch.Tensor:
         """Logits [S, V] float32 at the last position of each chunk that samples (S of them), in chunk order."""
-        meta = build_metadata(
-            self.pool,
-            [chunk.start for chunk in chunks],
-            [len(chunk.token_ids) for chunk in chunks],
-            [chunk.block_ids for chunk in chunks],
-            self.device,
-        )
+        starts = [chunk.start for chunk in chunks]
+        lengths = [len(chunk.token_ids) for chunk in chunks]
+        block_ids = [chunk.block_ids for chunk in chunks]
         flat_ids = [token for chunk in chunks for token in chunk.token_ids]
-        input_ids = torch.tensor(flat_ids, dtype=torch.int64, device=self.device)
+        ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
+        rows = ends[[i for i, chunk in enumerate(chunks) if chunk.sample is not None]].to(self.device)
+        graphs = self.graphs
+        if graphs is not None and max(lengths) == 1 and len(chunks) <= graphs.max_batch_size:
+            pad = graphs.padded_size(len(chunks)) - len(chunks)
+            meta = build_metadata(
+                self.pool,
+                starts + [0] * pad,
+                lengths + [1] * pad,
+                block_ids + [[]] * pad,
+                self.device,
+                "varlen",
+                graphs.max_blocks,
+            )
+            input_ids = torch.tensor(flat_ids + [0] * pad, dtype=torch.int64).to(self.device, non_blocking=True)
+            return graphs.run(input_ids, meta).index_select(0, rows)
+        meta = build_metadata(self.pool, starts, lengths, block_ids, self.device, self.backend)
+        input_ids = torch.tensor(flat_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.decoder(
             input_ids=input_ids[None],
             position_ids=meta.positions[None],
@@ -101,12 +145,7 @@ class ModelRunner:
             use_cache=False,
             paged_attention=meta,
         ).last_hidden_state[0]
-        rows, end = [], 0
-        for chunk in chunks:
-            end += len(chunk.token_ids)
-            if chunk.sample is not None:
-                rows.append(end - 1)
-        return self._logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+        return self._logits(hidden.index_select(0, rows))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head.weight, getattr(self.head, "bias", None)).float()

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
+from rlasync.engine.cuda_graphs import decode_batch_sizes
 from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, register_paged_attention
 from rlasync.engine.request import Request
@@ -65,6 +66,9 @@ class TorchEngine:
     max_num_batched_tokens token budget of one step (longer prefills are chunked)
     eos_token_ids          default the generation config's eos_token_id (or the model config's)
     kv_on_weight_update    "recompute" (default) or "keep": see the module docstring
+    attention_backend      "auto" (FlashAttention varlen over the paged pool on CUDA in 16-bit when this torch has
+                           it, else "reference": gather + SDPA, the CPU path), "varlen" or "reference"
+    cuda_graphs            capture decode steps as CUDA graphs, padded to a few batch sizes (varlen backend only)
     """
 
     def __init__(
@@ -81,6 +85,8 @@ class TorchEngine:
         eos_token_ids: Sequence[int] | int | None = None,
         gpu_memory_utilization: float = 0.9,
         kv_on_weight_update: Literal["recompute", "keep"] = "recompute",
+        attention_backend: Literal["auto", "varlen", "reference"] = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -95,7 +101,14 @@ class TorchEngine:
         )
         self.block_size = block_size
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self._runner = ModelRunner(self.model, pool, self.device)
+        self._runner = ModelRunner(
+            self.model,
+            pool,
+            self.device,
+            max_model_len=self.max_model_len,
+            attention_backend=attention_backend,
+            cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if cuda_graphs and self.device.type == "cuda" else (),
+        )
         allocator = BlockAllocator(pool.num_blocks, block_size)
         self._scheduler = Scheduler(allocator, max_num_seqs, max(max_num_batched_tokens, 1))
         self._request_ids = itertools.count()
