@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,9 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION_NAME = "rlasync_paged"
+DEFAULT_BLOCK_SIZES = (16, 256)  # tried in order on CUDA (FlashAttention-2's paged kernel may want 256-token pages)
+
+logger = logging.getLogger(__name__)
 
 
 class KVPool:
@@ -217,6 +221,68 @@ def varlen_paged_available() -> bool:
     except ImportError:
         return False
     return "block_table" in inspect.signature(varlen_attn).parameters
+
+
+def probe_varlen(
+    block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """Run the varlen backend once on a small mixed step and compare it with the reference; None if it works, else
+    why not (the kernel refused the layout, or disagreed)."""
+    if not (device.type == "cuda" and varlen_paged_available()):
+        return "needs CUDA and a torch whose varlen_attn takes a block_table"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FlashAttention runs in 16-bit, the model is {dtype}"
+    generator = torch.Generator(device=device).manual_seed(0)
+    pool = KVPool(1, 8, block_size, num_kv_heads, head_dim, dtype, device)
+    pool.kv.normal_(generator=generator)
+    starts, lengths, block_ids = [block_size + 3, 0, 2], [1, 5, 4], [[5, 2], [7], [0]]
+    shapes = {"query": num_heads, "key": num_kv_heads, "value": num_kv_heads}
+    tensors = {
+        name: torch.randn(1, heads, sum(lengths), head_dim, dtype=dtype, device=device, generator=generator)
+        for name, heads in shapes.items()
+    }
+    module = _ProbeLayer()
+    outputs = []
+    try:
+        for backend in ("reference", "varlen"):
+            meta = build_metadata(pool, starts, lengths, block_ids, device, backend)
+            outputs.append(paged_attention_forward(module, **tensors, attention_mask=None, paged_attention=meta)[0])
+    except RuntimeError as error:
+        return f"varlen_attn failed: {error}"
+    error = (outputs[0].float() - outputs[1].float()).abs().max().item()
+    return None if error < 5e-2 else f"varlen_attn disagrees with the reference (max abs error {error:.3g})"
+
+
+class _ProbeLayer:
+    layer_idx = 0
+
+
+def choose_layout(
+    backend: str,
+    block_size: int | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[str, int]:
+    """(backend, block_size) for an engine. "auto": varlen where `probe_varlen` passes (trying `block_size`, or
+    16 then 256 when none is given), else the reference backend, logging why; "varlen" raises if the probe fails."""
+    if backend not in ("auto", "varlen", "reference"):
+        raise ValueError(f"attention_backend={backend!r}: use 'auto', 'varlen' or 'reference'")
+    candidates = (block_size,) if block_size else DEFAULT_BLOCK_SIZES
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+        return "reference", candidates[0]
+    reasons = []
+    for size in candidates:
+        reason = probe_varlen(size, num_heads, num_kv_heads, head_dim, dtype, device)
+        if reason is None:
+            return "varlen", size
+        reasons.append(f"block_size {size}: {reason}")
+    if backend == "varlen":
+        raise ValueError(f"attention_backend='varlen' cannot run here ({'; '.join(reasons)})")
+    logger.warning("paged attention falls back to the reference backend (gather + SDPA): %s", "; ".join(reasons))
+    return "reference", candidates[0]
 
 
 def paged_attention_forward(

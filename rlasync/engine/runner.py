@@ -8,6 +8,7 @@ keeps accepting requests. Only the last position of each request that samples go
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 
 from rlasync.engine.base import SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import DecodeGraphs
-from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata, varlen_paged_available
+from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SCORE_CHUNK_ROWS = 256  # LM-head rows per chunk in `score`: bounds the [rows, vocab] float32 logits
@@ -59,21 +62,10 @@ def check_engine_support(model: torch.nn.Module) -> None:
         raise ValueError(f"TorchEngine supports full and sliding attention layers only, got {sorted(layer_types)}")
 
 
-def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """ "auto": FlashAttention varlen over the paged pool on CUDA in 16-bit when torch has it, else the reference."""
-    if backend == "auto":
-        fast = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and varlen_paged_available()
-        return "varlen" if fast else "reference"
-    if backend not in ("varlen", "reference"):
-        raise ValueError(f"attention_backend={backend!r}: use 'auto', 'varlen' or 'reference'")
-    if backend == "varlen" and not (device.type == "cuda" and varlen_paged_available()):
-        raise ValueError("attention_backend='varlen' needs CUDA and a torch with paged varlen_attn (block_table)")
-    return backend
-
-
 class ModelRunner:
-    """Runs steps of `model` over `pool`. `cuda_graph_sizes` (varlen backend only): batch sizes whose decode steps
-    are captured as CUDA graphs; empty = every step eager."""
+    """Runs steps of `model` over `pool` with the paged attention `backend` ("reference" or "varlen").
+    `cuda_graph_sizes` (varlen only): batch sizes whose decode steps are captured as CUDA graphs; empty = eager.
+    A capture that fails is logged and decode runs eagerly."""
 
     def __init__(
         self,
@@ -82,7 +74,7 @@ class ModelRunner:
         device: torch.device,
         *,
         max_model_len: int,
-        attention_backend: str = "auto",
+        backend: str = "reference",
         cuda_graph_sizes: Sequence[int] = (),
     ) -> None:
         check_engine_support(model)
@@ -97,12 +89,17 @@ class ModelRunner:
         self.vocab_size = int(self.head.weight.shape[0])
         # a 4D attention_mask is returned unchanged by transformers: no [N, N] mask is built for a paged step
         self._no_mask = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=device)
-        self.backend = resolve_attention_backend(attention_backend, device, self.head.weight.dtype)
+        if backend not in ("reference", "varlen"):
+            raise ValueError(f"unknown paged attention backend {backend!r}")
+        self.backend = backend
         self.graphs = None
-        if cuda_graph_sizes and self.backend == "varlen":
-            self.graphs = DecodeGraphs(
-                self.decoder, self._logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask
-            )
+        if cuda_graph_sizes and backend == "varlen":
+            try:
+                self.graphs = DecodeGraphs(
+                    self.decoder, self._logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask
+                )
+            except RuntimeError:
+                logger.exception("CUDA graph capture failed: decode steps run eagerly")
 
     # ---- one engine step ----------------------------------------------------------------------------------------
 

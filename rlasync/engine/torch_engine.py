@@ -35,7 +35,7 @@ import torch
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import decode_batch_sizes
 from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
-from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, register_paged_attention
+from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, choose_layout, register_paged_attention
 from rlasync.engine.request import Request
 from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleSpec
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
@@ -61,13 +61,15 @@ class TorchEngine:
     kv_cache_tokens        KV budget in tokens (rounded up to whole blocks); default: `gpu_memory_utilization` of
                            the GPU's memory minus what is already used, or 1 GiB of KV on CPU; never below
                            max_model_len (a lone request always fits)
-    block_size             tokens per KV block
+    block_size             tokens per KV block; default 16, or on CUDA the first of 16, 256 that the paged
+                           FlashAttention kernel accepts
     max_num_seqs           most requests running at once
     max_num_batched_tokens token budget of one step (longer prefills are chunked)
     eos_token_ids          default the generation config's eos_token_id (or the model config's)
     kv_on_weight_update    "recompute" (default) or "keep": see the module docstring
-    attention_backend      "auto" (FlashAttention varlen over the paged pool on CUDA in 16-bit when this torch has
-                           it, else "reference": gather + SDPA, the CPU path), "varlen" or "reference"
+    attention_backend      "auto" (FlashAttention varlen over the paged pool on CUDA in 16-bit when a probe of it
+                           passes, else "reference": gather + SDPA, the CPU path; a fallback is logged), "varlen"
+                           or "reference"
     cuda_graphs            capture decode steps as CUDA graphs, padded to a few batch sizes (varlen backend only)
     """
 
@@ -79,7 +81,7 @@ class TorchEngine:
         device: str | torch.device | None = None,
         max_model_len: int | None = None,
         kv_cache_tokens: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         eos_token_ids: Sequence[int] | int | None = None,
@@ -96,6 +98,7 @@ class TorchEngine:
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(self.model, eos_token_ids)
         self.kv_on_weight_update = kv_on_weight_update
+        backend, block_size = _choose_layout(self.model, self.device, attention_backend, block_size)
         pool = _build_pool(
             self.model, self.device, block_size, self.max_model_len, kv_cache_tokens, gpu_memory_utilization
         )
@@ -106,7 +109,7 @@ class TorchEngine:
             pool,
             self.device,
             max_model_len=self.max_model_len,
-            attention_backend=attention_backend,
+            backend=backend,
             cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if cuda_graphs and self.device.type == "cuda" else (),
         )
         allocator = BlockAllocator(pool.num_blocks, block_size)
@@ -374,6 +377,20 @@ def _eos_ids(model: Any, eos_token_ids: Sequence[int] | int | None) -> frozenset
     return frozenset(int(token) for token in eos_token_ids)
 
 
+def _model_shape(config: Any) -> tuple[int, int, int, int]:
+    """(num_layers, num_heads, num_kv_heads, head_dim)."""
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    return int(config.num_hidden_layers), num_heads, num_kv_heads, head_dim
+
+
+def _choose_layout(model: Any, device: torch.device, backend: str, block_size: int | None) -> tuple[str, int]:
+    _, num_heads, num_kv_heads, head_dim = _model_shape(model.config)
+    dtype = next(model.parameters()).dtype
+    return choose_layout(backend, block_size, device, dtype, num_heads, num_kv_heads, head_dim)
+
+
 def _build_pool(
     model: Any,
     device: torch.device,
@@ -382,10 +399,7 @@ def _build_pool(
     kv_cache_tokens: int | None,
     gpu_memory_utilization: float,
 ) -> KVPool:
-    config = model.config
-    num_layers = int(config.num_hidden_layers)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    num_layers, _, num_kv_heads, head_dim = _model_shape(model.config)
     dtype = next(model.parameters()).dtype
     bytes_per_token = KVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
     if kv_cache_tokens is None:

@@ -1,0 +1,85 @@
+"""The paged attention function (reference backend, CPU) against plain softmax attention over each request's whole
+sequence: decodes, a fresh prefill and a chunk continuing one, with GQA and a sliding window."""
+
+import pytest
+import torch
+
+from rlasync.engine.paged_attention import KVPool, build_metadata, choose_layout, paged_attention_forward
+
+
+class Layer:
+    layer_idx = 1
+
+
+def dense_attention(q, k, v, positions, window):
+    """q [Q, H, D] at `positions`, k/v [L, Hkv, D] at positions 0..L-1 -> [Q, H, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    key_pos = torch.arange(k.shape[0])
+    visible = key_pos[None, :] <= positions[:, None]
+    if window:
+        visible &= key_pos[None, :] > positions[:, None] - window
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_reference_backend_equals_dense_attention_per_request(window, block_size):
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    pool = KVPool(2, 40, block_size, kv_heads, dim, torch.float32, "cpu")
+    starts, lengths = (
+        [9, 0, 6, 0, 2 * block_size + 1],
+        [1, 7, 5, 1, 1],
+    )  # decode, prefill, chunk, 1-token prompt, decode
+    ends = [s + n for s, n in zip(starts, lengths)]
+    free = torch.randperm(40).tolist()
+    block_ids = [[free.pop() for _ in range(-(-end // block_size))] for end in ends]
+    full_k = [torch.randn(end, kv_heads, dim) for end in ends]
+    full_v = [torch.randn(end, kv_heads, dim) for end in ends]
+    for blocks, k, v, start in zip(block_ids, full_k, full_v, starts):  # the cache already holds positions < start
+        for pos in range(start):
+            slot = blocks[pos // block_size] * block_size + pos % block_size
+            pool.keys(1)[slot], pool.values(1)[slot] = k[pos], v[pos]
+    queries = [torch.randn(n, heads, dim) for n in lengths]
+    new_k = torch.cat([k[s:] for k, s in zip(full_k, starts)])
+    new_v = torch.cat([v[s:] for v, s in zip(full_v, starts)])
+    meta = build_metadata(pool, starts, lengths, block_ids, torch.device("cpu"))
+    out, _ = paged_attention_forward(
+        Layer(),
+        torch.cat(queries).transpose(0, 1)[None],
+        new_k.transpose(0, 1)[None],
+        new_v.transpose(0, 1)[None],
+        None,
+        scaling=dim**-0.5,
+        sliding_window=window,
+        paged_attention=meta,
+    )
+    expected = torch.cat(
+        [
+            dense_attention(q, k, v, torch.arange(s, s + len(q)), window)
+            for q, k, v, s in zip(queries, full_k, full_v, starts)
+        ]
+    )
+    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+    assert pool.keys(0).abs().sum() == 0  # layer 0's storage untouched
+
+
+def test_padding_rows_write_only_the_null_block():
+    pool = KVPool(1, 4, 4, 1, 2, torch.float32, "cpu")
+    meta = build_metadata(pool, [3, 0, 0], [1, 1, 1], [[2], [], []], torch.device("cpu"), max_blocks=3)
+    assert meta.slot_mapping.tolist() == [2 * 4 + 3, pool.null_slot, pool.null_slot]
+    assert meta.block_tables.tolist() == [[2, 4, 4], [4, 4, 4], [4, 4, 4]]
+    assert meta.seq_lens.tolist() == [4, 1, 1] and meta.query_start_loc.tolist() == [0, 1, 2, 3]
+
+
+def test_layout_on_cpu_is_the_reference_backend():
+    cpu = torch.device("cpu")
+    assert choose_layout("auto", None, cpu, torch.float32, 4, 2, 8) == ("reference", 16)
+    assert choose_layout("reference", 32, cpu, torch.float32, 4, 2, 8) == ("reference", 32)
+    with pytest.raises(ValueError, match="varlen"):
+        choose_layout("varlen", None, cpu, torch.bfloat16, 4, 2, 8)
+    with pytest.raises(ValueError, match="attention_backend"):
+        choose_layout("flash", None, cpu, torch.float32, 4, 2, 8)
