@@ -1,0 +1,61 @@
+"""`rollout_state.json` (SPEC §7.1): where a resumed run starts reading prompts, and its policy version.
+
+    {"prompt_index": <int>, "model_version": <int>}
+
+`prompt_index` is the first untrained prompt position (`PromptDispatcher.first_untrained_index()`), not the
+generator's position. `model_version` keeps adapter names increasing across restarts; files written before it
+existed resume at version 0. Pure Python: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_STATE_FILENAME = "rollout_state.json"
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutState:
+    """The resume point of the prompt stream and the policy version to continue from."""
+
+    prompt_index: int
+    model_version: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_index", "model_version"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"rollout state: {name} must be a non-negative integer, got {value!r}")
+
+    def to_dict(self) -> dict[str, int]:
+        return {"prompt_index": self.prompt_index, "model_version": self.model_version}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RolloutState:
+        """Read the JSON object; a missing `model_version` (older files) resumes at 0."""
+        if "prompt_index" not in data:
+            raise ValueError(f"rollout state has no 'prompt_index': {dict(data)!r}")
+        return cls(prompt_index=data["prompt_index"], model_version=data.get("model_version", 0))
+
+
+def write_rollout_state(checkpoint_dir: str | Path, state: RolloutState) -> Path:
+    """Write `rollout_state.json` into `checkpoint_dir`; returns the file's path."""
+    path = Path(checkpoint_dir) / ROLLOUT_STATE_FILENAME
+    path.write_text(json.dumps(state.to_dict()) + "\n")
+    return path
+
+
+def read_rollout_state(checkpoint_dir: str | Path) -> RolloutState | None:
+    """The state saved in `checkpoint_dir`, or None (with a warning) when the file is missing (SPEC §7.2)."""
+    path = Path(checkpoint_dir) / ROLLOUT_STATE_FILENAME
+    if not path.is_file():
+        logger.warning("no %s in %s: resuming the prompt stream from prompt 0", ROLLOUT_STATE_FILENAME, checkpoint_dir)
+        return None
+    return RolloutState.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,275 @@
+"""What the named StalenessQueue actor hosts: prompt dispatcher, sample queue and token allowance, kept consistent.
+
+The Ray actor only forwards calls to one `QueueService`; every call below keeps the three parts in step.
+
+    rollout side                                    learner side
+    next_group(G) ─► NextGroup(lease, waited_s)     wait_take(token_target) / take(...) ─► TakeResult
+       (allowance gate, then a lease)                  (fresh entries; stale ones dropped and accounted)
+    put_group(entries)   queued: group's samples    finish_step(tokens_per_step)   allowance follows
+    drop_group(id, why)  consumed, nothing queued   set_policy_version(v)          after each weight sync
+    release(lease)       leased again               rollout_state() ─► RolloutState for rollout_state.json
+
+Who waits for what, and what wakes it (one shared notifier; waiters re-check after every wake-up):
+
+    | waiter          | waits for                                          | woken by                         |
+    |-----------------|----------------------------------------------------|----------------------------------|
+    | next_group      | allowance open and a leasable prompt, or done      | take, finish_step, put/drop/     |
+    |                 |                                                    | release (in-flight count drops)  |
+    | wait_take       | a fresh entry in the queue                         | put_group                        |
+
+A take counts as training for the epoch, as in TRL (the trainer records a group when it reads its sample):
+`mark_trained` for taken entries, `mark_stale` for dropped ones (a group whose samples were all stale is
+leased again). Pure Python: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+from rlasync.pipeline._notify import Notifier
+from rlasync.pipeline.allowance import TokenAllowance
+from rlasync.pipeline.dispatcher import DROP_REASONS, DropReason, PromptDispatcher, PromptLease
+from rlasync.pipeline.resume import RolloutState
+from rlasync.pipeline.staleness_queue import QueueEntry, StalenessQueue, TakeResult, check_group_entries
+
+
+@dataclass(frozen=True, slots=True)
+class NextGroup:
+    """Answer to `next_group`.
+
+    lease:           the prompt to generate, or None (timed out, or `done`)
+    waited_s:        seconds the token allowance held the caller back: log as `rollout/backpressure_s`
+    done:            every prompt of the epoch budget is consumed: stop generating
+    policy_version:  the version current at admission (stamp it on the group)
+    """
+
+    lease: PromptLease | None
+    waited_s: float
+    done: bool
+    policy_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    """A snapshot for stats and logs: queue depth, generation in flight, the allowance, epoch progress."""
+
+    policy_version: int
+    queue_size: int  # samples waiting
+    queue_tokens: int  # raw tokens waiting
+    inflight_groups: int
+    inflight_rollouts: int
+    inflight_tokens: float  # estimate: in-flight rollouts × mean tokens per completed rollout
+    allowance_tokens: int
+    tokens_per_step: int
+    leased_groups: int
+    consumed_groups: int
+    regenerated_groups: int  # groups leased again because every sample was stale
+    first_untrained_index: int
+    done: bool
+
+    def to_dict(self) -> dict[str, int | float | bool]:
+        return asdict(self)
+
+
+class QueueService:
+    """The StalenessQueue actor's core (see the module docstring)."""
+
+    def __init__(
+        self,
+        dispatcher: PromptDispatcher,
+        *,
+        max_staleness: int,
+        tokens_per_step: int,
+        policy_version: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.max_staleness = max_staleness
+        self.policy_version = policy_version
+        self._clock = clock
+        self._notifier = Notifier()
+        self.queue = StalenessQueue(clock=clock, notifier=self._notifier)
+        self.allowance = TokenAllowance(max_staleness, tokens_per_step, clock=clock, notifier=self._notifier)
+        self._generating: dict[int, int] = {}  # group_id -> rollouts, for groups admitted and not yet back
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_rows: int,
+        num_epochs: float | None,
+        max_staleness: int,
+        tokens_per_step: int,
+        resume: RolloutState | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> QueueService:
+        """A service for a fresh run, or one resumed from a `rollout_state.json` (prompt position and version)."""
+        start = resume or RolloutState(prompt_index=0)
+        dispatcher = PromptDispatcher(num_rows, num_epochs, start_index=start.prompt_index)
+        return cls(
+            dispatcher,
+            max_staleness=max_staleness,
+            tokens_per_step=tokens_per_step,
+            policy_version=start.model_version,
+            clock=clock,
+        )
+
+    # ---- rollout side --------------------------------------------------------------------------------------
+
+    def try_next_group(self, num_rollouts: int) -> PromptLease | None:
+        """A lease whose group of `num_rollouts` is admitted now, or None (gate closed or nothing leasable)."""
+        if not (self.allowance.can_start() and self.dispatcher.has_leasable()):
+            return None
+        lease = self.dispatcher.lease()
+        assert lease is not None
+        self.allowance.start_group(num_rollouts)
+        self._generating[lease.group_id] = num_rollouts
+        return lease
+
+    async def next_group(self, num_rollouts: int, timeout_s: float | None = None) -> NextGroup:
+        """Wait (up to `timeout_s`, None = forever) for the allowance and a prompt; see `NextGroup`."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        blocked_s, last = 0.0, self._clock()
+        while True:
+            if self.dispatcher.done:
+                return self._admission(None, blocked_s)
+            lease = self.try_next_group(num_rollouts)
+            if lease is not None:
+                return self._admission(lease, blocked_s)
+            held_by_allowance = not self.allowance.can_start()
+            remaining = None if deadline is None else deadline - loop.time()
+            woke = await self._notifier.wait(remaining)
+            now = self._clock()
+            blocked_s += (now - last) if held_by_allowance else 0.0
+            last = now
+            if not woke:
+                return self._admission(None, blocked_s)
+
+    def put_group(self, entries: Iterable[QueueEntry], now: float | None = None) -> None:
+        """Queue one group's scored samples (its whole result; the group leaves the in-flight count)."""
+        entries = list(entries)
+        check_group_entries(entries)
+        group_id = entries[0].group_id
+        num_rollouts = self._generating_rollouts(group_id, "put_group")
+        self.dispatcher.mark_queued(group_id, len(entries))
+        del self._generating[group_id]
+        self.queue.put(entries, now=now)
+        self.allowance.finish_group(num_rollouts, sum(entry.num_tokens for entry in entries))
+
+    def drop_group(self, group_id: int, reason: DropReason, num_tokens: int = 0) -> None:
+        """The group produced nothing to train (zero reward std, or `filter_prompt` rejected its prompt).
+
+        `num_tokens`: raw tokens its rollouts generated (0 for a filtered prompt), for the per-rollout estimate.
+        """
+        if reason not in DROP_REASONS:
+            raise ValueError(f"drop_group: unknown reason {reason!r}; expected one of {DROP_REASONS}")
+        num_rollouts = self._generating_rollouts(group_id, "drop_group")
+        del self._generating[group_id]
+        if num_tokens > 0:
+            self.allowance.finish_group(num_rollouts, num_tokens, queued=False)
+        else:
+            self.allowance.cancel_group(num_rollouts)
+        self.dispatcher.mark_dropped(group_id, reason)  # last: it raises when a whole epoch was filtered
+
+    def release(self, lease: PromptLease) -> None:
+        """Give a lease back unconsumed (rollout failed for good, worker stopping); its prompt is leased again."""
+        num_rollouts = self._generating_rollouts(lease.group_id, "release")
+        self.dispatcher.release(lease)
+        del self._generating[lease.group_id]
+        self.allowance.cancel_group(num_rollouts)
+
+    # ---- learner side --------------------------------------------------------------------------------------
+
+    def take(self, token_target: int, now: float | None = None) -> TakeResult:
+        """Take up to `token_target` raw tokens of fresh samples now (never waits; may return nothing)."""
+        result = self.queue.take(token_target, self.policy_version, self.max_staleness, now=now)
+        self._account(result)
+        return result
+
+    async def wait_take(self, token_target: int, timeout_s: float | None) -> TakeResult:
+        """`take`, waiting up to `timeout_s` for a fresh sample when there is none; stale drops are kept."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        dropped: list[QueueEntry] = []
+        while True:
+            result = self.take(token_target)
+            dropped.extend(result.dropped_stale)
+            if result.entries:
+                break
+            remaining = None if deadline is None else deadline - loop.time()
+            if not await self._notifier.wait(remaining):
+                break
+        return _with_drops(result, dropped)
+
+    def finish_step(self, tokens_per_step: int) -> None:
+        """Publish the raw tokens the learner consumed in its last optimizer step."""
+        self.allowance.set_tokens_per_step(tokens_per_step)
+
+    def set_policy_version(self, policy_version: int) -> None:
+        """The version served after a weight sync; it never goes back."""
+        if policy_version < self.policy_version:
+            raise ValueError(f"set_policy_version: {policy_version} is older than the current {self.policy_version}")
+        self.policy_version = policy_version
+        self._notifier.notify()
+
+    # ---- state ---------------------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.dispatcher.done
+
+    def rollout_state(self) -> RolloutState:
+        """What to write to `rollout_state.json` now."""
+        return RolloutState(prompt_index=self.dispatcher.first_untrained_index(), model_version=self.policy_version)
+
+    def state(self) -> QueueState:
+        return QueueState(
+            policy_version=self.policy_version,
+            queue_size=len(self.queue),
+            queue_tokens=self.queue.num_tokens,
+            inflight_groups=self.allowance.inflight_groups,
+            inflight_rollouts=self.allowance.inflight_rollouts,
+            inflight_tokens=self.allowance.inflight_tokens,
+            allowance_tokens=self.allowance.allowance_tokens,
+            tokens_per_step=self.allowance.tokens_per_step,
+            leased_groups=self.dispatcher.num_leased,
+            consumed_groups=self.dispatcher.consumed_groups,
+            regenerated_groups=self.dispatcher.outcome_counts["stale"],
+            first_untrained_index=self.dispatcher.first_untrained_index(),
+            done=self.dispatcher.done,
+        )
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _admission(self, lease: PromptLease | None, waited_s: float) -> NextGroup:
+        return NextGroup(lease=lease, waited_s=waited_s, done=self.dispatcher.done, policy_version=self.policy_version)
+
+    def _generating_rollouts(self, group_id: int, action: str) -> int:
+        """The rollouts of a group admitted by this service and not yet queued, dropped or released."""
+        if group_id not in self._generating:
+            raise ValueError(
+                f"{action}: group {group_id} is not generating (never admitted, or already queued, dropped or released)"
+            )
+        return self._generating[group_id]
+
+    def _account(self, result: TakeResult) -> None:
+        """Tell the dispatcher and the allowance what left the queue."""
+        for group_id, count in Counter(entry.group_id for entry in result.entries).items():
+            self.dispatcher.mark_trained(group_id, count)
+        for group_id, count in Counter(entry.group_id for entry in result.dropped_stale).items():
+            self.dispatcher.mark_stale(group_id, count)
+        left = result.num_tokens + sum(entry.num_tokens for entry in result.dropped_stale)
+        if result.entries or result.dropped_stale:
+            self.allowance.consumed(left)
+
+
+def _with_drops(result: TakeResult, dropped: list[QueueEntry]) -> TakeResult:
+    """`result` carrying every stale drop of a waiting take (earlier attempts took no entries)."""
+    metrics = dict(result.metrics)
+    metrics["sample/dropped_stale_count"] = float(len(dropped))
+    return TakeResult(entries=result.entries, dropped_stale=tuple(dropped), metrics=metrics)

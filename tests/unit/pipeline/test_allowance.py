@@ -1,0 +1,149 @@
+"""TokenAllowance: cold start, the allowance after a step, waits released by consumption, backpressure seconds."""
+
+import asyncio
+
+import pytest
+
+from rlasync.pipeline import TokenAllowance, initial_tokens_per_step
+
+
+class FakeClock:
+    def __init__(self, now=0.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def test_initial_tokens_per_step_assumes_full_rows():
+    assert initial_tokens_per_step(token_budget=2048, num_learners=2, gradient_accumulation_steps=4) == 16384
+    with pytest.raises(ValueError, match="token_budget"):
+        initial_tokens_per_step(0, 1, 1)
+
+
+def test_cold_start_runs_one_group_at_a_time_until_the_first_completes():
+    allowance = TokenAllowance(max_staleness=4, tokens_per_step=10_000)
+    assert allowance.try_acquire(num_rollouts=4)
+    assert not allowance.try_acquire(num_rollouts=4)
+    allowance.cancel_group(4)  # a failed group does not end the cold start
+    assert allowance.try_acquire(num_rollouts=4)
+    assert not allowance.try_acquire(num_rollouts=4)
+    allowance.finish_group(4, num_tokens=400)
+    assert allowance.mean_tokens_per_rollout == 100
+    assert allowance.try_acquire(4) and allowance.try_acquire(4)
+
+
+def test_queued_plus_inflight_tokens_must_stay_below_the_allowance():
+    allowance = TokenAllowance(max_staleness=2, tokens_per_step=1000)  # allowance 2000
+    assert allowance.allowance_tokens == 2000
+    allowance.try_acquire(4)
+    allowance.finish_group(4, num_tokens=400)  # 100 tokens per rollout; 400 queued
+    assert allowance.try_acquire(4)  # 400 queued + 0 in flight < 2000 -> 400 + 400
+    assert allowance.try_acquire(4)  # 800 < 2000 -> 1200
+    assert allowance.try_acquire(4)  # 1200 < 2000 -> 1600
+    assert allowance.inflight_tokens == 1200 and allowance.inflight_rollouts == 12 and allowance.inflight_groups == 3
+    assert allowance.try_acquire(4)  # 1600 < 2000 -> 2000
+    assert not allowance.try_acquire(4)  # 2000 is not below 2000
+    allowance.consumed(400)  # the learner took the queued group
+    assert allowance.try_acquire(4)
+
+
+def test_the_inflight_estimate_follows_the_running_mean():
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=10**6)
+    allowance.try_acquire(2)
+    allowance.finish_group(2, num_tokens=100)  # 50 per rollout
+    allowance.try_acquire(2)
+    allowance.try_acquire(2)
+    assert allowance.inflight_tokens == 200
+    allowance.finish_group(2, num_tokens=500)  # 600 tokens over 4 rollouts: 150 per rollout
+    assert allowance.mean_tokens_per_rollout == 150 and allowance.inflight_tokens == 300
+
+
+def test_the_allowance_follows_the_published_tokens_per_step():
+    allowance = TokenAllowance(max_staleness=2, tokens_per_step=100)
+    allowance.try_acquire(2)
+    allowance.finish_group(2, num_tokens=500)
+    assert not allowance.can_start()  # 500 queued >= 200
+    allowance.set_tokens_per_step(300)
+    assert allowance.allowance_tokens == 600 and allowance.can_start()
+
+
+def test_max_staleness_zero_still_allows_one_step_ahead():
+    assert TokenAllowance(max_staleness=0, tokens_per_step=100).allowance_tokens == 100
+
+
+def test_the_running_mean_counts_dropped_groups_but_only_queued_tokens_fill_the_queue():
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=1000)
+    allowance.try_acquire(2)
+    allowance.finish_group(2, num_tokens=300, queued=False)
+    allowance.try_acquire(2)
+    allowance.finish_group(2, num_tokens=100)
+    assert allowance.queued_tokens == 100 and allowance.mean_tokens_per_rollout == 100
+
+
+def test_an_empty_pipeline_always_admits():
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=1)
+    allowance.try_acquire(8)
+    allowance.finish_group(8, num_tokens=8000)
+    allowance.consumed(8000)
+    assert allowance.can_start()  # nothing queued, nothing in flight, even though one group overshoots
+
+
+def test_misuse_names_the_problem():
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=10)
+    with pytest.raises(ValueError, match="0 groups / 0 rollouts are in flight"):
+        allowance.finish_group(3, 10)
+    allowance.start_group(3)
+    with pytest.raises(ValueError, match="3 rollouts are in flight"):
+        allowance.cancel_group(4)
+    with pytest.raises(ValueError, match="at least one rollout"):
+        allowance.start_group(0)
+    with pytest.raises(ValueError, match="only 0 are queued"):
+        allowance.consumed(5)
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        allowance.set_tokens_per_step(0)
+    with pytest.raises(ValueError, match="max_staleness"):
+        TokenAllowance(max_staleness=-1, tokens_per_step=10)
+
+
+def test_acquire_waits_until_consumption_and_reports_the_waited_seconds():
+    clock = FakeClock(100.0)
+
+    async def scenario():
+        allowance = TokenAllowance(max_staleness=1, tokens_per_step=100, clock=clock)
+        allowance.try_acquire(1)
+        allowance.finish_group(1, num_tokens=150)  # the queue holds 150 >= 100: closed
+        waiter = asyncio.create_task(allowance.acquire(1))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        clock.now = 102.5
+        allowance.set_tokens_per_step(120)  # 150 >= 120: still closed; the waiter re-checks and waits on
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        clock.now = 107.0
+        allowance.consumed(150)
+        result = await asyncio.wait_for(waiter, 1.0)
+        return allowance, result
+
+    allowance, result = asyncio.run(scenario())
+    assert result.acquired and result.waited_s == 7.0
+    assert allowance.inflight_groups == 1
+
+
+def test_acquire_without_waiting_reports_zero():
+    async def scenario():
+        return await TokenAllowance(1, 100, clock=FakeClock(5.0)).acquire(4)
+
+    result = asyncio.run(scenario())
+    assert result.acquired and result.waited_s == 0.0
+
+
+def test_acquire_times_out_cleanly_and_starts_nothing():
+    async def scenario():
+        allowance = TokenAllowance(max_staleness=1, tokens_per_step=100)
+        allowance.try_acquire(1)
+        result = await allowance.acquire(1, timeout_s=0.01)
+        return allowance, result
+
+    allowance, result = asyncio.run(scenario())
+    assert not result.acquired and allowance.inflight_groups == 1
