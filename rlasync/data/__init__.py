@@ -1,0 +1,32 @@
+"""Datasets for GRPO: prompt validation and rendering, procedurally generated tasks.
+
+Importing this package loads neither torch, transformers nor datasets (`*_dataset` imports datasets on use).
+"""
+
+from rlasync.data.prompts import (
+    PROMPT_COLUMN,
+    is_conversational,
+    render_prompt,
+    row_prompt,
+    validate_prompt,
+    validate_prompt_dataset,
+)
+from rlasync.data.tasks import (
+    arithmetic_dataset,
+    arithmetic_rows,
+    countdown_dataset,
+    countdown_rows,
+)
+
+__all__ = [
+    "PROMPT_COLUMN",
+    "arithmetic_dataset",
+    "arithmetic_rows",
+    "countdown_dataset",
+    "countdown_rows",
+    "is_conversational",
+    "render_prompt",
+    "row_prompt",
+    "validate_prompt",
+    "validate_prompt_dataset",
+]

@@ -1,0 +1,857 @@
+"""`AsyncRolloutLoop`: the asyncio loop that turns prompts into scored groups (TRL's `AsyncRolloutLoop`).
+
+    PromptSource.lease() ──► filter_prompt ──► G × generate_one ──► TrainingSequences ──► score_group ──► GroupSink.put
+           ▲  (after Admission.acquire)          │ generate_one_turn      (per rollout)     (rewards,        │
+           │                                     ▼                                          advantages)      ▼
+           └── release(lease, reason) ◄── failed / filtered / cancelled          Admission.finish_group(estimate, tokens)
+
+One loop runs in one event loop (a rollout actor, or a test with fakes). It talks only to protocols:
+
+| collaborator      | the loop calls                                   | a Ray actor wires             |
+|-------------------|--------------------------------------------------|-------------------------------|
+| `Engine` (1..E)   | `generate(prompt_ids, sampling)`, `stats()`      | GenerationActor handles       |
+| `PromptSource`    | `lease()`, `release(lease, reason)`              | the dispatcher in the queue   |
+| `Admission`       | `acquire(estimated_tokens)`, `finish_group(...)` | the token allowance (§2.3.3)  |
+| `GroupSink`       | `put(GroupResult)` (dropped groups included)     | the StalenessQueue            |
+
+Any of these methods may be sync or return an awaitable (Ray ObjectRefs are awaitable).
+
+What waits for what (each iteration writes the heartbeat, handles finished tasks, polls engine stats every
+`engine_stats_interval_s`, then dispatches):
+
+| step                 | runs when                                                  | blocks                          |
+|----------------------|------------------------------------------------------------|---------------------------------|
+| start a group        | a slot is free and no group has undispatched rollouts      | only its own task (admission,   |
+|                      |                                                            | lease): the loop keeps going    |
+| dispatch a rollout   | in flight < min(max_concurrent_rollouts, concurrency cap)  | nothing                         |
+|                      | and fewer than `max_pending_scores` groups being scored    |                                 |
+| score a group        | its G rollouts are done                                    | its own task (rewards, put)     |
+
+A group's G rollouts share the policy version read when its first rollout is dispatched. A rollout that
+fails with a `group_failure_exceptions` error (a rejected request) fails its group: the other rollouts are
+cancelled and the lease is released with reason "failed". Any other exception stops the loop; `run()`
+re-raises it and `check_health()` raises `RuntimeError` chained to it. `stop()` cancels every task and
+releases the leases of unfinished groups with reason "cancelled".
+
+Metrics go to `metrics_callback(items)` as `(key, value)` pairs (value a float or a `(num, den)` rate pair),
+keys as in SPEC §8.2/8.3: per rollout `rollout/duration_s`, `rollout/turns_mean|max`,
+`rollout/samples_per_rollout`, `completions/mean_length|max_length|min_length|clipped_ratio`,
+`completions/mean_terminated_length|max_…|min_…`; per group `rollout/concurrency`, `rollout/score_s`,
+`rollout/generated_tokens_per_s`, `completions/duplicate_frac` and `score_group`'s items; per start
+`rollout/backpressure_s`; counters `rollout/vllm_retry_count`, `rollout/filtered_prompt_count`,
+`rollout/failed_group_count`; engine gauges from `ConcurrencyController`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, Protocol
+
+import numpy as np
+
+from rlasync.data.prompts import PROMPT_COLUMN, render_prompt, row_prompt
+from rlasync.engine.base import Engine, EngineError, RequestRejectedError, SamplingParams
+from rlasync.metrics import MetricSink, MetricValue
+from rlasync.rewards.calling import RewardFunc
+from rlasync.rollout.concurrency import ConcurrencyController
+from rlasync.rollout.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
+from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
+
+logger = logging.getLogger(__name__)
+
+ReleaseReason = Literal["filtered", "failed", "cancelled"]
+"""Why a lease comes back without a scored group: `filtered` (rejected by `filter_prompt`: consumed for the
+epoch), `failed` (a rollout failed, e.g. a rejected request), `cancelled` (the loop stopped first)."""
+
+MetricsCallback = Callable[[list[tuple[str, MetricValue]]], Any]
+
+FINISH_STOP = "stop"
+NOT_REWARD_KWARGS = frozenset({PROMPT_COLUMN, "completion", "completion_ids"})
+"""Dataset columns not passed to the reward functions (every other column is, repeated G times)."""
+SEED_BITS = 63
+
+
+class PromptLease(NamedTuple):
+    """One prompt handed to a rollout loop: `group_id` is unique per lease (it keeps increasing across epochs),
+    `row_index` is the dataset row, `row` its columns, `epoch` the pass over the dataset."""
+
+    group_id: int
+    row_index: int
+    row: Mapping[str, Any]
+    epoch: int
+
+
+class PromptSource(Protocol):
+    def lease(self) -> PromptLease | tuple[int, int, Mapping[str, Any], int] | None | Awaitable[Any]:
+        """The next prompt, or None when the stream is exhausted (the loop then finishes its groups and ends)."""
+        ...
+
+    def release(self, lease: PromptLease, reason: ReleaseReason) -> None | Awaitable[None]:
+        """`lease` will produce no scored group, for `reason`."""
+        ...
+
+
+class Admission(Protocol):
+    """The gate in front of every new group (the token allowance of SPEC §2.3.3)."""
+
+    def acquire(self, estimated_tokens: float | None) -> float | Awaitable[float]:
+        """Wait until a group of `estimated_tokens` raw tokens may start (None: no estimate yet, the cold
+        start); return the seconds waited."""
+        ...
+
+    def finish_group(self, estimated_tokens: float | None, num_tokens: int) -> None | Awaitable[None]:
+        """An admitted group left flight: `num_tokens` raw tokens of its samples were queued (0 when it was
+        dropped, failed or cancelled). Called once per successful `acquire`."""
+        ...
+
+
+class OpenAdmission:
+    """Admits every group at once (no token allowance)."""
+
+    async def acquire(self, estimated_tokens: float | None) -> float:
+        return 0.0
+
+    def finish_group(self, estimated_tokens: float | None, num_tokens: int) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """A scored group, as handed to the sink (dropped groups too: the sink accounts for them)."""
+
+    lease: PromptLease
+    policy_version: int
+    scored: ScoredGroup
+
+    @property
+    def group_id(self) -> int:
+        return self.lease.group_id
+
+    @property
+    def row_index(self) -> int:
+        return self.lease.row_index
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.epoch
+
+    @property
+    def dropped(self) -> bool:
+        return self.scored.dropped
+
+    @property
+    def num_tokens(self) -> int:
+        """Raw tokens of the samples to train on (0 for a dropped group)."""
+        return sum(len(sample) for sample in self.scored.samples)
+
+
+class GroupSink(Protocol):
+    def put(self, result: GroupResult) -> None | Awaitable[None]: ...
+
+
+def retry_backoff_s(attempt: int) -> float:
+    """Seconds to wait before retry number `attempt` (0-based): 1, 2, 4, 8, 16, 16, ... (SPEC §2.5)."""
+    return float(min(2 ** min(attempt, 4), 16))
+
+
+@dataclass(eq=False)
+class _GroupState:
+    """A leased prompt on its way to the sink."""
+
+    lease: PromptLease
+    prompt: list[dict[str, Any]]
+    estimated_tokens: float | None
+    rollouts: list[Rollout | None]
+    sequences: list[list[TrainingSequence] | None]
+    policy_version: int = -1
+    num_dispatched: int = 0
+    num_done: int = 0
+    failed: bool = False
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def size(self) -> int:
+        return len(self.rollouts)
+
+
+class AsyncRolloutLoop:
+    """Generates and scores groups of `args.num_generations` rollouts until stopped or out of prompts.
+
+    Subclass and override the hooks (`setup`, `close`, `filter_prompt`, `generate_one`, `generate_one_turn`,
+    `compute_advantages`, `render`, `parse_response`, `build_sequences`); a trainer subclass selects the
+    subclass with `loop_cls`. Run with `await loop.run()`; stop with `await loop.stop()`.
+    """
+
+    drop_zero_std_groups: bool = True
+    """Drop groups whose rewards carry no signal (SPEC §2.6.3); they still reach the sink, without samples."""
+    provides_rollout_rewards: bool = False
+    """Set in a subclass whose `generate_one` sets `Rollout.reward`: it is then a reward source on its own."""
+    group_failure_exceptions: tuple[type[BaseException], ...] = (RequestRejectedError,)
+    """Errors of a rollout that fail its group (lease released as "failed") instead of stopping the loop."""
+    retryable_exceptions: tuple[type[BaseException], ...] = (EngineError, TimeoutError, ConnectionError)
+    max_generation_attempts: int = 30
+    heartbeat_interval_s: float = 0.5
+    engine_stats_interval_s: float = 5.0
+    max_pending_scores: int = 16
+    """Groups being scored or handed to the sink at once; beyond it no new rollout is dispatched."""
+
+    def __init__(
+        self,
+        *,
+        args: Any,
+        tokenizer: Any,
+        engine: Engine | Sequence[Engine],
+        prompt_source: PromptSource,
+        sink: GroupSink,
+        reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
+        admission: Admission | None = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        metrics_callback: MetricsCallback | None = None,
+        policy_version: int = 0,
+        eos_token_ids: Iterable[int] | None = None,
+        controller: ConcurrencyController | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.engines: list[Engine] = list(engine) if isinstance(engine, Sequence) else [engine]
+        if not self.engines:
+            raise ValueError("AsyncRolloutLoop needs at least one engine")
+        self.prompt_source = prompt_source
+        self.sink = sink
+        self.reward_funcs = _as_reward_funcs(reward_funcs)
+        if not self.reward_funcs and not self.provides_rollout_rewards:
+            raise ValueError(
+                "No reward source provided: pass reward_funcs, or subclass AsyncRolloutLoop with a generate_one "
+                "that sets Rollout.reward and provides_rollout_rewards = True"
+            )
+        self.admission: Admission = admission if admission is not None else OpenAdmission()
+        self.tools = list(tools) if tools else None
+        if self.tools and type(self).generate_one is AsyncRolloutLoop.generate_one:
+            raise NotImplementedError(
+                "tool calling is not implemented in the default generate_one yet (single turn only); "
+                "remove `tools` or override generate_one"
+            )
+        self.metrics = MetricSink()
+        self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
+        self.policy_version = policy_version
+        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _tokenizer_eos_ids(tokenizer)
+        self.controller = controller
+        self._clock, self._wall_clock, self._sleep = clock, wall_clock, sleep
+        self._rng = rng if rng is not None else random.Random()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.heartbeat = wall_clock()
+
+        self._engine_load = [0] * len(self.engines)
+        self._next_engine = 0
+        self._groups: set[_GroupState] = set()  # leased and not yet put or released
+        self._dispatching: _GroupState | None = None
+        self._starter: asyncio.Task[_GroupState | None] | None = None
+        self._rollout_tasks: dict[asyncio.Task[Any], tuple[_GroupState, int]] = {}
+        self._score_tasks: dict[asyncio.Task[Any], _GroupState] = {}
+        self._done: collections.deque[asyncio.Task[Any]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._stop_requested = False
+        self._running = False
+        self._exhausted = False
+        self._failure: BaseException | None = None
+        self._next_stats_at = -float("inf")
+        self._stats_available = True
+        self._mean_rollout_tokens: float | None = None
+        self._generated_tokens_unreported = 0
+        self._rate_window_start = clock()
+
+    # ---- hooks --------------------------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Create resources on the loop's event loop (called by `run()` before anything else)."""
+
+    async def close(self) -> None:
+        """Release what `setup` created (called by `run()` on the way out, also after an error)."""
+
+    def filter_prompt(self, row_index: int, row: Mapping[str, Any], epoch: int) -> bool:
+        """Whether to generate for this prompt (once per lease). A rejected prompt is released with reason
+        "filtered": it counts as consumed for the epoch (the prompt source decides what an epoch of nothing
+        but rejections means; it sees every loop's leases)."""
+        return True
+
+    async def generate_one(self, prompt: list[dict[str, Any]], tools: Sequence[Any] | None, group_id: int) -> Rollout:
+        """One whole rollout of `prompt`; every sampling request it made must be in `Rollout.turns`.
+
+        Default: a single turn (render, one `generate_one_turn`, the output decoded as the assistant message).
+        """
+        prompt_ids = self.render(prompt, tools)
+        turn = await self.generate_one_turn(prompt_ids)
+        message = self.parse_response(turn.output_ids, prompt_ids)
+        return Rollout(completion=[message], completion_ids=list(turn.output_ids), turns=[turn])
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with a fresh 63-bit seed; transient engine errors are retried with backoff
+        (SPEC §2.5), a rejected request is not."""
+        sampling = SamplingParams.from_config(self.args, seed=self._rng.getrandbits(SEED_BITS))
+        attempt = 0
+        while True:
+            try:
+                return await self._generate_on_engine(prompt_ids, sampling)
+            except self.retryable_exceptions as exc:
+                if attempt + 1 >= self.max_generation_attempts:
+                    raise
+                delay = retry_backoff_s(attempt)
+                logger.warning(
+                    "generation failed (%s: %s); retry %d in %.0f s", type(exc).__name__, exc, attempt + 1, delay
+                )
+                self.counters["generation_retries"] += 1
+                self._emit([("rollout/vllm_retry_count", 1.0)])
+                attempt += 1
+                await self._sleep(delay)
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """`[G]` advantages of a scored group (`group.rewards` is set); default: GRPO's group normalisation."""
+        return default_compute_advantages(group)
+
+    def render(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None) -> list[int]:
+        """The prompt ids of a conversation: the chat template with the generation prompt appended."""
+        return render_prompt(self.tokenizer, messages, getattr(self.args, "chat_template_kwargs", None), tools)
+
+    def parse_response(self, output_ids: list[int], prompt_ids: list[int]) -> dict[str, Any]:
+        """The assistant message of one turn's output (plain decoded text)."""
+        return {"role": "assistant", "content": self.tokenizer.decode(output_ids, skip_special_tokens=True)}
+
+    def build_sequences(self, rollout: Rollout) -> list[TrainingSequence]:
+        """The training sequences of one rollout (one per single-turn rollout)."""
+        return build_training_sequences(
+            rollout.turns, rollout.rollout_id, getattr(self.args, "num_sampler_logprobs", 0)
+        )
+
+    # ---- control ------------------------------------------------------------------------------------------
+
+    def update_policy_version(self, version: int) -> None:
+        """The policy version groups started from now on are stamped with."""
+        self.policy_version = int(version)
+
+    async def run(self) -> None:
+        """Run until `stop()`, until the prompt source is exhausted and every group is done, or a failure
+        (re-raised here and by `check_health`)."""
+        if self._running:
+            raise RuntimeError("AsyncRolloutLoop.run() is already running")
+        self._running = True
+        self._stopped.clear()
+        try:
+            await self.setup()
+            try:
+                await self._loop()
+            finally:
+                await self._cancel_everything()
+                await self.close()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._failure = exc
+            logger.error("rollout loop failed: %s: %s", type(exc).__name__, exc)
+            raise
+        finally:
+            self._running = False
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """Stop: cancel and await in-flight work, release unfinished leases ("cancelled"); returns when
+        `run()` has ended. A stopped loop stays stopped."""
+        self._stop_requested = True
+        self._wake.set()
+        if self._running:
+            await self._stopped.wait()
+
+    def check_health(self, stale_after_s: float | None = None) -> None:
+        """Raise `RuntimeError` if the loop failed (chained to the error) or, while running, its heartbeat is
+        older than `stale_after_s` (default `args.rollout_worker_timeout`)."""
+        if self._failure is not None:
+            raise RuntimeError(
+                f"the rollout loop failed: {type(self._failure).__name__}: {self._failure}"
+            ) from self._failure
+        if stale_after_s is None:
+            stale_after_s = getattr(self.args, "rollout_worker_timeout", None)
+        if self._running and stale_after_s is not None:
+            age = self._wall_clock() - self.heartbeat
+            if age > stale_after_s:
+                raise RuntimeError(
+                    f"the rollout loop's heartbeat is {age:.0f} s old (> {stale_after_s} s): the loop is hung"
+                )
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    @property
+    def num_inflight(self) -> int:
+        """Rollouts in flight."""
+        return len(self._rollout_tasks)
+
+    @property
+    def concurrency_limit(self) -> int:
+        cap = self.controller.cap if self.controller is not None else self.args.max_concurrent_rollouts
+        return min(self.args.max_concurrent_rollouts, cap)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            self.heartbeat = self._wall_clock()
+            await self._handle_finished_tasks()
+            if self._stop_requested:
+                return
+            await self._observe_engines()
+            self._dispatch()
+            if self._exhausted and not (self._rollout_tasks or self._score_tasks or self._starter):
+                return
+            await self._wait_for_news()
+
+    async def _wait_for_news(self) -> None:
+        """Until a task finishes, `stop()` is called, or the heartbeat interval passes."""
+        if not self._wake.is_set():
+            try:
+                async with asyncio.timeout(self.heartbeat_interval_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+        self._wake.clear()
+
+    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coroutine)
+        task.add_done_callback(self._on_task_done)
+        return task
+
+    def _on_task_done(self, task: asyncio.Task[Any]) -> None:
+        self._done.append(task)
+        self._wake.set()
+
+    def _dispatch(self) -> None:
+        """Start rollouts while slots are free; start the next group when the current one is dispatched."""
+        while not self._stop_requested:
+            if len(self._score_tasks) >= self.max_pending_scores or self.num_inflight >= self.concurrency_limit:
+                return
+            group = self._dispatching
+            if group is not None and not group.failed and group.num_dispatched < group.size:
+                self._dispatch_rollout(group)
+                continue
+            self._dispatching = None
+            if self._starter is None and not self._exhausted:
+                self._starter = self._spawn(self._start_group())
+            return
+
+    def _dispatch_rollout(self, group: _GroupState) -> None:
+        if group.num_dispatched == 0:
+            group.policy_version = self.policy_version
+        index = group.num_dispatched
+        group.num_dispatched += 1
+        prompt = [dict(message) for message in group.prompt]
+        task = self._spawn(self._timed_rollout(prompt, group.lease.group_id))
+        self._rollout_tasks[task] = (group, index)
+        group.tasks.add(task)
+
+    async def _timed_rollout(self, prompt: list[dict[str, Any]], group_id: int) -> tuple[Rollout, float]:
+        started = self._clock()
+        rollout = await self.generate_one(prompt, self.tools, group_id)
+        if not isinstance(rollout, Rollout):
+            raise TypeError(f"generate_one must return a Rollout, got {type(rollout).__name__}")
+        return rollout, self._clock() - started
+
+    async def _start_group(self) -> _GroupState | None:
+        """Admission, then the next prompt that passes `filter_prompt`; None when the source is exhausted."""
+        estimate = self._estimate_group_tokens()
+        waited = await _resolve(self.admission.acquire(estimate))
+        self._emit([("rollout/backpressure_s", float(waited))])
+        lease = None
+        try:
+            while True:
+                lease = await _resolve(self.prompt_source.lease())
+                if lease is None:
+                    await self._finish_admission(estimate, 0)
+                    return None
+                lease = PromptLease(*lease)
+                if not await _resolve(self.filter_prompt(lease.row_index, lease.row, lease.epoch)):
+                    filtered, lease = lease, None
+                    await _resolve(self.prompt_source.release(filtered, "filtered"))
+                    self.counters["prompts_filtered"] += 1
+                    self._emit([("rollout/filtered_prompt_count", 1.0)])
+                    continue
+                prompt = row_prompt(lease.row, lease.row_index)
+                size = self.args.num_generations
+                group = _GroupState(lease, prompt, estimate, [None] * size, [None] * size)
+                self._groups.add(group)
+                return group
+        except BaseException:
+            if lease is not None:
+                await self._release_quietly(lease, "cancelled")
+            await self._finish_admission(estimate, 0)
+            raise
+
+    # ---- finished tasks -----------------------------------------------------------------------------------
+
+    async def _handle_finished_tasks(self) -> None:
+        while self._done:
+            task = self._done.popleft()
+            if task is self._starter:
+                self._starter = None
+                group = task.result()  # an error here stops the loop
+                if group is None:
+                    self._exhausted = True
+                else:
+                    self._dispatching = group
+            elif task in self._rollout_tasks:
+                await self._on_rollout_done(task)
+            elif task in self._score_tasks:
+                group = self._score_tasks.pop(task)
+                task.result()  # an error while scoring or putting stops the loop
+
+    async def _on_rollout_done(self, task: asyncio.Task[Any]) -> None:
+        group, index = self._rollout_tasks.pop(task)
+        group.tasks.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            if not isinstance(error, self.group_failure_exceptions):
+                raise error
+            if not group.failed:
+                await self._fail_group(group, error)
+            return
+        if group.failed:
+            return
+        rollout, duration_s = task.result()
+        self._record_rollout(group, index, rollout, duration_s)
+        if group.num_done == group.size:
+            self._score_tasks[self._spawn(self._score_and_put(group))] = group
+
+    async def _fail_group(self, group: _GroupState, error: BaseException) -> None:
+        group.failed = True
+        for task in group.tasks:
+            task.cancel()
+        self._groups.discard(group)
+        logger.warning(
+            "group %d (row %d) failed and is released: %s: %s",
+            group.lease.group_id,
+            group.lease.row_index,
+            type(error).__name__,
+            error,
+        )
+        self.counters["groups_failed"] += 1
+        self._emit([("rollout/failed_group_count", 1.0)])
+        await _resolve(self.prompt_source.release(group.lease, "failed"))
+        await self._finish_admission(group.estimated_tokens, 0)
+
+    def _record_rollout(self, group: _GroupState, index: int, rollout: Rollout, duration_s: float) -> None:
+        sequences = self.build_sequences(rollout)
+        group.rollouts[index] = rollout
+        group.sequences[index] = sequences
+        group.num_done += 1
+        self.counters["rollouts_completed"] += 1
+        raw_tokens = sum(len(sequence.input_ids) for sequence in sequences)
+        completed = self.counters["rollouts_completed"]
+        mean = self._mean_rollout_tokens or 0.0
+        self._mean_rollout_tokens = mean + (raw_tokens - mean) / completed
+        self._generated_tokens_unreported += sum(len(turn.output_ids) for turn in rollout.turns)
+        self._emit(self._rollout_metrics(rollout, sequences, duration_s))
+
+    def _rollout_metrics(
+        self, rollout: Rollout, sequences: list[TrainingSequence], duration_s: float
+    ) -> list[tuple[str, MetricValue]]:
+        length = float(len(rollout.completion_ids))
+        num_turns = float(len(rollout.turns))
+        items: list[tuple[str, MetricValue]] = [
+            ("rollout/duration_s", duration_s),
+            ("rollout/turns_mean", (num_turns, 1.0)),
+            ("rollout/turns_max", num_turns),
+            ("rollout/samples_per_rollout", (float(len(sequences)), 1.0)),
+            ("completions/mean_length", (length, 1.0)),
+            ("completions/max_length", length),
+            ("completions/min_length", length),
+        ]
+        if rollout.completion_ids:
+            clipped = self._is_clipped(rollout)
+            items.append(("completions/clipped_ratio", (float(clipped), 1.0)))
+            if not clipped:
+                items += [
+                    ("completions/mean_terminated_length", length),
+                    ("completions/max_terminated_length", length),
+                    ("completions/min_terminated_length", length),
+                ]
+        return items
+
+    def _is_clipped(self, rollout: Rollout) -> bool:
+        """Whether the rollout did not end on EOS: the last turn's finish reason when the engine gave one,
+        else its last generated token."""
+        last_turn = rollout.turns[-1] if rollout.turns else None
+        if last_turn is not None and last_turn.finish_reason is not None:
+            return last_turn.finish_reason != FINISH_STOP
+        return rollout.completion_ids[-1] not in self.eos_token_ids
+
+    # ---- scoring ------------------------------------------------------------------------------------------
+
+    async def _score_and_put(self, group: _GroupState) -> None:
+        rollout_group = self._rollout_group(group)
+        started = self._clock()
+        scored = await score_group(
+            rollout_group,
+            self.reward_funcs,
+            compute_advantages=self.compute_advantages,
+            drop_zero_std_groups=self.drop_zero_std_groups,
+        )
+        score_s = self._clock() - started
+        result = GroupResult(lease=group.lease, policy_version=group.policy_version, scored=scored)
+        await _resolve(self.sink.put(result))
+        self._groups.discard(group)
+        self.counters["groups_scored"] += 1
+        self.counters["groups_dropped"] += int(scored.dropped)
+        await self._finish_admission(group.estimated_tokens, result.num_tokens)
+        self._emit(self._group_metrics(rollout_group, scored, score_s))
+
+    def _rollout_group(self, group: _GroupState) -> RolloutGroup:
+        rollouts = [rollout for rollout in group.rollouts if rollout is not None]
+        size = len(rollouts)
+        rewards = [rollout.reward for rollout in rollouts]
+        reward_kwargs = {
+            name: [value] * size for name, value in group.lease.row.items() if name not in NOT_REWARD_KWARGS
+        }
+        return RolloutGroup(
+            prompts=[group.prompt] * size,
+            completions=[rollout.completion for rollout in rollouts],
+            completions_ids=[list(rollout.completion_ids) for rollout in rollouts],
+            completions_sequences=[list(sequences or []) for sequences in group.sequences],
+            group_id=group.lease.group_id,
+            policy_version=group.policy_version,
+            row_index=group.lease.row_index,
+            tool_call_counts=[rollout.tool_call_count for rollout in rollouts],
+            tool_failure_counts=[rollout.tool_failure_count for rollout in rollouts],
+            rollout_rewards=rewards if self.provides_rollout_rewards or any(r is not None for r in rewards) else [],
+            reward_kwargs=reward_kwargs,
+            queued_at=self._clock(),
+        )
+
+    def _group_metrics(self, group: RolloutGroup, scored: ScoredGroup, score_s: float) -> list[tuple[str, MetricValue]]:
+        now = self._clock()
+        rate = (float(self._generated_tokens_unreported), now - self._rate_window_start)
+        self._generated_tokens_unreported, self._rate_window_start = 0, now
+        seen: set[tuple[int, ...]] = set()
+        duplicates = 0
+        for ids in group.completions_ids:
+            duplicates += tuple(ids) in seen
+            seen.add(tuple(ids))
+        return [
+            ("rollout/concurrency", float(self.num_inflight)),
+            ("rollout/score_s", score_s),
+            ("rollout/generated_tokens_per_s", rate),
+            ("completions/duplicate_frac", duplicates / len(group)),
+            *scored.metrics,
+        ]
+
+    # ---- engines ------------------------------------------------------------------------------------------
+
+    async def _generate_on_engine(self, prompt_ids: list[int], sampling: SamplingParams) -> TurnRecord:
+        """Send one request to the least-loaded engine (ties: round robin)."""
+        count = len(self.engines)
+        start, self._next_engine = self._next_engine, (self._next_engine + 1) % count
+        index = min(((start + k) % count for k in range(count)), key=self._engine_load.__getitem__)
+        self._engine_load[index] += 1
+        try:
+            return await self.engines[index].generate(list(prompt_ids), sampling)
+        finally:
+            self._engine_load[index] -= 1
+
+    async def _observe_engines(self) -> None:
+        """Every `engine_stats_interval_s`: feed the engines' gauges to the concurrency controller."""
+        now = self._clock()
+        if not self._stats_available or now < self._next_stats_at:
+            return
+        self._next_stats_at = now + self.engine_stats_interval_s
+        try:
+            if not all(callable(getattr(engine, "stats", None)) for engine in self.engines):
+                raise NotImplementedError("an engine has no stats()")
+            stats = [await _resolve(engine.stats()) for engine in self.engines]
+        except NotImplementedError as exc:
+            logger.warning("engines report no load stats (%s); concurrency stays at max_concurrent_rollouts", exc)
+            self._stats_available = False
+            return
+        except self.retryable_exceptions as exc:
+            logger.warning("reading engine stats failed (%s: %s); keeping the concurrency cap", type(exc).__name__, exc)
+            return
+        if self.controller is None:
+            self.controller = ConcurrencyController.from_stats(self.args.max_concurrent_rollouts, stats)
+        self._emit(self.controller.observe(stats, self.counters["rollouts_completed"]))
+
+    # ---- bookkeeping --------------------------------------------------------------------------------------
+
+    def _estimate_group_tokens(self) -> float | None:
+        if self._mean_rollout_tokens is None:
+            return None
+        return self._mean_rollout_tokens * self.args.num_generations
+
+    async def _finish_admission(self, estimated_tokens: float | None, num_tokens: int) -> None:
+        await _resolve(self.admission.finish_group(estimated_tokens, num_tokens))
+
+    async def _release_quietly(self, lease: PromptLease, reason: ReleaseReason) -> None:
+        """Best-effort release while stopping: a failure is logged, not raised over the original error."""
+        try:
+            await _resolve(self.prompt_source.release(lease, reason))
+        except Exception as exc:
+            logger.warning("could not release group %d (%s): %s", lease.group_id, reason, exc)
+
+    async def _cancel_everything(self) -> None:
+        """Cancel and await every task; release the leases of unfinished groups as "cancelled"."""
+        tasks = [*self._rollout_tasks, *self._score_tasks, *([self._starter] if self._starter else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for group in list(self._groups):
+            await self._release_quietly(group.lease, "cancelled")
+            try:
+                await self._finish_admission(group.estimated_tokens, 0)
+            except Exception as exc:
+                logger.warning("admission.finish_group failed while stopping: %s", exc)
+        self._groups.clear()
+        self._rollout_tasks.clear()
+        self._score_tasks.clear()
+        self._starter = None
+        self._dispatching = None
+        self._done.clear()
+
+    def _emit(self, items: list[tuple[str, MetricValue]]) -> None:
+        if items:
+            self._metrics_callback(items)
+
+
+def build_training_sequences(
+    turns: Sequence[TurnRecord], rollout_id: str, num_sampler_logprobs: int = 0
+) -> list[TrainingSequence]:
+    """Training sequences of one rollout's turns.
+
+    A turn whose prompt starts with the tokens held so far extends the current sequence (the new prompt
+    tokens as context); any other turn starts a new sequence (the seed's rule, SPEC §3.3). Output tokens are
+    trained where `TurnRecord.output_mask` allows (all when it is None) and carry their sampler log-prob,
+    top-K sampler log-probs (sorted by log-prob, padded -1 / -inf to `num_sampler_logprobs`) and candidate
+    set (padded -1); context carries 0.0 / -1 / -inf. Sequences without a trained token are left out.
+    """
+    builders: list[_SequenceBuilder] = []
+    for turn in turns:
+        if not builders or not _starts_with(turn.prompt_ids, builders[-1].token_ids):
+            builders.append(_SequenceBuilder())
+        builder = builders[-1]
+        builder.add_context(turn.prompt_ids[len(builder.token_ids) :])
+        builder.add_output(turn)
+    return [builder.build(rollout_id, num_sampler_logprobs) for builder in builders if builder.num_trained > 0]
+
+
+class _SequenceBuilder:
+    """Per-token lists of one training sequence under construction."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.topk: list[Mapping[int, float] | None] = []
+        self.candidates: list[Sequence[int] | None] = []
+        self.has_topk = False
+        self.has_candidates = False
+
+    @property
+    def num_trained(self) -> int:
+        return sum(self.mask)
+
+    def add_context(self, token_ids: Sequence[int]) -> None:
+        count = len(token_ids)
+        self.token_ids += token_ids
+        self.mask += [0] * count
+        self.logprobs += [0.0] * count
+        self.topk += [None] * count
+        self.candidates += [None] * count
+
+    def add_output(self, turn: TurnRecord) -> None:
+        count = len(turn.output_ids)
+        mask = [int(bool(m)) for m in turn.output_mask] if turn.output_mask is not None else [1] * count
+        if any(mask) and len(turn.output_log_probs) != count:
+            raise ValueError(
+                f"a turn with {count} output tokens has {len(turn.output_log_probs)} output_log_probs: trained "
+                "tokens need the sampler's log-prob of every output token"
+            )
+        self.token_ids += turn.output_ids
+        self.mask += mask
+        self.logprobs += [lp if m else 0.0 for lp, m in zip(turn.output_log_probs or [0.0] * count, mask)]
+        topk = turn.output_sampler_logprobs
+        self.has_topk |= topk is not None
+        self.topk += [topk[j] if topk is not None and mask[j] else None for j in range(count)]
+        candidates = turn.output_sampling_mask
+        self.has_candidates |= candidates is not None
+        self.candidates += [candidates[j] if candidates is not None and mask[j] else None for j in range(count)]
+
+    def build(self, rollout_id: str, num_sampler_logprobs: int) -> TrainingSequence:
+        length = len(self.token_ids)
+        topk_ids = topk_logprobs = sampling_mask = None
+        if num_sampler_logprobs > 0 and self.has_topk:
+            topk_ids = np.full((length, num_sampler_logprobs), -1, dtype=np.int64)
+            topk_logprobs = np.full((length, num_sampler_logprobs), -np.inf, dtype=np.float32)
+            for position, entry in enumerate(self.topk):
+                if entry:
+                    ranked = sorted(entry.items(), key=lambda item: (-item[1], item[0]))[:num_sampler_logprobs]
+                    topk_ids[position, : len(ranked)] = [token for token, _ in ranked]
+                    topk_logprobs[position, : len(ranked)] = [logprob for _, logprob in ranked]
+        if self.has_candidates:
+            width = max([len(c) for c in self.candidates if c is not None] + [1])
+            sampling_mask = np.full((length, width), -1, dtype=np.int64)
+            for position, entry in enumerate(self.candidates):
+                if entry:
+                    sampling_mask[position, : len(entry)] = entry
+        return TrainingSequence(
+            input_ids=np.asarray(self.token_ids, dtype=np.int64),
+            completion_mask=np.asarray(self.mask, dtype=np.int8),
+            sampler_logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            rollout_id=rollout_id,
+            sampler_topk_ids=topk_ids,
+            sampler_topk_logprobs=topk_logprobs,
+            sampling_mask=sampling_mask,
+        )
+
+
+def _starts_with(token_ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    return len(token_ids) >= len(prefix) and list(token_ids[: len(prefix)]) == list(prefix)
+
+
+def _as_reward_funcs(reward_funcs: RewardFunc | Sequence[RewardFunc] | None) -> list[RewardFunc]:
+    if reward_funcs is None:
+        return []
+    if callable(reward_funcs):
+        return [reward_funcs]
+    return list(reward_funcs)
+
+
+def _tokenizer_eos_ids(tokenizer: Any) -> frozenset[int]:
+    ids = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
+    return frozenset(int(token) for token in ids if token is not None)
+
+
+async def _resolve(value: Any) -> Any:
+    """Await `value` if it is awaitable (a coroutine, a future, a Ray ObjectRef); else return it."""
+    return await value if inspect.isawaitable(value) else value
+
+
+__all__ = [
+    "Admission",
+    "AsyncRolloutLoop",
+    "GroupResult",
+    "GroupSink",
+    "OpenAdmission",
+    "PromptLease",
+    "PromptSource",
+    "ReleaseReason",
+    "build_training_sequences",
+    "retry_backoff_s",
+]

@@ -1,0 +1,102 @@
+"""Prompt validation (errors name the problem and the fix) and rendering through a chat template."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlasync.data import is_conversational, render_prompt, row_prompt, validate_prompt, validate_prompt_dataset
+
+REPO = Path(__file__).resolve().parents[3]
+USER = [{"role": "user", "content": "What is 1 + 2?"}]
+
+
+def test_a_dataset_without_a_prompt_column_is_refused_with_its_columns_and_the_fix():
+    with pytest.raises(ValueError) as info:
+        validate_prompt_dataset([{"question": "q", "answer": "1"}])
+    message = str(info.value)
+    assert "'prompt'" in message and "['answer', 'question']" in message and "rename_column" in message
+
+
+def test_a_plain_string_prompt_is_refused_with_the_conversion():
+    with pytest.raises(ValueError) as info:
+        validate_prompt_dataset([{"prompt": "What is 1 + 2?"}, {"prompt": USER}])
+    message = str(info.value)
+    assert "row 0" in message and "plain string" in message and "conversational" in message
+    assert '[{"role": "user", "content": row["prompt"]}]' in message
+
+
+@pytest.mark.parametrize(
+    ("prompt", "problem"),
+    [
+        ([], "empty"),
+        ([("user", "hi")], "not a dict"),
+        ([{"content": "hi"}], "'role'"),
+        ([{"role": "user"}], "'content'"),
+        ([{"role": "robot", "content": "hi"}], "role 'robot'"),
+        ({"role": "user", "content": "hi"}, "dict, not a list"),
+    ],
+)
+def test_malformed_messages_are_named(prompt, problem):
+    assert not is_conversational(prompt)
+    with pytest.raises(ValueError, match=problem):
+        validate_prompt(prompt)
+
+
+def test_conversational_prompts_pass():
+    assert is_conversational(USER)
+    assert is_conversational([{"role": "system", "content": "Be brief."}, *USER])
+    assert is_conversational([*USER, {"role": "assistant", "tool_calls": [{"name": "f"}]}])
+    validate_prompt_dataset([{"prompt": USER, "answer": "3"}])
+    assert row_prompt({"prompt": USER}) == USER
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        row_prompt({"question": "q"}, row_index=4)
+
+
+class TemplateReturning:
+    def __init__(self, value):
+        self.value = value
+        self.calls = []
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.calls.append((messages, kwargs))
+        return self.value
+
+
+@pytest.mark.parametrize("value", [[5, 6, 7], {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]}, [[5, 6, 7]]])
+def test_render_prompt_accepts_every_return_type_of_apply_chat_template(value):
+    tokenizer = TemplateReturning(value)
+    assert render_prompt(tokenizer, USER, {"enable_thinking": False}) == [5, 6, 7]
+    messages, kwargs = tokenizer.calls[0]
+    assert messages == USER
+    assert kwargs == {"add_generation_prompt": True, "tokenize": True, "enable_thinking": False}
+
+
+def test_render_prompt_with_a_batch_encoding():
+    from transformers import BatchEncoding
+
+    assert render_prompt(TemplateReturning(BatchEncoding({"input_ids": [9, 8]})), USER) == [9, 8]
+
+
+SMOLLM2 = Path(os.environ.get("RLASYNC_CACHE", Path.home() / ".cache" / "rlasync")) / "models" / "smollm2-135m-instruct"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").exists(), reason="SmolLM2 alias not prepared")
+def test_render_prompt_with_a_real_chat_template():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    ids = render_prompt(tokenizer, USER)
+    assert ids == tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_importing_the_data_package_and_the_loop_loads_no_heavy_dependency():
+    code = (
+        "import sys, rlasync.data, rlasync.rollout.loop, rlasync.rollout.concurrency\n"
+        "print(','.join(m for m in ('torch', 'transformers', 'datasets', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True)
+    assert out.stdout.strip() == ""

@@ -1,0 +1,95 @@
+"""The adaptive concurrency cap (SPEC §2.3.2): initial value, +25 % / -30 % rules, clamps, gauges."""
+
+import pytest
+
+from rlasync.engine.base import EngineStats
+from rlasync.rollout.concurrency import ConcurrencyController
+
+
+def stats(kv=0.5, running=0, waiting=0, preemptions=0, capacity=64 * 10, max_model_len=64):
+    return EngineStats(kv, running, waiting, preemptions, capacity, max_model_len)
+
+
+def gauges(items):
+    return dict(items)
+
+
+@pytest.mark.parametrize(
+    ("max_concurrent", "capacity", "max_model_len", "expected"),
+    [(512, 640, 64, 10), (4, 640, 64, 4), (512, 10, 64, 1), (512, 0, 64, 512), (512, None, None, 512)],
+)
+def test_initial_cap_is_what_fits_in_the_kv_cache_clamped(max_concurrent, capacity, max_model_len, expected):
+    assert ConcurrencyController(max_concurrent, capacity, max_model_len).cap == expected
+
+
+def test_initial_cap_from_several_engines_sums_their_capacity():
+    controller = ConcurrencyController.from_stats(512, [stats(capacity=640), stats(capacity=320)])
+    assert controller.cap == 15
+
+
+def test_increase_waits_for_a_caps_worth_of_completions_since_the_last_increase():
+    controller = ConcurrencyController(512, 640, 64)  # cap 10
+    controller.observe(stats(kv=0.1), completed_rollouts=9)
+    assert controller.cap == 10
+    controller.observe(stats(kv=0.1), completed_rollouts=10)
+    assert controller.cap == 12  # floor(1.25 * 10)
+    controller.observe(stats(kv=0.1), completed_rollouts=21)
+    assert controller.cap == 12  # only 11 since the last increase
+    controller.observe(stats(kv=0.1), completed_rollouts=22)
+    assert controller.cap == 15
+
+
+def test_small_caps_grow_by_at_least_one_and_never_past_the_maximum():
+    controller = ConcurrencyController(6, 128, 64)  # cap 2
+    controller.observe(stats(kv=0.0), completed_rollouts=2)
+    assert controller.cap == 3  # floor(2.5) = 2, so + 1
+    for completed in (10, 20, 30, 40):
+        controller.observe(stats(kv=0.0), completed_rollouts=completed)
+    assert controller.cap == 6
+
+
+@pytest.mark.parametrize(("kv", "waiting"), [(0.6, 0), (0.7, 0), (0.8, 0), (0.1, 1)])
+def test_no_increase_at_moderate_load_or_with_waiting_requests(kv, waiting):
+    controller = ConcurrencyController(512, 640, 64)
+    controller.observe(stats(kv=kv, waiting=waiting), completed_rollouts=1000)
+    assert controller.cap == 10
+
+
+def test_high_kv_usage_cuts_the_cap_by_30_percent_down_to_one():
+    controller = ConcurrencyController(512, 640, 64)
+    controller.observe(stats(kv=0.81), completed_rollouts=0)
+    assert controller.cap == 7
+    for _ in range(10):
+        controller.observe(stats(kv=0.95), completed_rollouts=0)
+    assert controller.cap == 1
+
+
+def test_kv_usage_is_the_busiest_engine_and_counts_are_summed():
+    controller = ConcurrencyController(512, 640, 64)
+    items = gauges(
+        controller.observe(
+            [stats(kv=0.2, running=3, waiting=1, preemptions=5), stats(kv=0.9, running=4, waiting=2, preemptions=1)],
+            completed_rollouts=0,
+        )
+    )
+    assert items == {
+        "rollout/concurrency_cap": 7.0,  # the 0.9 engine decides
+        "rollout/vllm_kv_cache_usage_frac": 0.9,
+        "rollout/vllm_running_requests": 7.0,
+        "rollout/vllm_queued_requests": 3.0,
+        "rollout/vllm_preemption_count": 6.0,
+    }
+
+
+def test_preemptions_are_reported_as_increases_since_the_previous_observation():
+    controller = ConcurrencyController(512, 640, 64)
+    deltas = [
+        gauges(controller.observe(stats(preemptions=total), 0))["rollout/vllm_preemption_count"]
+        for total in (4, 4, 10, 3)
+    ]
+    assert deltas == [4.0, 0.0, 6.0, 0.0]  # a counter that went down (engine restart) restarts the baseline
+
+
+def test_no_stats_keeps_the_cap():
+    controller = ConcurrencyController(512, 640, 64)
+    assert gauges(controller.observe([], 100)) == {"rollout/concurrency_cap": 10.0}
