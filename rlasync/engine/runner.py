@@ -155,10 +155,10 @@ class ModelRunner:
         steps = torch.tensor([spec.step for spec in specs], dtype=torch.int64, device=self.device)
         seen = None
         if any(spec.seen_ids is not None for spec in specs):
+            rows = [row for row, spec in enumerate(specs) for _ in spec.seen_ids or ()]
+            ids = [token for spec in specs for token in spec.seen_ids or ()]
             seen = torch.zeros(len(specs), logits.shape[1], dtype=torch.bool, device=self.device)
-            for row, spec in enumerate(specs):
-                if spec.seen_ids:
-                    seen[row, torch.tensor(spec.seen_ids, dtype=torch.int64, device=self.device)] = True
+            seen[torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)] = True
         wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
         result = sample(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
         return _unpack(result, params)

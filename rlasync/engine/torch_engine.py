@@ -59,8 +59,8 @@ class TorchEngine:
     device                 default "cuda" when available, else "cpu"
     max_model_len          prompt + output limit per request; default the model's max_position_embeddings
     kv_cache_tokens        KV budget in tokens (rounded up to whole blocks); default: `gpu_memory_utilization` of
-                           the GPU's memory minus what is already used, or 1 GiB of KV on CPU; never below
-                           max_model_len (a lone request always fits)
+                           the GPU's memory minus what is already used, or 1 GiB of KV on CPU, at most
+                           max_num_seqs * max_model_len; never below max_model_len (a lone request always fits)
     block_size             tokens per KV block; default 16, or on CUDA the first of 16, 256 that the paged
                            FlashAttention kernel accepts
     max_num_seqs           most requests running at once
@@ -100,7 +100,13 @@ class TorchEngine:
         self.kv_on_weight_update = kv_on_weight_update
         backend, block_size = _choose_layout(self.model, self.device, attention_backend, block_size)
         pool = _build_pool(
-            self.model, self.device, block_size, self.max_model_len, kv_cache_tokens, gpu_memory_utilization
+            self.model,
+            self.device,
+            block_size,
+            self.max_model_len,
+            kv_cache_tokens,
+            gpu_memory_utilization,
+            max_num_seqs,
         )
         self.block_size = block_size
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -398,6 +404,7 @@ def _build_pool(
     max_model_len: int,
     kv_cache_tokens: int | None,
     gpu_memory_utilization: float,
+    max_num_seqs: int,
 ) -> KVPool:
     num_layers, _, num_kv_heads, head_dim = _model_shape(model.config)
     dtype = next(model.parameters()).dtype
@@ -408,7 +415,8 @@ def _build_pool(
             budget = int(gpu_memory_utilization * total) - (total - free)
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        kv_cache_tokens = max(budget // bytes_per_token, max_model_len)
+        # never more than every request at full length, never less than one
+        kv_cache_tokens = max(min(budget // bytes_per_token, max_num_seqs * max_model_len), max_model_len)
     elif kv_cache_tokens < max_model_len:
         raise ValueError(
             f"kv_cache_tokens={kv_cache_tokens} is below max_model_len={max_model_len}: a request of max_model_len "

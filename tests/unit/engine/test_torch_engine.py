@@ -37,7 +37,12 @@ def tiny_model(family="llama", seed=0, init=0.3, **overrides):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     config = {**TINY, "initializer_range": init, **overrides}
-    config = LlamaConfig(**config) if family == "llama" else Qwen3Config(**config, head_dim=12)
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        config = Qwen2Config(**config)
+    else:
+        config = LlamaConfig(**config) if family == "llama" else Qwen3Config(**config, head_dim=12)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
@@ -122,7 +127,7 @@ def recomputed(model, record):
 # ---- greedy equals transformers ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_greedy_output_equals_transformers_generate_for_concurrent_prompts(family):
     model = tiny_model(family)
     references = [greedy_reference(model, prompt, 24) for prompt in PROMPTS]
@@ -441,8 +446,19 @@ def test_close_fails_pending_requests_and_cancelled_requests_free_their_blocks()
     asyncio.run(run())
 
 
-def test_torch_engine_is_exported_lazily():
+def test_torch_engine_is_exported_lazily_and_is_an_engine():
     import rlasync.engine
     from rlasync.engine.torch_engine import TorchEngine as direct
 
     assert rlasync.engine.TorchEngine is direct
+    assert isinstance(make_engine(tiny_model("llama")), rlasync.engine.Engine)
+
+
+def test_unsupported_architectures_and_too_small_caches_are_refused():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="qwen3"):
+        TorchEngine(gpt2, device="cpu")
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        make_engine(tiny_model("llama"), kv_cache_tokens=64, max_model_len=128)
