@@ -37,7 +37,7 @@ from rlasync.engine.cuda_graphs import decode_batch_sizes
 from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, choose_layout, register_paged_attention
 from rlasync.engine.request import Request
-from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleSpec
+from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleSpec, check_engine_support
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
 from rlasync.engine.weights import load_named_weights
 from rlasync.rollout.records import TurnRecord
@@ -94,6 +94,7 @@ class TorchEngine:
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = _build_model(model, dtype, self.device)
+        check_engine_support(self.model)
         config = self.model.config
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(self.model, eos_token_ids)
@@ -119,7 +120,7 @@ class TorchEngine:
             cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if cuda_graphs and self.device.type == "cuda" else (),
         )
         allocator = BlockAllocator(pool.num_blocks, block_size)
-        self._scheduler = Scheduler(allocator, max_num_seqs, max(max_num_batched_tokens, 1))
+        self._scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens)
         self._request_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
