@@ -3,7 +3,7 @@
     PromptSource.lease() ──► filter_prompt ──► G × generate_one ──► TrainingSequences ──► score_group ──► GroupSink.put
            ▲  (after Admission.acquire)          │ generate_one_turn      (per rollout)     (rewards,        │
            │                                     ▼                                          advantages)      ▼
-           └── release(lease, reason) ◄── failed / filtered / cancelled          Admission.finish_group(estimate, tokens)
+           └── release(lease, reason) ◄── failed / filtered / cancelled          Admission.finish_group(G, tokens, queued)
 
 One loop runs in one event loop (a rollout actor, or a test with fakes). It talks only to protocols:
 
@@ -11,10 +11,13 @@ One loop runs in one event loop (a rollout actor, or a test with fakes). It talk
 |-------------------|--------------------------------------------------|-------------------------------|
 | `Engine` (1..E)   | `generate(prompt_ids, sampling)`, `stats()`      | GenerationActor handles       |
 | `PromptSource`    | `lease()`, `release(lease, reason)`              | the dispatcher in the queue   |
-| `Admission`       | `acquire(estimated_tokens)`, `finish_group(...)` | the token allowance (§2.3.3)  |
+| `Admission`       | `acquire(G)`, `finish_group`, `cancel_group`     | `OpenAdmission` (the queue's  |
+|                   |                                                  | `next_group` gates instead)   |
 | `GroupSink`       | `put(GroupResult)` (dropped groups included)     | the StalenessQueue            |
 
-Any of these methods may be sync or return an awaitable (Ray ObjectRefs are awaitable).
+Any of these methods may be sync or return an awaitable (Ray ObjectRefs are awaitable). The in-process
+`rlasync.pipeline.TokenAllowance` is an `Admission` as it is; a prompt source that gates admission itself (the
+queue actor's `next_group`) reports its wait in `PromptLease.waited_s` and pairs with `OpenAdmission`.
 
 What waits for what (each iteration writes the heartbeat, handles finished tasks, polls engine stats every
 `engine_stats_interval_s`, then dispatches):
@@ -80,12 +83,14 @@ SEED_BITS = 63
 
 class PromptLease(NamedTuple):
     """One prompt handed to a rollout loop: `group_id` is unique per lease (it keeps increasing across epochs),
-    `row_index` is the dataset row, `row` its columns, `epoch` the pass over the dataset."""
+    `row_index` is the dataset row, `row` its columns, `epoch` the pass over the dataset. `waited_s`: seconds a
+    source that gates admission itself held this lease back (logged with `rollout/backpressure_s`)."""
 
     group_id: int
     row_index: int
     row: Mapping[str, Any]
     epoch: int
+    waited_s: float = 0.0
 
 
 class PromptSource(Protocol):
@@ -99,26 +104,34 @@ class PromptSource(Protocol):
 
 
 class Admission(Protocol):
-    """The gate in front of every new group (the token allowance of SPEC §2.3.3)."""
+    """The gate in front of every new group: the token allowance of SPEC §2.3.3 (`rlasync.pipeline.TokenAllowance`
+    has this shape). Every successful `acquire` is followed by exactly one `finish_group` or `cancel_group`."""
 
-    def acquire(self, estimated_tokens: float | None) -> float | Awaitable[float]:
-        """Wait until a group of `estimated_tokens` raw tokens may start (None: no estimate yet, the cold
-        start); return the seconds waited."""
+    def acquire(self, num_rollouts: int) -> Any:
+        """Wait until a group of `num_rollouts` rollouts may start and count it in flight; return the seconds
+        waited (a float, or an object with `waited_s`), possibly as an awaitable."""
         ...
 
-    def finish_group(self, estimated_tokens: float | None, num_tokens: int) -> None | Awaitable[None]:
-        """An admitted group left flight: `num_tokens` raw tokens of its samples were queued (0 when it was
-        dropped, failed or cancelled). Called once per successful `acquire`."""
+    def finish_group(self, num_rollouts: int, num_tokens: int, queued: bool = True) -> None | Awaitable[None]:
+        """The group was scored: `num_tokens` raw tokens of its samples were queued (`queued=False`: it was
+        dropped, and `num_tokens` are its rollouts' tokens, for the per-rollout estimate only)."""
+        ...
+
+    def cancel_group(self, num_rollouts: int) -> None | Awaitable[None]:
+        """The group ended without a result (failed, cancelled, or no prompt was left)."""
         ...
 
 
 class OpenAdmission:
-    """Admits every group at once (no token allowance)."""
+    """Admits every group at once (no token allowance here)."""
 
-    async def acquire(self, estimated_tokens: float | None) -> float:
+    async def acquire(self, num_rollouts: int) -> float:
         return 0.0
 
-    def finish_group(self, estimated_tokens: float | None, num_tokens: int) -> None:
+    def finish_group(self, num_rollouts: int, num_tokens: int, queued: bool = True) -> None:
+        return None
+
+    def cancel_group(self, num_rollouts: int) -> None:
         return None
 
 
@@ -129,6 +142,9 @@ class GroupResult:
     lease: PromptLease
     policy_version: int
     scored: ScoredGroup
+    num_rollout_tokens: int = 0
+    """Raw tokens of every training sequence of the group's rollouts, dropped or not (the per-rollout token
+    estimate of the allowance needs them even for a dropped group)."""
 
     @property
     def group_id(self) -> int:
@@ -167,7 +183,6 @@ class _GroupState:
 
     lease: PromptLease
     prompt: list[dict[str, Any]]
-    estimated_tokens: float | None
     rollouts: list[Rollout | None]
     sequences: list[list[TrainingSequence] | None]
     policy_version: int = -1
@@ -268,7 +283,6 @@ class AsyncRolloutLoop:
         self._failure: BaseException | None = None
         self._next_stats_at = -float("inf")
         self._stats_available = True
-        self._mean_rollout_tokens: float | None = None
         self._generated_tokens_unreported = 0
         self._rate_window_start = clock()
 
@@ -468,17 +482,18 @@ class AsyncRolloutLoop:
 
     async def _start_group(self) -> _GroupState | None:
         """Admission, then the next prompt that passes `filter_prompt`; None when the source is exhausted."""
-        estimate = self._estimate_group_tokens()
-        waited = await _resolve(self.admission.acquire(estimate))
-        self._emit([("rollout/backpressure_s", float(waited))])
+        size = self.args.num_generations
+        admitted = await _resolve(self.admission.acquire(size))
+        waited_s = float(getattr(admitted, "waited_s", admitted))
         lease = None
         try:
             while True:
                 lease = await _resolve(self.prompt_source.lease())
                 if lease is None:
-                    await self._finish_admission(estimate, 0)
+                    await _resolve(self.admission.cancel_group(size))
                     return None
                 lease = PromptLease(*lease)
+                waited_s += lease.waited_s
                 if not await _resolve(self.filter_prompt(lease.row_index, lease.row, lease.epoch)):
                     filtered, lease = lease, None
                     await _resolve(self.prompt_source.release(filtered, "filtered"))
@@ -486,14 +501,14 @@ class AsyncRolloutLoop:
                     self._emit([("rollout/filtered_prompt_count", 1.0)])
                     continue
                 prompt = row_prompt(lease.row, lease.row_index)
-                size = self.args.num_generations
-                group = _GroupState(lease, prompt, estimate, [None] * size, [None] * size)
+                group = _GroupState(lease, prompt, [None] * size, [None] * size)
                 self._groups.add(group)
+                self._emit([("rollout/backpressure_s", waited_s)])
                 return group
         except BaseException:
             if lease is not None:
                 await self._release_quietly(lease, "cancelled")
-            await self._finish_admission(estimate, 0)
+            await self._cancel_admission_quietly(size)
             raise
 
     # ---- finished tasks -----------------------------------------------------------------------------------
@@ -511,7 +526,7 @@ class AsyncRolloutLoop:
             elif task in self._rollout_tasks:
                 await self._on_rollout_done(task)
             elif task in self._score_tasks:
-                group = self._score_tasks.pop(task)
+                del self._score_tasks[task]
                 task.result()  # an error while scoring or putting stops the loop
 
     async def _on_rollout_done(self, task: asyncio.Task[Any]) -> None:
@@ -548,7 +563,7 @@ class AsyncRolloutLoop:
         self.counters["groups_failed"] += 1
         self._emit([("rollout/failed_group_count", 1.0)])
         await _resolve(self.prompt_source.release(group.lease, "failed"))
-        await self._finish_admission(group.estimated_tokens, 0)
+        await _resolve(self.admission.cancel_group(group.size))
 
     def _record_rollout(self, group: _GroupState, index: int, rollout: Rollout, duration_s: float) -> None:
         sequences = self.build_sequences(rollout)
@@ -556,10 +571,6 @@ class AsyncRolloutLoop:
         group.sequences[index] = sequences
         group.num_done += 1
         self.counters["rollouts_completed"] += 1
-        raw_tokens = sum(len(sequence.input_ids) for sequence in sequences)
-        completed = self.counters["rollouts_completed"]
-        mean = self._mean_rollout_tokens or 0.0
-        self._mean_rollout_tokens = mean + (raw_tokens - mean) / completed
         self._generated_tokens_unreported += sum(len(turn.output_ids) for turn in rollout.turns)
         self._emit(self._rollout_metrics(rollout, sequences, duration_s))
 
@@ -608,12 +619,18 @@ class AsyncRolloutLoop:
             drop_zero_std_groups=self.drop_zero_std_groups,
         )
         score_s = self._clock() - started
-        result = GroupResult(lease=group.lease, policy_version=group.policy_version, scored=scored)
+        rollout_tokens = sum(
+            len(seq.input_ids) for sequences in rollout_group.completions_sequences for seq in sequences
+        )
+        result = GroupResult(group.lease, group.policy_version, scored, num_rollout_tokens=rollout_tokens)
         await _resolve(self.sink.put(result))
         self._groups.discard(group)
         self.counters["groups_scored"] += 1
         self.counters["groups_dropped"] += int(scored.dropped)
-        await self._finish_admission(group.estimated_tokens, result.num_tokens)
+        if scored.dropped:
+            await _resolve(self.admission.finish_group(group.size, rollout_tokens, queued=False))
+        else:
+            await _resolve(self.admission.finish_group(group.size, result.num_tokens, queued=True))
         self._emit(self._group_metrics(rollout_group, scored, score_s))
 
     def _rollout_group(self, group: _GroupState) -> RolloutGroup:
@@ -691,20 +708,18 @@ class AsyncRolloutLoop:
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
 
-    def _estimate_group_tokens(self) -> float | None:
-        if self._mean_rollout_tokens is None:
-            return None
-        return self._mean_rollout_tokens * self.args.num_generations
-
-    async def _finish_admission(self, estimated_tokens: float | None, num_tokens: int) -> None:
-        await _resolve(self.admission.finish_group(estimated_tokens, num_tokens))
-
     async def _release_quietly(self, lease: PromptLease, reason: ReleaseReason) -> None:
         """Best-effort release while stopping: a failure is logged, not raised over the original error."""
         try:
             await _resolve(self.prompt_source.release(lease, reason))
         except Exception as exc:
             logger.warning("could not release group %d (%s): %s", lease.group_id, reason, exc)
+
+    async def _cancel_admission_quietly(self, num_rollouts: int) -> None:
+        try:
+            await _resolve(self.admission.cancel_group(num_rollouts))
+        except Exception as exc:
+            logger.warning("admission.cancel_group failed while stopping: %s", exc)
 
     async def _cancel_everything(self) -> None:
         """Cancel and await every task; release the leases of unfinished groups as "cancelled"."""
@@ -714,10 +729,7 @@ class AsyncRolloutLoop:
         await asyncio.gather(*tasks, return_exceptions=True)
         for group in list(self._groups):
             await self._release_quietly(group.lease, "cancelled")
-            try:
-                await self._finish_admission(group.estimated_tokens, 0)
-            except Exception as exc:
-                logger.warning("admission.finish_group failed while stopping: %s", exc)
+            await self._cancel_admission_quietly(group.size)
         self._groups.clear()
         self._rollout_tasks.clear()
         self._score_tasks.clear()

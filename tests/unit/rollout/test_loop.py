@@ -153,14 +153,17 @@ class ListSink:
 class RecordingAdmission:
     def __init__(self):
         self.acquired = []
-        self.finished = []
+        self.finished = []  # (num_rollouts, num_tokens, queued), or (num_rollouts, "cancelled")
 
-    async def acquire(self, estimated_tokens):
-        self.acquired.append(estimated_tokens)
+    async def acquire(self, num_rollouts):
+        self.acquired.append(num_rollouts)
         return 0.25
 
-    def finish_group(self, estimated_tokens, num_tokens):
-        self.finished.append((estimated_tokens, num_tokens))
+    def finish_group(self, num_rollouts, num_tokens, queued=True):
+        self.finished.append((num_rollouts, num_tokens, queued))
+
+    def cancel_group(self, num_rollouts):
+        self.finished.append((num_rollouts, "cancelled"))
 
 
 def parity_reward(completion_ids, **kwargs):
@@ -219,10 +222,13 @@ def test_every_leased_prompt_ends_up_in_exactly_one_scored_group_of_g_rollouts()
     seeds = [sampling.seed for _, sampling in loop.engines[0].requests]
     assert len(seeds) == 24 and len(set(seeds)) == 24 and all(0 <= s < 2**63 for s in seeds)
     admission = loop.admission
-    assert len(admission.acquired) == len(admission.finished) == 7  # 6 groups + the lease that found no prompt
-    assert admission.acquired[0] is None  # cold start: no token estimate yet
-    kept_tokens = sorted(r.num_tokens for r in loop.sink.results)
-    assert sorted(n for _, n in admission.finished if n) == [n for n in kept_tokens if n]
+    assert admission.acquired == [4] * 7  # 6 groups + the admission that found no prompt left
+    assert admission.finished.count((4, "cancelled")) == 1
+    expected = [(4, r.num_rollout_tokens if r.dropped else r.num_tokens, not r.dropped) for r in loop.sink.results]
+    assert sorted(f for f in admission.finished if len(f) == 3) == sorted(expected)
+    for result in loop.sink.results:
+        sequences_tokens = result.num_rollout_tokens
+        assert sequences_tokens >= result.num_tokens and (result.dropped or sequences_tokens == result.num_tokens)
 
 
 def test_dropped_groups_reach_the_sink_without_samples():
@@ -558,7 +564,7 @@ def test_metrics_follow_the_spec_names_and_shapes():
     assert len(lengths) == 12 and 1 <= min(lengths) and max(lengths) <= 6
     generated = sum(value[0] for key, value in pushed if key == "rollout/generated_tokens_per_s")
     assert generated == sum(lengths)
-    assert [value for key, value in pushed if key == "rollout/backpressure_s"] == [0.25] * 4
+    assert [value for key, value in pushed if key == "rollout/backpressure_s"] == [0.25] * 3  # one per group
 
 
 def test_clipped_ratio_counts_rollouts_not_ending_on_eos():
@@ -631,3 +637,58 @@ def test_a_turn_that_extends_the_held_tokens_continues_the_sequence_and_any_othe
     forked = build_training_sequences([first, drifted], "r")
     assert [s.input_ids.tolist() for s in forked] == [[1, 2, 3, 10, 11], [1, 2, 3, 99, 88, 30]]
     assert forked[1].completion_mask.tolist() == [0, 0, 0, 0, 0, 1]
+
+
+# ---- admission --------------------------------------------------------------------------------------------
+
+
+def test_the_token_allowance_plugs_in_as_admission_and_balances():
+    from rlasync.pipeline import TokenAllowance
+
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=10**6)
+    started_while_busy = []
+    original = allowance.start_group
+
+    def start_group(num_rollouts):
+        started_while_busy.append(allowance.inflight_groups)
+        original(num_rollouts)
+
+    allowance.start_group = start_group
+    loop = make_loop(num_rows=5, admission=allowance, reward_funcs=[lambda completions, **k: [0, 1, 2, 3]])
+    asyncio.run(loop.run())
+    assert scored_group_ids(loop) == list(range(5))
+    assert started_while_busy[0] == 0  # cold start: the first group alone
+    assert allowance.inflight_groups == 0 and allowance.inflight_rollouts == 0
+    assert allowance.queued_tokens == sum(result.num_tokens for result in loop.sink.results)
+    assert allowance.completed_groups == 5
+
+
+def test_a_closed_allowance_holds_new_groups_back_until_tokens_are_consumed():
+    from rlasync.pipeline import TokenAllowance
+
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=1)  # the first group fills it
+
+    async def scenario():
+        loop = make_loop(num_rows=3, admission=allowance, reward_funcs=[lambda completions, **k: [0, 1, 2, 3]])
+        task = asyncio.create_task(loop.run())
+        for _ in range(1000):  # event-loop turns, not time
+            await asyncio.sleep(0)
+        assert len(loop.sink.results) == 1
+        assert len(loop.prompt_source.leased) == 1  # held: queued tokens >= allowance
+        allowance.set_tokens_per_step(10**6)
+        await task
+        return loop
+
+    loop = asyncio.run(scenario())
+    assert scored_group_ids(loop) == [0, 1, 2]
+
+
+def test_a_prompt_source_that_gates_reports_its_wait_as_backpressure():
+    class GatingSource(FakePromptSource):
+        def lease(self):
+            lease = super().lease()
+            return None if lease is None else lease._replace(waited_s=1.5)
+
+    loop = make_loop(num_rows=2, prompt_source=GatingSource(rows(2)))
+    asyncio.run(loop.run())
+    assert loop.metrics.reduce()["rollout/backpressure_s"] == 1.75  # the admission's 0.25 plus the source's 1.5
