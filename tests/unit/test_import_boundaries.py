@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PURE = [
     "rlasync.config", "rlasync.packing", "rlasync.rollout", "rlasync.rewards", "rlasync.advantages", "rlasync.metrics",
-    "rlasync.engine",
+    "rlasync.engine", "rlasync.data", "rlasync.pipeline", "rlasync.rollout.loop", "rlasync.rollout.concurrency",
 ]
 TENSOR = ["rlasync.losses", "rlasync.model", "rlasync.cli"]
 
@@ -27,7 +27,7 @@ def _loaded_after_import(modules: list[str], watched: tuple[str, ...]) -> list[s
 
 
 def test_pure_core_loads_without_torch_ray_or_transformers():
-    assert _loaded_after_import(PURE, ("torch", "ray", "transformers", "vllm")) == []
+    assert _loaded_after_import(PURE, ("torch", "ray", "transformers", "datasets", "vllm")) == []
 
 
 @pytest.mark.parametrize("module", TENSOR)

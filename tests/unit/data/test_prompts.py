@@ -1,8 +1,6 @@
 """Prompt validation (errors name the problem and the fix) and rendering through a chat template."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -91,12 +89,3 @@ def test_render_prompt_with_a_real_chat_template():
     ids = render_prompt(tokenizer, USER)
     assert ids == tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
-
-
-def test_importing_the_data_package_and_the_loop_loads_no_heavy_dependency():
-    code = (
-        "import sys, rlasync.data, rlasync.rollout.loop, rlasync.rollout.concurrency\n"
-        "print(','.join(m for m in ('torch', 'transformers', 'datasets', 'ray') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True)
-    assert out.stdout.strip() == ""
