@@ -5,3 +5,15 @@ submodules are used.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # lazy: `from rlasync import AsyncGRPOTrainer, AsyncGRPOConfig`
+    if name == "AsyncGRPOTrainer":
+        from rlasync.trainers import AsyncGRPOTrainer
+
+        return AsyncGRPOTrainer
+    if name == "AsyncGRPOConfig":
+        from rlasync.config import AsyncGRPOConfig
+
+        return AsyncGRPOConfig
+    raise AttributeError(f"module 'rlasync' has no attribute {name!r}")

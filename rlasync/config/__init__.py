@@ -3,7 +3,7 @@
 Imports neither torch nor ray.
 """
 
-from rlasync.config.grpo import AsyncGRPOConfig
+from rlasync.config.grpo import AsyncGRPOConfig, ClusterConfig
 from rlasync.config.load import apply_overrides, build_config, load_config, parse_override, read_yaml
 
-__all__ = ["AsyncGRPOConfig", "apply_overrides", "build_config", "load_config", "parse_override", "read_yaml"]
+__all__ = ["AsyncGRPOConfig", "ClusterConfig", "apply_overrides", "build_config", "load_config", "parse_override", "read_yaml"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,44 @@ LR_SCHEDULERS = (
     "warmup_stable_decay",
 )
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
+
+
+@dataclass
+class ClusterConfig:
+    """How many of each actor the trainer starts and what each asks Ray for (the `cluster` section).
+
+    The defaults fit a 2-core CPU machine: fractional `num_cpus` so every actor schedules at once.
+    """
+
+    num_rollout_actors: int = 1
+    num_generation_actors: int = 1
+    num_learners: int = 1
+    rollout_num_cpus: float = 0.25
+    generation_num_cpus: float = 0.5
+    generation_num_gpus: float = 0.0
+    learner_num_cpus: float = 0.5
+    learner_num_gpus: float = 0.0
+    queue_num_cpus: float = 0.1
+    collective_timeout_s: float = 300.0
+    """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
+    engine_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments of `TorchEngine` (e.g. `{max_num_seqs: 64, kv_cache_tokens: 8192}`)."""
+    ray_address: str | None = None
+    """Join this Ray cluster (else `RAY_ADDRESS`, else an existing `ray.init`, else a new local cluster)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_rollout_actors", "num_generation_actors", "num_learners"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"cluster.{name}={value!r}: must be a positive integer")
+        for name in ("rollout_num_cpus", "generation_num_cpus", "generation_num_gpus", "learner_num_cpus",
+                     "learner_num_gpus", "queue_num_cpus"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"cluster.collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
+        if isinstance(self.engine_kwargs, str):
+            self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
 
 
 @dataclass
@@ -130,6 +168,10 @@ class AsyncGRPOConfig:
     log_completions: bool = False
     num_completions_to_print: int | None = None
 
+    # ---- actor system (rlasync) ----
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Actor counts and resources (see `ClusterConfig`); `--set cluster.num_learners=2`."""
+
     def __post_init__(self) -> None:
         for name in JSON_DICT_FIELDS:
             setattr(self, name, _parse_json_dict(name, getattr(self, name)))
@@ -137,6 +179,8 @@ class AsyncGRPOConfig:
             self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
         if self.bf16 is None:
             self.bf16 = not self.fp16
+        if isinstance(self.cluster, dict):
+            self.cluster = ClusterConfig(**self.cluster)
         if self.output_dir is None:
             self.output_dir = "trainer_output"
         self._check_run()

@@ -1,0 +1,138 @@
+"""RolloutActor: one `AsyncRolloutLoop` (or the trainer's `loop_cls`) wired to Ray handles.
+
+    queue actor ──next_group──► _QueuePromptSource.lease()  (the queue gates admission: OpenAdmission here)
+    loop ──generate──► _RemoteEngine ──► GenerationActor handles
+    loop ──put(GroupResult)──► _QueueSink: samples ray.put here, ObjectRefs + metadata to the queue
+
+Reconciles the two lease types: the queue's `rlasync.pipeline.PromptLease` (epoch, row, group_id, position) and
+the loop's `PromptLease` (group_id, row_index, row, epoch, waited_s); the queue's "no lease right now" (timeout)
+is waited through, only `done` ends the loop's stream. A seed per request and the retries of transient engine
+errors are the loop's own. Metrics are buffered as raw items and drained by the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import traceback
+from typing import Any
+
+import ray
+
+from rlasync.pipeline import QueueEntry
+from rlasync.rollout.loop import PromptLease
+
+logger = logging.getLogger(__name__)
+LEASE_POLL_S = 5.0
+
+
+class _RemoteEngine:
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
+        return self.handle.generate.remote(prompt_ids, sampling)
+
+    def stats(self) -> Any:
+        return self.handle.stats.remote()
+
+
+class _QueuePromptSource:
+    def __init__(self, actor: RolloutActor) -> None:
+        self.actor = actor
+        self.leases: dict[int, Any] = {}
+
+    async def lease(self) -> PromptLease | None:
+        waited = 0.0
+        size = self.actor.args.num_generations
+        while True:
+            answer = await self.actor.queue.next_group.remote(size, LEASE_POLL_S)
+            waited += answer.waited_s
+            if answer.lease is not None:
+                break
+            if answer.done:
+                return None
+        lease = answer.lease
+        self.actor.loop.update_policy_version(answer.policy_version)
+        self.leases[lease.group_id] = lease
+        return PromptLease(lease.group_id, lease.row_index, self.actor.dataset[lease.row_index], lease.epoch, waited)
+
+    async def release(self, lease: PromptLease, reason: str) -> None:
+        queue_lease = self.leases.pop(lease.group_id)
+        if reason == "filtered":
+            await self.actor.queue.drop_group.remote(lease.group_id, "filtered", 0)
+        else:
+            await self.actor.queue.release.remote(queue_lease)
+
+
+class _QueueSink:
+    def __init__(self, actor: RolloutActor, source: _QueuePromptSource) -> None:
+        self.actor = actor
+        self.source = source
+
+    async def put(self, result: Any) -> None:
+        self.source.leases.pop(result.group_id, None)
+        if result.dropped:
+            await self.actor.queue.drop_group.remote(result.group_id, "zero_std", result.num_rollout_tokens)
+            return
+        entries = [QueueEntry.for_sample(sample, payload=ray.put(sample)) for sample in result.scored.samples]
+        await self.actor.queue.put_group.remote(entries)
+
+
+@ray.remote
+class RolloutActor:
+    def __init__(
+        self, *, index: int, args: Any, tokenizer: Any, dataset: Any, reward_funcs: list[Any], queue: Any,
+        engines: list[Any], loop_cls: type, seed: int = 0,
+    ) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.index = index
+        self.args = args
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.dataset = dataset
+        self.queue = queue
+        self.items: list[tuple[str, Any]] = []
+        source = _QueuePromptSource(self)
+        self.loop = loop_cls(
+            args=args, tokenizer=tokenizer, engine=[_RemoteEngine(h) for h in engines], prompt_source=source,
+            sink=_QueueSink(self, source), reward_funcs=reward_funcs, metrics_callback=self.items.extend,
+            rng=random.Random(seed * 1_000_003 + index),
+        )
+        self.task: asyncio.Task | None = None
+        self.error: str | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        try:
+            await self.loop.run()
+        except BaseException as exc:  # kept for health(): the driver raises it with its message
+            cause = exc
+            while cause.__cause__ is not None and isinstance(cause, RuntimeError):
+                cause = cause.__cause__
+            self.error = f"{type(cause).__name__}: {cause}"
+            logger.error("rollout actor %d failed:\n%s", self.index, traceback.format_exc())
+
+    def health(self) -> dict[str, Any]:
+        """`error` (a message) when the loop failed; else the heartbeat's age and whether the loop runs."""
+        if self.error is None:
+            try:
+                self.loop.check_health()
+            except RuntimeError as exc:
+                self.error = str(exc)
+        return {"error": self.error, "running": self.loop.is_running, "heartbeat_age_s": time.time() - self.loop.heartbeat}
+
+    def drain_metrics(self) -> list[tuple[str, Any]]:
+        items, self.items[:] = list(self.items), []
+        return items
+
+    async def stop(self) -> None:
+        await self.loop.stop()
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)

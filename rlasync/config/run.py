@@ -1,0 +1,114 @@
+"""Run files: what `rlasync train RUN.yaml` reads.
+
+A run file is a config (every `AsyncGRPOConfig` field, the `cluster` section included) plus three keys:
+
+    model: smollm2-135m-instruct          # id, path or alias (anything `load_model` accepts)
+    dataset: {name: arithmetic, size: 2000, seed: 0, max_operand: 9}
+    reward_funcs: [rlasync.rewards:last_number_reward]   # import strings "module:attribute"
+
+`load_run(path, overrides)` applies dotted `key=value` overrides to the whole file (so `--set dataset.size=64`
+and `--set model=path/to/model` work too). Nothing here imports torch or ray; building the dataset imports
+`datasets` on use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlasync.config.grpo import AsyncGRPOConfig
+from rlasync.config.load import apply_overrides, build_config, read_yaml
+
+RUN_KEYS = ("model", "dataset", "reward_funcs")
+DATASETS = ("arithmetic", "countdown", "json", "hub")
+
+
+@dataclass
+class RunSpec:
+    """A loaded run file: the model, the dataset spec, reward import strings and the config."""
+
+    model: str
+    config: AsyncGRPOConfig
+    dataset: dict[str, Any] = field(default_factory=dict)
+    reward_funcs: list[str] = field(default_factory=list)
+
+    def build_dataset(self) -> Any:
+        return build_dataset(self.dataset)
+
+    def build_reward_funcs(self) -> list[Callable[..., Any]]:
+        return [import_object(name) for name in self.reward_funcs]
+
+
+def load_run(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    config_class: type[AsyncGRPOConfig] = AsyncGRPOConfig,
+) -> RunSpec:
+    """Read a run file, apply overrides, validate the config and the run keys (errors name the key)."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides)
+    where = f"{path}: " if path is not None else ""
+    model = data.pop("model", None)
+    dataset = data.pop("dataset", None)
+    rewards = data.pop("reward_funcs", None)
+    config = build_config(data, config_class)
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"{where}`model:` is missing: give a hub id, a local path or an alias (smollm2-135m-instruct)")
+    if dataset is None:
+        raise ValueError(f"{where}`dataset:` is missing, e.g. {{name: arithmetic, size: 1000, seed: 0}}")
+    if not isinstance(dataset, Mapping) or "name" not in dataset:
+        raise ValueError(f"{where}`dataset:` must be a mapping with a `name` (one of {DATASETS}), got {dataset!r}")
+    if dataset["name"] not in DATASETS:
+        raise ValueError(f"{where}dataset.name={dataset['name']!r}: use one of {DATASETS}")
+    if isinstance(rewards, str):
+        rewards = [rewards]
+    if not rewards or not all(isinstance(r, str) and ":" in r for r in rewards):
+        raise ValueError(
+            f"{where}`reward_funcs:` must list import strings 'module:function', e.g. "
+            f"[rlasync.rewards:last_number_reward], got {rewards!r}"
+        )
+    return RunSpec(model=model, config=config, dataset=dict(dataset), reward_funcs=list(rewards))
+
+
+def build_dataset(spec: Mapping[str, Any]) -> Any:
+    """A `datasets.Dataset` from a run file's `dataset:` section.
+
+    arithmetic / countdown: `size`, `seed` and the task's keyword arguments (`max_operand`, `ops`, ...);
+    json: `path` (a .json/.jsonl file of rows); hub: `path` (+ `split`, default "train") for `datasets.load_dataset`.
+    """
+    spec = dict(spec)
+    name = spec.pop("name")
+    if name in ("arithmetic", "countdown"):
+        from rlasync.data import arithmetic_dataset, countdown_dataset
+
+        size, seed = spec.pop("size", 1000), spec.pop("seed", 0)
+        build = arithmetic_dataset if name == "arithmetic" else countdown_dataset
+        return build(int(size), int(seed), **spec)
+    import datasets
+
+    if name == "json":
+        return datasets.load_dataset("json", data_files=str(spec["path"]), split="train")
+    if name == "hub":
+        return datasets.load_dataset(spec["path"], split=spec.get("split", "train"))
+    raise ValueError(f"dataset.name={name!r}: use one of {DATASETS}")
+
+
+def import_object(text: str) -> Any:
+    """`"package.module:attribute"` -> the attribute (a reward function, a loop class, ...)."""
+    module_name, sep, attribute = text.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"{text!r}: write an import string as 'module:attribute'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{text!r}: cannot import module {module_name!r}: {exc}") from exc
+    try:
+        obj = module
+        for part in attribute.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise ValueError(f"{text!r}: module {module_name!r} has no attribute {attribute!r}") from None
+    return obj

@@ -1,0 +1,396 @@
+"""`AsyncGRPOTrainer`: TRL's constructor, run on Ray actors (DESIGN.md §1).
+
+    trainer = AsyncGRPOTrainer(model="smollm2-135m-instruct", reward_funcs=last_number_reward,
+                               args=AsyncGRPOConfig(...), train_dataset=dataset)
+    trainer.train()                      # or train(resume_from_checkpoint=True / "out/checkpoint-20")
+
+`train()` connects to Ray (the config's `cluster.ray_address`, else `RAY_ADDRESS`, else an existing
+`ray.init()`, else a new local cluster), creates the actors of the `cluster` section, runs the step loop
+
+    take (token target, from the StalenessQueue) -> learners train -> every weight_sync_steps: pause engines,
+    broadcast from learner rank 0, resume, publish the policy version -> log a window -> maybe checkpoint
+
+and removes every actor it made on the way out, also on error. Ray is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlasync.config import AsyncGRPOConfig
+from rlasync.data import validate_prompt_dataset
+from rlasync.rollout.loop import AsyncRolloutLoop
+
+logger = logging.getLogger(__name__)
+
+TAKE_POLL_S = 5.0
+CHECKPOINT_PREFIX = "checkpoint-"
+TRAINER_STATE = "trainer_state.json"
+
+
+class AsyncGRPOTrainer:
+    """Asynchronous GRPO (TRL's `AsyncGRPOTrainer` API). Subclass and set `loop_cls` to customise rollouts."""
+
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        callbacks: Sequence[Any] | None = None,
+        loop_cls: type[AsyncRolloutLoop] | None = None,
+    ) -> None:
+        self.args = args if args is not None else AsyncGRPOConfig()
+        if loop_cls is not None:
+            self.loop_cls = loop_cls
+        if train_dataset is None:
+            raise ValueError("AsyncGRPOTrainer needs a train_dataset with a 'prompt' column")
+        validate_prompt_dataset(train_dataset)
+        self.train_dataset = train_dataset
+        if reward_funcs is None:
+            reward_funcs = []
+        self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+        if not self.reward_funcs and not getattr(self.loop_cls, "provides_rollout_rewards", False):
+            raise ValueError(
+                "No reward source: pass reward_funcs (e.g. rlasync.rewards.last_number_reward), or a loop_cls whose "
+                "generate_one sets Rollout.reward and provides_rollout_rewards = True"
+            )
+        for func in self.reward_funcs:
+            if not callable(func):
+                raise ValueError(f"reward_funcs: {func!r} is not callable (pass functions, not their names)")
+        self.model = self._model_path(model)
+        self.processing_class = processing_class
+        self.callbacks = list(callbacks or [])
+        self.state: dict[str, Any] = {"global_step": 0, "policy_version": 0}
+        self.actor_ids: list[str] = []
+
+    # ---- public -------------------------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
+        """Run until `max_steps` (or the epochs' prompts are consumed); returns the final state."""
+        import ray
+
+        resume_dir = self._resume_dir(resume_from_checkpoint)
+        started_ray = self._connect(ray)
+        self._handles: list[Any] = []
+        self._rollouts: list[Any] = []
+        try:
+            return self._train(ray, resume_dir)
+        finally:
+            self._shutdown(ray)
+            if started_ray:
+                ray.shutdown()
+
+    # ---- setup --------------------------------------------------------------------------------------------------
+
+    def _model_path(self, model: Any) -> str:
+        if isinstance(model, str | os.PathLike):
+            return str(model)
+        if hasattr(model, "save_pretrained"):  # an instantiated model: the actors load it from a folder
+            path = Path(self.args.output_dir) / "initial_model"
+            model.save_pretrained(path)
+            return str(path)
+        raise ValueError(f"model must be a hub id, a local path, an alias or a PreTrainedModel, got {type(model)}")
+
+    def _resume_dir(self, resume: str | bool | None) -> str | None:
+        if not resume:
+            return None
+        if resume is True:
+            checkpoints = sorted(
+                Path(self.args.output_dir).glob(f"{CHECKPOINT_PREFIX}*"),
+                key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)),
+            )
+            if not checkpoints:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint-*")
+            return str(checkpoints[-1])
+        if not Path(resume).is_dir():
+            raise ValueError(f"resume_from_checkpoint={resume!r} is not a directory")
+        return str(resume)
+
+    def _connect(self, ray: Any) -> bool:
+        """Join the configured / existing cluster; start a local one if there is none. True if we started it."""
+        if ray.is_initialized():
+            return False
+        address = self.args.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=True)
+            return False
+        ray.init(include_dashboard=False, log_to_driver=True)
+        return True
+
+    def _spawn(self, actor_cls: Any, name: str | None = None, **options: Any) -> Any:
+        handle_options = {k: v for k, v in options.items() if k in ("num_cpus", "num_gpus")}
+        init = {k: v for k, v in options.items() if k not in ("num_cpus", "num_gpus")}
+        if name is not None:
+            handle_options["name"] = name
+        handle = actor_cls.options(**handle_options).remote(**init)
+        self._handles.append(handle)
+        self.actor_ids.append(handle._actor_id.hex())
+        return handle
+
+    def _train(self, ray: Any, resume_dir: str | None) -> dict[str, Any]:
+        from actors.generation import GenerationActor
+        from actors.learner import LearnerActor
+        from actors.rollout import RolloutActor
+        from actors.staleness_queue import QueueActor
+        from rlasync.metrics import MetricSink
+        from rlasync.metrics.sinks import build_sinks
+        from rlasync.pipeline import initial_tokens_per_step, read_rollout_state
+
+        args, cluster = self.args, self.args.cluster
+        timeout = cluster.collective_timeout_s
+        model = resume_dir or self.model
+        tokenizer = self.processing_class if self.processing_class is not None else self._tokenizer_path(model)
+        resume_state = read_rollout_state(resume_dir) if resume_dir else None
+        start_step = _read_step(resume_dir) if resume_dir else 0
+        version = resume_state.model_version if resume_state else 0
+
+        # generation first (the token budget defaults to the engine's max_model_len)
+        gens = [
+            self._spawn(GenerationActor, model=model, dtype=None if args.dtype == "auto" else args.dtype,
+                        engine_kwargs=cluster.engine_kwargs, num_cpus=cluster.generation_num_cpus,
+                        num_gpus=cluster.generation_num_gpus)
+            for _ in range(cluster.num_generation_actors)
+        ]  # fmt: skip
+        budget = args.token_budget
+        if budget is None:
+            budget = ray.get(gens[0].max_model_len.remote(), timeout=timeout)
+        num_learners = cluster.num_learners
+        if budget > 0:
+            tokens_per_step = initial_tokens_per_step(budget, num_learners, args.gradient_accumulation_steps)
+            samples_per_step = None
+        else:
+            samples_per_step = args.samples_per_step(num_learners)
+            tokens_per_step = samples_per_step * 256  # a first guess; finish_step corrects it after a step
+        learners = [
+            self._spawn(LearnerActor, rank=rank, world_size=num_learners, model=model, args=args,
+                        token_budget=budget, num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus)
+            for rank in range(num_learners)
+        ]  # fmt: skip
+        master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
+        ray.get([learner.setup.remote(master, timeout, resume_dir) for learner in learners], timeout=timeout + 600)
+
+        # the weight-sync group: learner rank 0 + every engine
+        host, port = ray.get(learners[0].address.remote(), timeout=timeout)
+        world = 1 + len(gens)
+        ray.get(
+            [learners[0].join_weight_group.remote(host, port, world, timeout)]
+            + [gen.join_weight_group.remote(host, port, i + 1, world, timeout) for i, gen in enumerate(gens)],
+            timeout=timeout + 30,
+        )
+        manifest = ray.get(learners[0].manifest.remote(), timeout=timeout)
+
+        num_epochs = None if args.max_steps > 0 else args.num_train_epochs
+        queue = self._spawn(
+            QueueActor, name=f"rlasync-staleness-queue-{uuid.uuid4().hex[:8]}", num_rows=len(self.train_dataset),
+            num_epochs=num_epochs, max_staleness=args.max_staleness, tokens_per_step=tokens_per_step,
+            resume=resume_state.to_dict() if resume_state else None, num_cpus=cluster.queue_num_cpus,
+        )  # fmt: skip
+
+        sync = _WeightSync(ray, learners[0], gens, queue, manifest, timeout)
+        version = sync(version)  # cold sync: the first served policy is version + 1
+        self.state["policy_version"] = version
+
+        dataset_ref = ray.put(self.train_dataset)
+        self._rollouts = [
+            self._spawn(RolloutActor, index=i, args=args, tokenizer=tokenizer, dataset=dataset_ref,
+                        reward_funcs=self.reward_funcs, queue=queue, engines=gens, loop_cls=self.loop_cls,
+                        seed=args.seed, num_cpus=cluster.rollout_num_cpus)
+            for i in range(cluster.num_rollout_actors)
+        ]  # fmt: skip
+        ray.get([rollout.start.remote() for rollout in self._rollouts], timeout=timeout + 600)
+
+        sinks = build_sinks(args.output_dir, args.report_to, max_steps=args.max_steps)
+        window = MetricSink()
+        step = start_step
+        last_step_end: float | None = None
+        try:
+            while args.max_steps <= 0 or step < args.max_steps:
+                refs, wait_s, take_items, tokens = self._take(ray, queue, tokens_per_step, samples_per_step)
+                if not refs:
+                    logger.info("the prompt stream is exhausted after %d steps", step)
+                    break
+                window.update(take_items)
+                window.add("perf/rollout_wait_s", wait_s)
+                items = ray.get([learner.train_step.remote(refs) for learner in learners], timeout=timeout + 3600)
+                window.update(items[0])
+                ray.get(queue.finish_step.remote(tokens), timeout=timeout)
+                step += 1
+                if step % args.weight_sync_steps == 0:
+                    started = time.perf_counter()
+                    version = sync(version)
+                    window.add("perf/weight_sync_s", time.perf_counter() - started)
+                self.state.update(global_step=step, policy_version=version)
+                for rollout in self._rollouts:
+                    window.update(ray.get(rollout.drain_metrics.remote(), timeout=timeout))
+                now = time.perf_counter()
+                if last_step_end is not None:
+                    window.add("perf/step_s", now - last_step_end)
+                last_step_end = now
+                window.add("policy_version", float(version))
+                if step % args.logging_steps == 0:
+                    self._log(sinks, step, window.reduce())
+                if step % args.save_steps == 0:
+                    self._save(ray, learners, queue, step, tokenizer)
+            if len(window):
+                self._log(sinks, step, window.reduce())
+            if args.max_steps > 0 and step >= args.max_steps and step % args.save_steps != 0:
+                self._save(ray, learners, queue, step, tokenizer)
+        finally:
+            for sink in sinks:
+                sink.close()
+        return dict(self.state)
+
+    def _tokenizer_path(self, model: str) -> str:
+        from rlasync.model.registry import resolve_model
+
+        return resolve_model(model)
+
+    # ---- the step loop's parts ----------------------------------------------------------------------------------
+
+    def _take(
+        self, ray: Any, queue: Any, tokens_per_step: int, samples_per_step: int | None
+    ) -> tuple[list[Any], float, list[tuple[str, Any]], int]:
+        """Fresh samples for one step: up to the token target (or the sample count); checks rollout health while
+        waiting. Returns (refs, seconds waited on an empty queue, take metrics, raw tokens)."""
+        refs: list[Any] = []
+        tokens, waited = 0, 0.0
+        items: list[tuple[str, Any]] = []
+        while (tokens < tokens_per_step) if samples_per_step is None else (len(refs) < samples_per_step):
+            target = tokens_per_step - tokens if samples_per_step is None else 1
+            started = time.perf_counter()
+            result = ray.get(queue.wait_take.remote(max(target, 1), TAKE_POLL_S), timeout=TAKE_POLL_S + 60)
+            items += list(result.metrics.items())
+            if result.entries:
+                refs += [entry.payload for entry in result.entries]
+                tokens += result.num_tokens
+                continue
+            waited += time.perf_counter() - started
+            self._check_rollouts(ray)
+            state = ray.get(queue.state.remote(), timeout=60)
+            if state["done"] and state["queue_size"] == 0 and state["inflight_groups"] == 0:
+                break
+        return refs, waited, items, tokens
+
+    def _check_rollouts(self, ray: Any) -> None:
+        timeout = self.args.rollout_worker_timeout
+        for index, rollout in enumerate(self._rollouts):
+            health = ray.get(rollout.health.remote(), timeout=60)
+            if health["error"]:
+                raise RuntimeError(f"rollout actor {index} failed: {health['error']}")
+            if health["running"] and health["heartbeat_age_s"] > timeout:
+                raise RuntimeError(
+                    f"rollout actor {index}: no heartbeat for {health['heartbeat_age_s']:.0f} s "
+                    f"(> rollout_worker_timeout={timeout}): the rollout loop is hung"
+                )
+
+    def _log(self, sinks: list[Any], step: int, record: dict[str, Any]) -> None:
+        record = {k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        for sink in sinks:
+            sink.write(step, record)
+        for callback in self.callbacks:
+            on_log = getattr(callback, "on_log", None)
+            if on_log is not None:
+                on_log(self.args, self.state, None, logs=record)
+
+    def _save(self, ray: Any, learners: list[Any], queue: Any, step: int, tokenizer: Any) -> str:
+        import json
+
+        from rlasync.pipeline import RolloutState, write_rollout_state
+
+        path = Path(self.args.output_dir) / f"{CHECKPOINT_PREFIX}{step}"
+        path.mkdir(parents=True, exist_ok=True)
+        state = RolloutState.from_dict(ray.get(queue.rollout_state.remote(), timeout=60))
+        write_rollout_state(path, state)  # before the model, as TRL does
+        ray.get(learners[0].save.remote(str(path), tokenizer), timeout=self.args.cluster.collective_timeout_s + 600)
+        (path / TRAINER_STATE).write_text(json.dumps({"global_step": step, **self.state}) + "\n")
+        self._prune_checkpoints()
+        logger.info("saved %s", path)
+        return str(path)
+
+    def _prune_checkpoints(self) -> None:
+        import shutil
+
+        limit = self.args.save_total_limit
+        if not limit:
+            return
+        checkpoints = sorted(
+            Path(self.args.output_dir).glob(f"{CHECKPOINT_PREFIX}*"),
+            key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)),
+        )
+        for old in checkpoints[:-limit]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _shutdown(self, ray: Any) -> None:
+        """Stop the rollout loops politely (bounded), then kill every actor this trainer made."""
+        try:
+            ray.get([rollout.stop.remote() for rollout in self._rollouts], timeout=20)
+        except Exception as exc:  # dead or hung actors are killed below anyway
+            logger.warning("stopping the rollout actors: %s", exc)
+        for handle in self._handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as exc:
+                logger.warning("ray.kill: %s", exc)
+        self._handles, self._rollouts = [], []
+        _wait_until_dead(ray, self.actor_ids)
+
+
+def _wait_until_dead(ray: Any, actor_ids: list[str], timeout_s: float = 30.0) -> None:
+    """Return once the GCS reports every actor DEAD (ray.kill is asynchronous), or warn after `timeout_s`."""
+    try:
+        from ray._private.state import actors
+    except ImportError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        table = actors()
+        left = [i for i in actor_ids if table.get(i, {}).get("State", "DEAD") != "DEAD"]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            logger.warning("%d actors still alive %.0f s after ray.kill: %s", len(left), timeout_s, left)
+            return
+        time.sleep(0.2)
+
+
+class _WeightSync:
+    """pause engines -> learner rank 0 broadcasts, engines receive -> resume -> publish version + 1."""
+
+    def __init__(self, ray: Any, sender: Any, engines: list[Any], queue: Any, manifest: list[Any], timeout: float):
+        self.ray, self.sender, self.engines, self.queue = ray, sender, engines, queue
+        self.manifest, self.timeout = manifest, timeout
+
+    def __call__(self, version: int) -> int:
+        ray = self.ray
+        ray.get([engine.pause.remote() for engine in self.engines], timeout=self.timeout)
+        try:
+            ray.get(
+                [self.sender.send_weights.remote()]
+                + [engine.receive_weights.remote(self.manifest) for engine in self.engines],
+                timeout=self.timeout + 60,
+            )
+        finally:
+            ray.get([engine.resume.remote() for engine in self.engines], timeout=self.timeout)
+        ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
+        return version + 1
+
+
+def _read_step(checkpoint_dir: str) -> int:
+    import json
+
+    path = Path(checkpoint_dir) / TRAINER_STATE
+    if path.is_file():
+        return int(json.loads(path.read_text())["global_step"])
+    name = Path(checkpoint_dir).name
+    return int(name.removeprefix(CHECKPOINT_PREFIX)) if name.startswith(CHECKPOINT_PREFIX) else 0

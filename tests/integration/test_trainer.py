@@ -1,0 +1,119 @@
+"""AsyncGRPOTrainer end to end on a Ray local cluster (CPU), tiny random Llama: steps, weight sync, metrics,
+checkpoint + resume, errors surfaced from train(), and every actor gone afterwards."""
+
+import json
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ACCEPTANCE_KEYS = (
+    "reward", "frac_zero_std_groups", "perf/step_s", "perf/rollout_wait_s", "rollout/backpressure_s",
+    "sample/staleness_mean", "rollout/queue_size", "batch/packing_ratio", "entropy",
+)  # fmt: skip
+
+
+def digit_reward(completions, **kwargs):
+    """Share of digit words in the reply: varies within a group of random completions (a learning signal)."""
+    out = []
+    for completion in completions:
+        words = completion[-1]["content"].split()
+        out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
+    return out
+
+
+def raising_reward(completions, **kwargs):
+    raise ZeroDivisionError("boom in the reward")
+
+
+def short_reward(completions, **kwargs):
+    return [0.0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pickle_rewards_by_value(ray_cluster):
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def make_config(tmp_path, **changes):
+    from rlasync.config import AsyncGRPOConfig
+
+    fields = dict(
+        output_dir=str(tmp_path), max_steps=3, num_generations=4, max_completion_length=8, token_budget=192,
+        learning_rate=1e-2, logging_steps=1, save_steps=100, max_staleness=2, gradient_checkpointing=False,
+        temperature=1.0, top_k=16, num_sampler_logprobs=4, seed=0,
+        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+                 "collective_timeout_s": 60.0},
+    )  # fmt: skip
+    fields.update(changes)
+    return AsyncGRPOConfig(**fields)
+
+
+def dataset(n=64):
+    from rlasync.data import arithmetic_dataset
+
+    return arithmetic_dataset(n, seed=0)
+
+
+def alive(ray, actor_ids):
+    from ray._private.state import actors  # the GCS table: no dashboard needed
+
+    assert actor_ids, "the trainer recorded no actors"
+    states = {actor_id: info["State"] for actor_id, info in actors().items()}
+    return [i for i in actor_ids if states.get(i, "DEAD") != "DEAD"]
+
+
+def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, tmp_path):
+    from rlasync import AsyncGRPOTrainer
+
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, save_steps=2),
+        train_dataset=dataset(),
+    )
+    state = trainer.train()
+    assert state["global_step"] == 3
+    assert state["policy_version"] == 4  # cold sync + one per step
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*records)
+    missing = [k for k in ACCEPTANCE_KEYS if k not in keys]
+    assert not missing, f"missing metrics {missing}; have {sorted(keys)}"
+    assert alive(ray_cluster, trainer.actor_ids) == []
+
+    # the weights changed, and a checkpoint resumes at its step and policy version
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / "rollout_state.json").is_file() and (ckpt / "optimizer.pt").is_file()
+    assert (tmp_path / "checkpoint-3" / "model.safetensors").is_file()
+    import torch
+    from safetensors.torch import load_file
+
+    before = load_file(f"{tiny_model_dir}/model.safetensors")
+    after = load_file(str(tmp_path / "checkpoint-3" / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    saved = json.loads((ckpt / "rollout_state.json").read_text())
+    assert saved["model_version"] == 3 and saved["prompt_index"] > 0
+
+    resumed = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, max_steps=4),
+        train_dataset=dataset(),
+    )
+    state = resumed.train(resume_from_checkpoint=str(ckpt))
+    assert state["global_step"] == 4 and state["policy_version"] == 3 + 1 + 2
+    assert alive(ray_cluster, resumed.actor_ids) == []
+
+
+@pytest.mark.parametrize(
+    "reward, message", [(raising_reward, "boom in the reward"), (short_reward, "1")], ids=["raises", "wrong_length"]
+)
+def test_reward_errors_surface_from_train_and_actors_are_removed(ray_cluster, tiny_model_dir, tmp_path, reward, message):
+    from rlasync import AsyncGRPOTrainer
+
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=reward, args=make_config(tmp_path), train_dataset=dataset()
+    )
+    with pytest.raises(RuntimeError, match="rollout actor 0 failed") as info:
+        trainer.train()
+    assert reward.__name__ in str(info.value) and message in str(info.value)
+    assert alive(ray_cluster, trainer.actor_ids) == []
