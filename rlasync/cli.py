@@ -1,5 +1,6 @@
 """The `rlasync` command line.
 
+    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]]   train (local Ray cluster, or RAY_ADDRESS)
     rlasync check-model MODEL_PATH      is this architecture supported by tree packing? (exit 0 = yes)
     rlasync config show [CONFIG.yaml] [--set key=value ...]   print the resolved config as JSON
     rlasync models prepare smollm2-135m-instruct              convert a shipped model to a cached HF folder
@@ -60,7 +61,42 @@ def _models(argv: Sequence[str]) -> int:
     return 0
 
 
+def _train(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rlasync train",
+        description="Train with async GRPO from a run file (config fields + model, dataset, reward_funcs).",
+    )
+    parser.add_argument("path", help="run file, e.g. configs/quickstart.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+        help="resume from a checkpoint folder (default: the latest checkpoint-* in output_dir)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    import logging
+
+    from rlasync.config.run import load_run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = load_run(args.path, args.overrides)
+        dataset = spec.build_dataset()
+        reward_funcs = spec.build_reward_funcs()
+        from rlasync.trainers import AsyncGRPOTrainer
+
+        trainer = AsyncGRPOTrainer(
+            model=spec.model, reward_funcs=reward_funcs, args=spec.config, train_dataset=dataset
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    state = trainer.train(resume_from_checkpoint=args.resume)
+    print(json.dumps({"output_dir": spec.config.output_dir, **state}))
+    return 0
+
+
 COMMANDS = {
+    "train": (_train, "train from a run file: `rlasync train configs/quickstart.yaml --set max_steps=2`"),
     "check-model": (_check_model, "compare tree-packed and unpacked log-probs of a model; exit non-zero on mismatch"),
     "config": (_config, "resolve a YAML config with --set overrides and print it"),
     "models": (_models, "prepare a model alias (`rlasync models prepare smollm2-135m-instruct`) or list them"),

@@ -145,11 +145,12 @@ class AsyncGRPOTrainer:
         from actors.staleness_queue import QueueActor
         from rlasync.metrics import MetricSink
         from rlasync.metrics.sinks import build_sinks
+        from rlasync.model.registry import resolve_model
         from rlasync.pipeline import initial_tokens_per_step, read_rollout_state
 
         args, cluster = self.args, self.args.cluster
         timeout = cluster.collective_timeout_s
-        model = resume_dir or self.model
+        model = resume_dir or resolve_model(self.model)  # an alias is converted once, here, not in every actor
         tokenizer = self.processing_class if self.processing_class is not None else self._tokenizer_path(model)
         resume_state = read_rollout_state(resume_dir) if resume_dir else None
         start_step = _read_step(resume_dir) if resume_dir else 0

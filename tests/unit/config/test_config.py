@@ -102,4 +102,14 @@ def test_load_config_from_yaml_with_overrides(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_every_yaml_under_configs_loads(path):
-    assert isinstance(load_config(path), AsyncGRPOConfig)
+    """Run files (with `model:`) load with the run-file loader; plain configs with load_config."""
+    import yaml
+
+    from rlasync.config.run import load_run
+
+    if "model" in (yaml.safe_load(path.read_text()) or {}):
+        spec = load_run(path)
+        assert isinstance(spec.config, AsyncGRPOConfig) and spec.reward_funcs
+        assert all(callable(func) for func in spec.build_reward_funcs())
+    else:
+        assert isinstance(load_config(path), AsyncGRPOConfig)
