@@ -1,0 +1,58 @@
+"""Run files: config fields + model, dataset, reward_funcs; overrides reach every key; errors name the key."""
+
+import pytest
+
+from rlasync.config.run import build_dataset, import_object, load_run
+from rlasync.rewards import last_number_reward
+
+RUN = """
+model: tiny/model
+dataset: {name: arithmetic, size: 8, seed: 1, max_operand: 9}
+reward_funcs: [rlasync.rewards:last_number_reward]
+learning_rate: 1.0e-5
+cluster: {num_learners: 1}
+"""
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_run_file_loads_with_overrides(tmp_path):
+    spec = load_run(write(tmp_path, RUN), ["max_steps=2", "dataset.size=4", "cluster.num_generation_actors=2"])
+    assert spec.model == "tiny/model" and spec.config.max_steps == 2 and spec.config.learning_rate == 1e-5
+    assert spec.config.cluster.num_generation_actors == 2
+    assert spec.build_reward_funcs() == [last_number_reward]
+    pytest.importorskip("datasets")
+    assert len(spec.build_dataset()) == 4
+
+
+@pytest.mark.parametrize(
+    "drop, replace, match",
+    [
+        ("model: tiny/model\n", "", "model"),
+        ("dataset: {name: arithmetic, size: 8, seed: 1, max_operand: 9}\n", "dataset: {name: nope}\n", "dataset.name"),
+        ("reward_funcs: [rlasync.rewards:last_number_reward]\n", "reward_funcs: [last_number_reward]\n", "reward_funcs"),
+        ("learning_rate: 1.0e-5\n", "learning_rat: 1.0e-5\n", "learning_rate"),
+    ],
+    ids=["no_model", "bad_dataset", "bad_reward", "typo"],
+)
+def test_run_file_errors_name_the_key(tmp_path, drop, replace, match):
+    with pytest.raises(ValueError, match=match):
+        load_run(write(tmp_path, RUN.replace(drop, replace)))
+
+
+def test_import_object_errors():
+    with pytest.raises(ValueError, match="has no attribute"):
+        import_object("rlasync.rewards:nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        import_object("rlasync.nope:x")
+    with pytest.raises(ValueError, match="module:attribute"):
+        import_object("rlasync.rewards")
+
+
+def test_unknown_dataset_name():
+    with pytest.raises(ValueError, match="dataset.name"):
+        build_dataset({"name": "nope"})
