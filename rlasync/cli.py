@@ -90,7 +90,12 @@ def _train(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    state = trainer.train(resume_from_checkpoint=args.resume)
+    try:
+        state = trainer.train(resume_from_checkpoint=args.resume)
+    except (RuntimeError, ValueError, TimeoutError) as exc:  # a failed actor, a stalled collective, a bad input
+        logging.getLogger("rlasync").debug("train failed", exc_info=True)
+        print(f"error: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps({"output_dir": spec.config.output_dir, **state}))
     return 0
 

@@ -117,3 +117,17 @@ def test_reward_errors_surface_from_train_and_actors_are_removed(ray_cluster, ti
         trainer.train()
     assert reward.__name__ in str(info.value) and message in str(info.value)
     assert alive(ray_cluster, trainer.actor_ids) == []
+
+
+def test_max_staleness_zero_trains_only_fresh_samples_and_counts_drops(ray_cluster, tiny_model_dir, tmp_path):
+    from rlasync import AsyncGRPOTrainer
+
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, max_staleness=0),
+        train_dataset=dataset(),
+    )
+    assert trainer.train()["global_step"] == 3
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["sample/staleness_max"] == 0 for r in records if r.get("sample/staleness_max") is not None)
+    assert all("sample/dropped_stale_count" in r for r in records)  # counted (0 or more) in every window
+    assert alive(ray_cluster, trainer.actor_ids) == []
