@@ -131,3 +131,18 @@ def test_max_staleness_zero_trains_only_fresh_samples_and_counts_drops(ray_clust
     assert all(r["sample/staleness_max"] == 0 for r in records if r.get("sample/staleness_max") is not None)
     assert all("sample/dropped_stale_count" in r for r in records)  # counted (0 or more) in every window
     assert alive(ray_cluster, trainer.actor_ids) == []
+
+
+def test_two_learner_ranks_and_two_rollout_actors(ray_cluster, tiny_model_dir, tmp_path):
+    from rlasync import AsyncGRPOTrainer
+
+    config = make_config(tmp_path, max_steps=2)
+    config.cluster.num_learners = 2
+    config.cluster.num_rollout_actors = 2
+    config.cluster.learner_num_cpus = 0.25
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=dataset())
+    state = trainer.train()
+    assert state["global_step"] == 2 and state["policy_version"] == 3
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["batch/samples_per_row"] > 0 for r in records if "batch/samples_per_row" in r)
+    assert alive(ray_cluster, trainer.actor_ids) == []
