@@ -1,0 +1,151 @@
+"""Built-in engine throughput vs transformers `generate`, same prompts, same GPU, one run.
+
+Qwen3-0.6B shape (hidden 1024, 28 layers, 16 heads, 8 KV heads, head dim 128, intermediate 3072, vocab 151936,
+tied) with random bf16 weights; prompts of `--prompt-len` random tokens; `--new-tokens` new tokens per request with
+EOS ignored; at each concurrency in `--concurrency` (all requests submitted at once). Measured: new tokens/s of
+the TorchEngine (sampling at T=1, and again with `num_logprobs=8` for the top-N cost) and of `generate` (sampling,
+batch = concurrency, the same prompts).
+
+    python bench/engine_throughput.py --out bench/results/engine_throughput_h200.json
+    python bench/engine_throughput.py --device cpu --tiny --concurrency 8 --new-tokens 16   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlasync.engine import SamplingParams, TorchEngine  # noqa: E402
+
+
+def qwen3_06b_config(tiny: bool):
+    from transformers import Qwen3Config
+
+    if tiny:
+        return Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True)  # fmt: skip
+    return Qwen3Config(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+    )  # fmt: skip
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+async def engine_run(engine: TorchEngine, prompts: list[list[int]], new_tokens: int, num_logprobs: int) -> dict:
+    params = [
+        SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, num_logprobs=num_logprobs, seed=i)
+        for i in range(len(prompts))
+    ]
+    start = time.perf_counter()
+    outputs = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.output_ids) for o in outputs)
+    stats = engine.stats()
+    return {
+        "seconds": elapsed,
+        "new_tokens": generated,
+        "new_tokens_per_s": generated / elapsed,
+        "preemptions_total": stats.num_preemptions,
+    }
+
+
+def hf_generate_run(model, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0)
+    model.generate(ids[:, :8], max_new_tokens=2, do_sample=True)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"seconds": elapsed, "new_tokens": generated, "new_tokens_per_s": generated / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", default="64,256")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = qwen3_06b_config(args.tiny)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts_all = torch.randint(0, config.vocab_size, (max(levels), args.prompt_len)).tolist()
+    max_len = args.prompt_len + args.new_tokens
+    results: dict = {
+        "benchmark": "engine_throughput",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model_shape": "tiny Qwen3" if args.tiny else "Qwen3-0.6B (random bf16 weights)",
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "runs": {},
+    }
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).eval()
+    hf_model = None if args.no_hf else AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).eval()
+    engine = TorchEngine(
+        model, device=args.device, max_model_len=max_len, kv_cache_tokens=max(levels) * max_len + 4096,
+        max_num_seqs=max(levels), cuda_graphs=not args.no_cuda_graphs,
+    )  # fmt: skip
+
+    async def engine_suite() -> None:
+        await engine_run(engine, prompts_all[: min(8, len(prompts_all))], 8, 0)  # warm-up (graphs, kernels)
+        for level in levels:
+            prompts = prompts_all[:level]
+            plain = await engine_run(engine, prompts, args.new_tokens, 0)
+            topn = await engine_run(engine, prompts, args.new_tokens, 8)
+            results["runs"][f"engine_c{level}"] = plain
+            results["runs"][f"engine_c{level}_logprobs8"] = topn
+            results[f"engine_c{level}_new_tokens_per_s"] = plain["new_tokens_per_s"]
+            results[f"engine_c{level}_logprobs8_cost_frac"] = 1 - topn["new_tokens_per_s"] / plain["new_tokens_per_s"]
+            print(f"engine c={level}: {plain['new_tokens_per_s']:.0f} new tok/s; with 8 logprobs "
+                  f"{topn['new_tokens_per_s']:.0f}", flush=True)  # fmt: skip
+            _write(args.out, results)
+
+    asyncio.run(engine_suite())
+    if hf_model is not None:
+        for level in levels:
+            run = hf_generate_run(hf_model, prompts_all[:level], args.new_tokens, args.device)
+            results["runs"][f"hf_generate_b{level}"] = run
+            results[f"hf_generate_b{level}_new_tokens_per_s"] = run["new_tokens_per_s"]
+            print(f"transformers generate b={level}: {run['new_tokens_per_s']:.0f} new tok/s", flush=True)
+            _write(args.out, results)
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=2))
+
+
+def _write(path: str | None, results: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
