@@ -223,6 +223,7 @@ class AsyncGRPOTrainer:
                     break
                 window.update(take_items)
                 window.add("perf/rollout_wait_s", wait_s)
+                self._event("on_step_begin")
                 items = ray.get([learner.train_step.remote(refs) for learner in learners], timeout=timeout + 3600)
                 window.update(items[0])
                 ray.get(queue.finish_step.remote(tokens), timeout=timeout)
@@ -232,6 +233,7 @@ class AsyncGRPOTrainer:
                     version = sync(version)
                     window.add("perf/weight_sync_s", time.perf_counter() - started)
                 self.state.update(global_step=step, policy_version=version)
+                self._event("on_step_end")
                 for rollout in self._rollouts:
                     window.update(ray.get(rollout.drain_metrics.remote(), timeout=timeout))
                 now = time.perf_counter()
@@ -242,11 +244,12 @@ class AsyncGRPOTrainer:
                 if step % args.logging_steps == 0:
                     self._log(sinks, step, window.reduce())
                 if step % args.save_steps == 0:
-                    self._save(ray, learners, queue, step, tokenizer)
+                    self._event("on_save", checkpoint=self._save(ray, learners, queue, step, tokenizer))
             if len(window):
                 self._log(sinks, step, window.reduce())
             if args.max_steps > 0 and step >= args.max_steps and step % args.save_steps != 0:
-                self._save(ray, learners, queue, step, tokenizer)
+                self._event("on_save", checkpoint=self._save(ray, learners, queue, step, tokenizer))
+            self._event("on_train_end")
         finally:
             for sink in sinks:
                 sink.close()
@@ -299,10 +302,15 @@ class AsyncGRPOTrainer:
         record = {k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
         for sink in sinks:
             sink.write(step, record)
+        self._event("on_log", logs=record)
+
+    def _event(self, name: str, **kwargs: Any) -> None:
+        """Call `name` (TRL's TrainerCallback events: on_step_begin, on_step_end, on_log, on_save, on_train_end)
+        on every callback that defines it, as `callback.name(args, state, control, **kwargs)`."""
         for callback in self.callbacks:
-            on_log = getattr(callback, "on_log", None)
-            if on_log is not None:
-                on_log(self.args, self.state, None, logs=record)
+            method = getattr(callback, name, None)
+            if method is not None:
+                method(self.args, self.state, None, **kwargs)
 
     def _save(self, ray: Any, learners: list[Any], queue: Any, step: int, tokenizer: Any) -> str:
         import json

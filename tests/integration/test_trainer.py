@@ -3,6 +3,7 @@ checkpoint + resume, errors surfaced from train(), and every actor gone afterwar
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -130,6 +131,42 @@ def test_max_staleness_zero_trains_only_fresh_samples_and_counts_drops(ray_clust
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["sample/staleness_max"] == 0 for r in records if r.get("sample/staleness_max") is not None)
     assert all("sample/dropped_stale_count" in r for r in records)  # counted (0 or more) in every window
+    assert alive(ray_cluster, trainer.actor_ids) == []
+
+
+class SlowLearner:
+    """Holds each step between its take and its update, so generation runs ahead at the old policy version."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.events = delay_s, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.events.append(("begin", state.get("global_step", 0)))
+        time.sleep(self.delay_s)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("end", state["global_step"]))
+
+
+def test_generation_forced_ahead_with_max_staleness_zero_drops_and_counts_stale_samples(
+    ray_cluster, tiny_model_dir, tmp_path
+):
+    from rlasync import AsyncGRPOTrainer
+
+    slow = SlowLearner(delay_s=4.0)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, max_staleness=0, max_steps=3),
+        train_dataset=dataset(), callbacks=[slow],
+    )
+    assert trainer.train()["global_step"] == 3
+    assert [e for e, _ in slow.events] == ["begin", "end"] * 3
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("sample/dropped_stale_count", 0) for r in records) > 0  # generated ahead, then dropped
+    assert all(r["sample/staleness_max"] == 0 for r in records if r.get("sample/staleness_max") is not None)
+    # Only fresh samples are trained, so each step's sampler log-probs come from an engine that received the
+    # previous step's weights: they match the learner's recomputation (a missed sync would show here).
+    gaps = [r["sampling/sampling_logp_difference/max"] for r in records if "sampling/sampling_logp_difference/max" in r]
+    assert len(gaps) == 3 and max(gaps) < 1e-3, gaps
     assert alive(ray_cluster, trainer.actor_ids) == []
 
 
