@@ -28,7 +28,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from rlasync.pipeline._notify import Notifier
 from rlasync.pipeline.allowance import TokenAllowance
@@ -70,6 +70,7 @@ class QueueState:
     regenerated_groups: int  # groups leased again because every sample was stale
     first_untrained_index: int
     done: bool
+    outcomes: dict[str, int] = field(default_factory=dict)  # groups per outcome: trained, zero_std, filtered, stale
 
     def to_dict(self) -> dict[str, int | float | bool]:
         return asdict(self)
@@ -242,6 +243,7 @@ class QueueService:
             regenerated_groups=self.dispatcher.outcome_counts["stale"],
             first_untrained_index=self.dispatcher.first_untrained_index(),
             done=self.dispatcher.done,
+            outcomes=dict(self.dispatcher.outcome_counts),
         )
 
     # ---- internals -----------------------------------------------------------------------------------------

@@ -249,6 +249,7 @@ class AsyncGRPOTrainer:
                 self._log(sinks, step, window.reduce())
             if args.max_steps > 0 and step >= args.max_steps and step % args.save_steps != 0:
                 self._event("on_save", checkpoint=self._save(ray, learners, queue, step, tokenizer))
+            self.state["queue"] = ray.get(queue.state.remote(), timeout=timeout)  # epoch accounting, for callers
             self._event("on_train_end")
         finally:
             for sink in sinks:
