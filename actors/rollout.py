@@ -2,6 +2,7 @@
 
     queue actor ──next_group──► _QueuePromptSource.lease()  (the queue gates admission: OpenAdmission here)
     loop ──generate──► _RemoteEngine ──► GenerationActor handles
+    loop ──reward_scorer──► _RewardPool ──► RewardActor handles (when the cluster has any; else the loop scores)
     loop ──put(GroupResult)──► _QueueSink: samples ray.put here, ObjectRefs + metadata to the queue
 
 Reconciles the two lease types: the queue's `rlasync.pipeline.PromptLease` (epoch, row, group_id, position) and
@@ -37,6 +38,19 @@ class _RemoteEngine:
 
     def stats(self) -> Any:
         return self.handle.stats.remote()
+
+
+class _RewardPool:
+    """The loop's `reward_scorer`: each group goes to the next RewardActor (round-robin)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = list(handles)
+        self.next = 0
+
+    def __call__(self, **group: Any) -> Any:
+        handle = self.handles[self.next % len(self.handles)]
+        self.next += 1
+        return handle.score.remote(**group)
 
 
 class _QueuePromptSource:
@@ -85,7 +99,7 @@ class _QueueSink:
 class RolloutActor:
     def __init__(
         self, *, index: int, args: Any, tokenizer: Any, dataset: Any, reward_funcs: list[Any], queue: Any,
-        engines: list[Any], loop_cls: type, seed: int = 0,
+        engines: list[Any], loop_cls: type, seed: int = 0, reward_actors: list[Any] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self.index = index
@@ -102,6 +116,7 @@ class RolloutActor:
             args=args, tokenizer=tokenizer, engine=[_RemoteEngine(h) for h in engines], prompt_source=source,
             sink=_QueueSink(self, source), reward_funcs=reward_funcs, metrics_callback=self.items.extend,
             rng=random.Random(seed * 1_000_003 + index),
+            reward_scorer=_RewardPool(reward_actors) if reward_actors else None,
         )
         self.task: asyncio.Task | None = None
         self.error: str | None = None

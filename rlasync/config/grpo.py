@@ -44,6 +44,9 @@ class ClusterConfig:
     num_rollout_actors: int = 1
     num_generation_actors: int = 1
     num_learners: int = 1
+    num_reward_actors: int = 0
+    """RewardActors running the reward functions; 0 = each rollout actor runs them itself."""
+    reward_num_cpus: float = 0.1
     rollout_num_cpus: float = 0.25
     generation_num_cpus: float = 0.5
     generation_num_gpus: float = 0.0
@@ -62,8 +65,11 @@ class ClusterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cluster.{name}={value!r}: must be a positive integer")
+        reward_actors = self.num_reward_actors
+        if isinstance(reward_actors, bool) or not isinstance(reward_actors, int) or reward_actors < 0:
+            raise ValueError(f"cluster.num_reward_actors={self.num_reward_actors!r}: must be an integer >= 0")
         for name in ("rollout_num_cpus", "generation_num_cpus", "generation_num_gpus", "learner_num_cpus",
-                     "learner_num_gpus", "queue_num_cpus"):
+                     "learner_num_gpus", "queue_num_cpus", "reward_num_cpus"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.collective_timeout_s > 0:

@@ -168,6 +168,15 @@ class GroupResult:
         return sum(len(sample) for sample in self.scored.samples)
 
 
+class RewardScorer(Protocol):
+    """Scores one group's completions with the reward functions somewhere else (e.g. a RewardActor) and returns
+    their `RewardTable`; advantages, dropping and samples stay in the loop (its `compute_advantages` hook)."""
+
+    def __call__(
+        self, *, prompts: Any, completions: Any, completion_ids: Any, reward_kwargs: Mapping[str, Any]
+    ) -> Any: ...
+
+
 class GroupSink(Protocol):
     def put(self, result: GroupResult) -> None | Awaitable[None]: ...
 
@@ -236,8 +245,10 @@ class AsyncRolloutLoop:
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         rng: random.Random | None = None,
+        reward_scorer: RewardScorer | None = None,
     ) -> None:
         self.args = args
+        self.reward_scorer = reward_scorer
         self.tokenizer = tokenizer
         self.engines: list[Engine] = list(engine) if isinstance(engine, Sequence) else [engine]
         if not self.engines:
@@ -612,10 +623,22 @@ class AsyncRolloutLoop:
     async def _score_and_put(self, group: _GroupState) -> None:
         rollout_group = self._rollout_group(group)
         started = self._clock()
+        reward_funcs, columns = self.reward_funcs, None
+        if self.reward_scorer is not None:  # reward functions run elsewhere (a RewardActor): their table comes back
+            table = await _resolve(
+                self.reward_scorer(
+                    prompts=rollout_group.prompts,
+                    completions=rollout_group.completions,
+                    completion_ids=rollout_group.completions_ids,
+                    reward_kwargs=rollout_group.reward_kwargs,
+                )
+            )
+            reward_funcs, columns = [], list(zip(table.names, table.values))
         scored = await score_group(
             rollout_group,
-            self.reward_funcs,
+            reward_funcs,
             compute_advantages=self.compute_advantages,
+            extra_columns=columns,
             drop_zero_std_groups=self.drop_zero_std_groups,
         )
         score_s = self._clock() - started

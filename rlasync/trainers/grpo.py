@@ -141,6 +141,7 @@ class AsyncGRPOTrainer:
     def _train(self, ray: Any, resume_dir: str | None) -> dict[str, Any]:
         from actors.generation import GenerationActor
         from actors.learner import LearnerActor
+        from actors.reward import RewardActor
         from actors.rollout import RolloutActor
         from actors.staleness_queue import QueueActor
         from rlasync.metrics import MetricSink
@@ -202,11 +203,15 @@ class AsyncGRPOTrainer:
         version = sync(version)  # cold sync: the first served policy is version + 1
         self.state["policy_version"] = version
 
+        rewards = [
+            self._spawn(RewardActor, reward_funcs=self.reward_funcs, num_cpus=cluster.reward_num_cpus)
+            for _ in range(cluster.num_reward_actors)
+        ]
         dataset_ref = ray.put(self.train_dataset)
         self._rollouts = [
             self._spawn(RolloutActor, index=i, args=args, tokenizer=tokenizer, dataset=dataset_ref,
                         reward_funcs=self.reward_funcs, queue=queue, engines=gens, loop_cls=self.loop_cls,
-                        seed=args.seed, num_cpus=cluster.rollout_num_cpus)
+                        seed=args.seed, reward_actors=rewards, num_cpus=cluster.rollout_num_cpus)
             for i in range(cluster.num_rollout_actors)
         ]  # fmt: skip
         ray.get([rollout.start.remote() for rollout in self._rollouts], timeout=timeout + 600)

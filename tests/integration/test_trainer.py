@@ -186,16 +186,18 @@ def test_one_epoch_consumes_every_prompt_exactly_once(ray_cluster, tiny_model_di
     assert alive(ray_cluster, trainer.actor_ids) == []
 
 
-def test_two_learner_ranks_and_two_rollout_actors(ray_cluster, tiny_model_dir, tmp_path):
+def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, tiny_model_dir, tmp_path):
     from rlasync import AsyncGRPOTrainer
 
     config = make_config(tmp_path, max_steps=2)
     config.cluster.num_learners = 2
     config.cluster.num_rollout_actors = 2
+    config.cluster.num_reward_actors = 1  # reward functions in a RewardActor, not in the rollout loops
     config.cluster.learner_num_cpus = 0.25
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=dataset())
     state = trainer.train()
     assert state["global_step"] == 2 and state["policy_version"] == 3
+    assert len(trainer.actor_ids) == 1 + 2 + 1 + 1 + 2  # engine, learners, queue, reward actor, rollout actors
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["batch/samples_per_row"] > 0 for r in records if "batch/samples_per_row" in r)
     assert alive(ray_cluster, trainer.actor_ids) == []

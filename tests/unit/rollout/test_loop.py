@@ -692,3 +692,29 @@ def test_a_prompt_source_that_gates_reports_its_wait_as_backpressure():
     loop = make_loop(num_rows=2, prompt_source=GatingSource(rows(2)))
     asyncio.run(loop.run())
     assert loop.metrics.reduce()["rollout/backpressure_s"] == 1.75  # the admission's 0.25 plus the source's 1.5
+
+
+def test_a_remote_reward_scorer_gives_the_same_groups_as_scoring_in_the_loop():
+    """With `reward_scorer` (a RewardActor pool in the trainer) the reward functions run there; advantages,
+    drops, samples and metrics come out exactly as when the loop calls them itself."""
+    from rlasync.rewards import call_reward_funcs
+
+    calls = []
+
+    async def remote(*, prompts, completions, completion_ids, reward_kwargs):
+        calls.append(len(completions))
+        return await call_reward_funcs(
+            [parity_reward], prompts=prompts, completions=completions, completion_ids=completion_ids,
+            reward_kwargs=reward_kwargs,
+        )  # fmt: skip
+
+    local, remote_loop = make_loop(), make_loop(reward_scorer=remote)
+    asyncio.run(local.run())
+    asyncio.run(remote_loop.run())
+    assert calls == [4] * 6
+    for a, b in zip(local.sink.results, remote_loop.sink.results):
+        assert a.group_id == b.group_id and a.dropped == b.dropped
+        np.testing.assert_array_equal(a.scored.rewards, b.scored.rewards)
+        np.testing.assert_array_equal(a.scored.advantages, b.scored.advantages)
+        assert [s.metrics for s in a.scored.samples] == [s.metrics for s in b.scored.samples]
+    assert local.metrics.reduce().keys() == remote_loop.metrics.reduce().keys()
