@@ -75,9 +75,9 @@ class _QueuePromptSource:
 
     async def release(self, lease: PromptLease, reason: str) -> None:
         queue_lease = self.leases.pop(lease.group_id)
-        if reason == "filtered":
-            await self.actor.queue.drop_group.remote(lease.group_id, "filtered", 0)
-        else:
+        if reason in ("filtered", "failed"):  # "failed": the engine rejected the prompt; retrying cannot help
+            await self.actor.queue.drop_group.remote(lease.group_id, reason, 0)
+        else:  # "cancelled" (the loop is stopping): the prompt is leased again
             await self.actor.queue.release.remote(queue_lease)
 
 

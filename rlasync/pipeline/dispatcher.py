@@ -37,12 +37,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-DropReason = Literal["zero_std", "filtered"]
-GroupOutcome = Literal["trained", "zero_std", "filtered", "stale"]
-"""How a group ended: consumed as trained / dropped for zero reward std / rejected by `filter_prompt`, or
-"stale" (every sample dropped as stale; the position goes back to be leased again)."""
+DropReason = Literal["zero_std", "filtered", "failed"]
+GroupOutcome = Literal["trained", "zero_std", "filtered", "failed", "stale"]
+"""How a group ended: consumed as trained / dropped for zero reward std / rejected by `filter_prompt` / failed
+for good (the engine rejected its prompt, e.g. longer than max_model_len: leasing it again could never succeed),
+or "stale" (every sample dropped as stale; the position goes back to be leased again)."""
 
-DROP_REASONS: tuple[DropReason, ...] = ("zero_std", "filtered")
+DROP_REASONS: tuple[DropReason, ...] = ("zero_std", "filtered", "failed")
 
 
 @dataclass(frozen=True, slots=True)

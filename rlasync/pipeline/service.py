@@ -163,7 +163,8 @@ class QueueService:
         self.allowance.finish_group(num_rollouts, sum(entry.num_tokens for entry in entries))
 
     def drop_group(self, group_id: int, reason: DropReason, num_tokens: int = 0) -> None:
-        """The group produced nothing to train (zero reward std, or `filter_prompt` rejected its prompt).
+        """The group produced nothing to train (zero reward std, `filter_prompt` rejected its prompt, or its prompt
+        can never be generated: "failed", counted as consumed instead of being leased again forever).
 
         `num_tokens`: raw tokens its rollouts generated (0 for a filtered prompt), for the per-rollout estimate.
         """

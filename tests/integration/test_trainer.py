@@ -171,17 +171,25 @@ def test_generation_forced_ahead_with_max_staleness_zero_drops_and_counts_stale_
 
 
 def test_one_epoch_consumes_every_prompt_exactly_once(ray_cluster, tiny_model_dir, tmp_path):
-    """max_steps=-1, one epoch over 12 prompts: training stops when the stream is exhausted, and every prompt ended
-    in exactly one counted outcome (trained, or dropped as a zero-std group); none twice, none lost."""
+    """max_steps=-1, one epoch over 13 prompts: training stops when the stream is exhausted, and every prompt ended
+    in exactly one counted outcome (trained, dropped as a zero-std group, or failed for good: the last prompt is
+    longer than max_model_len, so the engine rejects it and it must not be leased again forever)."""
+    from datasets import Dataset
+
     from rlasync import AsyncGRPOTrainer
 
+    rows = dataset(12).to_list()
+    rows.append({**rows[0], "prompt": [{"role": "user", "content": " ".join(["1"] * 200)}]})
     config = make_config(tmp_path, max_steps=-1, num_train_epochs=1.0)
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=dataset(12))
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=Dataset.from_list(rows)
+    )
     state = trainer.train()
     queue = state["queue"]
-    assert queue["done"] and queue["consumed_groups"] == 12 and queue["first_untrained_index"] == 12
+    assert queue["done"] and queue["consumed_groups"] == 13 and queue["first_untrained_index"] == 13
     outcomes = {k: v for k, v in queue["outcomes"].items() if k != "stale"}  # stale groups are re-leased
-    assert sum(outcomes.values()) == 12 and set(outcomes) <= {"trained", "zero_std", "filtered"}
+    assert sum(outcomes.values()) == 13 and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
+    assert outcomes.get("failed") == 1
     assert queue["queue_size"] == 0 and queue["inflight_groups"] == 0
     assert alive(ray_cluster, trainer.actor_ids) == []
 

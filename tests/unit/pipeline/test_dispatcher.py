@@ -278,7 +278,7 @@ def test_every_prompt_of_every_epoch_is_consumed_exactly_once(data, num_rows, nu
             if op == "queue":
                 model.queue(group_id, data.draw(st.integers(1, 3)))
             elif op == "drop":
-                model.drop(group_id, data.draw(st.sampled_from(["zero_std", "filtered"])))
+                model.drop(group_id, data.draw(st.sampled_from(["zero_std", "filtered", "failed"])))
             else:
                 model.release(group_id)
         elif op in ("train", "stale") and model.queued:
@@ -292,3 +292,14 @@ def test_every_prompt_of_every_epoch_is_consumed_exactly_once(data, num_rows, nu
     assert model.consumed == Counter({position: 1 for position in expected}), "a prompt lost or consumed twice"
     assert dispatcher.done and dispatcher.lease() is None
     assert dispatcher.first_untrained_index() == max(dispatcher.end_index, start_index)
+
+
+def test_a_group_that_failed_for_good_is_consumed_and_counted_not_leased_again():
+    dispatcher = PromptDispatcher(num_rows=2, num_epochs=1.0)
+    first = dispatcher.lease()
+    assert dispatcher.mark_dropped(first.group_id, "failed") == "failed"
+    second = dispatcher.lease()
+    assert second.position != first.position and dispatcher.lease() is None
+    dispatcher.mark_dropped(second.group_id, "zero_std")
+    assert dispatcher.done and dispatcher.outcome_counts == {"failed": 1, "zero_std": 1}
+    assert dispatcher.first_untrained_index() == 2
