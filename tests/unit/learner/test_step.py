@@ -131,3 +131,34 @@ def test_gradient_accumulation_averages_micro_batches_normalised_by_their_global
 def test_decaying_schedule_without_max_steps_is_refused():
     with pytest.raises(ValueError, match="max_steps"):
         build_optimizer(tiny_model(), OptimizerSettings(lr_scheduler_type="cosine"))
+
+
+def test_an_fsdp2_sharded_learner_takes_exactly_the_unsharded_step(tmp_path):
+    """rlasync.learner.parallel.shard_for_training (one gloo rank on CPU): same loss, same parameter update."""
+    import copy
+
+    import torch.distributed as dist
+
+    from rlasync.learner.parallel import shard_for_training
+
+    model = tiny_model(3)
+    rows = rows_of(on_policy_group(model, 0, [1.0, -1.0, 0.5, -0.5], np.random.default_rng(3)))
+    reference = copy.deepcopy(model)
+
+    def run(module):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        step = LearnerStep(module, optimizer, scheduler, LossConfig(), max_grad_norm=math.inf)
+        return step.step(rows, [r.num_trained_tokens for r in rows])
+
+    expected = run(reference)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        scorer = shard_for_training(model)
+        metrics = run(scorer)
+        updated = {name: p.full_tensor() for name, p in scorer.model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert abs(metrics["loss"] - expected["loss"]) < 1e-6
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(updated[name], p.detach(), atol=1e-6, rtol=1e-5, msg=name)
