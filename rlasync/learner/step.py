@@ -14,6 +14,7 @@ and the global loss-term counts. Distributed gradient averaging (FSDP2/DDP over 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -22,25 +23,28 @@ from typing import Any
 
 import torch
 
+from rlasync.config import AsyncGRPOConfig
 from rlasync.losses import LossConfig, grpo_loss
 from rlasync.metrics import MetricSink, MetricValue
 from rlasync.model import packed_row_to_tensors, packed_token_scores
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}  # one place for the defaults
+
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """AdamW and the learning-rate schedule (TrainingArguments names)."""
+    """AdamW and the learning-rate schedule: the optimizer's slice of `AsyncGRPOConfig` (same names, same defaults)."""
 
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    lr_scheduler_type: str = "constant"
-    lr_scheduler_kwargs: dict[str, Any] | None = None
-    warmup_steps: float = 0
-    max_steps: int = -1
+    learning_rate: float = _DEFAULTS["learning_rate"]
+    weight_decay: float = _DEFAULTS["weight_decay"]
+    adam_beta1: float = _DEFAULTS["adam_beta1"]
+    adam_beta2: float = _DEFAULTS["adam_beta2"]
+    adam_epsilon: float = _DEFAULTS["adam_epsilon"]
+    max_grad_norm: float = _DEFAULTS["max_grad_norm"]
+    lr_scheduler_type: str = _DEFAULTS["lr_scheduler_type"]
+    lr_scheduler_kwargs: dict[str, Any] | None = _DEFAULTS["lr_scheduler_kwargs"]
+    warmup_steps: float = _DEFAULTS["warmup_steps"]
+    max_steps: int = _DEFAULTS["max_steps"]
 
     @classmethod
     def from_args(cls, args: Any) -> OptimizerSettings:
