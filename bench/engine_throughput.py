@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="64,256")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "varlen", "reference"])
+    parser.add_argument("--profile", default=None, help="write torch.profiler tables of a short run to this folder")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -113,8 +115,11 @@ def main() -> None:
     hf_model = None if args.no_hf else AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).eval()
     engine = TorchEngine(
         model, device=args.device, max_model_len=max_len, kv_cache_tokens=max(levels) * max_len + 4096,
-        max_num_seqs=max(levels), cuda_graphs=not args.no_cuda_graphs,
+        max_num_seqs=max(levels), cuda_graphs=not args.no_cuda_graphs, attention_backend=args.attention_backend,
     )  # fmt: skip
+    results["attention_backend"] = engine._runner.backend
+    results["cuda_graphs"] = engine._runner.graphs is not None
+    print(f"attention backend {results['attention_backend']}, CUDA graphs {results['cuda_graphs']}", flush=True)
 
     async def engine_suite() -> None:
         await engine_run(engine, prompts_all[: min(8, len(prompts_all))], 8, 0)  # warm-up (graphs, kernels)
@@ -131,6 +136,8 @@ def main() -> None:
             _write(args.out, results)
 
     asyncio.run(engine_suite())
+    if args.profile:
+        profile_engine(engine, prompts_all[: max(levels)], args.device, Path(args.profile))
     if hf_model is not None:
         for level in levels:
             run = hf_generate_run(hf_model, prompts_all[:level], args.new_tokens, args.device)
@@ -139,6 +146,29 @@ def main() -> None:
             print(f"transformers generate b={level}: {run['new_tokens_per_s']:.0f} new tok/s", flush=True)
             _write(args.out, results)
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=2))
+
+
+def profile_engine(engine: TorchEngine, prompts: list[list[int]], device: str, folder: Path) -> None:
+    """torch.profiler over a short run at the top concurrency (prefill and 32 decode steps): where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    async def inline(fn, *args, **kwargs):  # steps on the profiled thread (the profiler records its own thread)
+        return fn(*args, **kwargs)
+
+    to_thread, asyncio.to_thread = asyncio.to_thread, inline
+    try:
+        with profile(activities=activities) as prof:
+            run = asyncio.run(engine_run(engine, prompts, 32, 0))
+    finally:
+        asyncio.to_thread = to_thread
+    averages = prof.key_averages()
+    for sort in ("self_cpu_time_total", "self_cuda_time_total" if device.startswith("cuda") else "cpu_time_total"):
+        (folder / f"engine_profile_{sort}.txt").write_text(
+            f"{run}\n" + averages.table(sort_by=sort, row_limit=40, max_name_column_width=70)
+        )
+    print(f"profile written to {folder}: {run}", flush=True)
 
 
 def _write(path: str | None, results: dict) -> None:

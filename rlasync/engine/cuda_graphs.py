@@ -36,8 +36,10 @@ class DecodeGraphs:
         batch_sizes: Sequence[int],
         max_model_len: int,
         no_mask: torch.Tensor,
+        backend: str = "varlen",
     ) -> None:
         self.pool = pool
+        self.backend = backend
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_model_len = max_model_len
         self.max_blocks = num_blocks_for(max_model_len, pool.block_size)
@@ -66,7 +68,7 @@ class DecodeGraphs:
     def _metadata(self, size: int) -> PagedAttentionMetadata:
         return PagedAttentionMetadata(
             pool=self.pool,
-            backend="varlen",
+            backend=self.backend,
             positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],

@@ -154,8 +154,8 @@ def build_metadata(
     reference = None
     if backend == "reference":
         reference = _reference_plan(pool, table, starts, lengths, q_begin, ends_t, device)
-    elif backend != "varlen":
-        raise ValueError(f"unknown paged attention backend {backend!r}: use 'reference' or 'varlen'")
+    elif backend not in ("varlen", "triton"):
+        raise ValueError(f"unknown paged attention backend {backend!r}: use 'reference', 'triton' or 'varlen'")
     query_start_loc = torch.cat([q_begin, lengths_t.sum()[None]])
     seq_start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(ends_t, 0)])
     return PagedAttentionMetadata(
@@ -232,6 +232,29 @@ def probe_varlen(
         return "needs CUDA and a torch whose varlen_attn takes a block_table"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"FlashAttention runs in 16-bit, the model is {dtype}"
+    return _probe("varlen", block_size, num_heads, num_kv_heads, head_dim, dtype, device)
+
+
+def probe_triton(
+    block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """Like `probe_varlen` for the Triton kernel (`rlasync.engine.triton_attention`)."""
+    from rlasync.engine import triton_attention
+
+    if device.type != "cuda" or not triton_attention.available():
+        return "needs CUDA and Triton"
+    return _probe("triton", block_size, num_heads, num_kv_heads, head_dim, dtype, device)
+
+
+def _probe(
+    backend: str,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> str | None:
     generator = torch.Generator(device=device).manual_seed(0)
     pool = KVPool(1, 8, block_size, num_kv_heads, head_dim, dtype, device)
     pool.kv.normal_(generator=generator)
@@ -244,13 +267,13 @@ def probe_varlen(
     module = _ProbeLayer()
     outputs = []
     try:
-        for backend in ("reference", "varlen"):
-            meta = build_metadata(pool, starts, lengths, block_ids, device, backend)
+        for name in ("reference", backend):
+            meta = build_metadata(pool, starts, lengths, block_ids, device, name)
             outputs.append(paged_attention_forward(module, **tensors, attention_mask=None, paged_attention=meta)[0])
-    except RuntimeError as error:
-        return f"varlen_attn failed: {error}"
+    except Exception as error:  # a kernel that cannot compile or launch here: fall back, saying why
+        return f"{backend} failed: {type(error).__name__}: {error}"
     error = (outputs[0].float() - outputs[1].float()).abs().max().item()
-    return None if error < 5e-2 else f"varlen_attn disagrees with the reference (max abs error {error:.3g})"
+    return None if error < 5e-2 else f"{backend} disagrees with the reference (max abs error {error:.3g})"
 
 
 class _ProbeLayer:
@@ -266,21 +289,30 @@ def choose_layout(
     num_kv_heads: int,
     head_dim: int,
 ) -> tuple[str, int]:
-    """(backend, block_size) for an engine. "auto": varlen where `probe_varlen` passes (trying `block_size`, or
-    16 then 256 when none is given), else the reference backend, logging why; "varlen" raises if the probe fails."""
-    if backend not in ("auto", "varlen", "reference"):
-        raise ValueError(f"attention_backend={backend!r}: use 'auto', 'varlen' or 'reference'")
+    """(backend, block_size) for an engine. "auto" on CUDA: FlashAttention varlen where `probe_varlen` passes (trying
+    `block_size`, or 16 then 256 when none is given), else the Triton kernel where `probe_triton` passes, else the
+    reference backend, logging why; "varlen"/"triton" raise if their probe fails. CPU: the reference backend."""
+    if backend not in ("auto", "varlen", "triton", "reference"):
+        raise ValueError(f"attention_backend={backend!r}: use 'auto', 'varlen', 'triton' or 'reference'")
     candidates = (block_size,) if block_size else DEFAULT_BLOCK_SIZES
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return "reference", candidates[0]
     reasons = []
-    for size in candidates:
-        reason = probe_varlen(size, num_heads, num_kv_heads, head_dim, dtype, device)
+    if backend in ("auto", "varlen"):
+        for size in candidates:
+            reason = probe_varlen(size, num_heads, num_kv_heads, head_dim, dtype, device)
+            if reason is None:
+                return "varlen", size
+            reasons.append(f"varlen, block_size {size}: {reason}")
+    if backend in ("auto", "triton"):
+        reason = probe_triton(candidates[0], num_heads, num_kv_heads, head_dim, dtype, device)
         if reason is None:
-            return "varlen", size
-        reasons.append(f"block_size {size}: {reason}")
-    if backend == "varlen":
-        raise ValueError(f"attention_backend='varlen' cannot run here ({'; '.join(reasons)})")
+            if reasons:
+                logger.info("paged attention uses the Triton kernel (%s)", "; ".join(reasons))
+            return "triton", candidates[0]
+        reasons.append(f"triton, block_size {candidates[0]}: {reason}")
+    if backend != "auto":
+        raise ValueError(f"attention_backend={backend!r} cannot run here ({'; '.join(reasons)})")
     logger.warning("paged attention falls back to the reference backend (gather + SDPA): %s", "; ".join(reasons))
     return "reference", candidates[0]
 
@@ -320,6 +352,14 @@ def paged_attention_forward(
     v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     if meta.backend == "varlen":
         output = _varlen_attention(q, k_cache, v_cache, meta, scaling, sliding_window)
+    elif meta.backend == "triton":
+        from rlasync.engine.triton_attention import triton_paged_attention
+
+        output = triton_paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            block_size=meta.pool.block_size, max_query_len=meta.max_query_len, scale=scaling,
+            sliding_window=sliding_window,
+        ).to(q.dtype)  # fmt: skip
     else:
         output = _reference_attention(q, k_cache, v_cache, meta.reference, scaling, sliding_window)
     return output[None], None

@@ -63,8 +63,8 @@ def check_engine_support(model: torch.nn.Module) -> None:
 
 
 class ModelRunner:
-    """Runs steps of `model` over `pool` with the paged attention `backend` ("reference" or "varlen").
-    `cuda_graph_sizes` (varlen only): batch sizes whose decode steps are captured as CUDA graphs; empty = eager.
+    """Runs steps of `model` over `pool` with the paged attention `backend` ("reference", "triton" or "varlen").
+    `cuda_graph_sizes` (triton and varlen only): batch sizes whose decode steps are captured as CUDA graphs; empty = eager.
     A capture that fails is logged and decode runs eagerly."""
 
     def __init__(
@@ -89,14 +89,14 @@ class ModelRunner:
         self.vocab_size = int(self.head.weight.shape[0])
         # a 4D attention_mask is returned unchanged by transformers: no [N, N] mask is built for a paged step
         self._no_mask = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=device)
-        if backend not in ("reference", "varlen"):
+        if backend not in ("reference", "varlen", "triton"):
             raise ValueError(f"unknown paged attention backend {backend!r}")
         self.backend = backend
         self.graphs = None
-        if cuda_graph_sizes and backend == "varlen":
+        if cuda_graph_sizes and backend in ("varlen", "triton"):
             try:
                 self.graphs = DecodeGraphs(
-                    self.decoder, self._logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask
+                    self.decoder, self._logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask, backend
                 )
             except RuntimeError:
                 logger.exception("CUDA graph capture failed: decode steps run eagerly")
@@ -128,7 +128,7 @@ class ModelRunner:
                 lengths + [1] * pad,
                 block_ids + [[]] * pad,
                 self.device,
-                "varlen",
+                self.backend,
                 graphs.max_blocks,
             )
             input_ids = torch.tensor(flat_ids + [0] * pad, dtype=torch.int64).to(self.device, non_blocking=True)

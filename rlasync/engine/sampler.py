@@ -43,7 +43,7 @@ Decisions, fixed here once for all engines built on this module:
 
 Efficiency: top-k uses `torch.topk` (no sort); top-p sorts only inside the top-k window when every top-p row sets
 top_k, else one full stable sort of the batch. The Gumbel noise is hashed only on the top-k window when every
-sampled row sets top_k, else on the whole vocabulary. Host-side switches (which stages run, window widths) come from
+sampled row sets top_k, else on the whole vocabulary (on CUDA in one fused Triton pass, `triton_sampling`). Host-side switches (which stages run, window widths) come from
 the batch's params and never change a row's result.
 """
 
@@ -86,13 +86,35 @@ def _mix64(z: Tensor) -> Tensor:
     return z ^ _lsr(z, 31)
 
 
+def hash_keys(seeds: Tensor, steps: Tensor) -> Tensor:
+    """[B] int64: each row's hash key mix64(mix64(seed) ^ step)."""
+    return _mix64(_mix64(seeds.to(torch.int64)) ^ steps.to(torch.int64))
+
+
 def hash_uniform(seeds: Tensor, steps: Tensor, token_ids: Tensor) -> Tensor:
     """u(seed, step, token) in (0, 1), float64, [B, W] for seeds/steps [B] and token_ids [B, W] (or [W]).
 
     Counter-based: the same (seed, step, token) gives the same u on every device and in every batch."""
-    key = _mix64(_mix64(seeds.to(torch.int64)) ^ steps.to(torch.int64))
+    key = hash_keys(seeds, steps)
     h = _mix64(key[:, None] + (token_ids.to(torch.int64) + 1) * _GOLDEN)
     return (_lsr(h, 12).to(torch.float64) + 0.5) * (2.0**-52)
+
+
+def gumbel_argmax_reference(x: Tensor, ids: Tensor, seeds: Tensor, steps: Tensor, vocab: int) -> Tensor:
+    """[B] token ids: argmax over the window `ids` [B, W] of x - log(-log u(seed, step, id)), ties to the lowest id.
+
+    The torch formulation (any device); on CUDA the whole-vocabulary case runs fused (`triton_sampling`)."""
+    u = hash_uniform(seeds, steps, ids)
+    score = x.to(torch.float64) - torch.log(-torch.log(u))
+    best = score.max(dim=-1, keepdim=True).values
+    # ties (measure zero, but float): lowest id wins, whatever the window's order
+    return torch.where(score == best, ids, vocab).min(dim=-1).values
+
+
+def _fused_gumbel_available() -> bool:
+    from rlasync.engine import triton_sampling
+
+    return triton_sampling.available()
 
 
 class _Plan(NamedTuple):
@@ -329,13 +351,14 @@ def sample(
         if plan.random_all_top_k and plan.max_top_k < v:
             # every sampled row's candidates lie in its top-k set: hash only that window
             win_x, win_ids = masked.topk(plan.max_top_k, dim=-1, sorted=False)
+            sampled = gumbel_argmax_reference(win_x, win_ids, batch.seeds, steps, v)
+        elif masked.is_cuda and _fused_gumbel_available():
+            from rlasync.engine.triton_sampling import gumbel_argmax
+
+            sampled = gumbel_argmax(masked, hash_keys(batch.seeds, steps))
         else:
-            win_x, win_ids = masked, torch.arange(v, device=device).expand(b, v)
-        u = hash_uniform(batch.seeds, steps, win_ids)
-        score = win_x.to(torch.float64) - torch.log(-torch.log(u))
-        best = score.max(dim=-1, keepdim=True).values
-        # ties (measure zero, but float): lowest id wins, whatever the window's order
-        sampled = torch.where(score == best, win_ids, v).min(dim=-1).values
+            win_ids = torch.arange(v, device=device).expand(b, v)
+            sampled = gumbel_argmax_reference(masked, win_ids, batch.seeds, steps, v)
         token_ids = torch.where(greedy, token_ids, sampled)
     if plan.any_greedy:
         token_ids = torch.where(greedy, masked.argmax(dim=-1), token_ids)  # first maximum = lowest id

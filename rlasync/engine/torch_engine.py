@@ -67,10 +67,10 @@ class TorchEngine:
     max_num_batched_tokens token budget of one step (longer prefills are chunked)
     eos_token_ids          default the generation config's eos_token_id (or the model config's)
     kv_on_weight_update    "recompute" (default) or "keep": see the module docstring
-    attention_backend      "auto" (FlashAttention varlen over the paged pool on CUDA in 16-bit when a probe of it
-                           passes, else "reference": gather + SDPA, the CPU path; a fallback is logged), "varlen"
-                           or "reference"
-    cuda_graphs            capture decode steps as CUDA graphs, padded to a few batch sizes (varlen backend only)
+    attention_backend      "auto" (on CUDA: FlashAttention varlen over the paged pool in 16-bit when a probe of it
+                           passes, else our Triton kernel when its probe passes, else "reference": gather + SDPA,
+                           the CPU path; a fallback is logged), "varlen", "triton" or "reference"
+    cuda_graphs            capture decode steps as CUDA graphs, padded to a few batch sizes (triton and varlen backends)
     """
 
     def __init__(
@@ -87,7 +87,7 @@ class TorchEngine:
         eos_token_ids: Sequence[int] | int | None = None,
         gpu_memory_utilization: float = 0.9,
         kv_on_weight_update: Literal["recompute", "keep"] = "recompute",
-        attention_backend: Literal["auto", "varlen", "reference"] = "auto",
+        attention_backend: Literal["auto", "varlen", "triton", "reference"] = "auto",
         cuda_graphs: bool = True,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):

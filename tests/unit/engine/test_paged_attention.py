@@ -83,3 +83,55 @@ def test_layout_on_cpu_is_the_reference_backend():
         choose_layout("varlen", None, cpu, torch.bfloat16, 4, 2, 8)
     with pytest.raises(ValueError, match="attention_backend"):
         choose_layout("flash", None, cpu, torch.float32, 4, 2, 8)
+
+
+
+def compare_triton_with_reference(window: int | None, block_size: int) -> None:
+    """The Triton kernel against the reference backend on a mixed step: decodes, a fresh prefill longer than one query
+    tile and one key tile, a chunk continuing a request, GQA."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    heads, kv_heads, dim, num_blocks = 4, 2, 16, 64
+    pool = KVPool(2, num_blocks, block_size, kv_heads, dim, torch.float32, device)
+    pool.kv.normal_()
+    starts, lengths = [9, 0, 70, 0, 2 * block_size + 1], [1, 80, 5, 1, 1]
+    ends = [s + n for s, n in zip(starts, lengths)]
+    free = torch.randperm(num_blocks).tolist()
+    block_ids = [[free.pop() for _ in range(-(-end // block_size))] for end in ends]
+    shapes = {"query": heads, "key": kv_heads, "value": kv_heads}
+    tensors = {name: torch.randn(1, h, sum(lengths), dim, device=device) for name, h in shapes.items()}
+    outputs = []
+    for backend in ("reference", "triton"):
+        meta = build_metadata(pool, starts, lengths, block_ids, device, backend)
+        outputs.append(
+            paged_attention_forward(
+                Layer(), **tensors, attention_mask=None, scaling=dim**-0.5, sliding_window=window, paged_attention=meta
+            )[0]
+        )
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_triton_backend_equals_the_reference(window, block_size):
+    """Natively on CUDA; on CPU under Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before
+    Triton is imported)."""
+    pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
+    if torch.cuda.is_available():
+        compare_triton_with_reference(window, block_size)
+        return
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, __file__, str(window or 0), str(block_size)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    import sys
+
+    compare_triton_with_reference(int(sys.argv[1]) or None, int(sys.argv[2]))

@@ -1,4 +1,5 @@
-"""TorchEngine's GPU path (FlashAttention varlen over the paged pool, decode CUDA graphs) against its reference path.
+"""TorchEngine's GPU paths (the Triton kernel or FlashAttention varlen over the paged pool, decode CUDA graphs) against
+its reference path.
 Skipped without CUDA; run through the device tool."""
 
 import asyncio
@@ -91,10 +92,11 @@ def test_gpu_engine_greedy_equals_its_reference_path_with_and_without_cuda_graph
         "reference": dict(attention_backend="reference", cuda_graphs=False),
         "eager": dict(cuda_graphs=False),
         "graphs": dict(cuda_graphs=True),
+        "triton_graphs": dict(attention_backend="triton", cuda_graphs=True),
     }.items():
         engine = engine_of(model, **kwargs)
         results[name] = asyncio.run(generate_all(engine, PROMPTS, params))
-    for name in ("eager", "graphs"):
+    for name in ("eager", "graphs", "triton_graphs"):
         assert [r.output_ids for r in results[name]] == [r.output_ids for r in results["reference"]], name
 
 
@@ -105,6 +107,7 @@ def test_gpu_engine_sampled_logprobs_match_a_full_forward():
     engine = engine_of(model)
     params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, seed=5)
     records = asyncio.run(generate_all(engine, PROMPTS * 4, params))
+    outside = total = 0
     for record in records:
         ids = record.prompt_ids + record.output_ids
         with torch.no_grad():
@@ -113,7 +116,13 @@ def test_gpu_engine_sampled_logprobs_match_a_full_forward():
         expected = processed_logprobs(logits.float(), batch).gather(
             1, torch.tensor(record.output_ids, device="cuda")[:, None]
         )
-        torch.testing.assert_close(torch.tensor(record.output_log_probs), expected[:, 0].cpu(), atol=5e-2, rtol=0)
+        expected = expected[:, 0].cpu()
+        # in bf16 a token at the edge of the top-k/top-p set can fall outside the recomputed set (-inf): rare
+        inside = torch.isfinite(expected)
+        outside += int((~inside).sum())
+        total += len(expected)
+        torch.testing.assert_close(torch.tensor(record.output_log_probs)[inside], expected[inside], atol=5e-2, rtol=0)
+    assert outside <= 0.02 * total, f"{outside} of {total} sampled tokens fall outside the recomputed candidate set"
 
 
 def test_many_concurrent_requests_finish_on_gpu_with_preemption():

@@ -1,0 +1,82 @@
+"""The sampler's Gumbel-max over the whole vocabulary in one Triton pass (CUDA; `rlasync.engine.sampler` decides).
+
+For each row b and token v of the candidate-masked processed logits x [B, V] (float32, -inf outside the set):
+
+    h = mix64(key[b] + (v + 1) * GOLDEN)            # the sampler's SplitMix64 hash (key = mix64(mix64(seed) ^ step))
+    u = ((h >>> 12) + 0.5) * 2**-52                 # float64
+    token[b] = argmax_v  x[b, v] - log(-log u)      # ties: the lowest id
+
+exactly as `sampler.sample` computes it with ~40 elementwise torch ops over [B, V] int64/float64 tensors (each a
+full pass over memory: several milliseconds a step at B = 256, V = 152k). Here the hash, the noise and a per-chunk
+argmax run in registers; a second tiny pass picks the winning chunk (first maximum, so the lowest id wins ties).
+
+Triton is optional: on CPU the kernel runs only under Triton's interpreter (the tests compare it with the torch code).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+CHUNK = 2048
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch come without Triton
+    triton = tl = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+@functools.cache
+def _kernel() -> Any:
+    if triton is None:
+        raise RuntimeError("the fused Gumbel-max needs Triton (it ships with CUDA builds of torch)")
+    return triton.jit(_gumbel_argmax_kernel)
+
+
+def _gumbel_argmax_kernel(
+    x_ptr, key_ptr, best_score_ptr, best_id_ptr,
+    vocab, stride_x, num_chunks,
+    CHUNK_SIZE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    ids = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
+    valid = ids < vocab
+    x = tl.load(x_ptr + row * stride_x + ids, mask=valid, other=float("-inf")).to(tl.float64)
+    key = tl.load(key_ptr + row).to(tl.uint64, bitcast=True)
+    z = key + (ids.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    u = ((z >> 12).to(tl.float64) + 0.5) * (2.0**-52)
+    score = x - tl.log(-tl.log(u))
+    score = tl.where(valid & (x > float("-inf")), score, float("-inf"))
+    best = tl.max(score, 0)
+    # lowest id among the chunk's maxima (an all -inf chunk reports its first id with score -inf)
+    best_id = tl.min(tl.where(score == best, ids, vocab + CHUNK_SIZE), 0)
+    tl.store(best_score_ptr + row * num_chunks + chunk, best)
+    tl.store(best_id_ptr + row * num_chunks + chunk, best_id)
+
+
+def gumbel_argmax(masked: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[B] int64 token ids: argmax over v of masked[b, v] - log(-log u(key[b], v)) (module docstring).
+
+    `masked` [B, V] float32 (-inf outside the candidate set), `keys` [B] int64 = mix64(mix64(seed) ^ step)."""
+    rows, vocab = masked.shape
+    masked = masked.contiguous()
+    num_chunks = -(-vocab // CHUNK)
+    best_score = torch.empty(rows, num_chunks, dtype=torch.float64, device=masked.device)
+    best_id = torch.empty(rows, num_chunks, dtype=torch.int64, device=masked.device)
+    _kernel()[(rows, num_chunks)](
+        masked, keys.to(torch.int64).contiguous(), best_score, best_id, vocab, masked.stride(0), num_chunks,
+        CHUNK_SIZE=CHUNK,
+    )  # fmt: skip
+    winner = best_score.argmax(dim=-1, keepdim=True)  # first maximum: chunks are in id order
+    return best_id.gather(1, winner)[:, 0]
