@@ -31,6 +31,7 @@ LR_SCHEDULERS = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
+ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
 
 
@@ -55,8 +56,14 @@ class ClusterConfig:
     queue_num_cpus: float = 0.1
     collective_timeout_s: float = 300.0
     """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
+    engine: str = "torch"
+    """Generation engine of each GenerationActor: "torch" (built-in), "vllm" (vLLM's AsyncLLM inside the actor, on its
+    GPU; `pip install 'rlasync[vllm]'`) or "vllm_server" (a client of an external `vllm serve` at `vllm_server_url`)."""
     engine_kwargs: dict[str, Any] | None = None
-    """Extra keyword arguments of `TorchEngine` (e.g. `{max_num_seqs: 64, kv_cache_tokens: 8192}`)."""
+    """Extra keyword arguments of the engine (TorchEngine: e.g. `{max_num_seqs: 64, kv_cache_tokens: 8192}`;
+    vllm: `VLLMEngine`'s, e.g. `{gpu_memory_utilization: 0.3}`; vllm_server: `VLLMServerEngine`'s)."""
+    vllm_server_url: str | None = None
+    """Base URL of `vllm serve` (e.g. http://10.0.0.5:8000) when `engine` is "vllm_server"."""
     ray_address: str | None = None
     """Join this Ray cluster (else `RAY_ADDRESS`, else an existing `ray.init`, else a new local cluster)."""
 
@@ -76,6 +83,19 @@ class ClusterConfig:
             raise ValueError(f"cluster.collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
         if isinstance(self.engine_kwargs, str):
             self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
+        if self.engine not in ENGINES:
+            raise ValueError(f"cluster.engine={self.engine!r}: must be one of {', '.join(ENGINES)}")
+        if self.engine == "vllm_server":
+            if not self.vllm_server_url:
+                raise ValueError(
+                    "cluster.vllm_server_url is required with cluster.engine='vllm_server' (e.g. http://host:8000)"
+                )
+            if not str(self.vllm_server_url).startswith(("http://", "https://")):
+                raise ValueError(f"cluster.vllm_server_url={self.vllm_server_url!r}: must start with http:// or https://")
+        elif self.vllm_server_url is not None:
+            raise ValueError(
+                f"cluster.vllm_server_url is set but cluster.engine={self.engine!r}: set cluster.engine='vllm_server'"
+            )
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Generation engines behind one interface (`rlasync.engine.base.Engine`).
 
-The built-in `TorchEngine` (continuous batching, paged KV cache, processed log-probs) is the default; a vLLM
-adapter is the only module that will import vllm, and only when selected. Importing this package loads no torch:
-`TorchEngine` is resolved on first access.
+The built-in `TorchEngine` (continuous batching, paged KV cache, processed log-probs) is the default; `VLLMEngine`
+(in-process vLLM `AsyncLLM`) and `VLLMServerEngine` (a client of `vllm serve`) are the vLLM adapters, and
+`make_engine(kind, model, ...)` picks one by `cluster.engine`. Only `rlasync.engine.vllm_engine` imports vllm, and
+only when a `VLLMEngine` is built. Importing this package loads no torch: the engines are resolved on first access.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,10 @@ from rlasync.engine.base import (
 )
 
 if TYPE_CHECKING:
+    from rlasync.engine.factory import make_engine
     from rlasync.engine.torch_engine import TorchEngine
+    from rlasync.engine.vllm_engine import VLLMEngine
+    from rlasync.engine.vllm_server import VLLMServerEngine
 
 __all__ = [
     "Engine",
@@ -27,12 +31,23 @@ __all__ = [
     "SamplingParams",
     "ScoreResult",
     "TorchEngine",
+    "VLLMEngine",
+    "VLLMServerEngine",
+    "make_engine",
 ]
+
+_LAZY = {
+    "TorchEngine": "rlasync.engine.torch_engine",
+    "VLLMEngine": "rlasync.engine.vllm_engine",
+    "VLLMServerEngine": "rlasync.engine.vllm_server",
+    "make_engine": "rlasync.engine.factory",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TorchEngine":
-        from rlasync.engine.torch_engine import TorchEngine
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
 
-        return TorchEngine
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

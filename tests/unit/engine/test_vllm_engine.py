@@ -1,0 +1,297 @@
+"""The in-process vLLM adapter without vLLM: the missing-vllm ImportError, vLLM outputs -> TurnRecord/ScoreResult, the
+worker extension's weight loading (inline bytes, base64, a gloo weight group) on a fake model runner, VLLMEngine's
+pause/resume/load_weights/stats over a fake AsyncLLM, and engine selection (make_engine, ClusterConfig)."""
+
+import asyncio
+import inspect
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlasync.config.grpo import ClusterConfig
+from rlasync.engine import EngineError, make_engine
+from rlasync.engine.vllm_engine import VLLMEngine, import_vllm, score_from_prompt_logprobs, turn_from_output
+from rlasync.engine.vllm_worker import EXTENSION_QUALNAME, WorkerExtension, decode_weights, encode_weights
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# ---- vllm stays optional ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+
+
+def test_missing_vllm_names_the_extra(no_vllm):
+    with pytest.raises(ImportError, match=r"pip install 'rlasync\[vllm\]'") as info:
+        import_vllm()
+    assert "cluster.engine='torch'" in str(info.value)
+    with pytest.raises(ImportError, match=r"rlasync\[vllm\]"):
+        VLLMEngine("some/model")
+    with pytest.raises(ImportError, match=r"rlasync\[vllm\]"):
+        make_engine("vllm", "some/model", dtype="auto")
+
+
+def test_the_extension_is_importable_by_its_qualified_name():
+    module, name = EXTENSION_QUALNAME.rsplit(".", 1)
+    assert getattr(__import__(module, fromlist=[name]), name) is WorkerExtension
+
+
+# ---- vLLM outputs -> records -----------------------------------------------------------------------------------------
+
+
+def lp(logprob, rank):
+    return SimpleNamespace(logprob=logprob, rank=rank)
+
+
+def test_turn_from_output_keeps_the_sampled_logprob_and_the_top_n_by_rank():
+    logprobs = [
+        {14: lp(-0.5, 1), 20: lp(-1.4, 2)},  # sampled is the top-1
+        {9: lp(-3.2, 7), 4: lp(-0.3, 1), 5: lp(-1.6, 2)},  # sampled outside the top-2
+    ]
+    turn = turn_from_output([1, 2], [14, 9], logprobs, 2, "length")
+    assert turn.output_ids == [14, 9] and turn.output_log_probs == [-0.5, -3.2] and turn.finish_reason == "length"
+    assert turn.output_sampler_logprobs == [{14: -0.5, 20: -1.4}, {4: -0.3, 5: -1.6}]
+    assert turn.output_sampling_mask is None
+    only = turn_from_output([1], [14], [{14: lp(-0.5, 3)}], 0, "stop")
+    assert only.output_sampler_logprobs is None and only.output_log_probs == [-0.5]
+
+
+def test_turn_from_output_refuses_missing_logprobs():
+    with pytest.raises(EngineError, match="log-probs for none"):
+        turn_from_output([1], [3], None, 0, "length")
+    with pytest.raises(EngineError, match="do not include the sampled id 3"):
+        turn_from_output([1], [3], [{4: lp(-0.1, 1)}], 0, "length")
+
+
+def test_score_from_prompt_logprobs_by_rank():
+    ids = [5, 6, 7]
+    prompt_logprobs = [None, {6: lp(-2.0, 3), 1: lp(-0.5, 1), 2: lp(-1.0, 2)}, {7: lp(-0.1, 1), 3: lp(-2.5, 2)}]
+    result = score_from_prompt_logprobs(ids, 1, 2, prompt_logprobs)
+    assert result.token_logprobs == [-2.0, -0.1]
+    assert result.topk_ids == [[1, 2], [7, 3]] and result.topk_logprobs == [[-0.5, -1.0], [-0.1, -2.5]]
+    assert score_from_prompt_logprobs(ids, 2, 0, prompt_logprobs).topk_ids == [[]]
+
+
+# ---- the worker extension on a fake model runner ---------------------------------------------------------------------
+
+
+class FakeModel(torch.nn.Module):
+    """vLLM-style `load_weights`: consumes the iterable, copies by name, returns the loaded names."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(3, 4))
+        self.b = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+        self.seen = []
+
+    def load_weights(self, weights):
+        params, loaded = dict(self.named_parameters()), set()
+        for name, tensor in weights:
+            self.seen.append((name, tensor.dtype, tuple(tensor.shape)))
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class FakeWorker(WorkerExtension):
+    def __init__(self, rank=0):
+        self.model_runner = SimpleNamespace(model=FakeModel())
+        self.rank = rank
+
+
+WEIGHTS = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.linspace(-1, 1, 5).to(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("text", [False, True], ids=["raw", "base64"])
+def test_payloads_round_trip_through_the_extension(text):
+    worker = FakeWorker()
+    payloads = list(encode_weights(WEIGHTS.items(), chunk_bytes=1 << 20, text=text))
+    assert len(payloads) == 1
+    result = worker.load_weights_payload(payloads[0])
+    model = worker.model_runner.model
+    assert result["num_tensors"] == 2 and result["bytes"] == 12 * 4 + 5 * 2 and result["num_loaded"] == 2
+    assert torch.equal(model.a, WEIGHTS["a"]) and torch.equal(model.b, WEIGHTS["b"])
+    assert model.seen == [("a", torch.float32, (3, 4)), ("b", torch.bfloat16, (5,))]
+    assert worker.weight_fingerprint(["b", "missing"]) == {"b": pytest.approx(float(WEIGHTS["b"].double().sum()))}
+
+
+def test_payload_chunks_bound_the_bytes_and_reject_garbage():
+    payloads = list(encode_weights([("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(1))],
+                                   chunk_bytes=400))  # fmt: skip
+    assert [[item[0] for item in p["items"]] for p in payloads] == [["a"], ["b"], ["c"]]
+    with pytest.raises(ValueError, match="not an rlasync weight payload"):
+        list(decode_weights({"items": []}))
+    bad = {"format": "rlasync-weights-v1", "items": [["a", "float99", [1], "raw", b"0000"]]}
+    with pytest.raises(ValueError, match="unknown dtype"):
+        list(decode_weights(bad))
+
+
+def test_cuda_ipc_needs_a_keepalive():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA IPC needs a GPU")
+    with pytest.raises(ValueError, match="keepalive"):
+        list(encode_weights([("a", torch.zeros(2, device="cuda"))], cuda_ipc=True))
+
+
+def test_receive_weights_needs_a_group_first():
+    with pytest.raises(RuntimeError, match="init_weight_group"):
+        FakeWorker().receive_weights([["a", "float32", [3, 4]]])
+
+
+def test_receive_weights_from_a_real_gloo_group():
+    """Learner rank 0 (a thread) broadcasts; the extension joins as rank 1 and loads what arrives."""
+    from rlasync.weights.broadcast import WeightGroup, free_port
+    from rlasync.weights.plan import ManifestEntry
+
+    port, worker = free_port(), FakeWorker()
+    manifest = [ManifestEntry("a", "float32", (3, 4)), ManifestEntry("b", "bfloat16", (5,))]
+    errors = []
+
+    def sender():
+        try:
+            group = WeightGroup.open("127.0.0.1", port, 0, 2, 20.0)
+            send = group.send
+            if "manifest" in inspect.signature(send).parameters:
+                send(iter(WEIGHTS.items()), manifest)
+            else:
+                send(iter(WEIGHTS.items()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=sender, daemon=True)
+    thread.start()
+    joined = worker.init_weight_group("127.0.0.1", str(port), "1", "2", "20")
+    assert joined["rank"] == 1 and joined["world_size"] == 2
+    result = worker.receive_weights([[e.name, e.dtype, list(e.shape)] for e in manifest])
+    thread.join(30)
+    assert not errors, errors
+    model = worker.model_runner.model
+    assert result["num_tensors"] == 2 and torch.equal(model.a, WEIGHTS["a"]) and torch.equal(model.b, WEIGHTS["b"])
+    worker.close_weight_group()
+    assert worker._rlasync_group is None
+
+
+# ---- VLLMEngine over a fake AsyncLLM ---------------------------------------------------------------------------------
+
+
+class FakeLLM:
+    """The AsyncLLM methods VLLMEngine calls besides generate; collective_rpc runs the extension in-process."""
+
+    def __init__(self, worker, args):
+        self.worker, self.args, self.calls = worker, args, []
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=args.get("max_model_len", 128), max_logprobs=args["max_logprobs"]),
+            cache_config=SimpleNamespace(num_gpu_blocks=10, block_size=16),
+        )
+
+    async def pause_generation(self, *, mode, clear_cache):
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("rpc", method, timeout))
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+class FakeVLLMEngine(VLLMEngine):
+    def _build(self, args):
+        self.vllm_version = "0.25.0"
+        return FakeLLM(FakeWorker(), args)
+
+
+def test_engine_args_pause_resume_load_weights_and_stats():
+    engine = FakeVLLMEngine("m", dtype=None, max_model_len=96, gpu_memory_utilization=0.3, seed=5, enforce_eager=True,
+                            chunk_bytes=16)  # fmt: skip
+    llm = engine._llm
+    assert llm.args["logprobs_mode"] == "processed_logprobs" and llm.args["worker_extension_cls"] == EXTENSION_QUALNAME
+    assert llm.args["dtype"] == "auto" and llm.args["enforce_eager"] is True and llm.args["seed"] == 5
+    assert engine.max_model_len == 96 and engine.max_logprobs == 20
+
+    async def go():
+        with pytest.raises(RuntimeError, match="paused"):
+            await engine.load_weights(WEIGHTS.items())
+        await engine.pause()
+        result = await engine.load_weights(WEIGHTS.items())
+        await engine.resume()
+        await engine.close()
+        return result
+
+    result = run(go())
+    assert result["num_tensors"] == 2 and result["bytes"] == 58
+    assert llm.calls[0] == ("pause", "keep", True) and llm.calls[-2:] == [("resume",), ("shutdown",)]
+    assert [c[1] for c in llm.calls if c[0] == "rpc"] == ["load_weights_payload"] * 2  # 48 B > 16 B: two chunks
+    model = llm.worker.model_runner.model
+    assert torch.equal(model.a, WEIGHTS["a"]) and torch.equal(model.b, WEIGHTS["b"])
+    engine._gauges.num_running, engine._gauges.kv_cache_usage, engine._gauges.num_preemptions = 3, 0.5, 2
+    stats = engine.stats()
+    assert (stats.num_running, stats.kv_cache_usage_frac, stats.num_preemptions) == (3, 0.5, 2)
+    assert stats.kv_capacity_tokens == 160 and stats.max_model_len == 96
+
+
+def test_receive_weights_pauses_unless_paused_and_weight_transfer_needs_the_backend():
+    engine = FakeVLLMEngine("m")
+
+    class FakeGroup:
+        def receive(self, entries):
+            for entry in entries:
+                yield entry.name, torch.ones(entry.shape, dtype=getattr(torch, entry.dtype))
+
+        def close(self):
+            pass
+
+    engine._llm.worker._rlasync_group = FakeGroup()
+    result = run(engine.receive_weights([("a", "float32", (3, 4))]))
+    calls = [c[0] if c[0] != "rpc" else c[1] for c in engine._llm.calls]
+    assert calls == ["pause", "receive_weights", "resume"] and result["num_tensors"] == 1
+    with pytest.raises(RuntimeError, match="weight_transfer_backend='nccl'"):
+        run(engine.update_weights_nccl([("a", "float32", (3, 4))]))
+
+
+def test_a_stalled_rpc_is_a_timeout():
+    engine = FakeVLLMEngine("m", rpc_timeout_s=0.1)
+
+    async def stall(*args, **kwargs):
+        await asyncio.sleep(5)
+
+    engine._llm.collective_rpc = stall
+    with pytest.raises(TimeoutError, match="load_weights_payload did not finish"):
+        run(engine._rpc("load_weights_payload", {}))
+
+
+# ---- selection by config ---------------------------------------------------------------------------------------------
+
+
+def test_make_engine_validates_the_kind_and_the_url():
+    with pytest.raises(ValueError, match="cluster.engine='tpu'"):
+        make_engine("tpu", "m")
+    with pytest.raises(ValueError, match="cluster.vllm_server_url"):
+        make_engine("vllm_server", "m")
+    with pytest.raises(ValueError, match="cluster.vllm_server_url is set"):
+        make_engine("torch", "m", base_url="http://x:1")
+
+
+def test_cluster_config_engine_fields():
+    assert ClusterConfig().engine == "torch" and ClusterConfig(engine="vllm").engine == "vllm"
+    config = ClusterConfig(engine="vllm_server", vllm_server_url="http://10.0.0.5:8000")
+    assert config.vllm_server_url == "http://10.0.0.5:8000"
+    with pytest.raises(ValueError, match="cluster.engine='sglang'"):
+        ClusterConfig(engine="sglang")
+    with pytest.raises(ValueError, match="cluster.vllm_server_url is required"):
+        ClusterConfig(engine="vllm_server")
+    with pytest.raises(ValueError, match="must start with http"):
+        ClusterConfig(engine="vllm_server", vllm_server_url="10.0.0.5:8000")
+    with pytest.raises(ValueError, match="set cluster.engine='vllm_server'"):
+        ClusterConfig(vllm_server_url="http://10.0.0.5:8000")
