@@ -149,25 +149,41 @@ def main() -> None:
 
 
 def profile_engine(engine: TorchEngine, prompts: list[list[int]], device: str, folder: Path) -> None:
-    """torch.profiler over a short run at the top concurrency (prefill and 32 decode steps): where the time goes."""
+    """Where a decode step's time goes, at the top concurrency (16-token prompts, 64 new tokens: decode-dominated):
+    torch.profiler tables (CPU ops and GPU kernels) and a cProfile of the Python side, each on its own run."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     folder.mkdir(parents=True, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    async def inline(fn, *args, **kwargs):  # steps on the profiled thread (the profiler records its own thread)
+    short = [p[:16] for p in prompts]
+
+    async def inline(fn, *args, **kwargs):  # steps on the profiled thread (the profilers record their own thread)
         return fn(*args, **kwargs)
 
     to_thread, asyncio.to_thread = asyncio.to_thread, inline
     try:
+        asyncio.run(engine_run(engine, short, 8, 0))  # warm-up of these shapes
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
         with profile(activities=activities) as prof:
-            run = asyncio.run(engine_run(engine, prompts, 32, 0))
+            run = asyncio.run(engine_run(engine, short, 64, 0))
+        averages = prof.key_averages()
+        sorts = ["self_cpu_time_total"] + (["self_cuda_time_total"] if device.startswith("cuda") else [])
+        for sort in sorts:
+            (folder / f"engine_profile_{sort}.txt").write_text(
+                f"{run}\n" + averages.table(sort_by=sort, row_limit=40, max_name_column_width=70)
+            )
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run = asyncio.run(engine_run(engine, short, 64, 0))
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
+        (folder / "engine_cprofile.txt").write_text(f"{run}\n{text.getvalue()}")
     finally:
         asyncio.to_thread = to_thread
-    averages = prof.key_averages()
-    for sort in ("self_cpu_time_total", "self_cuda_time_total" if device.startswith("cuda") else "cpu_time_total"):
-        (folder / f"engine_profile_{sort}.txt").write_text(
-            f"{run}\n" + averages.table(sort_by=sort, row_limit=40, max_name_column_width=70)
-        )
     print(f"profile written to {folder}: {run}", flush=True)
 
 

@@ -147,9 +147,13 @@ def build_metadata(
     lengths_t = torch.tensor(lengths, dtype=torch.int64)
     starts_t = torch.tensor(starts, dtype=torch.int64)
     ends_t = starts_t + lengths_t
-    row_of_token = torch.repeat_interleave(torch.arange(num_requests), lengths_t)
-    q_begin = torch.cumsum(lengths_t, 0) - lengths_t
-    positions = starts_t[row_of_token] + torch.arange(int(lengths_t.sum())) - q_begin[row_of_token]
+    if max(lengths) == 1:  # a decode step (the hot path): one token per request
+        row_of_token = q_begin = torch.arange(num_requests)
+        positions = starts_t
+    else:
+        row_of_token = torch.repeat_interleave(torch.arange(num_requests), lengths_t)
+        q_begin = torch.cumsum(lengths_t, 0) - lengths_t
+        positions = starts_t[row_of_token] + torch.arange(int(lengths_t.sum())) - q_begin[row_of_token]
     slot_mapping = table[row_of_token, positions // block_size] * block_size + positions % block_size
     reference = None
     if backend == "reference":

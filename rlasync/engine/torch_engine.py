@@ -45,7 +45,8 @@ from rlasync.rollout.records import TurnRecord
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # CPU; on CUDA 8192 (fewer, fuller prefill steps, as vLLM's throughput default)
+DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
@@ -64,7 +65,7 @@ class TorchEngine:
     block_size             tokens per KV block; default 16, or on CUDA the first of 16, 256 that the paged
                            FlashAttention kernel accepts
     max_num_seqs           most requests running at once
-    max_num_batched_tokens token budget of one step (longer prefills are chunked)
+    max_num_batched_tokens token budget of one step (longer prefills are chunked); default 8192 on CUDA, 2048 on CPU
     eos_token_ids          default the generation config's eos_token_id (or the model config's)
     kv_on_weight_update    "recompute" (default) or "keep": see the module docstring
     attention_backend      "auto" (on CUDA: FlashAttention varlen over the paged pool in 16-bit when a probe of it
@@ -83,7 +84,7 @@ class TorchEngine:
         kv_cache_tokens: int | None = None,
         block_size: int | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_batched_tokens: int | None = None,
         eos_token_ids: Sequence[int] | int | None = None,
         gpu_memory_utilization: float = 0.9,
         kv_on_weight_update: Literal["recompute", "keep"] = "recompute",
@@ -120,6 +121,9 @@ class TorchEngine:
             cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if cuda_graphs and self.device.type == "cuda" else (),
         )
         allocator = BlockAllocator(pool.num_blocks, block_size)
+        if max_num_batched_tokens is None:
+            cuda = self.device.type == "cuda"
+            max_num_batched_tokens = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
         self._scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens)
         self._request_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None

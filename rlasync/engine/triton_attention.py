@@ -52,14 +52,15 @@ def _paged_attention_kernel(
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kv_slot, stride_kv_head, stride_bt,
     window,  # 0: none; else keys with position > query position - window are visible
+    q_tiles,  # query tiles per request (runtime: a constexpr would compile a kernel per prefill length)
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr, Q_TILES: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    request = pid // Q_TILES
-    tile = pid % Q_TILES
+    request = pid // q_tiles
+    tile = pid % q_tiles
     q_begin = tl.load(query_start_loc_ptr + request)
     q_len = tl.load(query_start_loc_ptr + request + 1) - q_begin
     if tile * BLOCK_Q >= q_len:
@@ -154,9 +155,9 @@ def triton_paged_attention(
         float(scale if scale is not None else head_dim**-0.5),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        int(sliding_window or 0),
+        int(sliding_window or 0), q_tiles,
         G=groups, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(min_rows, _next_pow2(head_dim)), TILE=TILE_N, PAGE=block_size, Q_TILES=q_tiles,
+        HEAD_DIM_PAD=max(min_rows, _next_pow2(head_dim)), TILE=TILE_N, PAGE=block_size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

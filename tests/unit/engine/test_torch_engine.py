@@ -48,7 +48,8 @@ def tiny_model(family="llama", seed=0, init=0.3, **overrides):
 
 
 def make_engine(model, **kwargs):
-    options = dict(max_model_len=128, kv_cache_tokens=1024, block_size=4, eos_token_ids=[])
+    # the CPU reference path in float32, also on a machine with a GPU (the GPU path: test_torch_engine_cuda.py)
+    options = dict(max_model_len=128, kv_cache_tokens=1024, block_size=4, eos_token_ids=[], device="cpu")
     return TorchEngine(model, **{**options, **kwargs})
 
 

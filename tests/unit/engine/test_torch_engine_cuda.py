@@ -85,18 +85,20 @@ def test_varlen_attention_matches_the_reference_on_a_mixed_step(block_size):
 
 
 def test_gpu_engine_greedy_equals_its_reference_path_with_and_without_cuda_graphs():
+    """In float32 (the Triton kernel then multiplies in IEEE fp32): greedy tokens must agree exactly. In bf16 this
+    large-init model's attention is peaked enough that rounding flips argmaxes."""
     model = tiny_model()
     params = SamplingParams(max_tokens=40, temperature=0)
     results = {}
     for name, kwargs in {
         "reference": dict(attention_backend="reference", cuda_graphs=False),
-        "eager": dict(cuda_graphs=False),
-        "graphs": dict(cuda_graphs=True),
-        "triton_graphs": dict(attention_backend="triton", cuda_graphs=True),
+        "eager": dict(attention_backend="triton", cuda_graphs=False),
+        "graphs": dict(attention_backend="triton", cuda_graphs=True),
+        "auto_graphs": dict(cuda_graphs=True),
     }.items():
-        engine = engine_of(model, **kwargs)
+        engine = engine_of(model, dtype="float32", **kwargs)
         results[name] = asyncio.run(generate_all(engine, PROMPTS, params))
-    for name in ("eager", "graphs", "triton_graphs"):
+    for name in ("eager", "graphs", "auto_graphs"):
         assert [r.output_ids for r in results[name]] == [r.output_ids for r in results["reference"]], name
 
 
