@@ -375,6 +375,8 @@ class VLLMEngine:
         chunks of ~`chunk_bytes`. Returns `{"num_tensors", "bytes", "seconds"}`."""
         if not self._paused:
             raise RuntimeError("VLLMEngine.load_weights needs a paused engine: await engine.pause() first")
+        import torch
+
         started = time.perf_counter()
         total = {"num_tensors": 0, "bytes": 0}
         keepalive: list[Any] = []
@@ -382,13 +384,13 @@ class VLLMEngine:
             for payload in encode_weights(named_tensors, chunk_bytes=self.chunk_bytes, cuda_ipc=True,
                                           keepalive=keepalive):  # fmt: skip
                 if keepalive:
-                    import torch
-
                     torch.cuda.synchronize()  # the sender's writes land before the worker reads the handles
                 results = await self._rpc("load_weights_payload", payload)
                 total["num_tensors"] += int(results[0]["num_tensors"])  # every worker loads the same tensors
                 total["bytes"] += int(results[0]["bytes"])
-                keepalive.clear()
+                if keepalive:
+                    keepalive.clear()
+                    torch.cuda.ipc_collect()  # release the copies the worker has let go of
         finally:
             keepalive.clear()
         total["seconds"] = time.perf_counter() - started
