@@ -1,10 +1,13 @@
 """GenerationActor: hosts one `TorchEngine` (CPU, or the one GPU Ray gives it) and receives weight broadcasts.
 
-The driver pauses it, runs `receive_weights` here while learner rank 0 sends, then resumes it.
+The driver pauses it, runs `receive_weights` here while learner rank 0 sends, then resumes it. Over NCCL the
+buckets land in GPU buffers on the engine's device; over gloo they arrive on the CPU and are copied in.
 """
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Any
 
 import ray
@@ -38,15 +41,36 @@ class GenerationActor:
     async def resume(self) -> None:
         await self.engine.resume()
 
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        from rlasync.weights.broadcast import WeightGroup
+    def _device(self) -> Any:
+        import torch
 
-        self.group = WeightGroup.open(host, port, rank, world_size, timeout_s)
+        device = getattr(self.engine, "device", None)
+        if device is not None:
+            return torch.device(device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    async def receive_weights(self, manifest: list[Any]) -> None:
+    def device_info(self) -> dict[str, Any]:
+        from rlasync.weights.broadcast import device_identity
+
+        return device_identity(self._device(), ray.util.get_node_ip_address() or socket.gethostname(), ray.get_gpu_ids())
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                          backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
+        from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup
+
+        device = self._device() if backend == "nccl" else "cpu"
+        self.group = WeightGroup.open(
+            host, port, rank, world_size, timeout_s, backend=backend, device=device,
+            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+        )  # fmt: skip
+
+    async def receive_weights(self, manifest: list[Any]) -> float:
+        """Receive one broadcast into the (paused) engine; returns the seconds it took."""
         if self.group is None:
             raise RuntimeError("receive_weights before join_weight_group")
+        start = time.perf_counter()
         await self.engine.load_weights(self.group.receive(manifest))
+        return time.perf_counter() - start
 
     async def close(self) -> None:
         await self.engine.close()

@@ -1,9 +1,16 @@
-"""LearnerActor: one training rank. Ranks form a gloo group (CPU); rank 0 also sends weight broadcasts.
+"""LearnerActor: one training rank, on the GPU Ray gives it (`cluster.learner_num_gpus > 0`) or on the CPU.
 
-Each rank fetches the step's samples (ObjectRefs from the queue), runs the same deterministic planner
-(`TokenBudgetBatcher` over all ranks, or `FixedCountBatcher` when `token_budget <= 0`) and trains its own row of
-every micro-batch; the loss is normalised by the loss terms of all ranks, and gradients are averaged across ranks
-before clipping (every collective has the cluster's timeout). Rank 0 returns the step's metrics.
+Ranks form the training group: NCCL on GPUs, gloo on CPU. With more than one rank the model is sharded with FSDP2
+(`rlasync.learner.shard_for_training`: gradients are reduce-scattered and averaged in backward, clipping works on
+the DTensor shards); one rank trains a plain model. Each rank fetches the step's samples (ObjectRefs from the queue),
+runs the same deterministic planner (`TokenBudgetBatcher` over all ranks, or `FixedCountBatcher` when
+`token_budget <= 0`) and trains its own row of every micro-batch; the loss is normalised by the loss terms of all
+ranks. The step's metrics are reduced over ranks (`rlasync.learner.reduce_across_ranks`, one all-reduce pair with
+the cluster's timeout) and returned by rank 0.
+
+Collectives the driver must call on every rank at once: `setup`, `train_step`, `send_weights` (each parameter is
+gathered with `full_tensor()`; only rank 0, which holds the weight-sync group, broadcasts) and `save` (a full
+state dict is gathered; rank 0 writes it).
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ from typing import Any
 
 import ray
 
+MODEL_PREFIX = "model."  # the TreeScorer's attribute holding the HF model: stripped from state-dict keys
+
 
 @ray.remote
 class LearnerActor:
     def __init__(self, *, rank: int, world_size: int, model: str, args: Any, token_budget: int,
-                 num_threads: int | None = 1) -> None:
+                 num_threads: int | None = 1) -> None:  # fmt: skip
         import torch
 
         if num_threads and not torch.cuda.is_available():
@@ -29,54 +38,92 @@ class LearnerActor:
         self.rank, self.world_size = rank, world_size
         self.model_path, self.args, self.token_budget = model, args, token_budget
         self.weight_group: Any = None
+        self.manifest_entries: list[Any] = []
         self.trained_groups: set[int] = set()
+        self.device = self._pick_device()
+
+    @staticmethod
+    def _pick_device() -> Any:
+        """`cuda:0` when Ray assigned this actor a GPU (it sets CUDA_VISIBLE_DEVICES to it), else the CPU."""
+        import torch
+
+        if ray.get_gpu_ids() and torch.cuda.is_available():
+            return torch.device("cuda", 0)
+        return torch.device("cpu")
 
     def address(self) -> tuple[str, int]:
         from rlasync.weights.broadcast import free_port
 
         return ray.util.get_node_ip_address() or socket.gethostname(), free_port()
 
+    def device_info(self) -> dict[str, Any]:
+        from rlasync.weights.broadcast import device_identity
+
+        return device_identity(self.device, ray.util.get_node_ip_address() or socket.gethostname(), ray.get_gpu_ids())
+
     def setup(self, master: tuple[str, int] | None, timeout_s: float, resume_dir: str | None = None) -> dict:
         import torch
         import torch.distributed as dist
 
-        from rlasync.learner import LearnerStep, OptimizerSettings, build_optimizer
+        from rlasync.learner import LearnerStep, OptimizerSettings, build_optimizer, shard_for_training
         from rlasync.losses import LossConfig
-        from rlasync.model import load_model, prepare_for_training
+        from rlasync.model import TreeScorer, load_model, prepare_for_training
 
         args = self.args
         self.timeout = timedelta(seconds=timeout_s)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.set_device(self.device)
         if self.world_size > 1:
             host, port = master
-            dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                    world_size=self.world_size, timeout=self.timeout)
+            dist.init_process_group(
+                "nccl" if on_gpu else "gloo", init_method=f"tcp://{host}:{port}", rank=self.rank,
+                world_size=self.world_size, timeout=self.timeout, **({"device_id": self.device} if on_gpu else {}),
+            )  # fmt: skip
         torch.manual_seed(args.seed)
-        self.model = load_model(resume_dir or self.model_path, dtype=args.dtype if args.dtype != "auto" else "float32")
+        dtype = args.dtype if args.dtype != "auto" else "float32"
+        self.model = load_model(resume_dir or self.model_path, dtype=dtype, device=self.device)
         prepare_for_training(self.model, gradient_checkpointing=args.gradient_checkpointing)
-        self.optimizer, self.scheduler = build_optimizer(self.model, OptimizerSettings.from_args(args))
-        if resume_dir is not None and (Path(resume_dir) / "optimizer.pt").is_file():
-            self.optimizer.load_state_dict(torch.load(Path(resume_dir) / "optimizer.pt", weights_only=False))
-            self.scheduler.load_state_dict(torch.load(Path(resume_dir) / "scheduler.pt", weights_only=False))
+        # FSDP2 over the training group when there is one; the TreeScorer root either way, so optimizer and
+        # checkpoint keys are the same for any number of ranks
+        self.scorer = shard_for_training(self.model) if self.world_size > 1 else TreeScorer(self.model)
+        self.optimizer, self.scheduler = build_optimizer(self.scorer, OptimizerSettings.from_args(args))
+        if resume_dir is not None:
+            self._load_optimizer(Path(resume_dir))
         self.step_core = LearnerStep(
-            self.model, self.optimizer, self.scheduler, LossConfig.from_args(args), temperature=args.temperature,
-            max_grad_norm=args.max_grad_norm, num_ranks=self.world_size, clip_grad_norm=self._clip,
-        )
-        return {"num_parameters": sum(p.numel() for p in self.model.parameters())}
+            self.scorer, self.optimizer, self.scheduler, LossConfig.from_args(args), temperature=args.temperature,
+            max_grad_norm=args.max_grad_norm, num_ranks=self.world_size, device=self.device,
+            clip_grad_norm=self._clip,
+        )  # fmt: skip
+        return {
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "device": str(self.device),
+            "sharded": self.world_size > 1,
+        }
 
     def _clip(self, max_norm: float) -> Any:
         import torch
+
+        params = [p for p in self.scorer.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor (the all-reduce happens here)
+        return full_tensor() if full_tensor is not None else norm
+
+    def _all_reduce(self, sums: Any, maxes: Any) -> tuple[Any, Any]:
+        """SUM and MAX all-reduces of the metric vectors over the training group, each with the timeout."""
         import torch.distributed as dist
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.world_size > 1:
-            for param in params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, async_op=True)
-                if not work.wait(self.timeout):
-                    raise TimeoutError(f"learner rank {self.rank}: gradient all-reduce stalled for {self.timeout}")
-                param.grad /= self.world_size
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        from rlasync.weights.broadcast import wait_work
+
+        on_gpu = self.device.type == "cuda"
+        out = []
+        for tensor, op, name in ((sums, dist.ReduceOp.SUM, "sum"), (maxes, dist.ReduceOp.MAX, "max")):
+            tensor = tensor.to(self.device)
+            work = dist.all_reduce(tensor, op=op, async_op=True)
+            wait_work(work, self.timeout.total_seconds(), f"learner rank {self.rank}: metric all-reduce ({name})",
+                      poll=on_gpu)  # fmt: skip
+            out.append(tensor.cpu())
+        return out[0], out[1]
 
     def _plan(self, samples: list[Any]) -> list[Any]:
         from rlasync.packing import FixedCountBatcher, TokenBudgetBatcher
@@ -91,31 +138,36 @@ class LearnerActor:
         return batches
 
     def train_step(self, refs: list[Any]) -> list[tuple[str, Any]]:
+        from rlasync.learner import reduce_across_ranks
+        from rlasync.learner.metrics import local_all_reduce
+
         samples = ray.get(refs, timeout=self.timeout.total_seconds())
         batches = self._plan(samples)
         rows, terms, items = [], [], []
         forwarded = trained = 0
         for batch in batches:
             packed = batch.pack()
-            rows.append(packed[self.rank])
-            terms.append(float(sum(len(row.target_ids) for row in packed)))
-            forwarded += sum(len(row.input_ids) for row in packed)
-            trained += int(terms[-1])
+            mine = packed[self.rank]
+            rows.append(mine)
+            terms.append(float(sum(len(row.target_ids) for row in packed)))  # the normaliser: all ranks' terms
+            forwarded += len(mine.input_ids)
+            trained += len(mine.target_ids)
             if self.rank == 0:
-                items += list(batch.metrics().items())
-        metrics = self.step_core.step(rows, terms)
+                items += list(batch.metrics().items())  # planner metrics already cover every rank's rows
+        metrics = self.step_core.step(rows, terms, rate_pairs=True)
+        metrics["batch/forwarded_tokens_per_step"] = float(forwarded)
+        metrics["batch/trained_tokens_per_step"] = float(trained)
+        reduced = reduce_across_ranks(metrics, self._all_reduce if self.world_size > 1 else local_all_reduce)
         new_groups = {s.group_id for s in samples} - self.trained_groups
         self.trained_groups |= new_groups
-        items += list(metrics.items())
+        items += list(reduced.items())
         items += [
-            ("batch/forwarded_tokens_per_step", float(forwarded)),
-            ("batch/trained_tokens_per_step", float(trained)),
             ("batch/samples_per_step", float(len(samples))),
             ("batch/groups_per_step", float(len(new_groups))),
         ]
-        fwd_bwd = float(metrics.get("perf/fwd_bwd_s", 0.0))
+        fwd_bwd = float(reduced.get("perf/fwd_bwd_s", 0.0))
         if fwd_bwd > 0:
-            items.append(("perf/forwarded_tok_s_fwd_bwd", (float(forwarded), fwd_bwd)))
+            items.append(("perf/forwarded_tok_s_fwd_bwd", (float(reduced["batch/forwarded_tokens_per_step"]), fwd_bwd)))
         return items if self.rank == 0 else []
 
     # ---- weights -----------------------------------------------------------------------------------------------
@@ -125,43 +177,105 @@ class LearnerActor:
 
         return build_manifest(self.model)
 
-    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        from rlasync.weights.broadcast import WeightGroup
+    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float, backend: str = "gloo",
+                          bucket_bytes: int | None = None) -> str:  # fmt: skip
+        """Rank 0 only: join the weight-sync group as its sender (NCCL from this GPU, or gloo through the CPU)."""
+        from rlasync.weights import build_manifest
+        from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup
 
-        self.weight_group = WeightGroup.open(host, port, 0, world_size, timeout_s)
+        device = self.device if backend == "nccl" else "cpu"
+        self.weight_group = WeightGroup.open(
+            host, port, 0, world_size, timeout_s, backend=backend, device=device,
+            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+        )  # fmt: skip
+        self.manifest_entries = build_manifest(self.model)
+        return backend
 
     def send_weights(self) -> float:
+        """Every rank: gather each parameter (a collective under FSDP2); rank 0 broadcasts them. Returns seconds."""
+        import torch
+
         from rlasync.weights import stream_parameters
 
         start = time.perf_counter()
-        self.weight_group.send(stream_parameters(self.model))
+        stream = stream_parameters(self.model)
+        if self.rank == 0:
+            if self.weight_group is None:
+                raise RuntimeError("send_weights before join_weight_group")
+            self.weight_group.send(stream, self.manifest_entries)
+        else:
+            for _ in stream:  # take part in the gathers; rank 0 sends
+                pass
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
     def checksum(self) -> float:
-        return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
+        """Σ |w| over the full parameters (a collective under FSDP2: call it on every rank)."""
+        total = 0.0
+        for param in self.model.parameters():
+            data = param.detach()
+            full_tensor = getattr(data, "full_tensor", None)
+            total += float((full_tensor() if full_tensor is not None else data).double().abs().sum())
+        return total
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
     def save(self, directory: str, tokenizer: Any = None) -> None:
+        """Every rank: gather the full model and optimizer state (collectives under FSDP2); rank 0 writes the HF
+        model (+ tokenizer), `optimizer.pt` (keyed by parameter name) and `scheduler.pt`."""
         import torch
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.scorer, options=options)
+        optimizer_state = get_optimizer_state_dict(self.scorer, self.optimizer, options=options)
         if self.rank != 0:
             return
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        model_state = {key.removeprefix(MODEL_PREFIX): value for key, value in model_state.items()}
+        self.model.save_pretrained(path, state_dict=model_state)
         if tokenizer is not None:
             if isinstance(tokenizer, str):
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(tokenizer)
             tokenizer.save_pretrained(path)
-        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        torch.save(optimizer_state, path / "optimizer.pt")
         torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+
+    def _load_optimizer(self, path: Path) -> None:
+        """Every rank reads the full optimizer state and keeps its shard (FSDP2) or all of it."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if not (path / "optimizer.pt").is_file():
+            return
+        state = torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu")
+        if any(isinstance(key, int) for key in state.get("state", {})):  # an older checkpoint: keyed by position
+            if self.world_size > 1:
+                raise ValueError(
+                    f"{path}/optimizer.pt is keyed by parameter position (saved by an older version with one rank): "
+                    "resume it with cluster.num_learners=1 once, then save again"
+                )
+            self.optimizer.load_state_dict(state)
+        else:
+            set_optimizer_state_dict(
+                self.scorer, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
+            )
+        if (path / "scheduler.pt").is_file():
+            self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
 
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self.weight_group is not None:
+            self.weight_group.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.pop("MASTER_ADDR", None)

@@ -31,6 +31,7 @@ LR_SCHEDULERS = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
+WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
 ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
 
@@ -56,6 +57,11 @@ class ClusterConfig:
     queue_num_cpus: float = 0.1
     collective_timeout_s: float = 300.0
     """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
+    weight_sync_backend: str = "auto"
+    """Weight broadcast transport: "auto" (NCCL when learner rank 0 and every engine hold distinct GPUs, else gloo
+    through the CPU, with a warning when a GPU is involved), "nccl" (an error where it cannot work) or "gloo"."""
+    weight_sync_bucket_mb: float = 256.0
+    """Parameters are broadcast in flat buckets of at most this many MiB (a larger parameter goes alone)."""
     engine: str = "torch"
     """Generation engine of each GenerationActor: "torch" (built-in), "vllm" (vLLM's AsyncLLM inside the actor, on its
     GPU; `pip install 'rlasync[vllm]'`) or "vllm_server" (a client of an external `vllm serve` at `vllm_server_url`)."""
@@ -81,6 +87,12 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"cluster.collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
+        if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
+            raise ValueError(
+                f"cluster.weight_sync_backend={self.weight_sync_backend!r}: choose one of {', '.join(WEIGHT_SYNC_BACKENDS)}"
+            )
+        if isinstance(self.weight_sync_bucket_mb, bool) or not self.weight_sync_bucket_mb > 0:
+            raise ValueError(f"cluster.weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: must be > 0 MiB")
         if isinstance(self.engine_kwargs, str):
             self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
         if self.engine not in ENGINES:

@@ -25,7 +25,7 @@ import torch
 
 from rlasync.config import AsyncGRPOConfig
 from rlasync.losses import LossConfig, grpo_loss
-from rlasync.metrics import MetricSink, MetricValue
+from rlasync.metrics import MetricSink, MetricValue, reduce_values
 from rlasync.model import packed_row_to_tensors, packed_token_scores
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}  # one place for the defaults
@@ -120,11 +120,17 @@ class LearnerStep:
         )
         self.global_step = 0
 
-    def step(self, rows: Sequence[Any], global_terms: Sequence[float]) -> dict[str, MetricValue]:
+    def step(
+        self, rows: Sequence[Any], global_terms: Sequence[float], *, rate_pairs: bool = False
+    ) -> dict[str, MetricValue]:
+        """One optimizer step over this rank's rows. The loss metrics of the micro-batches are reduced by SPEC §8.1;
+        `rate_pairs=True` keeps rates as summed `(numerator, denominator)` pairs and all-NaN keys as NaN (the
+        partial statistics `rlasync.learner.metrics.reduce_across_ranks` combines over ranks)."""
         if len(rows) != len(global_terms) or not rows:
             raise ValueError(f"step needs one global_terms entry per row, got {len(rows)} rows, {len(global_terms)}")
         self.model.train()
         sink = MetricSink()
+        records: list[dict[str, MetricValue]] = []
         fwd_s = fwd_bwd_s = 0.0
         total_loss = 0.0
         for row, terms in zip(rows, global_terms):
@@ -137,6 +143,7 @@ class LearnerStep:
             fwd_bwd_s += time.perf_counter() - start
             total_loss += float(loss.detach())
             sink.update(metrics)
+            records.append(metrics)
         start = time.perf_counter()
         grad_norm = float(self._clip(self.max_grad_norm))
         self.optimizer.step()
@@ -145,7 +152,10 @@ class LearnerStep:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        out: dict[str, MetricValue] = {k: v for k, v in sink.reduce().items() if v is not None}
+        if rate_pairs:
+            out = _partials(records)
+        else:
+            out = {k: v for k, v in sink.reduce().items() if v is not None}
         out.update(
             {
                 "loss": total_loss,
@@ -179,3 +189,19 @@ class LearnerStep:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _partials(records: Sequence[dict[str, MetricValue]]) -> dict[str, MetricValue]:
+    """Micro-batch metrics of one step: rate pairs summed, floats reduced by their rule, all-NaN kept as NaN."""
+    values: dict[str, list[MetricValue]] = {}
+    for record in records:
+        for key, value in record.items():
+            values.setdefault(key, []).append(value)
+    out: dict[str, MetricValue] = {}
+    for key, seen in values.items():
+        if isinstance(seen[0], tuple):
+            out[key] = (sum(float(v[0]) for v in seen), sum(float(v[1]) for v in seen))  # type: ignore[index]
+        else:
+            reduced = reduce_values(key, seen)
+            out[key] = math.nan if reduced is None else reduced
+    return out

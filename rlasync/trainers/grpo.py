@@ -8,7 +8,8 @@
 `ray.init()`, else a new local cluster), creates the actors of the `cluster` section, runs the step loop
 
     take (token target, from the StalenessQueue) -> learners train -> every weight_sync_steps: pause engines,
-    broadcast from learner rank 0, resume, publish the policy version -> log a window -> maybe checkpoint
+    broadcast from learner rank 0 (NCCL GPU to GPU, or gloo through the CPU), resume, publish the policy
+    version -> log a window -> maybe checkpoint
 
 and removes every actor it made on the way out, also on error. Ray is imported inside functions only.
 """
@@ -148,6 +149,7 @@ class AsyncGRPOTrainer:
         from rlasync.metrics.sinks import build_sinks
         from rlasync.model.registry import resolve_model
         from rlasync.pipeline import initial_tokens_per_step, read_rollout_state
+        from rlasync.weights.broadcast import choose_backend
 
         args, cluster = self.args, self.args.cluster
         timeout = cluster.collective_timeout_s
@@ -182,14 +184,23 @@ class AsyncGRPOTrainer:
         master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
         ray.get([learner.setup.remote(master, timeout, resume_dir) for learner in learners], timeout=timeout + 600)
 
-        # the weight-sync group: learner rank 0 + every engine
+        # the weight-sync group: learner rank 0 + every engine; NCCL when each holds its own GPU, else gloo
         host, port = ray.get(learners[0].address.remote(), timeout=timeout)
         world = 1 + len(gens)
+        infos = ray.get([learners[0].device_info.remote()] + [gen.device_info.remote() for gen in gens], timeout=timeout)
+        backend, why_not_nccl = choose_backend(infos[0], infos[1:], cluster.weight_sync_backend)
+        if why_not_nccl:
+            _warn_once(f"weight sync: {why_not_nccl}")
+        bucket_bytes = max(1, int(cluster.weight_sync_bucket_mb * (1 << 20)))
         ray.get(
-            [learners[0].join_weight_group.remote(host, port, world, timeout)]
-            + [gen.join_weight_group.remote(host, port, i + 1, world, timeout) for i, gen in enumerate(gens)],
+            [learners[0].join_weight_group.remote(host, port, world, timeout, backend, bucket_bytes)]
+            + [
+                gen.join_weight_group.remote(host, port, i + 1, world, timeout, backend, bucket_bytes)
+                for i, gen in enumerate(gens)
+            ],
             timeout=timeout + 30,
         )
+        logger.info("weight-sync group: %d engines over %s", len(gens), backend)
         manifest = ray.get(learners[0].manifest.remote(), timeout=timeout)
 
         num_epochs = None if args.max_steps > 0 else args.num_train_epochs
@@ -199,7 +210,7 @@ class AsyncGRPOTrainer:
             resume=resume_state.to_dict() if resume_state else None, num_cpus=cluster.queue_num_cpus,
         )  # fmt: skip
 
-        sync = _WeightSync(ray, learners[0], gens, queue, manifest, timeout)
+        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout)
         version = sync(version)  # cold sync: the first served policy is version + 1
         self.state["policy_version"] = version
 
@@ -234,9 +245,8 @@ class AsyncGRPOTrainer:
                 ray.get(queue.finish_step.remote(tokens), timeout=timeout)
                 step += 1
                 if step % args.weight_sync_steps == 0:
-                    started = time.perf_counter()
                     version = sync(version)
-                    window.add("perf/weight_sync_s", time.perf_counter() - started)
+                    window.update(sync.timings)
                 self.state.update(global_step=step, policy_version=version)
                 self._event("on_step_end")
                 for rollout in self._rollouts:
@@ -327,7 +337,11 @@ class AsyncGRPOTrainer:
         path.mkdir(parents=True, exist_ok=True)
         state = RolloutState.from_dict(ray.get(queue.rollout_state.remote(), timeout=60))
         write_rollout_state(path, state)  # before the model, as TRL does
-        ray.get(learners[0].save.remote(str(path), tokenizer), timeout=self.args.cluster.collective_timeout_s + 600)
+        # every rank takes part in gathering the full state (FSDP2); rank 0 writes it
+        ray.get(
+            [learner.save.remote(str(path), tokenizer) for learner in learners],
+            timeout=self.args.cluster.collective_timeout_s + 600,
+        )
         (path / TRAINER_STATE).write_text(json.dumps({"global_step": step, **self.state}) + "\n")
         self._prune_checkpoints()
         logger.info("saved %s", path)
@@ -380,25 +394,49 @@ def _wait_until_dead(ray: Any, actor_ids: list[str], timeout_s: float = 30.0) ->
 
 
 class _WeightSync:
-    """pause engines -> learner rank 0 broadcasts, engines receive -> resume -> publish version + 1."""
+    """pause engines -> every learner rank gathers, rank 0 broadcasts, engines receive -> resume -> publish
+    version + 1. `timings` holds the last sync's phases (SPEC §6.1 names): `perf/weight_sync_s` (total, including
+    the version bump), `perf/weight_sync_pause_s`, `perf/weight_sync_transfer_s`, `perf/weight_sync_resume_s`."""
 
-    def __init__(self, ray: Any, sender: Any, engines: list[Any], queue: Any, manifest: list[Any], timeout: float):
-        self.ray, self.sender, self.engines, self.queue = ray, sender, engines, queue
+    def __init__(self, ray: Any, learners: list[Any], engines: list[Any], queue: Any, manifest: list[Any],
+                 timeout: float):  # fmt: skip
+        self.ray, self.learners, self.engines, self.queue = ray, learners, engines, queue
         self.manifest, self.timeout = manifest, timeout
+        self.timings: dict[str, float] = {}
 
     def __call__(self, version: int) -> int:
         ray = self.ray
+        started = time.perf_counter()
         ray.get([engine.pause.remote() for engine in self.engines], timeout=self.timeout)
+        paused = time.perf_counter()
         try:
             ray.get(
-                [self.sender.send_weights.remote()]
+                [learner.send_weights.remote() for learner in self.learners]
                 + [engine.receive_weights.remote(self.manifest) for engine in self.engines],
                 timeout=self.timeout + 60,
             )
+            transferred = time.perf_counter()
         finally:
             ray.get([engine.resume.remote() for engine in self.engines], timeout=self.timeout)
+        resumed = time.perf_counter()
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
+        self.timings = {
+            "perf/weight_sync_s": time.perf_counter() - started,
+            "perf/weight_sync_pause_s": paused - started,
+            "perf/weight_sync_transfer_s": transferred - paused,
+            "perf/weight_sync_resume_s": resumed - transferred,
+        }
         return version + 1
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log `message` as a warning the first time this process sees it."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 def _read_step(checkpoint_dir: str) -> int:

@@ -1,7 +1,9 @@
-"""Weight transfer, sender side: engine-side names, the manifest, per-parameter streaming and buckets."""
+"""Weight transfer: engine-side names, the manifest, per-parameter streaming and buckets (plan); the bucketed
+broadcast group over gloo or NCCL is `rlasync.weights.broadcast.WeightGroup`."""
 
 from rlasync.weights.plan import (
     ManifestEntry,
+    bucket_layout,
     bucket_manifest,
     build_manifest,
     is_sent,
@@ -12,6 +14,7 @@ from rlasync.weights.plan import (
 
 __all__ = [
     "ManifestEntry",
+    "bucket_layout",
     "bucket_manifest",
     "build_manifest",
     "is_sent",

@@ -6,7 +6,8 @@ The learner's parameter names carry wrappers (FSDP/DDP's `module.`, activation c
 same generator as the stream so the two agree element for element, and `stream_parameters` yields full tensors one
 parameter at a time (a DTensor shard is gathered with `full_tensor()`, never the whole model at once).
 `bucket_manifest` groups consecutive entries into buckets of bounded bytes for transports that prefer fewer,
-larger messages.
+larger messages, and `bucket_layout` places a bucket's entries in one flat byte buffer (aligned offsets, so each
+slice can be viewed back as its dtype).
 
 Pure torch (no ray, no distributed setup of its own): the all-gathers happen inside `full_tensor()` on every rank.
 """
@@ -100,6 +101,20 @@ def bucket_manifest(manifest: list[ManifestEntry], bucket_bytes: int) -> list[li
         buckets[-1].append(entry)
         size += entry.num_bytes
     return buckets
+
+
+BUCKET_ALIGN = 16  # bytes: every entry starts at a multiple of this in a flat bucket (any dtype can view it)
+
+
+def bucket_layout(bucket: list[ManifestEntry]) -> tuple[list[int], int]:
+    """Byte offsets of a bucket's entries in one flat buffer (each aligned to `BUCKET_ALIGN`) and its total size."""
+    offsets: list[int] = []
+    size = 0
+    for entry in bucket:
+        size = -(-size // BUCKET_ALIGN) * BUCKET_ALIGN
+        offsets.append(size)
+        size += entry.num_bytes
+    return offsets, size
 
 
 def most_common_dtype(manifest: list[ManifestEntry]) -> str | None:

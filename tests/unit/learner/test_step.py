@@ -128,6 +128,26 @@ def test_gradient_accumulation_averages_micro_batches_normalised_by_their_global
         torch.testing.assert_close(before[n] - p.detach(), expected[n], atol=1e-6, rtol=1e-5)
 
 
+def test_rate_pairs_keep_the_partial_statistics_of_the_step():
+    """`rate_pairs=True` (what the learner ranks reduce across ranks): rates are (Σ num, Σ den) over the step's
+    micro-batches, equal to the reduced floats of the default mode; the other keys are the same."""
+    model = tiny_model(4)
+    rng = np.random.default_rng(4)
+    rows = rows_of(on_policy_group(model, 0, [1.0, -1.0, 0.5], rng) + on_policy_group(model, 1, [0.3, -0.3], rng), 32)
+    assert len(rows) >= 2
+    reference = tiny_model(4)
+    config = LossConfig(score_centering=False)
+    floats = make_step(reference, config, lr=0.0).step(rows, [r.num_trained_tokens for r in rows])
+    pairs = make_step(model, config, lr=0.0).step(rows, [r.num_trained_tokens for r in rows], rate_pairs=True)
+    assert set(pairs) >= set(floats)
+    assert pairs["entropy"][1] == sum(r.num_trained_tokens for r in rows)
+    for key, value in pairs.items():
+        if isinstance(value, tuple):
+            assert value[0] / value[1] == pytest.approx(floats[key], rel=1e-6), key
+        elif key in floats and not key.startswith("perf/"):
+            assert value == pytest.approx(floats[key], rel=1e-6), key
+
+
 def test_decaying_schedule_without_max_steps_is_refused():
     with pytest.raises(ValueError, match="max_steps"):
         build_optimizer(tiny_model(), OptimizerSettings(lr_scheduler_type="cosine"))
