@@ -178,7 +178,9 @@ def reference_logprobs(model: Any, prompts: list[list[int]], outputs: list[list[
                 target = ids[row, p:, None]
                 lp = processed_logprobs(scores, temperature, top_k, top_p)
                 processed.append(lp.gather(1, target).squeeze(1).cpu())
-                full.append(torch.log_softmax(scores.float() / max(temperature, 1e-6), -1).gather(1, target).squeeze(1).cpu())
+                full.append(
+                    torch.log_softmax(scores.float() / max(temperature, 1e-6), -1).gather(1, target).squeeze(1).cpu()
+                )
                 if top_n:
                     top_ids.append(torch.topk(lp, top_n, dim=-1).indices.cpu())
     return {"processed": processed, "full": full, "top_ids": top_ids}
@@ -230,8 +232,14 @@ def diff_stats(a: list[torch.Tensor] | list[list[float]], b: list[torch.Tensor])
     x = torch.cat([torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in a])
     y = torch.cat([torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in b])
     d = (x - y).abs()
-    return {"mean": d.mean().item(), "max": d.max().item(), "p99": torch.quantile(d, 0.99).item(),
-            "signed_mean": (x - y).mean().item(), "tokens": d.numel(), "engine_mean_logprob": x.mean().item()}
+    return {
+        "mean": d.mean().item(),
+        "max": d.max().item(),
+        "p99": torch.quantile(d, 0.99).item(),
+        "signed_mean": (x - y).mean().item(),
+        "tokens": d.numel(),
+        "engine_mean_logprob": x.mean().item(),
+    }
 
 
 def learner_logprobs(model: Any, prompts, outputs, temperature: float, packing: str) -> list[torch.Tensor]:
@@ -260,7 +268,7 @@ class Run:
         self.started = time.perf_counter()
         self.result: dict[str, Any] = {
             "what": "vLLM 0.25 behind rlasync's engine interface (issue 5): correctness, weight sync, throughput, "
-                    "vllm serve, on one GPU",
+            "vllm serve, on one GPU",
             "command": " ".join([sys.executable, *sys.argv]),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "settings": {k: v for k, v in vars(args).items()},
@@ -393,7 +401,9 @@ async def phase_correctness(ctx: dict[str, Any]) -> dict[str, Any]:
     result["stats_after"] = {"kv_capacity_tokens": stats.kv_capacity_tokens, "max_model_len": stats.max_model_len,
                              "num_preemptions": stats.num_preemptions, "kv_cache_usage_frac": stats.kv_cache_usage_frac}  # fmt: skip
     main = refs.get("learner_tree_bf16", {})
-    ctx["run"].result["summary"]["sampling/sampling_logp_difference/mean (bf16 learner, tree-packed)"] = main.get("mean")
+    ctx["run"].result["summary"]["sampling/sampling_logp_difference/mean (bf16 learner, tree-packed)"] = main.get(
+        "mean"
+    )
     ctx["run"].result["summary"]["sampling/sampling_logp_difference/mean (fp32 learner)"] = refs.get(
         "learner_tree_fp32", {}).get("mean")  # fmt: skip
     return result
@@ -513,7 +523,8 @@ async def vllm_nccl_sync(engine: Any, model: Any) -> dict[str, Any]:
     def trainer_init() -> None:
         torch.cuda.set_device(1)
         box["group"] = NCCLWeightTransferEngine.trainer_init(
-            {"master_address": "127.0.0.1", "master_port": port, "world_size": 2})
+            {"master_address": "127.0.0.1", "master_port": port, "world_size": 2}
+        )
 
     await asyncio.gather(asyncio.to_thread(trainer_init), engine.init_weight_transfer("127.0.0.1", port, 1, 2))
 
@@ -535,7 +546,9 @@ async def phase_throughput(ctx: dict[str, Any]) -> dict[str, Any]:
     vocab = ctx["model"]["vocab_size"]
     n, plen, new = args.concurrency, args.prompt_len, args.new_tokens
     prompts = random_prompts(n, plen, vocab, seed=11)
-    await generate_all(engine, prompts[:32], [SamplingParams(max_tokens=16, ignore_eos=True, seed=i) for i in range(32)])
+    await generate_all(
+        engine, prompts[:32], [SamplingParams(max_tokens=16, ignore_eos=True, seed=i) for i in range(32)]
+    )
     result: dict[str, Any] = {"requests": n, "prompt_len": plen, "new_tokens": new}
     for label, logprobs, seeds in (("seeded", 0, True), ("seeded_logprobs8", 8, True), ("unseeded", 0, False)):
         engine.use_request_seeds = seeds
@@ -643,7 +656,9 @@ async def phase_server(ctx: dict[str, Any]) -> dict[str, Any]:
         turns = await generate_all(engine, prompts, params)
         ref = learner_logprobs(hf, prompts, [t.output_ids for t in turns], 1.0, "none")
         result["logp_difference_vs_hf_bf16"] = diff_stats([t.output_log_probs for t in turns], ref)
-        run.result["summary"]["server sampling_logp_difference/mean (bf16)"] = result["logp_difference_vs_hf_bf16"]["mean"]
+        run.result["summary"]["server sampling_logp_difference/mean (bf16)"] = result["logp_difference_vs_hf_bf16"][
+            "mean"
+        ]
         scores = await asyncio.gather(*(engine.score(p + t.output_ids, 64, 5) for p, t in zip(prompts[:4], turns)))
         ref = reference_logprobs(hf, prompts[:4], [t.output_ids for t in turns[:4]], 1.0)
         result["score_vs_hf_bf16"] = diff_stats([s.token_logprobs for s in scores], ref["full"])
@@ -688,7 +703,9 @@ async def phase_torch_engine(ctx: dict[str, Any]) -> dict[str, Any]:
     n, plen, new = args.concurrency, args.prompt_len, args.new_tokens
     prompts = random_prompts(n, plen, vocab, seed=11)
     try:
-        await generate_all(engine, prompts[:32], [SamplingParams(max_tokens=16, ignore_eos=True, seed=i) for i in range(32)])
+        await generate_all(
+            engine, prompts[:32], [SamplingParams(max_tokens=16, ignore_eos=True, seed=i) for i in range(32)]
+        )
         for label, logprobs in (("seeded", 0), ("seeded_logprobs8", 8)):
             params = [SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, num_logprobs=logprobs, seed=i)
                       for i in range(n)]  # fmt: skip
@@ -722,6 +739,7 @@ async def main_gpu(run: Run) -> None:
     ctx["hf_bf16"] = load_hf(path, torch.bfloat16, "cuda")  # the learner's model: perturbed by weight_sync
     ctx["hf_original"] = load_hf(path, torch.bfloat16, "cuda")
     ctx["hf_fp32"] = load_hf(path, torch.float32, "cuda")
+
     def learner(dtype: str) -> Any:
         key = f"_learner_{dtype}"
         if key not in ctx:
@@ -812,8 +830,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip the phases that would start later")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="in-process engine (a learner fits)")
     parser.add_argument("--server-gpu-memory", type=float, default=0.25)
-    parser.add_argument("--engine-mode", choices=["graphs", "eager", "default"], default="graphs",
-                        help="graphs: no torch.compile, full CUDA graphs for decodes (fast start); default: vLLM's")
+    parser.add_argument(
+        "--engine-mode",
+        choices=["graphs", "eager", "default"],
+        default="graphs",
+        help="graphs: no torch.compile, full CUDA graphs for decodes (fast start); default: vLLM's",
+    )
     parser.add_argument("--server-mode", choices=["eager", "default"], default="eager")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--check-prompts", type=int, default=64)

@@ -343,7 +343,9 @@ class VLLMEngine:
         if top_k < 0 or top_k > self.max_logprobs:
             raise RequestRejectedError(f"score: top_k={top_k} must be in [0, max_logprobs={self.max_logprobs}]")
         if len(ids) >= self.max_model_len:
-            raise RequestRejectedError(f"score: {len(ids)} tokens leave no room under max_model_len={self.max_model_len}")
+            raise RequestRejectedError(
+                f"score: {len(ids)} tokens leave no room under max_model_len={self.max_model_len}"
+            )
         params = VllmSamplingParams(
             max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False, seed=0,
             output_kind=RequestOutputKind.FINAL_ONLY,

@@ -188,7 +188,9 @@ class FakeLLM:
     def __init__(self, worker, args):
         self.worker, self.args, self.calls = worker, args, []
         self.vllm_config = SimpleNamespace(
-            model_config=SimpleNamespace(max_model_len=args.get("max_model_len", 128), max_logprobs=args["max_logprobs"]),
+            model_config=SimpleNamespace(
+                max_model_len=args.get("max_model_len", 128), max_logprobs=args["max_logprobs"]
+            ),
             cache_config=SimpleNamespace(num_gpu_blocks=10, block_size=16),
         )
 

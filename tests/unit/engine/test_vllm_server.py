@@ -180,17 +180,38 @@ class FakeVLLM:
                 for j, other in enumerate(others[: k_top - (1 if i % 2 else 0)]):
                     entry[str(other)] = {"logprob": -0.3 * i - j, "rank": start + j, "decoded_token": f"t{other}"}
                 prompt_logprobs.append(entry)
-        choice = {"index": 0, "text": "", "logprobs": logprobs, "finish_reason": "length", "stop_reason": None,
-                  "token_ids": tokens if body.get("return_token_ids") else None, "prompt_logprobs": prompt_logprobs,
-                  "prompt_token_ids": prompt if body.get("return_token_ids") else None, "routed_experts": None}
+        choice = {
+            "index": 0,
+            "text": "",
+            "logprobs": logprobs,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": tokens if body.get("return_token_ids") else None,
+            "prompt_logprobs": prompt_logprobs,
+            "prompt_token_ids": prompt if body.get("return_token_ids") else None,
+            "routed_experts": None,
+        }
         return web.json_response({"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": MODEL_ID,
                                   "choices": [choice], "usage": {"prompt_tokens": len(prompt),
                                   "total_tokens": len(prompt) + n, "completion_tokens": n}})  # fmt: skip
 
     async def models(self, request):
         self._record(request, None)
-        return web.json_response({"object": "list", "data": [{"id": MODEL_ID, "object": "model", "owned_by": "vllm",
-                                  "root": "/tmp/fake", "max_model_len": self.max_model_len, "permission": []}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": MODEL_ID,
+                        "object": "model",
+                        "owned_by": "vllm",
+                        "root": "/tmp/fake",
+                        "max_model_len": self.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
 
     async def version(self, request):
         return web.json_response({"version": "0.25.0"})
@@ -579,7 +600,9 @@ def test_fixture_prompt_logprobs():
 
 def test_fixture_error_models_and_version():
     error = fixture("error_400.json")
-    assert error["status"] == 400 and error_message(json.dumps(error["response"])) == error["response"]["error"]["message"]
+    assert (
+        error["status"] == 400 and error_message(json.dumps(error["response"])) == error["response"]["error"]["message"]
+    )
     models = fixture("models.json")["response"]
     assert models["data"][0]["id"] and models["data"][0]["max_model_len"] > 0
     assert fixture("version.json")["response"]["version"].startswith("0.")
