@@ -1,4 +1,5 @@
-"""GenerationActor: hosts one `TorchEngine` (CPU, or the one GPU Ray gives it) and receives weight broadcasts.
+"""GenerationActor: hosts one engine (`cluster.engine`: the built-in TorchEngine on CPU or the one GPU Ray gives it,
+vLLM's AsyncLLM on that GPU, or a client of `vllm serve`) and receives weight broadcasts.
 
 The driver pauses it, runs `receive_weights` here while learner rank 0 sends, then resumes it. Over NCCL the
 buckets land in GPU buffers on the engine's device; over gloo they arrive on the CPU and are copied in.
@@ -16,14 +17,15 @@ import ray
 @ray.remote
 class GenerationActor:
     def __init__(self, *, model: str, dtype: str | None = None, num_threads: int | None = 1,
-                 engine_kwargs: dict[str, Any] | None = None) -> None:
+                 engine_kwargs: dict[str, Any] | None = None, engine: str = "torch",
+                 vllm_server_url: str | None = None) -> None:  # fmt: skip
         import torch
 
-        from rlasync.engine.torch_engine import TorchEngine
+        from rlasync.engine.factory import make_engine
 
         if num_threads and not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
-        self.engine = TorchEngine(model, dtype=dtype, **(engine_kwargs or {}))
+        self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
         self.group: Any = None
 
     async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
