@@ -24,7 +24,7 @@ recorded in the JSON and the next one runs; the JSON is rewritten after every ph
 On the GPU machine, with the vLLM kit carried (`carry: [".vllmkit"]`, see ../shared/device/vllm/README.md):
 
     bash .vllmkit/unpack.sh && export PYTHONPATH=/tmp/vsite:$PWD:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 \\
-        VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 && python bench/vllm_check.py --out $OUT
+        VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 && python3 bench/vllm_check.py --out $OUT
 
 writes $OUT/vllm_h200.json, $OUT/fixtures/*, $OUT/server.log. On CPU, without vLLM (arguments, the model folder,
 the HF-side helpers on a tiny model):

@@ -17,7 +17,9 @@ so its methods run inside the worker process, next to the model, and are reached
 
 Every load ends in the model's own `model.load_weights(iterable of (HF name, tensor))`, which maps HF names onto
 vLLM's fused parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and copies in place, so CUDA graphs and
-compiled code stay valid. This module imports neither vllm nor ray (torch only when a method runs), so it is
+compiled code stay valid. That is complete for dense unquantized models (on CUDA, 0.25's unquantized linear layers do
+no post-load processing); quantized checkpoints need vLLM's layerwise reload (`initialize_layerwise_reload` /
+`finalize_layerwise_reload`, what its NCCL weight-transfer engine runs), which this extension does not do. This module imports neither vllm nor ray (torch only when a method runs), so it is
 importable, and its logic testable, without vLLM: the tests mix it into a fake worker with a fake model runner.
 
 Payload format (a plain dict, so msgpack (collective_rpc) and JSON (HTTP) both carry it):
