@@ -403,7 +403,7 @@ def test_persistent_5xx_raises_after_the_attempts(fake):
 
 def test_a_slow_server_is_a_timeout_not_a_hang(fake):
     engine = fake.engine(request_timeout_s=0.2, max_attempts=2)
-    fake.delay_s = 2.0
+    fake.delay_s = 1.0
     with pytest.raises(TimeoutError, match="after 2 attempt"):
         run(engine.generate([5], SamplingParams(max_tokens=1)))
     assert engine.num_retries == 1
