@@ -8,9 +8,11 @@ keeps accepting requests. Only the last position of each request that samples go
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -95,17 +97,22 @@ class ModelRunner:
         self.graphs = None
         if cuda_graph_sizes and backend in ("varlen", "triton"):
             try:
-                self.graphs = DecodeGraphs(
-                    self.decoder, self._logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask, backend
-                )
+                with _on_device(device):
+                    self.graphs = DecodeGraphs(
+                        self.decoder, self._logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask,
+                        backend,
+                    )
             except RuntimeError:
                 logger.exception("CUDA graph capture failed: decode steps run eagerly")
 
     # ---- one engine step ----------------------------------------------------------------------------------------
 
     def execute(self, chunks: Sequence[ChunkInput]) -> list[SampledToken | None]:
-        """Run one step; returns, per chunk, its sampled token (None for a prefill chunk that does not sample)."""
-        with torch.inference_mode():
+        """Run one step; returns, per chunk, its sampled token (None for a prefill chunk that does not sample).
+
+        Runs in a worker thread: the engine's GPU is made current here (a thread starts on GPU 0, and Triton
+        launches on the current device)."""
+        with torch.inference_mode(), _on_device(self.device):
             logits = self.forward(chunks)
             specs = [chunk.sample for chunk in chunks if chunk.sample is not None]
             sampled = iter(self.sample(logits, specs) if specs else [])
@@ -167,7 +174,7 @@ class ModelRunner:
 
     def score(self, token_ids: Sequence[int], prompt_length: int, top_k: int) -> ScoreResult:
         """Top-k and realised-token log-probs (temperature 1) of `token_ids[prompt_length:]`, one plain forward."""
-        with torch.inference_mode():
+        with torch.inference_mode(), _on_device(self.device):
             ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
             hidden = self.decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
             hidden = hidden[prompt_length - 1 : -1]
@@ -185,6 +192,11 @@ class ModelRunner:
                 topk_ids = [[] for _ in range(hidden.shape[0])]
                 topk_logprobs = [[] for _ in range(hidden.shape[0])]
             return ScoreResult(topk_ids, topk_logprobs, torch.cat(token_logprobs).tolist())
+
+
+def _on_device(device: torch.device) -> Any:
+    """`torch.cuda.device(device)` on CUDA, else a no-op context."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _unpack(result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:

@@ -94,6 +94,8 @@ class TorchEngine:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:  # pin "cuda" to the GPU current now
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = _build_model(model, dtype, self.device)
         check_engine_support(self.model)
         config = self.model.config
