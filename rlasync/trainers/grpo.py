@@ -162,7 +162,8 @@ class AsyncGRPOTrainer:
         # generation first (the token budget defaults to the engine's max_model_len)
         gens = [
             self._spawn(GenerationActor, model=model, dtype=None if args.dtype == "auto" else args.dtype,
-                        engine_kwargs=cluster.engine_kwargs, num_cpus=cluster.generation_num_cpus,
+                        engine_kwargs=cluster.engine_kwargs, engine=cluster.engine,
+                        vllm_server_url=cluster.vllm_server_url, num_cpus=cluster.generation_num_cpus,
                         num_gpus=cluster.generation_num_gpus)
             for _ in range(cluster.num_generation_actors)
         ]  # fmt: skip
@@ -282,7 +283,7 @@ class AsyncGRPOTrainer:
         self, ray: Any, queue: Any, tokens_per_step: int, samples_per_step: int | None
     ) -> tuple[list[Any], float, list[tuple[str, Any]], int]:
         """Fresh samples for one step: up to the token target (or the sample count); checks rollout health while
-        waiting. Returns (refs, seconds waited on an empty queue, take metrics, raw tokens)."""
+        waiting. Returns (refs, seconds spent waiting on the queue for them, take metrics, raw tokens)."""
         refs: list[Any] = []
         tokens, waited = 0, 0.0
         items: list[tuple[str, Any]] = []
@@ -290,12 +291,12 @@ class AsyncGRPOTrainer:
             target = tokens_per_step - tokens if samples_per_step is None else 1
             started = time.perf_counter()
             result = ray.get(queue.wait_take.remote(max(target, 1), TAKE_POLL_S), timeout=TAKE_POLL_S + 60)
+            waited += time.perf_counter() - started  # blocked until a fresh sample came (or the poll timed out)
             items += list(result.metrics.items())
             if result.entries:
                 refs += [entry.payload for entry in result.entries]
                 tokens += result.num_tokens
                 continue
-            waited += time.perf_counter() - started
             self._check_rollouts(ray)
             state = ray.get(queue.state.remote(), timeout=60)
             if state["done"] and state["queue_size"] == 0 and state["inflight_groups"] == 0:

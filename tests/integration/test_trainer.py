@@ -81,6 +81,8 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     keys = set().union(*records)
     missing = [k for k in ACCEPTANCE_KEYS if k not in keys]
     assert not missing, f"missing metrics {missing}; have {sorted(keys)}"
+    # the first step waits for the first groups to be generated and scored: that wait is measured
+    assert records[0]["perf/rollout_wait_s"] > 0
     assert alive(ray_cluster, trainer.actor_ids) == []
 
     # the weights changed, and a checkpoint resumes at its step and policy version
