@@ -56,10 +56,14 @@ class GenerationActor:
 
         return device_identity(self._device(), ray.util.get_node_ip_address() or socket.gethostname(), ray.get_gpu_ids())
 
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                          backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                                backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
         from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup
 
+        if hasattr(self.engine, "receive_weights"):  # vLLM: its worker joins the group and receives in place
+            await self.engine.join_weight_group(host, port, rank, world_size, timeout_s, backend, bucket_bytes)
+            self.group = "engine"
+            return
         device = self._device() if backend == "nccl" else "cpu"
         self.group = WeightGroup.open(
             host, port, rank, world_size, timeout_s, backend=backend, device=device,
@@ -71,7 +75,10 @@ class GenerationActor:
         if self.group is None:
             raise RuntimeError("receive_weights before join_weight_group")
         start = time.perf_counter()
-        await self.engine.load_weights(self.group.receive(manifest))
+        if self.group == "engine":
+            await self.engine.receive_weights(manifest)
+        else:
+            await self.engine.load_weights(self.group.receive(manifest))
         return time.perf_counter() - start
 
     async def close(self) -> None:

@@ -153,10 +153,18 @@ def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, 
             "rollout_num_cpus": 1.0 if gpu else 0.25, "generation_num_cpus": 1.0 if gpu else 0.5,
             "learner_num_cpus": 1.0 if gpu else 0.5, "learner_num_gpus": learner_gpus,
             "generation_num_gpus": generation_gpus, "collective_timeout_s": 600.0,
-            "engine_kwargs": {"max_model_len": args.max_model_len, "kv_cache_tokens": args.kv_cache_tokens,
-                              "max_num_seqs": args.max_num_seqs},
+            "engine": args.engine, "engine_kwargs": engine_kwargs(args),
         },
     )  # fmt: skip
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if args.engine == "vllm":  # in-process AsyncLLM: decode-only CUDA graphs, no torch.compile (starts in ~20 s)
+        return {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs or 256,
+                "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+                "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}  # fmt: skip
+    return {"max_model_len": args.max_model_len, "kv_cache_tokens": args.kv_cache_tokens,
+            "max_num_seqs": args.max_num_seqs}  # fmt: skip
 
 
 class _BackendLog(logging.Handler):
@@ -241,6 +249,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="the generation engine")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5,
+                        help="vLLM's share of its GPU (lower it with --share-gpu)")
     parser.add_argument("--dtype", default=None, help="learner and engine dtype (default bfloat16 on GPU)")
     parser.add_argument("--keep-outputs", action="store_true", help="keep each run's output_dir (metrics.jsonl)")
     parser.add_argument("--workdir", default=None)
