@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from rlasync.engine.kv_cache import num_blocks_for
@@ -45,13 +46,18 @@ class DecodeGraphs:
         self.max_blocks = num_blocks_for(max_model_len, pool.block_size)
         size = self.batch_sizes[-1]
         on = dict(device=device)
-        self.input_ids = torch.zeros(size, dtype=torch.int64, **on)
-        self.positions = torch.zeros(size, dtype=torch.int64, **on)
-        self.slot_mapping = torch.full((size,), pool.null_slot, dtype=torch.int64, **on)
+        # the graphs' inputs live in two flat device buffers, filled from two pinned host buffers per step (`stage`)
+        self.host64 = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
+        self.host32 = torch.zeros(size * (2 + self.max_blocks) + 1, dtype=torch.int32, pin_memory=True)
+        stage_decode(self.host64.numpy(), self.host32.numpy(), [], [], [], size, pool.block_size, pool.null_block,
+                     self.max_blocks)  # fmt: skip
+        self.dev64 = self.host64.to(device)
+        self.dev32 = self.host32.to(device)
+        self.input_ids, self.positions, self.slot_mapping = self.dev64
+        self.seq_lens = self.dev32[:size]
+        self.seq_start_loc = self.dev32[size : 2 * size + 1]
+        self.block_tables = self.dev32[2 * size + 1 :].view(size, self.max_blocks)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, **on)
-        self.seq_lens = torch.ones(size, dtype=torch.int32, **on)
-        self.seq_start_loc = torch.arange(size + 1, dtype=torch.int32, **on)
-        self.block_tables = torch.full((size, self.max_blocks), pool.null_block, dtype=torch.int32, **on)
         self._decoder = decoder
         self._logits_of = logits_of
         self._no_mask = no_mask
@@ -106,18 +112,58 @@ class DecodeGraphs:
                 self._graphs[size] = (graph, logits)
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-        """Replay the graph of `meta`'s (padded) batch size on its inputs; returns that graph's logits [B, V].
+    def run_decode(self, token_ids: Sequence[int], positions: Sequence[int], block_ids: Sequence[Sequence[int]]
+                   ) -> torch.Tensor:  # fmt: skip
+        """Replay the graph of the smallest captured size holding this decode step (request i feeds `token_ids[i]` at
+        `positions[i]`, its KV in blocks `block_ids[i]`); returns that graph's logits [size, V] (rows past the step's
+        requests are padding). Host inputs are staged in pinned memory and sent in two copies.
 
-        `meta` must be a decode step built with `max_blocks=self.max_blocks` and padded to a captured size. The
-        returned tensor is the graph's own output buffer: read it before the next replay."""
-        size = int(input_ids.shape[0])
-        self.input_ids[:size].copy_(input_ids, non_blocking=True)
-        self.positions[:size].copy_(meta.positions, non_blocking=True)
-        self.slot_mapping[:size].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:size].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_start_loc[: size + 1].copy_(meta.seq_start_loc, non_blocking=True)
-        self.block_tables[:size].copy_(meta.block_tables, non_blocking=True)
+        The returned tensor is the graph's own output buffer, and the host buffers are reused by the next step: read
+        the logits (which synchronises) before the next call."""
+        size = self.padded_size(len(token_ids))
+        stage_decode(self.host64.numpy(), self.host32.numpy(), token_ids, positions, block_ids, size,
+                     self.pool.block_size, self.pool.null_block, self.max_blocks)  # fmt: skip
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
         graph, logits = self._graphs[size]
         graph.replay()
         return logits
+
+
+def stage_decode(
+    host64: np.ndarray,
+    host32: np.ndarray,
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    size: int,
+    block_size: int,
+    null_block: int,
+    max_blocks: int,
+) -> None:
+    """Fill the host buffers of a decode step padded to `size` rows, exactly as `build_metadata` would for it
+    (padding rows feed token 0 at position 0 into the null slot and read only the null block).
+
+    host64 [3, S] int64: input ids, positions, slot mapping; host32 [S * (2 + max_blocks) + 1] int32: seq_lens [S],
+    seq_start_loc [S + 1], block_tables [S, max_blocks]."""
+    n = len(token_ids)
+    capacity = host64.shape[1]
+    ids, pos, slots = host64
+    seq_lens = host32[:capacity]
+    seq_start_loc = host32[capacity : 2 * capacity + 1]
+    table = host32[2 * capacity + 1 :].reshape(capacity, max_blocks)
+    ids[:size] = 0
+    pos[:size] = 0
+    table[:size] = null_block
+    if n:
+        ids[:n] = token_ids
+        pos[:n] = positions
+        for row, blocks in enumerate(block_ids):
+            table[row, : len(blocks)] = blocks
+    p = pos[:n]
+    slots[:n] = table[np.arange(n), p // block_size].astype(np.int64) * block_size + p % block_size
+    slots[n:size] = null_block * block_size
+    seq_lens[:size] = 1
+    seq_lens[:n] = p + 1
+    seq_start_loc[0] = 0
+    np.cumsum(seq_lens[:size], out=seq_start_loc[1 : size + 1])

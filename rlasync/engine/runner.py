@@ -123,23 +123,16 @@ class ModelRunner:
         starts = [chunk.start for chunk in chunks]
         lengths = [len(chunk.token_ids) for chunk in chunks]
         block_ids = [chunk.block_ids for chunk in chunks]
+        graphs = self.graphs
+        if graphs is not None and max(lengths) == 1 and len(chunks) <= graphs.max_batch_size:
+            logits = graphs.run_decode([chunk.token_ids[0] for chunk in chunks], starts, block_ids)
+            sampling = [i for i, chunk in enumerate(chunks) if chunk.sample is not None]
+            if len(sampling) == len(chunks):  # a decode step: every request samples
+                return logits[: len(chunks)]
+            return logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=self.device))
         flat_ids = [token for chunk in chunks for token in chunk.token_ids]
         ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
         rows = ends[[i for i, chunk in enumerate(chunks) if chunk.sample is not None]].to(self.device)
-        graphs = self.graphs
-        if graphs is not None and max(lengths) == 1 and len(chunks) <= graphs.max_batch_size:
-            pad = graphs.padded_size(len(chunks)) - len(chunks)
-            meta = build_metadata(
-                self.pool,
-                starts + [0] * pad,
-                lengths + [1] * pad,
-                block_ids + [[]] * pad,
-                self.device,
-                self.backend,
-                graphs.max_blocks,
-            )
-            input_ids = torch.tensor(flat_ids + [0] * pad, dtype=torch.int64).to(self.device, non_blocking=True)
-            return graphs.run(input_ids, meta).index_select(0, rows)
         meta = build_metadata(self.pool, starts, lengths, block_ids, self.device, self.backend)
         input_ids = torch.tensor(flat_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.decoder(

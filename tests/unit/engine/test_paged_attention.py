@@ -135,3 +135,32 @@ if __name__ == "__main__":
     import sys
 
     compare_triton_with_reference(int(sys.argv[1]) or None, int(sys.argv[2]))
+
+
+def test_staged_decode_inputs_equal_build_metadata():
+    """The decode CUDA graphs' host staging (pinned buffers, no torch ops) gives exactly the metadata `build_metadata`
+    gives for the same step padded to the graph's size."""
+    import numpy as np
+
+    from rlasync.engine.cuda_graphs import stage_decode
+
+    block_size, num_blocks, max_blocks, capacity, size = 4, 40, 6, 16, 8
+    pool = KVPool(1, num_blocks, block_size, 1, 2, torch.float32, "cpu")
+    positions = [0, 5, 23, 9, 12]
+    free = torch.randperm(num_blocks).tolist()
+    block_ids = [[free.pop() for _ in range(p // block_size + 1)] for p in positions]
+    token_ids = [7, 8, 9, 10, 11]
+    host64 = np.full((3, capacity), -5, dtype=np.int64)  # garbage from an earlier, larger step
+    host32 = np.full(capacity * (2 + max_blocks) + 1, -5, dtype=np.int32)
+    stage_decode(host64, host32, token_ids, positions, block_ids, size, block_size, pool.null_block, max_blocks)
+    pad = size - len(positions)
+    meta = build_metadata(
+        pool, positions + [0] * pad, [1] * size, block_ids + [[]] * pad, torch.device("cpu"), "triton", max_blocks
+    )
+    assert host64[0, :size].tolist() == token_ids + [0] * pad
+    assert host64[1, :size].tolist() == meta.positions.tolist()
+    assert host64[2, :size].tolist() == meta.slot_mapping.tolist()
+    assert host32[:size].tolist() == meta.seq_lens.tolist()
+    assert host32[capacity : capacity + size + 1].tolist() == meta.seq_start_loc.tolist()
+    table = host32[2 * capacity + 1 :].reshape(capacity, max_blocks)
+    assert table[:size].tolist() == meta.block_tables.tolist()
