@@ -41,6 +41,7 @@ class LearnerActor:
         self.manifest_entries: list[Any] = []
         self.trained_groups: set[int] = set()
         self.device = self._pick_device()
+        self.wire_dtype: Any = None  # what floating point weights travel to the engines as (None: as trained)
 
     @staticmethod
     def _pick_device() -> Any:
@@ -84,21 +85,32 @@ class LearnerActor:
         dtype = args.dtype if args.dtype != "auto" else "float32"
         self.model = load_model(resume_dir or self.model_path, dtype=dtype, device=self.device)
         prepare_for_training(self.model, gradient_checkpointing=args.gradient_checkpointing)
+        # TRL's bf16=True on a GPU: bf16 forward/backward over float32 master weights (a pure-bf16 model would round
+        # away Adam steps of lr ~1e-6); the engines get bf16 weights
+        mixed = on_gpu and bool(getattr(args, "bf16", False)) and dtype == "float32"
+        self.wire_dtype = torch.bfloat16 if mixed else None
         # FSDP2 over the training group when there is one; the TreeScorer root either way, so optimizer and
         # checkpoint keys are the same for any number of ranks
-        self.scorer = shard_for_training(self.model) if self.world_size > 1 else TreeScorer(self.model)
+        if self.world_size > 1:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+            self.scorer = shard_for_training(self.model, mp_policy=policy)
+        else:
+            self.scorer = TreeScorer(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.scorer, OptimizerSettings.from_args(args))
         if resume_dir is not None:
             self._load_optimizer(Path(resume_dir))
         self.step_core = LearnerStep(
             self.scorer, self.optimizer, self.scheduler, LossConfig.from_args(args), temperature=args.temperature,
             max_grad_norm=args.max_grad_norm, num_ranks=self.world_size, device=self.device,
-            clip_grad_norm=self._clip,
+            clip_grad_norm=self._clip, autocast_dtype=torch.bfloat16 if mixed and self.world_size == 1 else None,
         )  # fmt: skip
         return {
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "device": str(self.device),
             "sharded": self.world_size > 1,
+            "mixed_precision": "bf16 compute, float32 master weights" if mixed else None,
         }
 
     def _clip(self, max_norm: float) -> Any:
@@ -175,7 +187,7 @@ class LearnerActor:
     def manifest(self) -> list[Any]:
         from rlasync.weights import build_manifest
 
-        return build_manifest(self.model)
+        return build_manifest(self.model, dtype=self.wire_dtype)
 
     def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float, backend: str = "gloo",
                           bucket_bytes: int | None = None) -> str:  # fmt: skip
@@ -188,7 +200,7 @@ class LearnerActor:
             host, port, 0, world_size, timeout_s, backend=backend, device=device,
             bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
         )  # fmt: skip
-        self.manifest_entries = build_manifest(self.model)
+        self.manifest_entries = build_manifest(self.model, dtype=self.wire_dtype)
         return backend
 
     def send_weights(self) -> float:
@@ -198,7 +210,7 @@ class LearnerActor:
         from rlasync.weights import stream_parameters
 
         start = time.perf_counter()
-        stream = stream_parameters(self.model)
+        stream = stream_parameters(self.model, dtype=self.wire_dtype)
         if self.rank == 0:
             if self.weight_group is None:
                 raise RuntimeError("send_weights before join_weight_group")

@@ -147,7 +147,7 @@ def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, 
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
         learning_rate=1e-6, token_budget=args.token_budget, gradient_accumulation_steps=1,
         max_staleness=max_staleness, weight_sync_steps=1, gradient_checkpointing=gpu,
-        dtype=args.dtype, report_to="none",
+        dtype=args.learner_dtype, report_to="none",
         cluster={
             "num_rollout_actors": 1, "num_generation_actors": 1, "num_learners": 1,
             "rollout_num_cpus": 1.0 if gpu else 0.25, "generation_num_cpus": 1.0 if gpu else 0.5,
@@ -250,9 +250,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="the generation engine")
+    parser.add_argument("--learner-dtype", default="auto",
+                        help="the config's dtype: auto = float32 master weights with bf16 compute on GPU (bf16=True), "
+                             "engines in bf16; bfloat16 = pure bf16 training")
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5,
                         help="vLLM's share of its GPU (lower it with --share-gpu)")
-    parser.add_argument("--dtype", default=None, help="learner and engine dtype (default bfloat16 on GPU)")
+    parser.add_argument("--dtype", default=None, help="dtype of the random checkpoint (default bfloat16 on GPU)")
     parser.add_argument("--keep-outputs", action="store_true", help="keep each run's output_dir (metrics.jsonl)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="JSON result path")

@@ -104,8 +104,10 @@ class LearnerStep:
         num_ranks: int = 1,
         device: torch.device | str = "cpu",
         clip_grad_norm: Callable[[float], torch.Tensor] | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        self.autocast_dtype = autocast_dtype  # mixed precision: float32 master weights, forward/backward in this
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.loss_config = loss_config
@@ -171,7 +173,9 @@ class LearnerStep:
 
     def _loss(self, row: Any, global_terms: float, grad_accum_steps: int) -> tuple[torch.Tensor, dict]:
         tensors = packed_row_to_tensors(row, self.device)
-        scores = packed_token_scores(self.model, tensors, temperature=self.temperature)
+        dtype = self.autocast_dtype
+        with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            scores = packed_token_scores(self.model, tensors, temperature=self.temperature)
         return grpo_loss(
             scores.logprobs,
             tensors.sampler_logprobs,

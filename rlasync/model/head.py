@@ -199,6 +199,8 @@ class _ChunkedHead(torch.autograd.Function):
                 log_norm_target[rows] = norm
         ctx.save_for_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target)
         ctx.config = config
+        device_type = hidden.device.type  # backward runs outside autocast: it re-enters the forward's state
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.set_materialize_grads(False)
         return logprobs, entropy, extra_logprobs
 
@@ -213,23 +215,10 @@ class _ChunkedHead(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if needs_bias else None
         if grad_extra is not None and extra.shape[1] == 0:
             grad_extra = None
-        num_terms = hidden.shape[0]
-        for start in range(0, num_terms, config.chunk_size):
-            rows = slice(start, min(start + config.chunk_size, num_terms))
-            grad_logits = _chunk_grad_logits(
-                hidden[rows], weight, bias, config, targets[rows], extra[rows], candidates[rows], has[rows],
-                log_norm[rows], log_norm_target[rows],
-                None if grad_logprobs is None else grad_logprobs[rows],
-                None if grad_entropy is None else grad_entropy[rows],
-                None if grad_extra is None else grad_extra[rows],
-            )  # fmt: skip
-            grad_logits = grad_logits.to(weight.dtype)
-            if needs_hidden:
-                grad_hidden[rows] = grad_logits @ weight
-            if needs_weight:
-                grad_weight += grad_logits.t() @ hidden[rows]
-            if needs_bias:
-                grad_bias += grad_logits.sum(0)
+        device_type, autocast_on, autocast_dtype = ctx.autocast
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
+            _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, config,
+                           grad_logprobs, grad_entropy, grad_extra, grad_hidden, grad_weight, grad_bias)  # fmt: skip
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -240,6 +229,29 @@ class _ChunkedHead(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, config,
+                   grad_logprobs, grad_entropy, grad_extra, grad_hidden, grad_weight, grad_bias) -> None:  # fmt: skip
+    """Chunk by chunk: accumulate the head's gradients into grad_hidden / grad_weight / grad_bias (float32 or wider
+    accumulators; under autocast the matmuls run in its dtype)."""
+    num_terms = hidden.shape[0]
+    for start in range(0, num_terms, config.chunk_size):
+        rows = slice(start, min(start + config.chunk_size, num_terms))
+        grad_logits = _chunk_grad_logits(
+            hidden[rows], weight, bias, config, targets[rows], extra[rows], candidates[rows], has[rows],
+            log_norm[rows], log_norm_target[rows],
+            None if grad_logprobs is None else grad_logprobs[rows],
+            None if grad_entropy is None else grad_entropy[rows],
+            None if grad_extra is None else grad_extra[rows],
+        )  # fmt: skip
+        grad_logits = grad_logits.to(weight.dtype)
+        if grad_hidden is not None:
+            grad_hidden[rows] = grad_logits @ weight
+        if grad_weight is not None:
+            grad_weight += grad_logits.t() @ hidden[rows].to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias += grad_logits.sum(0)
 
 
 def _renormaliser(logits: torch.Tensor, lse: torch.Tensor, candidates: torch.Tensor, has: torch.Tensor) -> torch.Tensor:

@@ -64,18 +64,29 @@ def _sent_parameters(model: torch.nn.Module, is_peft: bool) -> Iterator[tuple[st
         yield target, param
 
 
-def build_manifest(model: torch.nn.Module, is_peft: bool = False) -> list[ManifestEntry]:
-    """Name, dtype and global shape of every parameter a sync sends, in stream order (no gathering needed)."""
+def _wire_dtype(param_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """What a parameter travels as: floating point ones in `dtype` when given (the engine's, e.g. bf16 from float32
+    master weights), everything else as it is."""
+    return dtype if dtype is not None and param_dtype.is_floating_point else param_dtype
+
+
+def build_manifest(model: torch.nn.Module, is_peft: bool = False, dtype: torch.dtype | None = None) -> list[ManifestEntry]:
+    """Name, dtype and global shape of every parameter a sync sends, in stream order (no gathering needed);
+    floating point parameters are sent in `dtype` when given."""
     return [
-        ManifestEntry(name, str(param.dtype).removeprefix("torch."), tuple(param.shape))
+        ManifestEntry(name, str(_wire_dtype(param.dtype, dtype)).removeprefix("torch."), tuple(param.shape))
         for name, param in _sent_parameters(model, is_peft)
     ]
 
 
 def stream_parameters(
-    model: torch.nn.Module, device: torch.device | str | None = None, is_peft: bool = False
+    model: torch.nn.Module,
+    device: torch.device | str | None = None,
+    is_peft: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(engine name, full tensor)` in manifest order; each tensor is released when the generator advances.
+    """Yield `(engine name, full tensor)` in manifest order (floating point ones cast to `dtype` when given); each
+    tensor is released when the generator advances.
 
     Every rank of a sharded model must iterate the stream (each `full_tensor()` is a collective); only the sending
     rank uses the values.
@@ -85,7 +96,7 @@ def stream_parameters(
         full_tensor = getattr(data, "full_tensor", None)
         if full_tensor is not None:  # a DTensor (FSDP2 shard): gather the global tensor
             data = full_tensor()
-        yield name, data if device is None else data.to(device)
+        yield name, data.to(device=device, dtype=_wire_dtype(data.dtype, dtype))
 
 
 def bucket_manifest(manifest: list[ManifestEntry], bucket_bytes: int) -> list[list[ManifestEntry]]:

@@ -182,3 +182,34 @@ def test_an_fsdp2_sharded_learner_takes_exactly_the_unsharded_step(tmp_path):
     assert abs(metrics["loss"] - expected["loss"]) < 1e-6
     for name, p in reference.named_parameters():
         torch.testing.assert_close(updated[name], p.detach(), atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_mixed_precision_step_keeps_float32_master_weights_and_follows_the_float32_step():
+    """autocast_dtype=bfloat16 (the GPU default): forward and backward (the chunked head's too) in bf16, master
+    weights and the update in float32. The gradient follows the float32 step's, and an update far below bf16's
+    resolution still lands in the master weights (a pure-bf16 model would round it away)."""
+    model32, model_mp = tiny_model(3), tiny_model(3)
+    rng = np.random.default_rng(3)
+    samples = on_policy_group(model32, 0, [1.0, -1.0, 0.5, -0.5], rng)
+    rows = rows_of(samples)
+    grads = {}
+    for name, model, dtype in (("fp32", model32, None), ("mixed", model_mp, torch.bfloat16)):
+        optimizer, scheduler = build_optimizer(model, OptimizerSettings(learning_rate=0.0, max_grad_norm=1e9))
+        step = LearnerStep(model, optimizer, scheduler, LossConfig(), max_grad_norm=1e9, autocast_dtype=dtype)
+        step.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients to compare them
+        step.step(rows, [r.num_trained_tokens for r in rows])
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    cosine = torch.nn.functional.cosine_similarity(grads["fp32"], grads["mixed"], dim=0)
+    assert cosine > 0.98, cosine
+    assert not torch.equal(grads["fp32"], grads["mixed"])  # the bf16 compute did happen
+
+    before = {n: p.detach().clone() for n, p in model_mp.named_parameters()}
+    optimizer, scheduler = build_optimizer(model_mp, OptimizerSettings(learning_rate=1e-7))
+    LearnerStep(model_mp, optimizer, scheduler, LossConfig(), autocast_dtype=torch.bfloat16).step(
+        rows, [r.num_trained_tokens for r in rows]
+    )
+    norm = before["model.norm.weight"]  # ~1.0: bf16's step there is 2**-7, far above an Adam step of 1e-7
+    moved = model_mp.model.norm.weight.detach()
+    assert not torch.equal(moved, norm)
+    assert torch.equal(moved.to(torch.bfloat16), norm.to(torch.bfloat16))  # invisible at bf16 resolution

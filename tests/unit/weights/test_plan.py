@@ -88,3 +88,17 @@ def test_colliding_names_are_refused():
 
     with pytest.raises(ValueError, match="map to the engine name"):
         build_manifest(Wrapper())
+
+
+def test_float_weights_travel_in_the_engine_dtype():
+    """float32 master weights sent as bf16 (half the bytes); the manifest says so, the stream matches it."""
+    model = tiny_model()
+    manifest = build_manifest(model, dtype=torch.bfloat16)
+    assert {entry.dtype for entry in manifest} == {"bfloat16"}
+    streamed = list(stream_parameters(model, dtype=torch.bfloat16))
+    assert [name for name, _ in streamed] == [entry.name for entry in manifest]
+    params = dict(model.named_parameters())
+    for name, tensor in streamed:
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, params[name].detach().to(torch.bfloat16))
+    assert sum(e.num_bytes for e in manifest) * 2 == sum(e.num_bytes for e in build_manifest(model))
