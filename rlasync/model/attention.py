@@ -331,6 +331,10 @@ def tree_attention_forward(
             f"{query.shape[2]} queries and {key.shape[2]} keys (is a KV cache in use? pass use_cache=False)"
         )
     mask = tree_attention.mask_for(sliding_window)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: q/k (fp32 after RoPE) and v in one dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if tree_attention.backend == "flex":
         if dropout:
             raise ValueError("tree attention on the flex backend does not support attention dropout")
