@@ -8,34 +8,66 @@ index live in `rlasync.engine.paged_attention.KVPool`; block `b` owns the pool's
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold `num_tokens` token slots."""
     return -(-num_tokens // block_size)
 
 
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+
+
+def prompt_block_keys(prompt_ids: list[int], block_size: int) -> list[BlockKey]:
+    """Chained keys of the prompt's full blocks: block j's key names all tokens up to its end (its parent's key hash
+    and its own tokens), so equal keys mean equal prefixes (up to a 64-bit hash collision of a parent)."""
+    keys: list[BlockKey] = []
+    parent = 0
+    for begin in range(0, len(prompt_ids) - block_size + 1, block_size):
+        key = (parent, tuple(prompt_ids[begin : begin + block_size]))
+        keys.append(key)
+        parent = hash(key)
+    return keys
+
+
 class BlockAllocator:
-    """A free list of `num_blocks` block ids (0 .. num_blocks - 1).
+    """Reference-counted block ids (0 .. num_blocks - 1), with an optional prefix cache of full prompt blocks.
 
     Blocks freed last are handed out first (warm in cache). `allocate` is all-or-nothing and raises when the blocks
     are not there: callers check `num_free` first (the scheduler preempts instead).
+
+    Prefix cache (`enable_caching`): a block whose KV holds a full block of some prompt is registered under its
+    `BlockKey` (`cache`). A later request with the same prompt prefix takes it (`lookup` + `acquire`) instead of
+    recomputing it; a block shared by several requests is freed when the last one lets go. Unreferenced cached
+    blocks stay reusable ("evictable", oldest first) until a fresh allocation needs them. `clear_cache` forgets every
+    key (the weights changed: the cached KV is stale).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ... first
-        self._is_free = [True] * num_blocks
+        self._refs = [0] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, still cached; oldest first
+        self._key_of: dict[int, BlockKey] = {}
+        self._block_of: dict[BlockKey, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now (free ones and unreferenced cached ones)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
 
     @property
     def capacity_tokens(self) -> int:
@@ -46,16 +78,52 @@ class BlockAllocator:
         return self.num_used / self.num_blocks
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise RuntimeError(f"KV cache: asked for {count} blocks but only {len(self._free)} are free")
-        blocks = [self._free.pop() for _ in range(count)]
-        for block in blocks:
-            self._is_free[block] = False
+        if count > self.num_free:
+            raise RuntimeError(f"KV cache: asked for {count} blocks but only {self.num_free} are free")
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.pop()
+            else:  # evict the least recently released cached block
+                block, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._key_of.pop(block)]
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
         for block in blocks:
-            if self._is_free[block]:
+            if self._refs[block] <= 0:
                 raise RuntimeError(f"KV cache: block {block} freed twice")
-            self._is_free[block] = True
-            self._free.append(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    # ---- prefix cache -------------------------------------------------------------------------------------------
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self._block_of.get(key) if self.enable_caching else None
+
+    def acquire(self, block: int) -> None:
+        """Take one more reference to a cached block (found by `lookup`)."""
+        if self._refs[block] == 0:
+            del self._evictable[block]
+        self._refs[block] += 1
+
+    def cache(self, block: int, key: BlockKey) -> None:
+        """Register a referenced block as holding the prefix `key` (first come: a key already cached keeps its
+        block, a block keeps its first key)."""
+        if not self.enable_caching or key in self._block_of or block in self._key_of:
+            return
+        self._key_of[block] = key
+        self._block_of[key] = block
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix; unreferenced cached blocks become plain free blocks."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._block_of.clear()

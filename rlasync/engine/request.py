@@ -32,6 +32,7 @@ class Request:
     sampler_logprobs: list[dict[int, float]] | None = None
     sampling_mask: list[list[int]] | None = None
     block_ids: list[int] = field(default_factory=list)
+    prompt_block_keys: list[Any] = field(default_factory=list)  # prefix-cache keys of the full prompt blocks
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     handle: Any = None  # the engine's completion handle (an asyncio future); opaque here

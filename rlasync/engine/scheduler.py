@@ -13,6 +13,10 @@ Two queues: `waiting` (FCFS; preempted requests go back to its front) and `runni
      budget lasts and fewer than `max_num_seqs` run. Admission stops at the first that does not fit (no skipping:
      a long prompt is not starved by short ones).
 
+Prefix caching (when the allocator has it on): a request admitted from scratch takes the cached blocks of its
+prompt's longest cached prefix and computes only the rest (a GRPO group's `num_generations` requests share their
+prompt's KV); the full prompt blocks a step computes are registered as it is scheduled.
+
 While `paused`, nothing is scheduled. `complete(output)` marks the scheduled tokens computed once the step ran;
 `finish` / `abort` drop a request and free its blocks.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
+from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for, prompt_block_keys
 from rlasync.engine.request import Request
 
 
@@ -73,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache (cumulative)
         self.paused = False
 
     @property
@@ -93,6 +98,8 @@ class Scheduler:
                 f"request {request.request_id} needs {request.num_tokens} KV slots but the cache holds "
                 f"{self.allocator.capacity_tokens}"
             )
+        if self.allocator.enable_caching and not request.prompt_block_keys:
+            request.prompt_block_keys = prompt_block_keys(request.prompt_ids, self.allocator.block_size)
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -115,7 +122,7 @@ class Scheduler:
                 output.preempted.append(victim)
                 if victim is request:
                     return budget
-            output.chunks.append(ScheduledChunk.next_of(request, num_new))
+            self._schedule_chunk(output, request, num_new)
             budget -= num_new
             index += 1
         return budget
@@ -123,13 +130,50 @@ class Scheduler:
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            hit_tokens = self._take_cached_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, request.num_computed_tokens + num_new):
+                if hit_tokens:
+                    self._release(request)  # it waits: give the cached blocks back
                 return
             self.waiting.popleft()
             self.running.append(request)
-            output.chunks.append(ScheduledChunk.next_of(request, num_new))
+            self.num_prefix_hit_tokens += hit_tokens
+            self._schedule_chunk(output, request, num_new)
             budget -= num_new
+
+    def _take_cached_prefix(self, request: Request) -> int:
+        """A request starting from scratch takes the cached blocks of its prompt's longest cached prefix (always
+        leaving one token to compute: its logits give the first sample); returns the tokens it skips."""
+        if request.block_ids or not request.prompt_block_keys:
+            return 0
+        blocks = []
+        for key in request.prompt_block_keys:
+            block = self.allocator.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+        block_size = self.allocator.block_size
+        if blocks and len(blocks) * block_size >= request.num_tokens:
+            blocks.pop()
+        for block in blocks:
+            self.allocator.acquire(block)
+        request.block_ids = blocks
+        request.num_computed_tokens = len(blocks) * block_size
+        return request.num_computed_tokens
+
+    def _schedule_chunk(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Schedule the request's next `num_new` tokens; the full prompt blocks they complete are registered in the
+        prefix cache now: a request admitted later in this same step may already share them, since every layer
+        writes the step's keys and values before any query attends."""
+        output.chunks.append(ScheduledChunk.next_of(request, num_new))
+        keys = request.prompt_block_keys
+        if keys:
+            block_size = self.allocator.block_size
+            first = request.num_computed_tokens // block_size
+            last = min((request.num_computed_tokens + num_new) // block_size, len(keys))
+            for index in range(first, last):
+                self.allocator.cache(request.block_ids[index], keys[index])
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's blocks to hold `num_tokens` tokens; False (nothing taken) if they are not free."""

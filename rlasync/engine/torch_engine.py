@@ -71,6 +71,8 @@ class TorchEngine:
     attention_backend      "auto" (on CUDA: FlashAttention varlen over the paged pool in 16-bit when a probe of it
                            passes, else our Triton kernel when its probe passes, else "reference": gather + SDPA,
                            the CPU path; a fallback is logged), "varlen", "triton" or "reference"
+    enable_prefix_caching  share the KV of full prompt blocks between requests with the same prompt prefix (a GRPO
+                           group prefills its prompt once); cleared by every weight load
     cuda_graphs            capture decode steps as CUDA graphs, padded to a few batch sizes (triton and varlen backends)
     """
 
@@ -90,6 +92,7 @@ class TorchEngine:
         kv_on_weight_update: Literal["recompute", "keep"] = "recompute",
         attention_backend: Literal["auto", "varlen", "triton", "reference"] = "auto",
         cuda_graphs: bool = True,
+        enable_prefix_caching: bool = True,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -122,7 +125,7 @@ class TorchEngine:
             backend=backend,
             cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if cuda_graphs and self.device.type == "cuda" else (),
         )
-        allocator = BlockAllocator(pool.num_blocks, block_size)
+        allocator = BlockAllocator(pool.num_blocks, block_size, enable_caching=enable_prefix_caching)
         if max_num_batched_tokens is None:
             cuda = self.device.type == "cuda"
             max_num_batched_tokens = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -194,9 +197,12 @@ class TorchEngine:
         if not self._scheduler.paused:
             raise RuntimeError("TorchEngine.load_weights needs a paused engine: await engine.pause() first")
         async with self._model_lock:
-            await asyncio.to_thread(load_named_weights, self.model, named_tensors)
-            if self.kv_on_weight_update == "recompute":
-                self._scheduler.preempt_all()
+            try:
+                await asyncio.to_thread(load_named_weights, self.model, named_tensors)
+                if self.kv_on_weight_update == "recompute":
+                    self._scheduler.preempt_all()
+            finally:
+                self._scheduler.allocator.clear_cache()  # cached prefixes hold the old weights' KV
 
     def stats(self) -> EngineStats:
         allocator = self._scheduler.allocator
@@ -207,7 +213,11 @@ class TorchEngine:
             num_preemptions=self._scheduler.num_preemptions,
             kv_capacity_tokens=allocator.capacity_tokens,
             max_model_len=self.max_model_len,
-            extra={"num_steps": float(self._num_steps), "num_generated_tokens": float(self._num_generated_tokens)},
+            extra={
+                "num_steps": float(self._num_steps),
+                "num_generated_tokens": float(self._num_generated_tokens),
+                "prefix_cache_hit_tokens": float(self._scheduler.num_prefix_hit_tokens),
+            },
         )
 
     async def close(self) -> None:
@@ -323,6 +333,7 @@ class TorchEngine:
             sampled = await asyncio.to_thread(self._runner.execute, chunk_inputs)
         except Exception as exc:
             logger.exception("TorchEngine step failed")
+            self._scheduler.allocator.clear_cache()  # blocks registered for this step may hold no KV
             error = EngineError(f"TorchEngine step failed: {exc!r}")
             error.__cause__ = exc
             for chunk in output.chunks:

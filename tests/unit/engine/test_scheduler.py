@@ -166,3 +166,84 @@ def test_random_workloads_finish_every_request_and_leak_no_block(seed):
         assert output.num_tokens <= scheduler.max_num_batched_tokens
     assert all(r.is_finished and r.num_output_tokens == r.max_output_tokens for r in requests)
     assert allocator.num_free == allocator.num_blocks
+
+
+# ---- prefix caching --------------------------------------------------------------------------------------------------
+
+
+def test_allocator_shares_cached_blocks_by_reference_and_evicts_the_oldest_unreferenced():
+    allocator = BlockAllocator(num_blocks=3, block_size=2, enable_caching=True)
+    a, b = allocator.allocate(2)
+    allocator.cache(a, (0, (1, 2)))
+    assert allocator.lookup((0, (1, 2))) == a and allocator.lookup((0, (9, 9))) is None
+    allocator.acquire(a)  # a second request shares it
+    allocator.free([a, b])
+    assert allocator.num_free == 2  # b is free; a is still held once
+    allocator.free([a])
+    assert allocator.num_free == 3 and allocator.num_cached == 1  # a: unreferenced but still cached
+    allocator.acquire(allocator.lookup((0, (1, 2))))  # a hit takes it back out of the evictable set
+    assert allocator.num_free == 2
+    allocator.free([a])
+    fresh = allocator.allocate(3)  # the free blocks first, then the cached one is evicted
+    assert sorted(fresh) == [0, 1, 2] and allocator.num_cached == 0 and allocator.lookup((0, (1, 2))) is None
+    allocator.free(fresh)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        allocator.free([fresh[0]])
+    allocator.cache(fresh[0], (0, (5, 5)))  # a registration without caching enabled is ignored:
+    assert BlockAllocator(2, 2).lookup((0, (5, 5))) is None
+    allocator.clear_cache()
+    assert allocator.num_cached == 0 and allocator.num_free == 3
+
+
+def test_requests_with_a_common_prompt_prefix_share_its_full_blocks_in_the_same_step():
+    scheduler = Scheduler(BlockAllocator(num_blocks=32, block_size=4, enable_caching=True), 8, 100)
+    prompt = list(range(1, 11))  # 10 tokens: two full blocks and a partial one
+    first, second = make_request(0, 1), make_request(1, 1)
+    first.prompt_ids, first.token_ids = list(prompt), list(prompt)
+    second.prompt_ids, second.token_ids = list(prompt), list(prompt)
+    exact = make_request(2, 8)  # 8 tokens = two full blocks of the same prefix: the last one is recomputed
+    for request in (first, second, exact):
+        scheduler.add(request)
+    output = run_step(scheduler)
+    chunks = {chunk.request.request_id: chunk for chunk in output.chunks}
+    assert (chunks[0].start, chunks[0].num_tokens) == (0, 10)
+    assert (chunks[1].start, chunks[1].num_tokens) == (8, 2)  # blocks 0-1 shared, written this same step
+    assert (chunks[2].start, chunks[2].num_tokens) == (4, 4)
+    assert second.block_ids[:2] == first.block_ids[:2] and exact.block_ids[0] == first.block_ids[0]
+    assert second.block_ids[2] != first.block_ids[2]  # the partial block is private
+    assert scheduler.num_prefix_hit_tokens == 8 + 4
+    used = len({b for r in scheduler.running for b in r.block_ids})
+    assert used == scheduler.allocator.num_used == 3 + 1 + 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_workloads_with_prefix_caching_finish_and_leak_no_block(seed):
+    rng = random.Random(100 + seed)
+    allocator = BlockAllocator(num_blocks=rng.randint(8, 20), block_size=rng.choice([1, 2, 4]), enable_caching=True)
+    scheduler = Scheduler(allocator, max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(1, 24))
+    capacity = allocator.capacity_tokens
+    stems = [[rng.randint(0, 5) for _ in range(capacity)] for _ in range(3)]  # few prompts: many shared prefixes
+    requests = []
+    for i in range(20):
+        prompt_len = rng.randint(1, capacity - 1)
+        request = make_request(i, prompt_len, max_tokens=rng.randint(1, capacity - prompt_len))
+        request.prompt_ids, request.token_ids = stems[i % 3][:prompt_len], stems[i % 3][:prompt_len]
+        requests.append(request)
+    pending = list(requests)
+    for _ in range(100_000):
+        if pending and rng.random() < 0.3:
+            scheduler.add(pending.pop(0))
+        if not scheduler.has_work and not pending:
+            break
+        output = run_step(scheduler, token=rng.randint(0, 50))
+        assert output.chunks or not scheduler.has_work
+        assert len({b for r in scheduler.running for b in r.block_ids}) == allocator.num_used
+        for request in scheduler.running:  # a request's blocks are distinct and cover its computed tokens
+            assert len(set(request.block_ids)) == len(request.block_ids)
+            assert len(request.block_ids) * allocator.block_size >= request.num_computed_tokens
+        if seed % 2 and rng.random() < 0.05:
+            allocator.clear_cache()  # a weight load
+    assert all(r.is_finished and r.num_output_tokens == r.max_output_tokens for r in requests)
+    assert allocator.num_free == allocator.num_blocks
+    if seed % 2 == 0:
+        assert scheduler.num_prefix_hit_tokens > 0

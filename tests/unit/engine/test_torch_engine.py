@@ -463,3 +463,40 @@ def test_unsupported_architectures_and_too_small_caches_are_refused():
         TorchEngine(gpt2, device="cpu")
     with pytest.raises(ValueError, match="kv_cache_tokens"):
         make_engine(tiny_model("llama"), kv_cache_tokens=64, max_model_len=128)
+
+
+# ---- prefix caching -------------------------------------------------------------------------------------------------
+
+
+def test_a_group_sharing_its_prompt_gets_the_same_tokens_and_logprobs_with_and_without_prefix_caching():
+    """A GRPO group: 6 seeded requests on one prompt (plus a distinct one). With prefix caching the prompt's full
+    blocks are computed once and shared; every token and log-prob is what the uncached engine gives, greedy rows
+    equal transformers, and a weight load empties the cache (the next request recomputes its prompt)."""
+    model = tiny_model("qwen3", seed=4, init=0.05)
+    prompt = PROMPTS[4]  # 30 tokens: 7 full blocks of 4
+    prompts = [prompt] * 6 + [PROMPTS[3]]
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=100 + i) for i in range(6)]
+    params.append(SamplingParams(max_tokens=12, temperature=0))
+    results, engines = {}, {}
+    for caching in (False, True):
+        engines[caching] = engine = make_engine(model, enable_prefix_caching=caching)
+        results[caching] = asyncio.run(generate_all(engine, prompts, params))
+    for cached, plain in zip(results[True], results[False]):
+        assert cached.output_ids == plain.output_ids
+        assert cached.output_log_probs == pytest.approx(plain.output_log_probs, abs=1e-5)
+    assert results[True][-1].output_ids == greedy_reference(model, PROMPTS[3], 12)
+    assert engines[False].stats().extra["prefix_cache_hit_tokens"] == 0
+    hits = engines[True].stats().extra["prefix_cache_hit_tokens"]
+    assert hits == 5 * 28  # the 5 followers skip the 7 full blocks
+
+    engine = engines[True]
+
+    async def reload_then_generate():
+        await engine.pause()
+        await engine.load_weights(perturbed_state(model).items())
+        await engine.resume()
+        return await engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0))
+
+    after = asyncio.run(reload_then_generate())
+    assert engine.stats().extra["prefix_cache_hit_tokens"] == hits  # nothing reused across the weight load
+    assert after.output_ids == greedy_reference(model, prompt, 12)  # the model now holds the loaded weights
