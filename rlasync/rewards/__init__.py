@@ -13,6 +13,7 @@ from rlasync.rewards.calling import (
     reward_func_name,
     unique_names,
 )
+from rlasync.rewards.countdown import countdown_reward
 from rlasync.rewards.format_rewards import think_format_reward
 from rlasync.rewards.text import completion_text
 
@@ -22,6 +23,7 @@ __all__ = [
     "accuracy_reward",
     "call_reward_funcs",
     "completion_text",
+    "countdown_reward",
     "last_number_reward",
     "reward_func_name",
     "think_format_reward",
