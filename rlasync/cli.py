@@ -29,13 +29,20 @@ def _config(argv: Sequence[str]) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     from rlasync.config import load_config
+    from rlasync.config.load import read_yaml
+    from rlasync.config.run import RUN_KEYS, load_run
 
     try:
-        config = load_config(args.path, args.overrides)
+        if args.path is not None and any(key in (read_yaml(args.path) or {}) for key in RUN_KEYS):
+            run = load_run(args.path, args.overrides)  # a run file: config plus model, dataset, reward_funcs
+            resolved = {**run.config.to_dict(), "model": run.model, "dataset": run.dataset,
+                        "reward_funcs": run.reward_funcs}  # fmt: skip
+        else:
+            resolved = load_config(args.path, args.overrides).to_dict()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    print(json.dumps(resolved, indent=2, sort_keys=True))
     return 0
 
 

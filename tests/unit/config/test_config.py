@@ -113,3 +113,19 @@ def test_every_yaml_under_configs_loads(path):
         assert all(callable(func) for func in spec.build_reward_funcs())
     else:
         assert isinstance(load_config(path), AsyncGRPOConfig)
+
+
+def test_config_show_resolves_run_files_and_plain_configs(capsys):
+    import json
+
+    from rlasync.cli import main
+
+    assert main(["config", "show", str(REPO / "configs" / "countdown_gpu.yaml"), "--set", "model=some/model",
+                 "--set", "learning_rate=3e-6"]) == 0  # fmt: skip
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["model"] == "some/model" and shown["learning_rate"] == 3e-6
+    assert shown["reward_funcs"] == ["rlasync.rewards:countdown_reward"] and shown["cluster"]["learner_num_gpus"] == 1
+    assert main(["config", "show", str(REPO / "configs" / "base.yaml")]) == 0
+    assert "model" not in json.loads(capsys.readouterr().out)
+    assert main(["config", "show", str(REPO / "configs" / "countdown_gpu.yaml"), "--set", "learning_rat=1"]) == 2
+    assert "learning_rate" in capsys.readouterr().err  # the unknown key's closest field is suggested
