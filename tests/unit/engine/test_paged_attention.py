@@ -86,7 +86,7 @@ def test_layout_on_cpu_is_the_reference_backend():
 
 
 
-def compare_triton_with_reference(window: int | None, block_size: int) -> None:
+def compare_triton_with_reference(window: int, block_size: int) -> None:
     """The Triton kernel against the reference backend on a mixed step: decodes, a fresh prefill longer than one query
     tile and one key tile, a chunk continuing a request, GQA."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,7 +105,8 @@ def compare_triton_with_reference(window: int | None, block_size: int) -> None:
         meta = build_metadata(pool, starts, lengths, block_ids, device, backend)
         outputs.append(
             paged_attention_forward(
-                Layer(), **tensors, attention_mask=None, scaling=dim**-0.5, sliding_window=window, paged_attention=meta
+                Layer(), **tensors, attention_mask=None, scaling=dim**-0.5, sliding_window=window or None,
+                paged_attention=meta,
             )[0]
         )
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
@@ -113,28 +114,14 @@ def compare_triton_with_reference(window: int | None, block_size: int) -> None:
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_triton_backend_equals_the_reference(window, block_size):
-    """Natively on CUDA; on CPU under Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before
-    Triton is imported)."""
-    pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
-    if torch.cuda.is_available():
-        compare_triton_with_reference(window, block_size)
-        return
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [sys.executable, __file__, str(window or 0), str(block_size)], env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_triton_backend_equals_the_reference(window, block_size, triton_check):
+    triton_check(compare_triton_with_reference, __file__, window or 0, block_size)
 
 
 if __name__ == "__main__":
     import sys
 
-    compare_triton_with_reference(int(sys.argv[1]) or None, int(sys.argv[2]))
+    compare_triton_with_reference(int(sys.argv[1]), int(sys.argv[2]))
 
 
 def test_staged_decode_inputs_equal_build_metadata():

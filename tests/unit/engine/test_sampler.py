@@ -408,19 +408,8 @@ def compare_fused_gumbel_with_reference() -> None:
     assert fused[0].item() == 4321
 
 
-def test_fused_gumbel_argmax_equals_the_torch_formulation():
-    """Natively on CUDA; on CPU under Triton's interpreter in a subprocess (TRITON_INTERPRET before Triton's import)."""
-    pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
-    if torch.cuda.is_available():
-        compare_fused_gumbel_with_reference()
-        return
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_fused_gumbel_argmax_equals_the_torch_formulation(triton_check):
+    triton_check(compare_fused_gumbel_with_reference, __file__)
 
 
 if __name__ == "__main__":
