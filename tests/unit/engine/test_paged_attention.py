@@ -118,12 +118,6 @@ def test_triton_backend_equals_the_reference(window, block_size, triton_check):
     triton_check(compare_triton_with_reference, __file__, window or 0, block_size)
 
 
-if __name__ == "__main__":
-    import sys
-
-    compare_triton_with_reference(int(sys.argv[1]), int(sys.argv[2]))
-
-
 def test_staged_decode_inputs_equal_build_metadata():
     """The decode CUDA graphs' host staging (pinned buffers, no torch ops) gives exactly the metadata `build_metadata`
     gives for the same step padded to the graph's size."""
@@ -151,3 +145,9 @@ def test_staged_decode_inputs_equal_build_metadata():
     assert host32[capacity : capacity + size + 1].tolist() == meta.seq_start_loc.tolist()
     table = host32[2 * capacity + 1 :].reshape(capacity, max_blocks)
     assert table[:size].tolist() == meta.block_tables.tolist()
+
+
+if __name__ == "__main__":
+    import sys
+
+    compare_triton_with_reference(int(sys.argv[1]), int(sys.argv[2]))
