@@ -66,8 +66,8 @@ def check_engine_support(model: torch.nn.Module) -> None:
 
 class ModelRunner:
     """Runs steps of `model` over `pool` with the paged attention `backend` ("reference", "triton" or "varlen").
-    `cuda_graph_sizes` (triton and varlen only): batch sizes whose decode steps are captured as CUDA graphs; empty = eager.
-    A capture that fails is logged and decode runs eagerly."""
+    `cuda_graph_sizes` (triton and varlen only): batch sizes whose decode steps are captured as CUDA graphs;
+    empty = eager. A capture that fails is logged and decode runs eagerly."""
 
     def __init__(
         self,
