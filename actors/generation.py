@@ -1,12 +1,17 @@
 """GenerationActor: hosts one engine (`cluster.engine`: the built-in TorchEngine on CPU or the one GPU Ray gives it,
 vLLM's AsyncLLM on that GPU, or a client of `vllm serve`) and receives weight broadcasts.
 
-The driver pauses it, runs `receive_weights` here while learner rank 0 sends, then resumes it. Over NCCL the
-buckets land in GPU buffers on the engine's device; over gloo they arrive on the CPU and are copied in.
+A weight sync is one call, `sync_weights`, made while learner rank 0 sends: the broadcast is received while the
+engine still generates (up to `staging_bytes` of it is held in its receive buffers), the engine pauses (its step in
+flight finishes) meanwhile, then the weights are copied in, the rest is received, and it resumes. Over NCCL the
+buckets land in GPU buffers on the engine's device; over gloo they arrive on the CPU and are copied in. vLLM engines
+receive in their own workers (and pause themselves).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import socket
 import time
 from typing import Any
@@ -70,6 +75,38 @@ class GenerationActor:
             bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
         )  # fmt: skip
 
+    async def sync_weights(self, manifest: list[Any], staging_bytes: int = 0) -> dict[str, float]:
+        """Receive one broadcast and load it, pausing only for the copy: returns the phases' seconds
+        (`pause_s` until the engine stopped, `load_s` from then until loaded, `resume_s`, `total_s`)."""
+        if self.group is None:
+            raise RuntimeError("sync_weights before join_weight_group")
+        start = time.perf_counter()
+        if self.group == "engine":  # vLLM: its workers receive; it pauses and resumes itself
+            await self.engine.receive_weights(manifest)
+            total = time.perf_counter() - start
+            return {"pause_s": 0.0, "load_s": total, "resume_s": 0.0, "total_s": total}
+        stream = self.group.receive(manifest)
+        paused_at: list[float] = []
+
+        async def pause() -> None:
+            await self.engine.pause()
+            paused_at.append(time.perf_counter())
+
+        pausing = asyncio.create_task(pause())
+        try:  # receive (blocking waits, in a thread) while the engine finishes its step and pauses
+            staged = await asyncio.to_thread(_take_bytes, stream, staging_bytes)
+            await pausing
+            await self.engine.load_weights(itertools.chain(staged, stream))
+            loaded = time.perf_counter()
+        finally:
+            if not pausing.done():
+                pausing.cancel()
+            await asyncio.gather(pausing, return_exceptions=True)
+            await self.engine.resume()
+        end = time.perf_counter()
+        return {"pause_s": paused_at[0] - start, "load_s": loaded - paused_at[0], "resume_s": end - loaded,
+                "total_s": end - start}  # fmt: skip
+
     async def receive_weights(self, manifest: list[Any]) -> float:
         """Receive one broadcast into the (paused) engine; returns the seconds it took."""
         if self.group is None:
@@ -83,3 +120,16 @@ class GenerationActor:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+def _take_bytes(stream: Any, limit: int) -> list[tuple[str, Any]]:
+    """The stream's first entries, up to `limit` bytes (at least none); the rest stays in the stream."""
+    taken: list[tuple[str, Any]] = []
+    total = 0
+    while total < limit:
+        entry = next(stream, None)
+        if entry is None:
+            break
+        taken.append(entry)
+        total += entry[1].numel() * entry[1].element_size()
+    return taken

@@ -62,6 +62,9 @@ class ClusterConfig:
     through the CPU, with a warning when a GPU is involved), "nccl" (an error where it cannot work) or "gloo"."""
     weight_sync_bucket_mb: float = 256.0
     """Parameters are broadcast in flat buckets of at most this many MiB (a larger parameter goes alone)."""
+    weight_sync_staging_mb: float = 2048.0
+    """Up to this many MiB of a weight sync are received while the engine still generates (held in the receive
+    buffers until it has paused), so the transfer overlaps the wait for its step in flight; 0 = pause first."""
     engine: str = "torch"
     """Generation engine of each GenerationActor: "torch" (built-in), "vllm" (vLLM's AsyncLLM inside the actor, on its
     GPU; `pip install 'rlasync[vllm]'`) or "vllm_server" (a client of an external `vllm serve` at `vllm_server_url`)."""
@@ -93,6 +96,8 @@ class ClusterConfig:
             )
         if isinstance(self.weight_sync_bucket_mb, bool) or not self.weight_sync_bucket_mb > 0:
             raise ValueError(f"cluster.weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: must be > 0 MiB")
+        if isinstance(self.weight_sync_staging_mb, bool) or not self.weight_sync_staging_mb >= 0:
+            raise ValueError(f"cluster.weight_sync_staging_mb={self.weight_sync_staging_mb!r}: must be >= 0 MiB")
         if isinstance(self.engine_kwargs, str):
             self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
         if self.engine not in ENGINES:

@@ -211,7 +211,8 @@ class AsyncGRPOTrainer:
             resume=resume_state.to_dict() if resume_state else None, num_cpus=cluster.queue_num_cpus,
         )  # fmt: skip
 
-        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout)
+        staging = int(cluster.weight_sync_staging_mb * (1 << 20))
+        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout, staging)
         version = sync(version)  # cold sync: the first served policy is version + 1
         self.state["policy_version"] = version
 
@@ -395,37 +396,34 @@ def _wait_until_dead(ray: Any, actor_ids: list[str], timeout_s: float = 30.0) ->
 
 
 class _WeightSync:
-    """pause engines -> every learner rank gathers, rank 0 broadcasts, engines receive -> resume -> publish
-    version + 1. `timings` holds the last sync's phases (SPEC §6.1 names): `perf/weight_sync_s` (total, including
-    the version bump), `perf/weight_sync_pause_s`, `perf/weight_sync_transfer_s`, `perf/weight_sync_resume_s`."""
+    """Every learner rank gathers, rank 0 broadcasts; each engine receives while still generating, pauses (its step
+    in flight finishes meanwhile), loads, resumes (`GenerationActor.sync_weights`); then version + 1 is published.
+    `timings` holds the last sync's phases (SPEC §6.1 names): `perf/weight_sync_s` (total, including the version
+    bump), and over the engines the slowest `perf/weight_sync_pause_s` (until paused, overlapping the transfer),
+    `perf/weight_sync_transfer_s` (paused until loaded: what of the transfer did not overlap, and the copies) and
+    `perf/weight_sync_resume_s`."""
 
     def __init__(self, ray: Any, learners: list[Any], engines: list[Any], queue: Any, manifest: list[Any],
-                 timeout: float):  # fmt: skip
+                 timeout: float, staging_bytes: int = 0):  # fmt: skip
         self.ray, self.learners, self.engines, self.queue = ray, learners, engines, queue
-        self.manifest, self.timeout = manifest, timeout
+        self.manifest, self.timeout, self.staging_bytes = manifest, timeout, staging_bytes
         self.timings: dict[str, float] = {}
 
     def __call__(self, version: int) -> int:
         ray = self.ray
         started = time.perf_counter()
-        ray.get([engine.pause.remote() for engine in self.engines], timeout=self.timeout)
-        paused = time.perf_counter()
-        try:
-            ray.get(
-                [learner.send_weights.remote() for learner in self.learners]
-                + [engine.receive_weights.remote(self.manifest) for engine in self.engines],
-                timeout=self.timeout + 60,
-            )
-            transferred = time.perf_counter()
-        finally:
-            ray.get([engine.resume.remote() for engine in self.engines], timeout=self.timeout)
-        resumed = time.perf_counter()
+        results = ray.get(
+            [learner.send_weights.remote() for learner in self.learners]
+            + [engine.sync_weights.remote(self.manifest, self.staging_bytes) for engine in self.engines],
+            timeout=self.timeout + 60,
+        )
+        phases = results[len(self.learners) :]
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
         self.timings = {
             "perf/weight_sync_s": time.perf_counter() - started,
-            "perf/weight_sync_pause_s": paused - started,
-            "perf/weight_sync_transfer_s": transferred - paused,
-            "perf/weight_sync_resume_s": resumed - transferred,
+            "perf/weight_sync_pause_s": max(p["pause_s"] for p in phases),
+            "perf/weight_sync_transfer_s": max(p["load_s"] for p in phases),
+            "perf/weight_sync_resume_s": max(p["resume_s"] for p in phases),
         }
         return version + 1
 
