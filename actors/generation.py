@@ -10,8 +10,6 @@ receive in their own workers (and pause themselves).
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import socket
 import time
 from typing import Any
@@ -85,27 +83,9 @@ class GenerationActor:
             await self.engine.receive_weights(manifest)
             total = time.perf_counter() - start
             return {"pause_s": 0.0, "load_s": total, "resume_s": 0.0, "total_s": total}
-        stream = self.group.receive(manifest)
-        paused_at: list[float] = []
+        from rlasync.weights.apply import load_while_pausing
 
-        async def pause() -> None:
-            await self.engine.pause()
-            paused_at.append(time.perf_counter())
-
-        pausing = asyncio.create_task(pause())
-        try:  # receive (blocking waits, in a thread) while the engine finishes its step and pauses
-            staged = await asyncio.to_thread(_take_bytes, stream, staging_bytes)
-            await pausing
-            await self.engine.load_weights(itertools.chain(staged, stream))
-            loaded = time.perf_counter()
-        finally:
-            if not pausing.done():
-                pausing.cancel()
-            await asyncio.gather(pausing, return_exceptions=True)
-            await self.engine.resume()
-        end = time.perf_counter()
-        return {"pause_s": paused_at[0] - start, "load_s": loaded - paused_at[0], "resume_s": end - loaded,
-                "total_s": end - start}  # fmt: skip
+        return await load_while_pausing(self.engine, self.group.receive(manifest), staging_bytes)
 
     async def receive_weights(self, manifest: list[Any]) -> float:
         """Receive one broadcast into the (paused) engine; returns the seconds it took."""
@@ -121,15 +101,3 @@ class GenerationActor:
     async def close(self) -> None:
         await self.engine.close()
 
-
-def _take_bytes(stream: Any, limit: int) -> list[tuple[str, Any]]:
-    """The stream's first entries, up to `limit` bytes (at least none); the rest stays in the stream."""
-    taken: list[tuple[str, Any]] = []
-    total = 0
-    while total < limit:
-        entry = next(stream, None)
-        if entry is None:
-            break
-        taken.append(entry)
-        total += entry[1].numel() * entry[1].element_size()
-    return taken

@@ -1,5 +1,6 @@
 """Weight transfer: engine-side names, the manifest, per-parameter streaming and buckets (plan); the bucketed
-broadcast group over gloo or NCCL is `rlasync.weights.broadcast.WeightGroup`."""
+broadcast group over gloo or NCCL is `rlasync.weights.broadcast.WeightGroup`; the engine side of a sync is
+`rlasync.weights.apply.load_while_pausing`."""
 
 from rlasync.weights.plan import (
     ManifestEntry,

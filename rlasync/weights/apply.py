@@ -1,0 +1,57 @@
+"""The engine side of a weight sync: load a received stream, pausing the engine only for the copy.
+
+    phases = await load_while_pausing(engine, group.receive(manifest), staging_bytes)
+
+The stream's first `staging_bytes` are received (in a worker thread: the waits block) while the engine keeps
+generating and, meanwhile, pauses (its step in flight finishes); once paused, the weights are copied in as the rest
+of the stream arrives, and the engine resumes. The received buffers themselves are the staging: no extra copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+
+def take_bytes(stream: Iterator[tuple[str, Any]], limit: int) -> list[tuple[str, Any]]:
+    """The stream's first entries, up to `limit` bytes (none when `limit` is 0); the rest stays in the stream."""
+    taken: list[tuple[str, Any]] = []
+    total = 0
+    while total < limit:
+        entry = next(stream, None)
+        if entry is None:
+            break
+        taken.append(entry)
+        total += entry[1].numel() * entry[1].element_size()
+    return taken
+
+
+async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], staging_bytes: int) -> dict[str, float]:
+    """Receive up to `staging_bytes` of `stream` while `engine` pauses, then load everything and resume; returns
+    the phases' seconds: `pause_s` (until paused), `load_s` (paused until loaded), `resume_s`, `total_s`.
+
+    The engine is resumed whatever happens; an error of the stream (a stalled sender) propagates."""
+    start = time.perf_counter()
+    paused_at: list[float] = []
+
+    async def pause() -> None:
+        await engine.pause()
+        paused_at.append(time.perf_counter())
+
+    pausing = asyncio.create_task(pause())
+    try:
+        staged = await asyncio.to_thread(take_bytes, stream, staging_bytes)
+        await pausing
+        await engine.load_weights(itertools.chain(staged, stream))
+        loaded = time.perf_counter()
+    finally:
+        if not pausing.done():
+            pausing.cancel()
+        await asyncio.gather(pausing, return_exceptions=True)
+        await engine.resume()
+    end = time.perf_counter()
+    return {"pause_s": paused_at[0] - start, "load_s": loaded - paused_at[0], "resume_s": end - loaded,
+            "total_s": end - start}  # fmt: skip
