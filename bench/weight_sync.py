@@ -1,10 +1,12 @@
 """Weight sync, phase by phase: learner rank 0 -> one TorchEngine, without Ray (two processes, one GPU each).
 
     sender (GPU 0): Qwen3-0.6B-shaped model, float32 master weights, sent as bf16 through `WeightGroup.send`
-    receiver (GPU 1): a bf16 `TorchEngine` of the same shape, generating 256 requests while the sync comes in:
-        pause (waits for the step in flight) -> engine.load_weights(group.receive(manifest)) -> resume
+    receiver (GPU 1): a bf16 `TorchEngine` of the same shape, generating 256 requests while the sync comes in,
+        synced as the GenerationActor does it (`rlasync.weights.apply.load_while_pausing`): up to `--staging-mb` is
+        received while the engine finishes its step and pauses, then loaded, then it resumes
 
-Reported per bucket size (median over rounds): the receiver's pause, transfer+load and resume times, the sender's
+Reported per bucket size and staging size (median over rounds): the receiver's pause, paused->loaded and resume
+times, the sender's
 wall time in `send` (it includes waiting for the receiver to pause), and a raw NCCL broadcast of the same bytes as one flat tensor (the floor). This is the 50 ms target's
 breakdown that the end-to-end run (`bench/e2e_grpo.py`) only shows from the driver.
 
@@ -67,7 +69,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, result_path: str) ->
             device=device, max_model_len=1024, max_num_seqs=256, kv_cache_tokens=256 * 1024,
         )  # fmt: skip
         manifest = None
-    for bucket_mb in args.bucket_mb:
+    for bucket_mb, staging_mb in [(b, st) for b in args.bucket_mb for st in args.staging_mb]:
         group = WeightGroup.open(
             "127.0.0.1", port, rank, 2, 120.0, backend=backend, device=device if backend == "nccl" else "cpu",
             bucket_bytes=int(bucket_mb * (1 << 20)),
@@ -84,9 +86,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int, result_path: str) ->
         else:
             manifest = _receive_manifest(args)
 
-            rounds = asyncio.run(_engine_rounds(engine, group, manifest, args.rounds, device))
+            rounds = asyncio.run(
+                _engine_rounds(engine, group, manifest, args.rounds, device, int(staging_mb * (1 << 20)))
+            )
         group.close()
-        results["buckets"][str(bucket_mb)] = {
+        results["buckets"][f"bucket{bucket_mb:g}MB_staging{staging_mb:g}MB"] = {
             key: statistics.median(r[key] for r in rounds) for key in rounds[0]
         } | {"rounds": rounds}
     if backend == "nccl":  # the floor: one flat broadcast of the same bytes
@@ -109,9 +113,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int, result_path: str) ->
     Path(result_path + f".{rank}").write_text(json.dumps(results))
 
 
-async def _engine_rounds(engine, group, manifest, num_rounds: int, device: str) -> list[dict]:
-    """Syncs into a busy engine (256 long requests running): pause, receive + load, resume, timed."""
+async def _engine_rounds(engine, group, manifest, num_rounds: int, device: str, staging_bytes: int) -> list[dict]:
+    """Syncs into a busy engine (256 long requests running) as the GenerationActor makes them
+    (`load_while_pausing`: up to `staging_bytes` received before the pause completes)."""
     from rlasync.engine import SamplingParams
+    from rlasync.weights.apply import load_while_pausing
 
     params = SamplingParams(max_tokens=10_000, temperature=1.0, ignore_eos=True)
     prompts = [[(7 * i + j) % 500 for j in range(64)] for i in range(256)]
@@ -119,16 +125,10 @@ async def _engine_rounds(engine, group, manifest, num_rounds: int, device: str) 
     await asyncio.sleep(2.0)
     out = []
     for _ in range(num_rounds):
-        t0 = time.perf_counter()
-        await engine.pause()
-        t1 = time.perf_counter()
-        await engine.load_weights(group.receive(manifest))
+        phases = await load_while_pausing(engine, group.receive(manifest), staging_bytes)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        await engine.resume()
-        t3 = time.perf_counter()
-        out.append({"pause_s": t1 - t0, "transfer_load_s": t2 - t1, "resume_s": t3 - t2, "total_s": t3 - t0})
+        out.append(phases)
         await asyncio.sleep(0.5)
     for task in busy:
         task.cancel()
@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--staging-mb", type=float, nargs="+", default=[0, 2048],
+                        help="received before the pause completes (0 = pause first)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--port", type=int, default=29611)
     parser.add_argument("--out", default=None)
@@ -166,15 +168,15 @@ def main() -> None:
         "bytes": sender["bytes"],
         "tensors": sender["tensors"],
         "raw_nccl_broadcast_s": sender.get("raw_nccl_broadcast_s"),
-        "per_bucket_mb": {
+        "per_setting": {
             mb: {"sender": sender["buckets"][mb], "engine": receiver["buckets"][mb]} for mb in sender["buckets"]
         },
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "per_bucket_mb"}, indent=2))
-    for mb, sides in result["per_bucket_mb"].items():
+    print(json.dumps({k: v for k, v in result.items() if k != "per_setting"}, indent=2))
+    for setting, sides in result["per_setting"].items():
         engine = sides["engine"]
-        print(f"bucket {mb} MB: pause {engine['pause_s'] * 1e3:.1f} ms, transfer+load "
-              f"{engine['transfer_load_s'] * 1e3:.1f} ms, resume {engine['resume_s'] * 1e3:.1f} ms, send "
+        print(f"{setting}: pause {engine['pause_s'] * 1e3:.1f} ms, paused->loaded "
+              f"{engine['load_s'] * 1e3:.1f} ms, resume {engine['resume_s'] * 1e3:.1f} ms, send "
               f"{sides['sender']['send_s'] * 1e3:.1f} ms")  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
