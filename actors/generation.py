@@ -63,6 +63,9 @@ class GenerationActor:
                                 backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
         from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup
 
+        if backend == "ipc":  # no group: `sync_weights` maps the learner's shared buckets
+            self.group = "ipc"
+            return
         if hasattr(self.engine, "receive_weights"):  # vLLM: its worker joins the group and receives in place
             await self.engine.join_weight_group(host, port, rank, world_size, timeout_s, backend, bucket_bytes)
             self.group = "engine"
@@ -73,18 +76,26 @@ class GenerationActor:
             bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
         )  # fmt: skip
 
-    async def sync_weights(self, manifest: list[Any], staging_bytes: int = 0) -> dict[str, float]:
-        """Receive one broadcast and load it, pausing only for the copy: returns the phases' seconds
-        (`pause_s` until the engine stopped, `load_s` from then until loaded, `resume_s`, `total_s`)."""
+    async def sync_weights(self, manifest: list[Any], staging_bytes: int = 0,
+                           handles: list[Any] | None = None) -> dict[str, float]:  # fmt: skip
+        """Receive one broadcast (or, over "ipc", map the learner's shared `handles`) and load it, pausing only for
+        the copy: returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until loaded,
+        `resume_s`, `total_s`)."""
+        from rlasync.weights.apply import load_while_pausing
+
         if self.group is None:
             raise RuntimeError("sync_weights before join_weight_group")
+        if self.group == "ipc":
+            from rlasync.weights.ipc import open_shared
+
+            if handles is None:
+                raise RuntimeError("sync_weights over ipc needs the learner's handles")
+            return await load_while_pausing(self.engine, open_shared(handles), 0)
         start = time.perf_counter()
         if self.group == "engine":  # vLLM: its workers receive; it pauses and resumes itself
             await self.engine.receive_weights(manifest)
             total = time.perf_counter() - start
             return {"pause_s": 0.0, "load_s": total, "resume_s": 0.0, "total_s": total}
-        from rlasync.weights.apply import load_while_pausing
-
         return await load_while_pausing(self.engine, self.group.receive(manifest), staging_bytes)
 
     async def receive_weights(self, manifest: list[Any]) -> float:

@@ -38,6 +38,7 @@ class LearnerActor:
         self.rank, self.world_size = rank, world_size
         self.model_path, self.args, self.token_budget = model, args, token_budget
         self.weight_group: Any = None
+        self.shared: Any = None  # over "ipc": the buckets rank 0 shares until the engines copied them
         self.manifest_entries: list[Any] = []
         self.trained_groups: set[int] = set()
         self.device = self._pick_device()
@@ -195,12 +196,14 @@ class LearnerActor:
         from rlasync.weights import build_manifest
         from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup
 
+        self.manifest_entries = build_manifest(self.model, dtype=self.wire_dtype)
+        self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+        if backend == "ipc":  # no group: `share_weights` hands out handles to buckets on this device
+            return backend
         device = self.device if backend == "nccl" else "cpu"
         self.weight_group = WeightGroup.open(
-            host, port, 0, world_size, timeout_s, backend=backend, device=device,
-            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
-        )  # fmt: skip
-        self.manifest_entries = build_manifest(self.model, dtype=self.wire_dtype)
+            host, port, 0, world_size, timeout_s, backend=backend, device=device, bucket_bytes=self.bucket_bytes
+        )
         return backend
 
     def send_weights(self) -> float:
@@ -221,6 +224,26 @@ class LearnerActor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
+
+    def share_weights(self) -> list[Any] | None:
+        """Every rank (gathers are collectives under FSDP2); rank 0 packs the weights into buckets on its device and
+        returns their handles (`rlasync.weights.ipc`), kept alive until `release_weights`."""
+        from rlasync.weights import stream_parameters
+        from rlasync.weights.ipc import SharedWeights
+
+        stream = stream_parameters(self.model, dtype=self.wire_dtype)
+        if self.rank != 0:
+            for _ in stream:
+                pass
+            return None
+        self.shared = SharedWeights.pack(stream, self.manifest_entries, self.device, self.bucket_bytes)
+        return self.shared.handles()
+
+    def release_weights(self) -> None:
+        shared = getattr(self, "shared", None)
+        if shared is not None:
+            shared.release()
+            self.shared = None
 
     def checksum(self) -> float:
         """Σ |w| over the full parameters (a collective under FSDP2: call it on every rank)."""

@@ -31,7 +31,7 @@ LR_SCHEDULERS = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo")
+WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "ipc")
 ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
 
@@ -59,7 +59,9 @@ class ClusterConfig:
     """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
     weight_sync_backend: str = "auto"
     """Weight broadcast transport: "auto" (NCCL when learner rank 0 and every engine hold distinct GPUs, else gloo
-    through the CPU, with a warning when a GPU is involved), "nccl" (an error where it cannot work) or "gloo"."""
+    through the CPU, with a warning when a GPU is involved), "nccl" (an error where it cannot work), "gloo", or "ipc"
+    (learner rank 0 and every engine on one host and one device: the weights are shared by CUDA IPC handle, or
+    through shared memory on the CPU, instead of through a process group)."""
     weight_sync_bucket_mb: float = 256.0
     """Parameters are broadcast in flat buckets of at most this many MiB (a larger parameter goes alone)."""
     weight_sync_staging_mb: float = 2048.0

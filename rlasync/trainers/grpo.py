@@ -212,7 +212,7 @@ class AsyncGRPOTrainer:
         )  # fmt: skip
 
         staging = int(cluster.weight_sync_staging_mb * (1 << 20))
-        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout, staging)
+        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout, staging, backend)
         version = sync(version)  # cold sync: the first served policy is version + 1
         self.state["policy_version"] = version
 
@@ -404,20 +404,30 @@ class _WeightSync:
     `perf/weight_sync_resume_s`."""
 
     def __init__(self, ray: Any, learners: list[Any], engines: list[Any], queue: Any, manifest: list[Any],
-                 timeout: float, staging_bytes: int = 0):  # fmt: skip
+                 timeout: float, staging_bytes: int = 0, backend: str = "gloo"):  # fmt: skip
         self.ray, self.learners, self.engines, self.queue = ray, learners, engines, queue
-        self.manifest, self.timeout, self.staging_bytes = manifest, timeout, staging_bytes
+        self.manifest, self.timeout, self.staging_bytes, self.backend = manifest, timeout, staging_bytes, backend
         self.timings: dict[str, float] = {}
 
     def __call__(self, version: int) -> int:
         ray = self.ray
         started = time.perf_counter()
-        results = ray.get(
-            [learner.send_weights.remote() for learner in self.learners]
-            + [engine.sync_weights.remote(self.manifest, self.staging_bytes) for engine in self.engines],
-            timeout=self.timeout + 60,
-        )
-        phases = results[len(self.learners) :]
+        if self.backend == "ipc":  # rank 0 shares buckets on its device; the engines copy from them; then release
+            handles = ray.get([learner.share_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
+            try:
+                phases = ray.get(
+                    [engine.sync_weights.remote(self.manifest, 0, handles) for engine in self.engines],
+                    timeout=self.timeout + 60,
+                )
+            finally:
+                ray.get(self.learners[0].release_weights.remote(), timeout=self.timeout)
+        else:
+            results = ray.get(
+                [learner.send_weights.remote() for learner in self.learners]
+                + [engine.sync_weights.remote(self.manifest, self.staging_bytes) for engine in self.engines],
+                timeout=self.timeout + 60,
+            )
+            phases = results[len(self.learners) :]
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
         self.timings = {
             "perf/weight_sync_s": time.perf_counter() - started,

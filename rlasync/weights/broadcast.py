@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rlasync.weights.plan import ManifestEntry, bucket_layout, bucket_manifest
+from rlasync.weights.plan import ManifestEntry, bucket_layout, bucket_manifest, next_matching
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -87,16 +87,25 @@ def device_identity(device: torch.device | str, node: str, gpu_ids: Sequence[Any
 def choose_backend(
     sender: Mapping[str, Any], receivers: Sequence[Mapping[str, Any]], requested: str = "auto"
 ) -> tuple[str, str | None]:
-    """The weight group's backend from every rank's `device_identity`: `(backend, why_not_nccl)`.
+    """The weight sync's transport from every rank's `device_identity`: `(backend, why_not_nccl)`.
 
     "auto": NCCL when every rank is on a GPU and no two ranks share one (same node and GPU); gloo otherwise, with a
-    reason when a GPU was involved (for a one-time warning). "nccl" raises `ValueError` when NCCL cannot work;
-    "gloo" is always honoured.
+    reason when a GPU was involved (for a one-time warning). "nccl" and "ipc" (every engine on the sender's node and
+    device: `rlasync.weights.ipc`) raise `ValueError` where they cannot work; "gloo" is always honoured.
     """
-    if requested not in ("auto", *BACKENDS):
-        raise ValueError(f"weight-sync backend {requested!r}: use 'auto', 'nccl' or 'gloo'")
+    if requested not in ("auto", "ipc", *BACKENDS):
+        raise ValueError(f"weight-sync backend {requested!r}: use 'auto', 'nccl', 'gloo' or 'ipc'")
     if requested == "gloo":
         return "gloo", None
+    if requested == "ipc":
+        place = (sender["node"], sender["device"], sender.get("gpu"))
+        away = [i for i, info in enumerate(receivers) if (info["node"], info["device"], info.get("gpu")) != place]
+        if away:
+            raise ValueError(
+                f"weight-sync backend 'ipc' needs every engine on learner rank 0's node and device "
+                f"({place[1]}{'' if place[2] is None else ' ' + str(place[2])}); engine(s) {away} are elsewhere"
+            )
+        return "ipc", None
     ranks = [sender, *receivers]
     on_gpu = [info["device"] == "cuda" for info in ranks]
     if all(on_gpu):
@@ -105,7 +114,8 @@ def choose_backend(
             return "nccl", None
         reason = (
             "learner rank 0 and a generation engine share one GPU (fractional num_gpus), and NCCL needs a distinct "
-            "GPU per rank: weights go through the CPU over gloo"
+            "GPU per rank: weights go through the CPU over gloo (cluster.weight_sync_backend=ipc shares them on the "
+            "GPU instead when every engine shares learner rank 0's GPU)"
         )
     elif any(on_gpu):
         reason = "some weight-sync ranks have no GPU: weights go through the CPU over gloo"
@@ -268,17 +278,7 @@ class WeightGroup:
 
     @staticmethod
     def _next(stream: Iterator[tuple[str, torch.Tensor]], entry: ManifestEntry) -> torch.Tensor:
-        item = next(stream, None)
-        if item is None:
-            raise ValueError(f"weight stream ended before manifest entry {entry.name!r}: stream and manifest differ")
-        name, tensor = item
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if name != entry.name or tuple(tensor.shape) != tuple(entry.shape) or dtype != entry.dtype:
-            raise ValueError(
-                f"weight stream yielded {name!r} {tuple(tensor.shape)} {dtype} where the manifest expects "
-                f"{entry.name!r} {tuple(entry.shape)} {entry.dtype}: stream and manifest differ"
-            )
-        return tensor.detach()
+        return next_matching(stream, entry).detach()
 
     def close(self) -> None:
         self._group = None

@@ -128,6 +128,21 @@ def bucket_layout(bucket: list[ManifestEntry]) -> tuple[list[int], int]:
     return offsets, size
 
 
+def next_matching(stream: Iterator[tuple[str, torch.Tensor]], entry: ManifestEntry) -> torch.Tensor:
+    """The stream's next tensor, which must be the manifest `entry` (name, shape, dtype): else `ValueError`."""
+    item = next(stream, None)
+    if item is None:
+        raise ValueError(f"weight stream ended before manifest entry {entry.name!r}: stream and manifest differ")
+    name, tensor = item
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if name != entry.name or tuple(tensor.shape) != tuple(entry.shape) or dtype != entry.dtype:
+        raise ValueError(
+            f"weight stream yielded {name!r} {tuple(tensor.shape)} {dtype} where the manifest expects "
+            f"{entry.name!r} {tuple(entry.shape)} {entry.dtype}: stream and manifest differ"
+        )
+    return tensor
+
+
 def most_common_dtype(manifest: list[ManifestEntry]) -> str | None:
     """The dtype most parameters are sent in (compared with the engine's dtype at init, SPEC §5.4)."""
     counts = Counter(entry.dtype for entry in manifest)

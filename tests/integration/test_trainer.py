@@ -219,3 +219,28 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
         assert record["batch/trained_tokens_per_step"] > 0 and record["entropy"] > 0
     assert (tmp_path / "checkpoint-2" / "model.safetensors").is_file()  # a full state dict saved from rank 0
     assert alive(ray_cluster, trainer.actor_ids) == []
+
+
+def test_weights_shared_by_handle_reach_the_engine(ray_cluster, tiny_model_dir, tmp_path):
+    """cluster.weight_sync_backend="ipc" (one host, one device: shared memory on the CPU, CUDA IPC on a shared GPU):
+    with max_staleness=0 every trained sample comes from an engine holding the previous step's weights, so its
+    log-probs match the learner's recomputation; the shared buckets are gone afterwards."""
+    from pathlib import Path
+
+    from rlasync import AsyncGRPOTrainer
+
+    cluster = {"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+               "collective_timeout_s": 60.0, "weight_sync_backend": "ipc"}  # fmt: skip
+    before = set(Path("/dev/shm").glob("rlasync-weights-*")) if Path("/dev/shm").is_dir() else set()
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward,
+        args=make_config(tmp_path, max_staleness=0, max_steps=2, cluster=cluster), train_dataset=dataset(),
+    )  # fmt: skip
+    assert trainer.train()["global_step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["sampling/sampling_logp_difference/max"] for r in records if "sampling/sampling_logp_difference/max" in r]
+    assert len(gaps) == 2 and max(gaps) < 1e-3, gaps
+    assert all("perf/weight_sync_transfer_s" in r for r in records)
+    if Path("/dev/shm").is_dir():
+        assert set(Path("/dev/shm").glob("rlasync-weights-*")) == before
+    assert alive(ray_cluster, trainer.actor_ids) == []

@@ -163,3 +163,14 @@ def test_choose_backend():
         choose_backend(gpu(uuid="a"), [gpu(uuid="a")], "nccl")
     with pytest.raises(ValueError, match="backend"):
         choose_backend(CPU, [CPU], "mpi")
+
+
+def test_ipc_is_chosen_on_request_only_where_every_engine_shares_the_device():
+    assert choose_backend(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="a")], "ipc") == ("ipc", None)
+    assert choose_backend(CPU, [CPU], "ipc") == ("ipc", None)  # shared memory
+    with pytest.raises(ValueError, match=r"engine\(s\) \[1\] are elsewhere"):
+        choose_backend(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="b")], "ipc")
+    with pytest.raises(ValueError, match="ipc"):
+        choose_backend(gpu(uuid="a"), [gpu(node="n1", uuid="a")], "ipc")
+    _, reason = choose_backend(gpu(uuid="a"), [gpu(uuid="a")])
+    assert "weight_sync_backend=ipc" in reason  # the shared-GPU warning names the faster option
