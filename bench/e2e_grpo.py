@@ -154,6 +154,7 @@ def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, 
             "learner_num_cpus": 1.0 if gpu else 0.5, "learner_num_gpus": learner_gpus,
             "generation_num_gpus": generation_gpus, "collective_timeout_s": 600.0,
             "engine": args.engine, "engine_kwargs": engine_kwargs(args),
+            "weight_sync_backend": args.weight_sync_backend,
         },
     )  # fmt: skip
 
@@ -250,6 +251,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="the generation engine")
+    parser.add_argument("--weight-sync-backend", choices=["auto", "nccl", "gloo", "ipc"], default="auto",
+                        help="ipc: learner and engine share one GPU (with --share-gpu)")
     parser.add_argument("--learner-dtype", default="auto",
                         help="the config's dtype: auto = float32 master weights with bf16 compute on GPU (bf16=True), "
                              "engines in bf16; bfloat16 = pure bf16 training")
