@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU measurements still owed, as two device calls made back to back (the second within 30 s of the first, so
+# the machine stays warm and /tmp/site keeps Ray). Everything lands in $OUT; copy the JSON into bench/results/.
+#
+#   call 1  carry [".devicekit"]:  bash bench/device_runs.sh torch       (~8 min on nvidia-h200-x2)
+#   call 2  carry [".vllmkit"]:    bash bench/device_runs.sh vllm        (~7 min)
+#
+# Build the kits first, here: ../shared/device/make-kit.sh with
+#   EXTRA="pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 math-verify==0.9.0
+#          latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"
+# and ../shared/device/vllm/build-kit.sh.
+set -uo pipefail
+stage=${1:?usage: bench/device_runs.sh torch|vllm}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on failure
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T))"
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "   rc $? ($(date +%T))"
+    tail -n 4 "$out/$name.log"
+}
+case $stage in
+torch)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/engine/test_torch_engine_cuda.py
+    run weight_sync 120 python3 bench/weight_sync.py --rounds 3 --bucket-mb 256 1024 --out "$out/weight_sync_h200.json"
+    run e2e_torch 240 python3 bench/e2e_grpo.py --steps 10 --runs async --out "$out/e2e_torch.json"
+    ;;
+vllm)
+    bash .vllmkit/unpack.sh || exit 1
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    run e2e_vllm 300 python3 bench/e2e_grpo.py --steps 10 --runs async --engine vllm --out "$out/e2e_vllm.json"
+    run vllm_check 240 python3 bench/vllm_check.py --out "$out" --budget-s 200 --skip-server
+    ;;
+*)
+    echo "unknown stage $stage: use torch or vllm" >&2
+    exit 2
+    ;;
+esac
