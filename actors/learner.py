@@ -154,7 +154,9 @@ class LearnerActor:
         from rlasync.learner import reduce_across_ranks
         from rlasync.learner.metrics import local_all_reduce
 
+        started = time.perf_counter()
         samples = ray.get(refs, timeout=self.timeout.total_seconds())
+        fetched = time.perf_counter()
         batches = self._plan(samples)
         rows, terms, items = [], [], []
         forwarded = trained = 0
@@ -167,7 +169,10 @@ class LearnerActor:
             trained += len(mine.target_ids)
             if self.rank == 0:
                 items += list(batch.metrics().items())  # planner metrics already cover every rank's rows
+        packed_at = time.perf_counter()
         metrics = self.step_core.step(rows, terms, rate_pairs=True)
+        metrics["perf/fetch_samples_s"] = fetched - started  # the step's samples out of the object store
+        metrics["perf/pack_s"] = packed_at - fetched  # planning and tree-packing the micro-batches
         metrics["batch/forwarded_tokens_per_step"] = float(forwarded)
         metrics["batch/trained_tokens_per_step"] = float(trained)
         reduced = reduce_across_ranks(metrics, self._all_reduce if self.world_size > 1 else local_all_reduce)

@@ -83,6 +83,7 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     assert not missing, f"missing metrics {missing}; have {sorted(keys)}"
     # the first step waits for the first groups to be generated and scored: that wait is measured
     assert records[0]["perf/rollout_wait_s"] > 0
+    assert all(r["perf/fetch_samples_s"] >= 0 and r["perf/pack_s"] > 0 for r in records)  # the learner's own phases
     assert alive(ray_cluster, trainer.actor_ids) == []
 
     # the weights changed, and a checkpoint resumes at its step and policy version
