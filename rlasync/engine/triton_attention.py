@@ -18,31 +18,19 @@ runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the tests c
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
+
+from rlasync.engine.triton_jit import available, jit
 
 TILE_N = 64
 
 
 try:
-    import triton
-    import triton.language as tl
+    import triton.language as tl  # a module global of the kernel below
 except ImportError:  # CPU builds of torch come without Triton
-    triton = tl = None
+    tl = None
 
-
-def available() -> bool:
-    return triton is not None
-
-
-@functools.cache
-def _kernel() -> Any:
-    """The jitted kernel (decorated on first use, so `TRITON_INTERPRET` set by then takes effect)."""
-    if triton is None:
-        raise RuntimeError("the triton paged attention backend needs Triton (it ships with CUDA builds of torch)")
-    return triton.jit(_paged_attention_kernel)
+__all__ = ["available"]
 
 
 def _paged_attention_kernel(
@@ -149,7 +137,7 @@ def triton_paged_attention(
     block_m = max(min_rows, _next_pow2(block_q * groups))
     q_tiles = -(-max_query_len // block_q)
     grid = (num_requests * q_tiles, num_kv_heads)
-    _kernel()[grid](
+    jit(_paged_attention_kernel)[grid](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
         float(scale if scale is not None else head_dim**-0.5),

@@ -15,29 +15,18 @@ Triton is optional: on CPU the kernel runs only under Triton's interpreter (the 
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
+
+from rlasync.engine.triton_jit import available, jit
 
 CHUNK = 2048
 
 try:
-    import triton
-    import triton.language as tl
+    import triton.language as tl  # a module global of the kernel below
 except ImportError:  # CPU builds of torch come without Triton
-    triton = tl = None
+    tl = None
 
-
-def available() -> bool:
-    return triton is not None
-
-
-@functools.cache
-def _kernel() -> Any:
-    if triton is None:
-        raise RuntimeError("the fused Gumbel-max needs Triton (it ships with CUDA builds of torch)")
-    return triton.jit(_gumbel_argmax_kernel)
+__all__ = ["available"]
 
 
 def _gumbel_argmax_kernel(
@@ -74,7 +63,7 @@ def gumbel_argmax(masked: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     num_chunks = -(-vocab // CHUNK)
     best_score = torch.empty(rows, num_chunks, dtype=torch.float64, device=masked.device)
     best_id = torch.empty(rows, num_chunks, dtype=torch.int64, device=masked.device)
-    _kernel()[(rows, num_chunks)](
+    jit(_gumbel_argmax_kernel)[(rows, num_chunks)](
         masked, keys.to(torch.int64).contiguous(), best_score, best_id, vocab, masked.stride(0), num_chunks,
         CHUNK_SIZE=CHUNK,
     )  # fmt: skip

@@ -48,7 +48,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
-from rlasync.engine.vllm_worker import DEFAULT_CHUNK_BYTES, EXTENSION_QUALNAME, encode_weights, manifest_rows
+from rlasync.engine.vllm_worker import (
+    DEFAULT_CHUNK_BYTES,
+    EXTENSION_QUALNAME,
+    encode_weights,
+    manifest_rows,
+    nccl_update_info,
+)
 from rlasync.rollout.records import TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -462,9 +468,7 @@ class VLLMEngine:
         self._need_backend("nccl")
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        rows = manifest_rows(manifest)
-        info = {"names": [r[0] for r in rows], "dtype_names": [r[1] for r in rows], "shapes": [r[2] for r in rows],
-                "packed": bool(packed)}  # fmt: skip
+        info = nccl_update_info(manifest, packed)
         started = time.perf_counter()
         paused_here = not self._paused
         if paused_here:

@@ -50,7 +50,7 @@ from typing import Any
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.vllm_engine import SAMPLING_MASK_WARNING, score_from_prompt_logprobs
-from rlasync.engine.vllm_worker import encode_weights, manifest_rows
+from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info
 from rlasync.rollout.records import TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -583,9 +583,7 @@ class VLLMServerEngine:
         """POST /start_weight_update, /update_weights {"update_info": manifest}, /finish_weight_update (always, so a
         failed transfer leaves no half-open update), pausing and resuming around it unless already paused. The
         learner broadcasts meanwhile (`NCCLWeightTransferEngine.trainer_send_weights`). Returns seconds."""
-        rows = manifest_rows(manifest)
-        info = {"names": [r[0] for r in rows], "dtype_names": [r[1] for r in rows], "shapes": [r[2] for r in rows],
-                "packed": bool(packed)}  # fmt: skip
+        info = nccl_update_info(manifest, packed)
         started = time.perf_counter()
         paused_here = not self._paused
         if paused_here:

@@ -47,6 +47,13 @@ EXTENSION_QUALNAME = "rlasync.engine.vllm_worker.WorkerExtension"
 # ---- payloads (sender side: the engine adapters) -------------------------------------------------------------------
 
 
+def nccl_update_info(manifest: Iterable[Any], packed: bool = True) -> dict[str, Any]:
+    """vLLM's `update_weights` request body for a manifest (names, dtype names, shapes, packed)."""
+    rows = manifest_rows(manifest)
+    return {"names": [r[0] for r in rows], "dtype_names": [r[1] for r in rows], "shapes": [r[2] for r in rows],
+            "packed": bool(packed)}  # fmt: skip
+
+
 def manifest_rows(manifest: Iterable[Any]) -> list[list[Any]]:
     """`[[name, dtype, shape], ...]` from `ManifestEntry` objects, dicts, `(name, dtype, shape)` sequences, or a JSON
     string of any of those (HTTP transports pass strings)."""
