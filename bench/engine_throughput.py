@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="64,256")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--group-size", type=int, default=8,
+                        help="also run the top concurrency as groups of this many requests per prompt (1 = skip)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "varlen", "reference"])
     parser.add_argument("--profile", default=None, help="write torch.profiler tables of a short run to this folder")
     parser.add_argument("--out", default=None)
@@ -133,6 +135,16 @@ def main() -> None:
             results[f"engine_c{level}_logprobs8_cost_frac"] = 1 - topn["new_tokens_per_s"] / plain["new_tokens_per_s"]
             print(f"engine c={level}: {plain['new_tokens_per_s']:.0f} new tok/s; with 8 logprobs "
                   f"{topn['new_tokens_per_s']:.0f}", flush=True)  # fmt: skip
+            _write(args.out, results)
+        if args.group_size > 1:  # GRPO-shaped: groups of requests on one prompt (prefix caching shares its prefill)
+            level = max(levels)
+            grouped = [p for p in prompts_all[: level // args.group_size] for _ in range(args.group_size)]
+            run = await engine_run(engine, grouped, args.new_tokens, 0)
+            key = f"engine_c{len(grouped)}_groups_of_{args.group_size}"
+            run["prefix_cache_hit_tokens_total"] = engine.stats().extra.get("prefix_cache_hit_tokens")
+            results["runs"][key] = run
+            results[f"{key}_new_tokens_per_s"] = run["new_tokens_per_s"]
+            print(f"engine {key}: {run['new_tokens_per_s']:.0f} new tok/s", flush=True)
             _write(args.out, results)
 
     asyncio.run(engine_suite())
