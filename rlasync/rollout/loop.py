@@ -63,6 +63,7 @@ from rlasync.data.prompts import PROMPT_COLUMN, render_prompt, row_prompt
 from rlasync.engine.base import Engine, EngineError, RequestRejectedError, SamplingParams
 from rlasync.metrics import MetricSink, MetricValue
 from rlasync.rewards.calling import RewardFunc
+from rlasync.rollout.completions_log import print_group
 from rlasync.rollout.concurrency import ConcurrencyController
 from rlasync.rollout.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
@@ -642,6 +643,13 @@ class AsyncRolloutLoop:
             drop_zero_std_groups=self.drop_zero_std_groups,
         )
         score_s = self._clock() - started
+        if getattr(self.args, "log_completions", False):
+            print_group(
+                rollout_group.prompts[0] if rollout_group.prompts else "", rollout_group.completions,
+                [None if r != r else float(r) for r in scored.rewards], scored.advantages.tolist(),
+                group_id=rollout_group.group_id, policy_version=rollout_group.policy_version,
+                limit=getattr(self.args, "num_completions_to_print", None),
+            )  # fmt: skip
         rollout_tokens = sum(
             len(seq.input_ids) for sequences in rollout_group.completions_sequences for seq in sequences
         )
