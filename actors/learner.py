@@ -15,6 +15,7 @@ state dict is gathered; rank 0 writes it).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+
+logger = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model."  # the TreeScorer's attribute holding the HF model: stripped from state-dict keys
 
@@ -70,6 +73,7 @@ class LearnerActor:
         from rlasync.learner import LearnerStep, OptimizerSettings, build_optimizer, shard_for_training
         from rlasync.losses import LossConfig
         from rlasync.model import TreeScorer, load_model, prepare_for_training
+        from rlasync.model.loading import model_init_options
 
         args = self.args
         self.timeout = timedelta(seconds=timeout_s)
@@ -83,12 +87,14 @@ class LearnerActor:
                 world_size=self.world_size, timeout=self.timeout, **({"device_id": self.device} if on_gpu else {}),
             )  # fmt: skip
         torch.manual_seed(args.seed)
-        dtype = args.dtype if args.dtype != "auto" else "float32"
-        self.model = load_model(resume_dir or self.model_path, dtype=dtype, device=self.device)
+        dtype, init_kwargs = model_init_options(args.model_init_kwargs, args.dtype, args.trust_remote_code)
+        self.model = load_model(resume_dir or self.model_path, dtype=dtype, device=self.device, **init_kwargs)
         prepare_for_training(self.model, gradient_checkpointing=args.gradient_checkpointing)
         # TRL's bf16=True on a GPU: bf16 forward/backward over float32 master weights (a pure-bf16 model would round
         # away Adam steps of lr ~1e-6); the engines get bf16 weights
         mixed = on_gpu and bool(getattr(args, "bf16", False)) and dtype == "float32"
+        if on_gpu and getattr(args, "fp16", False):
+            logger.warning("fp16=True: fp16 mixed precision is not implemented; training in %s (use bf16=True)", dtype)
         self.wire_dtype = torch.bfloat16 if mixed else None
         # FSDP2 over the training group when there is one; the TreeScorer root either way, so optimizer and
         # checkpoint keys are the same for any number of ranks

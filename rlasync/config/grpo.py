@@ -150,8 +150,11 @@ class AsyncGRPOConfig:
     report_to: str | list[str] = "none"
     """Metric sinks besides `<output_dir>/metrics.jsonl`: "tensorboard", "wandb", "all" or "none"."""
     bf16: bool | None = None
-    """Mixed precision in bf16; `None` -> True unless `fp16` (TRL's default)."""
+    """Mixed precision in bf16; `None` -> True unless `fp16` (TRL's default). On a GPU with float32 trainer weights
+    the learner computes in bf16 over float32 master weights, and the engines run in bf16."""
     fp16: bool = False
+    """Accepted for TRL compatibility (it turns `bf16` off); fp16 mixed precision itself is not implemented: the
+    learner then trains in its `dtype` (a warning says so on a GPU)."""
     gradient_checkpointing: bool = True
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     remove_unused_columns: bool = False
@@ -185,6 +188,8 @@ class AsyncGRPOConfig:
     chat_template_kwargs: dict[str, Any] | None = None
     max_tool_calling_iterations: int | None = None
     vllm_server_base_url: str = "http://localhost:8000"
+    """TRL's name for the `vllm serve` address: used when `cluster.engine="vllm_server"` and `cluster.vllm_server_url`
+    is not set."""
     vllm_server_timeout: float = 1800.0
     """Seconds: server readiness, each generation request (retried on timeout) and each weight-sync call."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
@@ -14,6 +15,8 @@ from rlasync.model.attention import (
     register_tree_attention,
 )
 
+logger = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -23,6 +26,29 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
     return DTYPES[dtype]
+
+
+def model_init_options(
+    model_init_kwargs: dict[str, Any] | None, dtype: str = "auto", trust_remote_code: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """The learner's `(dtype, from_pretrained kwargs)` from the config: `model_init_kwargs` (TRL's; its `dtype` or
+    `torch_dtype` wins over `dtype`; "auto" means float32 for training), `trust_remote_code`. The attention
+    implementation is rlasync's own: one given there is dropped with a warning."""
+    kwargs = dict(model_init_kwargs or {})
+    chosen = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None) or dtype
+    kwargs.pop("torch_dtype", None)
+    if isinstance(chosen, torch.dtype):
+        chosen = str(chosen).removeprefix("torch.")
+    if chosen == "auto":
+        chosen = "float32"
+    if chosen not in DTYPES:
+        raise ValueError(f"model_init_kwargs dtype={chosen!r}: use one of {sorted(DTYPES)} or 'auto'")
+    if "attn_implementation" in kwargs:
+        logger.warning("model_init_kwargs attn_implementation=%r is ignored: the learner uses tree attention",
+                       kwargs.pop("attn_implementation"))  # fmt: skip
+    if trust_remote_code:
+        kwargs.setdefault("trust_remote_code", True)
+    return chosen, kwargs
 
 
 def load_model(

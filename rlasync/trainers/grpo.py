@@ -160,10 +160,12 @@ class AsyncGRPOTrainer:
         version = resume_state.model_version if resume_state else 0
 
         # generation first (the token budget defaults to the engine's max_model_len)
+        server_url = cluster.vllm_server_url
+        if cluster.engine == "vllm_server" and server_url is None:
+            server_url = args.vllm_server_base_url  # TRL's field
         gens = [
-            self._spawn(GenerationActor, model=model, dtype=None if args.dtype == "auto" else args.dtype,
-                        engine_kwargs=cluster.engine_kwargs, engine=cluster.engine,
-                        vllm_server_url=cluster.vllm_server_url, num_cpus=cluster.generation_num_cpus,
+            self._spawn(GenerationActor, model=model, dtype=engine_dtype(args), engine_kwargs=cluster.engine_kwargs,
+                        engine=cluster.engine, vllm_server_url=server_url, num_cpus=cluster.generation_num_cpus,
                         num_gpus=cluster.generation_num_gpus)
             for _ in range(cluster.num_generation_actors)
         ]  # fmt: skip
@@ -393,6 +395,14 @@ def _wait_until_dead(ray: Any, actor_ids: list[str], timeout_s: float = 30.0) ->
             logger.warning("%d actors still alive %.0f s after ray.kill: %s", len(left), timeout_s, left)
             return
         time.sleep(0.2)
+
+
+def engine_dtype(args: Any) -> str | None:
+    """The engines' dtype: their default (bf16 on a GPU, float32 on the CPU) when the trainer is float32 under bf16
+    mixed precision or "auto"; else the trainer's (e.g. pure bf16 training samples from bf16 engines)."""
+    if args.dtype == "auto" or (args.dtype == "float32" and args.bf16):
+        return None
+    return args.dtype
 
 
 class _WeightSync:

@@ -129,3 +129,19 @@ def test_config_show_resolves_run_files_and_plain_configs(capsys):
     assert "model" not in json.loads(capsys.readouterr().out)
     assert main(["config", "show", str(REPO / "configs" / "countdown_gpu.yaml"), "--set", "learning_rat=1"]) == 2
     assert "learning_rate" in capsys.readouterr().err  # the unknown key's closest field is suggested
+
+
+def test_model_init_kwargs_choose_the_learner_dtype_and_reach_from_pretrained(caplog):
+    import torch
+
+    from rlasync.model.loading import model_init_options
+
+    assert model_init_options(None, "auto") == ("float32", {})  # training weights: float32 unless asked
+    assert model_init_options(None, "bfloat16") == ("bfloat16", {})
+    assert model_init_options({"dtype": "bfloat16", "revision": "main"}, "float32") == ("bfloat16", {"revision": "main"})
+    assert model_init_options({"torch_dtype": torch.float16}, "float32") == ("float16", {})
+    assert model_init_options({}, "auto", trust_remote_code=True) == ("float32", {"trust_remote_code": True})
+    dtype, kwargs = model_init_options({"attn_implementation": "sdpa"}, "float32")
+    assert kwargs == {} and "attn_implementation" in caplog.text
+    with pytest.raises(ValueError, match="model_init_kwargs dtype"):
+        model_init_options({"dtype": "int8"}, "float32")
