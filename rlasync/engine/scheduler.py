@@ -168,8 +168,8 @@ class Scheduler:
         writes the step's keys and values before any query attends."""
         output.chunks.append(ScheduledChunk.next_of(request, num_new))
         keys = request.prompt_block_keys
-        if keys:
-            block_size = self.allocator.block_size
+        block_size = self.allocator.block_size
+        if keys and request.num_computed_tokens < len(keys) * block_size:  # not past the prompt's full blocks
             first = request.num_computed_tokens // block_size
             last = min((request.num_computed_tokens + num_new) // block_size, len(keys))
             for index in range(first, last):
