@@ -1,5 +1,6 @@
-"""Where one reduced record per logging window goes: `<output_dir>/metrics.jsonl` (always), TensorBoard when
-`report_to` names it, and a one-line console summary (step, reward, queue size, staleness, step time, tokens/s).
+"""Where one reduced record per logging window goes: `<output_dir>/metrics.jsonl` (always), TensorBoard and/or
+Weights & Biases when `report_to` names them, and a one-line console summary (step, reward, queue size, staleness,
+step time, tokens/s).
 """
 
 from __future__ import annotations
@@ -66,6 +67,25 @@ class TensorBoardSink:
         self._writer.close()
 
 
+class WandbSink:
+    """Weights & Biases: one `wandb.log` per record at its step; the run is named `run_name` and carries the config."""
+
+    def __init__(self, run_name: str | None = None, config: dict[str, Any] | None = None) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ValueError("report_to includes 'wandb' but wandb is not installed: pip install wandb") from exc
+        self._wandb = wandb
+        self._run = wandb.init(name=run_name, config=config) if wandb.run is None else wandb.run
+
+    def write(self, step: int, record: Record) -> None:
+        clean = {k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        self._run.log(clean, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class ConsoleSink:
     """One compact line per record: the numbers a person watches while a run trains."""
 
@@ -86,15 +106,29 @@ class ConsoleSink:
         pass
 
 
-def build_sinks(output_dir: str | Path, report_to: list[str] | None, *, console: bool = True, **kwargs: Any) -> list:
-    """The sinks for a run: metrics.jsonl always; tensorboard when asked ("all" includes it); console on request."""
+def build_sinks(
+    output_dir: str | Path,
+    report_to: list[str] | None,
+    *,
+    console: bool = True,
+    run_name: str | None = None,
+    config: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> list:
+    """The sinks for a run: metrics.jsonl always; TensorBoard (under `<output_dir>/runs/<run_name>` when named) and
+    Weights & Biases when asked ("all" means both); the console on request."""
     report_to = list(report_to or [])
-    unknown = sorted(set(report_to) - {"tensorboard", "all", "none"})
+    unknown = sorted(set(report_to) - {"tensorboard", "wandb", "all", "none"})
     if unknown:
-        raise ValueError(f"report_to={report_to}: unsupported sink(s) {unknown}; use 'tensorboard', 'all' or 'none'")
+        raise ValueError(
+            f"report_to={report_to}: unsupported sink(s) {unknown}; use 'tensorboard', 'wandb', 'all' or 'none'"
+        )
     sinks: list = [JsonlSink(Path(output_dir) / "metrics.jsonl")]
     if "tensorboard" in report_to or "all" in report_to:
-        sinks.append(TensorBoardSink(Path(output_dir) / "runs"))
+        runs = Path(output_dir) / "runs"
+        sinks.append(TensorBoardSink(runs / run_name if run_name else runs))
+    if "wandb" in report_to or "all" in report_to:
+        sinks.append(WandbSink(run_name, config))
     if console:
         sinks.append(ConsoleSink(max_steps=kwargs.get("max_steps")))
     return sinks

@@ -231,7 +231,8 @@ class AsyncGRPOTrainer:
         ]  # fmt: skip
         ray.get([rollout.start.remote() for rollout in self._rollouts], timeout=timeout + 600)
 
-        sinks = build_sinks(args.output_dir, args.report_to, max_steps=args.max_steps)
+        sinks = build_sinks(args.output_dir, args.report_to, max_steps=args.max_steps, run_name=args.run_name,
+                            config=args.to_dict())  # fmt: skip
         window = MetricSink()
         step = start_step
         last_step_end: float | None = None

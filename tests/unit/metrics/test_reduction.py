@@ -78,3 +78,29 @@ def test_console_sink_shows_the_watched_numbers():
     stream = io.StringIO()
     ConsoleSink(stream, max_steps=10).write(3, {"reward": 0.25, "perf/step_s": 1.5, "sample/staleness_mean": None})
     assert stream.getvalue().strip() == "step 3/10 | reward 0.250 | step_s 1.50"
+
+
+def test_wandb_sink_logs_each_record_at_its_step_in_a_run_named_run_name(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from rlasync.metrics import build_sinks
+
+    calls = []
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.SimpleNamespace(run=None, init=lambda name, config: calls.append(("init", name, config)) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sinks = build_sinks(tmp_path, ["wandb"], console=False, run_name="exp-1", config={"learning_rate": 1e-6})
+    sinks[-1].write(5, {"reward": 0.5, "loss": math.nan, "entropy": None})
+    for sink in sinks:
+        sink.close()
+    assert calls == [("init", "exp-1", {"learning_rate": 1e-6}), ("log", {"reward": 0.5}, 5), ("finish",)]
+    with pytest.raises(ValueError, match="'tensorboard', 'wandb', 'all' or 'none'"):
+        build_sinks(tmp_path, ["mlflow"])
