@@ -98,17 +98,6 @@ class GenerationActor:
             return {"pause_s": 0.0, "load_s": total, "resume_s": 0.0, "total_s": total}
         return await load_while_pausing(self.engine, self.group.receive(manifest), staging_bytes)
 
-    async def receive_weights(self, manifest: list[Any]) -> float:
-        """Receive one broadcast into the (paused) engine; returns the seconds it took."""
-        if self.group is None:
-            raise RuntimeError("receive_weights before join_weight_group")
-        start = time.perf_counter()
-        if self.group == "engine":
-            await self.engine.receive_weights(manifest)
-        else:
-            await self.engine.load_weights(self.group.receive(manifest))
-        return time.perf_counter() - start
-
     async def close(self) -> None:
         await self.engine.close()
 
