@@ -54,6 +54,7 @@ from rlasync.engine.vllm_worker import (
     encode_weights,
     manifest_rows,
     nccl_update_info,
+    paused_for_update,
 )
 from rlasync.rollout.records import TurnRecord
 
@@ -438,14 +439,8 @@ class VLLMEngine:
         """Receive one broadcast per manifest entry in the workers and load it (pausing first unless already
         paused, and resuming then). A stalled sender fails the group's wait with `TimeoutError`."""
         rows = manifest_rows(manifest)
-        paused_here = not self._paused
-        if paused_here:
-            await self.pause()
-        try:
+        async with paused_for_update(self):
             results = await self._rpc("receive_weights", rows)
-        finally:
-            if paused_here:
-                await self.resume()
         return results[0] if results else {}
 
     async def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int,
@@ -470,19 +465,13 @@ class VLLMEngine:
 
         info = nccl_update_info(manifest, packed)
         started = time.perf_counter()
-        paused_here = not self._paused
-        if paused_here:
-            await self.pause()
-        try:
+        async with paused_for_update(self):
             await self._bounded(self._llm.start_weight_update(), self.control_timeout_s, "start_weight_update")
             try:
                 await self._bounded(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)),
                                     self.rpc_timeout_s, "update_weights")  # fmt: skip
             finally:
                 await self._bounded(self._llm.finish_weight_update(), self.control_timeout_s, "finish_weight_update")
-        finally:
-            if paused_here:
-                await self.resume()
         return time.perf_counter() - started
 
     async def weight_fingerprint(self, names: Sequence[str] | None = None) -> dict[str, float]:

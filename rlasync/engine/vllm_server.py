@@ -50,7 +50,7 @@ from typing import Any
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.vllm_engine import SAMPLING_MASK_WARNING, score_from_prompt_logprobs
-from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info
+from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info, paused_for_update
 from rlasync.rollout.records import TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -557,14 +557,8 @@ class VLLMServerEngine:
     async def receive_weights(self, manifest: Iterable[Any]) -> dict[str, Any]:
         """The workers receive one broadcast per manifest entry and load it (pausing first unless paused)."""
         rows = json.dumps(manifest_rows(manifest))
-        paused_here = not self._paused
-        if paused_here:
-            await self.pause()
-        try:
+        async with paused_for_update(self):
             results = await self._collective_rpc("receive_weights", [rows], self.weight_sync_timeout_s)
-        finally:
-            if paused_here:
-                await self.resume()
         return results[0] if results else {}
 
     async def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int = 1) -> int:
@@ -585,10 +579,7 @@ class VLLMServerEngine:
         learner broadcasts meanwhile (`NCCLWeightTransferEngine.trainer_send_weights`). Returns seconds."""
         info = nccl_update_info(manifest, packed)
         started = time.perf_counter()
-        paused_here = not self._paused
-        if paused_here:
-            await self.pause()
-        try:
+        async with paused_for_update(self):
             await self._request("POST", "/start_weight_update", None, timeout_s=self.control_timeout_s, control=True,
                                 attempts=1)  # fmt: skip
             try:
@@ -597,9 +588,6 @@ class VLLMServerEngine:
             finally:
                 await self._request("POST", "/finish_weight_update", None, timeout_s=self.control_timeout_s,
                                     control=True, attempts=1)  # fmt: skip
-        finally:
-            if paused_here:
-                await self.resume()
         return time.perf_counter() - started
 
     async def weight_fingerprint(self, names: Sequence[str] | None = None) -> dict[str, float]:
