@@ -28,10 +28,14 @@ class GenerationActor:
 
         if num_threads and not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
+        from rlasync.metrics.loop_lag import LoopLagMonitor
+
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
         self.group: Any = None
+        self.loop_lag = LoopLagMonitor()  # how late this actor's event loop runs (a late loop delays every call)
 
     async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
+        self.loop_lag.start()
         return await self.engine.generate(prompt_ids, sampling)
 
     def stats(self) -> Any:
@@ -80,9 +84,11 @@ class GenerationActor:
                            handles: list[Any] | None = None) -> dict[str, float]:  # fmt: skip
         """Receive one broadcast (or, over "ipc", map the learner's shared `handles`) and load it, pausing only for
         the copy: returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until loaded,
-        `resume_s`, `total_s`)."""
+        `resume_s`, `total_s`), `started_at` (wall clock) and `loop_lag_max_s` (this actor's worst event-loop lag since
+        the previous sync)."""
         from rlasync.weights.apply import load_while_pausing
 
+        started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.group is None:
             raise RuntimeError("sync_weights before join_weight_group")
         if self.group == "ipc":
@@ -90,13 +96,21 @@ class GenerationActor:
 
             if handles is None:
                 raise RuntimeError("sync_weights over ipc needs the learner's handles")
-            return await load_while_pausing(self.engine, open_shared(handles), 0)
-        start = time.perf_counter()
-        if self.group == "engine":  # vLLM: its workers receive; it pauses and resumes itself
-            await self.engine.receive_weights(manifest)
-            total = time.perf_counter() - start
-            return {"pause_s": 0.0, "load_s": total, "resume_s": 0.0, "total_s": total}
-        return await load_while_pausing(self.engine, self.group.receive(manifest), staging_bytes)
+            phases = await load_while_pausing(self.engine, open_shared(handles), 0)
+        elif self.group == "engine":  # vLLM: its workers receive in place
+            from rlasync.engine.vllm_worker import paused_for_update
+
+            start = time.perf_counter()
+            async with paused_for_update(self.engine):
+                paused = time.perf_counter()
+                await self.engine.receive_weights(manifest)
+                loaded = time.perf_counter()
+            end = time.perf_counter()
+            phases = {"pause_s": paused - start, "load_s": loaded - paused, "resume_s": end - loaded,
+                      "total_s": end - start}  # fmt: skip
+        else:
+            phases = await load_while_pausing(self.engine, self.group.receive(manifest), staging_bytes)
+        return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max()}
 
     async def close(self) -> None:
         await self.engine.close()

@@ -147,6 +147,42 @@ def turn_from_output(
     )
 
 
+def turn_from_flat_output(
+    prompt_ids: list[int], output_ids: Sequence[int], flat: Any, num_logprobs: int, finish_reason: str | None
+) -> TurnRecord:
+    """`turn_from_output` for vLLM's `FlatLogprobs` (`SamplingParams(flat_logprobs=True)`): per position `i`, entries
+    `start_indices[i]:end_indices[i]` of the flat `token_ids`/`logprobs` lists hold the sampled token first, then the
+    top-N by rank. Slices instead of one dict of `Logprob` objects per token: the conversion of a finished request
+    no longer holds the actor's event loop for long."""
+    ids = [int(t) for t in output_ids]
+    starts, ends = list(flat.start_indices), list(flat.end_indices)
+    if len(starts) != len(ids) or len(ends) != len(ids):
+        raise EngineError(f"vLLM returned {len(ids)} tokens but log-probs for {len(starts)} positions")
+    token_ids, logprobs = flat.token_ids, flat.logprobs
+    if any(end <= start for start, end in zip(starts, ends)):
+        position = next(i for i, (start, end) in enumerate(zip(starts, ends)) if end <= start)
+        raise EngineError(f"vLLM returned no log-prob for output token {position}")
+    if [token_ids[start] for start in starts] != ids:
+        position = next(i for i, (start, token) in enumerate(zip(starts, ids)) if token_ids[start] != token)
+        raise EngineError(f"vLLM's log-probs of output token {position} do not include the sampled id {ids[position]}")
+    sampled = [float(logprobs[start]) for start in starts]
+    top = None
+    if num_logprobs > 0:
+        top = [
+            dict(zip(token_ids[start + 1 : min(end, start + 1 + num_logprobs)],
+                     logprobs[start + 1 : min(end, start + 1 + num_logprobs)]))  # fmt: skip
+            for start, end in zip(starts, ends)
+        ]
+    return TurnRecord(
+        prompt_ids=list(prompt_ids),
+        output_ids=ids,
+        output_log_probs=sampled,
+        output_sampler_logprobs=top,
+        output_sampling_mask=None,
+        finish_reason=finish_reason,
+    )
+
+
 def score_from_prompt_logprobs(
     token_ids: Sequence[int], prompt_length: int, top_k: int, prompt_logprobs: Sequence[Mapping[Any, Any] | None]
 ) -> ScoreResult:
@@ -167,6 +203,12 @@ def score_from_prompt_logprobs(
         topk_ids.append(list(top))
         topk_logprobs.append(list(top.values()))
     return ScoreResult(topk_ids=topk_ids, topk_logprobs=topk_logprobs, token_logprobs=token_logprobs)
+
+
+def _has_flat_logprobs(params_class: Any) -> bool:
+    """Whether this vLLM's `SamplingParams` takes `flat_logprobs` (flat lists instead of a dict per position)."""
+    fields = getattr(params_class, "__struct_fields__", None) or getattr(params_class, "__dataclass_fields__", {})
+    return "flat_logprobs" in fields
 
 
 class _Gauges:
@@ -322,6 +364,7 @@ class VLLMEngine:
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            **({"flat_logprobs": True} if _has_flat_logprobs(VllmSamplingParams) else {}),
         )
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TurnRecord:
@@ -335,7 +378,8 @@ class VLLMEngine:
         output = await self._run(prompt, params)
         completion = output.outputs[0]
         self._num_generated_tokens += len(completion.token_ids)
-        return turn_from_output(
+        convert = turn_from_flat_output if hasattr(completion.logprobs, "start_indices") else turn_from_output
+        return convert(
             prompt, completion.token_ids, completion.logprobs, sampling.num_logprobs, completion.finish_reason
         )
 

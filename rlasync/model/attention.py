@@ -335,6 +335,8 @@ def tree_attention_forward(
     if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: q/k (fp32 after RoPE) and v in one dtype
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    elif not query.dtype == key.dtype == value.dtype:  # e.g. a norm upcast q/k: attend in v's (the compute) dtype
+        query, key = query.to(value.dtype), key.to(value.dtype)
     if tree_attention.backend == "flex":
         if dropout:
             raise ValueError("tree attention on the flex backend does not support attention dropout")

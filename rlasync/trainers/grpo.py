@@ -412,7 +412,9 @@ class _WeightSync:
     `timings` holds the last sync's phases (SPEC §6.1 names): `perf/weight_sync_s` (total, including the version
     bump), and over the engines the slowest `perf/weight_sync_pause_s` (until paused, overlapping the transfer),
     `perf/weight_sync_transfer_s` (paused until loaded: what of the transfer did not overlap, and the copies) and
-    `perf/weight_sync_resume_s`."""
+    `perf/weight_sync_resume_s`; also `perf/weight_sync_dispatch_s` (until the slowest engine's call started) and
+    `perf/weight_sync_send_s` (rank 0's broadcast, waiting for the receivers included), and
+    `perf/generation_loop_lag_max_s` (the worst event-loop lag of a GenerationActor since the previous sync)."""
 
     def __init__(self, ray: Any, learners: list[Any], engines: list[Any], queue: Any, manifest: list[Any],
                  timeout: float, staging_bytes: int = 0, backend: str = "gloo"):  # fmt: skip
@@ -422,7 +424,8 @@ class _WeightSync:
 
     def __call__(self, version: int) -> int:
         ray = self.ray
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
+        sent: list[float] = []
         if self.backend == "ipc":  # rank 0 shares buckets on its device; the engines copy from them; then release
             handles = ray.get([learner.share_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
             try:
@@ -438,14 +441,19 @@ class _WeightSync:
                 + [engine.sync_weights.remote(self.manifest, self.staging_bytes) for engine in self.engines],
                 timeout=self.timeout + 60,
             )
-            phases = results[len(self.learners) :]
+            sent, phases = results[: len(self.learners)], results[len(self.learners) :]
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
         self.timings = {
             "perf/weight_sync_s": time.perf_counter() - started,
             "perf/weight_sync_pause_s": max(p["pause_s"] for p in phases),
             "perf/weight_sync_transfer_s": max(p["load_s"] for p in phases),
             "perf/weight_sync_resume_s": max(p["resume_s"] for p in phases),
+            # how long the slowest engine's call waited to start (a busy actor), and the learners' send
+            "perf/weight_sync_dispatch_s": max(max(p.get("started_at", started_at) - started_at, 0.0) for p in phases),
+            "perf/generation_loop_lag_max_s": max(p.get("loop_lag_max_s", 0.0) for p in phases),
         }
+        if sent:
+            self.timings["perf/weight_sync_send_s"] = max(sent)
         return version + 1
 
 

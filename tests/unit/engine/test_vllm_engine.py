@@ -8,12 +8,19 @@ import sys
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from rlasync.config.grpo import ClusterConfig
 from rlasync.engine import EngineError, make_engine
-from rlasync.engine.vllm_engine import VLLMEngine, import_vllm, score_from_prompt_logprobs, turn_from_output
+from rlasync.engine.vllm_engine import (
+    VLLMEngine,
+    import_vllm,
+    score_from_prompt_logprobs,
+    turn_from_flat_output,
+    turn_from_output,
+)
 from rlasync.engine.vllm_worker import EXTENSION_QUALNAME, WorkerExtension, decode_weights, encode_weights
 
 
@@ -69,6 +76,44 @@ def test_turn_from_output_refuses_missing_logprobs():
         turn_from_output([1], [3], None, 0, "length")
     with pytest.raises(EngineError, match="do not include the sampled id 3"):
         turn_from_output([1], [3], [{4: lp(-0.1, 1)}], 0, "length")
+
+
+def vllm_positions(rng, num_tokens, num_logprobs, vocab=50):
+    """Random outputs laid out as vLLM builds them: per position the sampled token (its rank), then the top-N by
+    rank; as the dict per position (the sampled entry overwritten when it is in the top-N) and as FlatLogprobs."""
+    ids, dicts = [], []
+    flat = SimpleNamespace(start_indices=[], end_indices=[], token_ids=[], logprobs=[], ranks=[])
+    for _ in range(num_tokens):
+        order = rng.permutation(vocab)
+        values = np.sort(rng.normal(size=vocab))[::-1] - 3.0
+        pick = int(rng.integers(0, vocab))
+        entries = [(int(order[pick]), float(values[pick]), pick + 1)]
+        entries += [(int(order[r]), float(values[r]), r + 1) for r in range(num_logprobs)]
+        ids.append(entries[0][0])
+        dicts.append({token: lp(value, rank) for token, value, rank in entries})
+        flat.start_indices.append(len(flat.token_ids))
+        for token, value, rank in entries:
+            flat.token_ids.append(token), flat.logprobs.append(value), flat.ranks.append(rank)
+        flat.end_indices.append(len(flat.token_ids))
+    return ids, dicts, flat
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 1, 8])
+def test_flat_logprobs_give_the_same_turn_as_the_dicts(num_logprobs):
+    rng = np.random.default_rng(num_logprobs)
+    ids, dicts, flat = vllm_positions(rng, 40, num_logprobs)
+    slow = turn_from_output([1, 2], ids, dicts, num_logprobs, "length")
+    fast = turn_from_flat_output([1, 2], ids, flat, num_logprobs, "length")
+    assert fast == slow
+    assert (fast.output_sampler_logprobs is None) == (num_logprobs == 0)
+
+
+def test_flat_logprobs_refuse_a_mismatch():
+    ids, _, flat = vllm_positions(np.random.default_rng(0), 3, 2)
+    with pytest.raises(EngineError, match="sampled id"):
+        turn_from_flat_output([1], [ids[0], ids[1], ids[2] + 1000], flat, 2, "length")
+    with pytest.raises(EngineError, match="log-probs for 3 positions"):
+        turn_from_flat_output([1], ids[:2], flat, 2, "length")
 
 
 def test_score_from_prompt_logprobs_by_rank():
