@@ -45,7 +45,8 @@ CHAT_TEMPLATE = (
 )
 KEYS = (
     "perf/step_s", "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s",
-    "perf/weight_sync_resume_s", "perf/rollout_wait_s", "rollout/backpressure_s", "perf/fwd_bwd_s",
+    "perf/weight_sync_resume_s", "perf/weight_sync_dispatch_s", "perf/weight_sync_send_s",
+    "perf/generation_loop_lag_max_s", "perf/rollout_wait_s", "rollout/backpressure_s", "perf/fwd_bwd_s",
     "perf/fwd_s", "perf/optimizer_s", "perf/fetch_samples_s", "perf/pack_s",
     "batch/trained_tokens_per_step", "batch/forwarded_tokens_per_step", "batch/samples_per_step",
     "sample/staleness_mean", "sample/staleness_max", "rollout/generated_tokens_per_s", "reward",
