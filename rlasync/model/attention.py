@@ -27,6 +27,7 @@ Backends (`TreeAttention.backend`):
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import torch.nn.functional as F
 ATTENTION_NAME = "rlasync_tree"
 ALLOWED_LAYER_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_BLOCK_SIZE = 128
+
+logger = logging.getLogger(__name__)
 
 Backend = Literal["dense", "flex"]
 
@@ -134,7 +137,7 @@ class TreeAttention:
     backend: Backend
     subtree_end: torch.Tensor  # [N] int64
     position_ids: torch.Tensor  # [N] int64
-    masks: dict[int | None, Any]
+    masks: dict[Any, Any]  # window -> mask; ("dense", window) -> the flex backend's dense fallback
     block_size: int = DEFAULT_BLOCK_SIZE
     compile: bool = True
 
@@ -337,10 +340,16 @@ def tree_attention_forward(
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     elif not query.dtype == key.dtype == value.dtype:  # e.g. a norm upcast q/k: attend in v's (the compute) dtype
         query, key = query.to(value.dtype), key.to(value.dtype)
-    if tree_attention.backend == "flex":
+    if tree_attention.backend == "flex" and not (tree_attention.compile and _FLEX_COMPILE_FAILED):
         if dropout:
             raise ValueError("tree attention on the flex backend does not support attention dropout")
-        output = _flex_attention(query, key, value, mask, scaling, softcap, tree_attention.compile)
+        if torch.compiler.is_compiling():  # traced into an outer graph: that compile reports its own errors
+            output = _flex_attention(query, key, value, mask, scaling, softcap, tree_attention.compile)
+        else:
+            output = _flex_or_dense(query, key, value, mask, scaling, softcap, tree_attention, sliding_window)
+    elif tree_attention.backend == "flex":
+        output = _masked_attention(query, key, value, _dense_mask(tree_attention, sliding_window), scaling, dropout,
+                                   softcap)  # fmt: skip
     else:
         output = _masked_attention(query, key, value, mask, scaling, dropout, softcap)
     return output.transpose(1, 2).contiguous(), None
@@ -401,6 +410,63 @@ def _flex_attention(
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
+
+
+def _flex_or_dense(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Any,
+    scaling: float | None,
+    softcap: float | None,
+    tree_attention: TreeAttention,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Compiled FlexAttention; if it fails to compile (Inductor finds no kernel for this shape, dtype or device),
+    the dense fallback, for this call and every later one in this process (logged once)."""
+    try:
+        return _flex_attention(query, key, value, mask, scaling, softcap, tree_attention.compile)
+    except _compile_errors() as exc:  # Inductor found no kernel for this shape/dtype/device: go dense
+        if not tree_attention.compile:
+            raise
+        _flex_compile_failed(exc)
+        return _masked_attention(query, key, value, _dense_mask(tree_attention, sliding_window), scaling, 0.0, softcap)
+
+
+_FLEX_COMPILE_FAILED: list[str] = []  # the first compile error, once compiled FlexAttention failed in this process
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions of a failed torch.compile (Dynamo's, and Inductor's where this torch has it)."""
+    import torch._dynamo.exc
+
+    errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
+    inductor = getattr(getattr(torch, "_inductor", None), "exc", None)
+    if inductor is not None and hasattr(inductor, "InductorError"):
+        errors.append(inductor.InductorError)
+    return tuple(errors)
+
+
+def _flex_compile_failed(exc: BaseException) -> None:
+    """Remember (and log once) that compiled FlexAttention failed: tree attention goes dense from now on."""
+    if not _FLEX_COMPILE_FAILED:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+        _FLEX_COMPILE_FAILED.append(first_line)
+        logger.warning(
+            "compiled FlexAttention failed (%s: %s); tree attention uses dense masks with SDPA from now on "
+            "(memory grows with the square of the row length: lower token_budget if it runs out)",
+            type(exc).__name__, first_line,
+        )  # fmt: skip
+
+
+def _dense_mask(tree_attention: TreeAttention, sliding_window: int | None) -> torch.Tensor:
+    """The row's dense [1, 1, N, N] mask for `sliding_window`, built once per row (the flex backend's fallback)."""
+    key = ("dense", int(sliding_window) if sliding_window else None)
+    mask = tree_attention.masks.get(key)
+    if mask is None:
+        mask = _build_mask("dense", tree_attention.subtree_end, tree_attention.position_ids, key[1], 0)
+        tree_attention.masks[key] = mask
+    return mask
 
 
 @functools.cache

@@ -81,6 +81,43 @@ def test_flex_backend_matches_dense_backend(make_model, scenarios, packed_tensor
     assert (dense.logprobs - flex.logprobs).abs().max() <= TOL
 
 
+def test_a_flex_compile_failure_falls_back_to_dense_masks_with_one_warning(
+    make_model, scenarios, packed_tensors, monkeypatch, caplog
+):
+    """Inductor may find no FlexAttention kernel for a shape/dtype on some GPU (NoValidChoicesError): the step must
+    still run, with the dense masks, and say so once."""
+    import torch._dynamo.exc
+
+    from rlasync.model import attention
+
+    class NoValidChoicesError(torch._dynamo.exc.TorchDynamoException):  # as Inductor's, wrapped by Dynamo
+        pass
+
+    calls = []
+
+    def failing_compiled_flex():
+        def run(*args, **kwargs):
+            calls.append(1)
+            raise NoValidChoicesError("No choices to select")
+
+        return run
+
+    monkeypatch.setattr(attention, "_compiled_flex_attention", failing_compiled_flex)
+    monkeypatch.setattr(attention, "_FLEX_COMPILE_FAILED", [])
+    model = enable_tree_attention(make_model("qwen3_sliding"))
+    seqs, prompts = scenarios("mixed", seed=3)
+    tensors = packed_tensors(seqs, prompts)
+    with torch.no_grad(), caplog.at_level("WARNING", logger=attention.__name__):
+        dense = packed_token_scores(model, tensors, backend="dense")
+        fallback = packed_token_scores(model, tensors, backend="flex", block_size=16, compile_flex=True)
+        again = packed_token_scores(model, tensors, backend="flex", block_size=16, compile_flex=True)
+    assert (dense.logprobs - fallback.logprobs).abs().max() <= TOL
+    assert torch.equal(fallback.logprobs, again.logprobs)
+    assert len(calls) == 1  # after the first failure no compile is attempted again
+    warnings = [r for r in caplog.records if "compiled FlexAttention failed" in r.getMessage()]
+    assert len(warnings) == 1 and "NoValidChoicesError" in warnings[0].getMessage()
+
+
 def test_plain_causal_packing_would_differ_so_the_comparison_has_power(make_model, scenarios, packed_tensors):
     """Packing the same row with a plain causal mask (subtree_end = N) is far off: the tests above can fail."""
     model = enable_tree_attention(make_model("llama"))
