@@ -2,7 +2,7 @@
 # The GPU measurements still owed, as two device calls made back to back (the second within 30 s of the first, so
 # the machine stays warm and /tmp/site keeps Ray). Everything lands in $OUT; copy the JSON into bench/results/.
 #
-#   call 1  carry [".devicekit"]:  bash bench/device_runs.sh torch       (~8 min on nvidia-h200-x2)
+#   call 1  carry [".devicekit"]:  bash bench/device_runs.sh torch       (~10 min on nvidia-h200-x2)
 #   call 2  carry [".vllmkit"]:    bash bench/device_runs.sh vllm        (~7 min)
 #
 # Build the kits first, here: ../shared/device/make-kit.sh with
@@ -26,8 +26,8 @@ case $stage in
 torch)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
-    run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/engine/test_torch_engine_cuda.py
-    run weight_sync 120 python3 bench/weight_sync.py --rounds 3 --bucket-mb 256 1024 --out "$out/weight_sync_h200.json"
+    run gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py
+    run weight_sync 240 python3 bench/weight_sync.py --rounds 3 --bucket-mb 256 --out "$out/weight_sync_h200.json"
     run e2e_torch 240 python3 bench/e2e_grpo.py --steps 10 --runs async --out "$out/e2e_torch.json"
     ;;
 vllm)

@@ -90,9 +90,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, result_path: str) ->
                 _engine_rounds(engine, group, manifest, args.rounds, device, int(staging_mb * (1 << 20)))
             )
         group.close()
-        results["buckets"][f"bucket{bucket_mb:g}MB_staging{staging_mb:g}MB"] = {
+        setting = f"bucket{bucket_mb:g}MB_staging{staging_mb:g}MB"
+        results["buckets"][setting] = {
             key: statistics.median(r[key] for r in rounds) for key in rounds[0]
         } | {"rounds": rounds}
+        medians = {k: round(v * 1e3, 1) for k, v in results["buckets"][setting].items() if k != "rounds"}
+        print(f"[rank {rank}] {setting}: {medians} ms", flush=True)  # progress, should a time limit cut the run
     if backend == "nccl":  # the floor: one flat broadcast of the same bytes
         import torch.distributed as dist
 
