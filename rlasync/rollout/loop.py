@@ -42,18 +42,24 @@ keys as in SPEC §8.2/8.3: per rollout `rollout/duration_s`, `rollout/turns_mean
 `completions/mean_terminated_length|max_…|min_…`; per group `rollout/concurrency`, `rollout/score_s`,
 `rollout/generated_tokens_per_s`, `completions/duplicate_frac` and `score_group`'s items; per start
 `rollout/backpressure_s`; counters `rollout/vllm_retry_count`, `rollout/filtered_prompt_count`,
-`rollout/failed_group_count`; engine gauges from `ConcurrencyController`.
+`rollout/failed_group_count`; engine gauges from `ConcurrencyController`. With tools (SPEC §3.1/§3.2, see
+`rlasync.rollout.tools`): per rollout `tools/loop_exhausted_frac`, counter `rollout/context_exhausted_count`
+(a conversation that outgrew the engine), per tool call `tools/<name>/call_count|failure_count`,
+`tools/unknown_name_count`, `tools/parse_failure_count`, rates `tools/latency_s`, `tools/<name>/latency_s`,
+`tools/parallel_calls_mean`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import inspect
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -67,6 +73,8 @@ from rlasync.rollout.completions_log import print_group
 from rlasync.rollout.concurrency import ConcurrencyController
 from rlasync.rollout.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
+from rlasync.rollout.tools import PARSE_FAILURE_METRIC, execute_tool_calls, tools_by_name
+from rlasync.rollout.tools import parse_response as parse_tool_response
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +88,25 @@ FINISH_STOP = "stop"
 NOT_REWARD_KWARGS = frozenset({PROMPT_COLUMN, "completion", "completion_ids"})
 """Dataset columns not passed to the reward functions (every other column is, repeated G times)."""
 SEED_BITS = 63
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutContext:
+    """What the loop knows about the rollout being generated, readable from `generate_one` and the hooks it
+    calls through `AsyncRolloutLoop.rollout_context()` (the dataset row is not an argument of `generate_one`)."""
+
+    row: Mapping[str, Any]
+    row_index: int
+    group_id: int
+    tools: Sequence[Callable[..., Any]] | None = None
+    """The tools of this rollout (standalone tools plus its environment's methods)."""
+    environment: Any = None
+    """The environment instance serving this rollout (None without environments)."""
+
+
+_ROLLOUT_CONTEXT: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar(
+    "rlasync_rollout_context", default=None
+)
 
 
 class PromptLease(NamedTuple):
@@ -264,11 +291,8 @@ class AsyncRolloutLoop:
             )
         self.admission: Admission = admission if admission is not None else OpenAdmission()
         self.tools = list(tools) if tools else None
-        if self.tools and type(self).generate_one is AsyncRolloutLoop.generate_one:
-            raise NotImplementedError(
-                "tool calling is not implemented in the default generate_one yet (single turn only); "
-                "remove `tools` or override generate_one"
-            )
+        tools_by_name(self.tools)  # duplicate or unnamed tools fail here, not mid-rollout
+        self._tool_executor: ThreadPoolExecutor | None = None
         self.metrics = MetricSink()
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
         self.policy_version = policy_version
@@ -315,12 +339,83 @@ class AsyncRolloutLoop:
     async def generate_one(self, prompt: list[dict[str, Any]], tools: Sequence[Any] | None, group_id: int) -> Rollout:
         """One whole rollout of `prompt`; every sampling request it made must be in `Rollout.turns`.
 
-        Default: a single turn (render, one `generate_one_turn`, the output decoded as the assistant message).
+        Default without tools: a single turn (render, one `generate_one_turn`, the output decoded as the assistant
+        message). With tools: the multi-turn tool loop of SPEC §3.1 (`generate_with_tools`).
         """
+        if tools:
+            return await self.generate_with_tools(prompt, tools)
         prompt_ids = self.render(prompt, tools)
         turn = await self.generate_one_turn(prompt_ids)
         message = self.parse_response(turn.output_ids, prompt_ids)
         return Rollout(completion=[message], completion_ids=list(turn.output_ids), turns=[turn])
+
+    async def generate_with_tools(self, prompt: list[dict[str, Any]], tools: Sequence[Any]) -> Rollout:
+        """The multi-turn tool loop (SPEC §3.1): generate, run the tool calls of the answer, repeat.
+
+        Each turn re-renders the whole conversation (tools in the template) and is bounded by
+        `max_completion_length` on its own. The loop ends on an answer without tool calls, after
+        `args.max_tool_calling_iterations` rounds of tool execution (None: unbounded; 0: the first answer's calls
+        are not run; the rollout then counts in `tools/loop_exhausted_frac`), or when the conversation no longer
+        fits the engine (a rejected request after the first turn ends it cleanly; counted in
+        `rollout/context_exhausted_count`). `completion_ids` are the generated tokens of every turn; tool outputs
+        appear in the completion messages and in later prompts, never as trained tokens.
+        """
+        table = tools_by_name(tools)
+        max_iterations = getattr(self.args, "max_tool_calling_iterations", None)
+        messages = list(prompt)
+        completion: list[dict[str, Any]] = []
+        completion_ids: list[int] = []
+        turns: list[TurnRecord] = []
+        iterations = num_calls = num_failures = 0
+        exhausted = False
+        while True:
+            prompt_ids = self.render(messages, tools)
+            try:
+                turn = await self.generate_one_turn(prompt_ids)
+            except RequestRejectedError as exc:
+                if not turns:
+                    raise  # the prompt itself does not fit: the group fails as for a single turn
+                logger.debug("conversation ends after %d turns: %s", len(turns), exc)
+                self._emit([("rollout/context_exhausted_count", 1.0)])
+                break
+            message = self.parse_response(turn.output_ids, prompt_ids)
+            completion.append(message)
+            messages.append(message)
+            completion_ids += turn.output_ids
+            turns.append(turn)
+            calls = message.get("tool_calls") or []
+            if not calls:
+                break
+            if max_iterations is not None and iterations >= max_iterations:
+                exhausted = True  # the requested tools are not run
+                break
+            results = await execute_tool_calls(calls, table, self.tool_executor())
+            self._emit(results.metrics)
+            completion += results.messages
+            messages += results.messages
+            num_calls += results.num_calls
+            num_failures += results.num_failures
+            iterations += 1
+        self._emit([("tools/loop_exhausted_frac", (float(exhausted), 1.0))])
+        return Rollout(
+            completion=completion,
+            completion_ids=completion_ids,
+            turns=turns,
+            tool_call_count=num_calls,
+            tool_failure_count=num_failures,
+        )
+
+    def tool_executor(self) -> ThreadPoolExecutor:
+        """The thread pool sync tools (and environment resets/rewards) run on: `max(1, max_concurrent_rollouts)`
+        threads, created on first use and shut down when `run()` ends."""
+        if self._tool_executor is None:
+            size = max(1, int(getattr(self.args, "max_concurrent_rollouts", 1) or 1))
+            self._tool_executor = ThreadPoolExecutor(size, thread_name_prefix="rlasync-tool")
+        return self._tool_executor
+
+    def rollout_context(self) -> RolloutContext | None:
+        """The context of the rollout being generated in the calling task (None outside a rollout task)."""
+        return _ROLLOUT_CONTEXT.get()
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with a fresh 63-bit seed; transient engine errors are retried with backoff
@@ -351,8 +446,17 @@ class AsyncRolloutLoop:
         return render_prompt(self.tokenizer, messages, getattr(self.args, "chat_template_kwargs", None), tools)
 
     def parse_response(self, output_ids: list[int], prompt_ids: list[int]) -> dict[str, Any]:
-        """The assistant message of one turn's output (plain decoded text)."""
-        return {"role": "assistant", "content": self.tokenizer.decode(output_ids, skip_special_tokens=True)}
+        """The assistant message of one turn's output: plain decoded text when the rollout has no tools; with
+        tools, also its `tool_calls` (`rlasync.rollout.tools.parse_response`; unparseable blocks are counted in
+        `tools/parse_failure_count` and stay in the text)."""
+        context = _ROLLOUT_CONTEXT.get()
+        tools = context.tools if context is not None else self.tools
+        if not tools:
+            return {"role": "assistant", "content": self.tokenizer.decode(output_ids, skip_special_tokens=True)}
+        parsed = parse_tool_response(self.tokenizer, output_ids, prompt_ids, tools)
+        if parsed.parse_failures:
+            self._emit([(PARSE_FAILURE_METRIC, float(parsed.parse_failures))])
+        return parsed.message
 
     def build_sequences(self, rollout: Rollout) -> list[TrainingSequence]:
         """The training sequences of one rollout (one per single-turn rollout)."""
@@ -379,7 +483,10 @@ class AsyncRolloutLoop:
                 await self._loop()
             finally:
                 await self._cancel_everything()
-                await self.close()
+                try:
+                    await self.close()
+                finally:
+                    self._shutdown_tool_executor()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -389,6 +496,11 @@ class AsyncRolloutLoop:
         finally:
             self._running = False
             self._stopped.set()
+
+    def _shutdown_tool_executor(self) -> None:
+        if self._tool_executor is not None:
+            self._tool_executor.shutdown(wait=False, cancel_futures=True)
+            self._tool_executor = None
 
     async def stop(self) -> None:
         """Stop: cancel and await in-flight work, release unfinished leases ("cancelled"); returns when
@@ -481,13 +593,15 @@ class AsyncRolloutLoop:
         index = group.num_dispatched
         group.num_dispatched += 1
         prompt = [dict(message) for message in group.prompt]
-        task = self._spawn(self._timed_rollout(prompt, group.lease.group_id))
+        task = self._spawn(self._timed_rollout(prompt, group.lease))
         self._rollout_tasks[task] = (group, index)
         group.tasks.add(task)
 
-    async def _timed_rollout(self, prompt: list[dict[str, Any]], group_id: int) -> tuple[Rollout, float]:
+    async def _timed_rollout(self, prompt: list[dict[str, Any]], lease: PromptLease) -> tuple[Rollout, float]:
+        """One rollout in its own task; the task's `RolloutContext` carries the row to the hooks."""
         started = self._clock()
-        rollout = await self.generate_one(prompt, self.tools, group_id)
+        _ROLLOUT_CONTEXT.set(RolloutContext(lease.row, lease.row_index, lease.group_id, self.tools))
+        rollout = await self.generate_one(prompt, self.tools, lease.group_id)
         if not isinstance(rollout, Rollout):
             raise TypeError(f"generate_one must return a Rollout, got {type(rollout).__name__}")
         return rollout, self._clock() - started
@@ -895,6 +1009,7 @@ __all__ = [
     "PromptLease",
     "PromptSource",
     "ReleaseReason",
+    "RolloutContext",
     "build_training_sequences",
     "retry_backoff_s",
 ]

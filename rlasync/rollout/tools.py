@@ -250,7 +250,7 @@ async def execute_tool_calls(
         try:
             if not isinstance(arguments, Mapping):
                 raise TypeError(f"arguments must be an object of named arguments, got {type(arguments).__name__}")
-            result = await _call_tool(tool, dict(arguments), executor)
+            result = await call_tool(tool, dict(arguments), executor)
         except Exception as exc:
             results.num_failures += 1
             results.metrics.append((f"tools/{name}/failure_count", 1.0))
@@ -263,7 +263,9 @@ async def execute_tool_calls(
     return results
 
 
-async def _call_tool(tool: Callable[..., Any], arguments: dict[str, Any], executor: Executor | None) -> Any:
+async def call_tool(tool: Callable[..., Any], arguments: Mapping[str, Any], executor: Executor | None) -> Any:
+    """`tool(**arguments)`: awaited if it is a coroutine function, else run on `executor` (`None`: the event
+    loop's default pool) so that a slow sync tool does not block the event loop."""
     if inspect.iscoroutinefunction(tool) or inspect.iscoroutinefunction(type(tool).__call__):
         return await tool(**arguments)
     loop = asyncio.get_running_loop()
@@ -280,6 +282,7 @@ def _tool_message(name: str, result: Any) -> dict[str, Any]:
 __all__ = [
     "ParsedResponse",
     "ToolResults",
+    "call_tool",
     "execute_tool_calls",
     "make_tool_call",
     "parse_response",

@@ -20,15 +20,18 @@ class CharTokenizer:
     Qwen vocabularies), so decoding with `skip_special_tokens=True` loses the call markers.
 
     The chat template renders `[tools: a,b]` when tools are given, then per message `<|role|>content`, with an
-    assistant's tool calls re-rendered as `<tool_call>{json}</tool_call>` blocks and a tool message as
-    `<|tool:name|>content`; the generation prompt is `<|assistant|>`.
+    assistant's tool calls re-rendered as `<tool_call>` blocks and a tool message as `<|tool:name|>content`; the
+    generation prompt is `<|assistant|>`. `prefix_preserving=True` (default) renders an earlier answer exactly as
+    the scripted engine generated it (calls as `tool_call_text`, then `<eos>`), so each turn's prompt extends the
+    previous turn's prompt and output; `False` re-renders calls compactly and drops the `<eos>`, so turns fork.
     """
 
     eos_token_id = EOS_ID
     pad_token_id = SPECIALS["<pad>"]
     all_special_tokens = list(SPECIALS)
 
-    def __init__(self):
+    def __init__(self, prefix_preserving=True):
+        self.prefix_preserving = prefix_preserving
         self.rendered_tools = []  # the tools argument of each apply_chat_template call
 
     def encode(self, text):
@@ -58,7 +61,13 @@ class CharTokenizer:
                 continue
             text += f"<|{message['role']}|>{message.get('content') or ''}"
             for call in message.get("tool_calls") or []:
-                text += "<tool_call>" + json.dumps(call["function"]) + "</tool_call>"
+                function = call["function"]
+                if self.prefix_preserving:  # exactly as the model wrote it (see `tool_call_text`)
+                    text += tool_call_text(function["name"], function["arguments"])
+                else:
+                    text += "<tool_call>" + json.dumps(function) + "</tool_call>"
+            if message["role"] == "assistant" and self.prefix_preserving:
+                text += "<eos>"
         if add_generation_prompt:
             text += "<|assistant|>"
         return text
@@ -104,6 +113,12 @@ class ScriptedEngine:
 @pytest.fixture
 def char_tokenizer():
     return CharTokenizer()
+
+
+@pytest.fixture
+def forking_tokenizer():
+    """A `CharTokenizer` whose template is not prefix-preserving (every tool round forks a new sequence)."""
+    return CharTokenizer(prefix_preserving=False)
 
 
 @pytest.fixture

@@ -477,8 +477,8 @@ def test_setup_and_close_run_on_the_loops_event_loop():
 def test_construction_errors_name_the_fix():
     with pytest.raises(ValueError, match="No reward source"):
         make_loop(reward_funcs=[])
-    with pytest.raises(NotImplementedError, match="tool"):
-        make_loop(tools=[len])
+    with pytest.raises(ValueError, match="two tools are named 'len'"):
+        make_loop(tools=[len, type("Other", (), {"__name__": "len", "__call__": lambda self: 0})()])
 
 
 def test_a_string_prompt_stops_the_loop_with_the_conversion_hint():
