@@ -24,6 +24,7 @@ _LAZY = {
     "OpenAdmission": "rlasync.rollout.loop",
     "PromptLease": "rlasync.rollout.loop",
     "PromptSource": "rlasync.rollout.loop",
+    "RolloutContext": "rlasync.rollout.loop",
     "build_training_sequences": "rlasync.rollout.loop",
     "ConcurrencyController": "rlasync.rollout.concurrency",
 }
@@ -48,6 +49,7 @@ __all__ = [
     "PromptLease",
     "PromptSource",
     "Rollout",
+    "RolloutContext",
     "RolloutGroup",
     "RolloutSample",
     "TrainingSequence",

@@ -71,9 +71,17 @@ from rlasync.metrics import MetricSink, MetricValue
 from rlasync.rewards.calling import RewardFunc
 from rlasync.rollout.completions_log import print_group
 from rlasync.rollout.concurrency import ConcurrencyController
+from rlasync.rollout.environments import (
+    ENVIRONMENT_COLUMN,
+    EnvironmentFactory,
+    EnvironmentSpec,
+    append_to_last_message,
+    probe_environments,
+    reset_kwargs,
+)
 from rlasync.rollout.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
-from rlasync.rollout.tools import PARSE_FAILURE_METRIC, execute_tool_calls, tools_by_name
+from rlasync.rollout.tools import PARSE_FAILURE_METRIC, call_tool, execute_tool_calls, tools_by_name
 from rlasync.rollout.tools import parse_response as parse_tool_response
 
 logger = logging.getLogger(__name__)
@@ -214,6 +222,16 @@ def retry_backoff_s(attempt: int) -> float:
     return float(min(2 ** min(attempt, 4), 16))
 
 
+class _RolloutOutcome(NamedTuple):
+    """What a rollout task returns: the rollout, its duration, its environment reward (`(class name, value)`)
+    and the prompt it was generated from when an environment's reset extended the group's prompt."""
+
+    rollout: Rollout
+    duration_s: float
+    env_reward: tuple[str, float | None] | None = None
+    prompt: list[dict[str, Any]] | None = None
+
+
 @dataclass(eq=False)
 class _GroupState:
     """A leased prompt on its way to the sink."""
@@ -227,6 +245,10 @@ class _GroupState:
     num_done: int = 0
     failed: bool = False
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    rollout_prompts: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per rollout index, the prompt it was generated from when an environment's reset extended it."""
+    env_rewards: dict[int, tuple[str, float | None]] = field(default_factory=dict)
+    """Per rollout index, `(environment class name, get_reward())` for environments that own a reward."""
 
     @property
     def size(self) -> int:
@@ -265,6 +287,7 @@ class AsyncRolloutLoop:
         reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
         admission: Admission | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
         metrics_callback: MetricsCallback | None = None,
         policy_version: int = 0,
         eos_token_ids: Iterable[int] | None = None,
@@ -284,14 +307,18 @@ class AsyncRolloutLoop:
         self.prompt_source = prompt_source
         self.sink = sink
         self.reward_funcs = _as_reward_funcs(reward_funcs)
-        if not self.reward_funcs and not self.provides_rollout_rewards:
+        self.environments: dict[str | None, EnvironmentSpec] = probe_environments(environment_factory)
+        if not self.reward_funcs and not self.provides_rollout_rewards and not self.has_environment_rewards:
             raise ValueError(
-                "No reward source provided: pass reward_funcs, or subclass AsyncRolloutLoop with a generate_one "
-                "that sets Rollout.reward and provides_rollout_rewards = True"
+                "No reward source provided: pass reward_funcs, an environment_factory whose class defines "
+                "get_reward, or subclass AsyncRolloutLoop with a generate_one that sets Rollout.reward and "
+                "provides_rollout_rewards = True"
             )
         self.admission: Admission = admission if admission is not None else OpenAdmission()
         self.tools = list(tools) if tools else None
         tools_by_name(self.tools)  # duplicate or unnamed tools fail here, not mid-rollout
+        for spec in self.environments.values():
+            tools_by_name([*(self.tools or []), *spec.class_tools()])
         self._tool_executor: ThreadPoolExecutor | None = None
         self.metrics = MetricSink()
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
@@ -412,6 +439,29 @@ class AsyncRolloutLoop:
             size = max(1, int(getattr(self.args, "max_concurrent_rollouts", 1) or 1))
             self._tool_executor = ThreadPoolExecutor(size, thread_name_prefix="rlasync-tool")
         return self._tool_executor
+
+    @property
+    def has_environment_rewards(self) -> bool:
+        """Whether some environment class defines `get_reward` (a reward column of its own)."""
+        return any(spec.owns_reward for spec in self.environments.values())
+
+    def environment_for(self, row: Mapping[str, Any], row_index: int = -1) -> EnvironmentSpec | None:
+        """The environment serving `row`: the only one, or (several) the one named by its `environment` column;
+        `ValueError` when the row names none of them. None without environments."""
+        if not self.environments:
+            return None
+        if list(self.environments) == [None]:
+            return self.environments[None]
+        name = row.get(ENVIRONMENT_COLUMN)
+        spec = self.environments.get(name) if isinstance(name, str) else None
+        if spec is None:
+            where = f"row {row_index}" if row_index >= 0 else "a dataset row"
+            raise ValueError(
+                f"{where}: environment {name!r} is not among the environments {sorted(map(str, self.environments))} "
+                f"of environment_factory; with a dict of factories every row needs an {ENVIRONMENT_COLUMN!r} column "
+                "naming one of its keys"
+            )
+        return spec
 
     def rollout_context(self) -> RolloutContext | None:
         """The context of the rollout being generated in the calling task (None outside a rollout task)."""
@@ -597,14 +647,46 @@ class AsyncRolloutLoop:
         self._rollout_tasks[task] = (group, index)
         group.tasks.add(task)
 
-    async def _timed_rollout(self, prompt: list[dict[str, Any]], lease: PromptLease) -> tuple[Rollout, float]:
-        """One rollout in its own task; the task's `RolloutContext` carries the row to the hooks."""
+    async def _timed_rollout(self, prompt: list[dict[str, Any]], lease: PromptLease) -> _RolloutOutcome:
+        """One rollout in its own task; the task's `RolloutContext` carries the row to the hooks.
+
+        With environments (SPEC §3.4): an instance from the row's environment pool is reset with the row (its
+        observation appended to the last prompt message), serves its methods as tools next to the standalone
+        ones, and after the rollout gives `get_reward()` before going back to the pool. An instance whose rollout
+        failed or was cancelled is dropped (a tool thread may still be using it).
+        """
         started = self._clock()
-        _ROLLOUT_CONTEXT.set(RolloutContext(lease.row, lease.row_index, lease.group_id, self.tools))
-        rollout = await self.generate_one(prompt, self.tools, lease.group_id)
+        spec = self.environment_for(lease.row, lease.row_index)
+        if spec is None:
+            _ROLLOUT_CONTEXT.set(RolloutContext(lease.row, lease.row_index, lease.group_id, self.tools))
+            rollout = await self._checked_generate_one(prompt, self.tools, lease.group_id)
+            return _RolloutOutcome(rollout, self._clock() - started)
+        environment = spec.acquire()
+        reset_started = self._clock()
+        kwargs = reset_kwargs(lease.row, multi_environment=spec.key is not None)
+        observation = await call_tool(environment.reset, kwargs, self.tool_executor())
+        self._emit([("env/reset_s", (self._clock() - reset_started, 1.0))])
+        if observation is not None:
+            prompt = append_to_last_message(prompt, observation)
+        tools = [*(self.tools or []), *spec.tools(environment)] or None
+        _ROLLOUT_CONTEXT.set(RolloutContext(lease.row, lease.row_index, lease.group_id, tools, environment))
+        rollout = await self._checked_generate_one(prompt, tools, lease.group_id)
+        env_reward = None
+        if spec.owns_reward:
+            reward_started = self._clock()
+            value = await call_tool(environment.get_reward, {}, self.tool_executor())
+            self._emit([("env/reward_s", (self._clock() - reward_started, 1.0))])
+            env_reward = (spec.name, None if value is None else float(value))
+        spec.release(environment)
+        return _RolloutOutcome(rollout, self._clock() - started, env_reward, prompt)
+
+    async def _checked_generate_one(
+        self, prompt: list[dict[str, Any]], tools: Sequence[Any] | None, group_id: int
+    ) -> Rollout:
+        rollout = await self.generate_one(prompt, tools, group_id)
         if not isinstance(rollout, Rollout):
             raise TypeError(f"generate_one must return a Rollout, got {type(rollout).__name__}")
-        return rollout, self._clock() - started
+        return rollout
 
     async def _start_group(self) -> _GroupState | None:
         """Admission, then the next prompt that passes `filter_prompt`; None when the source is exhausted."""
@@ -669,8 +751,12 @@ class AsyncRolloutLoop:
             return
         if group.failed:
             return
-        rollout, duration_s = task.result()
-        self._record_rollout(group, index, rollout, duration_s)
+        outcome = task.result()
+        if outcome.prompt is not None:
+            group.rollout_prompts[index] = outcome.prompt
+        if outcome.env_reward is not None:
+            group.env_rewards[index] = outcome.env_reward
+        self._record_rollout(group, index, outcome.rollout, outcome.duration_s)
         if group.num_done == group.size:
             self._score_tasks[self._spawn(self._score_and_put(group))] = group
 
@@ -786,7 +872,7 @@ class AsyncRolloutLoop:
             name: [value] * size for name, value in group.lease.row.items() if name not in NOT_REWARD_KWARGS
         }
         return RolloutGroup(
-            prompts=[group.prompt] * size,
+            prompts=[group.rollout_prompts.get(index, group.prompt) for index in range(size)],
             completions=[rollout.completion for rollout in rollouts],
             completions_ids=[list(rollout.completion_ids) for rollout in rollouts],
             completions_sequences=[list(sequences or []) for sequences in group.sequences],
@@ -795,6 +881,7 @@ class AsyncRolloutLoop:
             row_index=group.lease.row_index,
             tool_call_counts=[rollout.tool_call_count for rollout in rollouts],
             tool_failure_counts=[rollout.tool_failure_count for rollout in rollouts],
+            env_rewards=[group.env_rewards.get(index) for index in range(size)] if group.env_rewards else [],
             rollout_rewards=rewards if self.provides_rollout_rewards or any(r is not None for r in rewards) else [],
             reward_kwargs=reward_kwargs,
             queued_at=self._clock(),

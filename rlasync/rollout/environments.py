@@ -1,0 +1,168 @@
+"""Environments for the rollout loop (SPEC §3.4; TRL's `environment_factory=`).
+
+An environment is a class built by a zero-argument factory. Its **`reset(**row)`** starts an episode for one
+rollout (the dataset row's columns as keyword arguments) and may return an observation that is appended to the
+last prompt message; every other public method is a **tool** the model can call on that instance; an optional
+**`get_reward()`** scores the episode after the rollout (one reward column named after the class):
+
+    class Counter:
+        def reset(self, start: int = 0, **row) -> str:
+            self.value = start
+            return f" The counter starts at {start}."
+
+        def increment(self, by: int) -> int:
+            \"\"\"Add to the counter.
+
+            Args:
+                by: how much to add
+            \"\"\"
+            self.value += by
+            return self.value
+
+        def get_reward(self) -> float:
+            return float(self.value == 10)
+
+`environment_factory` is one factory (every row uses it) or a dict `{name: factory}` (each row names its
+environment in the `environment` column). Each factory is called once up front to probe its class (methods are
+read from the class, so properties are never evaluated); the probe instance seeds a reuse pool, so instances are
+built rarely and reset many times. Nothing here imports ray or torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ENVIRONMENT_COLUMN = "environment"
+"""The dataset column naming a row's environment when `environment_factory` is a dict."""
+RESERVED_METHODS = frozenset({"reset", "get_reward"})
+
+EnvironmentFactory = Callable[[], Any]
+
+
+@dataclass(eq=False)
+class EnvironmentSpec:
+    """One environment kind: its factory, probed class, tool method names, and the pool of idle instances."""
+
+    key: str | None
+    factory: EnvironmentFactory
+    cls: type
+    tool_names: tuple[str, ...]
+    owns_reward: bool
+    pool: list[Any] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The reward column of this environment: its class name."""
+        return self.cls.__name__
+
+    def acquire(self) -> Any:
+        """An idle instance (built by the factory if none is idle)."""
+        return self.pool.pop() if self.pool else self.factory()
+
+    def release(self, instance: Any) -> None:
+        """Give an instance back for reuse (it will be reset before its next rollout)."""
+        self.pool.append(instance)
+
+    def tools(self, instance: Any) -> list[Callable[..., Any]]:
+        """The instance's bound tool methods."""
+        return [getattr(instance, name) for name in self.tool_names]
+
+    def class_tools(self) -> list[Callable[..., Any]]:
+        """The tool functions as defined on the class (for name checks before any rollout)."""
+        return [getattr(self.cls, name) for name in self.tool_names]
+
+
+def probe_environments(
+    environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None,
+) -> dict[str | None, EnvironmentSpec]:
+    """`{key: EnvironmentSpec}` (key `None` for a single factory); `{}` without environments.
+
+    Raises `TypeError` when a factory is not callable and `ValueError` when a class has no `reset` method or a
+    dict of factories is empty.
+    """
+    if environment_factory is None:
+        return {}
+    if isinstance(environment_factory, Mapping):
+        if not environment_factory:
+            raise ValueError("environment_factory is an empty dict: give at least one {name: factory} entry, or None")
+        factories: dict[str | None, Any] = {str(name): factory for name, factory in environment_factory.items()}
+    else:
+        factories = {None: environment_factory}
+    specs = {}
+    for key, factory in factories.items():
+        where = "environment_factory" if key is None else f"environment_factory[{key!r}]"
+        if not callable(factory):
+            raise TypeError(
+                f"{where} is a {type(factory).__name__}; it must be a zero-argument callable that builds an "
+                "environment (e.g. the environment class itself)"
+            )
+        instance = factory()
+        cls = type(instance)
+        if not callable(getattr(cls, "reset", None)):
+            raise ValueError(
+                f"environment {cls.__name__} (from {where}) has no reset method: define "
+                "`reset(self, **row)` (it starts an episode; its return value, if any, is appended to the prompt)"
+            )
+        specs[key] = EnvironmentSpec(
+            key=key,
+            factory=factory,
+            cls=cls,
+            tool_names=tuple(_public_methods(cls)),
+            owns_reward=callable(getattr(cls, "get_reward", None)),
+            pool=[instance],
+        )
+    return specs
+
+
+def _public_methods(cls: type) -> list[str]:
+    """Names of the public functions defined on `cls` or its bases (static lookup: properties not evaluated)."""
+    names = []
+    for name, value in inspect.getmembers_static(cls):
+        if name.startswith("_") or name in RESERVED_METHODS:
+            continue
+        if inspect.isfunction(value):
+            names.append(name)
+    return sorted(names)
+
+
+def reset_kwargs(row: Mapping[str, Any], multi_environment: bool) -> dict[str, Any]:
+    """The keyword arguments of `reset`: the whole row, or (multi-environment) the row without `environment`."""
+    return {str(name): value for name, value in row.items() if not (multi_environment and name == ENVIRONMENT_COLUMN)}
+
+
+def append_to_last_message(prompt: Sequence[Mapping[str, Any]], observation: Any) -> list[dict[str, Any]]:
+    """A new message list whose last message's content has `observation` appended (the input is not mutated).
+
+    String contents concatenate; if either side is a list of content blocks (multimodal), both become blocks
+    (a string becomes one `{"type": "text", "text": ...}` block).
+    """
+    if not prompt:
+        raise ValueError("cannot append an environment observation to an empty prompt")
+    messages = [dict(message) for message in prompt]
+    last = messages[-1]
+    content = last.get("content")
+    if isinstance(content, list) or isinstance(observation, list):
+        last["content"] = _as_blocks(content) + _as_blocks(observation)
+    else:
+        last["content"] = ("" if content is None else str(content)) + str(observation)
+    return messages
+
+
+def _as_blocks(content: Any) -> list[Any]:
+    if content is None or content == "":
+        return []
+    if isinstance(content, list):
+        return list(content)
+    return [{"type": "text", "text": str(content)}]
+
+
+__all__ = [
+    "ENVIRONMENT_COLUMN",
+    "EnvironmentSpec",
+    "append_to_last_message",
+    "probe_environments",
+    "reset_kwargs",
+]
