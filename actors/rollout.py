@@ -100,6 +100,7 @@ class RolloutActor:
     def __init__(
         self, *, index: int, args: Any, tokenizer: Any, dataset: Any, reward_funcs: list[Any], queue: Any,
         engines: list[Any], loop_cls: type, seed: int = 0, reward_actors: list[Any] | None = None,
+        tools: list[Any] | None = None, environment_factory: Any = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self.index = index
@@ -112,11 +113,16 @@ class RolloutActor:
         self.queue = queue
         self.items: list[tuple[str, Any]] = []
         source = _QueuePromptSource(self)
+        extra: dict[str, Any] = {}  # only when set: a loop_cls with a narrower __init__ keeps working without them
+        if tools:
+            extra["tools"] = tools
+        if environment_factory is not None:
+            extra["environment_factory"] = environment_factory
         self.loop = loop_cls(
             args=args, tokenizer=tokenizer, engine=[_RemoteEngine(h) for h in engines], prompt_source=source,
             sink=_QueueSink(self, source), reward_funcs=reward_funcs, metrics_callback=self.items.extend,
             rng=random.Random(seed * 1_000_003 + index),
-            reward_scorer=_RewardPool(reward_actors) if reward_actors else None,
+            reward_scorer=_RewardPool(reward_actors) if reward_actors else None, **extra,
         )
         self.task: asyncio.Task | None = None
         self.error: str | None = None

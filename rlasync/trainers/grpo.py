@@ -16,18 +16,22 @@ and removes every actor it made on the way out, also on error. Ray is imported i
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
+import pickle
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlasync.config import AsyncGRPOConfig
 from rlasync.data import validate_prompt_dataset
+from rlasync.rollout.environments import EnvironmentFactory
 from rlasync.rollout.loop import AsyncRolloutLoop
+from rlasync.rollout.tools import tools_by_name
 
 logger = logging.getLogger(__name__)
 
@@ -50,21 +54,30 @@ class AsyncGRPOTrainer:
         processing_class: Any = None,
         callbacks: Sequence[Any] | None = None,
         loop_cls: type[AsyncRolloutLoop] | None = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
     ) -> None:
         self.args = args if args is not None else AsyncGRPOConfig()
         if loop_cls is not None:
             self.loop_cls = loop_cls
+        self.tools = _checked_tools(tools)
+        self.environment_factory = _checked_environment_factory(environment_factory)
         if train_dataset is None:
-            raise ValueError("AsyncGRPOTrainer needs a train_dataset with a 'prompt' column")
+            train_dataset = self._placeholder_dataset(environment_factory)
         validate_prompt_dataset(train_dataset)
         self.train_dataset = train_dataset
         if reward_funcs is None:
             reward_funcs = []
         self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
-        if not self.reward_funcs and not getattr(self.loop_cls, "provides_rollout_rewards", False):
+        if (
+            not self.reward_funcs
+            and not getattr(self.loop_cls, "provides_rollout_rewards", False)
+            and not _may_own_reward(environment_factory)
+        ):
             raise ValueError(
-                "No reward source: pass reward_funcs (e.g. rlasync.rewards.last_number_reward), or a loop_cls whose "
-                "generate_one sets Rollout.reward and provides_rollout_rewards = True"
+                "No reward source: pass reward_funcs (e.g. rlasync.rewards.last_number_reward), an "
+                "environment_factory whose class defines get_reward, or a loop_cls whose generate_one sets "
+                "Rollout.reward and provides_rollout_rewards = True"
             )
         for func in self.reward_funcs:
             if not callable(func):
@@ -93,6 +106,27 @@ class AsyncGRPOTrainer:
                 ray.shutdown()
 
     # ---- setup --------------------------------------------------------------------------------------------------
+
+    def _placeholder_dataset(self, environment_factory: Any) -> list[dict[str, Any]]:
+        """Without a dataset, a single environment supplies the prompts (SPEC §3.4): B x GA rows with an empty
+        user message, to which each rollout's `reset()` observation is appended."""
+        if environment_factory is None:
+            raise ValueError(
+                "`train_dataset` is required: pass a dataset with a 'prompt' column (or, to let an environment "
+                "write the prompts, a single environment_factory and max_steps > 0)"
+            )
+        if isinstance(environment_factory, Mapping):
+            raise ValueError(
+                "a dict environment_factory (several environments) requires a `train_dataset` whose "
+                "'environment' column routes each row to one of them"
+            )
+        if self.args.max_steps <= 0:
+            raise ValueError(
+                f"max_steps={self.args.max_steps}: without a train_dataset the environment yields an endless "
+                "stream of prompts, so set max_steps > 0"
+            )
+        num_rows = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(num_rows)]
 
     def _model_path(self, model: Any) -> str:
         if isinstance(model, str | os.PathLike):
@@ -226,7 +260,8 @@ class AsyncGRPOTrainer:
         self._rollouts = [
             self._spawn(RolloutActor, index=i, args=args, tokenizer=tokenizer, dataset=dataset_ref,
                         reward_funcs=self.reward_funcs, queue=queue, engines=gens, loop_cls=self.loop_cls,
-                        seed=args.seed, reward_actors=rewards, num_cpus=cluster.rollout_num_cpus)
+                        seed=args.seed, reward_actors=rewards, num_cpus=cluster.rollout_num_cpus,
+                        tools=self.tools, environment_factory=self.environment_factory)
             for i in range(cluster.num_rollout_actors)
         ]  # fmt: skip
         ray.get([rollout.start.remote() for rollout in self._rollouts], timeout=timeout + 600)
@@ -475,3 +510,68 @@ def _read_step(checkpoint_dir: str) -> int:
         return int(json.loads(path.read_text())["global_step"])
     name = Path(checkpoint_dir).name
     return int(name.removeprefix(CHECKPOINT_PREFIX)) if name.startswith(CHECKPOINT_PREFIX) else 0
+
+
+def _checked_tools(tools: Sequence[Callable[..., Any]] | None) -> list[Callable[..., Any]] | None:
+    """`tools` as a list, checked before any actor starts: callables, uniquely named, and picklable (they travel
+    to the rollout actors like the reward functions)."""
+    if tools is None:
+        return None
+    if callable(tools) or isinstance(tools, str | bytes):
+        raise ValueError("tools must be a list of functions, e.g. tools=[get_weather]")
+    tools = list(tools)
+    for tool in tools:
+        if not callable(tool):
+            raise ValueError(f"tools: {tool!r} is not callable (pass functions, not their names)")
+        _check_picklable(tool, "tools")
+    tools_by_name(tools)
+    return tools or None
+
+
+def _checked_environment_factory(factory: Any) -> Any:
+    """The factory (or dict of factories), checked: callables that pickle; a class factory must define `reset`."""
+    if factory is None:
+        return None
+    items = factory.items() if isinstance(factory, Mapping) else [(None, factory)]
+    for key, item in items:
+        where = "environment_factory" if key is None else f"environment_factory[{key!r}]"
+        if not callable(item):
+            raise ValueError(f"{where}: {item!r} is not callable; pass a zero-argument factory such as the class")
+        if inspect.isclass(item) and not callable(getattr(item, "reset", None)):
+            raise ValueError(f"{where}: environment {item.__name__} has no reset method; define reset(self, **row)")
+        _check_picklable(item, where)
+    return dict(factory) if isinstance(factory, Mapping) else factory
+
+
+def _may_own_reward(factory: Any) -> bool:
+    """Whether an environment may define `get_reward` (a non-class factory is only known once called: the
+    rollout loop checks it again when it probes the environments)."""
+    if factory is None:
+        return False
+    items = factory.values() if isinstance(factory, Mapping) else [factory]
+    return any(not inspect.isclass(item) or callable(getattr(item, "get_reward", None)) for item in items)
+
+
+def _check_picklable(obj: Any, field_name: str) -> None:
+    """Raise `ValueError` naming `field_name` unless `obj` can travel to a Ray actor (pickle, or cloudpickle when
+    installed: Ray's serializer, which also takes lambdas and closures)."""
+    try:
+        pickle.dumps(obj)
+        return
+    except Exception as exc:
+        error: Exception = exc
+    try:
+        import cloudpickle
+    except ImportError:
+        pass
+    else:
+        try:
+            cloudpickle.dumps(obj)
+            return
+        except Exception as exc:
+            error = exc
+    raise ValueError(
+        f"{field_name}: {obj!r} cannot be pickled ({type(error).__name__}: {error}), but it must travel to the "
+        "rollout actors like the reward functions: define it at module level in an importable module, and keep "
+        "locks, sockets and open files out of what it references"
+    )
