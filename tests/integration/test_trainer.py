@@ -247,3 +247,54 @@ def test_weights_shared_by_handle_reach_the_engine(ray_cluster, tiny_model_dir, 
     if Path("/dev/shm").is_dir():
         assert set(Path("/dev/shm").glob("rlasync-weights-*")) == before
     assert alive(ray_cluster, trainer.actor_ids) == []
+
+
+def lookup_digit(index: int) -> str:
+    """Return the digit word at a position.
+
+    Args:
+        index: the position, 0 to 9
+    """
+    return str(index % 10)
+
+
+class DigitEnv:
+    """An environment whose reset writes the prompt and whose reward is how many digit words the reply held."""
+
+    def __init__(self):
+        self.target = 0
+        self.resets = 0
+
+    def reset(self, **row):
+        self.resets += 1
+        self.target = self.resets % 10
+        return f"Say the digit {self.target}."
+
+    def peek(self, index: int) -> str:
+        """Return the digit the environment wants, offset by index.
+
+        Args:
+            index: an offset
+        """
+        return str((self.target + index) % 10)
+
+    def get_reward(self):
+        return float(self.resets > 0)
+
+
+def test_tools_and_an_environment_without_a_dataset_reach_the_rollout_actors(ray_cluster, tiny_model_dir, tmp_path):
+    """TRL's `tools=` and `environment_factory=` through Ray: the environment writes every prompt of the placeholder
+    dataset (no train_dataset) and its reward column reaches the metrics next to the reward function's."""
+    from rlasync import AsyncGRPOTrainer
+
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, max_steps=2),
+        tools=[lookup_digit], environment_factory=DigitEnv,
+    )  # fmt: skip
+    state = trainer.train()
+    assert state["global_step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*records)
+    assert "rewards/DigitEnv/mean" in keys, sorted(k for k in keys if "reward" in k)
+    assert all(r["rewards/DigitEnv/mean"] == 1.0 for r in records if "rewards/DigitEnv/mean" in r)  # reset ran first
+    assert alive(ray_cluster, trainer.actor_ids) == []
