@@ -800,6 +800,13 @@ class AsyncRolloutLoop:
             ("completions/max_length", length),
             ("completions/min_length", length),
         ]
+        forks, transitions, drift_total, drift_max = reconciliation_tally(rollout.turns)
+        if transitions:
+            items += [
+                ("rollout/fork_frac", (float(forks), float(transitions))),
+                ("rollout/drift_tokens_mean", (float(drift_total), float(transitions))),
+                ("rollout/drift_tokens_max", float(drift_max)),
+            ]
         if rollout.completion_ids:
             clipped = self._is_clipped(rollout)
             items.append(("completions/clipped_ratio", (float(clipped), 1.0)))
@@ -995,6 +1002,36 @@ def build_training_sequences(
     return [builder.build(rollout_id, num_sampler_logprobs) for builder in builders if builder.num_trained > 0]
 
 
+def reconciliation_tally(turns: Sequence[TurnRecord]) -> tuple[int, int, int, int]:
+    """`(forks, transitions, drift_total, drift_max)` of one rollout under `build_training_sequences`' rule (SPEC §3.3,
+    the seed's reporting): a transition is every turn after the first; it forks when its prompt does not start with
+    the tokens the current sequence holds, and its drift is how many of those held tokens the new prompt re-rendered
+    (0 for a transition that does not fork)."""
+    held: list[int] = []
+    forks = transitions = drift_total = drift_max = 0
+    for index, turn in enumerate(turns):
+        prompt = list(turn.prompt_ids)
+        if index > 0:
+            transitions += 1
+            if not _starts_with(prompt, held):
+                matched = _common_prefix_length(held, prompt)
+                drift = len(held) - matched
+                forks += 1
+                drift_total += drift
+                drift_max = max(drift_max, drift)
+                held = []
+        held = prompt + list(turn.output_ids) if not held else held + prompt[len(held) :] + list(turn.output_ids)
+    return forks, transitions, drift_total, drift_max
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    length = min(len(a), len(b))
+    for index in range(length):
+        if a[index] != b[index]:
+            return index
+    return length
+
+
 class _SequenceBuilder:
     """Per-token lists of one training sequence under construction."""
 
@@ -1098,5 +1135,6 @@ __all__ = [
     "ReleaseReason",
     "RolloutContext",
     "build_training_sequences",
+    "reconciliation_tally",
     "retry_backoff_s",
 ]

@@ -142,6 +142,7 @@ def test_a_tool_result_reaches_the_next_prompt_and_the_completion(char_tokenizer
     assert metrics["tools/add/call_count"] == 2.0 and metrics["tools/parallel_calls_mean"] == 1.0
     assert metrics["tools/loop_exhausted_frac"] == 0.0
     assert metrics["rollout/turns_mean"] == 2.0
+    assert metrics["rollout/fork_frac"] == 0.0 and metrics["rollout/drift_tokens_mean"] == 0.0
     generated = sum(len(turn.output_ids) for turn in engine.turns)
     assert metrics["completions/mean_length"] == generated / 2  # completion_ids = every turn's output
 
@@ -192,6 +193,7 @@ def test_a_template_that_rewrites_history_forks_and_trains_every_generated_token
             assert sample.input_ids.tolist() == turn.prompt_ids + turn.output_ids
             assert sample.completion_mask.tolist() == [0] * len(turn.prompt_ids) + [1] * len(turn.output_ids)
     assert metrics["rollout/samples_per_rollout"] == 3.0
+    assert metrics["rollout/fork_frac"] == 1.0 and metrics["rollout/drift_tokens_max"] > 0
 
 
 def test_parallel_calls_run_in_order_with_sync_async_unknown_and_failing_tools(
