@@ -11,6 +11,7 @@ from rlasync.distill.batching import (
     batch_metrics,
     collate_rows,
 )
+from rlasync.distill.loop import AsyncDistillationLoop, resolve_max_inflight_tasks
 from rlasync.distill.routing import TEACHER_ID_COLUMN, TeacherRouter, teacher_indices
 from rlasync.distill.samples import (
     DEFAULT_TEACHER_ID,
@@ -23,6 +24,7 @@ from rlasync.distill.samples import (
 )
 
 __all__ = [
+    "AsyncDistillationLoop",
     "DEFAULT_TEACHER_ID",
     "DROPPED_OVERSIZE_METRIC",
     "TEACHER_ID_COLUMN",
@@ -40,5 +42,6 @@ __all__ = [
     "collate_rows",
     "parse_position",
     "parse_prompt_logprobs",
+    "resolve_max_inflight_tasks",
     "teacher_indices",
 ]
