@@ -16,4 +16,8 @@ def __getattr__(name: str):  # lazy: `from rlasync import AsyncGRPOTrainer, Asyn
         from rlasync.config import AsyncGRPOConfig
 
         return AsyncGRPOConfig
+    if name == "AsyncDistillationConfig":
+        from rlasync.config import AsyncDistillationConfig
+
+        return AsyncDistillationConfig
     raise AttributeError(f"module 'rlasync' has no attribute {name!r}")
