@@ -36,9 +36,14 @@ def test_advantages_match_reference(rewards):
 
 @given(rewards_with_nans)
 def test_unscorable_rollouts_get_zero_and_scored_advantages_are_centred(rewards):
-    advantages, _ = group_advantages(rewards)
+    advantages, std = group_advantages(rewards)
     assert np.all(advantages[np.isnan(rewards)] == 0.0)
-    assert abs(advantages[~np.isnan(rewards)].sum()) < 1e-6 * max(1, rewards.size)
+    scored = rewards[~np.isnan(rewards)]
+    if scored.size:
+        # centring is exact up to rounding of the mean (a few ulps of the largest reward), which the division by
+        # (std + 1e-8) amplifies when the rewards are (nearly) equal
+        rounding = 4 * scored.size * np.finfo(np.float64).eps * max(1.0, np.abs(scored).max()) / (std + 1e-8)
+        assert abs(advantages[~np.isnan(rewards)].sum()) <= rounding + 1e-12
 
 
 def test_worked_example_and_edge_cases():
