@@ -165,8 +165,9 @@ class ModelRunner:
 
     # ---- teacher-forced scoring ---------------------------------------------------------------------------------
 
-    def score(self, token_ids: Sequence[int], prompt_length: int, top_k: int) -> ScoreResult:
-        """Top-k and realised-token log-probs (temperature 1) of `token_ids[prompt_length:]`, one plain forward."""
+    def score(self, token_ids: Sequence[int], prompt_length: int, top_k: int, temperature: float = 1.0) -> ScoreResult:
+        """Top-k and realised-token log-probs of `token_ids[prompt_length:]` under softmax(logits / `temperature`),
+        one plain forward."""
         with torch.inference_mode(), _on_device(self.device):
             ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
             hidden = self.decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
@@ -175,7 +176,8 @@ class ModelRunner:
             k = min(top_k, self.vocab_size)
             topk_ids, topk_logprobs, token_logprobs = [], [], []
             for begin in range(0, hidden.shape[0], SCORE_CHUNK_ROWS):
-                logprobs = torch.log_softmax(self._logits(hidden[begin : begin + SCORE_CHUNK_ROWS]), dim=-1)
+                logits = self._logits(hidden[begin : begin + SCORE_CHUNK_ROWS])
+                logprobs = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
                 token_logprobs.append(logprobs.gather(1, targets[begin : begin + SCORE_CHUNK_ROWS, None])[:, 0])
                 if k > 0:
                     values, indices = logprobs.topk(k, dim=-1)

@@ -161,17 +161,21 @@ class TorchEngine:
                 self._scheduler.finish(request)
             raise
 
-    async def score(self, token_ids: Sequence[int], prompt_length: int, top_k: int) -> ScoreResult:
-        """Teacher-forced log-probs (temperature 1) of `token_ids[prompt_length:]`: per position the top-k (id,
-        log-prob) pairs by rank and the realised token's log-prob. Waits while the engine is paused."""
+    async def score(
+        self, token_ids: Sequence[int], prompt_length: int, top_k: int, temperature: float = 1.0
+    ) -> ScoreResult:
+        """Teacher-forced log-probs of `token_ids[prompt_length:]` under softmax(logits / `temperature`): per position
+        the top-k (id, log-prob) pairs by rank and the realised token's log-prob. Waits while the engine is paused."""
         ids = self._check_score_request(token_ids, prompt_length, top_k)
+        if not temperature > 0:
+            raise RequestRejectedError(f"score: temperature={temperature} must be > 0")
         self._bind()
         while True:
             await self._resumed.wait()
             async with self._model_lock:
                 if self._scheduler.paused:
                     continue
-                return await asyncio.to_thread(self._runner.score, ids, prompt_length, top_k)
+                return await asyncio.to_thread(self._runner.score, ids, prompt_length, top_k, temperature)
 
     async def pause(self) -> None:
         """Stop scheduling; returns once the forward in flight (if any) has finished. Requests are kept."""

@@ -168,11 +168,8 @@ def turn_from_flat_output(
     sampled = [float(logprobs[start]) for start in starts]
     top = None
     if num_logprobs > 0:
-        top = [
-            dict(zip(token_ids[start + 1 : min(end, start + 1 + num_logprobs)],
-                     logprobs[start + 1 : min(end, start + 1 + num_logprobs)]))  # fmt: skip
-            for start, end in zip(starts, ends)
-        ]
+        spans = [(start + 1, min(end, start + 1 + num_logprobs)) for start, end in zip(starts, ends)]
+        top = [dict(zip(token_ids[first:last], logprobs[first:last])) for first, last in spans]
     return TurnRecord(
         prompt_ids=list(prompt_ids),
         output_ids=ids,
@@ -383,8 +380,13 @@ class VLLMEngine:
             prompt, completion.token_ids, completion.logprobs, sampling.num_logprobs, completion.finish_reason
         )
 
-    async def score(self, token_ids: Sequence[int], prompt_length: int, top_k: int) -> ScoreResult:
-        """Teacher-forced log-probs (temperature 1) of `token_ids[prompt_length:]` via vLLM's `prompt_logprobs`."""
+    async def score(
+        self, token_ids: Sequence[int], prompt_length: int, top_k: int, temperature: float = 1.0
+    ) -> ScoreResult:
+        """Teacher-forced log-probs of `token_ids[prompt_length:]` via vLLM's `prompt_logprobs`, at `temperature`
+        (applied by vLLM to the prompt log-probs only under `logprobs_mode="processed_logprobs"`)."""
+        if not temperature > 0:
+            raise RequestRejectedError(f"score: temperature={temperature} must be > 0")
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -398,7 +400,7 @@ class VLLMEngine:
                 f"score: {len(ids)} tokens leave no room under max_model_len={self.max_model_len}"
             )
         params = VllmSamplingParams(
-            max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False, seed=0,
+            max_tokens=1, temperature=float(temperature), prompt_logprobs=top_k, detokenize=False, seed=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )  # fmt: skip
         output = await self._run(ids, params)

@@ -462,17 +462,23 @@ class VLLMServerEngine:
         self._num_generated_tokens += len(turn.output_ids)
         return turn
 
-    async def score(self, token_ids: Sequence[int], prompt_length: int, top_k: int) -> ScoreResult:
-        """Teacher-forced log-probs (temperature 1) of `token_ids[prompt_length:]` (`prompt_logprobs=top_k`, one
-        generated token, discarded)."""
+    async def score(
+        self, token_ids: Sequence[int], prompt_length: int, top_k: int, temperature: float = 1.0
+    ) -> ScoreResult:
+        """Teacher-forced log-probs of `token_ids[prompt_length:]` (`prompt_logprobs=top_k`, one generated token,
+        discarded) at `temperature` (SPEC §9.1's `teacher_temperature`; the server applies it to the prompt
+        log-probs only when it runs `--logprobs-mode processed_logprobs`)."""
+        if not temperature > 0:
+            raise RequestRejectedError(f"score: temperature={temperature} must be > 0")
         ids = [int(t) for t in token_ids]
         if not 1 <= prompt_length <= len(ids):
             raise RequestRejectedError(f"score: prompt_length={prompt_length} must be in [1, {len(ids)}]")
         if top_k < 0:
             raise RequestRejectedError(f"score: top_k={top_k} must be >= 0")
         self._check_prompt(ids)
-        body = {"model": self.model_id, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": top_k,
-                "seed": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": False, "stream": False}  # fmt: skip
+        body = {"model": self.model_id, "prompt": ids, "max_tokens": 1, "temperature": float(temperature),
+                "prompt_logprobs": top_k, "seed": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+                "stream": False}  # fmt: skip
         data = await self._request("POST", "/v1/completions", body, timeout_s=self.request_timeout_s)
         choice = _first_choice(data)
         return score_from_prompt_logprobs(ids, prompt_length, top_k, choice.get("prompt_logprobs") or [])

@@ -330,6 +330,25 @@ def test_score_equals_a_full_forward_log_softmax():
         asyncio.run(engine.score(tokens, len(tokens), top_k=4))
 
 
+def test_score_at_a_temperature_is_the_log_softmax_of_the_scaled_logits():
+    model = tiny_model("qwen3", init=0.1)
+    tokens = PROMPTS[2] + [4, 150, 7]
+    prompt_length = len(PROMPTS[2])
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].double()[prompt_length - 1 : -1]
+    engine = make_engine(model)
+    hot = asyncio.run(engine.score(tokens, prompt_length, top_k=3, temperature=2.0))
+    cold = asyncio.run(engine.score(tokens, prompt_length, top_k=3))
+    realised = torch.tensor(tokens[prompt_length:])[:, None]
+    for temperature, result in ((2.0, hot), (1.0, cold)):
+        expected = torch.log_softmax(logits / temperature, -1)
+        assert result.token_logprobs == pytest.approx(expected.gather(1, realised)[:, 0].tolist(), abs=1e-5)
+        assert result.topk_ids == expected.topk(3).indices.tolist()
+    assert hot.token_logprobs != pytest.approx(cold.token_logprobs, abs=1e-3)  # the temperature mattered
+    with pytest.raises(RequestRejectedError, match="temperature"):
+        asyncio.run(engine.score(tokens, prompt_length, top_k=3, temperature=0.0))
+
+
 def test_stats_move_as_requests_come_and_go():
     engine = make_engine(tiny_model("llama"), kv_cache_tokens=256)
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=3)

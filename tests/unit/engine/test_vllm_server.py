@@ -365,6 +365,9 @@ def test_score_parses_prompt_logprobs_by_rank_with_the_realised_token(fake):
     result = run(engine.score(ids, 2, 3))
     body = fake.requests[-1][2]
     assert body["prompt_logprobs"] == 3 and body["max_tokens"] == 1 and body["prompt"] == ids
+    assert body["temperature"] == 1.0
+    run(engine.score(ids, 2, 3, temperature=0.7))
+    assert fake.requests[-1][2]["temperature"] == 0.7  # the teacher's temperature goes to the server
     assert result.token_logprobs == pytest.approx([-0.4, -0.6, -0.8])
     assert [len(row) for row in result.topk_ids] == [3, 3, 3]
     assert result.topk_ids[1][0] == 21  # position 3 (odd): the realised token is the top-1
