@@ -20,9 +20,15 @@ from rlasync.model.loading import decoder_layers
 
 
 def shard_for_training(
-    model: torch.nn.Module, mesh: Any | None = None, *, reshard_after_forward: bool = True, mp_policy: Any = None
+    model: torch.nn.Module,
+    mesh: Any | None = None,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: Any = None,
+    scorer_cls: type[TreeScorer] = TreeScorer,
 ) -> TreeScorer:
-    """Wrap `model` in a `TreeScorer` and apply FSDP2 (`fully_shard`) to every decoder layer, then to the scorer."""
+    """Wrap `model` in a `scorer_cls` (a `TreeScorer`; `rlasync.learner.distill.DistillScorer` for distillation)
+    and apply FSDP2 (`fully_shard`) to every decoder layer, then to the scorer."""
     from torch.distributed.fsdp import fully_shard
 
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
@@ -30,7 +36,7 @@ def shard_for_training(
         options["mesh"] = mesh
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
-    scorer = TreeScorer(model)
+    scorer = scorer_cls(model)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(scorer, **options)
