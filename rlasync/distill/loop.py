@@ -51,6 +51,7 @@ from rlasync.metrics import MetricSink, MetricValue
 from rlasync.rewards.text import completion_text
 from rlasync.rollout.loop import PromptLease, PromptSource, retry_backoff_s
 from rlasync.rollout.records import TurnRecord
+from rlasync.rollout.task_loop import TaskLoopBase
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def resolve_max_inflight_tasks(args: Any, num_ranks: int = 1) -> int:
     return max(int(getattr(args, "max_staleness", 1)), 1) * int(per_step)
 
 
-class AsyncDistillationLoop:
+class AsyncDistillationLoop(TaskLoopBase):
     """Generates with the student, scores with the routed teacher, puts one `DistillationSample` per leased row.
 
     `args` (duck-typed) needs: `max_completion_length`, `temperature`, `teacher_top_k`; optional `top_k`, `top_p`,
@@ -92,7 +93,7 @@ class AsyncDistillationLoop:
     retryable_exceptions: tuple[type[BaseException], ...] = (EngineError, TimeoutError, ConnectionError)
     task_failure_exceptions: tuple[type[BaseException], ...] = (RequestRejectedError,)
     max_request_attempts: int = 30
-    heartbeat_interval_s: float = 0.5
+    loop_name = "distillation loop"
 
     def __init__(
         self,
@@ -147,32 +148,20 @@ class AsyncDistillationLoop:
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
         self.policy_version = int(policy_version)
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _tokenizer_eos_ids(tokenizer)
-        self._clock, self._wall_clock, self._sleep = clock, wall_clock, sleep
+        self._init_task_loop(wall_clock)
+        self._clock, self._sleep = clock, sleep
         self._rng = rng if rng is not None else random.Random()
         self.counters: collections.Counter[str] = collections.Counter()
-        self.heartbeat = wall_clock()
 
         self._student_load = [0] * len(self.students)
         self._next_student = 0
         self._tasks: dict[asyncio.Task[Any], PromptLease] = {}
         self._starter: asyncio.Task[PromptLease | None] | None = None
-        self._done: collections.deque[asyncio.Task[Any]] = collections.deque()
-        self._wake = asyncio.Event()
-        self._stopped = asyncio.Event()
-        self._stop_requested = False
-        self._running = False
         self._exhausted = False
-        self._failure: BaseException | None = None
         self._tokens_since_push = 0
         self._last_push_at = clock()
 
     # ---- hooks --------------------------------------------------------------------------------------------
-
-    async def setup(self) -> None:
-        """Create resources on the loop's event loop (called by `run()` first)."""
-
-    async def close(self) -> None:
-        """Release what `setup` created (called by `run()` on the way out, also after an error)."""
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt ids: the chat template with the generation prompt (and `args.chat_template_kwargs`)."""
@@ -231,54 +220,6 @@ class AsyncDistillationLoop:
         """The version stamped on samples whose task starts from now on."""
         self.policy_version = int(version)
 
-    async def run(self) -> None:
-        """Run until `stop()`, until the prompt source is exhausted and every task is done, or a failure."""
-        if self._running:
-            raise RuntimeError("AsyncDistillationLoop.run() is already running")
-        self._running = True
-        self._stopped.clear()
-        try:
-            await self.setup()
-            try:
-                await self._loop()
-            finally:
-                await self._cancel_everything()
-                await self.close()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._failure = exc
-            logger.error("distillation loop failed: %s: %s", type(exc).__name__, exc)
-            raise
-        finally:
-            self._running = False
-            self._stopped.set()
-
-    async def stop(self) -> None:
-        """Cancel in-flight tasks, release their leases ("cancelled"); returns when `run()` has ended."""
-        self._stop_requested = True
-        self._wake.set()
-        if self._running:
-            await self._stopped.wait()
-
-    def check_health(self, stale_after_s: float | None = None) -> None:
-        """Raise `RuntimeError` if the loop failed (chained to the error) or its heartbeat is older than
-        `stale_after_s` (default `args.rollout_worker_timeout`) while running."""
-        if self._failure is not None:
-            raise RuntimeError(
-                f"the distillation loop failed: {type(self._failure).__name__}: {self._failure}"
-            ) from self._failure
-        if stale_after_s is None:
-            stale_after_s = getattr(self.args, "rollout_worker_timeout", None)
-        if self._running and stale_after_s is not None:
-            age = self._wall_clock() - self.heartbeat
-            if age > stale_after_s:
-                raise RuntimeError(f"the distillation loop's heartbeat is {age:.0f} s old (> {stale_after_s} s)")
-
-    @property
-    def is_running(self) -> bool:
-        return self._running
-
     @property
     def num_inflight(self) -> int:
         return len(self._tasks)
@@ -296,24 +237,6 @@ class AsyncDistillationLoop:
             if self._exhausted and not self._tasks and self._starter is None:
                 return
             await self._wait_for_news()
-
-    async def _wait_for_news(self) -> None:
-        if not self._wake.is_set():
-            try:
-                async with asyncio.timeout(self.heartbeat_interval_s):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-        self._wake.clear()
-
-    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coroutine)
-        task.add_done_callback(self._on_task_done)
-        return task
-
-    def _on_task_done(self, task: asyncio.Task[Any]) -> None:
-        self._done.append(task)
-        self._wake.set()
 
     async def _next_lease(self) -> PromptLease | None:
         lease = await _resolve(self.prompt_source.lease())
@@ -455,9 +378,6 @@ class AsyncDistillationLoop:
         self._starter = None
         self._done.clear()
 
-    def _emit(self, items: list[tuple[str, MetricValue]]) -> None:
-        if items:
-            self._metrics_callback(items)
 
 
 def _accepts_keyword(function: Any, name: str) -> bool:

@@ -81,6 +81,7 @@ from rlasync.rollout.environments import (
 )
 from rlasync.rollout.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
+from rlasync.rollout.task_loop import TaskLoopBase
 from rlasync.rollout.tools import PARSE_FAILURE_METRIC, call_tool, execute_tool_calls, tools_by_name
 from rlasync.rollout.tools import parse_response as parse_tool_response
 
@@ -255,7 +256,7 @@ class _GroupState:
         return len(self.rollouts)
 
 
-class AsyncRolloutLoop:
+class AsyncRolloutLoop(TaskLoopBase):
     """Generates and scores groups of `args.num_generations` rollouts until stopped or out of prompts.
 
     Subclass and override the hooks (`setup`, `close`, `filter_prompt`, `generate_one`, `generate_one_turn`,
@@ -271,7 +272,7 @@ class AsyncRolloutLoop:
     """Errors of a rollout that fail its group (lease released as "failed") instead of stopping the loop."""
     retryable_exceptions: tuple[type[BaseException], ...] = (EngineError, TimeoutError, ConnectionError)
     max_generation_attempts: int = 30
-    heartbeat_interval_s: float = 0.5
+    loop_name = "rollout loop"
     engine_stats_interval_s: float = 5.0
     max_pending_scores: int = 16
     """Groups being scored or handed to the sink at once; beyond it no new rollout is dispatched."""
@@ -325,10 +326,10 @@ class AsyncRolloutLoop:
         self.policy_version = policy_version
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _tokenizer_eos_ids(tokenizer)
         self.controller = controller
-        self._clock, self._wall_clock, self._sleep = clock, wall_clock, sleep
+        self._init_task_loop(wall_clock)
+        self._clock, self._sleep = clock, sleep
         self._rng = rng if rng is not None else random.Random()
         self.counters: collections.Counter[str] = collections.Counter()
-        self.heartbeat = wall_clock()
 
         self._engine_load = [0] * len(self.engines)
         self._next_engine = 0
@@ -337,25 +338,13 @@ class AsyncRolloutLoop:
         self._starter: asyncio.Task[_GroupState | None] | None = None
         self._rollout_tasks: dict[asyncio.Task[Any], tuple[_GroupState, int]] = {}
         self._score_tasks: dict[asyncio.Task[Any], _GroupState] = {}
-        self._done: collections.deque[asyncio.Task[Any]] = collections.deque()
-        self._wake = asyncio.Event()
-        self._stopped = asyncio.Event()
-        self._stop_requested = False
-        self._running = False
         self._exhausted = False
-        self._failure: BaseException | None = None
         self._next_stats_at = -float("inf")
         self._stats_available = True
         self._generated_tokens_unreported = 0
         self._rate_window_start = clock()
 
     # ---- hooks --------------------------------------------------------------------------------------------
-
-    async def setup(self) -> None:
-        """Create resources on the loop's event loop (called by `run()` before anything else)."""
-
-    async def close(self) -> None:
-        """Release what `setup` created (called by `run()` on the way out, also after an error)."""
 
     def filter_prompt(self, row_index: int, row: Mapping[str, Any], epoch: int) -> bool:
         """Whether to generate for this prompt (once per lease). A rejected prompt is released with reason
@@ -520,65 +509,13 @@ class AsyncRolloutLoop:
         """The policy version groups started from now on are stamped with."""
         self.policy_version = int(version)
 
-    async def run(self) -> None:
-        """Run until `stop()`, until the prompt source is exhausted and every group is done, or a failure
-        (re-raised here and by `check_health`)."""
-        if self._running:
-            raise RuntimeError("AsyncRolloutLoop.run() is already running")
-        self._running = True
-        self._stopped.clear()
-        try:
-            await self.setup()
-            try:
-                await self._loop()
-            finally:
-                await self._cancel_everything()
-                try:
-                    await self.close()
-                finally:
-                    self._shutdown_tool_executor()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._failure = exc
-            logger.error("rollout loop failed: %s: %s", type(exc).__name__, exc)
-            raise
-        finally:
-            self._running = False
-            self._stopped.set()
+    def _after_close(self) -> None:
+        self._shutdown_tool_executor()
 
     def _shutdown_tool_executor(self) -> None:
         if self._tool_executor is not None:
             self._tool_executor.shutdown(wait=False, cancel_futures=True)
             self._tool_executor = None
-
-    async def stop(self) -> None:
-        """Stop: cancel and await in-flight work, release unfinished leases ("cancelled"); returns when
-        `run()` has ended. A stopped loop stays stopped."""
-        self._stop_requested = True
-        self._wake.set()
-        if self._running:
-            await self._stopped.wait()
-
-    def check_health(self, stale_after_s: float | None = None) -> None:
-        """Raise `RuntimeError` if the loop failed (chained to the error) or, while running, its heartbeat is
-        older than `stale_after_s` (default `args.rollout_worker_timeout`)."""
-        if self._failure is not None:
-            raise RuntimeError(
-                f"the rollout loop failed: {type(self._failure).__name__}: {self._failure}"
-            ) from self._failure
-        if stale_after_s is None:
-            stale_after_s = getattr(self.args, "rollout_worker_timeout", None)
-        if self._running and stale_after_s is not None:
-            age = self._wall_clock() - self.heartbeat
-            if age > stale_after_s:
-                raise RuntimeError(
-                    f"the rollout loop's heartbeat is {age:.0f} s old (> {stale_after_s} s): the loop is hung"
-                )
-
-    @property
-    def is_running(self) -> bool:
-        return self._running
 
     @property
     def num_inflight(self) -> int:
@@ -603,25 +540,6 @@ class AsyncRolloutLoop:
             if self._exhausted and not (self._rollout_tasks or self._score_tasks or self._starter):
                 return
             await self._wait_for_news()
-
-    async def _wait_for_news(self) -> None:
-        """Until a task finishes, `stop()` is called, or the heartbeat interval passes."""
-        if not self._wake.is_set():
-            try:
-                async with asyncio.timeout(self.heartbeat_interval_s):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-        self._wake.clear()
-
-    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coroutine)
-        task.add_done_callback(self._on_task_done)
-        return task
-
-    def _on_task_done(self, task: asyncio.Task[Any]) -> None:
-        self._done.append(task)
-        self._wake.set()
 
     def _dispatch(self) -> None:
         """Start rollouts while slots are free; start the next group when the current one is dispatched."""
@@ -976,9 +894,6 @@ class AsyncRolloutLoop:
         self._dispatching = None
         self._done.clear()
 
-    def _emit(self, items: list[tuple[str, MetricValue]]) -> None:
-        if items:
-            self._metrics_callback(items)
 
 
 def build_training_sequences(
