@@ -1,17 +1,10 @@
 """`AsyncDistillationConfig`: TRL 1.16's field names and defaults for on-policy distillation (SPEC §10.3, §11).
 
-A plain dataclass like `AsyncGRPOConfig`, loaded the same way (`load_config(path, overrides,
-config_class=AsyncDistillationConfig)`), with validation in `__post_init__` naming the field and the fix.
-
-Sharing with GRPO: `AsyncGRPOConfig` has no common base class (and GRPO-only fields such as `num_generations`,
-`epsilon` or its `top_p`-needs-`top_k` rule do not apply here), so this config reuses `rlasync.config.grpo`'s
-pieces by import instead: `ClusterConfig`, the dtype / scheduler choices, the JSON-dict parsing and the numeric
-checks. The run/optimisation fields repeat GRPO's names and defaults except where SPEC §10.3 differs
-(`lr_scheduler_type` stays transformers' "linear"; `vllm_server_timeout` is 240 s). If a shared base is ever
-factored out of `grpo.py`, the run/model fields below are the part to move there.
-
-Dict-valued fields also accept a JSON object string, from Python and through the YAML/`--set` loader alike (their
-annotations include `str` so the loader passes the string on to `__post_init__`, which parses it).
+The run, optimisation, model, sampling and actor-system fields and their checks come from `TrainerConfig`
+(`rlasync.config.base`), shared with `AsyncGRPOConfig`; this class adds the teachers, the loss and the distillation
+worker's knobs, and keeps SPEC §10.3's defaults where they differ from GRPO's (`lr_scheduler_type` stays
+transformers' "linear"; `vllm_server_timeout` is 240 s). Loaded the same way (`load_config(path, overrides,
+config_class=AsyncDistillationConfig)`); dict-valued fields also accept a JSON object string.
 
 Imports neither torch nor ray.
 """
@@ -20,18 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from rlasync.config.grpo import (
-    DTYPES,
-    JSON_DICT_FIELDS,
-    LR_SCHEDULERS,
-    ClusterConfig,
-    _at_least,
-    _parse_json_dict,
-    _positive_int,
-)
+from rlasync.config.base import TrainerConfig, _parse_json_dict, _positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -39,63 +23,12 @@ DEFAULT_TEACHER_SERVER_URLS = {"default": "http://localhost:8001"}
 
 
 @dataclass
-class AsyncDistillationConfig:
+class AsyncDistillationConfig(TrainerConfig):
     """Configuration of asynchronous on-policy distillation (TRL's `AsyncDistillationConfig`, SPEC §10.3)."""
 
-    # ---- run and optimisation (TrainingArguments names) ----
-    output_dir: str | None = None
-    """Where checkpoints and `metrics.jsonl` go. `None` -> `trainer_output` (as transformers)."""
-    run_name: str | None = None
-    seed: int = 42
-    per_device_train_batch_size: int = 8
-    """Samples per rank per micro-batch (B) with a fixed-count batcher (`token_budget <= 0`)."""
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    optim: str = "adamw_torch"
     lr_scheduler_type: str = "linear"
     """Not overridden (transformers' linear decay): its horizon is `max_steps`, or the epoch ceiling
     ⌈num_train_epochs × len(dataset) / samples_per_step⌉ when `max_steps = -1`."""
-    lr_scheduler_kwargs: dict[str, Any] | str | None = None
-    warmup_steps: float = 0
-    num_train_epochs: float = 3.0
-    max_steps: int = -1
-    logging_steps: int = 1
-    save_steps: int = 500
-    save_total_limit: int | None = None
-    report_to: str | list[str] = "none"
-    bf16: bool | None = None
-    """Mixed precision in bf16; `None` -> True unless `fp16` (TRL's default)."""
-    fp16: bool = False
-    gradient_checkpointing: bool = True
-    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
-    ignore_data_skip: bool = True
-    """Forced True: resume continues at the first untrained prompt."""
-    use_liger_kernel: bool = False
-
-    # ---- student model ----
-    model_init_kwargs: dict[str, Any] | str | None = None
-    """Keyword arguments for the student's `from_pretrained` (dict or JSON string); its `dtype` wins over `dtype`."""
-    dtype: str = "float32"
-    """Student dtype: one of auto, bfloat16, float16, float32 (teachers are unaffected)."""
-    trust_remote_code: bool = False
-
-    # ---- student generation ----
-    max_completion_length: int = 2048
-    """`max_tokens` of each student request."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 disables top-k."""
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    chat_template_kwargs: dict[str, Any] | str | None = None
-    vllm_server_base_url: str = "http://localhost:8000"
-    """Student server (generation and weight updates)."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the student server to become ready."""
 
@@ -118,79 +51,28 @@ class AsyncDistillationConfig:
     add_tail_bucket: bool = True
     """Append an element holding the mass outside the reported support (else renormalise over the support)."""
 
-    # ---- batching and asynchrony ----
-    token_budget: int | None = None
-    """Raw tokens per packed row; `None` -> the student server's `max_model_len`; `<= 0` -> a fixed count of
-    `per_device_train_batch_size` samples per rank."""
+    # ---- the distillation worker ----
     max_inflight_tasks: int = -1
     """Concurrent generate-and-score tasks; `< 0` -> max(max_staleness, 1) × B × GA × P."""
-    max_staleness: int = 4
     queue_maxsize: int = 1024
-    weight_sync_steps: int = 1
     heartbeat_stale_after_s: float = 300.0
-    log_completions: bool = False
     log_completions_steps: int = 100
     """Scored samples between two printed completions."""
-    num_completions_to_print: int | None = None
 
-    # ---- actor system (rlasync) ----
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-
-    def __post_init__(self) -> None:
-        for name in JSON_DICT_FIELDS:
-            setattr(self, name, _parse_json_dict(name, getattr(self, name)))
+    def _normalize(self) -> None:
+        super()._normalize()
         self.teacher_server_urls = _parse_json_dict("teacher_server_urls", self.teacher_server_urls)
         if self.teacher_server_urls is None:
             self.teacher_server_urls = dict(DEFAULT_TEACHER_SERVER_URLS)
-        if isinstance(self.report_to, str):
-            self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
-        if self.bf16 is None:
-            self.bf16 = not self.fp16
-        if isinstance(self.cluster, dict):
-            self.cluster = ClusterConfig(**self.cluster)
-        if self.output_dir is None:
-            self.output_dir = "trainer_output"
-        self._check_run()
-        self._check_sampling()
+
+    def _validate(self) -> None:
+        super()._validate()
         self._check_teachers()
         self._check_loss()
-        self._check_async()
-
-    # One rule group per method; each error names the field and the fix.
-    def _check_run(self) -> None:
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):
-            _positive_int(self, name)
-        for name in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps"):
-            _at_least(self, name, 0.0)
-        if self.max_steps == 0 or self.max_steps < -1:
-            raise ValueError(f"max_steps={self.max_steps}: use a positive step count, or -1 to run num_train_epochs")
-        if self.max_steps == -1 and not self.num_train_epochs > 0:
-            raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1: set one of them positive")
-        if self.lr_scheduler_type not in LR_SCHEDULERS:
-            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose one of {', '.join(LR_SCHEDULERS)}")
-        if self.bf16 and self.fp16:
-            raise ValueError("bf16=True and fp16=True: choose one mixed-precision mode")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.use_liger_kernel:
-            raise NotImplementedError("use_liger_kernel=True: Liger kernels are not supported; set use_liger_kernel=False")
-        if not self.ignore_data_skip:
-            logger.warning("ignore_data_skip=False is ignored: resume continues at the first untrained prompt")
-            self.ignore_data_skip = True
 
     def _check_sampling(self) -> None:
-        _positive_int(self, "max_completion_length")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0 (use a small value such as 1e-3 for near-greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 disables top-k)")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p}: must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty}: must be > 0 (1.0 disables it)")
-        for name in ("vllm_server_timeout", "request_timeout", "weight_sync_timeout"):
+        super()._check_sampling()
+        for name in ("request_timeout", "weight_sync_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
 
@@ -218,16 +100,13 @@ class AsyncDistillationConfig:
             logger.info("teacher_top_k=%d > 20: the teacher servers need --max-logprobs -1", value)
 
     def _check_async(self) -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness={self.max_staleness}: must be >= 0 (0 = fully on-policy)")
+        super()._check_async()
         if self.max_inflight_tasks == 0:
             raise ValueError("max_inflight_tasks=0: use a positive task count, or -1 for max(max_staleness, 1) × B × GA × P")
-        for name in ("queue_maxsize", "weight_sync_steps", "log_completions_steps"):
+        for name in ("queue_maxsize", "log_completions_steps"):
             _positive_int(self, name)
         if not self.heartbeat_stale_after_s > 0:
             raise ValueError(f"heartbeat_stale_after_s={self.heartbeat_stale_after_s}: must be > 0 seconds")
-        if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
-            raise ValueError(f"num_completions_to_print={self.num_completions_to_print}: must be >= 0 or None")
 
     # ---- derived values ----
     @property
@@ -244,10 +123,6 @@ class AsyncDistillationConfig:
         """More than one teacher: MOPD routing by each row's `teacher_id`."""
         return self.num_teachers > 1
 
-    def samples_per_step(self, num_processes: int = 1) -> int:
-        """B × GA × P: samples per optimizer step."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * num_processes
-
     def resolved_max_inflight_tasks(self, num_processes: int = 1) -> int:
         """`max_inflight_tasks`, or max(max_staleness, 1) × B × GA × P when it is negative."""
         if self.max_inflight_tasks > 0:
@@ -260,9 +135,6 @@ class AsyncDistillationConfig:
         if self.max_steps > 0:
             return self.max_steps
         return max(1, math.ceil(self.num_train_epochs * dataset_size / self.samples_per_step(num_processes)))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 __all__ = ["DEFAULT_TEACHER_SERVER_URLS", "AsyncDistillationConfig"]

@@ -11,187 +11,40 @@ This module imports neither torch nor ray: a config can be checked on any machin
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
+
+from rlasync.config.base import (  # noqa: F401 - re-exported: these lived here first
+    DTYPES,
+    ENGINES,
+    JSON_DICT_FIELDS,
+    LR_SCHEDULERS,
+    WEIGHT_SYNC_BACKENDS,
+    ClusterConfig,
+    TrainerConfig,
+    _at_least,
+    _parse_json_dict,
+    _positive_int,
+)
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-LR_SCHEDULERS = (
-    "constant",
-    "constant_with_warmup",
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "cosine_with_min_lr",
-    "polynomial",
-    "inverse_sqrt",
-    "warmup_stable_decay",
-)
-WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "ipc")
-ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
-JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
-
 
 @dataclass
-class ClusterConfig:
-    """How many of each actor the trainer starts and what each asks Ray for (the `cluster` section).
+class AsyncGRPOConfig(TrainerConfig):
+    """Configuration of asynchronous GRPO. Field names and defaults follow TRL's `AsyncGRPOConfig`; the run,
+    optimisation, model, sampling and actor-system fields come from `TrainerConfig`."""
 
-    The defaults fit a 2-core CPU machine: fractional `num_cpus` so every actor schedules at once.
-    """
-
-    num_rollout_actors: int = 1
-    num_generation_actors: int = 1
-    num_learners: int = 1
-    num_reward_actors: int = 0
-    """RewardActors running the reward functions; 0 = each rollout actor runs them itself."""
-    reward_num_cpus: float = 0.1
-    rollout_num_cpus: float = 0.25
-    generation_num_cpus: float = 0.5
-    generation_num_gpus: float = 0.0
-    learner_num_cpus: float = 0.5
-    learner_num_gpus: float = 0.0
-    queue_num_cpus: float = 0.1
-    collective_timeout_s: float = 300.0
-    """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
-    weight_sync_backend: str = "auto"
-    """Weight broadcast transport: "auto" (NCCL when learner rank 0 and every engine hold distinct GPUs, else gloo
-    through the CPU, with a warning when a GPU is involved), "nccl" (an error where it cannot work), "gloo", or "ipc"
-    (learner rank 0 and every engine on one host and one device: the weights are shared by CUDA IPC handle, or
-    through shared memory on the CPU, instead of through a process group)."""
-    weight_sync_bucket_mb: float = 256.0
-    """Parameters are broadcast in flat buckets of at most this many MiB (a larger parameter goes alone)."""
-    weight_sync_staging_mb: float = 2048.0
-    """Up to this many MiB of a weight sync are received while the engine still generates (held in the receive
-    buffers until it has paused), so the transfer overlaps the wait for its step in flight; 0 = pause first."""
-    engine: str = "torch"
-    """Generation engine of each GenerationActor: "torch" (built-in), "vllm" (vLLM's AsyncLLM inside the actor, on its
-    GPU; `pip install 'rlasync[vllm]'`) or "vllm_server" (a client of an external `vllm serve` at `vllm_server_url`)."""
-    engine_kwargs: dict[str, Any] | None = None
-    """Extra keyword arguments of the engine (TorchEngine: e.g. `{max_num_seqs: 64, kv_cache_tokens: 8192}`;
-    vllm: `VLLMEngine`'s, e.g. `{gpu_memory_utilization: 0.3}`; vllm_server: `VLLMServerEngine`'s)."""
-    vllm_server_url: str | None = None
-    """Base URL of `vllm serve` (e.g. http://10.0.0.5:8000) when `engine` is "vllm_server"."""
-    ray_address: str | None = None
-    """Join this Ray cluster (else `RAY_ADDRESS`, else an existing `ray.init`, else a new local cluster)."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_rollout_actors", "num_generation_actors", "num_learners"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"cluster.{name}={value!r}: must be a positive integer")
-        reward_actors = self.num_reward_actors
-        if isinstance(reward_actors, bool) or not isinstance(reward_actors, int) or reward_actors < 0:
-            raise ValueError(f"cluster.num_reward_actors={self.num_reward_actors!r}: must be an integer >= 0")
-        for name in ("rollout_num_cpus", "generation_num_cpus", "generation_num_gpus", "learner_num_cpus",
-                     "learner_num_gpus", "queue_num_cpus", "reward_num_cpus"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")
-        if not self.collective_timeout_s > 0:
-            raise ValueError(f"cluster.collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
-        if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
-            raise ValueError(
-                f"cluster.weight_sync_backend={self.weight_sync_backend!r}: choose one of {', '.join(WEIGHT_SYNC_BACKENDS)}"
-            )
-        if isinstance(self.weight_sync_bucket_mb, bool) or not self.weight_sync_bucket_mb > 0:
-            raise ValueError(f"cluster.weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: must be > 0 MiB")
-        if isinstance(self.weight_sync_staging_mb, bool) or not self.weight_sync_staging_mb >= 0:
-            raise ValueError(f"cluster.weight_sync_staging_mb={self.weight_sync_staging_mb!r}: must be >= 0 MiB")
-        if isinstance(self.engine_kwargs, str):
-            self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
-        if self.engine not in ENGINES:
-            raise ValueError(f"cluster.engine={self.engine!r}: must be one of {', '.join(ENGINES)}")
-        if self.engine == "vllm_server":
-            if not self.vllm_server_url:
-                raise ValueError(
-                    "cluster.vllm_server_url is required with cluster.engine='vllm_server' (e.g. http://host:8000)"
-                )
-            if not str(self.vllm_server_url).startswith(("http://", "https://")):
-                raise ValueError(f"cluster.vllm_server_url={self.vllm_server_url!r}: must start with http:// or https://")
-        elif self.vllm_server_url is not None:
-            raise ValueError(
-                f"cluster.vllm_server_url is set but cluster.engine={self.engine!r}: set cluster.engine='vllm_server'"
-            )
-
-
-@dataclass
-class AsyncGRPOConfig:
-    """Configuration of asynchronous GRPO. Field names and defaults follow TRL's `AsyncGRPOConfig`."""
-
-    # ---- run and optimisation (TrainingArguments names; TRL's GRPO defaults where they differ) ----
-    output_dir: str | None = None
-    """Where checkpoints and `metrics.jsonl` go. `None` -> `trainer_output` (as transformers)."""
-    run_name: str | None = None
-    seed: int = 42
-    per_device_train_batch_size: int = 8
-    """Samples per rank per micro-batch (B). With a token budget the planner fills rows by tokens instead."""
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    optim: str = "adamw_torch"
-    lr_scheduler_type: str = "constant"
-    """The step count is unknown up front (infinite stream), so decay only with an explicit `max_steps`."""
-    lr_scheduler_kwargs: dict[str, Any] | None = None
-    warmup_steps: float = 0
-    """Warmup optimizer steps; a value in (0, 1) is a fraction of `max_steps` (as transformers 5)."""
-    num_train_epochs: float = 3.0
-    max_steps: int = -1
-    """Stop after this many optimizer steps; `-1` = stop after `num_train_epochs` over the dataset."""
-    logging_steps: int = 1
-    save_steps: int = 500
-    save_total_limit: int | None = None
-    report_to: str | list[str] = "none"
-    """Metric sinks besides `<output_dir>/metrics.jsonl`: "tensorboard", "wandb", "all" or "none"."""
-    bf16: bool | None = None
-    """Mixed precision in bf16; `None` -> True unless `fp16` (TRL's default). On a GPU with float32 trainer weights
-    the learner computes in bf16 over float32 master weights, and the engines run in bf16."""
-    fp16: bool = False
-    """Accepted for TRL compatibility (it turns `bf16` off); fp16 mixed precision itself is not implemented: the
-    learner then trains in its `dtype` (a warning says so on a GPU)."""
-    gradient_checkpointing: bool = True
-    gradient_checkpointing_kwargs: dict[str, Any] | None = None
     remove_unused_columns: bool = False
     """Must stay False: every dataset column reaches the reward functions."""
-    ignore_data_skip: bool = True
-    """Forced True: resume continues at the first untrained prompt, not by skipping batches."""
-    use_liger_kernel: bool = False
-
-    # ---- model ----
-    model_init_kwargs: dict[str, Any] | None = None
-    """Keyword arguments for `from_pretrained` (dict or JSON string); its `dtype` wins over `dtype`."""
-    dtype: str = "float32"
-    """Trainer dtype: one of auto, bfloat16, float16, float32 (float32: the sampler/trainer mismatch is
-    sensitive to trainer precision)."""
-    trust_remote_code: bool = False
     router_aux_loss_coef: float | None = None
     """MoE load-balancing loss coefficient; `None` -> the model config's value (0 if absent)."""
 
     # ---- generation ----
     num_generations: int = 8
     """G: rollouts per prompt (a group)."""
-    max_completion_length: int = 2048
-    """`max_tokens` of each generation request (per turn)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    """In (0, 1]; below 1 needs `top_k` (the candidate set of each token is stored, at most top_k ids)."""
-    top_k: int = 0
-    """0 disables top-k."""
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    chat_template_kwargs: dict[str, Any] | None = None
     max_tool_calling_iterations: int | None = None
-    vllm_server_base_url: str = "http://localhost:8000"
-    """TRL's name for the `vllm serve` address: used when `cluster.engine="vllm_server"` and `cluster.vllm_server_url`
-    is not set."""
-    vllm_server_timeout: float = 1800.0
-    """Seconds: server readiness, each generation request (retried on timeout) and each weight-sync call."""
 
     # ---- loss ----
     epsilon: float = 0.2
@@ -206,68 +59,21 @@ class AsyncGRPOConfig:
     """rlasync switch for SPEC §5.3's open question: a sampled token masked by the IS bounds keeps its
     centring term ("keep", the derivation) or is removed from the loss entirely ("drop")."""
 
-    # ---- batching and asynchrony ----
-    token_budget: int | None = None
-    """Unique tokens (and loss terms) per packed row; `None` -> the engine's `max_model_len`;
-    `<= 0` -> a fixed count of `per_device_train_batch_size` samples per rank."""
+    # ---- asynchrony ----
     max_concurrent_rollouts: int = 512
-    max_staleness: int = 4
-    """Drop samples produced more than this many weight versions ago; generation is held to it."""
-    weight_sync_steps: int = 1
     rollout_worker_timeout: float = 300.0
-    log_completions: bool = False
-    num_completions_to_print: int | None = None
 
-    # ---- actor system (rlasync) ----
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    """Actor counts and resources (see `ClusterConfig`); `--set cluster.num_learners=2`."""
-
-    def __post_init__(self) -> None:
-        for name in JSON_DICT_FIELDS:
-            setattr(self, name, _parse_json_dict(name, getattr(self, name)))
-        if isinstance(self.report_to, str):
-            self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
-        if self.bf16 is None:
-            self.bf16 = not self.fp16
-        if isinstance(self.cluster, dict):
-            self.cluster = ClusterConfig(**self.cluster)
-        if self.output_dir is None:
-            self.output_dir = "trainer_output"
-        self._check_run()
-        self._check_sampling()
+    def _validate(self) -> None:
+        super()._validate()
         self._check_loss()
-        self._check_async()
 
-    # One rule group per method; each error names the field and the fix.
     def _check_run(self) -> None:
-        _positive_int(self, "per_device_train_batch_size")
-        _positive_int(self, "gradient_accumulation_steps")
-        _positive_int(self, "logging_steps")
-        _positive_int(self, "save_steps")
-        _at_least(self, "learning_rate", 0.0)
-        _at_least(self, "weight_decay", 0.0)
-        _at_least(self, "max_grad_norm", 0.0)
-        _at_least(self, "warmup_steps", 0.0)
-        if self.max_steps == 0 or self.max_steps < -1:
-            raise ValueError(f"max_steps={self.max_steps}: use a positive step count, or -1 to run num_train_epochs")
-        if self.max_steps == -1 and not self.num_train_epochs > 0:
-            raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1: set one of them positive")
-        if self.lr_scheduler_type not in LR_SCHEDULERS:
-            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose one of {', '.join(LR_SCHEDULERS)}")
-        if self.bf16 and self.fp16:
-            raise ValueError("bf16=True and fp16=True: choose one mixed-precision mode")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.use_liger_kernel:
-            raise NotImplementedError("use_liger_kernel=True: Liger kernels are not supported; set use_liger_kernel=False")
+        super()._check_run()
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True: every dataset column must reach the reward functions; "
                 "set remove_unused_columns=False"
             )
-        if not self.ignore_data_skip:
-            logger.warning("ignore_data_skip=False is ignored: resume continues at the first untrained prompt")
-            self.ignore_data_skip = True
         if self.router_aux_loss_coef is not None:
             _at_least(self, "router_aux_loss_coef", 0.0)
 
@@ -277,29 +83,16 @@ class AsyncGRPOConfig:
             raise ValueError(
                 f"num_generations={self.num_generations}: GRPO compares rollouts within a group, use at least 2"
             )
-        _positive_int(self, "max_completion_length")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0 (use a small value such as 1e-3 for near-greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 disables top-k)")
+        super()._check_sampling()
         if self.top_p < 1 and self.top_k == 0:
             raise ValueError(
                 f"top_p={self.top_p} needs top_k > 0: the candidate set of each sampled token is stored for "
                 "unbiased importance sampling and is at most top_k wide; set top_k (e.g. top_k=50)"
             )
-        if self.min_p is not None:
-            if not 0 <= self.min_p <= 1:
-                raise ValueError(f"min_p={self.min_p}: must be in [0, 1]")
-            if self.min_p > 0 and self.top_k == 0:
-                raise ValueError(f"min_p={self.min_p} needs top_k > 0 (the stored candidate set); set top_k")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty}: must be > 0 (1.0 disables it)")
+        if self.min_p is not None and self.min_p > 0 and self.top_k == 0:
+            raise ValueError(f"min_p={self.min_p} needs top_k > 0 (the stored candidate set); set top_k")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 0 or None")
-        if not self.vllm_server_timeout > 0:
-            raise ValueError(f"vllm_server_timeout={self.vllm_server_timeout}: must be > 0 seconds")
 
     def _check_loss(self) -> None:
         _at_least(self, "epsilon", 0.0)
@@ -322,14 +115,10 @@ class AsyncGRPOConfig:
             raise ValueError(f"masked_token_centering={self.masked_token_centering!r}: choose 'keep' or 'drop'")
 
     def _check_async(self) -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness={self.max_staleness}: must be >= 0 (0 = fully on-policy)")
-        _positive_int(self, "weight_sync_steps")
+        super()._check_async()
         _positive_int(self, "max_concurrent_rollouts")
         if not self.rollout_worker_timeout > 0:
             raise ValueError(f"rollout_worker_timeout={self.rollout_worker_timeout}: must be > 0 seconds")
-        if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
-            raise ValueError(f"num_completions_to_print={self.num_completions_to_print}: must be >= 0 or None")
 
     # ---- derived values ----
     @property
@@ -340,39 +129,5 @@ class AsyncGRPOConfig:
     def effective_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
-    def samples_per_step(self, num_processes: int = 1) -> int:
-        """B x GA x P: samples per optimizer step."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * num_processes
 
-    def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        return asdict(self)
-
-
-def _parse_json_dict(name: str, value: Any) -> dict[str, Any] | None:
-    if value is None or isinstance(value, dict):
-        return value
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name}: {value!r} is not valid JSON; give a dict or a JSON object string") from exc
-        if isinstance(parsed, dict):
-            return parsed
-    raise ValueError(f"{name}: expected a dict or a JSON object string, got {type(value).__name__}")
-
-
-def _positive_int(config: Any, name: str) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
-
-
-def _at_least(config: Any, name: str, low: float) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < low:
-        raise ValueError(f"{name}={value!r}: must be a number >= {low}")
-
-
-__all__ = ["AsyncGRPOConfig", "DTYPES", "LR_SCHEDULERS"]
+__all__ = ["AsyncGRPOConfig", "ClusterConfig", "DTYPES", "LR_SCHEDULERS"]
