@@ -32,6 +32,7 @@ import numpy as np
 
 from rlasync.distill.samples import PAD_TEACHER_ID, PAD_TEACHER_LOGPROB, DistillationSample
 from rlasync.metrics import MetricValue
+from rlasync.packing.planner import FixedCountBatcher as PlannerFixedCountBatcher
 
 logger = logging.getLogger(__name__)
 
@@ -106,48 +107,16 @@ class DistillMicroBatch:
         return batch_metrics(self.rows, self.token_budget, dropped_oversize_count=self.dropped_oversize_count)
 
 
-class FixedCountBatcher:
+class FixedCountBatcher(PlannerFixedCountBatcher):
     """Micro-batches of exactly `microbatch_size` samples (B × P), split over the ranks by
-    `balance_by_squared_length`; emits when the buffer reaches that size. No budget: peak memory is unbounded."""
+    `balance_by_squared_length`; emits when the buffer reaches that size. No budget: peak memory is unbounded.
+    (GRPO's `rlasync.packing.FixedCountBatcher` with plain rows instead of prefix trees.)"""
 
     def __init__(self, num_ranks: int, microbatch_size: int) -> None:
-        if num_ranks < 1:
-            raise ValueError(f"FixedCountBatcher: num_ranks must be >= 1, got {num_ranks}")
-        if microbatch_size < num_ranks:
-            raise ValueError(
-                f"FixedCountBatcher: microbatch_size ({microbatch_size}) must be >= num_ranks ({num_ranks}) "
-                "so that every rank gets a sample"
-            )
-        self.num_ranks = num_ranks
-        self.microbatch_size = microbatch_size
-        self._buffer: list[DistillationSample] = []
+        super().__init__(num_ranks, microbatch_size, share_prefixes=False)
 
-    @property
-    def pending(self) -> list[DistillationSample]:
-        return list(self._buffer)
-
-    def take_pending(self) -> list[DistillationSample]:
-        samples, self._buffer = self._buffer, []
-        return samples
-
-    def push(self, sample: DistillationSample) -> list[DistillMicroBatch]:
-        """Buffer `sample`; return the micro-batch it completed (empty list or one micro-batch)."""
-        _check_not_empty(sample)
-        self._buffer.append(sample)
-        if len(self._buffer) < self.microbatch_size:
-            return []
-        return [DistillMicroBatch(balance_by_squared_length(self.take_pending(), self.num_ranks))]
-
-    def flush(self) -> DistillMicroBatch | None:
-        """A short micro-batch of the buffered samples; None (samples stay pending) with fewer than `num_ranks`."""
-        if len(self._buffer) < self.num_ranks:
-            return None
-        return DistillMicroBatch(balance_by_squared_length(self.take_pending(), self.num_ranks))
-
-    def plan(self, samples: Iterable[DistillationSample]) -> list[DistillMicroBatch]:
-        batches = [batch for sample in samples for batch in self.push(sample)]
-        last = self.flush()
-        return batches if last is None else [*batches, last]
+    def _make_batch(self, samples: list[Any]) -> DistillMicroBatch:
+        return DistillMicroBatch(balance_by_squared_length(samples, self.num_ranks))
 
 
 class TokenBudgetBatcher:

@@ -226,13 +226,17 @@ class FixedCountBatcher:
         self._buffer.append(sample)
         if len(self._buffer) < self.microbatch_size:
             return []
-        return [MicroBatch(balance_groups(self.take_pending(), self.num_ranks, self.share_prefixes))]
+        return [self._make_batch(self.take_pending())]
 
     def flush(self) -> MicroBatch | None:
         """Emit a short micro-batch of the buffered samples; None (samples stay pending) if fewer than ranks."""
         if len(self._buffer) < self.num_ranks:
             return None
-        return MicroBatch(balance_groups(self.take_pending(), self.num_ranks, self.share_prefixes))
+        return self._make_batch(self.take_pending())
+
+    def _make_batch(self, samples: list[Any]) -> Any:
+        """The micro-batch of `samples` split over the ranks (subclasses change how)."""
+        return MicroBatch(balance_groups(samples, self.num_ranks, self.share_prefixes))
 
     def plan(self, samples: Iterable[RolloutSample]) -> list[MicroBatch]:
         """Plan a finite list: every push, then a flush. Samples left over (< num_ranks) stay `pending`."""
