@@ -15,6 +15,7 @@ state dict is gathered; rank 0 writes it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -33,12 +34,18 @@ MODEL_PREFIX = "model."  # the TreeScorer's attribute holding the HF model: stri
 @ray.remote
 class LearnerActor:
     def __init__(self, *, rank: int, world_size: int, model: str, args: Any, token_budget: int,
-                 num_threads: int | None = 1) -> None:  # fmt: skip
+                 num_threads: int | None = 1, mode: str = "grpo", max_steps: int | None = None,
+                 teacher_ids: list[str] | None = None) -> None:  # fmt: skip
         import torch
 
         if num_threads and not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
+        if mode not in ("grpo", "distill"):
+            raise ValueError(f"LearnerActor mode={mode!r}: use 'grpo' or 'distill'")
         self.rank, self.world_size = rank, world_size
+        self.mode = mode  # "distill": DistillScorer + DistillLearnerStep on plain padding-free rows (SPEC §9.3, §9.5)
+        self.max_steps = max_steps  # the scheduler's horizon when the driver resolved it (distillation, max_steps=-1)
+        self.teacher_ids = list(teacher_ids or ["default"])  # distillation: stable order = teacher_id_idx
         self.model_path, self.args, self.token_budget = model, args, token_budget
         self.weight_group: Any = None
         self.shared: Any = None  # over "ipc": the buckets rank 0 shares until the engines copied them
@@ -98,27 +105,65 @@ class LearnerActor:
         self.wire_dtype = torch.bfloat16 if mixed else None
         # FSDP2 over the training group when there is one; the TreeScorer root either way, so optimizer and
         # checkpoint keys are the same for any number of ranks
+        scorer_cls = TreeScorer
+        if self.mode == "distill":
+            from rlasync.learner.distill import DistillScorer
+
+            scorer_cls = DistillScorer
         if self.world_size > 1:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
-            self.scorer = shard_for_training(self.model, mp_policy=policy)
+            self.scorer = shard_for_training(self.model, mp_policy=policy, scorer_cls=scorer_cls)
         else:
-            self.scorer = TreeScorer(self.model)
-        self.optimizer, self.scheduler = build_optimizer(self.scorer, OptimizerSettings.from_args(args))
+            self.scorer = scorer_cls(self.model)
+        settings = OptimizerSettings.from_args(args)
+        if self.max_steps is not None:
+            settings = dataclasses.replace(settings, max_steps=self.max_steps)
+        self.optimizer, self.scheduler = build_optimizer(self.scorer, settings)
         if resume_dir is not None:
             self._load_optimizer(Path(resume_dir))
-        self.step_core = LearnerStep(
-            self.scorer, self.optimizer, self.scheduler, LossConfig.from_args(args), temperature=args.temperature,
-            max_grad_norm=args.max_grad_norm, num_ranks=self.world_size, device=self.device,
-            clip_grad_norm=self._clip, autocast_dtype=torch.bfloat16 if mixed and self.world_size == 1 else None,
-        )  # fmt: skip
+        if self.mode == "distill":
+            self._setup_distill(mixed)
+        else:
+            self.step_core = LearnerStep(
+                self.scorer, self.optimizer, self.scheduler, LossConfig.from_args(args), temperature=args.temperature,
+                max_grad_norm=args.max_grad_norm, num_ranks=self.world_size, device=self.device,
+                clip_grad_norm=self._clip, autocast_dtype=torch.bfloat16 if mixed and self.world_size == 1 else None,
+            )  # fmt: skip
         return {
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "device": str(self.device),
             "sharded": self.world_size > 1,
             "mixed_precision": "bf16 compute, float32 master weights" if mixed else None,
         }
+
+    def _setup_distill(self, mixed: bool) -> None:
+        import torch
+
+        from rlasync.learner.distill import DistillLearnerStep
+        from rlasync.losses.distill import DistillLossConfig
+
+        args = self.args
+        self.step_core = DistillLearnerStep(
+            self.scorer, self.optimizer, self.scheduler, DistillLossConfig.from_args(args),
+            max_grad_norm=args.max_grad_norm, num_ranks=self.world_size, device=self.device,
+            teacher_ids=self.teacher_ids, clip_grad_norm=self._clip,
+            autocast_dtype=torch.bfloat16 if mixed and self.world_size == 1 else None,
+            reduce_stats=self._sum_stats if self.world_size > 1 else None,
+        )  # fmt: skip
+
+    def _sum_stats(self, stats: Any) -> Any:
+        """SUM all-reduce of the distillation statistics tensor over the training group, with the timeout."""
+        import torch.distributed as dist
+
+        from rlasync.weights.broadcast import wait_work
+
+        tensor = stats.to(self.device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        wait_work(work, self.timeout.total_seconds(), f"learner rank {self.rank}: distillation stats all-reduce",
+                  poll=self.device.type == "cuda")  # fmt: skip
+        return tensor.cpu()
 
     def _clip(self, max_norm: float) -> Any:
         import torch
@@ -163,6 +208,8 @@ class LearnerActor:
         started = time.perf_counter()
         samples = ray.get(refs, timeout=self.timeout.total_seconds())
         fetched = time.perf_counter()
+        if self.mode == "distill":
+            return self._train_step_distill(samples, started, fetched)
         batches = self._plan(samples)
         rows, terms, items = [], [], []
         forwarded = trained = 0
@@ -189,6 +236,55 @@ class LearnerActor:
             ("batch/samples_per_step", float(len(samples))),
             ("batch/groups_per_step", float(len(new_groups))),
         ]
+        fwd_bwd = float(reduced.get("perf/fwd_bwd_s", 0.0))
+        if fwd_bwd > 0:
+            items.append(("perf/forwarded_tok_s_fwd_bwd", (float(reduced["batch/forwarded_tokens_per_step"]), fwd_bwd)))
+        return items if self.rank == 0 else []
+
+    def _plan_distill(self, samples: list[Any]) -> list[Any]:
+        from rlasync.distill import FixedCountBatcher, TokenBudgetBatcher
+
+        if self.token_budget > 0:
+            batcher: Any = TokenBudgetBatcher(self.world_size, self.token_budget)
+        else:
+            batcher = FixedCountBatcher(self.world_size, self.args.per_device_train_batch_size * self.world_size)
+        batches = batcher.plan(samples)
+        if not batches:
+            raise ValueError(
+                f"the step's {len(samples)} distillation samples cannot fill one row per rank ({self.world_size}) "
+                f"within token_budget={self.token_budget}: raise token_budget or lower max_completion_length"
+            )
+        return batches
+
+    def _train_step_distill(self, samples: list[Any], started: float, fetched: float) -> list[tuple[str, Any]]:
+        """Plain padding-free rows (Σ L² balanced, SPEC §9.5), one per rank and micro-batch, then one step."""
+        from rlasync.learner import reduce_across_ranks
+        from rlasync.learner.distill import distill_row_tensors
+        from rlasync.learner.metrics import local_all_reduce
+
+        pad_id = getattr(self.model.config, "pad_token_id", None)
+        pad_id = 0 if pad_id is None else int(pad_id)
+        teacher_ids = self.teacher_ids if len(self.teacher_ids) > 1 else None
+        rows, items = [], []
+        forwarded = trained = 0
+        for batch in self._plan_distill(samples):
+            row = distill_row_tensors(batch.collate(pad_id, teacher_ids), self.rank, self.device)
+            rows.append(row)
+            forwarded += row.num_tokens
+            trained += row.num_trained_tokens
+            if self.rank == 0:
+                items += list(batch.metrics().items())  # planner metrics already cover every rank's rows
+        packed_at = time.perf_counter()
+        metrics = self.step_core.step(rows, rate_pairs=True)
+        metrics["perf/fetch_samples_s"] = fetched - started
+        metrics["perf/pack_s"] = packed_at - fetched
+        metrics["batch/forwarded_tokens_per_step"] = float(forwarded)
+        metrics["batch/trained_tokens_per_step"] = float(trained)
+        reduced = reduce_across_ranks(metrics, self._all_reduce if self.world_size > 1 else local_all_reduce)
+        new_prompts = {s.prompt_id for s in samples} - self.trained_groups
+        self.trained_groups |= new_prompts
+        items += list(reduced.items())
+        items += [("batch/samples_per_step", float(len(samples))), ("batch/prompts_per_step", float(len(new_prompts)))]
         fwd_bwd = float(reduced.get("perf/fwd_bwd_s", 0.0))
         if fwd_bwd > 0:
             items.append(("perf/forwarded_tok_s_fwd_bwd", (float(reduced["batch/forwarded_tokens_per_step"]), fwd_bwd)))

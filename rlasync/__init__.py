@@ -12,6 +12,10 @@ def __getattr__(name: str):  # lazy: `from rlasync import AsyncGRPOTrainer, Asyn
         from rlasync.trainers import AsyncGRPOTrainer
 
         return AsyncGRPOTrainer
+    if name == "AsyncDistillationTrainer":
+        from rlasync.trainers import AsyncDistillationTrainer
+
+        return AsyncDistillationTrainer
     if name == "AsyncGRPOConfig":
         from rlasync.config import AsyncGRPOConfig
 

@@ -1,5 +1,7 @@
-"""User-facing drivers: `AsyncGRPOTrainer` (the only core package, with `rlasync.cli`, that starts Ray, lazily)."""
+"""User-facing drivers: `AsyncGRPOTrainer` and `AsyncDistillationTrainer` (the only core package, with
+`rlasync.cli`, that starts Ray, lazily)."""
 
+from rlasync.trainers.distill import AsyncDistillationTrainer
 from rlasync.trainers.grpo import AsyncGRPOTrainer
 
-__all__ = ["AsyncGRPOTrainer"]
+__all__ = ["AsyncDistillationTrainer", "AsyncGRPOTrainer"]

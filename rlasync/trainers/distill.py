@@ -1,0 +1,276 @@
+"""`AsyncDistillationTrainer`: on-policy distillation (SPEC §9) on Ray actors, TRL's constructor.
+
+    trainer = AsyncDistillationTrainer(model="smollm2-135m-instruct", args=AsyncDistillationConfig(...),
+                                       train_dataset=dataset)                    # teachers: teacher_server_urls
+    trainer = AsyncDistillationTrainer(model=student, args=args, train_dataset=dataset,
+                                       teacher_model="Qwen/Qwen3-1.7B")          # or {teacher_id: path}: local teachers
+    trainer.train()                      # or train(resume_from_checkpoint=True / "out/checkpoint-20")
+
+The actors are GRPO's with two changes (DESIGN.md §1): the rollout side is a `DistillRolloutActor` (one
+`AsyncDistillationLoop`: student `generate` through the GenerationActors, teacher `score` through one
+`TeacherScorer` per teacher id), and the learners run in "distill" mode (`rlasync.learner.distill`: plain
+padding-free rows, Σ L² balanced, the JSD loss with the LM head). The queue, the staleness gate, the step loop,
+the weight sync to the student GenerationActors (teachers never receive weights), logging, checkpoints
+(`rollout_state.json` + model + optimizer) and resume are `AsyncGRPOTrainer`'s.
+
+Teachers: by default the `teacher_server_urls` (`vllm serve` teachers, the spec's deployment), each reached by a
+TeacherScorer holding a `vllm_server` client. For local runs and tests, `teacher_model` (a path, hub id or alias,
+or `{teacher_id: path}`) is hosted by TeacherScorers on the cluster's engine ("torch" on CPU or a GPU, or "vllm").
+All teachers must share the student's tokenizer (candidate ids index the student's vocabulary).
+
+The learning-rate schedule defaults to linear decay over `args.resolved_max_steps(len(train_dataset), P)` (SPEC
+§9.6: `max_steps`, else the epoch ceiling). Ray is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rlasync.config.distill import AsyncDistillationConfig
+from rlasync.data import validate_prompt_dataset
+from rlasync.distill import AsyncDistillationLoop
+from rlasync.trainers.grpo import AsyncGRPOTrainer, _read_step, _warn_once, _WeightSync, engine_dtype
+
+logger = logging.getLogger(__name__)
+
+LOCAL_TEACHER_ENGINES = ("torch", "vllm")
+
+
+class AsyncDistillationTrainer(AsyncGRPOTrainer):
+    """Asynchronous on-policy distillation (TRL's `AsyncDistillationTrainer` API). Subclass and set `loop_cls` (an
+    `AsyncDistillationLoop`) to customise the worker loop."""
+
+    loop_cls: type[AsyncDistillationLoop] = AsyncDistillationLoop  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        model: Any,
+        args: AsyncDistillationConfig | None = None,
+        train_dataset: Any = None,
+        teacher_model: str | Mapping[str, str] | None = None,
+        processing_class: Any = None,
+        callbacks: Sequence[Any] | None = None,
+        loop_cls: type[AsyncDistillationLoop] | None = None,
+    ) -> None:
+        self.args = args if args is not None else AsyncDistillationConfig()
+        if not isinstance(self.args, AsyncDistillationConfig):
+            raise ValueError(
+                f"args must be an AsyncDistillationConfig, got {type(self.args).__name__} (AsyncGRPOConfig belongs "
+                "to AsyncGRPOTrainer)"
+            )
+        if loop_cls is not None:
+            self.loop_cls = loop_cls
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required: pass a dataset with a 'prompt' column")
+        validate_prompt_dataset(train_dataset)
+        self.train_dataset = train_dataset
+        self.teachers = self._teacher_specs(teacher_model)
+        self.model = self._model_path(model)
+        self.processing_class = processing_class
+        self.callbacks = list(callbacks or [])
+        self.state: dict[str, Any] = {"global_step": 0, "policy_version": 0}
+        self.actor_ids: list[str] = []
+        self.tools = None
+        self.environment_factory = None
+        self.reward_funcs: list[Any] = []
+
+    # ---- setup --------------------------------------------------------------------------------------------------
+
+    def _teacher_specs(self, teacher_model: str | Mapping[str, str] | None) -> dict[str, dict[str, Any]]:
+        """teacher id -> the TeacherScorer's engine settings (`model`, `engine`, `base_url`), in stable order."""
+        if teacher_model is None:
+            return {
+                teacher_id: {"model": None, "engine": "vllm_server", "base_url": url}
+                for teacher_id, url in (self.args.teacher_server_urls or {}).items()
+            }
+        engine = self.args.cluster.engine if self.args.cluster.engine in LOCAL_TEACHER_ENGINES else "torch"
+        if isinstance(teacher_model, Mapping):
+            if not teacher_model:
+                raise ValueError("teacher_model={}: give at least one {teacher_id: model path} entry")
+            models = dict(teacher_model)
+        elif isinstance(teacher_model, str):
+            ids = self.args.teacher_ids
+            if len(ids) != 1:
+                raise ValueError(
+                    f"teacher_model is one model but teacher_server_urls names {len(ids)} teachers ({ids}): pass "
+                    "teacher_model as a {teacher_id: path} dict for several teachers"
+                )
+            models = {ids[0]: teacher_model}
+        else:
+            raise ValueError(
+                f"teacher_model must be a path, hub id or alias, or a {{teacher_id: path}} dict, got "
+                f"{type(teacher_model).__name__}"
+            )
+        for teacher_id, path in models.items():
+            if not isinstance(teacher_id, str) or not teacher_id or not isinstance(path, str) or not path:
+                raise ValueError(f"teacher_model: entry {teacher_id!r}: {path!r} must map a teacher id to a model path")
+        return {teacher_id: {"model": path, "engine": engine, "base_url": None} for teacher_id, path in models.items()}
+
+    @property
+    def teacher_ids(self) -> list[str]:
+        """Teacher ids in stable order (the learner's `teacher_id_idx` indices)."""
+        return list(self.teachers)
+
+    def _check_rollouts(self, ray: Any) -> None:
+        for index, rollout in enumerate(self._rollouts):
+            health = ray.get(rollout.health.remote(), timeout=60)
+            if health["error"]:
+                raise RuntimeError(f"distillation rollout actor {index} failed: {health['error']}")
+
+    # ---- the run ------------------------------------------------------------------------------------------------
+
+    def _train(self, ray: Any, resume_dir: str | None) -> dict[str, Any]:
+        from actors.distill_rollout import DistillRolloutActor
+        from actors.generation import GenerationActor
+        from actors.learner import LearnerActor
+        from actors.staleness_queue import QueueActor
+        from actors.teacher import TeacherScorer
+        from rlasync.metrics import MetricSink
+        from rlasync.metrics.sinks import build_sinks
+        from rlasync.model.registry import resolve_model
+        from rlasync.pipeline import initial_tokens_per_step, read_rollout_state
+        from rlasync.weights.broadcast import choose_backend
+
+        args, cluster = self.args, self.args.cluster
+        timeout = cluster.collective_timeout_s
+        model = resume_dir or resolve_model(self.model)
+        tokenizer = self.processing_class if self.processing_class is not None else self._tokenizer_path(model)
+        resume_state = read_rollout_state(resume_dir) if resume_dir else None
+        start_step = _read_step(resume_dir) if resume_dir else 0
+        version = resume_state.model_version if resume_state else 0
+
+        # the student's engines (they receive the weight syncs), then the teachers (scoring only, no weights)
+        server_url = cluster.vllm_server_url
+        if cluster.engine == "vllm_server" and server_url is None:
+            server_url = args.vllm_server_base_url
+        gens = [
+            self._spawn(GenerationActor, model=model, dtype=engine_dtype(args), engine_kwargs=cluster.engine_kwargs,
+                        engine=cluster.engine, vllm_server_url=server_url, num_cpus=cluster.generation_num_cpus,
+                        num_gpus=cluster.generation_num_gpus)
+            for _ in range(cluster.num_generation_actors)
+        ]  # fmt: skip
+        teachers = {
+            teacher_id: self._spawn(
+                TeacherScorer, teacher_id=teacher_id,
+                model=resolve_model(spec["model"]) if spec["model"] is not None else None, engine=spec["engine"],
+                base_url=spec["base_url"], engine_kwargs=cluster.engine_kwargs if spec["base_url"] is None else None,
+                num_cpus=cluster.generation_num_cpus, num_gpus=cluster.generation_num_gpus if spec["base_url"] is None
+                else 0.0,
+            )
+            for teacher_id, spec in self.teachers.items()
+        }  # fmt: skip
+        tempered = dict(zip(teachers, ray.get([t.accepts_temperature.remote() for t in teachers.values()],
+                                              timeout=timeout + 600)))  # fmt: skip
+        budget = args.token_budget
+        if budget is None:
+            budget = ray.get(gens[0].max_model_len.remote(), timeout=timeout)
+        num_learners = cluster.num_learners
+        if budget > 0:
+            tokens_per_step = initial_tokens_per_step(budget, num_learners, args.gradient_accumulation_steps)
+            samples_per_step = None
+        else:
+            samples_per_step = args.samples_per_step(num_learners)
+            tokens_per_step = samples_per_step * 256  # a first guess; finish_step corrects it after a step
+        horizon = args.resolved_max_steps(len(self.train_dataset), num_learners)
+        learners = [
+            self._spawn(LearnerActor, rank=rank, world_size=num_learners, model=model, args=args,
+                        token_budget=budget, mode="distill", max_steps=horizon, teacher_ids=self.teacher_ids,
+                        num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus)
+            for rank in range(num_learners)
+        ]  # fmt: skip
+        master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
+        ray.get([learner.setup.remote(master, timeout, resume_dir) for learner in learners], timeout=timeout + 600)
+
+        host, port = ray.get(learners[0].address.remote(), timeout=timeout)
+        world = 1 + len(gens)
+        infos = ray.get(
+            [learners[0].device_info.remote()] + [gen.device_info.remote() for gen in gens], timeout=timeout
+        )
+        backend, why_not_nccl = choose_backend(infos[0], infos[1:], cluster.weight_sync_backend)
+        if why_not_nccl:
+            _warn_once(f"weight sync: {why_not_nccl}")
+        bucket_bytes = max(1, int(cluster.weight_sync_bucket_mb * (1 << 20)))
+        ray.get(
+            [learners[0].join_weight_group.remote(host, port, world, timeout, backend, bucket_bytes)]
+            + [
+                gen.join_weight_group.remote(host, port, i + 1, world, timeout, backend, bucket_bytes)
+                for i, gen in enumerate(gens)
+            ],
+            timeout=timeout + 30,
+        )
+        manifest = ray.get(learners[0].manifest.remote(), timeout=timeout)
+
+        # epochs over distinct prompts: a group of one sample per row (SPEC §9.6)
+        num_epochs = None if args.max_steps > 0 else args.num_train_epochs
+        queue = self._spawn(
+            QueueActor, name=f"rlasync-distill-queue-{uuid.uuid4().hex[:8]}", num_rows=len(self.train_dataset),
+            num_epochs=num_epochs, max_staleness=args.max_staleness, tokens_per_step=tokens_per_step,
+            resume=resume_state.to_dict() if resume_state else None, num_cpus=cluster.queue_num_cpus,
+        )  # fmt: skip
+        staging = int(cluster.weight_sync_staging_mb * (1 << 20))
+        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout, staging, backend)
+        version = sync(version)  # cold sync: the first served policy is version + 1
+        self.state["policy_version"] = version
+
+        dataset_ref = ray.put(self.train_dataset)
+        inflight = args.resolved_max_inflight_tasks(num_learners)
+        per_actor = max(1, -(-inflight // cluster.num_rollout_actors))
+        self._rollouts = [
+            self._spawn(DistillRolloutActor, index=i, args=args, tokenizer=tokenizer, dataset=dataset_ref,
+                        queue=queue, students=gens, teachers=teachers, tempered=tempered, seed=args.seed,
+                        loop_cls=self.loop_cls, max_inflight_tasks=per_actor, num_cpus=cluster.rollout_num_cpus)
+            for i in range(cluster.num_rollout_actors)
+        ]  # fmt: skip
+        ray.get([rollout.start.remote() for rollout in self._rollouts], timeout=timeout + 600)
+
+        sinks = build_sinks(args.output_dir, args.report_to, max_steps=args.max_steps, run_name=args.run_name,
+                            config=args.to_dict())  # fmt: skip
+        window = MetricSink()
+        step = start_step
+        last_step_end: float | None = None
+        try:
+            while step < horizon:
+                refs, wait_s, take_items, tokens = self._take(ray, queue, tokens_per_step, samples_per_step)
+                if not refs:
+                    logger.info("the prompt stream is exhausted after %d steps", step)
+                    break
+                window.update(take_items)
+                window.add("perf/rollout_wait_s", wait_s)
+                self._event("on_step_begin")
+                items = ray.get([learner.train_step.remote(refs) for learner in learners], timeout=timeout + 3600)
+                window.update(items[0])
+                ray.get(queue.finish_step.remote(tokens), timeout=timeout)
+                step += 1
+                if step % args.weight_sync_steps == 0:
+                    version = sync(version)
+                    window.update(sync.timings)
+                self.state.update(global_step=step, policy_version=version)
+                self._event("on_step_end")
+                for rollout in self._rollouts:
+                    window.update(ray.get(rollout.drain_metrics.remote(), timeout=timeout))
+                now = time.perf_counter()
+                if last_step_end is not None:
+                    window.add("perf/step_s", now - last_step_end)
+                last_step_end = now
+                window.add("policy_version", float(version))
+                if step % args.logging_steps == 0:
+                    self._log(sinks, step, window.reduce())
+                if step % args.save_steps == 0:
+                    self._event("on_save", checkpoint=self._save(ray, learners, queue, step, tokenizer))
+            if len(window):
+                self._log(sinks, step, window.reduce())
+            if args.max_steps > 0 and step >= args.max_steps and step % args.save_steps != 0:
+                self._event("on_save", checkpoint=self._save(ray, learners, queue, step, tokenizer))
+            self.state["queue"] = ray.get(queue.state.remote(), timeout=timeout)
+            self._event("on_train_end")
+        finally:
+            for sink in sinks:
+                sink.close()
+        return dict(self.state)
+
+
+__all__ = ["AsyncDistillationTrainer"]
