@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _check_model(argv: Sequence[str]) -> int:
@@ -36,7 +37,9 @@ def _config(argv: Sequence[str]) -> int:
         if args.path is not None and any(key in (read_yaml(args.path) or {}) for key in RUN_KEYS):
             run = load_run(args.path, args.overrides)  # a run file: config plus model, dataset, reward_funcs
             resolved = {**run.config.to_dict(), "model": run.model, "dataset": run.dataset,
-                        "reward_funcs": run.reward_funcs}  # fmt: skip
+                        "reward_funcs": run.reward_funcs, "trainer": run.trainer}  # fmt: skip
+            if run.teacher_model is not None:
+                resolved["teacher_model"] = run.teacher_model
         else:
             resolved = load_config(args.path, args.overrides).to_dict()
     except ValueError as exc:
@@ -71,7 +74,8 @@ def _models(argv: Sequence[str]) -> int:
 def _train(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rlasync train",
-        description="Train with async GRPO from a run file (config fields + model, dataset, reward_funcs).",
+        description="Train with async GRPO (or, with `trainer: distillation`, on-policy distillation) from a run file "
+        "(config fields + model, dataset, reward_funcs / teacher_model).",
     )
     parser.add_argument("path", help="run file, e.g. configs/quickstart.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -88,12 +92,20 @@ def _train(argv: Sequence[str]) -> int:
     try:
         spec = load_run(args.path, args.overrides)
         dataset = spec.build_dataset()
-        reward_funcs = spec.build_reward_funcs()
-        from rlasync.trainers import AsyncGRPOTrainer
+        trainer: Any
+        if spec.trainer == "distillation":
+            from rlasync.trainers import AsyncDistillationTrainer
 
-        trainer = AsyncGRPOTrainer(
-            model=spec.model, reward_funcs=reward_funcs, args=spec.config, train_dataset=dataset
-        )
+            trainer = AsyncDistillationTrainer(
+                model=spec.model, args=spec.config, train_dataset=dataset, teacher_model=spec.teacher_model
+            )
+        else:
+            reward_funcs = spec.build_reward_funcs()
+            from rlasync.trainers import AsyncGRPOTrainer
+
+            trainer = AsyncGRPOTrainer(
+                model=spec.model, reward_funcs=reward_funcs, args=spec.config, train_dataset=dataset
+            )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,10 @@ A run file is a config (every `AsyncGRPOConfig` field, the `cluster` section inc
     dataset: {name: arithmetic, size: 2000, seed: 0, max_operand: 9}
     reward_funcs: [rlasync.rewards:last_number_reward]   # import strings "module:attribute"
 
+On-policy distillation: `trainer: distillation` makes the rest an `AsyncDistillationConfig` (SPEC §10.3) and the
+driver `AsyncDistillationTrainer`; `reward_funcs` is then not used, and an optional `teacher_model` (a path / alias,
+or `{teacher_id: path}`) hosts the teachers locally instead of reaching `teacher_server_urls`.
+
 `load_run(path, overrides)` applies dotted `key=value` overrides to the whole file (so `--set dataset.size=64`
 and `--set model=path/to/model` work too). Nothing here imports torch or ray; building the dataset imports
 `datasets` on use.
@@ -22,18 +26,22 @@ from typing import Any
 from rlasync.config.grpo import AsyncGRPOConfig
 from rlasync.config.load import apply_overrides, build_config, read_yaml
 
-RUN_KEYS = ("model", "dataset", "reward_funcs")
+RUN_KEYS = ("model", "dataset", "reward_funcs", "trainer", "teacher_model")
+TRAINERS = ("grpo", "distillation")
 DATASETS = ("arithmetic", "countdown", "json", "hub")
 
 
 @dataclass
 class RunSpec:
-    """A loaded run file: the model, the dataset spec, reward import strings and the config."""
+    """A loaded run file: the model, the dataset spec, reward import strings and the config (an
+    `AsyncDistillationConfig` when `trainer` is "distillation", with the optional local `teacher_model`)."""
 
     model: str
-    config: AsyncGRPOConfig
+    config: Any
     dataset: dict[str, Any] = field(default_factory=dict)
     reward_funcs: list[str] = field(default_factory=list)
+    trainer: str = "grpo"
+    teacher_model: str | dict[str, str] | None = None
 
     def build_dataset(self) -> Any:
         return build_dataset(self.dataset)
@@ -54,6 +62,17 @@ def load_run(
     model = data.pop("model", None)
     dataset = data.pop("dataset", None)
     rewards = data.pop("reward_funcs", None)
+    trainer = data.pop("trainer", "grpo")
+    teacher_model = data.pop("teacher_model", None)
+    if trainer not in TRAINERS:
+        raise ValueError(f"{where}trainer={trainer!r}: use one of {TRAINERS} (grpo is the default)")
+    if trainer == "distillation":
+        from rlasync.config.distill import AsyncDistillationConfig
+
+        if config_class is AsyncGRPOConfig:
+            config_class = AsyncDistillationConfig  # type: ignore[assignment]
+    elif teacher_model is not None:
+        raise ValueError(f"{where}`teacher_model:` is set but trainer is grpo: add `trainer: distillation`")
     config = build_config(data, config_class)
     if not isinstance(model, str) or not model:
         raise ValueError(f"{where}`model:` is missing: give a hub id, a local path or an alias (smollm2-135m-instruct)")
@@ -63,6 +82,14 @@ def load_run(
         raise ValueError(f"{where}`dataset:` must be a mapping with a `name` (one of {DATASETS}), got {dataset!r}")
     if dataset["name"] not in DATASETS:
         raise ValueError(f"{where}dataset.name={dataset['name']!r}: use one of {DATASETS}")
+    if trainer == "distillation":
+        if rewards:
+            raise ValueError(f"{where}`reward_funcs:` is not used by trainer: distillation (the teacher is the signal)")
+        if teacher_model is not None and not isinstance(teacher_model, str | Mapping):
+            raise ValueError(f"{where}`teacher_model:` must be a path / alias or a {{teacher_id: path}} mapping")
+        if isinstance(teacher_model, Mapping):
+            teacher_model = dict(teacher_model)
+        return RunSpec(model=model, config=config, dataset=dict(dataset), trainer=trainer, teacher_model=teacher_model)
     if isinstance(rewards, str):
         rewards = [rewards]
     if not rewards or not all(isinstance(r, str) and ":" in r for r in rewards):

@@ -56,3 +56,28 @@ def test_import_object_errors():
 def test_unknown_dataset_name():
     with pytest.raises(ValueError, match="dataset.name"):
         build_dataset({"name": "nope"})
+
+
+def test_distillation_run_file_selects_the_distillation_config(tmp_path):
+    from rlasync.config import AsyncDistillationConfig
+
+    text = "trainer: distillation\nmodel: tiny/student\nteacher_model: {math: tiny/teacher}\n"
+    text += "dataset: {name: arithmetic, size: 8, seed: 1}\nbeta: 0.5\nteacher_top_k: 4\n"
+    spec = load_run(write(tmp_path, text), ["max_steps=3"])
+    assert isinstance(spec.config, AsyncDistillationConfig) and spec.trainer == "distillation"
+    assert spec.config.beta == 0.5 and spec.config.max_steps == 3 and spec.teacher_model == {"math": "tiny/teacher"}
+    with pytest.raises(ValueError, match="reward_funcs"):
+        load_run(write(tmp_path, text + "reward_funcs: [rlasync.rewards:last_number_reward]\n"))
+    with pytest.raises(ValueError, match="trainer: distillation"):
+        load_run(write(tmp_path, RUN + "teacher_model: tiny/teacher\n"))
+    with pytest.raises(ValueError, match="trainer='ppo'"):
+        load_run(write(tmp_path, RUN + "trainer: ppo\n"))
+
+
+def test_distill_quickstart_config_loads():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "configs" / "distill_quickstart.yaml"
+    spec = load_run(path)
+    assert spec.trainer == "distillation" and spec.teacher_model == "smollm2-135m-instruct"
+    assert spec.config.teacher_ids == ["default"]
