@@ -1,6 +1,6 @@
 """RolloutActor: one `AsyncRolloutLoop` (or the trainer's `loop_cls`) wired to Ray handles.
 
-    queue actor ──next_group──► _QueuePromptSource.lease()  (the queue gates admission: OpenAdmission here)
+    queue actor ──next_group──► QueuePromptSource.lease() (actors/loop_host.py)  (the queue gates admission: OpenAdmission here)
     loop ──generate──► _RemoteEngine ──► GenerationActor handles
     loop ──reward_scorer──► _RewardPool ──► RewardActor handles (when the cluster has any; else the loop scores)
     loop ──put(GroupResult)──► _QueueSink: samples ray.put here, ObjectRefs + metadata to the queue
@@ -13,20 +13,16 @@ errors are the loop's own. Metrics are buffered as raw items and drained by the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-import time
-import traceback
 from typing import Any
 
 import ray
 
+from actors.loop_host import LoopHost, QueuePromptSource
 from rlasync.pipeline import QueueEntry
-from rlasync.rollout.loop import PromptLease
 
 logger = logging.getLogger(__name__)
-LEASE_POLL_S = 5.0
 
 
 class _RemoteEngine:
@@ -53,36 +49,8 @@ class _RewardPool:
         return handle.score.remote(**group)
 
 
-class _QueuePromptSource:
-    def __init__(self, actor: RolloutActor) -> None:
-        self.actor = actor
-        self.leases: dict[int, Any] = {}
-
-    async def lease(self) -> PromptLease | None:
-        waited = 0.0
-        size = self.actor.args.num_generations
-        while True:
-            answer = await self.actor.queue.next_group.remote(size, LEASE_POLL_S)
-            waited += answer.waited_s
-            if answer.lease is not None:
-                break
-            if answer.done:
-                return None
-        lease = answer.lease
-        self.actor.loop.update_policy_version(answer.policy_version)
-        self.leases[lease.group_id] = lease
-        return PromptLease(lease.group_id, lease.row_index, self.actor.dataset[lease.row_index], lease.epoch, waited)
-
-    async def release(self, lease: PromptLease, reason: str) -> None:
-        queue_lease = self.leases.pop(lease.group_id)
-        if reason in ("filtered", "failed"):  # "failed": the engine rejected the prompt; retrying cannot help
-            await self.actor.queue.drop_group.remote(lease.group_id, reason, 0)
-        else:  # "cancelled" (the loop is stopping): the prompt is leased again
-            await self.actor.queue.release.remote(queue_lease)
-
-
 class _QueueSink:
-    def __init__(self, actor: RolloutActor, source: _QueuePromptSource) -> None:
+    def __init__(self, actor: RolloutActor, source: QueuePromptSource) -> None:
         self.actor = actor
         self.source = source
 
@@ -96,7 +64,7 @@ class _QueueSink:
 
 
 @ray.remote
-class RolloutActor:
+class RolloutActor(LoopHost):
     def __init__(
         self, *, index: int, args: Any, tokenizer: Any, dataset: Any, reward_funcs: list[Any], queue: Any,
         engines: list[Any], loop_cls: type, seed: int = 0, reward_actors: list[Any] | None = None,
@@ -112,7 +80,7 @@ class RolloutActor:
         self.dataset = dataset
         self.queue = queue
         self.items: list[tuple[str, Any]] = []
-        source = _QueuePromptSource(self)
+        source = QueuePromptSource(self, args.num_generations)
         extra: dict[str, Any] = {}  # only when set: a loop_cls with a narrower __init__ keeps working without them
         if tools:
             extra["tools"] = tools
@@ -124,36 +92,3 @@ class RolloutActor:
             rng=random.Random(seed * 1_000_003 + index),
             reward_scorer=_RewardPool(reward_actors) if reward_actors else None, **extra,
         )
-        self.task: asyncio.Task | None = None
-        self.error: str | None = None
-
-    async def start(self) -> None:
-        self.task = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        try:
-            await self.loop.run()
-        except BaseException as exc:  # kept for health(): the driver raises it with its message
-            cause = exc
-            while cause.__cause__ is not None and isinstance(cause, RuntimeError):
-                cause = cause.__cause__
-            self.error = f"{type(cause).__name__}: {cause}"
-            logger.error("rollout actor %d failed:\n%s", self.index, traceback.format_exc())
-
-    def health(self) -> dict[str, Any]:
-        """`error` (a message) when the loop failed; else the heartbeat's age and whether the loop runs."""
-        if self.error is None:
-            try:
-                self.loop.check_health()
-            except RuntimeError as exc:
-                self.error = str(exc)
-        return {"error": self.error, "running": self.loop.is_running, "heartbeat_age_s": time.time() - self.loop.heartbeat}
-
-    def drain_metrics(self) -> list[tuple[str, Any]]:
-        items, self.items[:] = list(self.items), []
-        return items
-
-    async def stop(self) -> None:
-        await self.loop.stop()
-        if self.task is not None:
-            await asyncio.gather(self.task, return_exceptions=True)

@@ -6,12 +6,11 @@
 One actor per teacher id. The engine is `rlasync.engine.factory.make_engine(engine, model, ...)`: a local model
 (the built-in torch engine on CPU or the GPU Ray gives it, or vLLM in this process) or a client of a `vllm serve`
 teacher (`engine="vllm_server"`, `base_url` from `teacher_server_urls`). Teachers never receive weights, so this
-actor joins no weight-sync group. `temperature` is passed on only to an engine whose `score` takes it.
+actor joins no weight-sync group.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -32,26 +31,12 @@ class TeacherScorer:
             torch.set_num_threads(num_threads)
         self.teacher_id = teacher_id
         self.engine = make_engine(engine, model, base_url=base_url, dtype=dtype, **(engine_kwargs or {}))
-        try:
-            parameters = inspect.signature(self.engine.score).parameters
-        except (TypeError, ValueError):
-            parameters = {}
-        self._takes_temperature = "temperature" in parameters or any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
-        )
         self.num_scored = 0
 
-    def accepts_temperature(self) -> bool:
-        """Whether the engine's `score` takes `temperature=` (else its log-probs are at temperature 1)."""
-        return self._takes_temperature
-
-    async def score(
-        self, token_ids: list[int], prompt_length: int, top_k: int, temperature: float | None = None
-    ) -> Any:
+    async def score(self, token_ids: list[int], prompt_length: int, top_k: int, temperature: float = 1.0) -> Any:
+        """The engine's teacher-forced `score` at `temperature` (`teacher_temperature`)."""
         self.num_scored += 1
-        if temperature is not None and self._takes_temperature:
-            return await self.engine.score(token_ids, prompt_length, top_k, temperature=temperature)
-        return await self.engine.score(token_ids, prompt_length, top_k)
+        return await self.engine.score(token_ids, prompt_length, top_k, temperature=temperature)
 
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)

@@ -25,7 +25,6 @@ The learning-rate schedule defaults to linear decay over `args.resolved_max_step
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -129,8 +128,6 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
         from actors.learner import LearnerActor
         from actors.staleness_queue import QueueActor
         from actors.teacher import TeacherScorer
-        from rlasync.metrics import MetricSink
-        from rlasync.metrics.sinks import build_sinks
         from rlasync.model.registry import resolve_model
         from rlasync.pipeline import initial_tokens_per_step, read_rollout_state
         from rlasync.weights.broadcast import choose_backend
@@ -163,8 +160,7 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
             )
             for teacher_id, spec in self.teachers.items()
         }  # fmt: skip
-        tempered = dict(zip(teachers, ray.get([t.accepts_temperature.remote() for t in teachers.values()],
-                                              timeout=timeout + 600)))  # fmt: skip
+        ray.get([t.stats.remote() for t in teachers.values()], timeout=timeout + 600)  # built (or failed) by now
         budget = args.token_budget
         if budget is None:
             budget = ray.get(gens[0].max_model_len.remote(), timeout=timeout)
@@ -221,56 +217,15 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
         per_actor = max(1, -(-inflight // cluster.num_rollout_actors))
         self._rollouts = [
             self._spawn(DistillRolloutActor, index=i, args=args, tokenizer=tokenizer, dataset=dataset_ref,
-                        queue=queue, students=gens, teachers=teachers, tempered=tempered, seed=args.seed,
+                        queue=queue, students=gens, teachers=teachers, seed=args.seed,
                         loop_cls=self.loop_cls, max_inflight_tasks=per_actor, num_cpus=cluster.rollout_num_cpus)
             for i in range(cluster.num_rollout_actors)
         ]  # fmt: skip
         ray.get([rollout.start.remote() for rollout in self._rollouts], timeout=timeout + 600)
 
-        sinks = build_sinks(args.output_dir, args.report_to, max_steps=args.max_steps, run_name=args.run_name,
-                            config=args.to_dict())  # fmt: skip
-        window = MetricSink()
-        step = start_step
-        last_step_end: float | None = None
-        try:
-            while step < horizon:
-                refs, wait_s, take_items, tokens = self._take(ray, queue, tokens_per_step, samples_per_step)
-                if not refs:
-                    logger.info("the prompt stream is exhausted after %d steps", step)
-                    break
-                window.update(take_items)
-                window.add("perf/rollout_wait_s", wait_s)
-                self._event("on_step_begin")
-                items = ray.get([learner.train_step.remote(refs) for learner in learners], timeout=timeout + 3600)
-                window.update(items[0])
-                ray.get(queue.finish_step.remote(tokens), timeout=timeout)
-                step += 1
-                if step % args.weight_sync_steps == 0:
-                    version = sync(version)
-                    window.update(sync.timings)
-                self.state.update(global_step=step, policy_version=version)
-                self._event("on_step_end")
-                for rollout in self._rollouts:
-                    window.update(ray.get(rollout.drain_metrics.remote(), timeout=timeout))
-                now = time.perf_counter()
-                if last_step_end is not None:
-                    window.add("perf/step_s", now - last_step_end)
-                last_step_end = now
-                window.add("policy_version", float(version))
-                if step % args.logging_steps == 0:
-                    self._log(sinks, step, window.reduce())
-                if step % args.save_steps == 0:
-                    self._event("on_save", checkpoint=self._save(ray, learners, queue, step, tokenizer))
-            if len(window):
-                self._log(sinks, step, window.reduce())
-            if args.max_steps > 0 and step >= args.max_steps and step % args.save_steps != 0:
-                self._event("on_save", checkpoint=self._save(ray, learners, queue, step, tokenizer))
-            self.state["queue"] = ray.get(queue.state.remote(), timeout=timeout)
-            self._event("on_train_end")
-        finally:
-            for sink in sinks:
-                sink.close()
-        return dict(self.state)
+        return self._step_loop(ray, queue, learners, sync, tokenizer, start_step=start_step, version=version,
+                               tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, timeout=timeout,
+                               horizon=horizon)  # fmt: skip
 
 
 __all__ = ["AsyncDistillationTrainer"]

@@ -179,8 +179,6 @@ class AsyncGRPOTrainer:
         from actors.reward import RewardActor
         from actors.rollout import RolloutActor
         from actors.staleness_queue import QueueActor
-        from rlasync.metrics import MetricSink
-        from rlasync.metrics.sinks import build_sinks
         from rlasync.model.registry import resolve_model
         from rlasync.pipeline import initial_tokens_per_step, read_rollout_state
         from rlasync.weights.broadcast import choose_backend
@@ -266,13 +264,26 @@ class AsyncGRPOTrainer:
         ]  # fmt: skip
         ray.get([rollout.start.remote() for rollout in self._rollouts], timeout=timeout + 600)
 
+        return self._step_loop(ray, queue, learners, sync, tokenizer, start_step=start_step, version=version,
+                               tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, timeout=timeout,
+                               horizon=args.max_steps if args.max_steps > 0 else None)  # fmt: skip
+
+    def _step_loop(self, ray: Any, queue: Any, learners: list[Any], sync: Any, tokenizer: Any, *, start_step: int,
+                   version: int, tokens_per_step: int | None, samples_per_step: int | None, timeout: float,
+                   horizon: int | None) -> dict[str, Any]:  # fmt: skip
+        """take → learn → maybe sync → log → maybe checkpoint, until `horizon` steps (None: until the prompt stream
+        ends); the final window is logged and, at `max_steps`, a last checkpoint saved."""
+        from rlasync.metrics import MetricSink
+        from rlasync.metrics.sinks import build_sinks
+
+        args = self.args
         sinks = build_sinks(args.output_dir, args.report_to, max_steps=args.max_steps, run_name=args.run_name,
                             config=args.to_dict())  # fmt: skip
         window = MetricSink()
         step = start_step
         last_step_end: float | None = None
         try:
-            while args.max_steps <= 0 or step < args.max_steps:
+            while horizon is None or step < horizon:
                 refs, wait_s, take_items, tokens = self._take(ray, queue, tokens_per_step, samples_per_step)
                 if not refs:
                     logger.info("the prompt stream is exhausted after %d steps", step)
