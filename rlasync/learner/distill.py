@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlasync.learner.step import _partials
+from rlasync.learner.step import _partials, apply_update, step_metrics
 from rlasync.losses.distill import DistillLossConfig, distillation_metrics, distillation_row_loss, num_stats
 from rlasync.metrics import MetricSink, MetricValue
 from rlasync.model.attention import build_tree_attention, sliding_windows
@@ -190,14 +190,7 @@ class DistillLearnerStep:
             fwd_bwd_s += time.perf_counter() - start
             total_loss += float(loss.detach())
             stats += row_stats.detach().to("cpu", torch.float64)
-        start = time.perf_counter()
-        grad_norm = float(self._clip(self.max_grad_norm))
-        self.optimizer.step()
-        self._sync()
-        optimizer_s = time.perf_counter() - start
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
+        grad_norm, optimizer_s = apply_update(self)
         if self.reduce_stats is not None:
             stats = self.reduce_stats(stats).to("cpu", torch.float64)
         names = self.teacher_ids if len(self.teacher_ids) > 1 else ()
@@ -208,17 +201,7 @@ class DistillLearnerStep:
             sink = MetricSink()
             sink.update(loss_metrics)
             out = {k: v for k, v in sink.reduce().items() if v is not None}
-        out.update(
-            {
-                "loss": total_loss,
-                "grad_norm": grad_norm,
-                "learning_rate": float(self.scheduler.get_last_lr()[0]),
-                "perf/fwd_s": fwd_s,
-                "perf/fwd_bwd_s": fwd_bwd_s,
-                "perf/optimizer_s": optimizer_s,
-                "batch/microbatches_per_step": float(len(rows)),
-            }
-        )
+        out.update(step_metrics(self, total_loss, grad_norm, fwd_s, fwd_bwd_s, optimizer_s, len(rows)))
         return out
 
     def _sync(self) -> None:

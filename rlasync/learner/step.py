@@ -146,29 +146,12 @@ class LearnerStep:
             total_loss += float(loss.detach())
             sink.update(metrics)
             records.append(metrics)
-        start = time.perf_counter()
-        grad_norm = float(self._clip(self.max_grad_norm))
-        self.optimizer.step()
-        self._sync()
-        optimizer_s = time.perf_counter() - start
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
+        grad_norm, optimizer_s = apply_update(self)
         if rate_pairs:
             out = _partials(records)
         else:
             out = {k: v for k, v in sink.reduce().items() if v is not None}
-        out.update(
-            {
-                "loss": total_loss,
-                "grad_norm": grad_norm,
-                "learning_rate": float(self.scheduler.get_last_lr()[0]),
-                "perf/fwd_s": fwd_s,
-                "perf/fwd_bwd_s": fwd_bwd_s,
-                "perf/optimizer_s": optimizer_s,
-                "batch/microbatches_per_step": float(len(rows)),
-            }
-        )
+        out.update(step_metrics(self, total_loss, grad_norm, fwd_s, fwd_bwd_s, optimizer_s, len(rows)))
         return out
 
     def _loss(self, row: Any, global_terms: float, grad_accum_steps: int) -> tuple[torch.Tensor, dict]:
@@ -193,6 +176,35 @@ class LearnerStep:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def apply_update(step: Any) -> tuple[float, float]:
+    """The end of an optimizer step shared by the learner steps (`step` has `optimizer`, `scheduler`, `_clip`,
+    `max_grad_norm`, `_sync`, `global_step`): clip, optimizer step, scheduler step, zero the gradients. Returns
+    (grad norm before clipping, seconds of clip + optimizer step)."""
+    start = time.perf_counter()
+    grad_norm = float(step._clip(step.max_grad_norm))
+    step.optimizer.step()
+    step._sync()
+    optimizer_s = time.perf_counter() - start
+    step.scheduler.step()
+    step.optimizer.zero_grad(set_to_none=True)
+    step.global_step += 1
+    return grad_norm, optimizer_s
+
+
+def step_metrics(step: Any, total_loss: float, grad_norm: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float,
+                 num_rows: int) -> dict[str, MetricValue]:  # fmt: skip
+    """The per-step scalars every learner step logs (TRL's names and SPEC §8's perf keys)."""
+    return {
+        "loss": total_loss,
+        "grad_norm": grad_norm,
+        "learning_rate": float(step.scheduler.get_last_lr()[0]),
+        "perf/fwd_s": fwd_s,
+        "perf/fwd_bwd_s": fwd_bwd_s,
+        "perf/optimizer_s": optimizer_s,
+        "batch/microbatches_per_step": float(num_rows),
+    }
 
 
 def _partials(records: Sequence[dict[str, MetricValue]]) -> dict[str, MetricValue]:
