@@ -25,14 +25,13 @@ The learning-rate schedule defaults to linear decay over `args.resolved_max_step
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlasync.config.distill import AsyncDistillationConfig
 from rlasync.data import validate_prompt_dataset
 from rlasync.distill import AsyncDistillationLoop
-from rlasync.trainers.grpo import AsyncGRPOTrainer, _read_step, _warn_once, _WeightSync, engine_dtype
+from rlasync.trainers.grpo import AsyncGRPOTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -124,32 +123,15 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
 
     def _train(self, ray: Any, resume_dir: str | None) -> dict[str, Any]:
         from actors.distill_rollout import DistillRolloutActor
-        from actors.generation import GenerationActor
-        from actors.learner import LearnerActor
-        from actors.staleness_queue import QueueActor
         from actors.teacher import TeacherScorer
         from rlasync.model.registry import resolve_model
-        from rlasync.pipeline import initial_tokens_per_step, read_rollout_state
-        from rlasync.weights.broadcast import choose_backend
 
         args, cluster = self.args, self.args.cluster
         timeout = cluster.collective_timeout_s
-        model = resume_dir or resolve_model(self.model)
-        tokenizer = self.processing_class if self.processing_class is not None else self._tokenizer_path(model)
-        resume_state = read_rollout_state(resume_dir) if resume_dir else None
-        start_step = _read_step(resume_dir) if resume_dir else 0
-        version = resume_state.model_version if resume_state else 0
+        model, tokenizer, resume_state, start_step, version = self._starting_point(resume_dir)
 
         # the student's engines (they receive the weight syncs), then the teachers (scoring only, no weights)
-        server_url = cluster.vllm_server_url
-        if cluster.engine == "vllm_server" and server_url is None:
-            server_url = args.vllm_server_base_url
-        gens = [
-            self._spawn(GenerationActor, model=model, dtype=engine_dtype(args), engine_kwargs=cluster.engine_kwargs,
-                        engine=cluster.engine, vllm_server_url=server_url, num_cpus=cluster.generation_num_cpus,
-                        num_gpus=cluster.generation_num_gpus)
-            for _ in range(cluster.num_generation_actors)
-        ]  # fmt: skip
+        gens = self._spawn_engines(model)
         teachers = {
             teacher_id: self._spawn(
                 TeacherScorer, teacher_id=teacher_id,
@@ -161,56 +143,15 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
             for teacher_id, spec in self.teachers.items()
         }  # fmt: skip
         ray.get([t.stats.remote() for t in teachers.values()], timeout=timeout + 600)  # built (or failed) by now
-        budget = args.token_budget
-        if budget is None:
-            budget = ray.get(gens[0].max_model_len.remote(), timeout=timeout)
+        budget, tokens_per_step, samples_per_step = self._step_budget(ray, gens)
         num_learners = cluster.num_learners
-        if budget > 0:
-            tokens_per_step = initial_tokens_per_step(budget, num_learners, args.gradient_accumulation_steps)
-            samples_per_step = None
-        else:
-            samples_per_step = args.samples_per_step(num_learners)
-            tokens_per_step = samples_per_step * 256  # a first guess; finish_step corrects it after a step
         horizon = args.resolved_max_steps(len(self.train_dataset), num_learners)
-        learners = [
-            self._spawn(LearnerActor, rank=rank, world_size=num_learners, model=model, args=args,
-                        token_budget=budget, mode="distill", max_steps=horizon, teacher_ids=self.teacher_ids,
-                        num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus)
-            for rank in range(num_learners)
-        ]  # fmt: skip
-        master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
-        ray.get([learner.setup.remote(master, timeout, resume_dir) for learner in learners], timeout=timeout + 600)
-
-        host, port = ray.get(learners[0].address.remote(), timeout=timeout)
-        world = 1 + len(gens)
-        infos = ray.get(
-            [learners[0].device_info.remote()] + [gen.device_info.remote() for gen in gens], timeout=timeout
-        )
-        backend, why_not_nccl = choose_backend(infos[0], infos[1:], cluster.weight_sync_backend)
-        if why_not_nccl:
-            _warn_once(f"weight sync: {why_not_nccl}")
-        bucket_bytes = max(1, int(cluster.weight_sync_bucket_mb * (1 << 20)))
-        ray.get(
-            [learners[0].join_weight_group.remote(host, port, world, timeout, backend, bucket_bytes)]
-            + [
-                gen.join_weight_group.remote(host, port, i + 1, world, timeout, backend, bucket_bytes)
-                for i, gen in enumerate(gens)
-            ],
-            timeout=timeout + 30,
-        )
-        manifest = ray.get(learners[0].manifest.remote(), timeout=timeout)
-
+        learners = self._spawn_learners(ray, model, budget, resume_dir, mode="distill", max_steps=horizon,
+                                        teacher_ids=self.teacher_ids)  # fmt: skip
         # epochs over distinct prompts: a group of one sample per row (SPEC §9.6)
-        num_epochs = None if args.max_steps > 0 else args.num_train_epochs
-        queue = self._spawn(
-            QueueActor, name=f"rlasync-distill-queue-{uuid.uuid4().hex[:8]}", num_rows=len(self.train_dataset),
-            num_epochs=num_epochs, max_staleness=args.max_staleness, tokens_per_step=tokens_per_step,
-            resume=resume_state.to_dict() if resume_state else None, num_cpus=cluster.queue_num_cpus,
-        )  # fmt: skip
-        staging = int(cluster.weight_sync_staging_mb * (1 << 20))
-        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout, staging, backend)
-        version = sync(version)  # cold sync: the first served policy is version + 1
-        self.state["policy_version"] = version
+        sync, version = self._connect_weights(ray, learners, gens, "rlasync-distill-queue", tokens_per_step,
+                                              resume_state, version)  # fmt: skip
+        queue = sync.queue
 
         dataset_ref = ray.put(self.train_dataset)
         inflight = args.resolved_max_inflight_tasks(num_learners)

@@ -174,81 +174,20 @@ class AsyncGRPOTrainer:
         return handle
 
     def _train(self, ray: Any, resume_dir: str | None) -> dict[str, Any]:
-        from actors.generation import GenerationActor
-        from actors.learner import LearnerActor
         from actors.reward import RewardActor
         from actors.rollout import RolloutActor
-        from actors.staleness_queue import QueueActor
-        from rlasync.model.registry import resolve_model
-        from rlasync.pipeline import initial_tokens_per_step, read_rollout_state
-        from rlasync.weights.broadcast import choose_backend
 
         args, cluster = self.args, self.args.cluster
         timeout = cluster.collective_timeout_s
-        model = resume_dir or resolve_model(self.model)  # an alias is converted once, here, not in every actor
-        tokenizer = self.processing_class if self.processing_class is not None else self._tokenizer_path(model)
-        resume_state = read_rollout_state(resume_dir) if resume_dir else None
-        start_step = _read_step(resume_dir) if resume_dir else 0
-        version = resume_state.model_version if resume_state else 0
+        model, tokenizer, resume_state, start_step, version = self._starting_point(resume_dir)
 
         # generation first (the token budget defaults to the engine's max_model_len)
-        server_url = cluster.vllm_server_url
-        if cluster.engine == "vllm_server" and server_url is None:
-            server_url = args.vllm_server_base_url  # TRL's field
-        gens = [
-            self._spawn(GenerationActor, model=model, dtype=engine_dtype(args), engine_kwargs=cluster.engine_kwargs,
-                        engine=cluster.engine, vllm_server_url=server_url, num_cpus=cluster.generation_num_cpus,
-                        num_gpus=cluster.generation_num_gpus)
-            for _ in range(cluster.num_generation_actors)
-        ]  # fmt: skip
-        budget = args.token_budget
-        if budget is None:
-            budget = ray.get(gens[0].max_model_len.remote(), timeout=timeout)
-        num_learners = cluster.num_learners
-        if budget > 0:
-            tokens_per_step = initial_tokens_per_step(budget, num_learners, args.gradient_accumulation_steps)
-            samples_per_step = None
-        else:
-            samples_per_step = args.samples_per_step(num_learners)
-            tokens_per_step = samples_per_step * 256  # a first guess; finish_step corrects it after a step
-        learners = [
-            self._spawn(LearnerActor, rank=rank, world_size=num_learners, model=model, args=args,
-                        token_budget=budget, num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus)
-            for rank in range(num_learners)
-        ]  # fmt: skip
-        master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
-        ray.get([learner.setup.remote(master, timeout, resume_dir) for learner in learners], timeout=timeout + 600)
-
-        # the weight-sync group: learner rank 0 + every engine; NCCL when each holds its own GPU, else gloo
-        host, port = ray.get(learners[0].address.remote(), timeout=timeout)
-        world = 1 + len(gens)
-        infos = ray.get([learners[0].device_info.remote()] + [gen.device_info.remote() for gen in gens], timeout=timeout)
-        backend, why_not_nccl = choose_backend(infos[0], infos[1:], cluster.weight_sync_backend)
-        if why_not_nccl:
-            _warn_once(f"weight sync: {why_not_nccl}")
-        bucket_bytes = max(1, int(cluster.weight_sync_bucket_mb * (1 << 20)))
-        ray.get(
-            [learners[0].join_weight_group.remote(host, port, world, timeout, backend, bucket_bytes)]
-            + [
-                gen.join_weight_group.remote(host, port, i + 1, world, timeout, backend, bucket_bytes)
-                for i, gen in enumerate(gens)
-            ],
-            timeout=timeout + 30,
-        )
-        logger.info("weight-sync group: %d engines over %s", len(gens), backend)
-        manifest = ray.get(learners[0].manifest.remote(), timeout=timeout)
-
-        num_epochs = None if args.max_steps > 0 else args.num_train_epochs
-        queue = self._spawn(
-            QueueActor, name=f"rlasync-staleness-queue-{uuid.uuid4().hex[:8]}", num_rows=len(self.train_dataset),
-            num_epochs=num_epochs, max_staleness=args.max_staleness, tokens_per_step=tokens_per_step,
-            resume=resume_state.to_dict() if resume_state else None, num_cpus=cluster.queue_num_cpus,
-        )  # fmt: skip
-
-        staging = int(cluster.weight_sync_staging_mb * (1 << 20))
-        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout, staging, backend)
-        version = sync(version)  # cold sync: the first served policy is version + 1
-        self.state["policy_version"] = version
+        gens = self._spawn_engines(model)
+        budget, tokens_per_step, samples_per_step = self._step_budget(ray, gens)
+        learners = self._spawn_learners(ray, model, budget, resume_dir)
+        sync, version = self._connect_weights(ray, learners, gens, "rlasync-staleness-queue", tokens_per_step,
+                                              resume_state, version)  # fmt: skip
+        queue = sync.queue
 
         rewards = [
             self._spawn(RewardActor, reward_funcs=self.reward_funcs, num_cpus=cluster.reward_num_cpus)
@@ -267,6 +206,102 @@ class AsyncGRPOTrainer:
         return self._step_loop(ray, queue, learners, sync, tokenizer, start_step=start_step, version=version,
                                tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, timeout=timeout,
                                horizon=args.max_steps if args.max_steps > 0 else None)  # fmt: skip
+
+    def _starting_point(self, resume_dir: str | None) -> tuple[str, Any, Any, int, int]:
+        """(model path, tokenizer, rollout state or None, first step, policy version) of a fresh or resumed run."""
+        from rlasync.model.registry import resolve_model
+        from rlasync.pipeline import read_rollout_state
+
+        model = resume_dir or resolve_model(self.model)  # an alias is converted once, here, not in every actor
+        tokenizer = self.processing_class if self.processing_class is not None else self._tokenizer_path(model)
+        resume_state = read_rollout_state(resume_dir) if resume_dir else None
+        start_step = _read_step(resume_dir) if resume_dir else 0
+        version = resume_state.model_version if resume_state else 0
+        return model, tokenizer, resume_state, start_step, version
+
+    def _spawn_engines(self, model: str) -> list[Any]:
+        """The GenerationActors of the policy (they receive the weight syncs)."""
+        from actors.generation import GenerationActor
+
+        args, cluster = self.args, self.args.cluster
+        server_url = cluster.vllm_server_url
+        if cluster.engine == "vllm_server" and server_url is None:
+            server_url = args.vllm_server_base_url  # TRL's field
+        return [
+            self._spawn(GenerationActor, model=model, dtype=engine_dtype(args), engine_kwargs=cluster.engine_kwargs,
+                        engine=cluster.engine, vllm_server_url=server_url, num_cpus=cluster.generation_num_cpus,
+                        num_gpus=cluster.generation_num_gpus)
+            for _ in range(cluster.num_generation_actors)
+        ]  # fmt: skip
+
+    def _step_budget(self, ray: Any, gens: list[Any]) -> tuple[int, int, int | None]:
+        """(tokens per packed row, tokens per step, samples per step or None): the row budget defaults to the
+        engine's max_model_len; a budget <= 0 means a fixed count of samples per step."""
+        from rlasync.pipeline import initial_tokens_per_step
+
+        args, cluster = self.args, self.args.cluster
+        budget = args.token_budget
+        if budget is None:
+            budget = ray.get(gens[0].max_model_len.remote(), timeout=cluster.collective_timeout_s)
+        if budget > 0:
+            return budget, initial_tokens_per_step(budget, cluster.num_learners, args.gradient_accumulation_steps), None
+        samples_per_step = args.samples_per_step(cluster.num_learners)
+        return budget, samples_per_step * 256, samples_per_step  # a first guess; finish_step corrects it
+
+    def _spawn_learners(self, ray: Any, model: str, budget: int, resume_dir: str | None, **options: Any) -> list[Any]:
+        """The learner ranks, set up (process group, model, optimizer; resumed from `resume_dir`)."""
+        from actors.learner import LearnerActor
+
+        args, cluster = self.args, self.args.cluster
+        timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
+        learners = [
+            self._spawn(LearnerActor, rank=rank, world_size=num_learners, model=model, args=args,
+                        token_budget=budget, num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus,
+                        **options)
+            for rank in range(num_learners)
+        ]  # fmt: skip
+        master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
+        ray.get([learner.setup.remote(master, timeout, resume_dir) for learner in learners], timeout=timeout + 600)
+        return learners
+
+    def _connect_weights(self, ray: Any, learners: list[Any], gens: list[Any], queue_name: str, tokens_per_step: int,
+                         resume_state: Any, version: int) -> tuple[_WeightSync, int]:  # fmt: skip
+        """The weight-sync group (learner rank 0 + every engine; NCCL when each holds its own GPU, else gloo), the
+        staleness queue, and the cold sync: returns the sync (its `.queue` is the queue) and the served version."""
+        from actors.staleness_queue import QueueActor
+        from rlasync.weights.broadcast import choose_backend
+
+        args, cluster = self.args, self.args.cluster
+        timeout = cluster.collective_timeout_s
+        host, port = ray.get(learners[0].address.remote(), timeout=timeout)
+        world = 1 + len(gens)
+        infos = ray.get([learners[0].device_info.remote()] + [gen.device_info.remote() for gen in gens], timeout=timeout)
+        backend, why_not_nccl = choose_backend(infos[0], infos[1:], cluster.weight_sync_backend)
+        if why_not_nccl:
+            _warn_once(f"weight sync: {why_not_nccl}")
+        bucket_bytes = max(1, int(cluster.weight_sync_bucket_mb * (1 << 20)))
+        ray.get(
+            [learners[0].join_weight_group.remote(host, port, world, timeout, backend, bucket_bytes)]
+            + [
+                gen.join_weight_group.remote(host, port, i + 1, world, timeout, backend, bucket_bytes)
+                for i, gen in enumerate(gens)
+            ],
+            timeout=timeout + 30,
+        )
+        logger.info("weight-sync group: %d engines over %s", len(gens), backend)
+        manifest = ray.get(learners[0].manifest.remote(), timeout=timeout)
+
+        num_epochs = None if args.max_steps > 0 else args.num_train_epochs  # epochs over distinct prompts
+        queue = self._spawn(
+            QueueActor, name=f"{queue_name}-{uuid.uuid4().hex[:8]}", num_rows=len(self.train_dataset),
+            num_epochs=num_epochs, max_staleness=args.max_staleness, tokens_per_step=tokens_per_step,
+            resume=resume_state.to_dict() if resume_state else None, num_cpus=cluster.queue_num_cpus,
+        )  # fmt: skip
+        staging = int(cluster.weight_sync_staging_mb * (1 << 20))
+        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout, staging, backend)
+        version = sync(version)  # cold sync: the first served policy is version + 1
+        self.state["policy_version"] = version
+        return sync, version
 
     def _step_loop(self, ray: Any, queue: Any, learners: list[Any], sync: Any, tokenizer: Any, *, start_step: int,
                    version: int, tokens_per_step: int | None, samples_per_step: int | None, timeout: float,
