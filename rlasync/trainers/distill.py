@@ -131,6 +131,9 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
         model, tokenizer, resume_state, start_step, version = self._starting_point(resume_dir)
 
         # the student's engines (they receive the weight syncs), then the teachers (scoring only, no weights)
+        for teacher_id, spec in self.teachers.items():
+            if spec["model"] is not None and self.processing_class is None:
+                check_same_vocabulary(tokenizer, resolve_model(spec["model"]), teacher_id)
         gens = self._spawn_engines(model)
         teachers = {
             teacher_id: self._spawn(
@@ -169,4 +172,21 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
                                horizon=horizon)  # fmt: skip
 
 
-__all__ = ["AsyncDistillationTrainer"]
+def check_same_vocabulary(student: str, teacher: str, teacher_id: str) -> None:
+    """Raise `ValueError` unless the teacher's tokenizer maps every token to the same id as the student's (SPEC §9.4:
+    the teacher's candidate ids index the student's vocabulary; a different one trains on wrong tokens, silently)."""
+    from transformers import AutoTokenizer
+
+    student_vocab = AutoTokenizer.from_pretrained(student).get_vocab()
+    teacher_vocab = AutoTokenizer.from_pretrained(teacher).get_vocab()
+    if student_vocab != teacher_vocab:
+        differing = sum(1 for token, index in teacher_vocab.items() if student_vocab.get(token) != index)
+        raise ValueError(
+            f"teacher_model[{teacher_id!r}] ({teacher}) has a different vocabulary from the student ({len(teacher_vocab)} "
+            f"vs {len(student_vocab)} tokens, {differing} teacher tokens with another id): the teacher's candidate "
+            "ids index the student's vocabulary, so distillation would train on wrong tokens; use a teacher that "
+            "shares the student's tokenizer"
+        )
+
+
+__all__ = ["AsyncDistillationTrainer", "check_same_vocabulary"]
