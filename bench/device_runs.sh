@@ -26,7 +26,7 @@ case $stage in
 torch)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
-    run gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py
+    run gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/learner/test_distill_step.py
     run weight_sync 150 python3 bench/weight_sync.py --rounds 3 --bucket-mb 256 --out "$out/weight_sync_h200.json"
     run e2e_torch 150 python3 bench/e2e_grpo.py --steps 10 --runs async --out "$out/e2e_torch.json"
     ;;

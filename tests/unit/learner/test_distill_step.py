@@ -47,14 +47,14 @@ def make_sample(rng, prompt_id, prompt_len, completion_len, teacher_logits=None)
     return DistillationSample(ids, mask, top_ids, top_lps, prompt_id=prompt_id)
 
 
-def reference_loss(model, samples, global_n_tokens, temperature=1.0, grad_accum_steps=1):
+def reference_loss(model, samples, global_n_tokens, temperature=1.0, grad_accum_steps=1, device="cpu"):
     """Σ over samples and completion positions of forward KL(T‖S) on the K+1 support plus the tail bucket, from
     each sample's full logits (ordinary forward, one sample at a time), float64, / max(n_tokens, 1) / GA."""
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     for sample in samples:
-        ids = torch.as_tensor(sample.input_ids)
-        logits = model(input_ids=ids[None], use_cache=False).logits[0].double()
+        ids = torch.as_tensor(sample.input_ids, device=device)
+        logits = model(input_ids=ids[None], use_cache=False).logits[0].double().cpu()
         logp = torch.log_softmax(logits / temperature, -1)
         for j in range(1, len(sample)):
             if not sample.completion_mask[j]:
@@ -70,16 +70,21 @@ def reference_loss(model, samples, global_n_tokens, temperature=1.0, grad_accum_
     return total / max(global_n_tokens, 1) / grad_accum_steps, count
 
 
-def rows_for(samples, num_ranks=1):
+def rows_for(samples, num_ranks=1, device="cpu"):
     batch = collate_rows([samples] if num_ranks == 1 else samples, pad_token_id=0)
-    return [distill_row_tensors(batch, rank) for rank in range(num_ranks)], batch
+    return [distill_row_tensors(batch, rank, torch.device(device)) for rank in range(num_ranks)], batch
 
 
-def test_packed_row_loss_and_gradient_match_the_per_sample_full_logits_reference():
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_packed_row_loss_and_gradient_match_the_per_sample_full_logits_reference(device):
+    """On CUDA the row goes through the FlexAttention tree backend (a forest: one tree per sample)."""
     rng = np.random.default_rng(0)
-    model = tiny_model()
+    model = tiny_model().to(device)
     samples = [make_sample(rng, 0, 5, 6), make_sample(rng, 1, 3, 4), make_sample(rng, 2, 7, 1)]
-    (row,), batch = rows_for(samples)
+    (row,), batch = rows_for(samples, device=device)
     assert row.num_tokens == 26 and row.subtree_end.tolist() == [11] * 11 + [18] * 7 + [26] * 8
     n_tokens = float(batch["global_n_tokens"][0])
     assert n_tokens == 11
@@ -89,13 +94,14 @@ def test_packed_row_loss_and_gradient_match_the_per_sample_full_logits_reference
     loss.backward()
     grad = model.lm_head.weight.grad.clone()
     model.zero_grad()
-    expected, count = reference_loss(model, samples, n_tokens)
+    expected, count = reference_loss(model, samples, n_tokens, device=device)
     expected.backward()
 
     assert count == 11 and float(stats[3]) == 11  # every completion position has teacher signal
-    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss.double().cpu(), expected, rtol=1e-5, atol=1e-6)
     assert float(stats[0]) / float(stats[3]) == pytest.approx(float(expected.detach()) * n_tokens / count, rel=1e-5)
-    torch.testing.assert_close(grad.double(), model.lm_head.weight.grad.double(), rtol=1e-4, atol=1e-7)
+    atol = 1e-7 if device == "cpu" else 1e-6  # CUDA kernels reduce in another order
+    torch.testing.assert_close(grad.double(), model.lm_head.weight.grad.double(), rtol=1e-4, atol=atol)
 
 
 def test_padding_is_stripped_and_rows_split_the_normaliser_over_ranks():
