@@ -4,13 +4,14 @@
 #
 #   call 1  carry [".devicekit"]:  bash bench/device_runs.sh torch       (~10 min on nvidia-h200-x2)
 #   call 2  carry [".vllmkit"]:    bash bench/device_runs.sh vllm        (~7 min)
+#   (or)    carry []:               bash bench/device_runs.sh distill     (~3 min; on-policy distillation e2e)
 #
 # Build the kits first, here: ../shared/device/make-kit.sh with
 #   EXTRA="pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 math-verify==0.9.0
 #          latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"
 # and ../shared/device/vllm/build-kit.sh.
 set -uo pipefail
-stage=${1:?usage: bench/device_runs.sh torch|vllm}
+stage=${1:?usage: bench/device_runs.sh torch|vllm|distill}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -30,6 +31,11 @@ torch)
     run weight_sync 150 python3 bench/weight_sync.py --rounds 3 --bucket-mb 256 --out "$out/weight_sync_h200.json"
     run e2e_torch 150 python3 bench/e2e_grpo.py --steps 10 --runs async --out "$out/e2e_torch.json"
     ;;
+distill)  # no carry needed if it follows the torch stage while the machine is warm (/tmp/site has Ray)
+    [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run e2e_distill 300 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --out "$out/e2e_distill.json"
+    ;;
 vllm)
     bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -38,7 +44,7 @@ vllm)
     run vllm_check 240 python3 bench/vllm_check.py --out "$out" --budget-s 200 --skip-server
     ;;
 *)
-    echo "unknown stage $stage: use torch or vllm" >&2
+    echo "unknown stage $stage: use torch, vllm or distill" >&2
     exit 2
     ;;
 esac

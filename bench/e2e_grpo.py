@@ -17,6 +17,7 @@ run's `<output_dir>/metrics.jsonl`; and the ratio async / sync of trained tokens
     python bench/e2e_grpo.py --out bench/results/e2e_grpo_h200x2.json                 # 2 GPUs, ~5 min
     python bench/e2e_grpo.py --share-gpu --out bench/results/e2e_grpo_h200x1.json     # 1 GPU
     python bench/e2e_grpo.py --device cpu --tiny --steps 2 --out /tmp/e2e_tiny.json   # smoke test, CPU
+    python bench/e2e_grpo.py --trainer distill --runs async --out $OUT/e2e_distill.json  # distillation, 2 GPUs
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ KEYS = (
     "perf/generation_loop_lag_max_s", "perf/rollout_wait_s", "rollout/backpressure_s", "perf/fwd_bwd_s",
     "perf/fwd_s", "perf/optimizer_s", "perf/fetch_samples_s", "perf/pack_s",
     "batch/trained_tokens_per_step", "batch/forwarded_tokens_per_step", "batch/samples_per_step",
-    "sample/staleness_mean", "sample/staleness_max", "rollout/generated_tokens_per_s", "reward",
+    "sample/staleness_mean", "sample/staleness_max", "rollout/generated_tokens_per_s", "reward", "jsd", "entropy",
 )  # fmt: skip
 
 
@@ -98,13 +99,13 @@ def model_config(tiny: bool) -> Any:
     )  # fmt: skip
 
 
-def build_random_model(folder: Path, tiny: bool, dtype: str, device: str) -> str:
+def build_random_model(folder: Path, tiny: bool, dtype: str, device: str, seed: int = 0) -> str:
     """Random weights of the Qwen3-0.6B shape (or a tiny one) + the word-level tokenizer, saved as an HF folder."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = model_config(tiny)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):  # initialising 0.6B parameters is much faster on the GPU
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = config.eos_token_id
@@ -161,6 +162,22 @@ def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, 
     )  # fmt: skip
 
 
+def make_distill_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, placement: str) -> Any:
+    """The same run as `make_config`, as on-policy distillation (`--trainer distill`): forward KL to the teacher's
+    top-8 plus the tail bucket, one sample per prompt, the teacher hosted by a TeacherScorer actor."""
+    from rlasync.config import AsyncDistillationConfig
+
+    grpo = make_config(args, output_dir, max_staleness, placement)
+    shared = {name: getattr(grpo, name) for name in (
+        "output_dir", "max_steps", "logging_steps", "save_steps", "seed", "max_completion_length", "temperature",
+        "learning_rate", "token_budget", "gradient_accumulation_steps", "max_staleness", "weight_sync_steps",
+        "gradient_checkpointing", "dtype", "report_to")}  # fmt: skip
+    cluster = {**grpo.to_dict()["cluster"]}
+    if placement == "two_gpus":  # the student's engine and the teacher share the second GPU
+        cluster["generation_num_gpus"] = 0.5
+    return AsyncDistillationConfig(**shared, cluster=cluster, teacher_top_k=8, beta=0.0)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "vllm":  # in-process AsyncLLM: decode-only CUDA graphs, no torch.compile (starts in ~20 s)
         return {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs or 256,
@@ -210,16 +227,23 @@ def run_training(args: argparse.Namespace, model_dir: str, name: str, max_stalen
 
     output_dir = work / name
     shutil.rmtree(output_dir, ignore_errors=True)
-    config = make_config(args, output_dir, max_staleness, placement)
+    distill = args.trainer == "distill"
+    config = (make_distill_config if distill else make_config)(args, output_dir, max_staleness, placement)
     handler = _BackendLog()
     driver_log = logging.getLogger("rlasync.trainers.grpo")
     driver_log.setLevel(logging.INFO)
     driver_log.addHandler(handler)
     started = time.perf_counter()
     try:
-        trainer = AsyncGRPOTrainer(
-            model=model_dir, reward_funcs=bench_reward, args=config, train_dataset=arithmetic_dataset(20000, seed=0)
-        )
+        if distill:
+            from rlasync import AsyncDistillationTrainer
+
+            trainer = AsyncDistillationTrainer(model=model_dir, args=config, train_dataset=arithmetic_dataset(20000, seed=0),
+                                               teacher_model=args.teacher_dir)  # fmt: skip
+        else:
+            trainer = AsyncGRPOTrainer(
+                model=model_dir, reward_funcs=bench_reward, args=config, train_dataset=arithmetic_dataset(20000, seed=0)
+            )
         state = trainer.train()
     finally:
         driver_log.removeHandler(handler)
@@ -253,6 +277,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="the generation engine")
+    parser.add_argument("--trainer", choices=["grpo", "distill"], default="grpo",
+                        help="distill: on-policy distillation from a second random model (a TeacherScorer actor on "
+                             "the engine's GPU) instead of GRPO")  # fmt: skip
     parser.add_argument("--weight-sync-backend", choices=["auto", "nccl", "gloo", "ipc"], default="auto",
                         help="ipc: learner and engine share one GPU (with --share-gpu)")
     parser.add_argument("--learner-dtype", default="auto",
@@ -301,10 +328,14 @@ def main() -> None:
         started = time.perf_counter()
         model_dir = build_random_model(work / "model", args.tiny, args.dtype, "cuda" if gpu else "cpu")
         print(f"built the random model in {time.perf_counter() - started:.1f} s: {model_dir}", flush=True)
+        if args.trainer == "distill":
+            args.teacher_dir = build_random_model(work / "teacher", args.tiny, args.dtype, "cuda" if gpu else "cpu",
+                                                  seed=1)  # fmt: skip
     else:
         from rlasync.model.registry import resolve_model
 
         model_dir = resolve_model(args.model)
+        args.teacher_dir = model_dir  # --trainer distill: the model distils itself (a smoke run)
 
     import ray  # noqa: TID251 - a driver script, as rlasync.trainers
 
