@@ -115,3 +115,43 @@ def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_
     rows = fixed_rows(teacher_dir, [dataset[i]["prompt"] for i in range(8)])
     jsd_before, jsd_after = jsd_of(tiny_model_dir, rows), jsd_of(str(final), rows)
     assert jsd_after < 0.92 * jsd_before, (jsd_before, jsd_after, jsd)  # observed: about 0.85
+
+
+def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
+    """MOPD through the actors: rows name their teacher (`teacher_id`), both TeacherScorers score, the learner logs
+    per-teacher metrics; then the run resumes from its checkpoint at its step and policy version."""
+    from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
+    from rlasync.data import arithmetic_dataset
+
+    rows = arithmetic_dataset(32, seed=1)
+    dataset = [{**rows[i], "teacher_id": "sharp" if i % 2 else "student_like"} for i in range(len(rows))]
+
+    def config(max_steps):
+        return AsyncDistillationConfig(
+            output_dir=str(tmp_path), max_steps=max_steps, max_completion_length=6, token_budget=160,
+            learning_rate=1e-2, logging_steps=1, save_steps=2, max_staleness=1, gradient_checkpointing=False,
+            teacher_top_k=K, seed=0,
+            cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+                     "collective_timeout_s": 60.0, "generation_num_cpus": 0.3},  # student + 2 teachers fit 2 CPUs
+        )  # fmt: skip
+
+    teachers = {"student_like": tiny_model_dir, "sharp": teacher_dir}
+    trainer = AsyncDistillationTrainer(model=tiny_model_dir, args=config(2), train_dataset=dataset,
+                                       teacher_model=teachers)  # fmt: skip
+    state = trainer.train()
+    assert state["global_step"] == 2 and alive(trainer.actor_ids) == []
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    fractions = {
+        teacher: sum(r.get(f"teacher_token_frac/{teacher}", 0.0) for r in records) / len(records) for teacher in teachers
+    }
+    assert all(0.0 < f < 1.0 for f in fractions.values()), fractions  # both teachers scored part of every step
+    assert sum(fractions.values()) == pytest.approx(1.0)
+    # the sharp teacher is far from the student, the student-like one is the student itself (jsd ~ 0 at step 1)
+    first = records[0]
+    assert first["teacher_jsd/sharp"] > 10 * max(first["teacher_jsd/student_like"], 1e-6)
+
+    resumed = AsyncDistillationTrainer(model=tiny_model_dir, args=config(3), train_dataset=dataset,
+                                       teacher_model=teachers)  # fmt: skip
+    state = resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert state["global_step"] == 3 and state["policy_version"] == 3 + 1 + 1  # saved version 3, cold sync, one step
+    assert alive(resumed.actor_ids) == []
