@@ -108,6 +108,18 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
                 raise ValueError(f"teacher_model: entry {teacher_id!r}: {path!r} must map a teacher id to a model path")
         return {teacher_id: {"model": path, "engine": engine, "base_url": None} for teacher_id, path in models.items()}
 
+    def _actor_requests(self) -> dict[str, tuple[int, float, float]]:
+        """GRPO's roles without reward actors, plus one TeacherScorer per teacher (a local one takes a generation
+        actor's resources; a `vllm serve` client only its CPUs)."""
+        c = self.args.cluster
+        requests = {role: value for role, value in super()._actor_requests().items() if role != "reward"}
+        local = sum(1 for spec in self.teachers.values() if spec["base_url"] is None)
+        remote = len(self.teachers) - local
+        requests["generation"] = (c.num_generation_actors + local, c.generation_num_cpus, c.generation_num_gpus)
+        if remote:
+            requests["teacher client"] = (remote, c.generation_num_cpus, 0.0)
+        return requests
+
     @property
     def teacher_ids(self) -> list[str]:
         """Teacher ids in stable order (the learner's `teacher_id_idx` indices)."""
