@@ -44,7 +44,9 @@ class QueuePromptSource:
         return PromptLease(lease.group_id, lease.row_index, self.actor.dataset[lease.row_index], lease.epoch, waited)
 
     async def release(self, lease: PromptLease, reason: str) -> None:
-        queue_lease = self.leases.pop(lease.group_id)
+        queue_lease = self.leases.pop(lease.group_id, None)
+        if queue_lease is None:  # its samples already reached the queue (the sink took the lease): nothing to undo
+            return
         if reason in ("filtered", "failed"):  # "failed": the engine rejected the prompt; retrying cannot help
             await self.actor.queue.drop_group.remote(lease.group_id, reason, 0)
         else:  # "cancelled" (the loop is stopping): the prompt is leased again
