@@ -62,16 +62,7 @@ class DistillRolloutActor(LoopHost):
         teachers: dict[str, Any], seed: int = 0,
         loop_cls: type[AsyncDistillationLoop] = AsyncDistillationLoop, max_inflight_tasks: int | None = None,
     ) -> None:  # fmt: skip
-        logging.basicConfig(level=logging.INFO)
-        self.index = index
-        self.args = args
-        if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        self.dataset = dataset
-        self.queue = queue
-        self.items: list[tuple[str, Any]] = []
+        tokenizer = self._host(index, args, tokenizer, dataset, queue)
         source = QueuePromptSource(self, 1)  # a distillation "group" is one sample
         self.loop = loop_cls(
             args=args, tokenizer=tokenizer, student=[_RemoteStudent(h) for h in students],

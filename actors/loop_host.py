@@ -54,15 +54,29 @@ class QueuePromptSource:
 
 
 class LoopHost:
-    """Mixed into a Ray actor that sets `self.loop`, `self.index`, `self.items` (the loop's metric buffer) in its
-    `__init__`: `start`, `health`, `drain_metrics`, `stop`. `stale_after_s()` picks the heartbeat limit."""
+    """Mixed into a Ray actor whose `__init__` calls `_host(...)` and sets `self.loop` (with `self.items.extend` as
+    its metrics callback): `start`, `health`, `drain_metrics`, `stop`. `stale_after_s()` picks the heartbeat limit."""
 
     loop: Any
     index: int
+    args: Any
+    dataset: Any
+    queue: Any
     items: list[tuple[str, Any]]
     task: asyncio.Task | None = None
     error: str | None = None
     kind = "rollout actor"
+
+    def _host(self, index: int, args: Any, tokenizer: Any, dataset: Any, queue: Any) -> Any:
+        """The state every host keeps (call first in `__init__`); returns the tokenizer, loaded if given as a path."""
+        logging.basicConfig(level=logging.INFO)
+        self.index, self.args, self.dataset, self.queue = index, args, dataset, queue
+        self.items = []
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        return tokenizer
 
     async def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())

@@ -70,16 +70,7 @@ class RolloutActor(LoopHost):
         engines: list[Any], loop_cls: type, seed: int = 0, reward_actors: list[Any] | None = None,
         tools: list[Any] | None = None, environment_factory: Any = None,
     ) -> None:
-        logging.basicConfig(level=logging.INFO)
-        self.index = index
-        self.args = args
-        if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        self.dataset = dataset
-        self.queue = queue
-        self.items: list[tuple[str, Any]] = []
+        tokenizer = self._host(index, args, tokenizer, dataset, queue)
         source = QueuePromptSource(self, args.num_generations)
         extra: dict[str, Any] = {}  # only when set: a loop_cls with a narrower __init__ keeps working without them
         if tools:
