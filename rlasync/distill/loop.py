@@ -49,9 +49,9 @@ from rlasync.distill.samples import DEFAULT_TEACHER_ID, DistillationSample, buil
 from rlasync.engine.base import Engine, EngineError, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.metrics import MetricSink, MetricValue
 from rlasync.rewards.text import completion_text
-from rlasync.rollout.loop import PromptLease, PromptSource, retry_backoff_s
+from rlasync.rollout.loop import PromptLease, PromptSource
 from rlasync.rollout.records import TurnRecord
-from rlasync.rollout.task_loop import TaskLoopBase
+from rlasync.rollout.task_loop import TaskLoopBase, resolve, tokenizer_eos_ids
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,6 @@ R = TypeVar("R")
 
 FINISH_STOP = "stop"
 SEED_BITS = 63
-RETRY_METRIC = "rollout/vllm_retry_count"
 FAILED_TASK_METRIC = "rollout/failed_task_count"
 DEFAULT_LOG_COMPLETIONS_STEPS = 100
 
@@ -147,7 +146,7 @@ class AsyncDistillationLoop(TaskLoopBase):
         self.metrics = MetricSink()
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
         self.policy_version = int(policy_version)
-        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _tokenizer_eos_ids(tokenizer)
+        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else tokenizer_eos_ids(tokenizer)
         self._init_task_loop(wall_clock)
         self._clock, self._sleep = clock, sleep
         self._rng = rng if rng is not None else random.Random()
@@ -239,7 +238,7 @@ class AsyncDistillationLoop(TaskLoopBase):
             await self._wait_for_news()
 
     async def _next_lease(self) -> PromptLease | None:
-        lease = await _resolve(self.prompt_source.lease())
+        lease = await resolve(self.prompt_source.lease())
         return None if lease is None else PromptLease(*lease)
 
     async def _handle_finished_tasks(self) -> None:
@@ -267,13 +266,13 @@ class AsyncDistillationLoop(TaskLoopBase):
                 )  # fmt: skip
                 self.counters["tasks_failed"] += 1
                 self._emit([(FAILED_TASK_METRIC, 1.0)])
-                await _resolve(self.prompt_source.release(lease, "failed"))
+                await resolve(self.prompt_source.release(lease, "failed"))
 
     async def _run_task(self, lease: PromptLease) -> None:
         """One row -> one sample -> `sink.put`, then the task's metrics."""
         sample, items = await self.generate_and_score_one(lease)
         put_started = self._clock()
-        await _resolve(self.sink.put(sample))
+        await resolve(self.sink.put(sample))
         backpressure_s = lease.waited_s + (self._clock() - put_started)
         self.counters["samples_put"] += 1
         self._tokens_since_push += sample.num_trained_tokens
@@ -328,21 +327,7 @@ class AsyncDistillationLoop(TaskLoopBase):
 
     async def _with_retries(self, what: str, call: Callable[[], Awaitable[R]]) -> R:
         """`call()` with transient errors retried (GRPO's backoff, SPEC §2.5), each counted."""
-        attempt = 0
-        while True:
-            try:
-                return await call()
-            except self.retryable_exceptions as exc:
-                if attempt + 1 >= self.max_request_attempts:
-                    raise
-                delay = retry_backoff_s(attempt)
-                logger.warning(
-                    "%s request failed (%s: %s); retry %d in %.0f s", what, type(exc).__name__, exc, attempt + 1, delay
-                )
-                self.counters[f"{what.split()[0]}_retries"] += 1
-                self._emit([(RETRY_METRIC, 1.0)])
-                attempt += 1
-                await self._sleep(delay)
+        return await self._retrying(what, call, self.max_request_attempts)
 
     async def _generate_on_student(self, prompt_ids: list[int]) -> TurnRecord:
         """One request to the least-loaded student engine (ties: round robin)."""
@@ -371,7 +356,7 @@ class AsyncDistillationLoop(TaskLoopBase):
         for task, lease in list(self._tasks.items()):
             if task.cancelled() or task.exception() is not None:
                 try:
-                    await _resolve(self.prompt_source.release(lease, "cancelled"))
+                    await resolve(self.prompt_source.release(lease, "cancelled"))
                 except Exception as exc:
                     logger.warning("could not release prompt %d: %s", lease.group_id, exc)
         self._tasks.clear()
@@ -386,15 +371,6 @@ def _accepts_keyword(function: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
-
-def _tokenizer_eos_ids(tokenizer: Any) -> frozenset[int]:
-    ids = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
-    return frozenset(int(token) for token in ids if token is not None)
-
-
-async def _resolve(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 __all__ = ["AsyncDistillationLoop", "resolve_max_inflight_tasks"]

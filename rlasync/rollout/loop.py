@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import inspect
 import logging
 import random
 import time
@@ -81,7 +80,7 @@ from rlasync.rollout.environments import (
 )
 from rlasync.rollout.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
-from rlasync.rollout.task_loop import TaskLoopBase
+from rlasync.rollout.task_loop import TaskLoopBase, resolve, retry_backoff_s, tokenizer_eos_ids
 from rlasync.rollout.tools import PARSE_FAILURE_METRIC, call_tool, execute_tool_calls, tools_by_name
 from rlasync.rollout.tools import parse_response as parse_tool_response
 
@@ -218,11 +217,6 @@ class GroupSink(Protocol):
     def put(self, result: GroupResult) -> None | Awaitable[None]: ...
 
 
-def retry_backoff_s(attempt: int) -> float:
-    """Seconds to wait before retry number `attempt` (0-based): 1, 2, 4, 8, 16, 16, ... (SPEC §2.5)."""
-    return float(min(2 ** min(attempt, 4), 16))
-
-
 class _RolloutOutcome(NamedTuple):
     """What a rollout task returns: the rollout, its duration, its environment reward (`(class name, value)`)
     and the prompt it was generated from when an environment's reset extended the group's prompt."""
@@ -324,7 +318,7 @@ class AsyncRolloutLoop(TaskLoopBase):
         self.metrics = MetricSink()
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
         self.policy_version = policy_version
-        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else _tokenizer_eos_ids(tokenizer)
+        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else tokenizer_eos_ids(tokenizer)
         self.controller = controller
         self._init_task_loop(wall_clock)
         self._clock, self._sleep = clock, sleep
@@ -460,21 +454,9 @@ class AsyncRolloutLoop(TaskLoopBase):
         """One sampling request with a fresh 63-bit seed; transient engine errors are retried with backoff
         (SPEC §2.5), a rejected request is not."""
         sampling = SamplingParams.from_config(self.args, seed=self._rng.getrandbits(SEED_BITS))
-        attempt = 0
-        while True:
-            try:
-                return await self._generate_on_engine(prompt_ids, sampling)
-            except self.retryable_exceptions as exc:
-                if attempt + 1 >= self.max_generation_attempts:
-                    raise
-                delay = retry_backoff_s(attempt)
-                logger.warning(
-                    "generation failed (%s: %s); retry %d in %.0f s", type(exc).__name__, exc, attempt + 1, delay
-                )
-                self.counters["generation_retries"] += 1
-                self._emit([("rollout/vllm_retry_count", 1.0)])
-                attempt += 1
-                await self._sleep(delay)
+        return await self._retrying(
+            "generation", lambda: self._generate_on_engine(prompt_ids, sampling), self.max_generation_attempts
+        )
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """`[G]` advantages of a scored group (`group.rewards` is set); default: GRPO's group normalisation."""
@@ -609,20 +591,20 @@ class AsyncRolloutLoop(TaskLoopBase):
     async def _start_group(self) -> _GroupState | None:
         """Admission, then the next prompt that passes `filter_prompt`; None when the source is exhausted."""
         size = self.args.num_generations
-        admitted = await _resolve(self.admission.acquire(size))
+        admitted = await resolve(self.admission.acquire(size))
         waited_s = float(getattr(admitted, "waited_s", admitted))
         lease = None
         try:
             while True:
-                lease = await _resolve(self.prompt_source.lease())
+                lease = await resolve(self.prompt_source.lease())
                 if lease is None:
-                    await _resolve(self.admission.cancel_group(size))
+                    await resolve(self.admission.cancel_group(size))
                     return None
                 lease = PromptLease(*lease)
                 waited_s += lease.waited_s
-                if not await _resolve(self.filter_prompt(lease.row_index, lease.row, lease.epoch)):
+                if not await resolve(self.filter_prompt(lease.row_index, lease.row, lease.epoch)):
                     filtered, lease = lease, None
-                    await _resolve(self.prompt_source.release(filtered, "filtered"))
+                    await resolve(self.prompt_source.release(filtered, "filtered"))
                     self.counters["prompts_filtered"] += 1
                     self._emit([("rollout/filtered_prompt_count", 1.0)])
                     continue
@@ -692,8 +674,8 @@ class AsyncRolloutLoop(TaskLoopBase):
         )
         self.counters["groups_failed"] += 1
         self._emit([("rollout/failed_group_count", 1.0)])
-        await _resolve(self.prompt_source.release(group.lease, "failed"))
-        await _resolve(self.admission.cancel_group(group.size))
+        await resolve(self.prompt_source.release(group.lease, "failed"))
+        await resolve(self.admission.cancel_group(group.size))
 
     def _record_rollout(self, group: _GroupState, index: int, rollout: Rollout, duration_s: float) -> None:
         sequences = self.build_sequences(rollout)
@@ -751,7 +733,7 @@ class AsyncRolloutLoop(TaskLoopBase):
         started = self._clock()
         reward_funcs, columns = self.reward_funcs, None
         if self.reward_scorer is not None:  # reward functions run elsewhere (a RewardActor): their table comes back
-            table = await _resolve(
+            table = await resolve(
                 self.reward_scorer(
                     prompts=rollout_group.prompts,
                     completions=rollout_group.completions,
@@ -779,14 +761,14 @@ class AsyncRolloutLoop(TaskLoopBase):
             len(seq.input_ids) for sequences in rollout_group.completions_sequences for seq in sequences
         )
         result = GroupResult(group.lease, group.policy_version, scored, num_rollout_tokens=rollout_tokens)
-        await _resolve(self.sink.put(result))
+        await resolve(self.sink.put(result))
         self._groups.discard(group)
         self.counters["groups_scored"] += 1
         self.counters["groups_dropped"] += int(scored.dropped)
         if scored.dropped:
-            await _resolve(self.admission.finish_group(group.size, rollout_tokens, queued=False))
+            await resolve(self.admission.finish_group(group.size, rollout_tokens, queued=False))
         else:
-            await _resolve(self.admission.finish_group(group.size, result.num_tokens, queued=True))
+            await resolve(self.admission.finish_group(group.size, result.num_tokens, queued=True))
         self._emit(self._group_metrics(rollout_group, scored, score_s))
 
     def _rollout_group(self, group: _GroupState) -> RolloutGroup:
@@ -851,7 +833,7 @@ class AsyncRolloutLoop(TaskLoopBase):
         try:
             if not all(callable(getattr(engine, "stats", None)) for engine in self.engines):
                 raise NotImplementedError("an engine has no stats()")
-            stats = [await _resolve(engine.stats()) for engine in self.engines]
+            stats = [await resolve(engine.stats()) for engine in self.engines]
         except NotImplementedError as exc:
             logger.warning("engines report no load stats (%s); concurrency stays at max_concurrent_rollouts", exc)
             self._stats_available = False
@@ -868,13 +850,13 @@ class AsyncRolloutLoop(TaskLoopBase):
     async def _release_quietly(self, lease: PromptLease, reason: ReleaseReason) -> None:
         """Best-effort release while stopping: a failure is logged, not raised over the original error."""
         try:
-            await _resolve(self.prompt_source.release(lease, reason))
+            await resolve(self.prompt_source.release(lease, reason))
         except Exception as exc:
             logger.warning("could not release group %d (%s): %s", lease.group_id, reason, exc)
 
     async def _cancel_admission_quietly(self, num_rollouts: int) -> None:
         try:
-            await _resolve(self.admission.cancel_group(num_rollouts))
+            await resolve(self.admission.cancel_group(num_rollouts))
         except Exception as exc:
             logger.warning("admission.cancel_group failed while stopping: %s", exc)
 
@@ -1027,16 +1009,6 @@ def _as_reward_funcs(reward_funcs: RewardFunc | Sequence[RewardFunc] | None) -> 
     if callable(reward_funcs):
         return [reward_funcs]
     return list(reward_funcs)
-
-
-def _tokenizer_eos_ids(tokenizer: Any) -> frozenset[int]:
-    ids = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
-    return frozenset(int(token) for token in ids if token is not None)
-
-
-async def _resolve(value: Any) -> Any:
-    """Await `value` if it is awaitable (a coroutine, a future, a Ray ObjectRef); else return it."""
-    return await value if inspect.isawaitable(value) else value
 
 
 __all__ = [

@@ -11,22 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from rlasync.metrics import MetricValue
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
+RETRY_METRIC = "rollout/vllm_retry_count"
 
 
 class TaskLoopBase:
     """`run` / `stop` / `check_health` and the wake-up machinery of a worker loop (see the module docstring)."""
 
     heartbeat_interval_s: float = 0.5
+    retryable_exceptions: tuple[type[BaseException], ...] = ()
     loop_name = "worker loop"  # in errors and logs: "the <loop_name> failed", "the <loop_name>'s heartbeat ..."
 
     args: Any
+    counters: collections.Counter[str]
+    _sleep: Callable[[float], Awaitable[Any]]
     _metrics_callback: Callable[[list[tuple[str, MetricValue]]], Any]
 
     def _init_task_loop(self, wall_clock: Callable[[], float]) -> None:
@@ -137,3 +143,39 @@ class TaskLoopBase:
     def _emit(self, items: list[tuple[str, MetricValue]]) -> None:
         if items:
             self._metrics_callback(items)
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[R]], max_attempts: int) -> R:
+        """`call()` with `retryable_exceptions` retried up to `max_attempts` tries with `retry_backoff_s` (SPEC §2.5);
+        each retry is logged, counted in `counters["<first word of what>_retries"]` and as `rollout/vllm_retry_count`.
+        Other errors (a rejected request) and the last failure propagate."""
+        attempt = 0
+        while True:
+            try:
+                return await call()
+            except self.retryable_exceptions as exc:
+                if attempt + 1 >= max_attempts:
+                    raise
+                delay = retry_backoff_s(attempt)
+                logger.warning(
+                    "%s request failed (%s: %s); retry %d in %.0f s", what, type(exc).__name__, exc, attempt + 1, delay
+                )
+                self.counters[f"{what.split()[0]}_retries"] += 1
+                self._emit([(RETRY_METRIC, 1.0)])
+                attempt += 1
+                await self._sleep(delay)
+
+
+def retry_backoff_s(attempt: int) -> float:
+    """Seconds to wait before retry number `attempt` (0-based): 1, 2, 4, 8, 16, 16, ... (SPEC §2.5)."""
+    return float(min(2 ** min(attempt, 4), 16))
+
+
+def tokenizer_eos_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's EOS and pad ids: a completion ending on one of them was not clipped."""
+    ids = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
+    return frozenset(int(token) for token in ids if token is not None)
+
+
+async def resolve(value: Any) -> Any:
+    """Await `value` if it is awaitable (a coroutine, a future, a Ray ObjectRef); else return it."""
+    return await value if inspect.isawaitable(value) else value
