@@ -40,6 +40,7 @@ vocabulary (SPEC §2.4: biased when top-k/top-p filter; exact without filtering)
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import secrets
@@ -202,6 +203,7 @@ def score_from_prompt_logprobs(
     return ScoreResult(topk_ids=topk_ids, topk_logprobs=topk_logprobs, token_logprobs=token_logprobs)
 
 
+@functools.cache  # asked once per request: the answer is fixed per vLLM install
 def _has_flat_logprobs(params_class: Any) -> bool:
     """Whether this vLLM's `SamplingParams` takes `flat_logprobs` (flat lists instead of a dict per position)."""
     fields = getattr(params_class, "__struct_fields__", None) or getattr(params_class, "__dataclass_fields__", {})
