@@ -117,6 +117,7 @@ class VLLMWeightLoading:
     async def weight_fingerprint(self, names: Sequence[str] | None = None) -> dict[str, float]:
         results = await self._rpc("weight_fingerprint", list(names) if names is not None else None)
         return results[0] if results else {}
+
     def _need_backend(self, backend: str) -> None:
         if self.weight_transfer_backend != backend:
             raise RuntimeError(

@@ -20,7 +20,6 @@ SAMPLING_MASK_WARNING = (
 )
 
 
-
 def _logprob_value(entry: Any) -> float:
     return float(entry.logprob if hasattr(entry, "logprob") else entry["logprob"])
 
