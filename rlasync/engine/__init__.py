@@ -2,8 +2,13 @@
 
 The built-in `TorchEngine` (continuous batching, paged KV cache, processed log-probs) is the default; `VLLMEngine`
 (in-process vLLM `AsyncLLM`) and `VLLMServerEngine` (a client of `vllm serve`) are the vLLM adapters, and
-`make_engine(kind, model, ...)` picks one by `cluster.engine`. Only `rlasync.engine.vllm_engine` imports vllm, and
-only when a `VLLMEngine` is built. Importing this package loads no torch: the engines are resolved on first access.
+`make_engine(kind, model, ...)` picks one by `cluster.engine`. Only `rlasync.engine.vllm_engine` (and its weight
+loading, `vllm_engine_weights`) imports vllm, and only when a `VLLMEngine` is built or used. Importing this package
+loads no torch: the engines are resolved on first access.
+
+vLLM modules: vllm_engine (the AsyncLLM adapter) + vllm_engine_weights (its weight loading) + vllm_outputs (vLLM
+outputs -> records, shared); vllm_server (the HTTP engine) + vllm_server_wire (bodies, parsers) + vllm_server_http
+(client, retries) + vllm_server_check (startup check); vllm_worker (the worker extension inside vLLM).
 """
 
 from typing import TYPE_CHECKING, Any

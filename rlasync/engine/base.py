@@ -12,12 +12,17 @@ imports neither torch nor ray: sampling parameters and results are plain data.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rlasync.rollout.records import TurnRecord
+
+if TYPE_CHECKING:  # annotations only: rlasync.config is the user-facing surface and never imports rlasync.engine
+    from rlasync.config.base import TrainerConfig
+    from rlasync.config.grpo import AsyncGRPOConfig
 
 
 class EngineError(RuntimeError):
@@ -78,18 +83,39 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1 or bool(self.min_p)
 
     @classmethod
-    def from_config(cls, args: Any, seed: int | None = None) -> SamplingParams:
-        """Build from an `AsyncGRPOConfig` (its generation fields)."""
+    def from_config(cls, config: AsyncGRPOConfig, seed: int | None = None) -> SamplingParams:
+        """A GRPO rollout's sampling, from an `AsyncGRPOConfig`: its generation fields, the top
+        `num_sampler_logprobs` log-probs of every position and the sampling mask (the learner's importance ratios
+        read both). Derive it once and give each request its seed with `with_seed`."""
+        return cls.from_generation_fields(config, seed, num_logprobs=config.num_sampler_logprobs)
+
+    @classmethod
+    def for_student(cls, config: TrainerConfig, seed: int | None = None) -> SamplingParams:
+        """A distillation student's sampling, from an `AsyncDistillationConfig` (any `TrainerConfig`): the
+        generation fields, no log-probs and no sampling mask (the learner recomputes the student side)."""
+        return cls.from_generation_fields(config, seed, num_logprobs=0, return_sampling_mask=False)
+
+    @classmethod
+    def from_generation_fields(
+        cls, config: TrainerConfig, seed: int | None = None, *, num_logprobs: int = 0, return_sampling_mask: bool = True
+    ) -> SamplingParams:
+        """The generation fields every trainer config has (TRL's names: `max_completion_length`, `temperature`,
+        `top_k`, `top_p`, `min_p`, `repetition_penalty`), with the given seed and log-prob request."""
         return cls(
-            max_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+            max_tokens=config.max_completion_length,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty,
             seed=seed,
-            num_logprobs=args.num_sampler_logprobs,
+            num_logprobs=num_logprobs,
+            return_sampling_mask=return_sampling_mask,
         )
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """These settings for one request with its own seed (a per-request seed makes it reproducible)."""
+        return dataclasses.replace(self, seed=seed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,8 @@
 """`VLLMEngine`: the engine interface (`rlasync.engine.base.Engine`) over an in-process vLLM `AsyncLLM`.
 
-The only module of rlasync that imports vllm, and only when a `VLLMEngine` is built (`pip install 'rlasync[vllm]'`).
+With `rlasync.engine.vllm_engine_weights` (its weight loading) the only modules of rlasync that import vllm, and only
+when a `VLLMEngine` is built or used (`pip install 'rlasync[vllm]'`). The conversion of vLLM's outputs into records
+lives in `rlasync.engine.vllm_outputs` (pure, shared with `VLLMServerEngine`; re-exported here).
 Written against vLLM 0.25.0 (the release pinned to the GPU machine's torch 2.11 / CUDA 13); the APIs it uses, as
 they are in 0.25's source:
 
@@ -39,35 +41,30 @@ vocabulary (SPEC §2.4: biased when top-k/top-p filter; exact without filtering)
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
-from rlasync.engine.vllm_worker import (
-    DEFAULT_CHUNK_BYTES,
-    EXTENSION_QUALNAME,
-    encode_weights,
-    manifest_rows,
-    nccl_update_info,
-    paused_for_update,
+from rlasync.engine.vllm_engine_weights import VLLMWeightLoading, bounded
+from rlasync.engine.vllm_outputs import (  # noqa: F401 - re-exported: these lived here first
+    SAMPLING_MASK_WARNING,
+    score_from_prompt_logprobs,
+    top_entries,
+    turn_from_flat_output,
+    turn_from_output,
 )
+from rlasync.engine.vllm_worker import DEFAULT_CHUNK_BYTES, EXTENSION_QUALNAME
 from rlasync.rollout.records import TurnRecord
 
 logger = logging.getLogger(__name__)
 
 MIN_VLLM_VERSION = (0, 25)
 INSTALL_HINT = "pip install 'rlasync[vllm]'"
-SAMPLING_MASK_WARNING = (
-    "vLLM {version} cannot report sampling masks (each token's top-k/top-p/min-p candidate set; that needs "
-    "vLLM >= 0.28 with --return-sampling-mask): output_sampling_mask is None and the trainer normalises the "
-    "log-prob ratio over the full vocabulary, which is biased while top-k/top-p/min-p filter"
-)
 
 
 def import_vllm() -> Any:
@@ -88,119 +85,6 @@ def _version_tuple(version: str) -> tuple[int, ...]:
         digits = "".join(itertools.takewhile(str.isdigit, piece))
         parts.append(int(digits or 0))
     return tuple(parts)
-
-
-# ---- vLLM outputs -> rlasync records (pure: plain objects with .logprob / .rank) -----------------------------------
-
-
-def _logprob_value(entry: Any) -> float:
-    return float(entry.logprob if hasattr(entry, "logprob") else entry["logprob"])
-
-
-def _rank_value(entry: Any) -> int | None:
-    rank = entry.rank if hasattr(entry, "rank") else entry.get("rank")
-    return None if rank is None else int(rank)
-
-
-def top_entries(position: Mapping[Any, Any], n: int) -> dict[int, float]:
-    """The top-`n` (id -> log-prob) of one position's vLLM log-prob dict (which also holds the sampled token when it
-    is outside the top-n); by rank when ranks are given, else by log-prob."""
-    if n <= 0 or not position:
-        return {}
-    items = [(int(token), _logprob_value(entry), _rank_value(entry)) for token, entry in position.items()]
-    if all(rank is not None for _, _, rank in items):
-        items.sort(key=lambda item: (item[2], item[0]))
-    else:
-        items.sort(key=lambda item: (-item[1], item[0]))
-    return {token: logprob for token, logprob, _ in items[:n]}
-
-
-def turn_from_output(
-    prompt_ids: list[int],
-    output_ids: Sequence[int],
-    logprobs: Sequence[Mapping[Any, Any] | None] | None,
-    num_logprobs: int,
-    finish_reason: str | None,
-) -> TurnRecord:
-    """A `TurnRecord` from one vLLM completion: the sampled tokens' processed log-probs and, when `num_logprobs > 0`,
-    the top-N per position. Raises `EngineError` when a sampled token has no log-prob (a server without logprobs)."""
-    ids = [int(t) for t in output_ids]
-    if logprobs is None or len(logprobs) != len(ids):
-        got = "none" if logprobs is None else f"{len(logprobs)} positions"
-        raise EngineError(f"vLLM returned {len(ids)} tokens but log-probs for {got}")
-    sampled: list[float] = []
-    top: list[dict[int, float]] = []
-    for position, (token, entry) in enumerate(zip(ids, logprobs)):
-        if not entry:
-            raise EngineError(f"vLLM returned no log-prob for output token {position}")
-        chosen = entry.get(token, entry.get(str(token))) if isinstance(entry, Mapping) else None
-        if chosen is None:
-            raise EngineError(f"vLLM's log-probs of output token {position} do not include the sampled id {token}")
-        sampled.append(_logprob_value(chosen))
-        top.append(top_entries(entry, num_logprobs))
-    return TurnRecord(
-        prompt_ids=list(prompt_ids),
-        output_ids=ids,
-        output_log_probs=sampled,
-        output_sampler_logprobs=top if num_logprobs > 0 else None,
-        output_sampling_mask=None,
-        finish_reason=finish_reason,
-    )
-
-
-def turn_from_flat_output(
-    prompt_ids: list[int], output_ids: Sequence[int], flat: Any, num_logprobs: int, finish_reason: str | None
-) -> TurnRecord:
-    """`turn_from_output` for vLLM's `FlatLogprobs` (`SamplingParams(flat_logprobs=True)`): per position `i`, entries
-    `start_indices[i]:end_indices[i]` of the flat `token_ids`/`logprobs` lists hold the sampled token first, then the
-    top-N by rank. Slices instead of one dict of `Logprob` objects per token: the conversion of a finished request
-    no longer holds the actor's event loop for long."""
-    ids = [int(t) for t in output_ids]
-    starts, ends = list(flat.start_indices), list(flat.end_indices)
-    if len(starts) != len(ids) or len(ends) != len(ids):
-        raise EngineError(f"vLLM returned {len(ids)} tokens but log-probs for {len(starts)} positions")
-    token_ids, logprobs = flat.token_ids, flat.logprobs
-    if any(end <= start for start, end in zip(starts, ends)):
-        position = next(i for i, (start, end) in enumerate(zip(starts, ends)) if end <= start)
-        raise EngineError(f"vLLM returned no log-prob for output token {position}")
-    if [token_ids[start] for start in starts] != ids:
-        position = next(i for i, (start, token) in enumerate(zip(starts, ids)) if token_ids[start] != token)
-        raise EngineError(f"vLLM's log-probs of output token {position} do not include the sampled id {ids[position]}")
-    sampled = [float(logprobs[start]) for start in starts]
-    top = None
-    if num_logprobs > 0:
-        spans = [(start + 1, min(end, start + 1 + num_logprobs)) for start, end in zip(starts, ends)]
-        top = [dict(zip(token_ids[first:last], logprobs[first:last])) for first, last in spans]
-    return TurnRecord(
-        prompt_ids=list(prompt_ids),
-        output_ids=ids,
-        output_log_probs=sampled,
-        output_sampler_logprobs=top,
-        output_sampling_mask=None,
-        finish_reason=finish_reason,
-    )
-
-
-def score_from_prompt_logprobs(
-    token_ids: Sequence[int], prompt_length: int, top_k: int, prompt_logprobs: Sequence[Mapping[Any, Any] | None]
-) -> ScoreResult:
-    """A `ScoreResult` from vLLM's `prompt_logprobs` (entry i scores `token_ids[i]`; keys are ids or id strings)."""
-    if len(prompt_logprobs) < len(token_ids):
-        raise EngineError(f"vLLM returned prompt log-probs for {len(prompt_logprobs)} of {len(token_ids)} tokens")
-    topk_ids: list[list[int]] = []
-    topk_logprobs: list[list[float]] = []
-    token_logprobs: list[float] = []
-    for i in range(prompt_length, len(token_ids)):
-        entry = prompt_logprobs[i] or {}
-        realised = int(token_ids[i])
-        chosen = entry.get(realised, entry.get(str(realised)))
-        if chosen is None:
-            raise EngineError(f"vLLM's prompt log-probs at position {i} do not include the realised id {realised}")
-        token_logprobs.append(_logprob_value(chosen))
-        top = top_entries(entry, top_k)
-        topk_ids.append(list(top))
-        topk_logprobs.append(list(top.values()))
-    return ScoreResult(topk_ids=topk_ids, topk_logprobs=topk_logprobs, token_logprobs=token_logprobs)
 
 
 @functools.cache  # asked once per request: the answer is fixed per vLLM install
@@ -244,7 +128,7 @@ def _stat_logger_factory(gauges: _Gauges) -> Any:
     return RlasyncStatLogger
 
 
-class VLLMEngine:
+class VLLMEngine(VLLMWeightLoading):
     """The engine interface over an in-process vLLM `AsyncLLM` (one per GenerationActor, on the actor's GPU(s)).
 
     model                   HF folder or hub id (what `vllm` loads)
@@ -411,47 +295,19 @@ class VLLMEngine:
     async def pause(self) -> None:
         """Freeze scheduling (in-flight requests are kept) and, by default, drop the prefix cache so running requests
         recompute under the weights loaded next. Returns when no forward runs."""
-        await self._bounded(
+        await bounded(
             self._llm.pause_generation(mode="keep", clear_cache=self.clear_cache_on_pause),
             self.control_timeout_s, "pause",
         )  # fmt: skip
         self._paused = True
 
     async def resume(self) -> None:
-        await self._bounded(self._llm.resume_generation(), self.control_timeout_s, "resume")
+        await bounded(self._llm.resume_generation(), self.control_timeout_s, "resume")
         self._paused = False
 
     @property
     def is_paused(self) -> bool:
         return self._paused
-
-    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
-        """Load `(HF name, tensor)` pairs in place through the workers' `model.load_weights`; only while paused.
-
-        CUDA tensors travel as CUDA IPC handles (no copy; the worker must be on the same GPU), others inline in
-        chunks of ~`chunk_bytes`. Returns `{"num_tensors", "bytes", "seconds"}`."""
-        if not self._paused:
-            raise RuntimeError("VLLMEngine.load_weights needs a paused engine: await engine.pause() first")
-        import torch
-
-        started = time.perf_counter()
-        total = {"num_tensors": 0, "bytes": 0}
-        keepalive: list[Any] = []
-        try:
-            for payload in encode_weights(named_tensors, chunk_bytes=self.chunk_bytes, cuda_ipc=True,
-                                          keepalive=keepalive):  # fmt: skip
-                if keepalive:
-                    torch.cuda.synchronize()  # the sender's writes land before the worker reads the handles
-                results = await self._rpc("load_weights_payload", payload)
-                total["num_tensors"] += int(results[0]["num_tensors"])  # every worker loads the same tensors
-                total["bytes"] += int(results[0]["bytes"])
-                if keepalive:
-                    keepalive.clear()
-                    torch.cuda.ipc_collect()  # release the copies the worker has let go of
-        finally:
-            keepalive.clear()
-        total["seconds"] = time.perf_counter() - started
-        return total
 
     def stats(self) -> EngineStats:
         gauges = self._gauges
@@ -473,67 +329,7 @@ class VLLMEngine:
             self._closed = True
             self._llm.shutdown()
 
-    # ---- weight sync --------------------------------------------------------------------------------------------
-
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                                backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
-        """The workers join rlasync's weight-sync group (`rlasync.weights.broadcast`, learner rank 0 sends) as ranks
-        `rank, rank + 1, ...` (one per worker), over `backend` ("gloo": through the CPU; "nccl": into the workers'
-        GPUs, the sender on another GPU). Returns when every rank has joined."""
-        await self._rpc("init_weight_group", host, int(port), int(rank), int(world_size), float(timeout_s), backend,
-                        bucket_bytes, timeout_s=float(timeout_s) + 30.0)  # fmt: skip
-
-    async def receive_weights(self, manifest: Iterable[Any]) -> dict[str, Any]:
-        """Receive one broadcast per manifest entry in the workers and load it (pausing first unless already
-        paused, and resuming then). A stalled sender fails the group's wait with `TimeoutError`."""
-        rows = manifest_rows(manifest)
-        async with paused_for_update(self):
-            results = await self._rpc("receive_weights", rows)
-        return results[0] if results else {}
-
-    async def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int,
-                                   world_size: int) -> None:  # fmt: skip
-        """vLLM's own NCCL path: the workers join a NCCL group with the learner (rank 0), as ranks from `rank_offset`.
-        The learner calls `NCCLWeightTransferEngine.trainer_init({...})` at the same time. Needs
-        `weight_transfer_backend="nccl"`."""
-        self._need_backend("nccl")
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        info = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-                "world_size": int(world_size)}  # fmt: skip
-        await self._bounded(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
-                            self.rpc_timeout_s, "init_weight_transfer_engine")  # fmt: skip
-
-    async def update_weights_nccl(self, manifest: Iterable[Any], packed: bool = True) -> float:
-        """Receive a NCCL broadcast of the manifest's tensors from the learner (vLLM's `update_weights`), pausing
-        and resuming around it unless already paused; the learner sends with
-        `NCCLWeightTransferEngine.trainer_send_weights(iterator, {"group": ..., "packed": packed})`. Returns seconds."""
-        self._need_backend("nccl")
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        info = nccl_update_info(manifest, packed)
-        started = time.perf_counter()
-        async with paused_for_update(self):
-            await self._bounded(self._llm.start_weight_update(), self.control_timeout_s, "start_weight_update")
-            try:
-                await self._bounded(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)),
-                                    self.rpc_timeout_s, "update_weights")  # fmt: skip
-            finally:
-                await self._bounded(self._llm.finish_weight_update(), self.control_timeout_s, "finish_weight_update")
-        return time.perf_counter() - started
-
-    async def weight_fingerprint(self, names: Sequence[str] | None = None) -> dict[str, float]:
-        results = await self._rpc("weight_fingerprint", list(names) if names is not None else None)
-        return results[0] if results else {}
-
     # ---- internals ----------------------------------------------------------------------------------------------
-
-    def _need_backend(self, backend: str) -> None:
-        if self.weight_transfer_backend != backend:
-            raise RuntimeError(
-                f"vLLM's weight transfer needs VLLMEngine(weight_transfer_backend={backend!r}) "
-                f"(this engine has {self.weight_transfer_backend!r})"
-            )
 
     def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         if self._closed:
@@ -570,11 +366,4 @@ class VLLMEngine:
 
     async def _rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
-        return await self._bounded(self._llm.collective_rpc(method, timeout=timeout, args=args), timeout, method)
-
-    @staticmethod
-    async def _bounded(awaitable: Any, timeout_s: float, what: str) -> Any:
-        try:
-            return await asyncio.wait_for(awaitable, timeout_s)
-        except TimeoutError as exc:
-            raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s") from exc
+        return await bounded(self._llm.collective_rpc(method, timeout=timeout, args=args), timeout, method)

@@ -1,13 +1,8 @@
-"""Tree attention for Hugging Face causal LMs over one packed row (SPEC §4.2-4.3, DESIGN §3 "Tree packing").
+"""Tree attention for Hugging Face causal LMs over one packed row (SPEC §4.2-4.3, DESIGN §3 "Tree packing"): the
+attention function, its registration with transformers and the architecture checks.
 
-A packed row lays a prefix trie out depth-first, so node k's subtree is the index range [k, subtree_end[k]). One
-rule gives the whole mask:
-
-    key k is visible to query q  iff  k <= q < subtree_end[k]
-
-(each token attends exactly its root path, the context it had when its sample was forwarded alone). Sliding-window
-layers add `depth[q] - depth[k] < window` on depth positions, which along a root path equals the distance inside
-the sample, so windows are exact too.
+The masks themselves (the rule `k <= q < subtree_end[k]`, `TreeAttention`, the dense and FlexAttention block masks)
+are built in `rlasync.model.tree_mask` and `rlasync.model.block_mask`; their names are re-exported here.
 
 How it plugs into transformers (no module is patched):
   * `ATTENTION_NAME` ("rlasync_tree") is registered in `AttentionInterface` (the attention function) and in
@@ -18,31 +13,37 @@ How it plugs into transformers (no module is patched):
     so it builds no mask of its own; the attention function ignores it and reads `tree_attention=TreeAttention`,
     a keyword argument the decoder forwards to every attention call, to pick the mask of the layer's window.
 
-Backends (`TreeAttention.backend`):
-  dense  a bool [N, N] mask through `scaled_dot_product_attention` (CPU, tests, reference);
-  flex   one `BlockMask` per window built once per row directly from subtree_end (O(N) work, no [N, N] tensor),
-         shared by all layers, through `torch.compile(flex_attention)` (CUDA).
+Backends (`TreeAttention.backend`): dense (a bool mask through SDPA) or flex (`torch.compile(flex_attention)` over a
+`BlockMask`, CUDA); a flex compile failure falls back to the dense masks for the rest of the process.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from rlasync.model.block_mask import (  # noqa: F401 - re-exported: these lived here first
+    DEFAULT_BLOCK_SIZE,
+    tree_block_mask,
+    tree_block_sparsity,
+    tree_mask_mod,
+)
+from rlasync.model.tree_mask import (  # noqa: F401 - re-exported: these lived here first
+    Backend,
+    TreeAttention,
+    build_tree_attention,
+    dense_tree_mask,
+)
+
 ATTENTION_NAME = "rlasync_tree"
 ALLOWED_LAYER_TYPES = ("full_attention", "sliding_attention")
-DEFAULT_BLOCK_SIZE = 128
 
 logger = logging.getLogger(__name__)
-
-Backend = Literal["dense", "flex"]
 
 
 # ---- architecture checks -----------------------------------------------------------------------------------------
@@ -125,182 +126,6 @@ def _pretrained_root(model: torch.nn.Module) -> Any:
 
 # ---- the row's masks --------------------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True, eq=False)
-class TreeAttention:
-    """The attention masks of one packed row, built once and shared by every layer.
-
-    `masks` maps a sliding window (None = full attention) to a bool [1, 1, N, N] tensor (dense) or a `BlockMask`
-    (flex). `position_ids` ([N] depth) and `subtree_end` ([N]) are kept to build a window nobody announced.
-    """
-
-    backend: Backend
-    subtree_end: torch.Tensor  # [N] int64
-    position_ids: torch.Tensor  # [N] int64
-    masks: dict[Any, Any]  # window -> mask; ("dense", window) -> the flex backend's dense fallback
-    block_size: int = DEFAULT_BLOCK_SIZE
-    compile: bool = True
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.subtree_end.shape[0])
-
-    @property
-    def full_mask(self) -> Any:
-        """The full-attention mask; passed to the model as its 4D `attention_mask` so it builds none itself."""
-        return self.masks[None]
-
-    def mask_for(self, sliding_window: int | None) -> Any:
-        key = int(sliding_window) if sliding_window else None
-        mask = self.masks.get(key)
-        if mask is None:  # a window the config did not announce: build it now (eager only)
-            mask = _build_mask(self.backend, self.subtree_end, self.position_ids, key, self.block_size)
-            self.masks[key] = mask
-        return mask
-
-
-def build_tree_attention(
-    subtree_end: torch.Tensor,
-    position_ids: torch.Tensor,
-    backend: Backend | Literal["auto"] = "auto",
-    windows: Iterable[int] = (),
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    compile: bool = True,
-) -> TreeAttention:
-    """Build the masks of one row for full attention and each sliding window in `windows`.
-
-    `backend="auto"` picks flex on CUDA and dense elsewhere. `compile=False` runs flex_attention eagerly (only
-    meant for checking the flex path on CPU: eager FlexAttention materialises the scores).
-    """
-    if subtree_end.ndim != 1 or position_ids.shape != subtree_end.shape:
-        raise ValueError(
-            f"subtree_end and position_ids must both be [N], got {tuple(subtree_end.shape)} and "
-            f"{tuple(position_ids.shape)}"
-        )
-    if backend == "auto":
-        backend = "flex" if subtree_end.device.type == "cuda" else "dense"
-    if backend not in ("dense", "flex"):
-        raise ValueError(f"unknown tree attention backend {backend!r}: use 'auto', 'dense' or 'flex'")
-    subtree_end = subtree_end.long()
-    position_ids = position_ids.long()
-    masks: dict[int | None, Any] = {}
-    for window in (None, *sorted({int(w) for w in windows if w})):
-        masks[window] = _build_mask(backend, subtree_end, position_ids, window, block_size)
-    return TreeAttention(backend, subtree_end, position_ids, masks, block_size, compile)
-
-
-def _build_mask(
-    backend: Backend, subtree_end: torch.Tensor, position_ids: torch.Tensor, window: int | None, block_size: int
-) -> Any:
-    if backend == "dense":
-        return dense_tree_mask(subtree_end, position_ids, window)[None, None]
-    return tree_block_mask(subtree_end, position_ids, window, block_size)
-
-
-def dense_tree_mask(
-    subtree_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None
-) -> torch.Tensor:
-    """[N, N] bool, True where query q (row) may attend key k (column): k <= q < subtree_end[k] (and the window)."""
-    n = subtree_end.shape[0]
-    index = torch.arange(n, device=subtree_end.device)
-    q, k = index[:, None], index[None, :]
-    mask = (k <= q) & (q < subtree_end[None, :])
-    if sliding_window:
-        if position_ids is None:
-            raise ValueError("a sliding-window tree mask needs position_ids (the depth of each token)")
-        mask &= (position_ids[:, None] - position_ids[None, :]) < sliding_window
-    return mask
-
-
-def tree_mask_mod(
-    subtree_end: torch.Tensor, position_ids: torch.Tensor, sliding_window: int | None, padded_length: int
-) -> Callable:
-    """FlexAttention mask_mod of the tree rule. The captured tensors are padded to `padded_length` (a multiple of
-    the block size) so reads at out-of-range indices of the last partial block stay in bounds (padding: invisible)."""
-    n = subtree_end.shape[0]
-    end = F.pad(subtree_end, (0, padded_length - n), value=0)
-    if not sliding_window:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
-
-        return mask_mod
-
-    depth = F.pad(position_ids, (0, padded_length - n), value=0)
-
-    def windowed_mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < end[kv_idx]) & (depth[q_idx] - depth[kv_idx] < sliding_window)
-
-    return windowed_mask_mod
-
-
-def tree_block_sparsity(
-    subtree_end: torch.Tensor,
-    position_ids: torch.Tensor,
-    sliding_window: int | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-level ([nb, nb] bool, query block x key block) `(partial, full)` maps of the tree mask, in O(N + nb²).
-
-    Key block j holds keys [jB, (j+1)B). Key k is visible to the contiguous query range [k, subtree_end[k]), so
-    block j reaches exactly the query blocks j .. (max_k subtree_end[k] - 1) // B. It is full for query block i
-    > j iff every key's subtree covers the whole block: (i+1)B <= min_k subtree_end[k]. A window can only drop
-    blocks (depth differences all >= window) or spoil fullness (some difference >= window); both are bounded with
-    per-block depth extrema, so the map never drops a visible pair and never calls a masked pair full.
-    """
-    n = subtree_end.shape[0]
-    num_blocks = max(1, math.ceil(n / block_size))
-    pad = num_blocks * block_size - n
-    device = subtree_end.device
-    end_max = F.pad(subtree_end, (0, pad), value=0).view(num_blocks, block_size).amax(1)
-    end_min = F.pad(subtree_end, (0, pad), value=n).view(num_blocks, block_size).amin(1)
-    blocks = torch.arange(num_blocks, device=device)
-    q_block, k_block = blocks[:, None], blocks[None, :]
-    last_reached = torch.div(end_max - 1, block_size, rounding_mode="floor")
-    nonempty = (k_block <= q_block) & (q_block <= last_reached[None, :])
-    full = (k_block < q_block) & ((q_block + 1) * block_size <= end_min[None, :])
-    if sliding_window:
-        big = torch.iinfo(torch.int64).max // 4
-        depth_max = F.pad(position_ids, (0, pad), value=-big).view(num_blocks, block_size).amax(1)
-        depth_min = F.pad(position_ids, (0, pad), value=big).view(num_blocks, block_size).amin(1)
-        nonempty &= (depth_min[:, None] - depth_max[None, :]) < sliding_window
-        full &= (depth_max[:, None] - depth_min[None, :]) < sliding_window
-    return nonempty & ~full, full & nonempty
-
-
-def tree_block_mask(
-    subtree_end: torch.Tensor,
-    position_ids: torch.Tensor,
-    sliding_window: int | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> Any:
-    """The row's FlexAttention `BlockMask`, built from subtree_end without evaluating the mask on [N, N]."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n = subtree_end.shape[0]
-    partial, full = tree_block_sparsity(subtree_end, position_ids, sliding_window, block_size)
-    num_blocks = partial.shape[0]
-    kv_num_blocks, kv_indices = _ordered_blocks(partial)
-    full_kv_num_blocks, full_kv_indices = _ordered_blocks(full)
-    mask_mod = tree_mask_mod(subtree_end, position_ids, sliding_window, num_blocks * block_size)
-    return BlockMask.from_kv_blocks(
-        kv_num_blocks[None, None],
-        kv_indices[None, None],
-        full_kv_num_blocks[None, None],
-        full_kv_indices[None, None],
-        BLOCK_SIZE=block_size,
-        mask_mod=mask_mod,
-        seq_lengths=(n, n),
-    )
-
-
-def _ordered_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[nb, nb] bool -> (count per row [nb] int32, the present column indices first [nb, nb] int32)."""
-    counts = blocks.sum(-1, dtype=torch.int32)
-    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
-    return counts, order.to(torch.int32)
-
-
 # ---- the attention function ---------------------------------------------------------------------------------------
 
 
@@ -348,7 +173,7 @@ def tree_attention_forward(
         else:
             output = _flex_or_dense(query, key, value, mask, scaling, softcap, tree_attention, sliding_window)
     elif tree_attention.backend == "flex":
-        output = _masked_attention(query, key, value, _dense_mask(tree_attention, sliding_window), scaling, dropout,
+        output = _masked_attention(query, key, value, tree_attention.dense_mask_for(sliding_window), scaling, dropout,
                                    softcap)  # fmt: skip
     else:
         output = _masked_attention(query, key, value, mask, scaling, dropout, softcap)
@@ -430,7 +255,8 @@ def _flex_or_dense(
         if not tree_attention.compile:
             raise
         _flex_compile_failed(exc)
-        return _masked_attention(query, key, value, _dense_mask(tree_attention, sliding_window), scaling, 0.0, softcap)
+        dense = tree_attention.dense_mask_for(sliding_window)
+        return _masked_attention(query, key, value, dense, scaling, 0.0, softcap)
 
 
 _FLEX_COMPILE_FAILED: list[str] = []  # the first compile error, once compiled FlexAttention failed in this process
@@ -457,16 +283,6 @@ def _flex_compile_failed(exc: BaseException) -> None:
             "(memory grows with the square of the row length: lower token_budget if it runs out)",
             type(exc).__name__, first_line,
         )  # fmt: skip
-
-
-def _dense_mask(tree_attention: TreeAttention, sliding_window: int | None) -> torch.Tensor:
-    """The row's dense [1, 1, N, N] mask for `sliding_window`, built once per row (the flex backend's fallback)."""
-    key = ("dense", int(sliding_window) if sliding_window else None)
-    mask = tree_attention.masks.get(key)
-    if mask is None:
-        mask = _build_mask("dense", tree_attention.subtree_end, tree_attention.position_ids, key[1], 0)
-        tree_attention.masks[key] = mask
-    return mask
 
 
 @functools.cache

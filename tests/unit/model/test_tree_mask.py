@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlasync.model.attention import dense_tree_mask, tree_block_mask, tree_block_sparsity, tree_mask_mod
+from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity, tree_mask_mod
+from rlasync.model.tree_mask import dense_tree_mask
 from rlasync.packing import TreeRow, pack, sample_positions
 from rlasync.rollout.records import RolloutSample
 

@@ -1,0 +1,126 @@
+"""`VLLMWeightLoading`: the weight-loading half of `VLLMEngine` (in-process vLLM `AsyncLLM`).
+
+Three ways in, all through the worker extension of `rlasync.engine.vllm_worker` or vLLM's own weight transfer:
+`load_weights` (tensors inline, CUDA tensors as CUDA IPC handles), `join_weight_group` + `receive_weights` (the
+weight-sync group of `rlasync.weights.broadcast`) and vLLM's NCCL path (`init_weight_transfer` +
+`update_weights_nccl`). Separate from the adapter's generation code because it is the part the weight transport
+drives, and it only needs the engine's `collective_rpc` and pause/resume.
+
+A mixin: the host class (`VLLMEngine`) provides `_llm` (the AsyncLLM), `_rpc(method, *args, timeout_s=None)`,
+`pause()` / `resume()` / `is_paused`, and the attributes annotated below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info, paused_for_update
+
+
+async def bounded(awaitable: Any, timeout_s: float, what: str) -> Any:
+    """Await `awaitable` for at most `timeout_s` (vLLM's own timeouts are not enforced in-process)."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError as exc:
+        raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s") from exc
+
+
+class VLLMWeightLoading:
+    """Weight loading and weight sync of an in-process vLLM engine (mixed into `VLLMEngine`)."""
+
+    _llm: Any
+    _paused: bool
+    chunk_bytes: int
+    rpc_timeout_s: float
+    control_timeout_s: float
+    weight_transfer_backend: str | None
+    _rpc: Callable[..., Awaitable[list[Any]]]  # the host's collective_rpc: _rpc(method, *args, timeout_s=None)
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+        """Load `(HF name, tensor)` pairs in place through the workers' `model.load_weights`; only while paused.
+
+        CUDA tensors travel as CUDA IPC handles (no copy; the worker must be on the same GPU), others inline in
+        chunks of ~`chunk_bytes`. Returns `{"num_tensors", "bytes", "seconds"}`."""
+        if not self._paused:
+            raise RuntimeError("VLLMEngine.load_weights needs a paused engine: await engine.pause() first")
+        import torch
+
+        started = time.perf_counter()
+        total = {"num_tensors": 0, "bytes": 0}
+        keepalive: list[Any] = []
+        try:
+            for payload in encode_weights(named_tensors, chunk_bytes=self.chunk_bytes, cuda_ipc=True,
+                                          keepalive=keepalive):  # fmt: skip
+                if keepalive:
+                    torch.cuda.synchronize()  # the sender's writes land before the worker reads the handles
+                results = await self._rpc("load_weights_payload", payload)
+                total["num_tensors"] += int(results[0]["num_tensors"])  # every worker loads the same tensors
+                total["bytes"] += int(results[0]["bytes"])
+                if keepalive:
+                    keepalive.clear()
+                    torch.cuda.ipc_collect()  # release the copies the worker has let go of
+        finally:
+            keepalive.clear()
+        total["seconds"] = time.perf_counter() - started
+        return total
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                                backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
+        """The workers join rlasync's weight-sync group (`rlasync.weights.broadcast`, learner rank 0 sends) as ranks
+        `rank, rank + 1, ...` (one per worker), over `backend` ("gloo": through the CPU; "nccl": into the workers'
+        GPUs, the sender on another GPU). Returns when every rank has joined."""
+        await self._rpc("init_weight_group", host, int(port), int(rank), int(world_size), float(timeout_s), backend,
+                        bucket_bytes, timeout_s=float(timeout_s) + 30.0)  # fmt: skip
+
+    async def receive_weights(self, manifest: Iterable[Any]) -> dict[str, Any]:
+        """Receive one broadcast per manifest entry in the workers and load it (pausing first unless already
+        paused, and resuming then). A stalled sender fails the group's wait with `TimeoutError`."""
+        rows = manifest_rows(manifest)
+        async with paused_for_update(self):
+            results = await self._rpc("receive_weights", rows)
+        return results[0] if results else {}
+
+    async def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int,
+                                   world_size: int) -> None:  # fmt: skip
+        """vLLM's own NCCL path: the workers join a NCCL group with the learner (rank 0), as ranks from `rank_offset`.
+        The learner calls `NCCLWeightTransferEngine.trainer_init({...})` at the same time. Needs
+        `weight_transfer_backend="nccl"`."""
+        self._need_backend("nccl")
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+                "world_size": int(world_size)}  # fmt: skip
+        await bounded(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                            self.rpc_timeout_s, "init_weight_transfer_engine")  # fmt: skip
+
+    async def update_weights_nccl(self, manifest: Iterable[Any], packed: bool = True) -> float:
+        """Receive a NCCL broadcast of the manifest's tensors from the learner (vLLM's `update_weights`), pausing
+        and resuming around it unless already paused; the learner sends with
+        `NCCLWeightTransferEngine.trainer_send_weights(iterator, {"group": ..., "packed": packed})`. Returns seconds."""
+        self._need_backend("nccl")
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        info = nccl_update_info(manifest, packed)
+        started = time.perf_counter()
+        async with paused_for_update(self):
+            await bounded(self._llm.start_weight_update(), self.control_timeout_s, "start_weight_update")
+            try:
+                await bounded(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)),
+                                    self.rpc_timeout_s, "update_weights")  # fmt: skip
+            finally:
+                await bounded(self._llm.finish_weight_update(), self.control_timeout_s, "finish_weight_update")
+        return time.perf_counter() - started
+
+    async def weight_fingerprint(self, names: Sequence[str] | None = None) -> dict[str, float]:
+        results = await self._rpc("weight_fingerprint", list(names) if names is not None else None)
+        return results[0] if results else {}
+
+    def _need_backend(self, backend: str) -> None:
+        if self.weight_transfer_backend != backend:
+            raise RuntimeError(
+                f"vLLM's weight transfer needs VLLMEngine(weight_transfer_backend={backend!r}) "
+                f"(this engine has {self.weight_transfer_backend!r})"
+            )
