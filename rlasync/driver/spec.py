@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlasync.driver.checkpoint import Checkpointer
+from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, WeightTransport
 from rlasync.driver.resources import ActorRequests
-from rlasync.driver.step_loop import StepSettings
+from rlasync.driver.step_loop import StepLoop, StepSettings
+from rlasync.metrics.sinks import build_sinks
 from rlasync.pipeline import RolloutState, initial_tokens_per_step
 from rlasync.pipeline.settings import QueueSettings
 
@@ -87,6 +90,19 @@ class RunSpec:
         return StepSettings.from_config(
             self.config, horizon=self.horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
             hang_timeout_s=self.hang_timeout_s,
+        )  # fmt: skip
+
+    def step_loop(self, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport, fleet: Fleet,
+                  tokens_per_step: int, samples_per_step: int | None, state: dict[str, Any]) -> StepLoop:  # fmt: skip
+        """The run's StepLoop over the Cluster's adapters: the config's sinks (a resumed run replaces the records
+        after its step), its checkpointer, the callbacks (called with the config as TRL's `args`)."""
+        config = self.config
+        sinks = build_sinks(config.output_dir, config.report_to, max_steps=config.max_steps, run_name=config.run_name,
+                            config=config.to_dict(), resume_step=self.start_step if self.resume_dir else None)  # fmt: skip
+        return StepLoop(
+            self.step_settings(tokens_per_step, samples_per_step), queue=queue, learners=learners, weights=weights,
+            fleet=fleet, checkpointer=Checkpointer(config.output_dir, config.save_total_limit), sinks=sinks,
+            callbacks=self.callbacks, callback_args=config, state=state, tokenizer=self.tokenizer,
         )  # fmt: skip
 
 
