@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from actors.cluster_weights import RayWeightSync, connect_weights
+from actors.cluster_weights import RayWeightSync, connect_weights, in_thread
 from rlasync.driver import RunSpec, Taken, check_actor_health, check_resources, engine_dtype, step_budget
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dic
 
 async def _get(refs: Any, timeout: float) -> Any:
     """`ray.get` off the event loop (the step loop's protocols are async)."""
-    return await asyncio.to_thread(ray.get, refs, timeout=timeout)
+    return await in_thread(ray.get, refs, timeout=timeout)
 
 
 class Cluster:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import ray
@@ -20,6 +23,15 @@ from rlasync.weights.broadcast import choose_backend
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
+# Blocking Ray calls run here, off the step loop's event loop. Not asyncio's default executor: on Ctrl-C,
+# asyncio.run would wait for that one (a train_step's ray.get can block for an hour) before the Cluster kills the
+# actors, which is what unblocks these threads.
+_RAY_CALLS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlasync-ray")
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (a blocking Ray call) awaited from the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_RAY_CALLS, partial(fn, *args, **kwargs))
 
 
 def _warn_once(message: str) -> None:
@@ -67,7 +79,7 @@ class RayWeightSync:
         self.manifest, self.timeout, self.staging_bytes, self.backend = manifest, timeout, staging_bytes, backend
 
     async def sync(self, version: int) -> tuple[int, dict[str, float]]:
-        return await asyncio.to_thread(self.sync_now, version)
+        return await in_thread(self.sync_now, version)
 
     def sync_now(self, version: int) -> tuple[int, dict[str, float]]:
         """One sync, blocking (the cold sync runs it before the step loop starts)."""
