@@ -1,9 +1,15 @@
 """Ray shells, one file per service (DESIGN.md §2): each builds a core object and exposes a few methods.
 
+    cluster.py          Cluster          creates, wires and removes the actors of a RunSpec; runs the StepLoop
+    cluster_weights.py  RayWeightSync    the weight-sync group and one sync (the StepLoop's weight transport)
     staleness_queue.py  QueueActor       the named StalenessQueue actor (rlasync.pipeline.QueueService)
     rollout.py          RolloutActor     an AsyncRolloutLoop wired to the queue and the generation actors
+    distill_rollout.py  DistillRolloutActor  an AsyncDistillationLoop wired to the students and the teachers
     generation.py       GenerationActor  a TorchEngine (CPU, or one GPU); receives weight broadcasts
     learner.py          LearnerActor     one training rank (gloo on CPU); sends weight broadcasts from rank 0
+    teacher.py          TeacherScorer    a distillation teacher (a local engine, or a `vllm serve` client)
+    reward.py           RewardActor      the reward functions, off the rollout actors
 
-Actors never import each other; the driver (`rlasync.trainers`) creates them and passes handles.
+Actors never import each other; the Cluster (`actors.cluster`, reached from the trainers' `train()` through
+`launch`) creates them and passes handles. It is the only module that calls Ray for the driver.
 """

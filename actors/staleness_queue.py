@@ -11,19 +11,17 @@ from typing import Any
 import ray
 
 from rlasync.pipeline import QueueService, RolloutState
+from rlasync.pipeline.settings import QueueSettings
 
 
 @ray.remote
 class QueueActor:
-    def __init__(
-        self, *, num_rows: int, num_epochs: float | None, max_staleness: int, tokens_per_step: int,
-        resume: dict[str, int] | None = None,
-    ) -> None:
+    def __init__(self, *, settings: QueueSettings, resume: dict[str, int] | None = None) -> None:
         state = RolloutState.from_dict(resume) if resume else None
         self.service = QueueService.create(
-            num_rows=num_rows, num_epochs=num_epochs, max_staleness=max_staleness,
-            tokens_per_step=tokens_per_step, resume=state,
-        )
+            num_rows=settings.num_rows, num_epochs=settings.num_epochs, max_staleness=settings.max_staleness,
+            tokens_per_step=settings.tokens_per_step, resume=state,
+        )  # fmt: skip
 
     # rollout side
     async def next_group(self, num_rollouts: int, timeout_s: float | None = None) -> Any:

@@ -129,7 +129,7 @@ def hardware(device: str) -> dict[str, Any]:
         "transformers": transformers.__version__,
     }
     try:
-        import ray  # noqa: TID251 - a driver script, as rlasync.trainers
+        import ray  # noqa: TID251 - a driver script, as actors.cluster
 
         info["ray"] = ray.__version__
     except ImportError:
@@ -230,7 +230,7 @@ def run_training(args: argparse.Namespace, model_dir: str, name: str, max_stalen
     distill = args.trainer == "distill"
     config = (make_distill_config if distill else make_config)(args, output_dir, max_staleness, placement)
     handler = _BackendLog()
-    driver_log = logging.getLogger("rlasync.trainers.grpo")
+    driver_log = logging.getLogger("actors")
     driver_log.setLevel(logging.INFO)
     driver_log.addHandler(handler)
     started = time.perf_counter()
@@ -337,7 +337,7 @@ def main() -> None:
         model_dir = resolve_model(args.model)
         args.teacher_dir = model_dir  # --trainer distill: the model distils itself (a smoke run)
 
-    import ray  # noqa: TID251 - a driver script, as rlasync.trainers
+    import ray  # noqa: TID251 - a driver script, as actors.cluster
 
     ray.init(include_dashboard=False, log_to_driver=True)
     results: dict[str, Any] = {

@@ -31,12 +31,30 @@ class RecordSink(Protocol):
 
 
 class JsonlSink:
-    """Appends `{"step": ..., "time": ..., **record}` lines to a file (NaN/None written as null)."""
+    """Appends `{"step": ..., "time": ..., **record}` lines to a file (NaN/None written as null).
 
-    def __init__(self, path: str | Path) -> None:
+    `resume_step`: a run resumed from the checkpoint of that step first drops the records of later steps (logged
+    by the interrupted run after its checkpoint): the resumed run writes them again, so each step has one record."""
+
+    def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.is_file():
+            self._truncate_after(resume_step)
         self._file = self.path.open("a")
+
+    def _truncate_after(self, step: int) -> None:
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                later = json.loads(line).get("step", 0) > step
+            except (ValueError, AttributeError, TypeError):
+                later = False  # not ours to judge: keep it
+            if not later:
+                kept.append(line + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
 
     def write(self, step: int, record: Record) -> None:
         clean = {k: (None if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in record.items()}
@@ -48,14 +66,15 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, resume_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is an optional extra
             raise ValueError(
                 "report_to includes 'tensorboard' but tensorboard is not installed: pip install 'rlasync[tensorboard]'"
             ) from exc
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        purge = None if resume_step is None else resume_step + 1  # a resumed run's steps replace the old ones
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def write(self, step: int, record: Record) -> None:
         for key, value in record.items():
@@ -113,20 +132,22 @@ def build_sinks(
     console: bool = True,
     run_name: str | None = None,
     config: dict[str, Any] | None = None,
+    resume_step: int | None = None,
     **kwargs: Any,
 ) -> list:
     """The sinks for a run: metrics.jsonl always; TensorBoard (under `<output_dir>/runs/<run_name>` when named) and
-    Weights & Biases when asked ("all" means both); the console on request."""
+    Weights & Biases when asked ("all" means both); the console on request. `resume_step`: the run resumes from
+    that step's checkpoint (records of later steps already written are replaced, not duplicated)."""
     report_to = list(report_to or [])
     unknown = sorted(set(report_to) - {"tensorboard", "wandb", "all", "none"})
     if unknown:
         raise ValueError(
             f"report_to={report_to}: unsupported sink(s) {unknown}; use 'tensorboard', 'wandb', 'all' or 'none'"
         )
-    sinks: list = [JsonlSink(Path(output_dir) / "metrics.jsonl")]
+    sinks: list = [JsonlSink(Path(output_dir) / "metrics.jsonl", resume_step=resume_step)]
     if "tensorboard" in report_to or "all" in report_to:
         runs = Path(output_dir) / "runs"
-        sinks.append(TensorBoardSink(runs / run_name if run_name else runs))
+        sinks.append(TensorBoardSink(runs / run_name if run_name else runs, resume_step=resume_step))
     if "wandb" in report_to or "all" in report_to:
         sinks.append(WandbSink(run_name, config))
     if console:

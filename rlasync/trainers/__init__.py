@@ -1,5 +1,5 @@
-"""User-facing drivers: `AsyncGRPOTrainer` and `AsyncDistillationTrainer` (the only core package, with
-`rlasync.cli`, that starts Ray, lazily)."""
+"""User-facing trainers: `AsyncGRPOTrainer` and `AsyncDistillationTrainer`. Each checks its arguments and builds a
+`rlasync.driver.RunSpec`; `train()` hands it to `actors.cluster.launch`, the one way from the core to Ray."""
 
 from rlasync.trainers.distill import AsyncDistillationTrainer
 from rlasync.trainers.grpo import AsyncGRPOTrainer

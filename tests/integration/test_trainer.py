@@ -60,7 +60,7 @@ def dataset(n=64):
 
 
 def alive(ray, actor_ids):
-    from ray._private.state import actors  # the GCS table: no dashboard needed
+    from ray._private.state import actors  # the GCS table: no dashboard needed (a test may; the Cluster does not)
 
     assert actor_ids, "the trainer recorded no actors"
     states = {actor_id: info["State"] for actor_id, info in actors().items()}
@@ -106,6 +106,10 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     state = resumed.train(resume_from_checkpoint=str(ckpt))
     assert state["global_step"] == 4 and state["policy_version"] == 3 + 1 + 2
     assert alive(ray_cluster, resumed.actor_ids) == []
+    # step 3, logged by the first run after checkpoint-2, is logged again by the resumed run: once in the file
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert not list(tmp_path.glob("checkpoint-*.tmp"))  # every checkpoint was completed and renamed
 
 
 @pytest.mark.parametrize(
@@ -194,6 +198,8 @@ def test_one_epoch_consumes_every_prompt_exactly_once(ray_cluster, tiny_model_di
     assert sum(outcomes.values()) == 13 and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
     assert outcomes.get("failed") == 1
     assert queue["queue_size"] == 0 and queue["inflight_groups"] == 0
+    # max_steps=-1: the final model is saved when the epochs end
+    assert (tmp_path / f"checkpoint-{state['global_step']}" / "trainer_state.json").is_file()
     assert alive(ray_cluster, trainer.actor_ids) == []
 
 

@@ -1,0 +1,330 @@
+"""`Cluster`: the Ray side of a training run. It owns every Ray call the driver makes.
+
+    launch(spec)  ->  connect to Ray (cluster.ray_address, RAY_ADDRESS, an existing ray.init(), else a local
+                      cluster) -> check resources -> create and wire the actors of the RunSpec:
+                      engines -> teachers -> learners -> weight group -> queue + cold sync -> rewards -> rollouts
+                  ->  run the core's StepLoop over adapters of the actor handles (queue, learner group, weight
+                      transport, fleet: rlasync.driver.protocols)
+                  ->  remove every actor it made (also on error), and stop Ray if it started it
+
+Every actor construction and actor method call is in a small named function (`spawn_*`, `connect_weights`, the
+adapters), so a change of an actor's API touches one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from actors.cluster_weights import RayWeightSync, connect_weights, in_thread
+from rlasync.driver import RunSpec, Taken, check_actor_health, check_resources, engine_dtype, step_budget
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 20.0
+DEATH_TIMEOUT_S = 30.0
+HEALTH_TIMEOUT_S = 60.0
+
+
+def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dict[str, Any]:
+    """Run `spec` on Ray; `state` (the trainer's) is updated as the run goes and returned at the end; `actor_ids`
+    (the trainer's) lists every actor created, also when the run fails."""
+    with Cluster(spec, actor_ids) as cluster:
+        loop = cluster.build(state)
+        return asyncio.run(loop.run(spec.start_step, cluster.version))
+
+
+async def _get(refs: Any, timeout: float) -> Any:
+    """`ray.get` off the event loop (the step loop's protocols are async)."""
+    return await in_thread(ray.get, refs, timeout=timeout)
+
+
+class Cluster:
+    """Creates, wires and removes the actors of one run (a context manager: `with Cluster(spec) as cluster`)."""
+
+    def __init__(self, spec: RunSpec, actor_ids: list[str] | None = None) -> None:
+        self.spec, self.config = spec, spec.config
+        self.actor_ids = actor_ids if actor_ids is not None else []
+        self.handles: list[Any] = []
+        self.rollouts: list[Any] = []
+        self.started_ray = False
+        self.version = spec.version
+
+    # ---- connect and remove -------------------------------------------------------------------------------------
+
+    def __enter__(self) -> Cluster:
+        self.started_ray = connect(self.config.cluster.ray_address)
+        try:
+            check_resources(self.spec.requests, ray.cluster_resources(), autoscaling=not self.started_ray)
+        except BaseException:
+            self._disconnect()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.remove()
+        finally:
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+
+    def remove(self) -> None:
+        """Stop the rollout loops politely (bounded), then kill every actor this run made and wait (bounded) until
+        each is gone: a ping on a killed actor fails once Ray reports it dead."""
+        try:
+            ray.get([rollout.stop.remote() for rollout in self.rollouts], timeout=STOP_TIMEOUT_S)
+        except Exception as exc:  # dead or hung actors are killed below anyway
+            logger.warning("stopping the rollout actors: %s", exc)
+        handles, self.handles, self.rollouts = self.handles, [], []
+        for handle in handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as exc:
+                logger.warning("ray.kill: %s", exc)
+        wait_until_dead(handles)
+
+    # ---- wiring -------------------------------------------------------------------------------------------------
+
+    def build(self, state: dict[str, Any]) -> Any:
+        """Create every actor of the spec in dependency order, run the cold sync, start the rollouts; returns the
+        StepLoop over adapters of the handles."""
+        spec, cluster = self.spec, self.config.cluster
+        engines = self.spawn_engines()  # first: the token budget defaults to the engine's max_model_len
+        teachers = self.spawn_teachers()
+        max_model_len = None if self.config.token_budget is not None else self.max_model_len(engines)
+        budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len)
+        learners = self.spawn_learners(budget)
+        backend, manifest = connect_weights(learners, engines, cluster)
+        queue = self.spawn_queue(tokens_per_step)
+        staging = int(cluster.weight_sync_staging_mb * (1 << 20))
+        weights = RayWeightSync(learners, engines, queue, manifest, cluster.collective_timeout_s, staging, backend)
+        self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
+        state["policy_version"] = self.version
+        rewards = self.spawn_rewards()
+        self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
+        return spec.step_loop(
+            queue=RayQueue(queue, cluster.collective_timeout_s), learners=RayLearners(learners, cluster.collective_timeout_s),
+            weights=weights, fleet=RayFleet(self.rollouts, spec.rollout.name, spec.hang_setting, cluster.collective_timeout_s),
+            tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, state=state,
+        )  # fmt: skip
+
+    def spawn(self, actor_cls: Any, name: str | None = None, **options: Any) -> Any:
+        """One actor: `num_cpus` / `num_gpus` (and `name`) are Ray options, the rest its constructor's keywords."""
+        handle_options = {k: v for k, v in options.items() if k in ("num_cpus", "num_gpus")}
+        init = {k: v for k, v in options.items() if k not in ("num_cpus", "num_gpus")}
+        if name is not None:
+            handle_options["name"] = name
+        handle = actor_cls.options(**handle_options).remote(**init)
+        self.handles.append(handle)
+        self.actor_ids.append(handle._actor_id.hex())
+        return handle
+
+    def spawn_engines(self) -> list[Any]:
+        """The GenerationActors of the policy (they receive the weight syncs)."""
+        from actors.generation import GenerationActor
+
+        config, cluster = self.config, self.config.cluster
+        server_url = cluster.vllm_server_url
+        if cluster.engine == "vllm_server" and server_url is None:
+            server_url = config.vllm_server_base_url  # TRL's field
+        return [
+            self.spawn(GenerationActor, model=self.spec.model, dtype=engine_dtype(config),
+                       engine_kwargs=cluster.engine_kwargs, engine=cluster.engine, vllm_server_url=server_url,
+                       num_cpus=cluster.generation_num_cpus, num_gpus=cluster.generation_num_gpus)
+            for _ in range(cluster.num_generation_actors)
+        ]  # fmt: skip
+
+    def max_model_len(self, engines: Sequence[Any]) -> int:
+        return ray.get(engines[0].max_model_len.remote(), timeout=self.config.cluster.collective_timeout_s)
+
+    def spawn_teachers(self) -> dict[str, Any]:
+        """One TeacherScorer per teacher of the spec (distillation; scoring only, they never receive weights),
+        waited for until built (or failed)."""
+        if not self.spec.teachers:
+            return {}
+        from actors.teacher import TeacherScorer
+
+        cluster = self.config.cluster
+        teachers = {
+            teacher_id: self.spawn(
+                TeacherScorer, teacher_id=teacher_id, model=t.model, engine=t.engine, base_url=t.base_url,
+                engine_kwargs=cluster.engine_kwargs if t.is_local else None, num_cpus=cluster.generation_num_cpus,
+                num_gpus=cluster.generation_num_gpus if t.is_local else 0.0,
+            )
+            for teacher_id, t in self.spec.teachers.items()
+        }  # fmt: skip
+        ray.get([t.stats.remote() for t in teachers.values()], timeout=cluster.collective_timeout_s + 600)
+        return teachers
+
+    def spawn_learners(self, budget: int) -> list[Any]:
+        """The learner ranks, set up (process group, model, optimizer; resumed from the spec's checkpoint)."""
+        from actors.learner import LearnerActor
+
+        spec, cluster = self.spec, self.config.cluster
+        timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
+        options: dict[str, Any] = {}
+        if spec.learner.objective != "grpo":
+            options = {"mode": spec.learner.objective, "max_steps": spec.learner.max_steps,
+                       "teacher_ids": spec.learner.teacher_ids}  # fmt: skip
+        learners = [
+            self.spawn(LearnerActor, rank=rank, world_size=num_learners, model=spec.model, args=self.config,
+                       token_budget=budget, num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus,
+                       **options)
+            for rank in range(num_learners)
+        ]  # fmt: skip
+        master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
+        ray.get([learner.setup.remote(master, timeout, spec.resume_dir) for learner in learners], timeout=timeout + 600)
+        return learners
+
+    def spawn_queue(self, tokens_per_step: int) -> Any:
+        """The named StalenessQueue actor (resumed at the checkpoint's prompt position)."""
+        from actors.staleness_queue import QueueActor
+
+        spec = self.spec
+        return self.spawn(
+            QueueActor, name=f"{spec.queue_name}-{uuid.uuid4().hex[:8]}",
+            settings=spec.queue.with_tokens_per_step(tokens_per_step),
+            resume=spec.resume_state.to_dict() if spec.resume_state else None, num_cpus=self.config.cluster.queue_num_cpus,
+        )  # fmt: skip
+
+    def spawn_rewards(self) -> list[Any]:
+        """The RewardActor pool (GRPO with `cluster.num_reward_actors` > 0)."""
+        if self.spec.rollout.kind != "grpo":
+            return []
+        from actors.reward import RewardActor
+
+        cluster = self.config.cluster
+        return [
+            self.spawn(RewardActor, reward_funcs=self.spec.rollout.reward_funcs, num_cpus=cluster.reward_num_cpus)
+            for _ in range(cluster.num_reward_actors)
+        ]
+
+    def spawn_rollouts(self, queue: Any, engines: list[Any], teachers: dict[str, Any], rewards: list[Any]) -> list[Any]:
+        """The rollout actors of the spec's kind, started."""
+        spec, config, cluster = self.spec, self.config, self.config.cluster
+        rollout, dataset = spec.rollout, ray.put(spec.train_dataset)
+        if rollout.kind == "distill":
+            from actors.distill_rollout import DistillRolloutActor
+
+            rollouts = [
+                self.spawn(DistillRolloutActor, index=i, args=config, tokenizer=spec.tokenizer, dataset=dataset,
+                           queue=queue, students=engines, teachers=teachers, seed=config.seed,
+                           loop_cls=rollout.loop_cls, max_inflight_tasks=rollout.max_inflight_tasks,
+                           num_cpus=cluster.rollout_num_cpus)
+                for i in range(cluster.num_rollout_actors)
+            ]  # fmt: skip
+        else:
+            from actors.rollout import RolloutActor
+
+            rollouts = [
+                self.spawn(RolloutActor, index=i, args=config, tokenizer=spec.tokenizer, dataset=dataset,
+                           reward_funcs=rollout.reward_funcs, queue=queue, engines=engines, loop_cls=rollout.loop_cls,
+                           seed=config.seed, reward_actors=rewards, num_cpus=cluster.rollout_num_cpus,
+                           tools=rollout.tools, environment_factory=rollout.environment_factory)
+                for i in range(cluster.num_rollout_actors)
+            ]  # fmt: skip
+        ray.get([r.start.remote() for r in rollouts], timeout=cluster.collective_timeout_s + 600)
+        return rollouts
+
+
+def connect(address: str | None) -> bool:
+    """Join the configured / existing cluster; start a local one if there is none. True if this call started it."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def wait_until_dead(handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S) -> None:
+    """Return once every killed actor is reported dead (ray.kill is asynchronous), or warn after `timeout_s`. A
+    ping (the built-in `__ray_ready__`) on a dead actor fails with `RayActorError`; this works on a Ray Client
+    (`ray://`) driver too, which has no state API."""
+    if not handles:
+        return
+    pings = {handle.__ray_ready__.remote(): handle for handle in handles}
+    done, pending = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+    alive = [pings[ref] for ref in pending]
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            continue
+        except Exception:  # any other failure: the actor is not answering; treat as gone
+            continue
+        alive.append(pings[ref])
+    if alive:
+        logger.warning("%d actors still alive %.0f s after ray.kill: %s", len(alive), timeout_s,
+                       [h._actor_id.hex() for h in alive])  # fmt: skip
+
+
+# ---- the core's protocols over actor handles ----------------------------------------------------------------------
+
+
+class RayQueue:
+    """`SampleQueue` over the QueueActor."""
+
+    def __init__(self, handle: Any, timeout: float) -> None:
+        self.handle, self.timeout = handle, timeout
+
+    async def take(self, token_target: int, timeout_s: float) -> Taken:
+        result = await _get(self.handle.wait_take.remote(token_target, timeout_s), timeout_s + 60)
+        return Taken([entry.payload for entry in result.entries], result.num_tokens, list(result.metrics.items()))
+
+    async def finish_step(self, tokens: int) -> None:
+        await _get(self.handle.finish_step.remote(tokens), self.timeout)
+
+    async def set_policy_version(self, version: int) -> None:
+        await _get(self.handle.set_policy_version.remote(version), self.timeout)
+
+    async def state(self) -> dict[str, Any]:
+        return await _get(self.handle.state.remote(), HEALTH_TIMEOUT_S)
+
+    async def rollout_state(self) -> dict[str, int]:
+        return await _get(self.handle.rollout_state.remote(), HEALTH_TIMEOUT_S)
+
+
+class RayLearners:
+    """`LearnerGroup` over the LearnerActor ranks."""
+
+    def __init__(self, handles: list[Any], timeout: float) -> None:
+        self.handles, self.timeout = handles, timeout
+
+    async def train_step(self, refs: Sequence[Any]) -> list[tuple[str, Any]]:
+        items = await _get([learner.train_step.remote(list(refs)) for learner in self.handles], self.timeout + 3600)
+        return items[0]
+
+    async def save(self, directory: str, tokenizer: Any) -> None:
+        await _get([learner.save.remote(directory, tokenizer) for learner in self.handles], self.timeout + 600)
+
+
+class RayFleet:
+    """`Fleet` over the rollout actors; `name` opens their errors ("rollout actor 0 failed: ...")."""
+
+    def __init__(self, handles: list[Any], name: str, setting: str, timeout: float) -> None:
+        self.handles, self.name, self.setting, self.timeout = handles, name, setting, timeout
+
+    async def check_health(self, stale_after_s: float) -> None:
+        for index, rollout in enumerate(self.handles):
+            health = await _get(rollout.health.remote(), HEALTH_TIMEOUT_S)
+            check_actor_health(f"{self.name} {index}", health, stale_after_s, self.setting)
+
+    async def drain_metrics(self) -> list[tuple[str, Any]]:
+        drained = await _get([rollout.drain_metrics.remote() for rollout in self.handles], self.timeout)
+        return [item for items in drained for item in items]
+
+    async def stop(self) -> None:
+        await _get([rollout.stop.remote() for rollout in self.handles], STOP_TIMEOUT_S)

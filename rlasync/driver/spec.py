@@ -1,0 +1,129 @@
+"""`RunSpec`: everything a trainer hands to the Cluster, built before any actor starts.
+
+    AsyncGRPOTrainer / AsyncDistillationTrainer  --RunSpec-->  actors.cluster.launch  --StepLoop-->  the run
+
+It names the rollout actor kind and its arguments (reward functions, tools, environments, loop class), the
+learner objective and its options, the teachers (distillation), the queue settings, the horizon and the hang
+limit, and where the run starts (a fresh run, or a checkpoint's step, policy version and prompt position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlasync.driver.checkpoint import Checkpointer
+from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, WeightTransport
+from rlasync.driver.resources import ActorRequests
+from rlasync.driver.step_loop import StepLoop, StepSettings
+from rlasync.metrics.sinks import build_sinks
+from rlasync.pipeline import RolloutState, initial_tokens_per_step
+from rlasync.pipeline.settings import QueueSettings
+
+RolloutKind = Literal["grpo", "distill"]
+Objective = Literal["grpo", "distill"]
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """One distillation teacher: a local model hosted by a TeacherScorer (`model`, on `engine`), or a `vllm serve`
+    teacher reached at `base_url`."""
+
+    teacher_id: str
+    model: str | None
+    engine: str
+    base_url: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.base_url is None
+
+
+@dataclass
+class RolloutSpec:
+    """The rollout actors: `kind` "grpo" (RolloutActor: reward functions, tools, environments) or "distill"
+    (DistillRolloutActor: students and teachers, `max_inflight_tasks` per actor); `name` opens their errors."""
+
+    kind: RolloutKind
+    loop_cls: type
+    name: str = "rollout actor"
+    reward_funcs: list[Any] = field(default_factory=list)
+    tools: list[Any] | None = None
+    environment_factory: Any = None
+    max_inflight_tasks: int | None = None
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """The learners' objective ("grpo" or "distill") and its options (the LR schedule's horizon, teacher ids)."""
+
+    objective: Objective = "grpo"
+    max_steps: int | None = None
+    teacher_ids: list[str] | None = None
+
+
+@dataclass
+class RunSpec:
+    """What one training run is made of. `config` is the user's flat config (AsyncGRPOConfig or
+    AsyncDistillationConfig); `model` the resolved path the actors load (a checkpoint's when resuming)."""
+
+    config: Any
+    model: str
+    tokenizer: Any
+    train_dataset: Any
+    rollout: RolloutSpec
+    learner: LearnerSpec
+    queue: QueueSettings
+    horizon: int | None
+    hang_timeout_s: float
+    requests: ActorRequests
+    hang_setting: str = "rollout_worker_timeout"
+    queue_name: str = "rlasync-staleness-queue"
+    teachers: dict[str, TeacherSpec] = field(default_factory=dict)
+    callbacks: list[Any] = field(default_factory=list)
+    resume_dir: str | None = None
+    resume_state: RolloutState | None = None
+    start_step: int = 0
+    version: int = 0
+
+    def step_settings(self, tokens_per_step: int, samples_per_step: int | None) -> StepSettings:
+        return StepSettings.from_config(
+            self.config, horizon=self.horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
+            hang_timeout_s=self.hang_timeout_s,
+        )  # fmt: skip
+
+    def step_loop(self, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport, fleet: Fleet,
+                  tokens_per_step: int, samples_per_step: int | None, state: dict[str, Any]) -> StepLoop:  # fmt: skip
+        """The run's StepLoop over the Cluster's adapters: the config's sinks (a resumed run replaces the records
+        after its step), its checkpointer, the callbacks (called with the config as TRL's `args`)."""
+        config = self.config
+        sinks = build_sinks(config.output_dir, config.report_to, max_steps=config.max_steps, run_name=config.run_name,
+                            config=config.to_dict(), resume_step=self.start_step if self.resume_dir else None)  # fmt: skip
+        return StepLoop(
+            self.step_settings(tokens_per_step, samples_per_step), queue=queue, learners=learners, weights=weights,
+            fleet=fleet, checkpointer=Checkpointer(config.output_dir, config.save_total_limit), sinks=sinks,
+            callbacks=self.callbacks, callback_args=config, state=state, tokenizer=self.tokenizer,
+        )  # fmt: skip
+
+
+def step_budget(config: Any, num_learners: int, max_model_len: int | None) -> tuple[int, int, int | None]:
+    """(tokens per packed row, tokens per step, samples per step or None): the row budget is `token_budget`, else
+    the engine's `max_model_len`; a budget <= 0 means a fixed count of samples per step."""
+    budget = config.token_budget if config.token_budget is not None else max_model_len
+    if budget is None:
+        raise ValueError("step_budget: token_budget is None and no max_model_len was given")
+    if budget > 0:
+        return budget, initial_tokens_per_step(budget, num_learners, config.gradient_accumulation_steps), None
+    samples_per_step = config.samples_per_step(num_learners)
+    return budget, samples_per_step * 256, samples_per_step  # a first guess; finish_step corrects it
+
+
+def engine_dtype(config: Any) -> str | None:
+    """The engines' dtype: their default (bf16 on a GPU, float32 on the CPU) when the trainer is float32 under bf16
+    mixed precision or "auto"; else the trainer's (e.g. pure bf16 training samples from bf16 engines)."""
+    if config.dtype == "auto" or (config.dtype == "float32" and config.bf16):
+        return None
+    return config.dtype
+
+
+__all__ = ["LearnerSpec", "RolloutSpec", "RunSpec", "TeacherSpec", "engine_dtype", "step_budget"]

@@ -1,0 +1,32 @@
+"""`QueueSettings`: what the StalenessQueue actor is built from, derived once from the flat config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """The queue's prompt stream (`num_rows` dataset rows, `num_epochs` over them or None for an endless stream),
+    its staleness gate (`max_staleness` policy versions) and the first step's token target."""
+
+    num_rows: int
+    num_epochs: float | None
+    max_staleness: int
+    tokens_per_step: int = 0
+
+    @classmethod
+    def from_config(cls, config: Any, *, num_rows: int, tokens_per_step: int = 0) -> QueueSettings:
+        """With `max_steps > 0` the stream is endless (the step count ends the run); else it holds
+        `num_train_epochs` epochs over distinct prompts."""
+        num_epochs = None if config.max_steps > 0 else config.num_train_epochs
+        return cls(num_rows=num_rows, num_epochs=num_epochs, max_staleness=config.max_staleness,
+                   tokens_per_step=tokens_per_step)  # fmt: skip
+
+    def with_tokens_per_step(self, tokens_per_step: int) -> QueueSettings:
+        """A copy with the first step's token target (known once the engines report their max_model_len)."""
+        return replace(self, tokens_per_step=tokens_per_step)
+
+
+__all__ = ["QueueSettings"]

@@ -1,0 +1,24 @@
+"""check_resources: what the actors ask for against what the Ray cluster has."""
+
+import pytest
+
+from rlasync.config import AsyncGRPOConfig
+from rlasync.driver import actor_requests, check_resources
+
+
+def test_resources_the_actors_cannot_get_are_an_error_on_a_local_cluster_and_a_warning_elsewhere(caplog):
+    requests = {"generation": (1, 0.5, 1.0), "learner": (2, 0.5, 1.0), "rollout": (1, 0.25, 0.0), "queue": (1, 0.1, 0.0)}
+    check_resources(requests, {"CPU": 2.0, "GPU": 3.0}, autoscaling=False)  # 1.85 CPUs, 3 GPUs: fits
+    with pytest.raises(ValueError, match=r"3 GPUs but the Ray cluster has 1 .*cluster\.learner_num_gpus"):
+        check_resources(requests, {"CPU": 2.0, "GPU": 1.0}, autoscaling=False)
+    with caplog.at_level("WARNING"):
+        check_resources(requests, {"CPU": 1.0}, autoscaling=True)
+    assert "1.85 CPUs but the Ray cluster has 1" in caplog.text and "unless the cluster scales up" in caplog.text
+
+
+def test_actor_requests_follow_the_cluster_section():
+    config = AsyncGRPOConfig(output_dir="unused", max_steps=1)
+    config.cluster.num_learners = 2
+    requests = actor_requests(config.cluster)
+    assert requests["learner"] == (2, config.cluster.learner_num_cpus, config.cluster.learner_num_gpus)
+    assert set(requests) == {"generation", "learner", "rollout", "reward", "queue"}

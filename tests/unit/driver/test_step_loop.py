@@ -1,0 +1,245 @@
+"""StepLoop with fakes for the queue, the learners, the weight transport and the fleet: the order of a step's
+parts, the cadences, the stopping rules, the hang check and the callback events (no Ray, milliseconds)."""
+
+import asyncio
+import json
+
+import pytest
+
+from rlasync.driver import Checkpointer, StepLoop, StepSettings, Taken
+
+
+class Journal(list):
+    """What happened, in order, across every fake."""
+
+
+class FakeQueue:
+    """Hands out `num_samples` samples of `tokens_each` tokens, one per take, then reports the stream done."""
+
+    def __init__(self, journal, num_samples=100, tokens_each=10, empty_polls=0):
+        self.journal, self.left, self.tokens_each, self.empty_polls = journal, num_samples, tokens_each, empty_polls
+        self.version = None
+        self.finished = []
+        self.next_ref = 0
+
+    async def take(self, token_target, timeout_s):
+        if self.empty_polls:
+            self.empty_polls -= 1
+            return Taken(metrics=[("rollout/queue_size", 0.0)])
+        if not self.left:
+            return Taken()
+        self.left -= 1
+        self.next_ref += 1
+        self.journal.append("take")
+        return Taken(refs=[f"ref{self.next_ref}"], num_tokens=self.tokens_each, metrics=[("rollout/queue_size", 1.0)])
+
+    async def finish_step(self, tokens):
+        self.finished.append(tokens)
+        self.journal.append("finish_step")
+
+    async def set_policy_version(self, version):
+        self.version = version
+
+    async def state(self):
+        return {"done": self.left == 0, "queue_size": 0, "inflight_groups": 0}
+
+    async def rollout_state(self):
+        return {"prompt_index": self.next_ref, "model_version": self.version or 0}
+
+
+class FakeLearners:
+    def __init__(self, journal, fail_at=None):
+        self.journal, self.fail_at = journal, fail_at
+        self.trained = []
+
+    async def train_step(self, refs):
+        self.trained.append(list(refs))
+        if self.fail_at is not None and len(self.trained) == self.fail_at:
+            raise RuntimeError("learner rank 0 failed: boom")
+        self.journal.append("train")
+        return [("loss", 0.5), ("perf/pack_s", 0.01)]
+
+    async def save(self, directory, tokenizer):
+        self.journal.append("save")
+        (pathlib_path(directory) / "model.safetensors").write_text("weights")
+
+
+def pathlib_path(directory):
+    from pathlib import Path
+
+    return Path(directory)
+
+
+class FakeWeights:
+    def __init__(self, journal):
+        self.journal = journal
+
+    async def sync(self, version):
+        self.journal.append("sync")
+        return version + 1, {"perf/weight_sync_s": 0.1}
+
+
+class FakeFleet:
+    def __init__(self, journal, error=None):
+        self.journal, self.error = journal, error
+        self.checks = []
+        self.stopped = False
+
+    async def check_health(self, stale_after_s):
+        self.checks.append(stale_after_s)
+        if self.error:
+            raise RuntimeError(self.error)
+
+    async def drain_metrics(self):
+        self.journal.append("drain")
+        return [("reward", 1.0)]
+
+    async def stop(self):
+        self.stopped = True
+
+
+class RecordingSink:
+    def __init__(self):
+        self.records, self.closed = [], False
+
+    def write(self, step, record):
+        self.records.append((step, record))
+
+    def close(self):
+        self.closed = True
+
+
+class Callback:
+    def __init__(self, journal, stop_at=None):
+        self.journal, self.stop_at = journal, stop_at
+        self.seen_args = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.journal.append("on_step_begin")
+        self.seen_args.append(args)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.journal.append("on_step_end")
+        if self.stop_at is not None and state["global_step"] >= self.stop_at:
+            control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.journal.append("on_log")
+
+    def on_save(self, args, state, control, checkpoint=None, **kwargs):
+        self.journal.append(f"on_save:{checkpoint.rsplit('/', 1)[-1]}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.journal.append("on_train_end")
+
+
+def make_loop(tmp_path, *, horizon=3, num_samples=100, tokens_per_step=10, samples_per_step=None, weight_sync_steps=1,
+              logging_steps=1, save_steps=100, fleet_error=None, empty_polls=0, fail_at=None, stop_at=None):  # fmt: skip
+    journal = Journal()
+    settings = StepSettings(horizon=horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
+                            weight_sync_steps=weight_sync_steps, logging_steps=logging_steps, save_steps=save_steps,
+                            hang_timeout_s=42.0, poll_s=0.0)  # fmt: skip
+    queue = FakeQueue(journal, num_samples=num_samples, empty_polls=empty_polls)
+    sink = RecordingSink()
+    callback = Callback(journal, stop_at=stop_at)
+    loop = StepLoop(
+        settings, queue=queue, learners=FakeLearners(journal, fail_at), weights=FakeWeights(journal),
+        fleet=FakeFleet(journal, fleet_error), checkpointer=Checkpointer(tmp_path), sinks=[sink],
+        callbacks=[callback], callback_args="the-config", state={}, tokenizer=None,
+    )  # fmt: skip
+    return loop, journal, sink
+
+
+def run(loop, start_step=0, version=0):
+    return asyncio.run(loop.run(start_step, version))
+
+
+def test_a_step_is_take_train_finish_sync_events_drain_log_then_save(tmp_path):
+    loop, journal, sink = make_loop(tmp_path, horizon=2, save_steps=2)
+    state = run(loop)
+    assert state["global_step"] == 2 and state["policy_version"] == 2
+    step = ["take", "on_step_begin", "train", "finish_step", "sync", "on_step_end", "drain", "on_log"]
+    assert journal == step + step + ["save", "on_save:checkpoint-2", "on_train_end"]
+    assert [s for s, _ in sink.records] == [1, 2] and sink.closed
+    assert loop.callbacks[0].seen_args == ["the-config", "the-config"]  # TRL's (args, state, control) signature
+
+
+def test_weight_sync_cadence_and_the_policy_version_logged(tmp_path):
+    loop, journal, sink = make_loop(tmp_path, horizon=5, weight_sync_steps=2)
+    state = run(loop, version=1)
+    assert journal.count("sync") == 2 and state["policy_version"] == 3
+    assert [r["policy_version"] for _, r in sink.records] == [1.0, 2.0, 2.0, 3.0, 3.0]
+    assert all("perf/weight_sync_s" in r for s, r in sink.records if s % 2 == 0)
+    assert not any("perf/weight_sync_s" in r for s, r in sink.records if s % 2 == 1)
+
+
+def test_logging_window_and_save_cadence(tmp_path):
+    loop, journal, sink = make_loop(tmp_path, horizon=5, logging_steps=2, save_steps=2)
+    run(loop)
+    assert [s for s, _ in sink.records] == [2, 4, 5]  # the last, partial window is logged too
+    first = sink.records[0][1]
+    assert {"perf/rollout_wait_s", "perf/step_s", "policy_version", "loss", "reward", "rollout/queue_size"} <= set(first)
+    saves = [e for e in journal if e.startswith("on_save")]
+    assert saves == ["on_save:checkpoint-2", "on_save:checkpoint-4", "on_save:checkpoint-5"]  # 5: the final model
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+
+
+def test_stops_at_max_steps_and_resumes_from_a_step(tmp_path):
+    loop, journal, _ = make_loop(tmp_path, horizon=4)
+    state = run(loop, start_step=2, version=3)
+    assert state["global_step"] == 4 and state["policy_version"] == 5 and journal.count("train") == 2
+    assert loop.queue.finished == [10, 10]
+
+
+def test_an_exhausted_stream_ends_the_run_and_the_final_model_is_saved(tmp_path):
+    loop, journal, sink = make_loop(tmp_path, horizon=None, num_samples=3)
+    state = run(loop)
+    assert state["global_step"] == 3 and journal.count("train") == 3
+    assert state["queue"]["done"]
+    assert journal[-2:] == ["on_save:checkpoint-3", "on_train_end"]  # max_steps=-1: saved anyway
+    assert loop.fleet.checks == [42.0]  # the empty poll checked the fleet with the hang limit
+
+
+def test_a_token_target_takes_several_samples_per_step(tmp_path):
+    loop, _, _ = make_loop(tmp_path, horizon=2, tokens_per_step=25)
+    run(loop)
+    assert [len(refs) for refs in loop.learners.trained] == [3, 3] and loop.queue.finished == [30, 30]
+
+
+def test_a_sample_count_per_step(tmp_path):
+    loop, _, _ = make_loop(tmp_path, horizon=2, tokens_per_step=1, samples_per_step=4)
+    run(loop)
+    assert [len(refs) for refs in loop.learners.trained] == [4, 4]
+
+
+def test_a_fleet_health_failure_is_raised_with_its_message_and_sinks_are_closed(tmp_path):
+    loop, journal, sink = make_loop(tmp_path, fleet_error="rollout actor 1 failed: ZeroDivisionError: boom",
+                                    empty_polls=1)  # fmt: skip
+    with pytest.raises(RuntimeError, match="rollout actor 1 failed: ZeroDivisionError: boom"):
+        run(loop)
+    assert sink.closed and "train" not in journal and "on_train_end" not in journal
+
+
+def test_a_learner_error_propagates_and_sinks_are_closed(tmp_path):
+    loop, journal, sink = make_loop(tmp_path, horizon=3, fail_at=2)
+    with pytest.raises(RuntimeError, match="learner rank 0 failed"):
+        run(loop)
+    assert sink.closed and [s for s, _ in sink.records] == [1] and not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_a_callback_stops_training_and_the_final_model_is_saved(tmp_path):
+    loop, journal, sink = make_loop(tmp_path, horizon=10, stop_at=2)
+    state = run(loop)
+    assert state["global_step"] == 2 and journal.count("train") == 2
+    assert "on_save:checkpoint-2" in journal
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert saved["global_step"] == 2 and saved["policy_version"] == 2
+
+
+def test_no_final_save_when_the_last_step_was_just_saved_or_nothing_was_trained(tmp_path):
+    loop, journal, _ = make_loop(tmp_path, horizon=2, save_steps=1)
+    run(loop)
+    assert [e for e in journal if e.startswith("on_save")] == ["on_save:checkpoint-1", "on_save:checkpoint-2"]
+    loop, journal, _ = make_loop(tmp_path / "resumed", horizon=2)
+    run(loop, start_step=2)  # already at the horizon: nothing trained, nothing saved
+    assert "train" not in journal and not any(e.startswith("on_save") for e in journal)

@@ -1,0 +1,76 @@
+"""The trainers build a RunSpec (no Ray): the rollout kind and its arguments, the learner objective, the queue
+settings, the horizon, the hang limit; and train() makes its one call into actors/ with it."""
+
+import json
+import sys
+import types
+
+import pytest
+
+from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig
+from rlasync.rewards import last_number_reward
+from rlasync.trainers import AsyncDistillationTrainer, AsyncGRPOTrainer
+
+ROWS = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(10)]
+
+
+def grpo(tmp_path, **changes):
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), **{"max_steps": 3, **changes})
+    return AsyncGRPOTrainer(model="some/model", reward_funcs=last_number_reward, args=args, train_dataset=ROWS)
+
+
+def test_grpo_spec(tmp_path):
+    spec = grpo(tmp_path).build_spec(None)
+    assert spec.rollout.kind == "grpo" and spec.rollout.reward_funcs == [last_number_reward]
+    assert spec.learner.objective == "grpo" and spec.horizon == 3 and spec.model == "some/model"
+    assert spec.queue.num_rows == 10 and spec.queue.num_epochs is None  # max_steps ends the run: endless stream
+    assert spec.hang_timeout_s == spec.config.rollout_worker_timeout and spec.start_step == 0 and spec.version == 0
+    assert set(spec.requests) == {"generation", "learner", "rollout", "reward", "queue"}
+    epochs = grpo(tmp_path, max_steps=-1, num_train_epochs=2.0).build_spec(None)
+    assert epochs.horizon is None and epochs.queue.num_epochs == 2.0
+
+
+def test_distillation_spec(tmp_path):
+    args = AsyncDistillationConfig(output_dir=str(tmp_path), max_steps=-1, num_train_epochs=1.0,
+                                   per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                                   teacher_server_urls={"a": "http://localhost:1", "b": "http://localhost:2"})  # fmt: skip
+    trainer = AsyncDistillationTrainer(model="student", args=args, train_dataset=ROWS)
+    spec = trainer.build_spec(None)
+    assert spec.rollout.kind == "distill" and spec.rollout.name == "distillation rollout actor"
+    assert spec.horizon == 5 and spec.learner.max_steps == 5  # the epoch ceiling: 10 rows / 2 per step
+    assert spec.learner.objective == "distill" and spec.learner.teacher_ids == ["a", "b"]
+    assert [t.base_url for t in spec.teachers.values()] == ["http://localhost:1", "http://localhost:2"]
+    assert spec.hang_timeout_s == args.heartbeat_stale_after_s and spec.hang_setting == "heartbeat_stale_after_s"
+    assert "reward" not in spec.requests and spec.requests["teacher client"][0] == 2
+    assert not hasattr(trainer, "tools") and not hasattr(trainer, "reward_funcs")  # no stubbed GRPO attributes
+
+
+def test_train_makes_one_launch_call_with_the_spec_and_resumes_from_the_newest_complete_checkpoint(tmp_path,
+                                                                                                  monkeypatch):  # fmt: skip
+    calls = []
+
+    def launch(spec, *, state, actor_ids):
+        calls.append(spec)
+        state.update(global_step=spec.start_step + 1)
+        actor_ids.append("abc")
+        return dict(state)
+
+    monkeypatch.setitem(sys.modules, "actors.cluster", types.SimpleNamespace(launch=launch))
+    trainer = grpo(tmp_path)
+    assert trainer.train()["global_step"] == 1 and trainer.actor_ids == ["abc"]
+    assert calls[0].resume_dir is None
+
+    done = tmp_path / "checkpoint-2"
+    done.mkdir()
+    (done / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (done / "rollout_state.json").write_text(json.dumps({"prompt_index": 5, "model_version": 4}))
+    (tmp_path / "checkpoint-3").mkdir()  # incomplete: skipped
+    assert trainer.train(resume_from_checkpoint=True)["global_step"] == 3
+    spec = calls[1]
+    assert (spec.resume_dir, spec.start_step, spec.version, spec.resume_state.prompt_index) == (str(done), 2, 4, 5)
+    assert spec.model == str(done)  # a resumed run loads the checkpoint's weights
+
+
+def test_distillation_refuses_a_grpo_config():
+    with pytest.raises(ValueError, match="args must be an AsyncDistillationConfig"):
+        AsyncDistillationTrainer(model="m", args=AsyncGRPOConfig(max_steps=1), train_dataset=ROWS)
