@@ -260,16 +260,20 @@ class AsyncGRPOTrainer:
         samples_per_step = args.samples_per_step(cluster.num_learners)
         return budget, samples_per_step * 256, samples_per_step  # a first guess; finish_step corrects it
 
-    def _spawn_learners(self, ray: Any, model: str, budget: int, resume_dir: str | None, **options: Any) -> list[Any]:
-        """The learner ranks, set up (process group, model, optimizer; resumed from `resume_dir`)."""
+    def _spawn_learners(self, ray: Any, model: str, budget: int, resume_dir: str | None, mode: str = "grpo",
+                        max_steps: int | None = None, teacher_ids: list[str] | None = None) -> list[Any]:  # fmt: skip
+        """The learner ranks, set up (process group, model, optimizer; resumed from `resume_dir`); `mode` is the
+        learner objective ("grpo" or "distill")."""
         from actors.learner import LearnerActor
+        from rlasync.learner import LearnerSettings
 
         args, cluster = self.args, self.args.cluster
         timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
+        settings = LearnerSettings.from_config(args, objective=mode, token_budget=budget, max_steps=max_steps,
+                                               teacher_ids=teacher_ids)  # type: ignore[arg-type]  # fmt: skip
         learners = [
-            self._spawn(LearnerActor, rank=rank, world_size=num_learners, model=model, args=args,
-                        token_budget=budget, num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus,
-                        **options)
+            self._spawn(LearnerActor, rank=rank, world_size=num_learners, model=model, settings=settings,
+                        num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus)
             for rank in range(num_learners)
         ]  # fmt: skip
         master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
@@ -281,27 +285,27 @@ class AsyncGRPOTrainer:
         """The weight-sync group (learner rank 0 + every engine; NCCL when each holds its own GPU, else gloo), the
         staleness queue, and the cold sync: returns the sync (its `.queue` is the queue) and the served version."""
         from actors.staleness_queue import QueueActor
-        from rlasync.weights.broadcast import choose_backend
+        from rlasync.weights.transport import choose_transport
 
         args, cluster = self.args, self.args.cluster
         timeout = cluster.collective_timeout_s
         host, port = ray.get(learners[0].address.remote(), timeout=timeout)
-        world = 1 + len(gens)
-        infos = ray.get([learners[0].device_info.remote()] + [gen.device_info.remote() for gen in gens], timeout=timeout)
-        backend, why_not_nccl = choose_backend(infos[0], infos[1:], cluster.weight_sync_backend)
+        infos = ray.get([learners[0].weight_endpoint.remote()] + [gen.weight_endpoint.remote() for gen in gens],
+                        timeout=timeout)  # fmt: skip
+        plan, why_not_nccl = choose_transport(
+            infos[0], infos[1:], cluster.weight_sync_backend, host=host, port=port, timeout_s=timeout,
+            bucket_bytes=int(cluster.weight_sync_bucket_mb * (1 << 20)),
+            staging_bytes=int(cluster.weight_sync_staging_mb * (1 << 20)),
+        )  # fmt: skip
         if why_not_nccl:
             _warn_once(f"weight sync: {why_not_nccl}")
-        bucket_bytes = max(1, int(cluster.weight_sync_bucket_mb * (1 << 20)))
-        ray.get(
-            [learners[0].join_weight_group.remote(host, port, world, timeout, backend, bucket_bytes)]
-            + [
-                gen.join_weight_group.remote(host, port, i + 1, world, timeout, backend, bucket_bytes)
-                for i, gen in enumerate(gens)
-            ],
+        manifest = ray.get(learners[0].weight_manifest.remote(), timeout=timeout)
+        ray.get(  # concurrently: NCCL and gloo rendezvous need every member at once
+            [learner.open_weight_transport.remote(plan) for learner in learners]
+            + [gen.open_weight_transport.remote(plan, i + 1, manifest) for i, gen in enumerate(gens)],
             timeout=timeout + 30,
         )
-        logger.info("weight-sync group: %d engines over %s", len(gens), backend)
-        manifest = ray.get(learners[0].manifest.remote(), timeout=timeout)
+        logger.info("weight-sync transport: %d engines over %s", len(gens), plan.kind)
 
         num_epochs = None if args.max_steps > 0 else args.num_train_epochs  # epochs over distinct prompts
         queue = self._spawn(
@@ -309,8 +313,7 @@ class AsyncGRPOTrainer:
             num_epochs=num_epochs, max_staleness=args.max_staleness, tokens_per_step=tokens_per_step,
             resume=resume_state.to_dict() if resume_state else None, num_cpus=cluster.queue_num_cpus,
         )  # fmt: skip
-        staging = int(cluster.weight_sync_staging_mb * (1 << 20))
-        sync = _WeightSync(ray, learners, gens, queue, manifest, timeout, staging, backend)
+        sync = _WeightSync(ray, learners, gens, queue, timeout)
         version = sync(version)  # cold sync: the first served policy is version + 1
         self.state["policy_version"] = version
         return sync, version
@@ -537,32 +540,24 @@ class _WeightSync:
     `perf/weight_sync_send_s` (rank 0's broadcast, waiting for the receivers included), and
     `perf/generation_loop_lag_max_s` (the worst event-loop lag of a GenerationActor since the previous sync)."""
 
-    def __init__(self, ray: Any, learners: list[Any], engines: list[Any], queue: Any, manifest: list[Any],
-                 timeout: float, staging_bytes: int = 0, backend: str = "gloo"):  # fmt: skip
-        self.ray, self.learners, self.engines, self.queue = ray, learners, engines, queue
-        self.manifest, self.timeout, self.staging_bytes, self.backend = manifest, timeout, staging_bytes, backend
+    def __init__(self, ray: Any, learners: list[Any], engines: list[Any], queue: Any, timeout: float):
+        self.ray, self.learners, self.engines, self.queue, self.timeout = ray, learners, engines, queue, timeout
         self.timings: dict[str, float] = {}
 
     def __call__(self, version: int) -> int:
         ray = self.ray
         started, started_at = time.perf_counter(), time.time()
-        sent: list[float] = []
-        if self.backend == "ipc":  # rank 0 shares buckets on its device; the engines copy from them; then release
-            handles = ray.get([learner.share_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
-            try:
-                phases = ray.get(
-                    [engine.sync_weights.remote(self.manifest, 0, handles) for engine in self.engines],
-                    timeout=self.timeout + 60,
-                )
-            finally:
-                ray.get(self.learners[0].release_weights.remote(), timeout=self.timeout)
-        else:
+        # every learner rank (gathers are collectives); rank 0's ticket goes to every engine (ipc: the handles)
+        ticket = ray.get([learner.prepare_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
+        try:
             results = ray.get(
                 [learner.send_weights.remote() for learner in self.learners]
-                + [engine.sync_weights.remote(self.manifest, self.staging_bytes) for engine in self.engines],
+                + [engine.sync_weights.remote(ticket) for engine in self.engines],
                 timeout=self.timeout + 60,
             )
-            sent, phases = results[: len(self.learners)], results[len(self.learners) :]
+        finally:
+            ray.get([learner.finish_weights.remote() for learner in self.learners], timeout=self.timeout)
+        sent, phases = results[: len(self.learners)], results[len(self.learners) :]
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
         self.timings = {
             "perf/weight_sync_s": time.perf_counter() - started,
@@ -573,8 +568,7 @@ class _WeightSync:
             "perf/weight_sync_dispatch_s": max(max(p.get("started_at", started_at) - started_at, 0.0) for p in phases),
             "perf/generation_loop_lag_max_s": max(p.get("loop_lag_max_s", 0.0) for p in phases),
         }
-        if sent:
-            self.timings["perf/weight_sync_send_s"] = max(sent)
+        self.timings["perf/weight_sync_send_s"] = max(sent)
         return version + 1
 
 
