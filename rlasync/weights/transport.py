@@ -24,8 +24,9 @@ where rank 0 consumes it); only rank 0's sends. No ray here: the actor shells ca
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -255,6 +256,9 @@ class SelfReceivingEngine(Protocol):
 
     async def receive_weights(self, manifest: Iterable[Any]) -> Any: ...
 
+    @property
+    def is_paused(self) -> bool: ...
+
 
 class BroadcastReceiver:
     """Rank `rank` of the broadcast group: receives one broadcast per sync, staging up to `staging_bytes` while
@@ -293,9 +297,26 @@ class IpcReceiver:
         pass
 
 
+@contextlib.asynccontextmanager
+async def paused_for_update(engine: Any) -> AsyncIterator[None]:
+    """Pause `engine` unless it already is, and resume it afterwards (also on error) only if it was paused here.
+
+    The same rule as `rlasync.engine.vllm_worker.paused_for_update`, which the engine's own `receive_weights` uses
+    inside (it then finds the engine paused); kept here because rlasync.engine imports rlasync.weights, not the
+    other way round."""
+    paused_here = not engine.is_paused
+    if paused_here:
+        await engine.pause()
+    try:
+        yield
+    finally:
+        if paused_here:
+            await engine.resume()
+
+
 class EngineNativeReceiver:
     """An engine whose own workers are the group's ranks (`SelfReceivingEngine`): they receive in place while the
-    engine is paused (`rlasync.engine.vllm_worker.paused_for_update`)."""
+    engine is paused (`paused_for_update`: the pause is measured apart from the load)."""
 
     def __init__(self, manifest: Sequence[ManifestEntry]) -> None:
         self.manifest = list(manifest)
@@ -308,8 +329,6 @@ class EngineNativeReceiver:
         return cls(manifest)
 
     async def load_into(self, engine: Any, ticket: Any = None) -> dict[str, float]:
-        from rlasync.engine.vllm_worker import paused_for_update
-
         start = time.perf_counter()
         async with paused_for_update(engine):
             paused = time.perf_counter()
@@ -350,4 +369,5 @@ __all__ = [
     "free_port",
     "make_receiver",
     "make_sender",
+    "paused_for_update",
 ]
