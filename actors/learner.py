@@ -23,8 +23,7 @@ import ray
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, *, rank: int, world_size: int, model: str, settings: Any,
-                 num_threads: int | None = 1) -> None:  # fmt: skip
+    def __init__(self, rank: int, world_size: int, model: str, settings: Any, num_threads: int | None = 1) -> None:
         """`settings`: the run's `rlasync.learner.LearnerSettings` (`LearnerSettings.from_config`)."""
         import torch
 

@@ -58,6 +58,8 @@ class Learner:
         from rlasync.model import load_model, prepare_for_training
         from rlasync.model.loading import model_init_options
 
+        if world_size > 1 and reducer is None:
+            raise ValueError(f"a Learner of {world_size} ranks needs a reducer over the training group (GroupReducer)")
         self.settings, self.rank, self.world_size = settings, rank, world_size
         self.device = torch.device(device)
         self.reducer: Reducer = reducer or LocalReducer()
