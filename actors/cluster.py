@@ -104,10 +104,9 @@ class Cluster:
         max_model_len = None if self.config.token_budget is not None else self.max_model_len(engines)
         budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len)
         learners = self.spawn_learners(budget)
-        backend, manifest = connect_weights(learners, engines, cluster)
+        connect_weights(learners, engines, cluster)
         queue = self.spawn_queue(tokens_per_step)
-        staging = int(cluster.weight_sync_staging_mb * (1 << 20))
-        weights = RayWeightSync(learners, engines, queue, manifest, cluster.collective_timeout_s, staging, backend)
+        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s)
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
         state["policy_version"] = self.version
         rewards = self.spawn_rewards()
@@ -169,17 +168,17 @@ class Cluster:
     def spawn_learners(self, budget: int) -> list[Any]:
         """The learner ranks, set up (process group, model, optimizer; resumed from the spec's checkpoint)."""
         from actors.learner import LearnerActor
+        from rlasync.learner.settings import LearnerSettings
 
         spec, cluster = self.spec, self.config.cluster
         timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
-        options: dict[str, Any] = {}
-        if spec.learner.objective != "grpo":
-            options = {"mode": spec.learner.objective, "max_steps": spec.learner.max_steps,
-                       "teacher_ids": spec.learner.teacher_ids}  # fmt: skip
+        settings = LearnerSettings.from_config(
+            self.config, objective=spec.learner.objective, token_budget=budget, max_steps=spec.learner.max_steps,
+            teacher_ids=spec.learner.teacher_ids,
+        )  # fmt: skip
         learners = [
-            self.spawn(LearnerActor, rank=rank, world_size=num_learners, model=spec.model, args=self.config,
-                       token_budget=budget, num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus,
-                       **options)
+            self.spawn(LearnerActor, rank=rank, world_size=num_learners, model=spec.model, settings=settings,
+                       num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus)
             for rank in range(num_learners)
         ]  # fmt: skip
         master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None

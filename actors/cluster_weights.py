@@ -1,10 +1,10 @@
 """The Cluster's weight sync: the group of learner rank 0 and every engine, and one sync as the step loop's
 `WeightTransport` (`sync(version) -> (version + 1, timings)`). Every Ray call of a weight sync is here.
 
-    connect_weights   device identities -> transport (NCCL when each holds its own GPU, gloo, or "ipc") -> join the
-                      group (every member at once: a rendezvous) -> rank 0's manifest
-    RayWeightSync     learners send (or share, over "ipc") while the engines receive, pause, load, resume; then the
-                      queue publishes version + 1
+    connect_weights   device identities -> the transport plan (rlasync.weights.transport.choose_transport: NCCL
+                      when each holds its own GPU, gloo, or CUDA IPC) -> opened on every member at once
+    RayWeightSync     prepare -> (learners send || engines receive, pause, load, resume) -> finish; then the queue
+                      publishes version + 1. The driver never knows which transport it is.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from rlasync.weights.broadcast import choose_backend
+from rlasync.weights.transport import TransportPlan, choose_transport
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -41,42 +41,44 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def connect_weights(learners: list[Any], engines: list[Any], cluster: Any) -> tuple[str, list[Any]]:
-    """Join learner rank 0 and every engine into the weight-sync group; returns (backend, rank 0's manifest)."""
+def connect_weights(learners: list[Any], engines: list[Any], cluster: Any) -> TransportPlan:
+    """Choose the weight transport once from the layout (device identities of learner rank 0 and every engine) and
+    open it on every learner rank and every engine at once (NCCL and gloo rendezvous need every member)."""
     timeout = cluster.collective_timeout_s
     host, port = ray.get(learners[0].address.remote(), timeout=timeout)
-    world = 1 + len(engines)
-    infos = ray.get([learners[0].device_info.remote()] + [e.device_info.remote() for e in engines], timeout=timeout)
-    backend, why_not_nccl = choose_backend(infos[0], infos[1:], cluster.weight_sync_backend)
+    infos = ray.get([learners[0].weight_endpoint.remote()] + [e.weight_endpoint.remote() for e in engines],
+                    timeout=timeout)  # fmt: skip
+    plan, why_not_nccl = choose_transport(
+        infos[0], infos[1:], cluster.weight_sync_backend, host=host, port=port, timeout_s=timeout,
+        bucket_bytes=max(1, int(cluster.weight_sync_bucket_mb * (1 << 20))),
+        staging_bytes=int(cluster.weight_sync_staging_mb * (1 << 20)),
+    )  # fmt: skip
     if why_not_nccl:
         _warn_once(f"weight sync: {why_not_nccl}")
-    bucket_bytes = max(1, int(cluster.weight_sync_bucket_mb * (1 << 20)))
+    manifest = ray.get(learners[0].weight_manifest.remote(), timeout=timeout)
     ray.get(
-        [learners[0].join_weight_group.remote(host, port, world, timeout, backend, bucket_bytes)]
-        + [
-            engine.join_weight_group.remote(host, port, i + 1, world, timeout, backend, bucket_bytes)
-            for i, engine in enumerate(engines)
-        ],
+        [learner.open_weight_transport.remote(plan) for learner in learners]
+        + [engine.open_weight_transport.remote(plan, i + 1, manifest) for i, engine in enumerate(engines)],
         timeout=timeout + 30,
     )
-    logger.info("weight-sync group: %d engines over %s", len(engines), backend)
-    return backend, ray.get(learners[0].manifest.remote(), timeout=timeout)
+    logger.info("weight-sync transport: %d engines over %s", len(engines), plan.kind)
+    return plan
 
 
 class RayWeightSync:
-    """Every learner rank gathers, rank 0 broadcasts; each engine receives while still generating, pauses (its step
-    in flight finishes meanwhile), loads, resumes (`GenerationActor.sync_weights`); then version + 1 is published.
-    The timings are the sync's phases (SPEC §6.1 names): `perf/weight_sync_s` (total, including the version
-    bump), and over the engines the slowest `perf/weight_sync_pause_s` (until paused, overlapping the transfer),
-    `perf/weight_sync_transfer_s` (paused until loaded: what of the transfer did not overlap, and the copies) and
-    `perf/weight_sync_resume_s`; also `perf/weight_sync_dispatch_s` (until the slowest engine's call started) and
-    `perf/weight_sync_send_s` (rank 0's broadcast, waiting for the receivers included), and
-    `perf/generation_loop_lag_max_s` (the worst event-loop lag of a GenerationActor since the previous sync)."""
+    """One sync, whatever the transport: every learner rank prepares (rank 0's ticket: e.g. CUDA-IPC handles, or
+    None for a broadcast), then the learners send while each engine receives, pauses (its step in flight finishes
+    meanwhile), loads and resumes (`GenerationActor.sync_weights`), then the learners finish (e.g. release shared
+    buckets); then the queue publishes version + 1. The timings are the sync's phases (SPEC §6.1 names):
+    `perf/weight_sync_s` (total, including the version bump), and over the engines the slowest
+    `perf/weight_sync_pause_s` (until paused, overlapping the transfer), `perf/weight_sync_transfer_s` (paused until
+    loaded: what of the transfer did not overlap, and the copies) and `perf/weight_sync_resume_s`; also
+    `perf/weight_sync_dispatch_s` (until the slowest engine's call started), `perf/weight_sync_send_s` (rank 0's
+    send, waiting for the receivers included) and `perf/generation_loop_lag_max_s` (the worst event-loop lag of a
+    GenerationActor since the previous sync)."""
 
-    def __init__(self, learners: list[Any], engines: list[Any], queue: Any, manifest: list[Any], timeout: float,
-                 staging_bytes: int = 0, backend: str = "gloo") -> None:  # fmt: skip
-        self.learners, self.engines, self.queue = learners, engines, queue
-        self.manifest, self.timeout, self.staging_bytes, self.backend = manifest, timeout, staging_bytes, backend
+    def __init__(self, learners: list[Any], engines: list[Any], queue: Any, timeout: float) -> None:
+        self.learners, self.engines, self.queue, self.timeout = learners, engines, queue, timeout
 
     async def sync(self, version: int) -> tuple[int, dict[str, float]]:
         return await in_thread(self.sync_now, version)
@@ -84,33 +86,29 @@ class RayWeightSync:
     def sync_now(self, version: int) -> tuple[int, dict[str, float]]:
         """One sync, blocking (the cold sync runs it before the step loop starts)."""
         started, started_at = time.perf_counter(), time.time()
-        sent: list[float] = []
-        if self.backend == "ipc":  # rank 0 shares buckets on its device; the engines copy from them; then release
-            handles = ray.get([learner.share_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
-            try:
-                phases = ray.get(
-                    [engine.sync_weights.remote(self.manifest, 0, handles) for engine in self.engines],
-                    timeout=self.timeout + 60,
-                )
-            finally:
-                ray.get(self.learners[0].release_weights.remote(), timeout=self.timeout)
-        else:
+        ticket = ray.get([learner.prepare_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
+        try:
             results = ray.get(
                 [learner.send_weights.remote() for learner in self.learners]
-                + [engine.sync_weights.remote(self.manifest, self.staging_bytes) for engine in self.engines],
+                + [engine.sync_weights.remote(ticket) for engine in self.engines],
                 timeout=self.timeout + 60,
             )
-            sent, phases = results[: len(self.learners)], results[len(self.learners) :]
+        finally:
+            ray.get([learner.finish_weights.remote() for learner in self.learners], timeout=self.timeout)
+        sent, phases = results[: len(self.learners)], results[len(self.learners) :]
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
-        timings = {
-            "perf/weight_sync_s": time.perf_counter() - started,
-            "perf/weight_sync_pause_s": max(p["pause_s"] for p in phases),
-            "perf/weight_sync_transfer_s": max(p["load_s"] for p in phases),
-            "perf/weight_sync_resume_s": max(p["resume_s"] for p in phases),
-            # how long the slowest engine's call waited to start (a busy actor), and the learners' send
-            "perf/weight_sync_dispatch_s": max(max(p.get("started_at", started_at) - started_at, 0.0) for p in phases),
-            "perf/generation_loop_lag_max_s": max(p.get("loop_lag_max_s", 0.0) for p in phases),
-        }
-        if sent:
-            timings["perf/weight_sync_send_s"] = max(sent)
-        return version + 1, timings
+        return version + 1, sync_timings(time.perf_counter() - started, started_at, sent, phases)
+
+
+def sync_timings(total_s: float, started_at: float, sent: list[float], phases: list[dict[str, float]]) -> dict[str, float]:
+    """The `perf/weight_sync_*` metrics of one sync from the learners' send times and the engines' phases."""
+    return {
+        "perf/weight_sync_s": total_s,
+        "perf/weight_sync_pause_s": max(p["pause_s"] for p in phases),
+        "perf/weight_sync_transfer_s": max(p["load_s"] for p in phases),
+        "perf/weight_sync_resume_s": max(p["resume_s"] for p in phases),
+        # how long the slowest engine's call waited to start (a busy actor), and the learners' send
+        "perf/weight_sync_dispatch_s": max(max(p.get("started_at", started_at) - started_at, 0.0) for p in phases),
+        "perf/generation_loop_lag_max_s": max(p.get("loop_lag_max_s", 0.0) for p in phases),
+        "perf/weight_sync_send_s": max(sent),
+    }

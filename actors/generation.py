@@ -1,11 +1,13 @@
 """GenerationActor: hosts one engine (`cluster.engine`: the built-in TorchEngine on CPU or the one GPU Ray gives it,
-vLLM's AsyncLLM on that GPU, or a client of `vllm serve`) and receives weight broadcasts.
+vLLM's AsyncLLM on that GPU, or a client of `vllm serve`) and receives weight syncs.
 
-A weight sync is one call, `sync_weights`, made while learner rank 0 sends: the broadcast is received while the
-engine still generates (up to `staging_bytes` of it is held in its receive buffers), the engine pauses (its step in
-flight finishes) meanwhile, then the weights are copied in, the rest is received, and it resumes. Over NCCL the
-buckets land in GPU buffers on the engine's device; over gloo they arrive on the CPU and are copied in. vLLM engines
-receive in their own workers (and pause themselves).
+The transport is chosen once by the driver (`rlasync.weights.transport.TransportPlan`); `open_weight_transport`
+makes this engine's receiver for it. A weight sync is one call, `sync_weights(ticket)`, made while learner rank 0
+sends: a broadcast is received while the engine still generates (up to `staging_bytes` of it is held in its receive
+buffers), the engine pauses (its step in flight finishes) meanwhile, then the weights are copied in, the rest is
+received, and it resumes. Over NCCL the buckets land in GPU buffers on the engine's device; over gloo they arrive
+on the CPU and are copied in; over IPC the ticket holds handles to learner rank 0's buckets. vLLM engines receive
+in their own workers (and pause themselves).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class GenerationActor:
         from rlasync.metrics.loop_lag import LoopLagMonitor
 
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
-        self.group: Any = None
+        self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.loop_lag = LoopLagMonitor()  # how late this actor's event loop runs (a late loop delays every call)
 
     async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
@@ -58,60 +60,34 @@ class GenerationActor:
             return torch.device(device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def device_info(self) -> dict[str, Any]:
-        from rlasync.weights.broadcast import device_identity
+    def weight_endpoint(self) -> dict[str, Any]:
+        """This engine's device identity (what `choose_transport` compares)."""
+        from rlasync.weights.transport import device_identity
 
         return device_identity(self._device(), ray.util.get_node_ip_address() or socket.gethostname(), ray.get_gpu_ids())
 
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                                backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
-        from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup
+    async def open_weight_transport(self, plan: Any, rank: int, manifest: list[Any]) -> None:
+        """This engine's receiver for `plan` as rank `rank` of the weight-sync group (joined here, with learner
+        rank 0 and every other engine at once)."""
+        from rlasync.weights.transport import make_receiver
 
-        if backend == "ipc":  # no group: `sync_weights` maps the learner's shared buckets
-            self.group = "ipc"
-            return
-        if hasattr(self.engine, "receive_weights"):  # vLLM: its worker joins the group and receives in place
-            await self.engine.join_weight_group(host, port, rank, world_size, timeout_s, backend, bucket_bytes)
-            self.group = "engine"
-            return
-        device = self._device() if backend == "nccl" else "cpu"
-        self.group = WeightGroup.open(
-            host, port, rank, world_size, timeout_s, backend=backend, device=device,
-            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
-        )  # fmt: skip
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = await make_receiver(plan, rank, manifest, self.engine, self._device())
 
-    async def sync_weights(self, manifest: list[Any], staging_bytes: int = 0,
-                           handles: list[Any] | None = None) -> dict[str, float]:  # fmt: skip
-        """Receive one broadcast (or, over "ipc", map the learner's shared `handles`) and load it, pausing only for
-        the copy: returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until loaded,
-        `resume_s`, `total_s`), `started_at` (wall clock) and `loop_lag_max_s` (this actor's worst event-loop lag since
-        the previous sync)."""
-        from rlasync.weights.apply import load_while_pausing
-
+    async def sync_weights(self, ticket: Any = None) -> dict[str, float]:
+        """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) and load it, pausing only
+        for the copy: returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until
+        loaded, `resume_s`, `total_s`), `started_at` (wall clock) and `loop_lag_max_s` (this actor's worst
+        event-loop lag since the previous sync)."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
-        if self.group is None:
-            raise RuntimeError("sync_weights before join_weight_group")
-        if self.group == "ipc":
-            from rlasync.weights.ipc import open_shared
-
-            if handles is None:
-                raise RuntimeError("sync_weights over ipc needs the learner's handles")
-            phases = await load_while_pausing(self.engine, open_shared(handles), 0)
-        elif self.group == "engine":  # vLLM: its workers receive in place
-            from rlasync.engine.vllm_worker import paused_for_update
-
-            start = time.perf_counter()
-            async with paused_for_update(self.engine):
-                paused = time.perf_counter()
-                await self.engine.receive_weights(manifest)
-                loaded = time.perf_counter()
-            end = time.perf_counter()
-            phases = {"pause_s": paused - start, "load_s": loaded - paused, "resume_s": end - loaded,
-                      "total_s": end - start}  # fmt: skip
-        else:
-            phases = await load_while_pausing(self.engine, self.group.receive(manifest), staging_bytes)
+        if self.receiver is None:
+            raise RuntimeError("sync_weights before open_weight_transport")
+        phases = await self.receiver.load_into(self.engine, ticket)
         return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max()}
 
     async def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
         await self.engine.close()
 

@@ -41,3 +41,67 @@ def shard_for_training(
         fully_shard(layer, **options)
     fully_shard(scorer, **options)
     return scorer
+
+
+def init_training_group(
+    rank: int, world_size: int, master: tuple[str, int] | None, timeout_s: float, device: torch.device
+) -> None:
+    """Join the learners' training group (NCCL on GPUs, gloo on CPU) at `master` = rank 0's (host, port); a no-op
+    for one rank. Every rank must call it at once."""
+    if world_size <= 1:
+        return
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if master is None:
+        raise ValueError(f"learner rank {rank} of {world_size}: the training group needs rank 0's (host, port)")
+    host, port = master
+    on_gpu = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s), **({"device_id": device} if on_gpu else {}),
+    )  # fmt: skip
+
+
+def close_training_group() -> None:
+    """Leave the training group, if this process joined one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class GroupReducer:
+    """The cross-rank reductions of one learner rank over the initialised training group, each wait bounded by
+    `timeout_s` (a stalled rank becomes a `TimeoutError` naming what was being reduced):
+
+    * `all_reduce(sums, maxes)`: the SUM and MAX all-reduces `rlasync.learner.reduce_across_ranks` needs;
+    * `sum(stats)`: a SUM all-reduce of one tensor (the distillation statistics).
+    """
+
+    def __init__(self, rank: int, device: torch.device, timeout_s: float) -> None:
+        self.rank, self.device, self.timeout_s = rank, device, timeout_s
+
+    def _reduce(self, tensor: torch.Tensor, op: Any, what: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        from rlasync.weights.broadcast import wait_work
+
+        tensor = tensor.to(self.device)
+        work = dist.all_reduce(tensor, op=op, async_op=True)
+        wait_work(work, self.timeout_s, f"learner rank {self.rank}: {what}", poll=self.device.type == "cuda")
+        return tensor.cpu()
+
+    def all_reduce(self, sums: torch.Tensor, maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+
+        return (
+            self._reduce(sums, dist.ReduceOp.SUM, "metric all-reduce (sum)"),
+            self._reduce(maxes, dist.ReduceOp.MAX, "metric all-reduce (max)"),
+        )
+
+    def sum(self, stats: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        return self._reduce(stats, dist.ReduceOp.SUM, "distillation stats all-reduce")

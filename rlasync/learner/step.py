@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rlasync.config import AsyncGRPOConfig
+from rlasync.config.base import TrainerConfig
 from rlasync.losses import LossConfig, grpo_loss
 from rlasync.metrics import MetricSink, MetricValue, reduce_values
 from rlasync.model import packed_row_to_tensors, packed_token_scores
@@ -47,8 +48,16 @@ class OptimizerSettings:
     max_steps: int = _DEFAULTS["max_steps"]
 
     @classmethod
-    def from_args(cls, args: Any) -> OptimizerSettings:
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+    def from_config(cls, config: TrainerConfig) -> OptimizerSettings:
+        """The optimizer fields of an `AsyncGRPOConfig` / `AsyncDistillationConfig` (same names; the config has
+        already parsed `lr_scheduler_kwargs` from JSON)."""
+        return cls(
+            learning_rate=config.learning_rate, weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2, adam_epsilon=config.adam_epsilon, max_grad_norm=config.max_grad_norm,
+            lr_scheduler_type=config.lr_scheduler_type, lr_scheduler_kwargs=config.lr_scheduler_kwargs,  # type: ignore[arg-type]
+            warmup_steps=config.warmup_steps, max_steps=config.max_steps,
+        )  # fmt: skip
+
 
 
 def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> tuple[torch.optim.Optimizer, Any]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ from torch.utils.checkpoint import checkpoint
 
 from rlasync.losses.grpo import normalize_loss
 from rlasync.losses.grpo_metrics import Metrics
+
+if TYPE_CHECKING:
+    from rlasync.config import AsyncDistillationConfig
 
 #: Default number of positions per LM-head chunk (peak logits memory CHUNK_SIZE × V).
 CHUNK_SIZE = 256
@@ -59,7 +62,7 @@ def num_stats(num_teachers: int = 1) -> int:
 
 @dataclass(frozen=True)
 class DistillLossConfig:
-    """Settings of the distillation loss (TRL field names in `from_args`)."""
+    """Settings of the distillation loss (TRL field names in `from_config`)."""
 
     beta: float = 0.0
     teacher_temperature: float = 1.0
@@ -75,9 +78,11 @@ class DistillLossConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
 
     @classmethod
-    def from_args(cls, args: Any) -> DistillLossConfig:
-        """Read an `AsyncDistillationConfig`-like object."""
-        return cls(beta=args.beta, teacher_temperature=args.teacher_temperature, add_tail_bucket=args.add_tail_bucket)
+    def from_config(cls, config: AsyncDistillationConfig) -> DistillLossConfig:
+        """The loss fields of an `AsyncDistillationConfig`."""
+        return cls(
+            beta=config.beta, teacher_temperature=config.teacher_temperature, add_tail_bucket=config.add_tail_bucket
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------

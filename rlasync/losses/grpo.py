@@ -24,74 +24,14 @@ The summed terms are divided by the §5.2 normaliser (`normalize_loss`). Metrics
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from rlasync.losses.grpo_config import TAIL_MASS_FLOOR, LossConfig, MaskedTokenCentering
 from rlasync.losses.grpo_metrics import Metrics, grpo_metrics
 
-#: Floor of 1 − P_H in the tail scale ρ_t (SPEC §5.3).
-TAIL_MASS_FLOOR = 1e-6
-
-MaskedTokenCentering = Literal["keep", "drop"]
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Settings of the GRPO loss (TRL field names in `from_args`).
-
-    `masked_token_centering` answers SPEC §5.3's open question as a switch: "keep" (default) keeps the centring
-    term of a sampled token whose IS weight is masked (w(r_t) = 0), which is what makes the expected gradient
-    vanish under a constant advantage; "drop" removes the whole term of such a token (the seed's "dropped from
-    the loss"). It has no effect when `score_centering` is False (the mask already removes the whole term).
-    """
-
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    score_centering: bool = True
-    is_clip_min: float = 0.5
-    is_clip_max: float = 5.0
-    masked_token_centering: MaskedTokenCentering = "keep"
-
-    def __post_init__(self) -> None:
-        if not self.epsilon >= 0 or not self.epsilon_low_high[1] >= 0:
-            raise ValueError(f"epsilon and epsilon_high must be >= 0, got {self.epsilon}, {self.epsilon_high}")
-        if not 0 <= self.is_clip_min <= self.is_clip_max:
-            raise ValueError(
-                "need 0 <= vllm_importance_sampling_clip_min <= vllm_importance_sampling_clip_max, got "
-                f"{self.is_clip_min}, {self.is_clip_max}"
-            )
-        if self.masked_token_centering not in ("keep", "drop"):
-            raise ValueError(f"masked_token_centering must be 'keep' or 'drop', got {self.masked_token_centering!r}")
-
-    @property
-    def epsilon_low_high(self) -> tuple[float, float]:
-        """(ε_low, ε_high): ε_high falls back to `epsilon`."""
-        return self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    def importance_mask(self, ratio: torch.Tensor) -> torch.Tensor:
-        """m = 1[C_min ≤ ratio ≤ C_max], elementwise bool (NaN ratios are masked)."""
-        return (ratio >= self.is_clip_min) & (ratio <= self.is_clip_max)
-
-    @classmethod
-    def trl_1_16(cls, epsilon: float = 0.2, epsilon_high: float | None = None) -> LossConfig:
-        """TRL 1.16's objective: clipped surrogate, no importance-sampling mask, no score centering."""
-        return cls(epsilon, epsilon_high, score_centering=False, is_clip_min=0.0, is_clip_max=math.inf)
-
-    @classmethod
-    def from_args(cls, args: Any) -> LossConfig:
-        """Read an `AsyncGRPOConfig`-like object (`masked_token_centering` is optional, default "keep")."""
-        return cls(
-            epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            score_centering=args.score_centering,
-            is_clip_min=args.vllm_importance_sampling_clip_min,
-            is_clip_max=args.vllm_importance_sampling_clip_max,
-            masked_token_centering=getattr(args, "masked_token_centering", "keep"),
-        )
-
+__all__ = ["TAIL_MASS_FLOOR", "LossConfig", "MaskedTokenCentering", "grpo_loss", "masked_is_weight", "normalize_loss"]
 
 def grpo_loss(
     trainer_logprobs: torch.Tensor,

@@ -21,12 +21,9 @@ r ∉ [C_min, C_max]; logp difference = |log μ − log π̃_θ|.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from rlasync.losses.grpo import LossConfig
+from rlasync.losses.grpo_config import LossConfig
 
 Metrics = dict[str, float | tuple[float, float]]
 

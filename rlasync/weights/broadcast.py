@@ -12,7 +12,8 @@ views into the received buffer, which the engine copies into its parameters.
 
 Backends: "gloo" moves CPU tensors (a GPU sender copies each bucket to the host); "nccl" broadcasts GPU tensors
 directly from learner rank 0's GPU into the engines' GPUs. NCCL needs one distinct GPU per rank: when learner rank 0
-and an engine share a GPU (fractional `num_gpus`) `choose_backend` picks gloo (through the CPU) and says why.
+and an engine share a GPU (fractional `num_gpus`) `rlasync.weights.transport.choose_transport` picks gloo (through
+the CPU) and says why.
 
 The group is its own `ProcessGroupGloo` / `ProcessGroupNCCL` on its own TCPStore, separate from the learners'
 training group, so engines can join without touching the trainers' world. Every wait has a timeout: a stalled
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -70,7 +71,7 @@ def wait_work(work: Any, timeout_s: float, what: str, *, poll: bool = False) -> 
 
 
 def device_identity(device: torch.device | str, node: str, gpu_ids: Sequence[Any] = ()) -> dict[str, Any]:
-    """What `choose_backend` compares for one rank: device type, node, and the physical GPU (its UUID when CUDA
+    """What `choose_transport` compares for one rank: device type, node, and the physical GPU (its UUID when CUDA
     reports one, else the ids the scheduler assigned, e.g. `ray.get_gpu_ids()`)."""
     device = torch.device(device)
     gpu = None
@@ -82,48 +83,6 @@ def device_identity(device: torch.device | str, node: str, gpu_ids: Sequence[Any
         if not gpu:
             gpu = "ids:" + ",".join(str(i) for i in gpu_ids)
     return {"device": device.type, "node": node, "gpu": gpu}
-
-
-def choose_backend(
-    sender: Mapping[str, Any], receivers: Sequence[Mapping[str, Any]], requested: str = "auto"
-) -> tuple[str, str | None]:
-    """The weight sync's transport from every rank's `device_identity`: `(backend, why_not_nccl)`.
-
-    "auto": NCCL when every rank is on a GPU and no two ranks share one (same node and GPU); gloo otherwise, with a
-    reason when a GPU was involved (for a one-time warning). "nccl" and "ipc" (every engine on the sender's node and
-    device: `rlasync.weights.ipc`) raise `ValueError` where they cannot work; "gloo" is always honoured.
-    """
-    if requested not in ("auto", "ipc", *BACKENDS):
-        raise ValueError(f"weight-sync backend {requested!r}: use 'auto', 'nccl', 'gloo' or 'ipc'")
-    if requested == "gloo":
-        return "gloo", None
-    if requested == "ipc":
-        place = (sender["node"], sender["device"], sender.get("gpu"))
-        away = [i for i, info in enumerate(receivers) if (info["node"], info["device"], info.get("gpu")) != place]
-        if away:
-            raise ValueError(
-                f"weight-sync backend 'ipc' needs every engine on learner rank 0's node and device "
-                f"({place[1]}{'' if place[2] is None else ' ' + str(place[2])}); engine(s) {away} are elsewhere"
-            )
-        return "ipc", None
-    ranks = [sender, *receivers]
-    on_gpu = [info["device"] == "cuda" for info in ranks]
-    if all(on_gpu):
-        keys = [(info["node"], info["gpu"]) for info in ranks]
-        if len(set(keys)) == len(keys):
-            return "nccl", None
-        reason = (
-            "learner rank 0 and a generation engine share one GPU (fractional num_gpus), and NCCL needs a distinct "
-            "GPU per rank: weights go through the CPU over gloo (cluster.weight_sync_backend=ipc shares them on the "
-            "GPU instead when every engine shares learner rank 0's GPU)"
-        )
-    elif any(on_gpu):
-        reason = "some weight-sync ranks have no GPU: weights go through the CPU over gloo"
-    else:
-        reason = "no weight-sync rank has a GPU"
-    if requested == "nccl":
-        raise ValueError(f"weight-sync backend 'nccl' is not possible here: {reason}")
-    return "gloo", reason if any(on_gpu) else None
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -177,6 +177,7 @@ def test_two_learner_ranks_on_two_gpus_reduce_metrics_and_resume(tmp_path):
     ray = pytest.importorskip("ray")
     from actors.learner import LearnerActor
     from rlasync.config import AsyncGRPOConfig
+    from rlasync.learner import LearnerSettings
     from rlasync.packing import TokenBudgetBatcher
 
     model_dir = tmp_path / "model"
@@ -187,6 +188,7 @@ def test_two_learner_ranks_on_two_gpus_reduce_metrics_and_resume(tmp_path):
     )  # fmt: skip
     samples = make_samples(256)
     budget = 128
+    settings = LearnerSettings.from_config(args, objective="grpo", token_budget=budget)
     per_rank = [0, 0]
     for batch in TokenBudgetBatcher(2, budget).plan(samples):
         for rank, row in enumerate(batch.pack()):
@@ -199,7 +201,7 @@ def test_two_learner_ranks_on_two_gpus_reduce_metrics_and_resume(tmp_path):
     def group(resume_dir=None):
         learners = [
             LearnerActor.options(num_gpus=1, num_cpus=1).remote(
-                rank=rank, world_size=2, model=str(model_dir), args=args, token_budget=budget
+                rank=rank, world_size=2, model=str(model_dir), settings=settings
             )
             for rank in range(2)
         ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,22 +10,25 @@ import torch
 from rlasync.losses import LossConfig, grpo_loss, masked_is_weight, normalize_loss
 
 
-def _args(**overrides):
+def _config(**overrides):
+    from rlasync.config import AsyncGRPOConfig
+
     fields = dict(
         epsilon=0.2,
         epsilon_high=0.28,
         score_centering=False,
+        num_sampler_logprobs=0,
         vllm_importance_sampling_clip_min=0.25,
         vllm_importance_sampling_clip_max=4.0,
     )
-    return SimpleNamespace(**{**fields, **overrides})
+    return AsyncGRPOConfig(**{**fields, **overrides})
 
 
-def test_from_args_reads_trl_field_names():
-    config = LossConfig.from_args(_args())
+def test_from_config_reads_trl_field_names():
+    config = LossConfig.from_config(_config())
     assert config == LossConfig(0.2, 0.28, False, 0.25, 4.0, "keep")
     assert config.epsilon_low_high == (0.2, 0.28)
-    assert LossConfig.from_args(_args(masked_token_centering="drop")).masked_token_centering == "drop"
+    assert LossConfig.from_config(_config(masked_token_centering="drop")).masked_token_centering == "drop"
     assert LossConfig().epsilon_low_high == (0.2, 0.2)
 
 

@@ -1,5 +1,6 @@
 """WeightGroup over gloo (threads of one process, CPU): bucketed send/receive reproduces every tensor, the stream is
-checked against the manifest, a stalled peer is a TimeoutError naming the group; choose_backend's rules."""
+checked against the manifest, a stalled peer is a TimeoutError naming the group (the choice of transport:
+test_transport.py)."""
 
 import threading
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from rlasync.weights import ManifestEntry, bucket_layout, build_manifest, stream_parameters
-from rlasync.weights.broadcast import WeightGroup, choose_backend, free_port
+from rlasync.weights.broadcast import WeightGroup, free_port
 
 
 def tiny_model(seed=0, dtype=torch.float32):
@@ -141,36 +142,3 @@ def test_open_checks_backend_and_device():
         WeightGroup.open("127.0.0.1", free_port(), 0, 1, backend="mpi")
     with pytest.raises(ValueError, match="CPU"):
         WeightGroup.open("127.0.0.1", free_port(), 0, 1, backend="gloo", device="cuda")
-
-
-def gpu(node="n0", uuid="GPU-a"):
-    return {"device": "cuda", "node": node, "gpu": uuid}
-
-
-CPU = {"device": "cpu", "node": "n0", "gpu": None}
-
-
-def test_choose_backend():
-    assert choose_backend(gpu(uuid="a"), [gpu(uuid="b"), gpu(uuid="c")]) == ("nccl", None)
-    assert choose_backend(gpu(uuid="a"), [gpu(node="n1", uuid="a")]) == ("nccl", None)  # same index, other host
-    backend, reason = choose_backend(gpu(uuid="a"), [gpu(uuid="a")])
-    assert backend == "gloo" and "share one GPU" in reason
-    backend, reason = choose_backend(gpu(), [CPU])
-    assert backend == "gloo" and "no GPU" in reason
-    assert choose_backend(CPU, [CPU]) == ("gloo", None)
-    assert choose_backend(gpu(uuid="a"), [gpu(uuid="b")], "gloo") == ("gloo", None)
-    with pytest.raises(ValueError, match="share one GPU"):
-        choose_backend(gpu(uuid="a"), [gpu(uuid="a")], "nccl")
-    with pytest.raises(ValueError, match="backend"):
-        choose_backend(CPU, [CPU], "mpi")
-
-
-def test_ipc_is_chosen_on_request_only_where_every_engine_shares_the_device():
-    assert choose_backend(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="a")], "ipc") == ("ipc", None)
-    assert choose_backend(CPU, [CPU], "ipc") == ("ipc", None)  # shared memory
-    with pytest.raises(ValueError, match=r"engine\(s\) \[1\] are elsewhere"):
-        choose_backend(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="b")], "ipc")
-    with pytest.raises(ValueError, match="ipc"):
-        choose_backend(gpu(uuid="a"), [gpu(node="n1", uuid="a")], "ipc")
-    _, reason = choose_backend(gpu(uuid="a"), [gpu(uuid="a")])
-    assert "weight_sync_backend=ipc" in reason  # the shared-GPU warning names the faster option

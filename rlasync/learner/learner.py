@@ -1,0 +1,166 @@
+"""`Learner`: one training rank in the core (no Ray). It loads the model, applies the precision and, with several
+ranks, FSDP2, builds the optimizer and scheduler (resumed from a checkpoint when given), and trains one step at a
+time through its objective (`rlasync.learner.objectives`):
+
+    fetched samples -> objective.plan -> objective.rows (this rank's) -> objective.step -> reduce over ranks
+                    -> metric items (rank 0 reports; the planner's and the step's own metrics included)
+
+Precision (TRL's bf16=True on a GPU with float32 trainer weights): bf16 forward/backward over float32 master
+weights (a pure-bf16 model would round away Adam steps of lr ~1e-6); the engines get bf16 weights (`wire_dtype`).
+
+The cross-rank reductions are injected (`reducer`: `rlasync.learner.parallel.GroupReducer` over the initialised
+training group, or `LocalReducer` for one rank), so the Learner never creates a process group itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rlasync.learner.checkpoint import load_optimizer_state, save_checkpoint
+from rlasync.learner.metrics import reduce_across_ranks
+from rlasync.learner.objectives import MetricItems, StepParts, make_objective
+from rlasync.learner.settings import LearnerSettings
+from rlasync.learner.step import build_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+class Reducer(Protocol):
+    """Cross-rank reductions of one rank: `all_reduce(sums, maxes)` (SUM, MAX) and `sum(tensor)`."""
+
+    def all_reduce(self, sums: torch.Tensor, maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalReducer:
+    """The reductions of a world of one rank (nothing to combine)."""
+
+    def all_reduce(self, sums: torch.Tensor, maxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sums, maxes
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+class Learner:
+    """One rank's model, optimizer and step (`train_step(samples) -> metric items`)."""
+
+    def __init__(self, model_path: str, settings: LearnerSettings, *, rank: int = 0, world_size: int = 1,
+                 device: torch.device | str = "cpu", reducer: Reducer | None = None,
+                 resume_dir: str | None = None) -> None:  # fmt: skip
+        from rlasync.model import load_model, prepare_for_training
+        from rlasync.model.loading import model_init_options
+
+        if world_size > 1 and reducer is None:
+            raise ValueError(f"a Learner of {world_size} ranks needs a reducer over the training group (GroupReducer)")
+        self.settings, self.rank, self.world_size = settings, rank, world_size
+        self.device = torch.device(device)
+        self.reducer: Reducer = reducer or LocalReducer()
+        on_gpu = self.device.type == "cuda"
+        torch.manual_seed(settings.seed)
+        dtype, init_kwargs = model_init_options(settings.model_init_kwargs, settings.dtype, settings.trust_remote_code)  # type: ignore[arg-type]
+        self.model = load_model(resume_dir or model_path, dtype=dtype, device=self.device, **init_kwargs)
+        prepare_for_training(self.model, gradient_checkpointing=settings.gradient_checkpointing)
+        self.mixed = on_gpu and settings.bf16 and dtype == "float32"
+        if on_gpu and settings.fp16:
+            logger.warning("fp16=True: fp16 mixed precision is not implemented; training in %s (use bf16=True)", dtype)
+        self.wire_dtype = torch.bfloat16 if self.mixed else None  # what floating point weights travel to engines as
+        self.objective = make_objective(settings, rank, world_size)
+        self.scorer = self._wrap(self.objective.scorer_cls)
+        self.optimizer, self.scheduler = build_optimizer(self.scorer, settings.optimizer)
+        if resume_dir is not None:
+            load_optimizer_state(resume_dir, self.scorer, self.optimizer, self.scheduler, world_size=world_size)
+        pad_id = getattr(self.model.config, "pad_token_id", None)
+        self.pad_id = 0 if pad_id is None else int(pad_id)  # distillation rows are collated with it
+        self.objective.build(StepParts(
+            scorer=self.scorer, optimizer=self.optimizer, scheduler=self.scheduler, rank=rank, world_size=world_size,
+            device=self.device, clip_grad_norm=self._clip,
+            autocast_dtype=torch.bfloat16 if self.mixed and world_size == 1 else None,
+            sum_across_ranks=self.reducer.sum if world_size > 1 else None,
+        ))  # fmt: skip
+
+    def _wrap(self, scorer_cls: Any) -> torch.nn.Module:
+        """FSDP2 over the training group when there is one; the scorer root either way, so optimizer and
+        checkpoint keys are the same for any number of ranks."""
+        if self.world_size == 1:
+            return scorer_cls(self.model)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from rlasync.learner.parallel import shard_for_training
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.mixed else None
+        return shard_for_training(self.model, mp_policy=policy, scorer_cls=scorer_cls)
+
+    def info(self) -> dict[str, Any]:
+        """What the set-up reports (the driver logs it)."""
+        return {
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "device": str(self.device),
+            "sharded": self.world_size > 1,
+            "mixed_precision": "bf16 compute, float32 master weights" if self.mixed else None,
+        }
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.scorer.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor (the all-reduce happens here)
+        return full_tensor() if full_tensor is not None else norm
+
+    # ---- training ----------------------------------------------------------------------------------------------
+
+    def train_step(self, samples: Sequence[Any], fetch_s: float = 0.0) -> MetricItems:
+        """One optimizer step over the step's samples (every rank gets all of them and trains its rows; a
+        collective): fetch -> plan -> rows -> step -> reduce -> metrics. Rank 0 returns the items; others []."""
+        started = time.perf_counter()
+        rows = self.objective.rows(self.objective.plan(samples), self.device, self.pad_id)
+        packed_at = time.perf_counter()
+        metrics = self.objective.step(rows)
+        metrics["perf/fetch_samples_s"] = fetch_s  # the step's samples out of the object store
+        metrics["perf/pack_s"] = packed_at - started  # planning and packing the micro-batches
+        metrics["batch/forwarded_tokens_per_step"] = float(rows.forwarded_tokens)
+        metrics["batch/trained_tokens_per_step"] = float(rows.trained_tokens)
+        reduced = reduce_across_ranks(metrics, self.reducer.all_reduce)
+        items = rows.planner_items + list(reduced.items())
+        items += [("batch/samples_per_step", float(len(samples)))] + self.objective.step_items(samples)
+        fwd_bwd = float(reduced.get("perf/fwd_bwd_s", 0.0))  # type: ignore[arg-type]
+        if fwd_bwd > 0:
+            items.append(("perf/forwarded_tok_s_fwd_bwd", (float(reduced["batch/forwarded_tokens_per_step"]), fwd_bwd)))  # type: ignore[arg-type]
+        return items if self.rank == 0 else []
+
+    # ---- weights and checkpoints -------------------------------------------------------------------------------
+
+    def weight_manifest(self) -> list[Any]:
+        """What a weight sync sends (engine names, wire dtypes, global shapes), in stream order."""
+        from rlasync.weights import build_manifest
+
+        return build_manifest(self.model, dtype=self.wire_dtype)
+
+    def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full parameters one at a time in manifest order (lazy: under FSDP2 iterating it is a collective)."""
+        from rlasync.weights import stream_parameters
+
+        return stream_parameters(self.model, dtype=self.wire_dtype)
+
+    def checksum(self) -> float:
+        """Σ |w| over the full parameters (a collective under FSDP2: call it on every rank)."""
+        total = 0.0
+        for param in self.model.parameters():
+            data = param.detach()
+            full_tensor = getattr(data, "full_tensor", None)
+            total += float((full_tensor() if full_tensor is not None else data).double().abs().sum())
+        return total
+
+    def save(self, directory: str | Path, tokenizer: Any = None) -> None:
+        """Every rank (a collective under FSDP2); rank 0 writes the checkpoint (`rlasync.learner.checkpoint`)."""
+        save_checkpoint(directory, self.scorer, self.model, self.optimizer, self.scheduler, rank=self.rank,
+                        tokenizer=tokenizer)  # fmt: skip
+
+
+__all__ = ["Learner", "LocalReducer", "Reducer"]

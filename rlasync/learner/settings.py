@@ -1,0 +1,76 @@
+"""The learner's slice of the user's config, derived once (`LearnerSettings.from_config`) on the driver and handed
+to every learner rank: model init options, precision, the optimizer, the loss of the objective, and the planner's
+token budget. The learner core reads only these typed fields, never the flat TRL-named config itself.
+
+    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=4096)
+    learner = Learner(model_path, settings, rank=0, world_size=1, device=torch.device("cpu"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlasync.config.base import TrainerConfig
+from rlasync.learner.step import OptimizerSettings
+from rlasync.losses import DistillLossConfig, LossConfig
+
+Objective = Literal["grpo", "distill"]
+OBJECTIVES = ("grpo", "distill")
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """Everything a learner rank needs of the run's configuration (picklable: it travels to the actors)."""
+
+    objective: Objective
+    token_budget: int  # tokens per packed row; <= 0: a fixed count of samples per row (per_device_train_batch_size)
+    optimizer: OptimizerSettings
+    loss: LossConfig | DistillLossConfig
+    teacher_ids: tuple[str, ...] = ("default",)  # distillation: stable order = teacher_id_idx
+    dtype: str = "float32"
+    model_init_kwargs: dict[str, Any] | str | None = None
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = True
+    bf16: bool = False
+    fp16: bool = False
+    seed: int = 42
+    per_device_train_batch_size: int = 8
+    temperature: float = 1.0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"learner objective={self.objective!r}: use 'grpo' or 'distill'")
+        expected = LossConfig if self.objective == "grpo" else DistillLossConfig
+        if not isinstance(self.loss, expected):
+            raise TypeError(f"objective {self.objective!r} needs a {expected.__name__}, got {type(self.loss).__name__}")
+
+    @classmethod
+    def from_config(
+        cls,
+        config: TrainerConfig,
+        *,
+        objective: Objective,
+        token_budget: int,
+        max_steps: int | None = None,
+        teacher_ids: list[str] | None = None,
+    ) -> LearnerSettings:
+        """Read an `AsyncGRPOConfig` (objective "grpo") or `AsyncDistillationConfig` ("distill"). `max_steps`
+        overrides the scheduler's horizon when the driver resolved it (distillation with max_steps=-1)."""
+        if objective not in OBJECTIVES:
+            raise ValueError(f"learner objective={objective!r}: use 'grpo' or 'distill'")
+        optimizer = OptimizerSettings.from_config(config)
+        if max_steps is not None:
+            optimizer = dataclasses.replace(optimizer, max_steps=max_steps)
+        loss: LossConfig | DistillLossConfig
+        loss = LossConfig.from_config(config) if objective == "grpo" else DistillLossConfig.from_config(config)  # type: ignore[arg-type]
+        return cls(
+            objective=objective, token_budget=int(token_budget), optimizer=optimizer, loss=loss,
+            teacher_ids=tuple(teacher_ids or ["default"]), dtype=config.dtype,
+            model_init_kwargs=config.model_init_kwargs, trust_remote_code=config.trust_remote_code,
+            gradient_checkpointing=config.gradient_checkpointing, bf16=bool(config.bf16), fp16=bool(config.fp16),
+            seed=config.seed, per_device_train_batch_size=config.per_device_train_batch_size,
+            temperature=config.temperature, max_grad_norm=config.max_grad_norm,
+        )  # fmt: skip

@@ -1,0 +1,373 @@
+"""The one weight transport: chosen once from the cluster's layout, then used through paired sender/receiver classes
+so that neither the actors nor the driver know which transport runs.
+
+    plan, why_not_nccl = choose_transport(learner_info, engine_infos, cluster.weight_sync_backend, host=, port=,
+                                          timeout_s=, bucket_bytes=, staging_bytes=)
+    learner rank r:  sender = make_sender(plan, device, manifest=manifest, rank=r)
+                     ticket = sender.prepare(stream_parameters(model))   # IPC: gather + pack, handles out
+                     sender.send(stream_parameters(model))              # broadcast: gather + send
+                     sender.finish()                                    # IPC: drop the shared buckets
+    engine k:        receiver = await make_receiver(plan, k, manifest, engine, device)
+                     phases = await receiver.load_into(engine, ticket)  # while learner rank 0 sends
+
+Kinds (`TransportPlan.kind`):
+  * "nccl": a broadcast group from learner rank 0's GPU into each engine's GPU (every rank on its own GPU);
+  * "gloo": the same broadcast through the CPU (a GPU sender copies each bucket to the host);
+  * "ipc": no group; rank 0 packs the weights into buckets on its device and hands out handles
+    (`rlasync.weights.ipc`: CUDA IPC on a shared GPU, shared memory on the CPU) that travel as the ticket.
+A broadcast receiver stages up to `staging_bytes` while its engine still generates (`load_while_pausing`); an
+engine with its own receiver (vLLM: its workers join the group and receive in place) gets `EngineNativeReceiver`.
+
+Every learner rank holds a sender (gathers are collectives under FSDP2: each rank iterates the stream in the phase
+where rank 0 consumes it); only rank 0's sends. No ray here: the actor shells call these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from rlasync.weights.apply import load_while_pausing
+from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup, device_identity, free_port
+from rlasync.weights.plan import ManifestEntry
+
+TransportKind = Literal["nccl", "gloo", "ipc"]
+KINDS: tuple[str, ...] = ("nccl", "gloo", "ipc")
+REQUESTS: tuple[str, ...] = ("auto", *KINDS)
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TransportPlan:
+    """How one run's weight syncs travel, decided once (`choose_transport`) and handed to every member."""
+
+    kind: TransportKind
+    host: str  # learner rank 0's address: the broadcast group's store
+    port: int
+    world_size: int  # 1 (learner rank 0) + the number of engines
+    timeout_s: float
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    staging_bytes: int = 0  # a broadcast receiver's bytes received before its engine has paused
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"weight transport kind {self.kind!r}: use one of {KINDS}")
+        if self.bucket_bytes < 1:
+            raise ValueError(f"weight transport bucket_bytes must be >= 1, got {self.bucket_bytes}")
+
+
+def _place(info: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    return info["node"], info["device"], info.get("gpu")
+
+
+def choose_kind(
+    sender: Mapping[str, Any], receivers: Sequence[Mapping[str, Any]], requested: str = "auto"
+) -> tuple[TransportKind, str | None]:
+    """The transport kind from every rank's `device_identity`: `(kind, why_not_nccl)`.
+
+    "auto": NCCL when every rank is on a GPU and no two ranks share one (same node and GPU); gloo otherwise, with a
+    reason when a GPU was involved (for a one-time warning). "nccl" and "ipc" (every engine on the sender's node and
+    device) raise `ValueError` where they cannot work; "gloo" is always honoured.
+    """
+    if requested not in REQUESTS:
+        raise ValueError(f"cluster.weight_sync_backend={requested!r}: use 'auto', 'nccl', 'gloo' or 'ipc'")
+    if requested == "gloo":
+        return "gloo", None
+    if requested == "ipc":
+        place = _place(sender)
+        away = [i for i, info in enumerate(receivers) if _place(info) != place]
+        if away:
+            raise ValueError(
+                f"cluster.weight_sync_backend='ipc' needs every engine on learner rank 0's node and device "
+                f"({place[1]}{'' if place[2] is None else ' ' + str(place[2])}); engine(s) {away} are elsewhere"
+            )
+        return "ipc", None
+    ranks = [sender, *receivers]
+    on_gpu = [info["device"] == "cuda" for info in ranks]
+    if all(on_gpu):
+        keys = [(info["node"], info["gpu"]) for info in ranks]
+        if len(set(keys)) == len(keys):
+            return "nccl", None
+        reason = (
+            "learner rank 0 and a generation engine share one GPU (fractional num_gpus), and NCCL needs a distinct "
+            "GPU per rank: weights go through the CPU over gloo (cluster.weight_sync_backend=ipc shares them on the "
+            "GPU instead when every engine shares learner rank 0's GPU)"
+        )
+    elif any(on_gpu):
+        reason = "some weight-sync ranks have no GPU: weights go through the CPU over gloo"
+    else:
+        reason = "no weight-sync rank has a GPU"
+    if requested == "nccl":
+        raise ValueError(f"cluster.weight_sync_backend='nccl' is not possible here: {reason}")
+    return "gloo", reason if any(on_gpu) else None
+
+
+def choose_transport(
+    sender_info: Mapping[str, Any],
+    receiver_infos: Sequence[Mapping[str, Any]],
+    requested: str = "auto",
+    *,
+    host: str,
+    port: int,
+    timeout_s: float,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    staging_bytes: int = 0,
+) -> tuple[TransportPlan, str | None]:
+    """The run's `TransportPlan` from learner rank 0's and every engine's device identity (pure: dicts in, plan
+    out), and why NCCL was not chosen when a GPU was involved (None otherwise)."""
+    kind, why_not_nccl = choose_kind(sender_info, receiver_infos, requested)
+    plan = TransportPlan(
+        kind=kind, host=host, port=int(port), world_size=1 + len(receiver_infos), timeout_s=float(timeout_s),
+        bucket_bytes=max(1, int(bucket_bytes)), staging_bytes=0 if kind == "ipc" else max(0, int(staging_bytes)),
+    )  # fmt: skip
+    return plan, why_not_nccl
+
+
+# ---- senders (learner side) -------------------------------------------------------------------------------------
+
+
+class WeightSender(Protocol):
+    """Learner side of a sync; `prepare`, `send` and `finish` run on every learner rank, in that order."""
+
+    def prepare(self, stream: NamedTensors) -> Any: ...  # the ticket every engine gets (None: nothing to hand out)
+
+    def send(self, stream: NamedTensors) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class BroadcastSender:
+    """Learner rank 0 of the broadcast group (NCCL from its GPU, gloo through the CPU): `send` gathers and
+    broadcasts bucket by bucket while the engines receive."""
+
+    streams_in = "send"
+
+    def __init__(self, plan: TransportPlan, device: torch.device | str, manifest: Sequence[ManifestEntry]) -> None:
+        self.manifest = list(manifest)
+        self.group = WeightGroup.open(
+            plan.host, plan.port, 0, plan.world_size, plan.timeout_s, backend=plan.kind,
+            device=torch.device(device) if plan.kind == "nccl" else "cpu", bucket_bytes=plan.bucket_bytes,
+        )  # fmt: skip
+
+    def prepare(self, stream: NamedTensors) -> None:
+        return None
+
+    def send(self, stream: NamedTensors) -> None:
+        self.group.send(stream, self.manifest)
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class IpcSender:
+    """Learner rank 0 without a group: `prepare` packs the weights into shareable buckets on its device and returns
+    their handles (the ticket); the buckets live until `finish`, once every engine has copied them."""
+
+    streams_in = "prepare"
+
+    def __init__(self, plan: TransportPlan, device: torch.device | str, manifest: Sequence[ManifestEntry]) -> None:
+        self.manifest, self.device, self.bucket_bytes = list(manifest), torch.device(device), plan.bucket_bytes
+        self.shared: Any = None
+
+    def prepare(self, stream: NamedTensors) -> list[Any]:
+        from rlasync.weights.ipc import SharedWeights
+
+        self.finish()
+        self.shared = SharedWeights.pack(stream, self.manifest, self.device, self.bucket_bytes)
+        return self.shared.handles()
+
+    def send(self, stream: NamedTensors) -> None:
+        pass
+
+    def finish(self) -> None:
+        if self.shared is not None:
+            self.shared.release()
+            self.shared = None
+
+    def close(self) -> None:
+        self.finish()
+
+
+class GatherOnlySender:
+    """A learner rank other than 0: iterates the stream (each `full_tensor()` is a collective under FSDP2) in the
+    phase where rank 0's sender consumes it, and sends nothing."""
+
+    def __init__(self, streams_in: str) -> None:
+        self.streams_in = streams_in
+
+    def _drain(self, stream: NamedTensors, phase: str) -> None:
+        if phase == self.streams_in:
+            for _ in stream:
+                pass
+
+    def prepare(self, stream: NamedTensors) -> None:
+        self._drain(stream, "prepare")
+
+    def send(self, stream: NamedTensors) -> None:
+        self._drain(stream, "send")
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+SENDERS: dict[str, type[BroadcastSender] | type[IpcSender]] = {
+    "nccl": BroadcastSender, "gloo": BroadcastSender, "ipc": IpcSender,
+}  # fmt: skip
+
+
+def make_sender(
+    plan: TransportPlan, device: torch.device | str, *, manifest: Sequence[ManifestEntry], rank: int = 0
+) -> WeightSender:
+    """Learner rank `rank`'s sender for `plan` (rank 0 joins the broadcast group here: every member at once)."""
+    sender_cls = SENDERS[plan.kind]
+    if rank != 0:
+        return GatherOnlySender(sender_cls.streams_in)
+    return sender_cls(plan, device, manifest)
+
+
+# ---- receivers (engine side) ------------------------------------------------------------------------------------
+
+
+class WeightReceiver(Protocol):
+    async def load_into(self, engine: Any, ticket: Any) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class SelfReceivingEngine(Protocol):
+    """An engine whose own workers join the weight-sync group and receive in place (vLLM's)."""
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                                backend: str = "gloo", bucket_bytes: int | None = None) -> None: ...  # fmt: skip
+
+    async def receive_weights(self, manifest: Iterable[Any]) -> Any: ...
+
+    @property
+    def is_paused(self) -> bool: ...
+
+
+class BroadcastReceiver:
+    """Rank `rank` of the broadcast group: receives one broadcast per sync, staging up to `staging_bytes` while
+    the engine still generates, and loads it (`load_while_pausing`). NCCL buffers sit on the engine's GPU; gloo's
+    on the CPU."""
+
+    def __init__(self, plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry],
+                 device: torch.device | str) -> None:  # fmt: skip
+        self.manifest, self.staging_bytes = list(manifest), plan.staging_bytes
+        self.group = WeightGroup.open(
+            plan.host, plan.port, rank, plan.world_size, plan.timeout_s, backend=plan.kind,
+            device=torch.device(device) if plan.kind == "nccl" else "cpu", bucket_bytes=plan.bucket_bytes,
+        )  # fmt: skip
+
+    async def load_into(self, engine: Any, ticket: Any = None) -> dict[str, float]:
+        return await load_while_pausing(engine, self.group.receive(self.manifest), self.staging_bytes)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class IpcReceiver:
+    """Maps learner rank 0's shared buckets (the ticket: their handles) and copies them in while paused."""
+
+    def __init__(self, manifest: Sequence[ManifestEntry]) -> None:
+        self.manifest = list(manifest)
+
+    async def load_into(self, engine: Any, ticket: Any) -> dict[str, float]:
+        from rlasync.weights.ipc import open_shared
+
+        if ticket is None:
+            raise RuntimeError("an ipc weight sync needs learner rank 0's handles as its ticket")
+        return await load_while_pausing(engine, open_shared(ticket), 0)
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def paused_for_update(engine: Any) -> AsyncIterator[None]:
+    """Pause `engine` unless it already is, and resume it afterwards (also on error) only if it was paused here.
+
+    The same rule as `rlasync.engine.vllm_worker.paused_for_update`, which the engine's own `receive_weights` uses
+    inside (it then finds the engine paused); kept here because rlasync.engine imports rlasync.weights, not the
+    other way round."""
+    paused_here = not engine.is_paused
+    if paused_here:
+        await engine.pause()
+    try:
+        yield
+    finally:
+        if paused_here:
+            await engine.resume()
+
+
+class EngineNativeReceiver:
+    """An engine whose own workers are the group's ranks (`SelfReceivingEngine`): they receive in place while the
+    engine is paused (`paused_for_update`: the pause is measured apart from the load)."""
+
+    def __init__(self, manifest: Sequence[ManifestEntry]) -> None:
+        self.manifest = list(manifest)
+
+    @classmethod
+    async def open(cls, plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry],
+                   engine: SelfReceivingEngine) -> EngineNativeReceiver:  # fmt: skip
+        await engine.join_weight_group(plan.host, plan.port, rank, plan.world_size, plan.timeout_s, plan.kind,
+                                       plan.bucket_bytes)  # fmt: skip
+        return cls(manifest)
+
+    async def load_into(self, engine: Any, ticket: Any = None) -> dict[str, float]:
+        start = time.perf_counter()
+        async with paused_for_update(engine):
+            paused = time.perf_counter()
+            await engine.receive_weights(self.manifest)
+            loaded = time.perf_counter()
+        end = time.perf_counter()
+        return {"pause_s": paused - start, "load_s": loaded - paused, "resume_s": end - loaded, "total_s": end - start}
+
+    def close(self) -> None:
+        pass
+
+
+async def make_receiver(plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry], engine: Any,
+                        device: torch.device | str) -> WeightReceiver:  # fmt: skip
+    """Engine `rank`'s receiver for `plan` (1-based: learner rank 0 is rank 0 of the group); joins the broadcast
+    group here (every member at once). "ipc" maps handles; an engine with its own receiver receives in place."""
+    if plan.kind == "ipc":
+        return IpcReceiver(manifest)
+    if isinstance(engine, SelfReceivingEngine):
+        return await EngineNativeReceiver.open(plan, rank, manifest, engine)
+    return BroadcastReceiver(plan, rank, manifest, device)
+
+
+__all__ = [
+    "BroadcastReceiver",
+    "BroadcastSender",
+    "EngineNativeReceiver",
+    "GatherOnlySender",
+    "IpcReceiver",
+    "IpcSender",
+    "SelfReceivingEngine",
+    "TransportPlan",
+    "WeightReceiver",
+    "WeightSender",
+    "choose_kind",
+    "choose_transport",
+    "device_identity",
+    "free_port",
+    "make_receiver",
+    "make_sender",
+    "paused_for_update",
+]

@@ -1,0 +1,200 @@
+"""`Learner` on CPU with a tiny random Llama: one GRPO and one distillation `train_step` through the Learner and its
+objective change the weights and return the metric names the pre-refactor LearnerActor returned on the same samples;
+`LearnerSettings.from_config` reads the typed slices; the checkpoint module round-trips model + optimizer +
+scheduler state (and refuses the old position-keyed optimizer format with several ranks)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig
+from rlasync.learner import Learner, LearnerSettings
+from rlasync.losses import DistillLossConfig, LossConfig
+
+VOCAB = 40
+K = 3
+TOKEN_BUDGET = 32
+
+# what the LearnerActor returned before the Learner existed, on these samples (key order; planner keys repeat per
+# micro-batch)
+PLANNER_KEYS = ["sample/forwarded_tokens_mean", "sample/forwarded_tokens_max", "sample/trained_tokens_mean",
+                "batch/masked_token_frac", "batch/samples_per_row", "batch/row_tokens_mean", "batch/row_tokens_max",
+                "batch/row_imbalance"]  # fmt: skip
+STEP_KEYS = ["batch/forwarded_tokens_per_step", "batch/microbatches_per_step", "batch/trained_tokens_per_step"]
+PERF_KEYS = ["perf/fetch_samples_s", "perf/fwd_bwd_s", "perf/fwd_s", "perf/optimizer_s", "perf/pack_s"]
+GRPO_KEYS = [
+    *PLANNER_KEYS, "batch/packing_ratio", "batch/pad_frac", "batch/row_fill_frac", "batch/dropped_oversize_count",
+    *STEP_KEYS, "clip_ratio/high_max", "clip_ratio/high_mean", "clip_ratio/low_mean", "clip_ratio/low_min",
+    "clip_ratio/region_mean", "entropy", "grad_norm", "kl", "learning_rate", "loss", *PERF_KEYS, "ratio",
+    "sampling/importance_sampling_ratio/max", "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/min", "sampling/masked_mean", "sampling/sampling_logp_difference/max",
+    "sampling/sampling_logp_difference/mean", "batch/samples_per_step", "batch/groups_per_step",
+    "perf/forwarded_tok_s_fwd_bwd",
+]  # fmt: skip
+DISTILL_KEYS = [
+    *PLANNER_KEYS, "batch/pad_frac", "batch/row_fill_frac", "batch/dropped_oversize_total", *STEP_KEYS, "entropy",
+    "grad_norm", "jsd", "learning_rate", "loss", *PERF_KEYS, "teacher_entropy", "batch/samples_per_step",
+    "batch/prompts_per_step", "perf/forwarded_tok_s_fwd_bwd",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def grpo_samples(num_groups=3, group_size=4, seed=0):
+    from rlasync.rollout import RolloutSample
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for group in range(num_groups):
+        prompt = rng.integers(2, VOCAB, int(rng.integers(4, 8))).tolist()
+        advantages = rng.normal(size=group_size)
+        for advantage in advantages - advantages.mean():
+            completion = rng.integers(2, VOCAB, int(rng.integers(3, 7))).tolist()
+            ids = np.array(prompt + completion)
+            mask = np.r_[np.zeros(len(prompt), np.int8), np.ones(len(completion), np.int8)]
+            sampler = np.where(mask == 1, -np.log(VOCAB) + rng.normal(0, 0.1, len(ids)), 0.0).astype(np.float32)
+            samples.append(RolloutSample(ids, mask, sampler, float(advantage), group))
+    return samples
+
+
+def distill_samples(num=6, seed=0):
+    from rlasync.distill import DistillationSample
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for prompt_id in range(num):
+        prompt_len, completion_len = int(rng.integers(3, 6)), int(rng.integers(3, 6))
+        n = prompt_len + completion_len
+        ids = rng.integers(2, VOCAB, n)
+        top_ids = np.full((n, K + 1), -1, np.int64)
+        top_lps = np.full((n, K + 1), -np.inf, np.float32)
+        for j in range(prompt_len, n):
+            lps = torch.log_softmax(torch.as_tensor(rng.normal(size=VOCAB) * 2), -1).numpy()
+            order = np.argsort(-lps)[:K].tolist()
+            if ids[j] not in order:
+                order.append(int(ids[j]))
+            top_ids[j, : len(order)] = order
+            top_lps[j, : len(order)] = lps[order]
+        mask = np.r_[np.zeros(prompt_len, np.int8), np.ones(completion_len, np.int8)]
+        samples.append(DistillationSample(ids, mask, top_ids, top_lps, prompt_id=prompt_id))
+    return samples
+
+
+def grpo_config(tmp_path, **overrides):
+    return AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2, gradient_checkpointing=False,
+                           seed=0, score_centering=False, num_sampler_logprobs=0, **overrides)  # fmt: skip
+
+
+def distill_config(tmp_path, **overrides):
+    return AsyncDistillationConfig(output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2,
+                                   gradient_checkpointing=False, seed=0, **overrides)  # fmt: skip
+
+
+def unique(keys):
+    return list(dict.fromkeys(keys))
+
+
+def weights(learner):
+    return {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+
+
+def check_step(learner, samples, expected_keys, unit_key, num_units):
+    before = weights(learner)
+    items = learner.train_step(samples, fetch_s=0.5)
+    assert unique(key for key, _ in items) == expected_keys
+    metrics = dict(items)
+    after = weights(learner)
+    assert all(not torch.equal(before[name], after[name]) for name in before)  # every parameter was trained
+    assert metrics["batch/samples_per_step"] == len(samples) and metrics[unit_key] == num_units
+    assert metrics["perf/fetch_samples_s"] == 0.5
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert metrics["batch/trained_tokens_per_step"] == sum(int(s.completion_mask.sum()) for s in samples)
+    again = dict(learner.train_step(samples))
+    assert again[unit_key] == 0  # the same groups / prompts again: none is new
+    return metrics
+
+
+def test_a_grpo_step_through_the_learner(model_dir, tmp_path):
+    settings = LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=TOKEN_BUDGET)
+    learner = Learner(model_dir, settings)
+    samples = grpo_samples()
+    metrics = check_step(learner, samples, GRPO_KEYS, "batch/groups_per_step", 3)
+    numerator, denominator = metrics["entropy"]  # a rate pair, reduced over ranks by the driver's window
+    assert denominator == metrics["batch/trained_tokens_per_step"] and numerator > 0
+    assert learner.objective.step_core.global_step == 2
+
+
+def test_a_distillation_step_through_the_learner(model_dir, tmp_path):
+    settings = LearnerSettings.from_config(distill_config(tmp_path), objective="distill", token_budget=TOKEN_BUDGET)
+    learner = Learner(model_dir, settings)
+    metrics = check_step(learner, distill_samples(), DISTILL_KEYS, "batch/prompts_per_step", 6)
+    assert metrics["jsd"] > 0
+
+
+def test_a_fixed_count_plan_without_a_token_budget(model_dir, tmp_path):
+    config = grpo_config(tmp_path, per_device_train_batch_size=4)
+    learner = Learner(model_dir, LearnerSettings.from_config(config, objective="grpo", token_budget=0))
+    metrics = dict(learner.train_step(grpo_samples()))
+    assert metrics["batch/microbatches_per_step"] == 3  # 12 samples, 4 per row, one rank
+
+
+def test_settings_read_the_typed_slices_of_the_config(tmp_path):
+    config = grpo_config(tmp_path, epsilon_high=0.28, max_grad_norm=0.5, temperature=0.7, bf16=False)
+    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=64, max_steps=7)
+    assert settings.loss == LossConfig.from_config(config) and settings.loss.epsilon_high == 0.28
+    assert settings.optimizer.max_steps == 7 and settings.optimizer.learning_rate == 1e-2
+    assert (settings.max_grad_norm, settings.temperature, settings.token_budget) == (0.5, 0.7, 64)
+    assert settings.teacher_ids == ("default",) and settings.bf16 is False
+    distill = LearnerSettings.from_config(distill_config(tmp_path, beta=0.5), objective="distill", token_budget=0,
+                                          teacher_ids=["a", "b"])  # fmt: skip
+    assert distill.loss == DistillLossConfig(beta=0.5) and distill.teacher_ids == ("a", "b")
+    with pytest.raises(ValueError, match="objective"):
+        LearnerSettings.from_config(config, objective="ppo", token_budget=64)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="DistillLossConfig"):
+        LearnerSettings(objective="distill", token_budget=0, optimizer=settings.optimizer, loss=settings.loss)
+
+
+def test_the_checkpoint_round_trips_model_optimizer_and_scheduler(model_dir, tmp_path):
+    from rlasync.learner.checkpoint import load_optimizer_state
+
+    config = grpo_config(tmp_path, lr_scheduler_type="linear")
+    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=TOKEN_BUDGET)
+    samples = grpo_samples()
+    learner = Learner(model_dir, settings)
+    learner.train_step(samples)
+    checkpoint = tmp_path / "checkpoint-1"
+    learner.save(checkpoint)
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt"} <= {p.name for p in checkpoint.iterdir()}
+    saved, lr_after_one = learner.checksum(), learner.scheduler.get_last_lr()
+    learner.train_step(samples)
+
+    resumed = Learner(model_dir, settings, resume_dir=str(checkpoint))
+    assert resumed.checksum() == pytest.approx(saved, rel=1e-12)  # the model came back
+    assert resumed.scheduler.last_epoch == 1 and resumed.scheduler.get_last_lr() == lr_after_one  # linear decay
+    assert all(float(state["step"]) == 1 for state in resumed.optimizer.state.values())
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+    assert all(isinstance(key, str) for key in state["state"])  # keyed by parameter name
+    resumed.train_step(samples)
+    assert resumed.checksum() == pytest.approx(learner.checksum(), rel=1e-9)  # the optimizer state came back too
+
+    # the older position-keyed format loads with one rank, and is refused with several
+    torch.save(resumed.optimizer.state_dict(), checkpoint / "optimizer.pt")
+    assert load_optimizer_state(checkpoint, resumed.scorer, resumed.optimizer, resumed.scheduler)
+    with pytest.raises(ValueError, match="num_learners=1"):
+        load_optimizer_state(checkpoint, resumed.scorer, resumed.optimizer, resumed.scheduler, world_size=2)
+    assert not load_optimizer_state(tmp_path / "nothing", resumed.scorer, resumed.optimizer, resumed.scheduler)

@@ -1,0 +1,240 @@
+"""The one weight transport: `choose_transport` for every layout (pure: device identities in, plan out), and the
+paired senders/receivers with fakes: a fake engine recording pause/load/resume, gloo broadcast between two threads,
+ipc on the CPU through shared memory, an engine with its own receiver, and extra learner ranks that only gather."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from rlasync.weights import build_manifest, stream_parameters
+from rlasync.weights.broadcast import free_port
+from rlasync.weights.transport import (
+    BroadcastReceiver,
+    BroadcastSender,
+    EngineNativeReceiver,
+    GatherOnlySender,
+    IpcReceiver,
+    IpcSender,
+    TransportPlan,
+    choose_transport,
+    make_receiver,
+    make_sender,
+)
+
+
+def gpu(node="n0", uuid="GPU-a"):
+    return {"device": "cuda", "node": node, "gpu": uuid}
+
+
+CPU = {"device": "cpu", "node": "n0", "gpu": None}
+WHERE = dict(host="127.0.0.1", port=1234, timeout_s=30.0, bucket_bytes=1 << 20, staging_bytes=4096)
+
+
+def kind(sender, receivers, requested="auto"):
+    plan, reason = choose_transport(sender, receivers, requested, **WHERE)
+    return plan.kind, reason
+
+
+def test_each_engine_on_its_own_gpu_is_nccl():
+    assert kind(gpu(uuid="a"), [gpu(uuid="b"), gpu(uuid="c")]) == ("nccl", None)
+    assert kind(gpu(uuid="a"), [gpu(node="n1", uuid="a")]) == ("nccl", None)  # same GPU id, other host
+    assert kind(gpu(uuid="a"), [gpu(uuid="b")], "nccl") == ("nccl", None)
+
+
+def test_a_shared_gpu_is_gloo_or_ipc_when_requested():
+    plan_kind, reason = kind(gpu(uuid="a"), [gpu(uuid="a")])
+    assert plan_kind == "gloo" and "share one GPU" in reason
+    assert "weight_sync_backend=ipc" in reason  # the shared-GPU warning names the faster option
+    assert kind(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="a")], "ipc") == ("ipc", None)
+
+
+def test_cpu_is_gloo_and_gloo_is_always_honoured():
+    assert kind(CPU, [CPU]) == ("gloo", None)
+    plan_kind, reason = kind(gpu(), [CPU])
+    assert plan_kind == "gloo" and "no GPU" in reason
+    assert kind(gpu(uuid="a"), [gpu(uuid="b")], "gloo") == ("gloo", None)
+    assert kind(CPU, [CPU], "ipc") == ("ipc", None)  # shared memory
+
+
+def test_the_plan_carries_the_layout():
+    plan, _ = choose_transport(CPU, [CPU, CPU], "auto", **WHERE)
+    assert plan == TransportPlan("gloo", "127.0.0.1", 1234, 3, 30.0, 1 << 20, 4096)
+    ipc, _ = choose_transport(CPU, [CPU], "ipc", **WHERE)
+    assert ipc.staging_bytes == 0 and ipc.world_size == 2  # nothing to stage: the engine maps the buckets
+
+
+def test_bad_requests_raise_naming_the_setting():
+    with pytest.raises(ValueError, match="cluster.weight_sync_backend='nccl'.*share one GPU"):
+        kind(gpu(uuid="a"), [gpu(uuid="a")], "nccl")
+    with pytest.raises(ValueError, match="cluster.weight_sync_backend='nccl'.*has a GPU"):
+        kind(CPU, [CPU], "nccl")
+    with pytest.raises(ValueError, match="cluster.weight_sync_backend='mpi'"):
+        kind(CPU, [CPU], "mpi")
+    with pytest.raises(ValueError, match=r"cluster.weight_sync_backend='ipc'.*engine\(s\) \[1\] are elsewhere"):
+        kind(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="b")], "ipc")
+    with pytest.raises(ValueError, match="cluster.weight_sync_backend='ipc'"):
+        kind(gpu(uuid="a"), [gpu(node="n1", uuid="a")], "ipc")
+
+
+# ---- senders and receivers ----------------------------------------------------------------------------------
+
+
+def tiny_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+class FakeEngine:
+    """Records pause/load/resume and loads named tensors into a model of the learner's shape."""
+
+    def __init__(self, seed=1):
+        self.model = tiny_model(seed)
+        self.events = []
+
+    async def pause(self):
+        self.events.append("pause")
+
+    async def resume(self):
+        self.events.append("resume")
+
+    async def load_weights(self, named_tensors):
+        assert self.events[-1] == "pause"
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+        self.events.append("load")
+
+
+class SelfReceiving(FakeEngine):
+    """An engine whose workers join the group and receive in place (as vLLM's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.joined = None
+        self.received = None
+
+    async def join_weight_group(self, host, port, rank, world_size, timeout_s, backend="gloo", bucket_bytes=None):
+        self.joined = (host, port, rank, world_size, backend, bucket_bytes)
+
+    async def receive_weights(self, manifest):
+        self.received = list(manifest)
+        self.events.append("receive")
+
+    @property
+    def is_paused(self):
+        return bool(self.events) and self.events[-1] in ("pause", "receive")
+
+
+def same_weights(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def sync_once(sender, receiver, engine, learner):
+    """One sync as the Cluster runs it: prepare -> (send || load_into) -> finish."""
+    ticket = sender.prepare(stream_parameters(learner))
+    errors = []
+
+    def send():
+        try:
+            sender.send(stream_parameters(learner))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    phases = asyncio.run(receiver.load_into(engine, ticket))
+    thread.join(30)
+    sender.finish()
+    if errors:
+        raise errors[0]
+    return phases
+
+
+def check_phases(phases):
+    assert set(phases) == {"pause_s", "load_s", "resume_s", "total_s"}
+    assert all(value >= 0 for value in phases.values())
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 1 << 20])
+def test_gloo_broadcast_between_two_threads_loads_the_learners_weights(staging_bytes):
+    learner, engine = tiny_model(0), FakeEngine()
+    manifest = build_manifest(learner)
+    plan = TransportPlan("gloo", "127.0.0.1", free_port(), 2, 20.0, bucket_bytes=256, staging_bytes=staging_bytes)
+    opened = {}
+    thread = threading.Thread(target=lambda: opened.setdefault("sender", make_sender(plan, "cpu", manifest=manifest)))
+    thread.start()
+    receiver = asyncio.run(make_receiver(plan, 1, manifest, engine, "cpu"))
+    thread.join(30)
+    sender = opened["sender"]
+    assert isinstance(sender, BroadcastSender) and isinstance(receiver, BroadcastReceiver)
+    try:
+        assert sender.prepare(stream_parameters(learner)) is None  # a broadcast hands out no ticket
+        for _ in range(2):  # the group serves every sync of the run
+            check_phases(sync_once(sender, receiver, engine, learner))
+            assert same_weights(learner, engine.model)
+            with torch.no_grad():
+                next(learner.parameters()).add_(1.0)
+        assert engine.events == ["pause", "load", "resume"] * 2
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_on_the_cpu_shares_buckets_through_shared_memory_until_finish():
+    from pathlib import Path
+
+    learner, engine = tiny_model(0), FakeEngine()
+    manifest = build_manifest(learner)
+    plan, _ = choose_transport(CPU, [CPU], "ipc", **{**WHERE, "bucket_bytes": 256})
+    sender = make_sender(plan, "cpu", manifest=manifest)
+    receiver = asyncio.run(make_receiver(plan, 1, manifest, SelfReceiving(), "cpu"))  # ipc wins over in-place
+    assert isinstance(sender, IpcSender) and isinstance(receiver, IpcReceiver)
+    ticket = sender.prepare(stream_parameters(learner))
+    files = [Path(handle[1]) for _, handle in ticket]
+    assert len(files) > 1 and all(path.exists() for path in files)
+    sender.send(stream_parameters(learner))  # nothing left to send: the engines copy from the buckets
+    check_phases(asyncio.run(receiver.load_into(engine, ticket)))
+    assert same_weights(learner, engine.model) and engine.events == ["pause", "load", "resume"]
+    sender.finish()
+    assert not any(path.exists() for path in files)
+    with pytest.raises(RuntimeError, match="handles"):
+        asyncio.run(receiver.load_into(engine, None))
+
+
+def test_an_engine_with_its_own_receiver_joins_and_receives_in_place():
+    learner, engine = tiny_model(0), SelfReceiving()
+    manifest = build_manifest(learner)
+    plan = TransportPlan("nccl", "10.0.0.1", 29500, 3, 30.0, bucket_bytes=1 << 20)
+    receiver = asyncio.run(make_receiver(plan, 2, manifest, engine, "cpu"))
+    assert isinstance(receiver, EngineNativeReceiver)
+    assert engine.joined == ("10.0.0.1", 29500, 2, 3, "nccl", 1 << 20)
+    phases = asyncio.run(receiver.load_into(engine, None))
+    check_phases(phases)
+    assert engine.received == manifest and engine.events == ["pause", "receive", "resume"]
+
+
+class CountingStream:
+    """A weight stream that counts how often it was iterated (a gather under FSDP2)."""
+
+    def __init__(self, model):
+        self.model, self.iterated = model, 0
+
+    def __call__(self):
+        yield from stream_parameters(self.model)
+        self.iterated += 1
+
+
+@pytest.mark.parametrize(("plan_kind", "phase"), [("gloo", "send"), ("nccl", "send"), ("ipc", "prepare")])
+def test_other_learner_ranks_gather_in_the_phase_rank_0_consumes_the_stream(plan_kind, phase):
+    plan = TransportPlan(plan_kind, "127.0.0.1", 1, 2, 5.0)
+    stream = CountingStream(tiny_model(0))
+    sender = make_sender(plan, "cpu", manifest=build_manifest(stream.model), rank=1)
+    assert isinstance(sender, GatherOnlySender)
+    assert sender.prepare(stream()) is None
+    assert stream.iterated == (1 if phase == "prepare" else 0)
+    sender.send(stream())
+    sender.finish()
+    assert stream.iterated == 1
