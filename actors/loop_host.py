@@ -1,9 +1,8 @@
 """What the rollout-side actors share (not an actor itself): the queue as the loop's prompt source, and hosting a
 worker loop (`rlasync.rollout.task_loop.TaskLoopBase`) on the actor's event loop with health and metric draining.
 
-`QueuePromptSource` reconciles the two lease types: the queue's `rlasync.pipeline.PromptLease` (epoch, row,
-group_id, position) and the loop's `PromptLease` (group_id, row_index, row, epoch, waited_s); the queue's "no lease
-right now" (timeout) is waited through, only `done` ends the loop's stream.
+`QueuePromptSource` hands the queue's `rlasync.records.PromptLease` to the loop with its dataset row and the seconds
+waited filled in; the queue's "no lease right now" (timeout) is waited through, only `done` ends the loop's stream.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import time
 import traceback
 from typing import Any
 
-from rlasync.rollout.loop import PromptLease
+from rlasync.records import DROP_REASONS, GroupOutcome, PromptLease
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_S = 5.0
@@ -41,14 +40,14 @@ class QueuePromptSource:
         lease = answer.lease
         self.actor.loop.update_policy_version(answer.policy_version)
         self.leases[lease.group_id] = lease
-        return PromptLease(lease.group_id, lease.row_index, self.actor.dataset[lease.row_index], lease.epoch, waited)
+        return lease._replace(row=self.actor.dataset[lease.row_index], waited_s=waited)
 
-    async def release(self, lease: PromptLease, reason: str) -> None:
+    async def release(self, lease: PromptLease, reason: GroupOutcome) -> None:
         queue_lease = self.leases.pop(lease.group_id, None)
         if queue_lease is None:  # its samples already reached the queue (the sink took the lease): nothing to undo
             return
-        if reason in ("filtered", "failed"):  # "failed": the engine rejected the prompt; retrying cannot help
-            await self.actor.queue.drop_group.remote(lease.group_id, reason, 0)
+        if reason in DROP_REASONS:  # "filtered", or "failed": the engine rejected the prompt; retrying cannot help
+            await self.actor.queue.drop_group.remote(lease.group_id, str(reason), 0)
         else:  # "cancelled" (the loop is stopping): the prompt is leased again
             await self.actor.queue.release.remote(queue_lease)
 

@@ -48,14 +48,13 @@ from rlasync.distill.routing import TeacherRouter
 from rlasync.distill.samples import DEFAULT_TEACHER_ID, DistillationSample, build_distillation_sample
 from rlasync.engine.base import Engine, EngineError, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.metrics import MetricSink, MetricValue
+from rlasync.records import GroupOutcome, MetricsCallback, PromptLease, TurnRecord
 from rlasync.rewards.text import completion_text
-from rlasync.rollout.loop import PromptLease, PromptSource
-from rlasync.rollout.records import TurnRecord
+from rlasync.rollout.loop import PromptSource
 from rlasync.rollout.task_loop import TaskLoopBase, resolve, tokenizer_eos_ids
 
 logger = logging.getLogger(__name__)
 
-MetricsCallback = Callable[[list[tuple[str, MetricValue]]], Any]
 R = TypeVar("R")
 
 FINISH_STOP = "stop"
@@ -239,7 +238,7 @@ class AsyncDistillationLoop(TaskLoopBase):
 
     async def _next_lease(self) -> PromptLease | None:
         lease = await resolve(self.prompt_source.lease())
-        return None if lease is None else PromptLease(*lease)
+        return None if lease is None else PromptLease.coerce(lease)
 
     async def _handle_finished_tasks(self) -> None:
         while self._done:
@@ -266,7 +265,7 @@ class AsyncDistillationLoop(TaskLoopBase):
                 )  # fmt: skip
                 self.counters["tasks_failed"] += 1
                 self._emit([(FAILED_TASK_METRIC, 1.0)])
-                await resolve(self.prompt_source.release(lease, "failed"))
+                await resolve(self.prompt_source.release(lease, GroupOutcome.FAILED))
 
     async def _run_task(self, lease: PromptLease) -> None:
         """One row -> one sample -> `sink.put`, then the task's metrics."""
@@ -356,7 +355,7 @@ class AsyncDistillationLoop(TaskLoopBase):
         for task, lease in list(self._tasks.items()):
             if task.cancelled() or task.exception() is not None:
                 try:
-                    await resolve(self.prompt_source.release(lease, "cancelled"))
+                    await resolve(self.prompt_source.release(lease, GroupOutcome.CANCELLED))
                 except Exception as exc:
                     logger.warning("could not release prompt %d: %s", lease.group_id, exc)
         self._tasks.clear()

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 
 class EngineError(RuntimeError):

@@ -57,7 +57,7 @@ from rlasync.engine.vllm_worker import (
     nccl_update_info,
     paused_for_update,
 )
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from typing import Any
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.vllm_engine import SAMPLING_MASK_WARNING, score_from_prompt_logprobs
 from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info, paused_for_update
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 logger = logging.getLogger(__name__)
 

@@ -60,13 +60,22 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from rlasync.data.prompts import PROMPT_COLUMN, render_prompt, row_prompt
 from rlasync.engine.base import Engine, EngineError, RequestRejectedError, SamplingParams
 from rlasync.metrics import MetricSink, MetricValue
+from rlasync.records import (
+    GroupOutcome,
+    MetricsCallback,
+    PromptLease,
+    Rollout,
+    RolloutGroup,
+    TrainingSequence,
+    TurnRecord,
+)
 from rlasync.rewards.calling import RewardFunc
 from rlasync.rollout.completions_log import print_group
 from rlasync.rollout.concurrency import ConcurrencyController
@@ -78,7 +87,6 @@ from rlasync.rollout.environments import (
     probe_environments,
     reset_kwargs,
 )
-from rlasync.rollout.records import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
 from rlasync.rollout.task_loop import TaskLoopBase, resolve, retry_backoff_s, tokenizer_eos_ids
 from rlasync.rollout.tools import PARSE_FAILURE_METRIC, call_tool, execute_tool_calls, tools_by_name
@@ -86,11 +94,10 @@ from rlasync.rollout.tools import parse_response as parse_tool_response
 
 logger = logging.getLogger(__name__)
 
-ReleaseReason = Literal["filtered", "failed", "cancelled"]
-"""Why a lease comes back without a scored group: `filtered` (rejected by `filter_prompt`: consumed for the
-epoch), `failed` (a rollout failed, e.g. a rejected request), `cancelled` (the loop stopped first)."""
-
-MetricsCallback = Callable[[list[tuple[str, MetricValue]]], Any]
+ReleaseReason = GroupOutcome
+"""Kept name: a lease comes back without a scored group as one of `RELEASE_REASONS`: `filtered` (rejected by
+`filter_prompt`: consumed for the epoch), `failed` (a rollout failed, e.g. a rejected request), `cancelled` (the
+loop stopped first)."""
 
 FINISH_STOP = "stop"
 NOT_REWARD_KWARGS = frozenset({PROMPT_COLUMN, "completion", "completion_ids"})
@@ -115,18 +122,6 @@ class RolloutContext:
 _ROLLOUT_CONTEXT: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar(
     "rlasync_rollout_context", default=None
 )
-
-
-class PromptLease(NamedTuple):
-    """One prompt handed to a rollout loop: `group_id` is unique per lease (it keeps increasing across epochs),
-    `row_index` is the dataset row, `row` its columns, `epoch` the pass over the dataset. `waited_s`: seconds a
-    source that gates admission itself held this lease back (logged with `rollout/backpressure_s`)."""
-
-    group_id: int
-    row_index: int
-    row: Mapping[str, Any]
-    epoch: int
-    waited_s: float = 0.0
 
 
 class PromptSource(Protocol):
@@ -600,11 +595,11 @@ class AsyncRolloutLoop(TaskLoopBase):
                 if lease is None:
                     await resolve(self.admission.cancel_group(size))
                     return None
-                lease = PromptLease(*lease)
+                lease = PromptLease.coerce(lease)
                 waited_s += lease.waited_s
                 if not await resolve(self.filter_prompt(lease.row_index, lease.row, lease.epoch)):
                     filtered, lease = lease, None
-                    await resolve(self.prompt_source.release(filtered, "filtered"))
+                    await resolve(self.prompt_source.release(filtered, GroupOutcome.FILTERED))
                     self.counters["prompts_filtered"] += 1
                     self._emit([("rollout/filtered_prompt_count", 1.0)])
                     continue
@@ -615,7 +610,7 @@ class AsyncRolloutLoop(TaskLoopBase):
                 return group
         except BaseException:
             if lease is not None:
-                await self._release_quietly(lease, "cancelled")
+                await self._release_quietly(lease, GroupOutcome.CANCELLED)
             await self._cancel_admission_quietly(size)
             raise
 
@@ -674,7 +669,7 @@ class AsyncRolloutLoop(TaskLoopBase):
         )
         self.counters["groups_failed"] += 1
         self._emit([("rollout/failed_group_count", 1.0)])
-        await resolve(self.prompt_source.release(group.lease, "failed"))
+        await resolve(self.prompt_source.release(group.lease, GroupOutcome.FAILED))
         await resolve(self.admission.cancel_group(group.size))
 
     def _record_rollout(self, group: _GroupState, index: int, rollout: Rollout, duration_s: float) -> None:
@@ -867,7 +862,7 @@ class AsyncRolloutLoop(TaskLoopBase):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for group in list(self._groups):
-            await self._release_quietly(group.lease, "cancelled")
+            await self._release_quietly(group.lease, GroupOutcome.CANCELLED)
             await self._cancel_admission_quietly(group.size)
         self._groups.clear()
         self._rollout_tasks.clear()

@@ -9,8 +9,8 @@ import pytest
 
 from rlasync.distill.samples import DistillationSample
 from rlasync.engine.base import EngineError, RequestRejectedError, ScoreResult
+from rlasync.records import TurnRecord
 from rlasync.rollout.loop import PromptLease
-from rlasync.rollout.records import TurnRecord
 
 
 def make_sample(prompt_len, completion_len, prompt_id=0, teacher_id="default", width=3, start_id=0, **kwargs):

@@ -6,7 +6,7 @@ import torch
 
 from rlasync.model.attention import dense_tree_mask, tree_block_mask, tree_block_sparsity, tree_mask_mod
 from rlasync.packing import TreeRow, pack, sample_positions
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import RolloutSample
 
 
 def random_row(seed: int) -> TreeRow:

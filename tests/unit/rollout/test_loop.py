@@ -8,6 +8,7 @@ import pytest
 
 from rlasync.config import AsyncGRPOConfig
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError
+from rlasync.records import Rollout, TurnRecord
 from rlasync.rewards import RewardFunctionError
 from rlasync.rollout.concurrency import ConcurrencyController
 from rlasync.rollout.loop import (
@@ -16,7 +17,6 @@ from rlasync.rollout.loop import (
     build_training_sequences,
     retry_backoff_s,
 )
-from rlasync.rollout.records import Rollout, TurnRecord
 
 EOS = 2
 VOCAB = 100
