@@ -172,7 +172,7 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
         inflight = args.resolved_max_inflight_tasks(num_learners)
         per_actor = max(1, -(-inflight // cluster.num_rollout_actors))
         self._rollouts = [
-            self._spawn(DistillRolloutActor, index=i, args=args, tokenizer=tokenizer, dataset=dataset_ref,
+            self._spawn(DistillRolloutActor, index=i, config=args, tokenizer=tokenizer, dataset=dataset_ref,
                         queue=queue, students=gens, teachers=teachers, seed=args.seed,
                         loop_cls=self.loop_cls, max_inflight_tasks=per_actor, num_cpus=cluster.rollout_num_cpus)
             for i in range(cluster.num_rollout_actors)

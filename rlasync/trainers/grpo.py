@@ -207,7 +207,7 @@ class AsyncGRPOTrainer:
         ]
         dataset_ref = ray.put(self.train_dataset)
         self._rollouts = [
-            self._spawn(RolloutActor, index=i, args=args, tokenizer=tokenizer, dataset=dataset_ref,
+            self._spawn(RolloutActor, index=i, config=args, tokenizer=tokenizer, dataset=dataset_ref,
                         reward_funcs=self.reward_funcs, queue=queue, engines=gens, loop_cls=self.loop_cls,
                         seed=args.seed, reward_actors=rewards, num_cpus=cluster.rollout_num_cpus,
                         tools=self.tools, environment_factory=self.environment_factory)
