@@ -1,4 +1,6 @@
-"""Rollouts: group scoring, the adaptive concurrency cap and the rollout loop (`AsyncRolloutLoop`).
+"""Rollouts: the rollout loop (`AsyncRolloutLoop`) and its three parts — the task scheduler (`TaskScheduler`), the
+engine pool (`EnginePool`) and the GRPO rollout policy (`RolloutPolicy`, the user hooks) — with their typed
+settings (`RolloutSettings`), group scoring and the adaptive concurrency cap.
 
 The records live in `rlasync.records` (re-exported here). Importing this package never loads torch or ray.
 """
@@ -13,6 +15,7 @@ from rlasync.records import (
     new_rollout_id,
 )
 from rlasync.rollout.concurrency import ConcurrencyController
+from rlasync.rollout.engine_pool import EnginePool
 from rlasync.rollout.loop import (
     Admission,
     AsyncRolloutLoop,
@@ -23,11 +26,15 @@ from rlasync.rollout.loop import (
     RolloutContext,
     build_training_sequences,
 )
+from rlasync.rollout.policy import RolloutPolicy
+from rlasync.rollout.scheduler import TaskScheduler
+from rlasync.rollout.settings import RolloutSettings, SamplingSettings
 
 __all__ = [
     "Admission",
     "AsyncRolloutLoop",
     "ConcurrencyController",
+    "EnginePool",
     "GroupResult",
     "GroupSink",
     "OpenAdmission",
@@ -36,7 +43,11 @@ __all__ = [
     "Rollout",
     "RolloutContext",
     "RolloutGroup",
+    "RolloutPolicy",
     "RolloutSample",
+    "RolloutSettings",
+    "SamplingSettings",
+    "TaskScheduler",
     "TrainingSequence",
     "TurnRecord",
     "build_training_sequences",
