@@ -47,9 +47,10 @@ from rlasync.distill.policy import FAILED_TASK_METRIC, DistillationPolicy
 from rlasync.engine.base import Engine, EngineError
 from rlasync.metrics import MetricSink
 from rlasync.records import MetricsCallback
+from rlasync.rollout.assembly import ScheduledLoop, class_override, one_config
 from rlasync.rollout.engine_pool import EnginePool
 from rlasync.rollout.protocols import PromptSource, Sink
-from rlasync.rollout.scheduler import ScheduledLoop, TaskScheduler, class_override, one_config
+from rlasync.rollout.scheduler import TaskScheduler
 from rlasync.rollout.settings import RolloutSettings
 
 

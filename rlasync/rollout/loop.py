@@ -66,13 +66,14 @@ from rlasync.engine.base import EngineError
 from rlasync.metrics import MetricSink
 from rlasync.records import GroupOutcome, MetricsCallback, PromptLease
 from rlasync.rewards.calling import RewardFunc
+from rlasync.rollout.assembly import ScheduledLoop, class_override, one_config
 from rlasync.rollout.concurrency import ConcurrencyController
 from rlasync.rollout.engine_pool import EnginePool, retry_backoff_s
 from rlasync.rollout.environments import EnvironmentFactory
 from rlasync.rollout.groups import GroupResult
 from rlasync.rollout.policy import GroupSink, RewardScorer, RolloutContext, RolloutPolicy
 from rlasync.rollout.protocols import Admission, OpenAdmission, PromptSource
-from rlasync.rollout.scheduler import ScheduledLoop, TaskScheduler, class_override, one_config
+from rlasync.rollout.scheduler import TaskScheduler
 from rlasync.rollout.sequences import build_training_sequences, reconciliation_tally
 from rlasync.rollout.settings import RolloutSettings
 
