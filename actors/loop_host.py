@@ -136,7 +136,11 @@ class LoopHost:
                 self.loop.check_health()
             except RuntimeError as exc:
                 self.error = str(exc)
-        return {"error": self.error, "running": self.loop.is_running, "heartbeat_age_s": time.time() - self.loop.heartbeat}
+        return {
+            "error": self.error,
+            "running": self.loop.is_running,
+            "heartbeat_age_s": time.time() - self.loop.heartbeat,
+        }
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
         items, self.items[:] = list(self.items), []

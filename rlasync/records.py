@@ -23,9 +23,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -64,7 +63,31 @@ DROP_REASONS: tuple[GroupOutcome, ...] = (GroupOutcome.ZERO_STD, GroupOutcome.FI
 RELEASE_REASONS: tuple[GroupOutcome, ...] = (GroupOutcome.FILTERED, GroupOutcome.FAILED, GroupOutcome.CANCELLED)
 """Outcomes a rollout loop reports when it hands a lease back without a scored group (`PromptSource.release`)."""
 
-_NO_ROW: Mapping[str, Any] = MappingProxyType({})
+class _NoRow(Mapping[str, Any]):
+    """The empty, immutable row of a lease as the dispatcher hands it out (the rollout side fills the row in);
+    picklable (it travels with the lease between actors)."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "{}"
+
+    def __reduce__(self) -> tuple[Callable[[], _NoRow], tuple[()]]:
+        return _no_row, ()
+
+
+def _no_row() -> _NoRow:
+    return _NO_ROW
+
+
+_NO_ROW = _NoRow()
 
 
 class PromptLease(NamedTuple):
@@ -91,7 +114,6 @@ class PromptLease(NamedTuple):
         """`value` as a lease: a `PromptLease` as it is, a tuple `(group_id, row_index, row, epoch[, waited_s])` from
         a user's prompt source converted."""
         return value if isinstance(value, cls) else cls(*value)
-
 
 
 def new_rollout_id() -> str:
@@ -275,7 +297,11 @@ def _check_token_arrays(record: Any, kind: str) -> None:
                 f"{kind}.{name} has shape {getattr(record, name).shape} but input_ids has {n} tokens: "
                 "every per-token array must have one entry per token of input_ids"
             )
-    for name, dtype in (("sampler_topk_ids", np.int64), ("sampler_topk_logprobs", np.float32), ("sampling_mask", np.int64)):
+    for name, dtype in (
+        ("sampler_topk_ids", np.int64),
+        ("sampler_topk_logprobs", np.float32),
+        ("sampling_mask", np.int64),
+    ):
         value = getattr(record, name)
         if value is None:
             continue

@@ -67,7 +67,8 @@ class DistillationPolicy:
         self.teacher_top_k = settings.teacher_top_k
         self.teacher_temperature = settings.teacher_temperature
         self._score_takes_temperature = {
-            teacher_id: _accepts_keyword(engine.score, "temperature") for teacher_id, engine in self.router.teachers.items()
+            teacher_id: _accepts_keyword(engine.score, "temperature")
+            for teacher_id, engine in self.router.teachers.items()
         }
         if self.teacher_temperature != 1.0:
             for teacher_id, supported in self._score_takes_temperature.items():

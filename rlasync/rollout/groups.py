@@ -94,7 +94,9 @@ class GroupState:
         rollouts = [rollout for rollout in self.rollouts if rollout is not None]
         size = len(rollouts)
         rewards = [rollout.reward for rollout in rollouts]
-        reward_kwargs = {name: [value] * size for name, value in self.lease.row.items() if name not in NOT_REWARD_KWARGS}
+        reward_kwargs = {
+            name: [value] * size for name, value in self.lease.row.items() if name not in NOT_REWARD_KWARGS
+        }
         return RolloutGroup(
             prompts=[self.rollout_prompts.get(index, self.prompt) for index in range(size)],
             completions=[rollout.completion for rollout in rollouts],

@@ -106,7 +106,9 @@ def test_imports_inside_functions_and_relative_imports_are_found(tmp_path):
     (package / "a").mkdir(parents=True)
     (package / "b").mkdir()
     (package / "a" / "__init__.py").write_text("def f():\n    from rlasync.b import x\n")
-    (package / "b" / "__init__.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import y\n")
+    (package / "b" / "__init__.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import y\n"
+    )
     graph = package_graph(package)
     assert graph == {"rlasync.a": {"rlasync.b"}, "rlasync.b": {"rlasync.a"}}
     assert find_cycle(graph) == ["rlasync.a", "rlasync.b", "rlasync.a"]

@@ -134,9 +134,7 @@ def run(coroutine):
 def test_each_lease_runs_n_tasks_and_hands_over_their_results_once(group_size):
     s = scheduler(group_size=group_size)
     run(s.run())
-    assert sorted(tuple(item) for item in s.sink.items) == [
-        tuple((g, i) for i in range(group_size)) for g in range(3)
-    ]
+    assert sorted(tuple(item) for item in s.sink.items) == [tuple((g, i) for i in range(group_size)) for g in range(3)]
     assert s.prompt_source.released == []
     assert (s.admission.acquired, s.admission.finished, s.admission.cancelled) == (4, 3, 1)  # + the empty lease
     assert s.counters["tasks_completed"] == 3 * group_size and not s.is_running
