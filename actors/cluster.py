@@ -216,7 +216,7 @@ class Cluster:
             from actors.distill_rollout import DistillRolloutActor
 
             rollouts = [
-                self.spawn(DistillRolloutActor, index=i, args=config, tokenizer=spec.tokenizer, dataset=dataset,
+                self.spawn(DistillRolloutActor, index=i, config=config, tokenizer=spec.tokenizer, dataset=dataset,
                            queue=queue, students=engines, teachers=teachers, seed=config.seed,
                            loop_cls=rollout.loop_cls, max_inflight_tasks=rollout.max_inflight_tasks,
                            num_cpus=cluster.rollout_num_cpus)
@@ -226,7 +226,7 @@ class Cluster:
             from actors.rollout import RolloutActor
 
             rollouts = [
-                self.spawn(RolloutActor, index=i, args=config, tokenizer=spec.tokenizer, dataset=dataset,
+                self.spawn(RolloutActor, index=i, config=config, tokenizer=spec.tokenizer, dataset=dataset,
                            reward_funcs=rollout.reward_funcs, queue=queue, engines=engines, loop_cls=rollout.loop_cls,
                            seed=config.seed, reward_actors=rewards, num_cpus=cluster.rollout_num_cpus,
                            tools=rollout.tools, environment_factory=rollout.environment_factory)

@@ -3,7 +3,7 @@
     queue actor ──next_group(1)──► QueuePromptSource.lease() (actors/loop_host.py)   (a distillation "group" is one sample)
     loop ──generate──► _RemoteStudent ──► GenerationActor handles (the student; they receive the weight syncs)
     loop ──score──► _RemoteTeacher ──► TeacherScorer handle of the row's teacher id
-    loop ──put(DistillationSample)──► _QueueSink: the sample ray.put here, its ObjectRef + metadata to the queue
+    loop ──put(DistillationSample)──► QueueSampleSink: the sample ray.put here, its ObjectRef + metadata to the queue
 
 The queue gates admission (max_staleness × tokens per step) exactly as for GRPO; `group_id` = `prompt_id`. The
 queue's "no lease right now" (timeout) is waited through, only `done` ends the stream. A failed task's lease is
@@ -18,9 +18,8 @@ from typing import Any
 
 import ray
 
-from actors.loop_host import LoopHost, QueuePromptSource
+from actors.loop_host import LoopHost, QueueSampleSink
 from rlasync.distill import AsyncDistillationLoop
-from rlasync.pipeline import QueueEntry
 
 logger = logging.getLogger(__name__)
 
@@ -43,33 +42,19 @@ class _RemoteTeacher:
         return self.handle.score.remote(token_ids, prompt_length, top_k, temperature)
 
 
-class _QueueSink:
-    def __init__(self, actor: DistillRolloutActor, source: QueuePromptSource) -> None:
-        self.actor = actor
-        self.source = source
-
-    async def put(self, sample: Any) -> None:
-        self.source.leases.pop(sample.prompt_id, None)
-        await self.actor.queue.put_group.remote([QueueEntry.for_sample(sample, payload=ray.put(sample))])
-
-
 @ray.remote
 class DistillRolloutActor(LoopHost):
     kind = "distillation rollout actor"
 
     def __init__(
-        self, *, index: int, args: Any, tokenizer: Any, dataset: Any, queue: Any, students: list[Any],
-        teachers: dict[str, Any], seed: int = 0,
-        loop_cls: type[AsyncDistillationLoop] = AsyncDistillationLoop, max_inflight_tasks: int | None = None,
+        self, *, index: int, config: Any, tokenizer: Any, dataset: Any, queue: Any, students: list[Any],
+        teachers: dict[str, Any], loop_cls: type[AsyncDistillationLoop] = AsyncDistillationLoop, seed: int = 0,
+        max_inflight_tasks: int | None = None,
     ) -> None:  # fmt: skip
-        tokenizer = self._host(index, args, tokenizer, dataset, queue)
-        source = QueuePromptSource(self, 1)  # a distillation "group" is one sample
+        tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=1)  # a "group" is one sample
         self.loop = loop_cls(
-            args=args, tokenizer=tokenizer, student=[_RemoteStudent(h) for h in students],
+            config=config, tokenizer=tokenizer, student=[_RemoteStudent(h) for h in students],
             teachers={teacher_id: _RemoteTeacher(handle) for teacher_id, handle in teachers.items()},
-            prompt_source=source, sink=_QueueSink(self, source), metrics_callback=self.items.extend,
+            prompt_source=self.source, sink=QueueSampleSink(queue, self.source), metrics_callback=self.items.extend,
             rng=random.Random(seed * 1_000_003 + index), max_inflight_tasks=max_inflight_tasks,
         )  # fmt: skip
-
-    def stale_after_s(self) -> float | None:
-        return float(getattr(self.args, "heartbeat_stale_after_s", 300.0))

@@ -1,9 +1,10 @@
-"""What the rollout-side actors share (not an actor itself): the queue as the loop's prompt source, and hosting a
-worker loop (`rlasync.rollout.task_loop.TaskLoopBase`) on the actor's event loop with health and metric draining.
+"""What the rollout-side actors share (not an actor itself): the queue as the loop's prompt source and sink, and
+hosting a worker loop (`AsyncRolloutLoop` / `AsyncDistillationLoop`, both a `rlasync.rollout.scheduler`
+`ScheduledLoop`) on the actor's event loop with health and metric draining.
 
-`QueuePromptSource` reconciles the two lease types: the queue's `rlasync.pipeline.PromptLease` (epoch, row,
-group_id, position) and the loop's `PromptLease` (group_id, row_index, row, epoch, waited_s); the queue's "no lease
-right now" (timeout) is waited through, only `done` ends the loop's stream.
+`QueuePromptSource` hands the queue's `rlasync.records.PromptLease` to the loop with its dataset row and the seconds
+waited filled in; the queue's "no lease right now" (timeout) is waited through, only `done` ends the loop's stream.
+The sinks put samples (`ray.put` here, ObjectRefs + metadata to the queue) or drop a zero-std group.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import time
 import traceback
 from typing import Any
 
-from rlasync.rollout.loop import PromptLease
+import ray
+
+from rlasync.pipeline import QueueEntry
+from rlasync.records import DROP_REASONS, GroupOutcome, PromptLease
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_S = 5.0
@@ -27,7 +31,7 @@ class QueuePromptSource:
     def __init__(self, actor: Any, group_size: int) -> None:
         self.actor = actor
         self.group_size = group_size
-        self.leases: dict[int, Any] = {}
+        self.leases: dict[int, PromptLease] = {}
 
     async def lease(self) -> PromptLease | None:
         waited = 0.0
@@ -41,25 +45,56 @@ class QueuePromptSource:
         lease = answer.lease
         self.actor.loop.update_policy_version(answer.policy_version)
         self.leases[lease.group_id] = lease
-        return PromptLease(lease.group_id, lease.row_index, self.actor.dataset[lease.row_index], lease.epoch, waited)
+        return lease._replace(row=self.actor.dataset[lease.row_index], waited_s=waited)
 
-    async def release(self, lease: PromptLease, reason: str) -> None:
+    async def release(self, lease: PromptLease, reason: GroupOutcome) -> None:
         queue_lease = self.leases.pop(lease.group_id, None)
         if queue_lease is None:  # its samples already reached the queue (the sink took the lease): nothing to undo
             return
-        if reason in ("filtered", "failed"):  # "failed": the engine rejected the prompt; retrying cannot help
-            await self.actor.queue.drop_group.remote(lease.group_id, reason, 0)
+        if reason in DROP_REASONS:  # "filtered", or "failed": the engine rejected the prompt; retrying cannot help
+            await self.actor.queue.drop_group.remote(lease.group_id, str(reason), 0)
         else:  # "cancelled" (the loop is stopping): the prompt is leased again
             await self.actor.queue.release.remote(queue_lease)
+
+    def taken(self, group_id: int) -> None:
+        """The group reached the sink: its lease is the queue's business from now on."""
+        self.leases.pop(group_id, None)
+
+
+class QueueGroupSink:
+    """The GRPO loop's sink: a `GroupResult`'s samples go to the queue (`ray.put` here), a zero-std group is dropped."""
+
+    def __init__(self, queue: Any, source: QueuePromptSource) -> None:
+        self.queue = queue
+        self.source = source
+
+    async def put(self, result: Any) -> None:
+        self.source.taken(result.group_id)
+        if result.dropped:
+            await self.queue.drop_group.remote(result.group_id, str(GroupOutcome.ZERO_STD), result.num_rollout_tokens)
+            return
+        await self.queue.put_group.remote([QueueEntry.for_sample(s, payload=ray.put(s)) for s in result.scored.samples])
+
+
+class QueueSampleSink:
+    """The distillation loop's sink: one `DistillationSample` (its group is its prompt) to the queue."""
+
+    def __init__(self, queue: Any, source: QueuePromptSource) -> None:
+        self.queue = queue
+        self.source = source
+
+    async def put(self, sample: Any) -> None:
+        self.source.taken(sample.prompt_id)
+        await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=ray.put(sample))])
 
 
 class LoopHost:
     """Mixed into a Ray actor whose `__init__` calls `_host(...)` and sets `self.loop` (with `self.items.extend` as
-    its metrics callback): `start`, `health`, `drain_metrics`, `stop`. `stale_after_s()` picks the heartbeat limit."""
+    its metrics callback): `start`, `health`, `drain_metrics`, `stop`."""
 
     loop: Any
     index: int
-    args: Any
+    config: Any
     dataset: Any
     queue: Any
     items: list[tuple[str, Any]]
@@ -67,11 +102,13 @@ class LoopHost:
     error: str | None = None
     kind = "rollout actor"
 
-    def _host(self, index: int, args: Any, tokenizer: Any, dataset: Any, queue: Any) -> Any:
-        """The state every host keeps (call first in `__init__`); returns the tokenizer, loaded if given as a path."""
+    def _host(self, index: int, config: Any, tokenizer: Any, dataset: Any, queue: Any, group_size: int) -> Any:
+        """The state every host keeps (call first in `__init__`): sets `self.source` (the queue's leases of
+        `group_size`) and returns the tokenizer, loaded if given as a path."""
         logging.basicConfig(level=logging.INFO)
-        self.index, self.args, self.dataset, self.queue = index, args, dataset, queue
+        self.index, self.config, self.dataset, self.queue = index, config, dataset, queue
         self.items = []
+        self.source = QueuePromptSource(self, group_size)
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -91,17 +128,19 @@ class LoopHost:
             self.error = f"{type(cause).__name__}: {cause}"
             logger.error("%s %d failed:\n%s", self.kind, self.index, traceback.format_exc())
 
-    def stale_after_s(self) -> float | None:
-        return None  # the loop's own default (`args.rollout_worker_timeout`)
-
     def health(self) -> dict[str, Any]:
-        """`error` (a message) when the loop failed; else the heartbeat's age and whether the loop runs."""
+        """`error` (a message) when the loop failed; else the heartbeat's age and whether the loop runs (the loop's
+        settings give the heartbeat limit)."""
         if self.error is None:
             try:
-                self.loop.check_health(self.stale_after_s())
+                self.loop.check_health()
             except RuntimeError as exc:
                 self.error = str(exc)
-        return {"error": self.error, "running": self.loop.is_running, "heartbeat_age_s": time.time() - self.loop.heartbeat}
+        return {
+            "error": self.error,
+            "running": self.loop.is_running,
+            "heartbeat_age_s": time.time() - self.loop.heartbeat,
+        }
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
         items, self.items[:] = list(self.items), []

@@ -1,5 +1,6 @@
 """On-policy distillation, data side (SPEC §9): the sample, MOPD routing, Σ L² batching and collation, and the
-worker loop that generates with the student and scores with the teacher engines. No torch, no ray."""
+worker loop (the distillation policy on the rollout task scheduler) that generates with the student and scores
+with the teacher engines. No torch, no ray."""
 
 from rlasync.distill.batching import (
     DROPPED_OVERSIZE_METRIC,
@@ -12,6 +13,7 @@ from rlasync.distill.batching import (
     collate_rows,
 )
 from rlasync.distill.loop import AsyncDistillationLoop, resolve_max_inflight_tasks
+from rlasync.distill.policy import DistillationPolicy
 from rlasync.distill.routing import TEACHER_ID_COLUMN, TeacherRouter, teacher_indices
 from rlasync.distill.samples import (
     DEFAULT_TEACHER_ID,
@@ -30,6 +32,7 @@ __all__ = [
     "TEACHER_ID_COLUMN",
     "Candidates",
     "DistillMicroBatch",
+    "DistillationPolicy",
     "DistillRow",
     "DistillationSample",
     "FixedCountBatcher",

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 if TYPE_CHECKING:  # annotations only: rlasync.config is the user-facing surface and never imports rlasync.engine
     from rlasync.config.base import TrainerConfig

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlasync.engine.base import SamplingParams
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

@@ -40,7 +40,7 @@ from rlasync.engine.request import Request
 from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleSpec, check_engine_support
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
 from rlasync.engine.weights import load_named_weights
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from rlasync.engine.vllm_outputs import (  # noqa: F401 - re-exported: these liv
     turn_from_output,
 )
 from rlasync.engine.vllm_worker import DEFAULT_CHUNK_BYTES, EXTENSION_QUALNAME
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlasync.engine.base import EngineError, ScoreResult
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 SAMPLING_MASK_WARNING = (
     "vLLM {version} cannot report sampling masks (each token's top-k/top-p/min-p candidate set; that needs "

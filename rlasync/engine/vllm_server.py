@@ -65,7 +65,7 @@ from rlasync.engine.vllm_server_wire import (  # noqa: F401 - re-exported: these
     turn_from_completion,
 )
 from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info, paused_for_update
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from rlasync.engine.base import EngineError, EngineStats, SamplingParams
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 TOKEN_ID_PREFIX = "token_id:"
 

@@ -16,7 +16,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
-MetricValue = float | tuple[float, float]
+from rlasync.records import MetricValue
+
 Reduction = Literal["rate", "sum", "max", "min", "mean"]
 
 COUNTER_WORDS = ("total", "count")

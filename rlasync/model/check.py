@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _unique_tokens(seqs: list[list[int]]) -> int:
     from rlasync.packing import TreeRow
-    from rlasync.rollout.records import RolloutSample
+    from rlasync.records import RolloutSample
 
     row = TreeRow()
     for seq in seqs:

@@ -208,7 +208,7 @@ def _tree_logprobs(
     backend: Backend | Literal["auto"],
 ) -> list[torch.Tensor]:
     from rlasync.packing import TreeRow, pack
-    from rlasync.rollout.records import RolloutSample
+    from rlasync.records import RolloutSample
 
     row = TreeRow()
     for seq, prompt_length in zip(ids, prompt_lengths):

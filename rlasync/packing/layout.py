@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rlasync.packing.trie import TreeRow
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import PackableSample
 
 IGNORE_INDEX = -100
 
@@ -195,7 +195,7 @@ def _segments(parents: np.ndarray) -> _Segments:
 # ---- loss terms ------------------------------------------------------------------------------------------------
 
 
-def _loss_terms(samples: list[RolloutSample], sample_nodes: list[np.ndarray], packed_of_node: np.ndarray) -> _LossTerms:
+def _loss_terms(samples: list[PackableSample], sample_nodes: list[np.ndarray], packed_of_node: np.ndarray) -> _LossTerms:
     """One term per sample and position p >= 1 with completion_mask[p] = 1, predicted from node(p - 1)."""
     positions = [np.flatnonzero(sample.completion_mask[1:]) + 1 for sample in samples]
     token_index = [packed_of_node[nodes[p - 1]] for nodes, p in zip(sample_nodes, positions)]
@@ -215,7 +215,7 @@ def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
 
 
 def _gather_topk(
-    samples: list[RolloutSample], positions: list[np.ndarray]
+    samples: list[PackableSample], positions: list[np.ndarray]
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """[M, Kt] top-k ids / log-probs at each target; samples without top-k (and narrower ones) are padded -1 / -inf."""
     if all(s.sampler_topk_ids is None for s in samples):
@@ -226,7 +226,7 @@ def _gather_topk(
 
 
 def _gather_sampling_mask(
-    samples: list[RolloutSample], positions: list[np.ndarray]
+    samples: list[PackableSample], positions: list[np.ndarray]
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """[M, C] candidate ids at each target (-1 padded) and [M] whether the term has a candidate set at all."""
     if all(s.sampling_mask is None for s in samples):

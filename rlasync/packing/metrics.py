@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from rlasync.metrics import MetricValue
 from rlasync.packing.trie import TreeRow
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import PackableSample
 
 
 def packing_metrics(
@@ -38,7 +38,7 @@ def packing_metrics(
     return metrics
 
 
-def _sample_metrics(samples: Sequence[RolloutSample]) -> dict[str, MetricValue]:
+def _sample_metrics(samples: Sequence[PackableSample]) -> dict[str, MetricValue]:
     lengths = [len(sample) for sample in samples]
     trained = [sample.num_trained_tokens for sample in samples]
     raw = sum(lengths)
@@ -68,7 +68,7 @@ def _row_metrics(rows: Sequence[TreeRow], num_samples: int, token_budget: int | 
     return metrics
 
 
-def _carried_metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:
+def _carried_metrics(samples: Sequence[PackableSample]) -> dict[str, float]:
     """Mean of every per-sample metric over the samples carrying it, ignoring NaN (NaN if none is finite)."""
     values: dict[str, list[float]] = {}
     for sample in samples:

@@ -37,7 +37,7 @@ from rlasync.packing.collate import pad_rows
 from rlasync.packing.layout import PackedRow, pack
 from rlasync.packing.metrics import packing_metrics
 from rlasync.packing.trie import TreeRow
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import PackableSample
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class MicroBatch:
     dropped_oversize_count: int | None = None
 
     @property
-    def samples(self) -> list[RolloutSample]:
+    def samples(self) -> list[PackableSample]:
         """All samples, row by row."""
         return [sample for row in self.rows for sample in row.samples]
 
@@ -115,17 +115,17 @@ class TokenBudgetBatcher:
         self._rows = _empty_rows(num_ranks, share_prefixes)
 
     @property
-    def pending(self) -> list[RolloutSample]:
+    def pending(self) -> list[PackableSample]:
         """Samples placed in the open (not yet emitted) rows."""
         return [sample for row in self._rows for sample in row.samples]
 
-    def take_pending(self) -> list[RolloutSample]:
+    def take_pending(self) -> list[PackableSample]:
         """Empty the open rows and return their samples."""
         samples = self.pending
         self._rows = _empty_rows(self.num_ranks, self.share_prefixes)
         return samples
 
-    def push(self, sample: RolloutSample) -> list[MicroBatch]:
+    def push(self, sample: PackableSample) -> list[MicroBatch]:
         """Place `sample`; return the micro-batch its placement closed (empty list or one micro-batch)."""
         _check_not_empty(sample)
         if len(sample) > self.token_budget:
@@ -152,13 +152,13 @@ class TokenBudgetBatcher:
         _fill_empty_rows(self._rows)
         return self._emit()
 
-    def plan(self, samples: Iterable[RolloutSample]) -> list[MicroBatch]:
+    def plan(self, samples: Iterable[PackableSample]) -> list[MicroBatch]:
         """Plan a finite list: every push, then a flush. Samples left over (< num_ranks) stay `pending`."""
         batches = [batch for sample in samples for batch in self.push(sample)]
         last = self.flush()
         return batches if last is None else [*batches, last]
 
-    def _place(self, sample: RolloutSample) -> int | None:
+    def _place(self, sample: PackableSample) -> int | None:
         rows = self._rows
         fitting = [r for r, row in enumerate(rows) if row.fits(sample, self.token_budget)]
         home = [r for r, row in enumerate(rows) if sample.group_id in row.groups]
@@ -173,7 +173,7 @@ class TokenBudgetBatcher:
         max_load = max(row.load for row in rows)
         return best if rows[best].load + rows[best].delta_load(sample) <= max_load else None
 
-    def _drop(self, sample: RolloutSample) -> None:
+    def _drop(self, sample: PackableSample) -> None:
         self.dropped_oversize_count += 1
         self._dropped_since_emit += 1
         logger.warning(
@@ -209,18 +209,18 @@ class FixedCountBatcher:
         self.num_ranks = num_ranks
         self.microbatch_size = microbatch_size
         self.share_prefixes = share_prefixes
-        self._buffer: list[RolloutSample] = []
+        self._buffer: list[PackableSample] = []
 
     @property
-    def pending(self) -> list[RolloutSample]:
+    def pending(self) -> list[PackableSample]:
         """Buffered samples not yet emitted."""
         return list(self._buffer)
 
-    def take_pending(self) -> list[RolloutSample]:
+    def take_pending(self) -> list[PackableSample]:
         samples, self._buffer = self._buffer, []
         return samples
 
-    def push(self, sample: RolloutSample) -> list[MicroBatch]:
+    def push(self, sample: PackableSample) -> list[MicroBatch]:
         """Buffer `sample`; return the micro-batch it completed (empty list or one micro-batch)."""
         _check_not_empty(sample)
         self._buffer.append(sample)
@@ -238,7 +238,7 @@ class FixedCountBatcher:
         """The micro-batch of `samples` split over the ranks (subclasses change how)."""
         return MicroBatch(balance_groups(samples, self.num_ranks, self.share_prefixes))
 
-    def plan(self, samples: Iterable[RolloutSample]) -> list[MicroBatch]:
+    def plan(self, samples: Iterable[PackableSample]) -> list[MicroBatch]:
         """Plan a finite list: every push, then a flush. Samples left over (< num_ranks) stay `pending`."""
         batches = [batch for sample in samples for batch in self.push(sample)]
         last = self.flush()
@@ -246,7 +246,7 @@ class FixedCountBatcher:
 
 
 def balance_groups(
-    samples: Sequence[RolloutSample], num_ranks: int, share_prefixes: bool = True
+    samples: Sequence[PackableSample], num_ranks: int, share_prefixes: bool = True
 ) -> list[TreeRow]:
     """Partition `samples` (at least `num_ranks`) into `num_ranks` non-empty rows, whole groups, LPT by load."""
     if len(samples) < num_ranks:
@@ -262,14 +262,14 @@ def balance_groups(
     return rows
 
 
-def _bucket_by_group(samples: Sequence[RolloutSample]) -> list[list[RolloutSample]]:
-    buckets: dict[int, list[RolloutSample]] = {}
+def _bucket_by_group(samples: Sequence[PackableSample]) -> list[list[PackableSample]]:
+    buckets: dict[int, list[PackableSample]] = {}
     for sample in samples:
         buckets.setdefault(sample.group_id, []).append(sample)
     return list(buckets.values())
 
 
-def _split_until(groups: list[list[RolloutSample]], num_groups: int) -> list[list[RolloutSample]]:
+def _split_until(groups: list[list[PackableSample]], num_groups: int) -> list[list[PackableSample]]:
     """Split the largest group (first on ties) into [first ⌊n/2⌋, rest] until there are `num_groups` groups."""
     groups = list(groups)
     while len(groups) < num_groups:
@@ -280,7 +280,7 @@ def _split_until(groups: list[list[RolloutSample]], num_groups: int) -> list[lis
     return groups
 
 
-def _row_of(samples: Iterable[RolloutSample], share_prefixes: bool = True) -> TreeRow:
+def _row_of(samples: Iterable[PackableSample], share_prefixes: bool = True) -> TreeRow:
     row = TreeRow(share_prefixes)
     for sample in samples:
         row.add(sample)
@@ -306,6 +306,6 @@ def _empty_rows(num_ranks: int, share_prefixes: bool = True) -> list[TreeRow]:
     return [TreeRow(share_prefixes) for _ in range(num_ranks)]
 
 
-def _check_not_empty(sample: RolloutSample) -> None:
+def _check_not_empty(sample: PackableSample) -> None:
     if len(sample) == 0:
         raise ValueError(f"cannot plan an empty sample (group {sample.group_id}): input_ids has no token")

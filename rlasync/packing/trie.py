@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import PackableSample
 
 Key = tuple[int, int | None]
 
@@ -41,7 +41,7 @@ class TreeRow:
         self._children: list[dict[Key, int]] = []  # [n] key -> child node, insertion-ordered
         self._roots: dict[Key, int] = {}  # key -> root node, insertion-ordered
         self._sample_nodes: list[np.ndarray] = []  # per sample, [L_i] int64 node of each position
-        self._samples: list[RolloutSample] = []
+        self._samples: list[PackableSample] = []
         self._groups: set[int] = set()
         self._trained = 0
         self._load = 0
@@ -74,7 +74,7 @@ class TreeRow:
         return self._trained
 
     @property
-    def samples(self) -> list[RolloutSample]:
+    def samples(self) -> list[PackableSample]:
         """Samples in the order they were added (index = `sample_index` of their loss terms). Do not mutate."""
         return self._samples
 
@@ -113,21 +113,21 @@ class TreeRow:
 
     # ---- pricing and insertion ---------------------------------------------------------------------------
 
-    def shared_length(self, sample: RolloutSample) -> int:
+    def shared_length(self, sample: PackableSample) -> int:
         """Length of the longest prefix of the sample's keys already in the trie."""
         return len(self._walk(sample.input_ids.tolist()))
 
-    def fits(self, sample: RolloutSample, budget: int) -> bool:
+    def fits(self, sample: PackableSample, budget: int) -> bool:
         """Whether adding `sample` keeps the row within `budget` unique tokens and `budget` trained tokens."""
         novel = len(sample) - self.shared_length(sample)
         return self.num_tokens + novel <= budget and self._trained + sample.num_trained_tokens <= budget
 
-    def delta_load(self, sample: RolloutSample) -> int:
+    def delta_load(self, sample: PackableSample) -> int:
         """Load the sample would add: Σ (depth + 1) over its novel nodes, depths shared..L-1."""
         length, shared = len(sample), self.shared_length(sample)
         return length * (length + 1) // 2 - shared * (shared + 1) // 2
 
-    def add(self, sample: RolloutSample) -> None:
+    def add(self, sample: PackableSample) -> None:
         """Fold `sample` into the trie, creating its novel nodes and updating the costs."""
         ids = sample.input_ids.tolist()
         if not ids:

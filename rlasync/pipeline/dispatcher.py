@@ -35,31 +35,11 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
 
-DropReason = Literal["zero_std", "filtered", "failed"]
-GroupOutcome = Literal["trained", "zero_std", "filtered", "failed", "stale"]
-"""How a group ended: consumed as trained / dropped for zero reward std / rejected by `filter_prompt` / failed
-for good (the engine rejected its prompt, e.g. longer than max_model_len: leasing it again could never succeed),
-or "stale" (every sample dropped as stale; the position goes back to be leased again)."""
+from rlasync.records import DROP_REASONS, GroupOutcome, PromptLease
 
-DROP_REASONS: tuple[DropReason, ...] = ("zero_std", "filtered", "failed")
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLease:
-    """One group's claim on a prompt.
-
-    epoch:      the pass over the dataset this prompt belongs to (0-based)
-    row_index:  the dataset row to generate from
-    group_id:   unique per lease (a re-leased position gets a new one)
-    position:   the absolute prompt position, `epoch × num_rows + row_index` (the space of `prompt_index`)
-    """
-
-    epoch: int
-    row_index: int
-    group_id: int
-    position: int
+DropReason = GroupOutcome
+"""Kept name: the outcomes `mark_dropped` takes are `DROP_REASONS` (zero_std, filtered, failed) of `GroupOutcome`."""
 
 
 @dataclass(slots=True)
@@ -122,9 +102,9 @@ class PromptDispatcher:
         else:
             return None
         lease = PromptLease(
-            epoch=position // self.num_rows,
-            row_index=position % self.num_rows,
             group_id=self._next_group_id,
+            row_index=position % self.num_rows,
+            epoch=position // self.num_rows,
             position=position,
         )
         self._next_group_id += 1
@@ -153,7 +133,7 @@ class PromptDispatcher:
         group.queued = True
         group.pending_samples = num_samples
 
-    def mark_dropped(self, group_id: int, reason: DropReason) -> GroupOutcome:
+    def mark_dropped(self, group_id: int, reason: GroupOutcome | str) -> GroupOutcome:
         """The group ended without queuing samples, for a reason that counts as consumed (SPEC §2.6.3).
 
         Raises ValueError when `filter_prompt` has rejected every prompt of a whole epoch (SPEC §2.2).
@@ -161,8 +141,9 @@ class PromptDispatcher:
         if reason not in DROP_REASONS:
             raise ValueError(f"mark_dropped: unknown reason {reason!r}; expected one of {DROP_REASONS}")
         group = self._leased_group(group_id, "mark_dropped")
-        self._consume(group, reason)
-        return reason
+        outcome = GroupOutcome(reason)
+        self._consume(group, outcome)
+        return outcome
 
     def mark_trained(self, group_id: int, num_samples: int) -> GroupOutcome | None:
         """`num_samples` of the group's queued samples were taken by the learner.
@@ -247,12 +228,12 @@ class PromptDispatcher:
         if group.pending_samples > 0:
             return None
         if group.trained_samples > 0:
-            self._consume(group, "trained")
-            return "trained"
+            self._consume(group, GroupOutcome.TRAINED)
+            return GroupOutcome.TRAINED
         del self._groups[group.lease.group_id]
         heapq.heappush(self._relet, group.lease.position)
-        self.outcome_counts["stale"] += 1
-        return "stale"
+        self.outcome_counts[GroupOutcome.STALE.value] += 1
+        return GroupOutcome.STALE
 
     def _consume(self, group: _Group, outcome: GroupOutcome) -> None:
         lease = group.lease
@@ -263,12 +244,12 @@ class PromptDispatcher:
             self._consumed_ahead.remove(self._watermark)
             self._watermark += 1
         self.consumed_groups += 1
-        self.outcome_counts[outcome] += 1
+        self.outcome_counts[outcome.value] += 1
         self._count_epoch(lease.epoch, outcome)
 
     def _count_epoch(self, epoch: int, outcome: GroupOutcome) -> None:
         self._epoch_consumed[epoch] += 1
-        self._epoch_filtered[epoch] += outcome == "filtered"
+        self._epoch_filtered[epoch] += outcome is GroupOutcome.FILTERED
         whole_epoch = self._epoch_consumed[epoch] == self.num_rows
         if whole_epoch and self._epoch_filtered[epoch] == self.num_rows:
             raise ValueError(

@@ -30,7 +30,7 @@ from typing import Any
 
 from rlasync.metrics import MetricValue
 from rlasync.pipeline._notify import Notifier
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import RolloutSample
 
 Clock = Callable[[], float]
 

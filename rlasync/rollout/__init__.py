@@ -1,13 +1,12 @@
-"""Rollout records, group scoring, the adaptive concurrency cap and the rollout loop.
+"""Rollouts: the rollout loop (`AsyncRolloutLoop`) and its three parts — the task scheduler (`TaskScheduler`), the
+engine pool (`EnginePool`) and the GRPO rollout policy (`RolloutPolicy`, the user hooks) — with their typed
+settings (`RolloutSettings`), group scoring and the adaptive concurrency cap.
 
-Importing this package never loads torch or ray. The loop and the controller are loaded on first access
-(`rlasync.rollout.AsyncRolloutLoop`), so that `rlasync.engine` (which uses the records) can import this package
-without a cycle.
+The records live in `rlasync.records` (re-exported here). Importing this package never loads torch or ray.
 """
 
-from typing import Any
-
-from rlasync.rollout.records import (
+from rlasync.records import (
+    PromptLease,
     Rollout,
     RolloutGroup,
     RolloutSample,
@@ -15,34 +14,27 @@ from rlasync.rollout.records import (
     TurnRecord,
     new_rollout_id,
 )
-
-_LAZY = {
-    "AsyncRolloutLoop": "rlasync.rollout.loop",
-    "Admission": "rlasync.rollout.loop",
-    "GroupResult": "rlasync.rollout.loop",
-    "GroupSink": "rlasync.rollout.loop",
-    "OpenAdmission": "rlasync.rollout.loop",
-    "PromptLease": "rlasync.rollout.loop",
-    "PromptSource": "rlasync.rollout.loop",
-    "RolloutContext": "rlasync.rollout.loop",
-    "build_training_sequences": "rlasync.rollout.loop",
-    "ConcurrencyController": "rlasync.rollout.concurrency",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlasync.rollout' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
-
+from rlasync.rollout.concurrency import ConcurrencyController
+from rlasync.rollout.engine_pool import EnginePool
+from rlasync.rollout.loop import (
+    Admission,
+    AsyncRolloutLoop,
+    GroupResult,
+    GroupSink,
+    OpenAdmission,
+    PromptSource,
+    RolloutContext,
+    build_training_sequences,
+)
+from rlasync.rollout.policy import RolloutPolicy
+from rlasync.rollout.scheduler import TaskScheduler
+from rlasync.rollout.settings import RolloutSettings, SamplingSettings
 
 __all__ = [
     "Admission",
     "AsyncRolloutLoop",
     "ConcurrencyController",
+    "EnginePool",
     "GroupResult",
     "GroupSink",
     "OpenAdmission",
@@ -51,7 +43,11 @@ __all__ = [
     "Rollout",
     "RolloutContext",
     "RolloutGroup",
+    "RolloutPolicy",
     "RolloutSample",
+    "RolloutSettings",
+    "SamplingSettings",
+    "TaskScheduler",
     "TrainingSequence",
     "TurnRecord",
     "build_training_sequences",

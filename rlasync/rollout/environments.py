@@ -31,9 +31,12 @@ built rarely and reset many times. Nothing here imports ray or torch.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
+
+from rlasync.rollout.tools import call_tool
 
 ENVIRONMENT_COLUMN = "environment"
 """The dataset column naming a row's environment when `environment_factory` is a dict."""
@@ -159,10 +162,69 @@ def _as_blocks(content: Any) -> list[Any]:
     return [{"type": "text", "text": str(content)}]
 
 
+def environment_for(
+    environments: Mapping[str | None, EnvironmentSpec], row: Mapping[str, Any], row_index: int = -1
+) -> EnvironmentSpec | None:
+    """The environment serving `row`: the only one, or (several) the one named by its `environment` column;
+    `ValueError` when the row names none of them. None without environments."""
+    if not environments:
+        return None
+    if list(environments) == [None]:
+        return environments[None]
+    name = row.get(ENVIRONMENT_COLUMN)
+    spec = environments.get(name) if isinstance(name, str) else None
+    if spec is None:
+        where = f"row {row_index}" if row_index >= 0 else "a dataset row"
+        raise ValueError(
+            f"{where}: environment {name!r} is not among the environments {sorted(map(str, environments))} "
+            f"of environment_factory; with a dict of factories every row needs an {ENVIRONMENT_COLUMN!r} column "
+            "naming one of its keys"
+        )
+    return spec
+
+
+GenerateInEnvironment = Callable[[list[dict[str, Any]], "list[Any] | None", Any], Awaitable[Any]]
+
+
+async def run_in_environment(
+    spec: EnvironmentSpec,
+    row: Mapping[str, Any],
+    prompt: list[dict[str, Any]],
+    tools: Sequence[Callable[..., Any]] | None,
+    generate: GenerateInEnvironment,
+    executor: Executor,
+    emit: Callable[[list[Any]], Any],
+    clock: Callable[[], float],
+) -> tuple[Any, tuple[str, float | None] | None, list[dict[str, Any]]]:
+    """One rollout inside an environment (SPEC §3.4): an instance from the spec's pool is reset with the row (its
+    observation appended to the last prompt message), serves its methods as tools next to the standalone ones
+    (`generate(prompt, tools, instance)`), and after the rollout gives `get_reward()` before going back to the
+    pool. An instance whose rollout failed or was cancelled is dropped (a tool thread may still be using it).
+    Returns the rollout, `(class name, reward)` when the class owns a reward (else None) and the prompt used."""
+    environment = spec.acquire()
+    reset_started = clock()
+    kwargs = reset_kwargs(row, multi_environment=spec.key is not None)
+    observation = await call_tool(environment.reset, kwargs, executor)
+    emit([("env/reset_s", (clock() - reset_started, 1.0))])
+    if observation is not None:
+        prompt = append_to_last_message(prompt, observation)
+    rollout = await generate(prompt, [*(tools or []), *spec.tools(environment)] or None, environment)
+    env_reward = None
+    if spec.owns_reward:
+        reward_started = clock()
+        value = await call_tool(environment.get_reward, {}, executor)
+        emit([("env/reward_s", (clock() - reward_started, 1.0))])
+        env_reward = (spec.name, None if value is None else float(value))
+    spec.release(environment)
+    return rollout, env_reward, prompt
+
+
 __all__ = [
     "ENVIRONMENT_COLUMN",
     "EnvironmentSpec",
     "append_to_last_message",
+    "environment_for",
     "probe_environments",
     "reset_kwargs",
+    "run_in_environment",
 ]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlasync.advantages import group_advantages, group_reward_std, is_degenerate_group
+from rlasync.records import RolloutGroup, RolloutSample
 from rlasync.rewards.calling import (
     RewardColumns,
     RewardFunc,
@@ -41,7 +42,6 @@ from rlasync.rewards.calling import (
     call_reward_funcs,
     reward_column_items,
 )
-from rlasync.rollout.records import RolloutGroup, RolloutSample
 
 ROLLOUT_REWARD_COLUMN = "rollout_reward"
 

@@ -33,7 +33,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlasync.metrics import MetricValue
+from rlasync.engine.base import RequestRejectedError
+from rlasync.records import MetricValue, Rollout, TurnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +280,61 @@ def _tool_message(name: str, result: Any) -> dict[str, Any]:
     return {"role": "tool", "name": name, "content": str(result)}
 
 
+async def run_tool_loop(
+    prompt: list[dict[str, Any]],
+    tools: Sequence[Callable[..., Any]],
+    *,
+    render: Callable[[list[dict[str, Any]], Sequence[Any]], list[int]],
+    generate_one_turn: Callable[[list[int]], Any],
+    parse_response: Callable[[list[int], list[int]], dict[str, Any]],
+    executor: Callable[[], Executor],
+    emit: Callable[[Metrics], Any],
+    max_iterations: int | None,
+) -> Rollout:
+    """The multi-turn tool loop of SPEC §3.1 over a policy's hooks (`AsyncRolloutLoop.generate_with_tools`): render
+    the conversation, generate a turn, run its tool calls, repeat until an answer without tool calls, after
+    `max_iterations` rounds of tool execution (None: unbounded; the rollout then counts in
+    `tools/loop_exhausted_frac`), or when a later turn's request is rejected (the conversation outgrew the engine:
+    `rollout/context_exhausted_count`; a rejected first turn propagates and fails the group)."""
+    table = tools_by_name(tools)
+    messages = list(prompt)
+    completion: list[dict[str, Any]] = []
+    completion_ids: list[int] = []
+    turns: list[TurnRecord] = []
+    iterations = num_calls = num_failures = 0
+    exhausted = False
+    while True:
+        prompt_ids = render(messages, tools)
+        try:
+            turn = await generate_one_turn(prompt_ids)
+        except RequestRejectedError as exc:
+            if not turns:
+                raise  # the prompt itself does not fit: the group fails as for a single turn
+            logger.debug("conversation ends after %d turns: %s", len(turns), exc)
+            emit([("rollout/context_exhausted_count", 1.0)])
+            break
+        message = parse_response(turn.output_ids, prompt_ids)
+        completion.append(message)
+        messages.append(message)
+        completion_ids += turn.output_ids
+        turns.append(turn)
+        calls = message.get("tool_calls") or []
+        if not calls:
+            break
+        if max_iterations is not None and iterations >= max_iterations:
+            exhausted = True  # the requested tools are not run
+            break
+        results = await execute_tool_calls(calls, table, executor())
+        emit(results.metrics)
+        completion += results.messages
+        messages += results.messages
+        num_calls += results.num_calls
+        num_failures += results.num_failures
+        iterations += 1
+    emit([("tools/loop_exhausted_frac", (float(exhausted), 1.0))])
+    return Rollout(completion, completion_ids, turns, tool_call_count=num_calls, tool_failure_count=num_failures)
+
+
 __all__ = [
     "ParsedResponse",
     "ToolResults",
@@ -287,6 +343,7 @@ __all__ = [
     "make_tool_call",
     "parse_response",
     "parse_tool_call_text",
+    "run_tool_loop",
     "tool_name",
     "tools_by_name",
 ]

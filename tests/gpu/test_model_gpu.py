@@ -68,7 +68,7 @@ def random_row(seed: int, vocab: int = 256):
 def packed(seqs, prompts):
     from rlasync.model import packed_row_to_tensors
     from rlasync.packing import TreeRow, pack
-    from rlasync.rollout.records import RolloutSample
+    from rlasync.records import RolloutSample
 
     row = TreeRow()
     for seq, prompt in zip(seqs, prompts):

@@ -7,10 +7,10 @@ import types
 import numpy as np
 import pytest
 
+from rlasync.config import AsyncDistillationConfig
 from rlasync.distill.samples import DistillationSample
 from rlasync.engine.base import EngineError, RequestRejectedError, ScoreResult
-from rlasync.rollout.loop import PromptLease
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import PromptLease, TurnRecord
 
 
 def make_sample(prompt_len, completion_len, prompt_id=0, teacher_id="default", width=3, start_id=0, **kwargs):
@@ -179,10 +179,11 @@ class ListSink:
 
 
 def make_args(**overrides):
+    """The user's config (a real `AsyncDistillationConfig`: the loop derives its typed settings from it)."""
     values = dict(max_completion_length=8, temperature=1.0, teacher_top_k=2, teacher_temperature=1.0,
                   max_inflight_tasks=4)  # fmt: skip
     values.update(overrides)
-    return types.SimpleNamespace(**values)
+    return AsyncDistillationConfig(**values)
 
 
 def user_row(text, **columns):

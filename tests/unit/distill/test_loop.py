@@ -12,7 +12,7 @@ def _loop(fakes, rows, *, teachers=None, student=None, clock=None, args=None, **
     clock = clock or fakes.Clock()
     metrics = []
     loop = AsyncDistillationLoop(
-        args=args or fakes.args(),
+        config=args or fakes.args(),
         tokenizer=fakes.Tokenizer(),
         student=student or fakes.Student(clock=clock),
         teachers=teachers if teachers is not None else fakes.Teacher(clock=clock),
@@ -173,7 +173,9 @@ def test_default_max_inflight_tasks_resolution(fakes):
     args = fakes.args(max_inflight_tasks=-1, max_staleness=3, per_device_train_batch_size=2,
                       gradient_accumulation_steps=4)  # fmt: skip
     assert resolve_max_inflight_tasks(args, num_ranks=2) == 3 * 16
-    assert resolve_max_inflight_tasks(fakes.args(max_inflight_tasks=-1, max_staleness=0, samples_per_step=5)) == 5
+    assert resolve_max_inflight_tasks(fakes.args(max_inflight_tasks=-1, max_staleness=0, per_device_train_batch_size=5)) == 5
+    with pytest.raises(ValueError, match="max_inflight_tasks=0"):
+        resolve_max_inflight_tasks(fakes.args(max_inflight_tasks=0))
     assert resolve_max_inflight_tasks(fakes.args(max_inflight_tasks=7)) == 7
 
 

@@ -96,7 +96,7 @@ def packed_tensors():
     def make(seqs, prompts):
         from rlasync.model import packed_row_to_tensors
         from rlasync.packing import TreeRow, pack
-        from rlasync.rollout.records import RolloutSample
+        from rlasync.records import RolloutSample
 
         row = TreeRow()
         for seq, prompt in zip(seqs, prompts):

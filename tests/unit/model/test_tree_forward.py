@@ -253,7 +253,7 @@ def test_sampler_topk_and_sampling_masks_flow_from_samples_to_scores(make_model,
 
     from rlasync.model import packed_row_to_tensors
     from rlasync.packing import TreeRow, pack
-    from rlasync.rollout.records import RolloutSample
+    from rlasync.records import RolloutSample
 
     model = make_model("qwen3")
     tree_model = enable_tree_attention(copy.deepcopy(model))

@@ -7,7 +7,7 @@ import torch
 from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity, tree_mask_mod
 from rlasync.model.tree_mask import dense_tree_mask
 from rlasync.packing import TreeRow, pack, sample_positions
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import RolloutSample
 
 
 def random_row(seed: int) -> TreeRow:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlasync.packing import IGNORE_INDEX, MicroBatch, TreeRow, pack, packing_metrics, pad_rows
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import RolloutSample
 
 X = IGNORE_INDEX
 

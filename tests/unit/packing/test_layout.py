@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlasync.packing import IGNORE_INDEX, TreeRow, pack, sample_positions
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import RolloutSample
 
 
 def make_sample(ids, mask, lps=None, advantage=0.0, group_id=0, **extras):

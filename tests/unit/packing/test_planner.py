@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlasync.packing import PLACEMENTS, FixedCountBatcher, TokenBudgetBatcher, TreeRow, balance_groups
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import RolloutSample
 
 _next_token = itertools.count(1000)
 

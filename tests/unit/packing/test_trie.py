@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rlasync.packing import TreeRow
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import RolloutSample
 
 
 def make_sample(ids, mask=None, group_id=0, advantage=0.0):

@@ -7,7 +7,7 @@ import pytest
 
 from rlasync.metrics import MetricSink
 from rlasync.pipeline import QueueEntry, StalenessQueue
-from rlasync.rollout.records import RolloutSample
+from rlasync.records import RolloutSample
 
 
 class FakeClock:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rlasync.engine.base import RequestRejectedError
-from rlasync.rollout.records import TurnRecord
+from rlasync.records import TurnRecord
 
 SPECIALS = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<tool_call>": 3, "</tool_call>": 4}
 EOS_ID = SPECIALS["<eos>"]

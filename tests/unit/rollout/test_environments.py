@@ -113,7 +113,7 @@ def build_loop(tokenizer, engine, rows, environment_factory, reward_funcs=(), to
         "score_centering": False,
     }
     return AsyncRolloutLoop(
-        args=AsyncGRPOConfig(**{**fields, **config}),
+        config=AsyncGRPOConfig(**{**fields, **config}),
         tokenizer=tokenizer,
         engine=engine,
         prompt_source=Source(rows),

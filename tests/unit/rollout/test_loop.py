@@ -8,6 +8,7 @@ import pytest
 
 from rlasync.config import AsyncGRPOConfig
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError
+from rlasync.records import Rollout, TurnRecord
 from rlasync.rewards import RewardFunctionError
 from rlasync.rollout.concurrency import ConcurrencyController
 from rlasync.rollout.loop import (
@@ -16,7 +17,6 @@ from rlasync.rollout.loop import (
     build_training_sequences,
     retry_backoff_s,
 )
-from rlasync.rollout.records import Rollout, TurnRecord
 
 EOS = 2
 VOCAB = 100
@@ -183,7 +183,7 @@ def make_loop(cls=AsyncRolloutLoop, *, num_rows=6, engine=None, reward_funcs=(pa
     kwargs.setdefault("rng", random.Random(0))
     kwargs.setdefault("admission", RecordingAdmission())
     return cls(
-        args=args or config(),
+        config=args or config(),
         tokenizer=FakeTokenizer(),
         engine=engine or FakeEngine(),
         prompt_source=kwargs.pop("prompt_source", None) or FakePromptSource(rows(num_rows)),
@@ -728,3 +728,37 @@ def test_log_completions_prints_each_scored_group(capsys):
     quiet = make_loop(num_rows=2)
     asyncio.run(quiet.run())
     assert "group 0" not in capsys.readouterr().out  # off by default
+
+
+# ---- the config -------------------------------------------------------------------------------------------
+
+
+def test_hooks_read_the_users_config_subclass_and_args_is_its_old_name():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class MyConfig(AsyncGRPOConfig):
+        keep_row: int = 1
+
+    class KeepOneRow(AsyncRolloutLoop):
+        def filter_prompt(self, row_index, row, epoch):
+            return row_index == self.config.keep_row and self.args is self.config
+
+    loop = make_loop(KeepOneRow, num_rows=3, args=MyConfig(**{**vars(config()), "keep_row": 2}))
+    asyncio.run(loop.run())
+    assert scored_group_ids(loop) == [2]
+    old_name = AsyncRolloutLoop(
+        args=config(), tokenizer=FakeTokenizer(), engine=FakeEngine(), prompt_source=FakePromptSource(rows(1)),
+        sink=ListSink(), reward_funcs=[parity_reward],
+    )  # fmt: skip
+    assert old_name.config is old_name.args and old_name.settings.group_size == 4
+    with pytest.raises(TypeError, match="config="):
+        AsyncRolloutLoop(tokenizer=FakeTokenizer(), engine=FakeEngine(), prompt_source=None, sink=None)
+
+
+def test_a_class_level_attempts_override_reaches_the_engine_pool():
+    class FewAttempts(AsyncRolloutLoop):
+        max_generation_attempts = 2
+
+    assert make_loop(FewAttempts).engine_pool.max_attempts == 2
+    assert make_loop().max_generation_attempts == 30

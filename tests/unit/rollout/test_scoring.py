@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from rlasync.metrics import MetricSink
+from rlasync.records import RolloutGroup, TrainingSequence
 from rlasync.rewards import RewardFunctionError
-from rlasync.rollout.records import RolloutGroup, TrainingSequence
 from rlasync.rollout.scoring import score_group
 
 

@@ -88,7 +88,7 @@ def build_loop(tokenizer, engine, tools, rows=None, reward_funcs=(index_reward,)
         "score_centering": False,
     }
     return AsyncRolloutLoop(
-        args=AsyncGRPOConfig(**{**fields, **config}),
+        config=AsyncGRPOConfig(**{**fields, **config}),
         tokenizer=tokenizer,
         engine=engine,
         prompt_source=Source(rows or [question()]),

@@ -1,0 +1,102 @@
+"""`ScheduledLoop`: the control surface of a worker loop assembled from a `TaskScheduler`, an `EnginePool` and a
+policy (`AsyncRolloutLoop`, `AsyncDistillationLoop`), and the helpers both assemblies use. No torch, no ray."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlasync.rollout.engine_pool import EnginePool
+from rlasync.rollout.protocols import Admission, PromptSource, Sink
+from rlasync.rollout.scheduler import TaskScheduler
+
+
+class ScheduledLoop:
+    """The control surface of a worker loop assembled from a `TaskScheduler` (`self.scheduler`) and an
+    `EnginePool` (`self.engine_pool`): `run`, `stop`, `check_health`, the heartbeat and the policy version, as
+    the rollout actors and tests use them on `AsyncRolloutLoop` and `AsyncDistillationLoop`."""
+
+    scheduler: TaskScheduler[Any]
+    engine_pool: EnginePool
+
+    async def run(self) -> None:
+        """Run until `stop()`, until the prompts are exhausted and every task is done, or a failure (re-raised
+        here and by `check_health`)."""
+        await self.scheduler.run()
+
+    async def stop(self) -> None:
+        """Cancel and await in-flight work, release unfinished leases ("cancelled"); returns when `run()` has ended."""
+        await self.scheduler.stop()
+
+    def check_health(self, stale_after_s: float | None = None) -> None:
+        """Raise `RuntimeError` if the loop failed or, while running, its heartbeat is older than `stale_after_s`
+        (default: the settings' `heartbeat_timeout_s`)."""
+        self.scheduler.check_health(stale_after_s)
+
+    def update_policy_version(self, version: int) -> None:
+        """The policy version groups started from now on are stamped with."""
+        self.scheduler.policy_version = int(version)
+
+    @property
+    def policy_version(self) -> int:
+        return self.scheduler.policy_version
+
+    @property
+    def is_running(self) -> bool:
+        return self.scheduler.is_running
+
+    @property
+    def heartbeat(self) -> float:
+        return self.scheduler.heartbeat
+
+    @property
+    def num_inflight(self) -> int:
+        """Tasks in flight."""
+        return self.scheduler.num_inflight
+
+    @property
+    def concurrency_limit(self) -> int:
+        return self.scheduler.concurrency_limit
+
+    @property
+    def prompt_source(self) -> PromptSource:
+        return self.scheduler.prompt_source
+
+    @property
+    def sink(self) -> Sink:
+        return self.scheduler.sink
+
+    @property
+    def admission(self) -> Admission:
+        return self.scheduler.admission
+
+    @property
+    def engines(self) -> list[Any]:
+        return self.engine_pool.engines
+
+    @property
+    def controller(self) -> Any:
+        return self.engine_pool.controller
+
+
+def one_config(config: Any, args: Any, who: str) -> Any:
+    """The user's config given to a loop as `config=` (or, its old name, `args=`)."""
+    if config is None and args is None:
+        raise TypeError(f"{who} needs config= (the trainer config)")
+    if config is not None and args is not None and config is not args:
+        raise TypeError(f"{who}: give the config once, as config= (args= is its old name)")
+    return config if config is not None else args
+
+
+def class_override(obj: Any, name: str, default: int) -> int:
+    """A subclass's class-level int for `name` (e.g. `max_generation_attempts = 5`) where the loop exposes `name`
+    as a property over its engine pool; else `default`."""
+    for cls in type(obj).__mro__:
+        value = cls.__dict__.get(name)
+        if isinstance(value, property):
+            return default
+        if value is not None:
+            return int(value)
+    return default
+
+
+__all__ = ["ScheduledLoop", "class_override", "one_config"]

@@ -1,0 +1,151 @@
+"""`EnginePool`: the generation engines one rollout loop sends requests to (GRPO rollouts and distillation students).
+
+    pool.generate(prompt_ids, sampling)  the least-loaded engine (ties: round robin), transient errors retried
+    pool.retrying(what, call)            any engine call (a teacher's score) through the same retry path
+    pool.observe(completed)              every `stats_interval_s`: the engines' gauges to the ConcurrencyController
+    pool.cap                             the controller's concurrency cap (None until it has seen stats)
+
+Retries (SPEC §2.5): `retryable_exceptions` (`EngineError`, `TimeoutError`, `ConnectionError`) are retried up to
+`max_attempts` tries with the backoff 1, 2, 4, 8, 16, 16, ... s; each retry is logged, counted in
+`counters["<first word of what>_retries"]` and reported as `rollout/vllm_retry_count`. A rejected request
+(`RequestRejectedError`) and the last failure propagate. No torch, no ray: an engine is anything with
+`generate(prompt_ids, sampling)` (and optionally `stats()`) returning a value or an awaitable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from rlasync.engine.base import EngineError, SamplingParams
+from rlasync.records import MetricItem, TurnRecord
+from rlasync.rollout.concurrency import ConcurrencyController
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+RETRY_METRIC = "rollout/vllm_retry_count"
+RETRYABLE_EXCEPTIONS: tuple[type[BaseException], ...] = (EngineError, TimeoutError, ConnectionError)
+
+
+def retry_backoff_s(attempt: int) -> float:
+    """Seconds to wait before retry number `attempt` (0-based): 1, 2, 4, 8, 16, 16, ... (SPEC §2.5)."""
+    return float(min(2 ** min(attempt, 4), 16))
+
+
+async def resolve(value: Any) -> Any:
+    """Await `value` if it is awaitable (a coroutine, a future, a Ray ObjectRef); else return it."""
+    return await value if inspect.isawaitable(value) else value
+
+
+class EnginePool:
+    """Engine choice, retries with backoff and load statistics for one loop (see the module docstring).
+
+    engines:          1..E engines
+    max_concurrent:   the configured concurrency ceiling the controller starts from
+    emit:             where retry counts and engine gauges go (`MetricsCallback`)
+    counters:         the loop's counters (retries are counted there)
+    stats_interval_s: seconds between stats polls; None never polls (the cap then stays None)
+    controller:       a ConcurrencyController to use; else one is built from the first stats
+    """
+
+    def __init__(
+        self,
+        engines: Any | Sequence[Any],
+        *,
+        max_concurrent: int,
+        emit: Callable[[list[MetricItem]], Any],
+        counters: collections.Counter[str] | None = None,
+        max_attempts: int = 30,
+        retryable_exceptions: tuple[type[BaseException], ...] = RETRYABLE_EXCEPTIONS,
+        stats_interval_s: float | None = 5.0,
+        controller: ConcurrencyController | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
+        self.engines: list[Any] = list(engines) if isinstance(engines, Sequence) else [engines]
+        if not self.engines:
+            raise ValueError("an engine pool needs at least one engine")
+        self.max_concurrent = max_concurrent
+        self.max_attempts = max_attempts
+        self.retryable_exceptions = retryable_exceptions
+        self.stats_interval_s = stats_interval_s
+        self.controller = controller
+        self.counters = counters if counters is not None else collections.Counter()
+        self._emit, self._clock, self._sleep = emit, clock, sleep
+        self._load = [0] * len(self.engines)
+        self._next = 0
+        self._next_stats_at = -float("inf")
+
+    @property
+    def cap(self) -> int | None:
+        """The controller's concurrency cap, or None while there is no controller."""
+        return self.controller.cap if self.controller is not None else None
+
+    @property
+    def load(self) -> list[int]:
+        """Requests in flight per engine."""
+        return list(self._load)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, what: str = "generation") -> TurnRecord:
+        """One request to the least-loaded engine, transient errors retried (each retry picks an engine again and
+        resends the same request, seed included)."""
+        return await self.retrying(what, lambda: self._on_least_loaded(list(prompt_ids), sampling))
+
+    async def retrying(self, what: str, call: Callable[[], Awaitable[R]]) -> R:
+        """`call()` with `retryable_exceptions` retried (see the module docstring); `what` names it in logs and
+        counters ("generation" -> `counters["generation_retries"]`)."""
+        attempt = 0
+        while True:
+            try:
+                return await call()
+            except self.retryable_exceptions as exc:
+                if attempt + 1 >= self.max_attempts:
+                    raise
+                delay = retry_backoff_s(attempt)
+                logger.warning(
+                    "%s request failed (%s: %s); retry %d in %.0f s", what, type(exc).__name__, exc, attempt + 1, delay
+                )
+                self.counters[f"{what.split()[0]}_retries"] += 1
+                self._emit([(RETRY_METRIC, 1.0)])
+                attempt += 1
+                await self._sleep(delay)
+
+    async def _on_least_loaded(self, prompt_ids: list[int], sampling: SamplingParams) -> TurnRecord:
+        count = len(self.engines)
+        start, self._next = self._next, (self._next + 1) % count
+        index = min(((start + k) % count for k in range(count)), key=self._load.__getitem__)
+        self._load[index] += 1
+        try:
+            return await resolve(self.engines[index].generate(prompt_ids, sampling))
+        finally:
+            self._load[index] -= 1
+
+    async def observe(self, completed: int) -> None:
+        """Every `stats_interval_s`: feed the engines' gauges to the concurrency controller (built from the first
+        stats); `completed` is the loop's count of finished tasks. Engines without `stats()` disable polling."""
+        now = self._clock()
+        if self.stats_interval_s is None or now < self._next_stats_at:
+            return
+        self._next_stats_at = now + self.stats_interval_s
+        try:
+            if not all(callable(getattr(engine, "stats", None)) for engine in self.engines):
+                raise NotImplementedError("an engine has no stats()")
+            stats = [await resolve(engine.stats()) for engine in self.engines]
+        except NotImplementedError as exc:
+            logger.warning("engines report no load stats (%s); concurrency stays at max_concurrent_rollouts", exc)
+            self.stats_interval_s = None
+            return
+        except self.retryable_exceptions as exc:
+            logger.warning("reading engine stats failed (%s: %s); keeping the concurrency cap", type(exc).__name__, exc)
+            return
+        if self.controller is None:
+            self.controller = ConcurrencyController.from_stats(self.max_concurrent, stats)
+        self._emit(self.controller.observe(stats, completed))
+
+
+__all__ = ["RETRY_METRIC", "EnginePool", "resolve", "retry_backoff_s"]

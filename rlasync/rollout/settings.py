@@ -1,0 +1,148 @@
+"""Typed rollout settings, derived once from the user's flat TRL-named config (`AsyncGRPOConfig` or
+`AsyncDistillationConfig`, which stay the user-facing surface).
+
+The task scheduler and the engine pool take a `RolloutSettings`, never the config; the rollout policies keep the
+config object only for the user's hooks (`self.config`). Sampling parameters are built here, one way for GRPO and
+distillation (`SamplingSettings.params`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlasync.config import AsyncDistillationConfig
+from rlasync.engine.base import SamplingParams
+
+DEFAULT_MAX_REQUEST_ATTEMPTS = 30
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSettings:
+    """What every generation request samples with (vLLM's names, see `SamplingParams`); only the seed varies."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    num_logprobs: int = 0
+    return_sampling_mask: bool = True
+
+    def params(self, seed: int | None) -> SamplingParams:
+        """The `SamplingParams` of one request with `seed`."""
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k or 0,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=seed,
+            num_logprobs=self.num_logprobs,
+            return_sampling_mask=self.return_sampling_mask,
+        )
+
+    @classmethod
+    def from_config(cls, config: Any, *, num_logprobs: int, return_sampling_mask: bool = True) -> SamplingSettings:
+        """The generation fields of a trainer config (`max_completion_length`, `temperature`, `top_k`, ...)."""
+        return cls(
+            max_tokens=int(config.max_completion_length),
+            temperature=float(config.temperature),
+            top_k=int(config.top_k or 0),
+            top_p=float(config.top_p),
+            min_p=config.min_p,
+            repetition_penalty=float(config.repetition_penalty),
+            num_logprobs=int(num_logprobs),
+            return_sampling_mask=return_sampling_mask,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSettings:
+    """What the task scheduler, the engine pool and the built-in policies read.
+
+    group_size:        tasks per lease (GRPO: `num_generations`; distillation: 1)
+    max_concurrent:    tasks in flight at most (GRPO: `max_concurrent_rollouts`; distillation: the resolved
+                       `max_inflight_tasks`)
+    heartbeat_timeout_s: a running loop whose heartbeat is older is reported hung (GRPO: `rollout_worker_timeout`;
+                       distillation: `heartbeat_stale_after_s`)
+    max_request_attempts: tries of one engine request against transient errors (SPEC §2.5)
+    sampling:          the generation request's sampling fields
+    num_sampler_logprobs: top-K sampler log-probs kept per trained token (GRPO)
+    max_tool_calling_iterations: rounds of tool execution per rollout (None: unbounded)
+    chat_template_kwargs: extra keyword arguments of the chat template
+    log_completions / num_completions_to_print / log_completions_steps: completion printing
+    teacher_top_k / teacher_temperature: the teachers' scoring (distillation)
+    """
+
+    group_size: int
+    max_concurrent: int
+    sampling: SamplingSettings
+    heartbeat_timeout_s: float | None = None
+    max_request_attempts: int = DEFAULT_MAX_REQUEST_ATTEMPTS
+    num_sampler_logprobs: int = 0
+    max_tool_calling_iterations: int | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
+    log_completions_steps: int = 100
+    teacher_top_k: int = 0
+    teacher_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"RolloutSettings.group_size={self.group_size}: a lease needs at least one task")
+        if self.max_concurrent < 1:
+            raise ValueError(f"RolloutSettings.max_concurrent={self.max_concurrent}: must be >= 1")
+        if self.teacher_top_k < 0:
+            raise ValueError(f"teacher_top_k={self.teacher_top_k} must be >= 0")
+
+    @classmethod
+    def from_config(cls, config: Any, *, max_inflight_tasks: int | None = None, num_ranks: int = 1) -> RolloutSettings:
+        """Settings of an `AsyncGRPOConfig` or an `AsyncDistillationConfig` (or a user subclass of either).
+
+        `max_inflight_tasks` (distillation) overrides the config's, e.g. one rollout actor's share; else the config's
+        value resolved over `num_ranks` learner ranks (`AsyncDistillationConfig.resolved_max_inflight_tasks`).
+        """
+        if isinstance(config, AsyncDistillationConfig):
+            return cls._distillation(config, max_inflight_tasks, num_ranks)
+        return cls(
+            group_size=int(config.num_generations),
+            max_concurrent=int(config.max_concurrent_rollouts),
+            sampling=SamplingSettings.from_config(config, num_logprobs=config.num_sampler_logprobs),
+            heartbeat_timeout_s=config.rollout_worker_timeout,
+            num_sampler_logprobs=int(config.num_sampler_logprobs),
+            max_tool_calling_iterations=config.max_tool_calling_iterations,
+            chat_template_kwargs=config.chat_template_kwargs,
+            log_completions=bool(config.log_completions),
+            num_completions_to_print=config.num_completions_to_print,
+        )
+
+    @classmethod
+    def _distillation(
+        cls, config: AsyncDistillationConfig, max_inflight_tasks: int | None, num_ranks: int
+    ) -> RolloutSettings:
+        if max_inflight_tasks is None:
+            if config.max_inflight_tasks == 0:
+                raise ValueError("max_inflight_tasks=0: no task could ever run (use -1 for the default)")
+            max_inflight_tasks = config.resolved_max_inflight_tasks(num_ranks)
+        if max_inflight_tasks < 1:
+            raise ValueError(f"max_inflight_tasks={max_inflight_tasks} must be >= 1")
+        return cls(
+            group_size=1,
+            max_concurrent=int(max_inflight_tasks),
+            # no log-probs and no candidate sets: the student side is recomputed by the learner
+            sampling=SamplingSettings.from_config(config, num_logprobs=0, return_sampling_mask=False),
+            heartbeat_timeout_s=config.heartbeat_stale_after_s,
+            chat_template_kwargs=config.chat_template_kwargs,
+            log_completions=bool(config.log_completions),
+            log_completions_steps=int(config.log_completions_steps or 0),
+            teacher_top_k=int(config.teacher_top_k),
+            teacher_temperature=float(config.teacher_temperature),
+        )
+
+
+__all__ = ["RolloutSettings", "SamplingSettings"]
