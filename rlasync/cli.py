@@ -87,24 +87,25 @@ def _train(argv: Sequence[str]) -> int:
     import logging
 
     from rlasync.config.run import load_run
+    from rlasync.data import build_dataset
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        spec = load_run(args.path, args.overrides)
-        dataset = spec.build_dataset()
+        run = load_run(args.path, args.overrides)
+        dataset = build_dataset(run.dataset)
         trainer: Any
-        if spec.trainer == "distillation":
+        if run.trainer == "distillation":
             from rlasync.trainers import AsyncDistillationTrainer
 
             trainer = AsyncDistillationTrainer(
-                model=spec.model, args=spec.config, train_dataset=dataset, teacher_model=spec.teacher_model
+                model=run.model, args=run.config, train_dataset=dataset, teacher_model=run.teacher_model
             )
         else:
-            reward_funcs = spec.build_reward_funcs()
+            reward_funcs = run.build_reward_funcs()
             from rlasync.trainers import AsyncGRPOTrainer
 
             trainer = AsyncGRPOTrainer(
-                model=spec.model, reward_funcs=reward_funcs, args=spec.config, train_dataset=dataset
+                model=run.model, reward_funcs=reward_funcs, args=run.config, train_dataset=dataset
             )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -115,7 +116,7 @@ def _train(argv: Sequence[str]) -> int:
         logging.getLogger("rlasync").debug("train failed", exc_info=True)
         print(f"error: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"output_dir": spec.config.output_dir, **state}))
+    print(json.dumps({"output_dir": run.config.output_dir, **state}))
     return 0
 
 

@@ -23,28 +23,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlasync.config.base import TrainerConfig
 from rlasync.config.grpo import AsyncGRPOConfig
 from rlasync.config.load import apply_overrides, build_config, read_yaml
 
 RUN_KEYS = ("model", "dataset", "reward_funcs", "trainer", "teacher_model")
 TRAINERS = ("grpo", "distillation")
-DATASETS = ("arithmetic", "countdown", "json", "hub")
+DATASETS = ("arithmetic", "countdown", "json", "hub")  # rlasync.data.build_dataset builds them
 
 
 @dataclass
-class RunSpec:
+class RunFile:
     """A loaded run file: the model, the dataset spec, reward import strings and the config (an
     `AsyncDistillationConfig` when `trainer` is "distillation", with the optional local `teacher_model`)."""
 
     model: str
-    config: Any
+    config: TrainerConfig
     dataset: dict[str, Any] = field(default_factory=dict)
     reward_funcs: list[str] = field(default_factory=list)
     trainer: str = "grpo"
     teacher_model: str | dict[str, str] | None = None
-
-    def build_dataset(self) -> Any:
-        return build_dataset(self.dataset)
 
     def build_reward_funcs(self) -> list[Callable[..., Any]]:
         return [import_object(name) for name in self.reward_funcs]
@@ -54,7 +52,7 @@ def load_run(
     path: str | Path | None = None,
     overrides: Iterable[str] = (),
     config_class: type[AsyncGRPOConfig] = AsyncGRPOConfig,
-) -> RunSpec:
+) -> RunFile:
     """Read a run file, apply overrides, validate the config and the run keys (errors name the key)."""
     data = read_yaml(path) if path is not None else {}
     data = apply_overrides(data, overrides)
@@ -89,7 +87,7 @@ def load_run(
             raise ValueError(f"{where}`teacher_model:` must be a path / alias or a {{teacher_id: path}} mapping")
         if isinstance(teacher_model, Mapping):
             teacher_model = dict(teacher_model)
-        return RunSpec(model=model, config=config, dataset=dict(dataset), trainer=trainer, teacher_model=teacher_model)
+        return RunFile(model=model, config=config, dataset=dict(dataset), trainer=trainer, teacher_model=teacher_model)
     if isinstance(rewards, str):
         rewards = [rewards]
     if not rewards or not all(isinstance(r, str) and ":" in r for r in rewards):
@@ -97,30 +95,7 @@ def load_run(
             f"{where}`reward_funcs:` must list import strings 'module:function', e.g. "
             f"[rlasync.rewards:last_number_reward], got {rewards!r}"
         )
-    return RunSpec(model=model, config=config, dataset=dict(dataset), reward_funcs=list(rewards))
-
-
-def build_dataset(spec: Mapping[str, Any]) -> Any:
-    """A `datasets.Dataset` from a run file's `dataset:` section.
-
-    arithmetic / countdown: `size`, `seed` and the task's keyword arguments (`max_operand`, `ops`, ...);
-    json: `path` (a .json/.jsonl file of rows); hub: `path` (+ `split`, default "train") for `datasets.load_dataset`.
-    """
-    spec = dict(spec)
-    name = spec.pop("name")
-    if name in ("arithmetic", "countdown"):
-        from rlasync.data import arithmetic_dataset, countdown_dataset
-
-        size, seed = spec.pop("size", 1000), spec.pop("seed", 0)
-        build = arithmetic_dataset if name == "arithmetic" else countdown_dataset
-        return build(int(size), int(seed), **spec)
-    import datasets
-
-    if name == "json":
-        return datasets.load_dataset("json", data_files=str(spec["path"]), split="train")
-    if name == "hub":
-        return datasets.load_dataset(spec["path"], split=spec.get("split", "train"))
-    raise ValueError(f"dataset.name={name!r}: use one of {DATASETS}")
+    return RunFile(model=model, config=config, dataset=dict(dataset), reward_funcs=list(rewards))
 
 
 def import_object(text: str) -> Any:

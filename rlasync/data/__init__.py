@@ -3,6 +3,7 @@
 Importing this package loads neither torch, transformers nor datasets (`*_dataset` imports datasets on use).
 """
 
+from rlasync.data.from_spec import DATASET_NAMES, build_dataset
 from rlasync.data.prompts import (
     PROMPT_COLUMN,
     is_conversational,
@@ -19,9 +20,11 @@ from rlasync.data.tasks import (
 )
 
 __all__ = [
+    "DATASET_NAMES",
     "PROMPT_COLUMN",
     "arithmetic_dataset",
     "arithmetic_rows",
+    "build_dataset",
     "countdown_dataset",
     "countdown_rows",
     "is_conversational",

@@ -10,7 +10,7 @@ limit, and where the run starts (a fresh run, or a checkpoint's step, policy ver
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, WeightTransport
@@ -19,6 +19,9 @@ from rlasync.driver.step_loop import StepLoop, StepSettings
 from rlasync.metrics.sinks import build_sinks
 from rlasync.pipeline import RolloutState, initial_tokens_per_step
 from rlasync.pipeline.settings import QueueSettings
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 RolloutKind = Literal["grpo", "distill"]
 Objective = Literal["grpo", "distill"]
@@ -67,7 +70,7 @@ class RunSpec:
     """What one training run is made of. `config` is the user's flat config (AsyncGRPOConfig or
     AsyncDistillationConfig); `model` the resolved path the actors load (a checkpoint's when resuming)."""
 
-    config: Any
+    config: TrainerConfig
     model: str
     tokenizer: Any
     train_dataset: Any
@@ -106,7 +109,7 @@ class RunSpec:
         )  # fmt: skip
 
 
-def step_budget(config: Any, num_learners: int, max_model_len: int | None) -> tuple[int, int, int | None]:
+def step_budget(config: TrainerConfig, num_learners: int, max_model_len: int | None) -> tuple[int, int, int | None]:
     """(tokens per packed row, tokens per step, samples per step or None): the row budget is `token_budget`, else
     the engine's `max_model_len`; a budget <= 0 means a fixed count of samples per step."""
     budget = config.token_budget if config.token_budget is not None else max_model_len
@@ -118,7 +121,7 @@ def step_budget(config: Any, num_learners: int, max_model_len: int | None) -> tu
     return budget, samples_per_step * 256, samples_per_step  # a first guess; finish_step corrects it
 
 
-def engine_dtype(config: Any) -> str | None:
+def engine_dtype(config: TrainerConfig) -> str | None:
     """The engines' dtype: their default (bf16 on a GPU, float32 on the CPU) when the trainer is float32 under bf16
     mixed precision or "auto"; else the trainer's (e.g. pure bf16 training samples from bf16 engines)."""
     if config.dtype == "auto" or (config.dtype == "float32" and config.bf16):

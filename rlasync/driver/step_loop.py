@@ -15,11 +15,14 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, MetricItems, SampleQueue, WeightTransport
 from rlasync.metrics import MetricSink
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class StepSettings:
     poll_s: float = TAKE_POLL_S
 
     @classmethod
-    def from_config(cls, config: Any, *, horizon: int | None, tokens_per_step: int, samples_per_step: int | None,
+    def from_config(cls, config: TrainerConfig, *, horizon: int | None, tokens_per_step: int, samples_per_step: int | None,
                     hang_timeout_s: float) -> StepSettings:  # fmt: skip
         return cls(
             horizon=horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,

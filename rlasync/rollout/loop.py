@@ -60,7 +60,7 @@ import collections
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.engine.base import EngineError
 from rlasync.metrics import MetricSink
@@ -76,6 +76,9 @@ from rlasync.rollout.protocols import Admission, OpenAdmission, PromptSource
 from rlasync.rollout.scheduler import TaskScheduler
 from rlasync.rollout.sequences import build_training_sequences, reconciliation_tally
 from rlasync.rollout.settings import RolloutSettings
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 ReleaseReason = GroupOutcome
 """Kept name: a lease comes back without a scored group as one of `RELEASE_REASONS`: `filtered` (rejected by
@@ -102,7 +105,7 @@ class AsyncRolloutLoop(ScheduledLoop, RolloutPolicy):
     def __init__(
         self,
         *,
-        config: Any = None,
+        config: TrainerConfig | None = None,
         tokenizer: Any,
         engine: Any | Sequence[Any],
         prompt_source: PromptSource,
@@ -120,7 +123,7 @@ class AsyncRolloutLoop(ScheduledLoop, RolloutPolicy):
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         rng: random.Random | None = None,
         reward_scorer: RewardScorer | None = None,
-        args: Any = None,
+        args: TrainerConfig | None = None,
     ) -> None:
         config = one_config(config, args, type(self).__name__)
         settings = RolloutSettings.from_config(config)

@@ -22,7 +22,7 @@ import random
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from rlasync.rollout.sequences import build_training_sequences, tokenizer_eos_id
 from rlasync.rollout.settings import RolloutSettings
 from rlasync.rollout.tools import PARSE_FAILURE_METRIC, run_tool_loop, tools_by_name
 from rlasync.rollout.tools import parse_response as parse_tool_response
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 SEED_BITS = 63
 
@@ -102,7 +105,7 @@ class RolloutPolicy:
     failure_metric = "rollout/failed_group_count"
 
     def _init_policy(
-        self, *, config: Any, tokenizer: Any, settings: RolloutSettings, engine_pool: EnginePool,
+        self, *, config: TrainerConfig, tokenizer: Any, settings: RolloutSettings, engine_pool: EnginePool,
         reward_funcs: RewardFunc | Sequence[RewardFunc] | None, tools: Sequence[Callable[..., Any]] | None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None,
         eos_token_ids: Iterable[int] | None, clock: Callable[[], float], rng: random.Random | None,

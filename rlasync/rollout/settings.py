@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.config import AsyncDistillationConfig
 from rlasync.engine.base import SamplingParams
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 DEFAULT_MAX_REQUEST_ATTEMPTS = 30
 
@@ -46,7 +49,7 @@ class SamplingSettings:
         )
 
     @classmethod
-    def from_config(cls, config: Any, *, num_logprobs: int, return_sampling_mask: bool = True) -> SamplingSettings:
+    def from_config(cls, config: TrainerConfig, *, num_logprobs: int, return_sampling_mask: bool = True) -> SamplingSettings:
         """The generation fields of a trainer config (`max_completion_length`, `temperature`, `top_k`, ...)."""
         return cls(
             max_tokens=int(config.max_completion_length),
@@ -101,7 +104,7 @@ class RolloutSettings:
             raise ValueError(f"teacher_top_k={self.teacher_top_k} must be >= 0")
 
     @classmethod
-    def from_config(cls, config: Any, *, max_inflight_tasks: int | None = None, num_ranks: int = 1) -> RolloutSettings:
+    def from_config(cls, config: TrainerConfig, *, max_inflight_tasks: int | None = None, num_ranks: int = 1) -> RolloutSettings:
         """Settings of an `AsyncGRPOConfig` or an `AsyncDistillationConfig` (or a user subclass of either).
 
         `max_inflight_tasks` (distillation) overrides the config's, e.g. one rollout actor's share; else the config's

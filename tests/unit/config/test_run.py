@@ -2,7 +2,8 @@
 
 import pytest
 
-from rlasync.config.run import build_dataset, import_object, load_run
+from rlasync.config.run import import_object, load_run
+from rlasync.data import build_dataset
 from rlasync.rewards import last_number_reward
 
 RUN = """
@@ -26,7 +27,7 @@ def test_run_file_loads_with_overrides(tmp_path):
     assert spec.config.cluster.num_generation_actors == 2
     assert spec.build_reward_funcs() == [last_number_reward]
     pytest.importorskip("datasets")
-    assert len(spec.build_dataset()) == 4
+    assert len(build_dataset(spec.dataset)) == 4
 
 
 @pytest.mark.parametrize(
