@@ -1,4 +1,4 @@
-"""Ray shells, one file per service (DESIGN.md §2): each builds a core object and exposes a few methods.
+"""Ray shells, one file per service (docs/design.md §2): each builds a core object and exposes a few methods.
 
     cluster.py          Cluster          creates, wires and removes the actors of a RunSpec; runs the StepLoop
     cluster_weights.py  RayWeightSync    the weight-sync group and one sync (the StepLoop's weight transport)

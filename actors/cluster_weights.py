@@ -69,7 +69,7 @@ class RayWeightSync:
     """One sync, whatever the transport: every learner rank prepares (rank 0's ticket: e.g. CUDA-IPC handles, or
     None for a broadcast), then the learners send while each engine receives, pauses (its step in flight finishes
     meanwhile), loads and resumes (`GenerationActor.sync_weights`), then the learners finish (e.g. release shared
-    buckets); then the queue publishes version + 1. The timings are the sync's phases (SPEC §6.1 names):
+    buckets); then the queue publishes version + 1. The timings are the sync's phases (docs/algorithms.md §6.1 names):
     `perf/weight_sync_s` (total, including the version bump), and over the engines the slowest
     `perf/weight_sync_pause_s` (until paused, overlapping the transfer), `perf/weight_sync_transfer_s` (paused until
     loaded: what of the transfer did not overlap, and the copies) and `perf/weight_sync_resume_s`; also

@@ -1,4 +1,4 @@
-"""DistillRolloutActor: one `AsyncDistillationLoop` (SPEC §9.1) wired to Ray handles.
+"""DistillRolloutActor: one `AsyncDistillationLoop` (docs/algorithms.md §9.1) wired to Ray handles.
 
     queue actor ──next_group(1)──► QueuePromptSource.lease() (actors/loop_host.py)   (a distillation "group" is one sample)
     loop ──generate──► _RemoteStudent ──► GenerationActor handles (the student; they receive the weight syncs)

@@ -1,4 +1,4 @@
-"""TeacherScorer: hosts one teacher engine used only for teacher-forced scoring (SPEC §9.1; DESIGN.md §1).
+"""TeacherScorer: hosts one teacher engine used only for teacher-forced scoring (docs/algorithms.md §9.1; docs/design.md §1).
 
     distillation rollout loop ──score(prompt + completion, prompt_length, top_k[, temperature])──► TeacherScorer
                               ◄── ScoreResult (top-k ids / log-probs per completion position, realised token's) ──

@@ -1,14 +1,14 @@
 """Group-relative advantages (GRPO) and the degenerate-group rule, on numpy arrays only.
 
 A group is the `G` rollouts of one prompt. `rewards[i]` is rollout `i`'s summed reward, NaN when no reward
-source scored it (unscorable). With `M` the scorable rollouts (SPEC §2.6.2):
+source scored it (unscorable). With `M` the scorable rollouts (docs/algorithms.md §2.6.2):
 
     m = mean(R[M]),  s = std(R[M])            population std (ddof = 0)
     A_i = (R_i - m) / (s + 1e-8)   for i in M
     A_i = 0                        for i not in M
 
 There is no `scale_rewards` option: the advantage is always divided by the group std. A group is degenerate
-(SPEC §2.6.3) when fewer than two rollouts are scorable or every scored reward is equal; the seed's loop drops
+(docs/algorithms.md §2.6.3) when fewer than two rollouts are scorable or every scored reward is equal; the rollout loop drops
 such groups, because their advantages are zero everywhere and they would cost a forward/backward for nothing.
 """
 

@@ -32,7 +32,7 @@ import numpy as np
 MetricValue = float | tuple[float, float]
 """A metric value: a float, or a `(numerator, denominator)` rate pair reduced as Σnum / Σden."""
 MetricItem = tuple[str, MetricValue]
-"""One metric as it travels: `(key, value)`, keys as in SPEC §8.2/8.3."""
+"""One metric as it travels: `(key, value)`, keys as in docs/algorithms.md §8.2/8.3."""
 MetricsCallback = Callable[[list[MetricItem]], Any]
 """Where a component reports its metric items (a rollout actor buffers them; a test collects them)."""
 
@@ -42,7 +42,7 @@ class GroupOutcome(enum.StrEnum):
     compares and hashes equal to `GroupOutcome.TRAINED`).
 
     trained    some of its samples were taken by the learner: consumed
-    zero_std   dropped for zero reward std (SPEC §2.6.3): consumed
+    zero_std   dropped for zero reward std (docs/algorithms.md §2.6.3): consumed
     filtered   rejected by `filter_prompt`: consumed for the epoch
     failed     failed for good (the engine rejected its prompt, e.g. longer than max_model_len: leasing it again
                could never succeed): consumed

@@ -1,8 +1,8 @@
-"""`AsyncDistillationConfig`: TRL 1.16's field names and defaults for on-policy distillation (SPEC §10.3, §11).
+"""`AsyncDistillationConfig`: TRL 1.16's field names and defaults for on-policy distillation (docs/algorithms.md §10.3, §11).
 
 The run, optimisation, model, sampling and actor-system fields and their checks come from `TrainerConfig`
 (`rlasync.config.base`), shared with `AsyncGRPOConfig`; this class adds the teachers, the loss and the distillation
-worker's knobs, and keeps SPEC §10.3's defaults where they differ from GRPO's (`lr_scheduler_type` stays
+worker's knobs, and keeps docs/algorithms.md §10.3's defaults where they differ from GRPO's (`lr_scheduler_type` stays
 transformers' "linear"; `vllm_server_timeout` is 240 s). Loaded the same way (`load_config(path, overrides,
 config_class=AsyncDistillationConfig)`); dict-valued fields also accept a JSON object string.
 
@@ -24,7 +24,7 @@ DEFAULT_TEACHER_SERVER_URLS = {"default": "http://localhost:8001"}
 
 @dataclass
 class AsyncDistillationConfig(TrainerConfig):
-    """Configuration of asynchronous on-policy distillation (TRL's `AsyncDistillationConfig`, SPEC §10.3)."""
+    """Configuration of asynchronous on-policy distillation (TRL's `AsyncDistillationConfig`, docs/algorithms.md §10.3)."""
 
     lr_scheduler_type: str = "linear"
     """Not overridden (transformers' linear decay): its horizon is `max_steps`, or the epoch ceiling

@@ -1,4 +1,4 @@
-"""`AsyncGRPOConfig`: TRL's field names and defaults (seed version, SPEC §10.2) plus the training
+"""`AsyncGRPOConfig`: TRL's field names and defaults (docs/algorithms.md §10.2) plus the training
 arguments the trainer reads, as a plain dataclass so that users subclass it the way TRL's docs show:
 
     @dataclass
@@ -56,7 +56,7 @@ class AsyncGRPOConfig(TrainerConfig):
     num_sampler_logprobs: int = 8
     """Top-N sampler log-probs per generated token, the head of score centering's expectation."""
     masked_token_centering: Literal["keep", "drop"] = "keep"
-    """rlasync switch for SPEC §5.3's open question: a sampled token masked by the IS bounds keeps its
+    """rlasync's switch (docs/algorithms.md §5.3): a sampled token masked by the IS bounds keeps its
     centring term ("keep", the derivation) or is removed from the loss entirely ("drop")."""
 
     # ---- asynchrony ----

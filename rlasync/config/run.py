@@ -6,7 +6,7 @@ A run file is a config (every `AsyncGRPOConfig` field, the `cluster` section inc
     dataset: {name: arithmetic, size: 2000, seed: 0, max_operand: 9}
     reward_funcs: [rlasync.rewards:last_number_reward]   # import strings "module:attribute"
 
-On-policy distillation: `trainer: distillation` makes the rest an `AsyncDistillationConfig` (SPEC §10.3) and the
+On-policy distillation: `trainer: distillation` makes the rest an `AsyncDistillationConfig` (docs/algorithms.md §10.3) and the
 driver `AsyncDistillationTrainer`; `reward_funcs` is then not used, and an optional `teacher_model` (a path / alias,
 or `{teacher_id: path}`) hosts the teachers locally instead of reaching `teacher_server_urls`.
 

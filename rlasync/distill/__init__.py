@@ -1,4 +1,4 @@
-"""On-policy distillation, data side (SPEC §9): the sample, MOPD routing, Σ L² batching and collation, and the
+"""On-policy distillation, data side (docs/algorithms.md §9): the sample, MOPD routing, Σ L² batching and collation, and the
 worker loop (the distillation policy on the rollout task scheduler) that generates with the student and scores
 with the teacher engines. No torch, no ray."""
 

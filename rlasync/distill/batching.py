@@ -1,4 +1,4 @@
-"""Micro-batching and collation of distillation samples (SPEC §9.5): plain padding-free packing, Σ L² balancing.
+"""Micro-batching and collation of distillation samples (docs/algorithms.md §9.5): plain padding-free packing, Σ L² balancing.
 
 A micro-batch is one row per DP rank; a row is a list of whole samples laid end to end (no prefix sharing: the
 budget counts raw tokens). A row's load is Σ L² over its samples (the attention cost of padding-free packing).
@@ -64,7 +64,7 @@ class DistillRow:
 def balance_by_squared_length(samples: Sequence[DistillationSample], num_rows: int) -> list[DistillRow]:
     """Longest first, each sample into the row with the smallest current Σ L² (lowest index on ties).
 
-    With at least `num_rows` non-empty samples no row stays empty. Examples (SPEC §9.5): lengths (3,3,2,2) over 2
+    With at least `num_rows` non-empty samples no row stays empty. Examples (docs/algorithms.md §9.5): lengths (3,3,2,2) over 2
     rows -> Σ L² 13 and 13; (4,3,2,1) -> [4] | [3,2,1] with loads 16 and 14.
     """
     if num_rows < 1:
@@ -120,7 +120,7 @@ class FixedCountBatcher(PlannerFixedCountBatcher):
 
 
 class TokenBudgetBatcher:
-    """Rows of at most `token_budget` raw tokens (SPEC §9.5; the default, budget = the student's max_model_len).
+    """Rows of at most `token_budget` raw tokens (docs/algorithms.md §9.5; the default, budget = the student's max_model_len).
 
     A sample longer than the budget is dropped and counted (`dropped_oversize_count`: running total; each
     micro-batch carries its drops since the previous one, logged as `batch/dropped_oversize_total`). Otherwise the
@@ -266,7 +266,7 @@ def collate_rows(
 def batch_metrics(
     rows: Sequence[DistillRow], token_budget: int | None = None, *, dropped_oversize_count: int | None = None
 ) -> dict[str, MetricValue]:
-    """Collator metrics of one micro-batch (GRPO's §4.6 set without `batch/packing_ratio`; row tokens are raw
+    """Collator metrics of one micro-batch (GRPO's docs/algorithms.md §4.6 set without `batch/packing_ratio`; row tokens are raw
     tokens; `batch/row_imbalance` = max Σ L² / mean Σ L²). `batch/row_fill_frac` only with a positive budget;
     `batch/dropped_oversize_total` only when `dropped_oversize_count` is given. Per-sample `metrics` keys are
     averaged over the samples carrying them, NaN ignored."""

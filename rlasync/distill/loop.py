@@ -1,4 +1,4 @@
-"""`AsyncDistillationLoop`: the distillation worker loop (SPEC §9.1) over rlasync engines.
+"""`AsyncDistillationLoop`: the distillation worker loop (docs/algorithms.md §9.1) over rlasync engines.
 
     PromptSource.lease() ──► route(row) ──► student.generate ──► teacher.score(prompt + completion) ──► sink.put
                               (§9.4)         (no log-probs)       (top-k at teacher_top_k)              (one sample)
@@ -28,7 +28,7 @@ it).
 Teacher temperature: `Engine.score` has no temperature parameter today (every engine scores at temperature 1).
 The loop passes `temperature=teacher_temperature` to a teacher whose `score` accepts that keyword; for any other
 teacher it warns once when `teacher_temperature != 1` and the teacher's log-probs stay at temperature 1 (the
-"raw log-probs" case of SPEC §9.3: τ then only affects the student side of the loss).
+"raw log-probs" case of docs/algorithms.md §9.3: τ then only affects the student side of the loss).
 
 No torch, no ray.
 """
@@ -55,7 +55,7 @@ from rlasync.rollout.settings import RolloutSettings
 
 
 def resolve_max_inflight_tasks(config: AsyncDistillationConfig, num_ranks: int = 1) -> int:
-    """`config.max_inflight_tasks`, or for a negative value `max(max_staleness, 1) × samples_per_step` (SPEC §10;
+    """`config.max_inflight_tasks`, or for a negative value `max(max_staleness, 1) × samples_per_step` (docs/algorithms.md §10;
     `samples_per_step` = `per_device_train_batch_size × gradient_accumulation_steps × num_ranks`)."""
     return RolloutSettings.from_config(config, num_ranks=num_ranks).max_concurrent
 
@@ -123,7 +123,7 @@ class AsyncDistillationLoop(ScheduledLoop, DistillationPolicy):
 
     @property
     def max_request_attempts(self) -> int:
-        """Tries of one student or teacher request against transient engine errors (SPEC §2.5)."""
+        """Tries of one student or teacher request against transient engine errors (docs/algorithms.md §2.5)."""
         return self.engine_pool.max_attempts
 
     @max_request_attempts.setter

@@ -1,4 +1,4 @@
-"""`DistillationPolicy`: what one on-policy distillation task is (SPEC §9.1) — render, sample with the student,
+"""`DistillationPolicy`: what one on-policy distillation task is (docs/algorithms.md §9.1) — render, sample with the student,
 score with the routed teacher, build the `DistillationSample` — and its metrics.
 
 The task scheduler (`rlasync.rollout.scheduler`) runs it with one task per lease (a distillation "group" is one
@@ -111,13 +111,13 @@ class DistillationPolicy:
     async def generate_and_score_one(
         self, lease: PromptLease, policy_version: int | None = None
     ) -> tuple[DistillationSample, list[MetricItem]]:
-        """One task (SPEC §9.1's `_generate_and_score_one`): route the row, render its prompt, generate with the
+        """One task (docs/algorithms.md §9.1's `_generate_and_score_one`): route the row, render its prompt, generate with the
         student, score `prompt + completion` with the row's teacher, build the sample. Returns the sample and its
         per-task metrics (emitted with the push). `policy_version`: the version read when the task started."""
         started = self._clock()
         if policy_version is None:
             policy_version = self.policy_version
-        teacher_id, teacher = self.router.route(lease.row)  # an unknown teacher_id stops the loop (SPEC §9.4)
+        teacher_id, teacher = self.router.route(lease.row)  # an unknown teacher_id stops the loop (docs/algorithms.md §9.4)
         prompt = row_prompt(lease.row, lease.row_index)
         prompt_ids = self.render(prompt)
         turn = await self.engine_pool.generate(prompt_ids, self.sampling_params(), what="student")

@@ -1,4 +1,4 @@
-"""MOPD routing (SPEC §9.4): which teacher scores a dataset row.
+"""MOPD routing (docs/algorithms.md §9.4): which teacher scores a dataset row.
 
 * One teacher: it scores every row, whatever the row's `teacher_id` column says (plain on-policy distillation).
 * Several teachers: the row's `teacher_id` column names its teacher; a missing or unknown id raises `ValueError`
@@ -41,7 +41,7 @@ class TeacherRouter(Generic[T]):
         return self.num_teachers > 1
 
     def teacher_id_for(self, row: Mapping[str, Any]) -> str:
-        """The id of the teacher that scores `row` (SPEC §9.4)."""
+        """The id of the teacher that scores `row` (docs/algorithms.md §9.4)."""
         if not self.is_multi_teacher:
             return self.teacher_ids[0]
         teacher_id = row.get(TEACHER_ID_COLUMN)

@@ -1,4 +1,4 @@
-"""The distillation sample (SPEC §9.2) and the parsing of a teacher's teacher-forced top-k log-probs (§9.1).
+"""The distillation sample (docs/algorithms.md §9.2) and the parsing of a teacher's teacher-forced top-k log-probs (§9.1).
 
 A `DistillationSample` is one prompt's student completion with the teacher's per-position candidates:
 
@@ -42,7 +42,7 @@ Candidates = tuple[list[int], list[float]]
 
 @dataclass(frozen=True, slots=True)
 class DistillationSample:
-    """What the distillation learner trains on: one student completion and the teacher's candidates (SPEC §9.2).
+    """What the distillation learner trains on: one student completion and the teacher's candidates (docs/algorithms.md §9.2).
 
     `policy_version` is the student's weight version when the task started (the spec's `model_version`; aliased);
     `prompt_id` is the global prompt counter (GRPO's `group_id` with one rollout per prompt; aliased as `group_id`
@@ -142,7 +142,7 @@ def parse_position(entry: Mapping[Any, Any] | None) -> Candidates:
 
 def parse_prompt_logprobs(prompt_logprobs: Sequence[Mapping[Any, Any] | None], prompt_length: int) -> list[Candidates]:
     """The completion positions `[prompt_length, len(prompt_logprobs))` of vLLM's `prompt_logprobs` (entry `i`
-    scores `sequence[i]` given `sequence[:i]`), each parsed by `parse_position` (SPEC §9.1)."""
+    scores `sequence[i]` given `sequence[:i]`), each parsed by `parse_position` (docs/algorithms.md §9.1)."""
     return [parse_position(prompt_logprobs[i]) for i in range(prompt_length, len(prompt_logprobs))]
 
 
@@ -192,7 +192,7 @@ def build_distillation_sample(
     metrics: Mapping[str, float] | None = None,
     enqueued_at: float = 0.0,
 ) -> DistillationSample:
-    """The §9.2 sample of one task. `teacher` is the teacher engine's `ScoreResult` of `prompt_ids +
+    """The docs/algorithms.md §9.2 sample of one task. `teacher` is the teacher engine's `ScoreResult` of `prompt_ids +
     completion_ids` (scored from `len(prompt_ids)`), or per completion position its `(ids, log-probs)` candidates
     sorted by rank (e.g. `parse_prompt_logprobs`). Arrays are `(L, top_k + 1)`; a position with more than
     `top_k + 1` candidates raises `ValueError`; positions beyond the candidates given stay all-sentinel (no

@@ -1,10 +1,10 @@
 """The one interface every generation engine implements (built-in torch engine, vLLM in-process, vLLM server).
 
     engine.generate(prompt_ids, sampling)  -> TurnRecord      (async; one sampling request)
-    engine.score(token_ids, prompt_length, top_k) -> ScoreResult   (async; teacher-forced, SPEC §9.1)
+    engine.score(token_ids, prompt_length, top_k) -> ScoreResult   (async; teacher-forced, docs/algorithms.md §9.1)
     engine.pause() / engine.resume()       pause keeps in-flight requests and runs no forward until resumed
     engine.load_weights(named_tensors)     in place, HF parameter names, while paused
-    engine.stats() -> EngineStats          what the rollout side's concurrency controller reads (SPEC §2.3.2)
+    engine.stats() -> EngineStats          what the rollout side's concurrency controller reads (docs/algorithms.md §2.3.2)
 
 The GenerationActor and the TeacherScorer hold an `Engine`; nothing else of an engine is public. This module
 imports neither torch nor ray: sampling parameters and results are plain data.
@@ -130,7 +130,7 @@ class ScoreResult:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """Load gauges read by the rollout side's concurrency controller (SPEC §2.3.2)."""
+    """Load gauges read by the rollout side's concurrency controller (docs/algorithms.md §2.3.2)."""
 
     kv_cache_usage_frac: float
     num_running: int

@@ -16,7 +16,7 @@ Weights and in-flight KV: `load_weights` (paused only) copies in place, then by 
 (`kv_on_weight_update="recompute"`) preempts every running request: its KV was computed by the old weights, so it
 recomputes its prompt and its tokens so far under the new ones when resumed. Tokens already sampled keep the
 log-probs they were sampled with; every later token is sampled from, and reports, the new policy on a consistent
-context. This is what SPEC §2.3.2 describes for vLLM ("each weight sync preempts all running requests") and it is
+context. This is what docs/algorithms.md §2.3.2 describes for vLLM ("each weight sync preempts all running requests") and it is
 counted in `num_preemptions`. `"keep"` (vLLM's keep mode) keeps the stale KV: no recomputation, but later tokens
 are conditioned on old-policy keys/values that the trainer will never reproduce.
 """

@@ -20,7 +20,7 @@ they are in 0.25's source:
   pause/resume   `pause_generation(mode="keep", clear_cache=True)` / `resume_generation()`: "keep" freezes
                  in-flight requests; clearing the cache (once the engine is idle) preempts the running ones, so they
                  recompute their KV under the new weights after a sync (what `TorchEngine` does by default, and what
-                 SPEC §2.3.2 describes: "each weight sync ... preempts all running requests")
+                 docs/algorithms.md §2.3.2 describes: "each weight sync ... preempts all running requests")
   weights        `collective_rpc(method, timeout, args, kwargs)` on the worker extension of
                  `rlasync.engine.vllm_worker` (tensors inline as bytes, CUDA tensors as CUDA IPC handles; the
                  gloo weight-sync group of `rlasync.weights.broadcast`); and vLLM's own NCCL path,
@@ -36,7 +36,7 @@ they are in 0.25's source:
 
 Not in 0.25: sampling masks (each token's top-k/top-p candidate set; vLLM >= 0.28 with `--return-sampling-mask`).
 `generate` warns once and returns `output_sampling_mask=None`, and the trainer then normalises over the full
-vocabulary (SPEC §2.4: biased when top-k/top-p filter; exact without filtering).
+vocabulary (docs/algorithms.md §2.4: biased when top-k/top-p filter; exact without filtering).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class VLLMEngine(VLLMWeightLoading):
     max_num_seqs            concurrent sequences (vLLM's scheduler limit)
     max_logprobs            largest `num_logprobs` accepted (vLLM rejects more)
     seed                    engine seed; default a random one, so that engines never share a random stream
-    use_request_seeds       pass `SamplingParams.seed` to vLLM (reproducible per request, SPEC §2.4); vLLM 0.25
+    use_request_seeds       pass `SamplingParams.seed` to vLLM (reproducible per request, docs/algorithms.md §2.4); vLLM 0.25
                             samples seeded requests one by one, so False trades that for speed (the engine's own
                             random stream, distinct per engine, is used instead)
     clear_cache_on_pause    drop the prefix cache on pause and recompute running requests under the new weights

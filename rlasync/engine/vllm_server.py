@@ -1,4 +1,4 @@
-"""`VLLMServerEngine`: the engine interface over HTTP to an external `vllm serve` (SPEC §1, §2.4, §6).
+"""`VLLMServerEngine`: the engine interface over HTTP to an external `vllm serve` (docs/design.md §1, docs/algorithms.md §2.4, §6).
 
 No vllm import here (aiohttp for the data plane, urllib for the one-time startup check). Written against vLLM
 0.25.0's server; what it uses, as it is in 0.25's source:
@@ -179,7 +179,7 @@ class VLLMServerEngine:
         self, token_ids: Sequence[int], prompt_length: int, top_k: int, temperature: float = 1.0
     ) -> ScoreResult:
         """Teacher-forced log-probs of `token_ids[prompt_length:]` (`prompt_logprobs=top_k`, one generated token,
-        discarded) at `temperature` (SPEC §9.1's `teacher_temperature`; the server applies it to the prompt
+        discarded) at `temperature` (docs/algorithms.md §9.1's `teacher_temperature`; the server applies it to the prompt
         log-probs only when it runs `--logprobs-mode processed_logprobs`)."""
         if not temperature > 0:
             raise RequestRejectedError(f"score: temperature={temperature} must be > 0")

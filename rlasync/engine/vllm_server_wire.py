@@ -108,7 +108,7 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 def stats_from_metrics(text: str, max_model_len: int, kv_capacity_tokens: int | None = None) -> EngineStats:
-    """`EngineStats` from vLLM's /metrics: KV usage = max over engines, running/waiting/preemptions = sums (SPEC
+    """`EngineStats` from vLLM's /metrics: KV usage = max over engines, running/waiting/preemptions = sums (docs/algorithms.md
     §2.3.2), capacity = Σ num_gpu_blocks × block_size of `vllm:cache_config_info`."""
     samples = parse_prometheus(text)
 

@@ -1,4 +1,4 @@
-"""One optimisation step of on-policy distillation on plain padding-free rows (SPEC §9.3, §9.5, §8.4).
+"""One optimisation step of on-policy distillation on plain padding-free rows (docs/algorithms.md §9.3, §9.5, §8.4).
 
     micro-batches of this rank (one collated row each: `rlasync.distill.collate_rows(...)`, row `rank`)
       -> distill_row_tensors: padding stripped; each sample is a chain, so the row is a forest and the tree attention

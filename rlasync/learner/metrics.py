@@ -1,4 +1,4 @@
-"""One step's metrics of every learner rank reduced to one record (SPEC §8.1 rules, across ranks instead of steps).
+"""One step's metrics of every learner rank reduced to one record (docs/algorithms.md §8.1 rules, across ranks instead of steps).
 
 Each rank reports partial statistics of its own rows; `reduce_across_ranks` combines them with two all-reduces
 (one SUM vector, one MAX vector), through a callable so this module needs no process group:
@@ -22,7 +22,7 @@ import torch
 from rlasync.metrics import MetricValue, reduction_for
 
 SUM_ACROSS_RANKS = frozenset({"batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step"})
-"""Per-step quantities whose meaning is "over all ranks" (SPEC §8.2), though their window rule is a mean."""
+"""Per-step quantities whose meaning is "over all ranks" (docs/algorithms.md §8.2), though their window rule is a mean."""
 
 AllReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """`(sums, maxes) -> (sums summed over ranks, maxes maxed over ranks)`; float64 CPU tensors in and out."""

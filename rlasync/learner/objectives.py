@@ -2,9 +2,9 @@
 step's samples into micro-batches, this rank's rows of them, the step core, and the step's own metrics.
 
     GrpoObjective            TokenBudgetBatcher / FixedCountBatcher (rlasync.packing) -> tree-packed rows
-                             -> LearnerStep (grpo_loss, SPEC §5) ; batch/groups_per_step
+                             -> LearnerStep (grpo_loss, docs/algorithms.md §5) ; batch/groups_per_step
     DistillationObjective    TokenBudgetBatcher / FixedCountBatcher (rlasync.distill) -> plain padding-free rows
-                             (Σ L² balanced, SPEC §9.5) -> DistillLearnerStep (SPEC §9.3) ; batch/prompts_per_step
+                             (Σ L² balanced, docs/algorithms.md §9.5) -> DistillLearnerStep (docs/algorithms.md §9.3) ; batch/prompts_per_step
 
 Every rank runs the same deterministic planner over all the step's samples and trains its own row of every
 micro-batch; the planner's metrics already cover every rank's rows (rank 0 reports them). No Ray.
@@ -130,7 +130,7 @@ class GrpoObjective(Objective):
 
 class DistillationObjective(Objective):
     """On-policy distillation on plain padding-free rows (`DistillLearnerStep` over a `DistillScorer`); counts
-    `batch/prompts_per_step` (one sample per prompt, SPEC §9.6)."""
+    `batch/prompts_per_step` (one sample per prompt, docs/algorithms.md §9.6)."""
 
     unit = "prompts"
 
@@ -172,7 +172,7 @@ class DistillationObjective(Objective):
         return batches
 
     def rows(self, batches: Sequence[Any], device: torch.device, pad_id: int) -> StepRows:
-        """Plain padding-free rows (Σ L² balanced, SPEC §9.5), one per rank and micro-batch."""
+        """Plain padding-free rows (Σ L² balanced, docs/algorithms.md §9.5), one per rank and micro-batch."""
         from rlasync.learner.distill import distill_row_tensors
 
         teacher_ids = self.teacher_ids if len(self.teacher_ids) > 1 else None

@@ -1,4 +1,4 @@
-"""One optimisation step of asynchronous GRPO on tree-packed micro-batches (SPEC §4.6, §5, §8).
+"""One optimisation step of asynchronous GRPO on tree-packed micro-batches (docs/algorithms.md §4.6, §5, §8).
 
     micro-batches of this rank ([PackedRow] x GA, one row per micro-batch)
       -> per row: tree forward + chunked head (rlasync.model) -> TokenScores [M]
@@ -9,7 +9,7 @@
 The step knows nothing of Ray or of how rows were planned: the learner actor (or a test) hands it this rank's rows
 and the global loss-term counts. Distributed gradient averaging (FSDP2/DDP over P ranks) happens in backward;
 `num_ranks` only enters the normaliser. Every metric is a float or a (numerator, denominator) pair reduced by
-`rlasync.metrics` (SPEC §8.1).
+`rlasync.metrics` (docs/algorithms.md §8.1).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class LearnerStep:
     """Runs optimisation steps of one rank: `step(rows, global_terms) -> metrics`.
 
     `rows[i]` is this rank's PackedRow of micro-batch i; `global_terms[i]` is the number of loss terms of
-    micro-batch i summed over all ranks (the §5.2 normaliser). `temperature` divides the trainer's logits so the
+    micro-batch i summed over all ranks (the docs/algorithms.md §5.2 normaliser). `temperature` divides the trainer's logits so the
     trainer's distribution matches the sampler's.
     """
 
@@ -134,7 +134,7 @@ class LearnerStep:
     def step(
         self, rows: Sequence[Any], global_terms: Sequence[float], *, rate_pairs: bool = False
     ) -> dict[str, MetricValue]:
-        """One optimizer step over this rank's rows. The loss metrics of the micro-batches are reduced by SPEC §8.1;
+        """One optimizer step over this rank's rows. The loss metrics of the micro-batches are reduced by docs/algorithms.md §8.1;
         `rate_pairs=True` keeps rates as summed `(numerator, denominator)` pairs and all-NaN keys as NaN (the
         partial statistics `rlasync.learner.metrics.reduce_across_ranks` combines over ranks)."""
         if len(rows) != len(global_terms) or not rows:
@@ -204,7 +204,7 @@ def apply_update(step: Any) -> tuple[float, float]:
 
 def step_metrics(step: Any, total_loss: float, grad_norm: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float,
                  num_rows: int) -> dict[str, MetricValue]:  # fmt: skip
-    """The per-step scalars every learner step logs (TRL's names and SPEC §8's perf keys)."""
+    """The per-step scalars every learner step logs (TRL's names and docs/algorithms.md §8's perf keys)."""
     return {
         "loss": total_loss,
         "grad_norm": grad_norm,

@@ -3,11 +3,11 @@
 A *loss term* is one trained token of a packed row; the chunked LM head (`rlasync.model`) turns a forward pass
 into per-term tensors, and the functions here turn those into a scalar loss plus per-rank metric statistics.
 
-* `grpo_loss` / `LossConfig`: the GRPO objective of SPEC §5.2-§5.3 (clipped surrogate with masked importance
+* `grpo_loss` / `LossConfig`: the GRPO objective of docs/algorithms.md §5.2-§5.3 (clipped surrogate with masked importance
   sampling, or score centering).
 * `distillation_loss` / `distillation_row_loss` / `DistillLossConfig`: the on-policy distillation objective of
-  SPEC §9.3 (generalised JSD against a teacher's sparse top-k, chunked over the LM head), and
-  `distillation_metrics` for SPEC §8.4.
+  docs/algorithms.md §9.3 (generalised JSD against a teacher's sparse top-k, chunked over the LM head), and
+  `distillation_metrics` for docs/algorithms.md §8.4.
 * `rlasync.losses.reference`: slow per-token loops of the same formulas, used only by the tests.
 """
 

@@ -1,4 +1,4 @@
-"""On-policy distillation loss: generalised JSD between the student and a teacher's sparse top-k (SPEC §9.3, §8.4).
+"""On-policy distillation loss: generalised JSD between the student and a teacher's sparse top-k (docs/algorithms.md §9.3, §8.4).
 
 Shapes (N positions with teacher signal on this rank, H hidden size, V vocabulary, W support width: K+1 for β = 0,
 2 for 0 < β < 1, 1 for β = 1; T teachers):
@@ -10,7 +10,7 @@ Shapes (N positions with teacher signal on this rank, H hidden size, V vocabular
   valid             [N, W]  bool, which slots carry a teacher log-prob
   teacher_index     [N]     long, index of the teacher that scored each position (MOPD only)
 
-Per chunk of positions (SPEC §9.3 "Chunked LM head"):
+Per chunk of positions (docs/algorithms.md §9.3 "Chunked LM head"):
 
     z = h·Wᵀ (+ b) in fp32  ->  z · logit_scale  ->  s·tanh(z / s) (softcap)  ->  z / τ
     log S = log_softmax(z) over the full vocabulary
@@ -25,7 +25,7 @@ Each chunk runs under non-reentrant activation checkpointing, so only one chunk'
 Statistics (no grad, float64, fixed size `4 + 3·T` so that every rank all-reduces the same tensor):
   [jsd_sum, entropy_sum, teacher_entropy_sum, count, tokens[T], jsd_sum[T], teacher_entropy_sum[T]]
 with the per-teacher slots filled only under MOPD (`num_teachers > 1` and a `teacher_index`); `count` counts the
-positions with at least one valid slot. `distillation_metrics` turns the reduced tensor into SPEC §8.4's metrics.
+positions with at least one valid slot. `distillation_metrics` turns the reduced tensor into docs/algorithms.md §8.4's metrics.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class DistillLossConfig:
 def narrow_support(
     teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, actual_ids: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(support ids, teacher log-probs, valid) for `beta` (SPEC §9.3 "Narrowed support for β ≠ 0").
+    """(support ids, teacher log-probs, valid) for `beta` (docs/algorithms.md §9.3 "Narrowed support for β ≠ 0").
 
     teacher_ids / teacher_logprobs [N, K+1] (-1 / -inf padded, rank order: slot 0 is the teacher's top-1),
     actual_ids [N] the realised next tokens.
@@ -356,7 +356,7 @@ def distillation_row_loss(
     logit_scale: float = 1.0,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's normalised loss of one packed row (padding stripped) and its statistics (SPEC §9.3).
+    """This rank's normalised loss of one packed row (padding stripped) and its statistics (docs/algorithms.md §9.3).
 
     hidden [L, H] (the backbone's output for every position of the row), input_ids / completion_mask [L],
     teacher_topk_ids / teacher_topk_logprobs [L, K+1] (row j = the teacher's distribution for token j),
@@ -401,7 +401,7 @@ def distillation_row_loss(
 
 
 def distillation_metrics(stats: torch.Tensor | Sequence[float], teacher_names: Sequence[str] = ()) -> Metrics:
-    """SPEC §8.4 metrics from the (all-reduced) statistics tensor.
+    """docs/algorithms.md §8.4 metrics from the (all-reduced) statistics tensor.
 
     `jsd`, `entropy`, `teacher_entropy`: means over the counted positions (NaN when the count is 0, which the
     metric reducer drops). With more than one teacher name (MOPD), per teacher `<id>` in dict order:

@@ -1,4 +1,4 @@
-"""GRPO loss over loss terms: clipped surrogate with masked importance sampling, or score centering (SPEC §5.2-§5.3).
+"""GRPO loss over loss terms: clipped surrogate with masked importance sampling, or score centering (docs/algorithms.md §5.2-§5.3).
 
 Shapes (M = loss terms of this micro-batch on this rank, i.e. trained tokens; K = num_sampler_logprobs):
   trainer_logprobs        [M]    log π̃_θ(y_t), differentiable (temperature applied, renormalised over the
@@ -17,7 +17,7 @@ Two objectives (`LossConfig.score_centering`):
   False  ℓ_t = −m_t · min(r_t A_t, clip(r_t, 1−ε_low, 1+ε_high) A_t). With `is_clip_min=0, is_clip_max=inf` the
          mask is always 1 and this is TRL 1.16's objective (`LossConfig.trl_1_16()`).
   True   ℓ_t = −A_t · [sg(w(r_t)) log π̃_θ(y_t) − Σ_{v∈H_t} c_{t,v} log π̃_θ(v)], with the centring coefficients
-         c_{t,v} of SPEC §5.3 (tail model ρ_t). Nothing is clipped.
+         c_{t,v} of docs/algorithms.md §5.3 (tail model ρ_t). Nothing is clipped.
 
 The summed terms are divided by the §5.2 normaliser (`normalize_loss`). Metrics: see `rlasync.losses.grpo_metrics`.
 """
@@ -77,7 +77,7 @@ def grpo_loss(
 def normalize_loss(
     summed_terms: torch.Tensor, num_tokens_global: float, num_ranks: int = 1, grad_accum_steps: int = 1
 ) -> torch.Tensor:
-    """SPEC §5.2: Σ ℓ_t / max(num_tokens_global / num_ranks, 1) / grad_accum_steps.
+    """docs/algorithms.md §5.2: Σ ℓ_t / max(num_tokens_global / num_ranks, 1) / grad_accum_steps.
 
     After gradient averaging over the ranks this is Σ ℓ / num_tokens_global per micro-batch, averaged over the
     `grad_accum_steps` micro-batches of a step.
@@ -137,7 +137,7 @@ def score_centering_terms(
 def centering_coefficients(
     head_trainer_logprobs: torch.Tensor, head_sampler_logprobs: torch.Tensor, config: LossConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Detached [M, K] c_{t,v} and [M] Q_H (SPEC §5.3).
+    """Detached [M, K] c_{t,v} and [M] Q_H (docs/algorithms.md §5.3).
 
     c_{t,v} = π̃(v)·1[C_min ≤ π̃(v)/μ(v) ≤ C_max] − π̃(v)·1[C_min ≤ 1/ρ_t ≤ C_max], 0 where the id is absent
     (either log-prob is -inf). ρ_t = (1 − Q_H) / max(1 − P_H, 1e-6) models the sampler outside the head as

@@ -1,4 +1,4 @@
-"""Settings of the GRPO loss (SPEC §5.2-§5.3): `LossConfig`, read once from the user's config (`from_config`).
+"""Settings of the GRPO loss (docs/algorithms.md §5.2-§5.3): `LossConfig`, read once from the user's config (`from_config`).
 
 Its own module so that both the loss (`rlasync.losses.grpo`) and its metrics (`rlasync.losses.grpo_metrics`) can
 import it without importing each other.
@@ -15,7 +15,7 @@ import torch
 if TYPE_CHECKING:
     from rlasync.config import AsyncGRPOConfig
 
-#: Floor of 1 − P_H in the tail scale ρ_t (SPEC §5.3).
+#: Floor of 1 − P_H in the tail scale ρ_t (docs/algorithms.md §5.3).
 TAIL_MASS_FLOOR = 1e-6
 
 MaskedTokenCentering = Literal["keep", "drop"]
@@ -25,9 +25,9 @@ MaskedTokenCentering = Literal["keep", "drop"]
 class LossConfig:
     """Settings of the GRPO loss (TRL field names in `from_config`).
 
-    `masked_token_centering` answers SPEC §5.3's open question as a switch: "keep" (default) keeps the centring
+    `masked_token_centering` (docs/algorithms.md §5.3) is a switch: "keep" (default) keeps the centring
     term of a sampled token whose IS weight is masked (w(r_t) = 0), which is what makes the expected gradient
-    vanish under a constant advantage; "drop" removes the whole term of such a token (the seed's "dropped from
+    vanish under a constant advantage; "drop" removes the whole term of such a token ("dropped from
     the loss"). It has no effect when `score_centering` is False (the mask already removes the whole term).
     """
 

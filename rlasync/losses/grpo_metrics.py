@@ -1,10 +1,10 @@
-"""Per-rank metric statistics of the GRPO loss (SPEC §5.2 table, §5.3 `sampling/*`, reduction rules §8.1).
+"""Per-rank metric statistics of the GRPO loss (docs/algorithms.md §5.2 table, §5.3 `sampling/*`, reduction rules §8.1).
 
 Shapes (M = loss terms on this rank): trainer_logprobs, sampler_logprobs, advantages, entropy, sampler_mass [M]
 float; sample_index [M] long.
 
 Every value is a partial statistic that a reducer can combine across ranks and logging windows:
-  * means over loss terms are `(numerator, denominator)` pairs, reduced as Σ num / Σ den (SPEC §8.1 "rate"),
+  * means over loss terms are `(numerator, denominator)` pairs, reduced as Σ num / Σ den (docs/algorithms.md §8.1 "rate"),
     with denominator = M: `ratio`, `kl`, `entropy`, `clip_ratio/{low,high,region}_mean`,
     `sampling/sampling_logp_difference/mean`, `sampling/importance_sampling_ratio/mean`, `sampling/masked_mean`,
     `sampling/sampler_mass` (score centering only);

@@ -1,6 +1,6 @@
 """Slow, obvious per-token references of the losses, used only by the tests (never on a training path).
 
-Each function loops over loss terms in Python, follows the formula of SPEC §5 line by line, and keeps only the
+Each function loops over loss terms in Python, follows the formula of docs/algorithms.md §5 line by line, and keeps only the
 differentiable pieces as torch scalars, so a test can compare values *and* gradients with the vectorised code.
 
 Shapes (M = loss terms, K = sampler top-K ids, V = vocabulary, C = candidate ids):
@@ -20,7 +20,7 @@ from rlasync.losses.grpo import TAIL_MASS_FLOOR, LossConfig
 def candidate_logprob_reference(
     logits: torch.Tensor, token: int, candidate_ids: list[int] | None, temperature: float = 1.0
 ) -> torch.Tensor:
-    """log π̃(y) = log π(y) − logsumexp_{v∈S} log π(v), π = softmax(logits / T); `None` = full vocabulary (SPEC §5.3)."""
+    """log π̃(y) = log π(y) − logsumexp_{v∈S} log π(v), π = softmax(logits / T); `None` = full vocabulary (docs/algorithms.md §5.3)."""
     scaled = [logits[v] / temperature for v in range(logits.shape[0])]
     log_z = torch.log(sum(torch.exp(z) for z in scaled))
     logprobs = [z - log_z for z in scaled]

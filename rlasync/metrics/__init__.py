@@ -1,4 +1,4 @@
-"""Metrics: the reduction rules of SPEC §8.1 (`reduce`) and where reduced records go (`sinks`).
+"""Metrics: the reduction rules of docs/algorithms.md §8.1 (`reduce`) and where reduced records go (`sinks`).
 
 Pure Python: no torch, no ray (TensorBoard is imported only when its sink is built).
 """

@@ -1,4 +1,4 @@
-"""Metric records and the reduction rules of SPEC §8.1.
+"""Metric records and the reduction rules of docs/algorithms.md §8.1.
 
 A value is a float or a `(numerator, denominator)` pair. Within a logging window, per key:
   1. pairs -> rate = sum(num) / sum(den) (NaN if the denominators sum to 0) -- never a mean of ratios;
@@ -24,7 +24,7 @@ COUNTER_WORDS = ("total", "count")
 
 
 def reduction_for(key: str, value: MetricValue) -> Reduction:
-    """Which rule of SPEC §8.1 reduces `key` (given one of its values)."""
+    """Which rule of docs/algorithms.md §8.1 reduces `key` (given one of its values)."""
     if isinstance(value, tuple):
         return "rate"
     words = key.rsplit("/", 1)[-1].split("_")
@@ -59,7 +59,7 @@ def reduce_values(key: str, values: list[MetricValue]) -> float | None:
 
 
 class MetricSink:
-    """Collects metric values over a logging window and reduces them by SPEC §8.1's rules.
+    """Collects metric values over a logging window and reduces them by docs/algorithms.md §8.1's rules.
 
     A key must keep one shape (float or pair) for its whole life; mixing them is a bug and raises.
     """

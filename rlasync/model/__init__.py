@@ -1,7 +1,7 @@
 """Model side of training: tree attention for transformers causal LMs, the chunked LM head, packed-row scoring.
 
 attention  tree attention (FlexAttention BlockMask on CUDA, dense bool mask + SDPA elsewhere), registered with
-           transformers as attn_implementation="rlasync_tree"; architecture checks (SPEC §4.3, §11)
+           transformers as attn_implementation="rlasync_tree"; architecture checks (docs/algorithms.md §4.3, §11)
 tree_mask  the tree rule, a row's dense masks and `TreeAttention`; block_mask: its FlexAttention BlockMasks
 head       chunked LM head: log-probs, entropy, top-K and candidate-set renormalisation without [M, V] logits
 forward    PackedRow -> tensors -> TokenScores; TreeScorer (the FSDP2 root); sequence_logprobs

@@ -1,4 +1,4 @@
-"""Tree attention for Hugging Face causal LMs over one packed row (SPEC §4.2-4.3, DESIGN §3 "Tree packing"): the
+"""Tree attention for Hugging Face causal LMs over one packed row (docs/algorithms.md §4.2-4.3, docs/design.md §3 "Tree packing"): the
 attention function, its registration with transformers and the architecture checks.
 
 The masks themselves (the rule `k <= q < subtree_end[k]`, `TreeAttention`, the dense and FlexAttention block masks)
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_tree_attention_support(model: torch.nn.Module) -> None:
-    """Refuse, with a `ValueError`, a model tree attention cannot run exactly (SPEC §4.3, §11).
+    """Refuse, with a `ValueError`, a model tree attention cannot run exactly (docs/algorithms.md §4.3, §11).
 
     Refused: any text-config `layer_types` other than full / sliding attention (recurrent or convolutional layers
     would mix the samples of a packed row) and any parameter named `*.sinks` (attention sinks). A model whose

@@ -1,4 +1,4 @@
-"""Forward over packed rows: the decoder with tree attention, then the chunked head (SPEC §4.3, §5.1).
+"""Forward over packed rows: the decoder with tree attention, then the chunked head (docs/algorithms.md §4.3, §5.1).
 
     PackedRow (numpy, rlasync.packing) --packed_row_to_tensors--> PackedRowTensors (torch, on the device)
         --packed_token_scores(model, row)--> decoder over the row's N unique tokens (tree attention, position_ids =
@@ -97,7 +97,7 @@ def packed_token_scores(
     block_size: int = DEFAULT_BLOCK_SIZE,
     compile_flex: bool = True,
 ) -> TokenScores:
-    """Per loss term log-prob, entropy and sampler top-K log-probs of one packed row (SPEC §5.1, §5.3).
+    """Per loss term log-prob, entropy and sampler top-K log-probs of one packed row (docs/algorithms.md §5.1, §5.3).
 
     `model` is a causal LM with tree attention enabled, or a `TreeScorer` (then its own forward runs, which is
     what FSDP2 needs). Terms with a sampling mask are renormalised over their candidate set. `backend`: "auto"

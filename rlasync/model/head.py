@@ -1,7 +1,7 @@
-"""Chunked LM head: per-term log-probs, entropy and extra-id log-probs without [M, vocab] logits (SPEC §5.1, §5.3).
+"""Chunked LM head: per-term log-probs, entropy and extra-id log-probs without [M, vocab] logits (docs/algorithms.md §5.1, §5.3).
 
 From hidden states gathered at the loss terms ([M, H]) and the LM head weight ([V, H]), each term's logits are
-post-processed in SPEC §5.1's order
+post-processed in docs/algorithms.md §5.1's order
 
     z = h·Wᵀ (+ b)  ->  z · logit_scale  ->  c·tanh(z / c) (final-logit softcap)  ->  z / temperature
 
@@ -10,7 +10,7 @@ and reduced, chunk by chunk of terms, to:
   entropy         H_t = −Σ_v π(v) log π(v) over the full vocabulary
   extra_logprobs  log π(v) at up to K extra ids per term (the sampler's top-K ids for score centering); -1 → -inf
 
-Candidate-set renormalisation (SPEC §5.3, "sampling-mask renormalisation"): a term with `has_candidates` uses
+Candidate-set renormalisation (docs/algorithms.md §5.3, "sampling-mask renormalisation"): a term with `has_candidates` uses
 log π̃(v) = log π(v) − logsumexp_{u∈S_t} log π(u) = z[v] − logsumexp_{u∈S_t} z[u] for its target and extra ids,
 i.e. log_softmax of the logits masked to S_t: π̃ has support S_t, so an id outside S_t (target or extra) gets −inf
 and no gradient (the renormalised top-K mass never exceeds 1). Candidate lists are -1 padded; duplicate ids count
@@ -47,7 +47,7 @@ class TokenScores:
 
 @dataclass(frozen=True)
 class LogitTransform:
-    """Post-processing of the raw head logits (SPEC §5.1): multiply by `scale`, then softcap if `softcap` is set."""
+    """Post-processing of the raw head logits (docs/algorithms.md §5.1): multiply by `scale`, then softcap if `softcap` is set."""
 
     scale: float = 1.0
     softcap: float | None = None

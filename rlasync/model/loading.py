@@ -57,7 +57,7 @@ def load_model(
     device: str | torch.device = "cpu",
     **from_pretrained_kwargs: Any,
 ) -> torch.nn.Module:
-    """Load a causal LM with `attn_implementation="rlasync_tree"` on `device` (SPEC §4.3 restrictions checked).
+    """Load a causal LM with `attn_implementation="rlasync_tree"` on `device` (docs/algorithms.md §4.3 restrictions checked).
 
     The layer types are checked on the config before any weight is read; sinks after loading. Raises `ValueError`
     for an unsupported architecture. Extra keyword arguments go to `AutoModelForCausalLM.from_pretrained`.

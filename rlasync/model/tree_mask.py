@@ -1,4 +1,4 @@
-"""The attention masks of one packed row: the tree rule, dense masks and `TreeAttention` (SPEC §4.2-4.3, DESIGN §3
+"""The attention masks of one packed row: the tree rule, dense masks and `TreeAttention` (docs/algorithms.md §4.2-4.3, docs/design.md §3
 "Tree packing").
 
 A packed row lays a prefix trie out depth-first, so node k's subtree is the index range [k, subtree_end[k]). One

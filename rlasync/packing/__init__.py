@@ -1,6 +1,6 @@
 """Tree packing for GRPO: prefix-trie rows, their depth-first layout, micro-batch planners, collation, metrics.
 
-Pure numpy: importing this package never loads torch or ray (SPEC §4, DESIGN §3 "Tree packing").
+Pure numpy: importing this package never loads torch or ray (docs/algorithms.md §4, docs/design.md §3 "Tree packing").
 
   trie     TreeRow: one rank's row as a prefix trie over its samples, priced by unique tokens / load / trained
   layout   pack(row) -> PackedRow: DFS layout, subtree_end mask rule, segments, loss terms

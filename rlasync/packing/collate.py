@@ -1,4 +1,4 @@
-"""Rectangular stacking of a micro-batch's packed rows (SPEC §4.6, step 1-2).
+"""Rectangular stacking of a micro-batch's packed rows (docs/algorithms.md §4.6, step 1-2).
 
 `pad_rows(packed_rows, pad_token_id)` pads every array across the P rows to the longest row and stacks them, so
 the micro-batch can be broadcast/dispatched along dim 0 (one row per rank). Each rank strips its padding again:

@@ -1,4 +1,4 @@
-"""Depth-first layout of a row's trie into arrays (SPEC §4.2).
+"""Depth-first layout of a row's trie into arrays (docs/algorithms.md §4.2).
 
 `pack(row)` lays the trie out in DFS pre-order (children in insertion order), so every node's subtree is a
 contiguous index range `[k, subtree_end[k])`. That gives the whole attention mask in one rule:
@@ -85,7 +85,7 @@ class _LossTerms(NamedTuple):
 
 
 def pack(row: TreeRow) -> PackedRow:
-    """Lay `row` out depth-first and select its loss terms (SPEC §4.2). An empty row gives empty arrays."""
+    """Lay `row` out depth-first and select its loss terms (docs/algorithms.md §4.2). An empty row gives empty arrays."""
     layout = _layout(row)
     segments = _segments(layout.parents)
     terms = _loss_terms(row.samples, row.sample_nodes, layout.packed_of_node)

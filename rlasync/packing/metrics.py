@@ -1,4 +1,4 @@
-"""Packing metrics of one micro-batch (SPEC §4.6, catalogue §8.2).
+"""Packing metrics of one micro-batch (docs/algorithms.md §4.6, catalogue §8.2).
 
 `packing_metrics(rows, token_budget)` returns metric key -> value, where a value is a float (a gauge, reduced by
 its key's rule) or a `(numerator, denominator)` pair for a rate (reduced as Σnum / Σden over the window).

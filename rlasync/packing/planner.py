@@ -1,4 +1,4 @@
-"""Micro-batch planners: which sample goes into which rank's row (SPEC §4.5, §4.8).
+"""Micro-batch planners: which sample goes into which rank's row (docs/algorithms.md §4.5, §4.8).
 
 A micro-batch is one `TreeRow` per DP rank. Planning is separate from doing: the planners only decide placements
 (they fill `TreeRow`s, which price themselves); `MicroBatch.pack()` / `layout.pack` build the arrays.
@@ -72,26 +72,26 @@ class MicroBatch:
         return set().union(*(row.groups for row in self.rows))
 
     def pack(self) -> list[PackedRow]:
-        """Lay every row out (SPEC §4.2), rank order."""
+        """Lay every row out (docs/algorithms.md §4.2), rank order."""
         return [pack(row) for row in self.rows]
 
     def collate(self, pad_token_id: int) -> dict[str, np.ndarray]:
-        """Pack and pad the rows into rectangular [P, ...] arrays with the broadcast scalars (SPEC §4.6)."""
+        """Pack and pad the rows into rectangular [P, ...] arrays with the broadcast scalars (docs/algorithms.md §4.6)."""
         return pad_rows(self.pack(), pad_token_id)
 
     def metrics(self) -> dict[str, Any]:
-        """Collator metrics of SPEC §4.6, plus `batch/dropped_oversize_count` when planned under a budget."""
+        """Collator metrics of docs/algorithms.md §4.6, plus `batch/dropped_oversize_count` when planned under a budget."""
         return packing_metrics(self.rows, self.token_budget, dropped_oversize_count=self.dropped_oversize_count)
 
 
 class TokenBudgetBatcher:
-    """Rows bounded by `token_budget`, samples placed one at a time (SPEC §4.5, placement rule §4.8).
+    """Rows bounded by `token_budget`, samples placed one at a time (docs/algorithms.md §4.5, placement rule §4.8).
 
     `placement="1.16"`: the home rows (rows already holding the sample's group) that fit, least loaded first;
     else, if the sample has a home row and every row holds a sample, close the micro-batch (the sample then keeps
     its prefix in a fresh row); else the least-loaded row that fits; if none fits, close.
 
-    `placement="seed"` (default) replaces that "home full → close" branch by the seed's guarded move: the
+    `placement="seed"` (default) replaces that "home full → close" branch by a guarded move: the
     least-loaded fitting row is accepted if `row.load + row.delta_load(sample) <= max(row loads)` (moving the
     sample away from its home does not raise the micro-batch's wall time), else close. A sample whose group is
     in no row is placed as in 1.16. Ties always go to the lowest rank.
@@ -191,7 +191,7 @@ class TokenBudgetBatcher:
 
 
 class FixedCountBatcher:
-    """Micro-batches of exactly `microbatch_size` samples (B × P), balanced by attention cost (SPEC §4.5).
+    """Micro-batches of exactly `microbatch_size` samples (B × P), balanced by attention cost (docs/algorithms.md §4.5).
 
     Buffered samples are bucketed by group (first-seen order); while there are fewer groups than ranks the largest
     group is split in two (first ⌊n/2⌋, rest); each group is priced by the load of a TreeRow holding it alone, and

@@ -1,4 +1,4 @@
-"""The prefix trie of one training row (SPEC §4.1).
+"""The prefix trie of one training row (docs/algorithms.md §4.1).
 
 One row is one DP rank's forward. Its samples are folded into a prefix trie over their `input_ids`, so a token
 shared by several samples (the prompt of a GRPO group, the earlier turns of a multi-turn chain) is forwarded once.

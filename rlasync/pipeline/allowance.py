@@ -1,4 +1,4 @@
-"""Token allowance (SPEC §2.3.3): generation may run at most `max(S, 1)` optimizer steps ahead of training.
+"""Token allowance (docs/algorithms.md §2.3.3): generation may run at most `max(S, 1)` optimizer steps ahead of training.
 
     allowance      = max(max_staleness, 1) × tokens_per_step
     queued_tokens  = raw tokens of scored samples in the queue
@@ -54,7 +54,7 @@ class AcquireResult:
 
 
 class TokenAllowance:
-    """The admission gate of SPEC §2.3.3 (see the module docstring).
+    """The admission gate of docs/algorithms.md §2.3.3 (see the module docstring).
 
     max_staleness:    S, the configured `max_staleness` (0 is treated as 1 step of look-ahead)
     tokens_per_step:  the initial assumption, replaced by `set_tokens_per_step` after each step

@@ -2,14 +2,14 @@
 
 Positions. Every prompt the run will ever generate has an absolute *position* `p = 0, 1, 2, ...` in the
 stream "epoch 0's rows, then epoch 1's rows, ...": `row_index = p mod num_rows`, `epoch = p // num_rows`.
-This is the space of `rollout_state.json`'s `prompt_index` (SPEC §7.1): a run resumed from `prompt_index`
+This is the space of `rollout_state.json`'s `prompt_index` (docs/algorithms.md §7.1): a run resumed from `prompt_index`
 starts at position `start_index = prompt_index`, so its first pass starts at row `start_index mod num_rows`
-and runs to the end of the dataset, later passes are full (SPEC §2.2). With `num_epochs` set, the run ends
-at position `ceil(num_epochs × num_rows)` (SPEC §7.3's `target_groups`), so a resumed run only has the
+and runs to the end of the dataset, later passes are full (docs/algorithms.md §2.2). With `num_epochs` set, the run ends
+at position `ceil(num_epochs × num_rows)` (docs/algorithms.md §7.3's `target_groups`), so a resumed run only has the
 remainder left.
 
 Leases. `lease()` hands out a position as a `PromptLease` with a fresh `group_id` (a global counter starting
-at 0 on every start, SPEC §2.2). Holes are leased before new positions. Every lease ends in exactly one way:
+at 0 on every start, docs/algorithms.md §2.2). Holes are leased before new positions. Every lease ends in exactly one way:
 
     lease ──release()──────────────────────────────────────────► position leased again (not consumed)
       │ ──mark_dropped(reason)─────────────────────────────────► consumed: "zero_std" | "filtered"
@@ -18,8 +18,8 @@ at 0 on every start, SPEC §2.2). Holes are leased before new positions. Every l
                                         every sample stale  ──► position leased again (a new group_id)
 
 A group whose samples were all dropped as stale is not consumed: its position is leased again in the same
-epoch rather than left as a hole for the next resume (SPEC §7.1 only regenerates it on resume). Dropped
-zero-std groups and `filter_prompt` rejections count as consumed (SPEC §2.6.3, §7.3).
+epoch rather than left as a hole for the next resume (docs/algorithms.md §7.1 only regenerates it on resume). Dropped
+zero-std groups and `filter_prompt` rejections count as consumed (docs/algorithms.md §2.6.3, §7.3).
 
 Resume. `first_untrained_index()` is the smallest position not yet consumed (TRL's `prompt_index =
 dataset_start_index + first_untrained`), the value to write to `rollout_state.json`: the generator runs ahead
@@ -134,9 +134,9 @@ class PromptDispatcher:
         group.pending_samples = num_samples
 
     def mark_dropped(self, group_id: int, reason: GroupOutcome | str) -> GroupOutcome:
-        """The group ended without queuing samples, for a reason that counts as consumed (SPEC §2.6.3).
+        """The group ended without queuing samples, for a reason that counts as consumed (docs/algorithms.md §2.6.3).
 
-        Raises ValueError when `filter_prompt` has rejected every prompt of a whole epoch (SPEC §2.2).
+        Raises ValueError when `filter_prompt` has rejected every prompt of a whole epoch (docs/algorithms.md §2.2).
         """
         if reason not in DROP_REASONS:
             raise ValueError(f"mark_dropped: unknown reason {reason!r}; expected one of {DROP_REASONS}")
@@ -156,7 +156,7 @@ class PromptDispatcher:
         return self._settle(group)
 
     def mark_stale(self, group_id: int, num_samples: int) -> GroupOutcome | None:
-        """`num_samples` of the group's queued samples were dropped as stale at take time (SPEC §2.7).
+        """`num_samples` of the group's queued samples were dropped as stale at take time (docs/algorithms.md §2.7).
 
         Returns the group's outcome once all its samples are accounted for, else None; "stale" means every
         sample was stale and the position will be leased again.

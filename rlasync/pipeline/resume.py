@@ -1,4 +1,4 @@
-"""`rollout_state.json` (SPEC §7.1): where a resumed run starts reading prompts, and its policy version.
+"""`rollout_state.json` (docs/algorithms.md §7.1): where a resumed run starts reading prompts, and its policy version.
 
     {"prompt_index": <int>, "model_version": <int>}
 
@@ -53,7 +53,7 @@ def write_rollout_state(checkpoint_dir: str | Path, state: RolloutState) -> Path
 
 
 def read_rollout_state(checkpoint_dir: str | Path) -> RolloutState | None:
-    """The state saved in `checkpoint_dir`, or None (with a warning) when the file is missing (SPEC §7.2)."""
+    """The state saved in `checkpoint_dir`, or None (with a warning) when the file is missing (docs/algorithms.md §7.2)."""
     path = Path(checkpoint_dir) / ROLLOUT_STATE_FILENAME
     if not path.is_file():
         logger.warning("no %s in %s: resuming the prompt stream from prompt 0", ROLLOUT_STATE_FILENAME, checkpoint_dir)

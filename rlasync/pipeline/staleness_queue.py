@@ -10,7 +10,7 @@ An entry's payload is opaque: in the StalenessQueue actor it is the Ray ObjectRe
 fetched by the queue; here it can be any object. `take` never blocks; `wait_take` is the asyncio variant that
 waits (up to a timeout) for a `put`.
 
-Metrics of a take (SPEC §2.7, §8.2, seed names), for `MetricSink.update`. Per consumed (taken, not dropped)
+Metrics of a take (docs/algorithms.md §2.7, §8.2), for `MetricSink.update`. Per consumed (taken, not dropped)
 sample, as `(sum, count)` pairs so that the window reduces to the mean over samples however many takes it holds:
 `rollout/queue_size` (samples still queued right after the sample was popped), `sample/time_in_queue_s`,
 `sample/staleness_mean`; plus `sample/staleness_max` (float, max) and `sample/dropped_stale_count` (float, sum;

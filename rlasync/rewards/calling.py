@@ -1,4 +1,4 @@
-"""The reward-function calling convention (TRL's, SPEC §2.6.1) and the table of per-source rewards it fills.
+"""The reward-function calling convention (TRL's, docs/algorithms.md §2.6.1) and the table of per-source rewards it fills.
 
 Every reward function is called once per group, on the whole group, with keyword arguments:
 

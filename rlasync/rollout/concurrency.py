@@ -1,4 +1,4 @@
-"""The adaptive concurrency cap (SPEC §2.3.2): how many rollouts may run, following the engines' load.
+"""The adaptive concurrency cap (docs/algorithms.md §2.3.2): how many rollouts may run, following the engines' load.
 
     cap_0 = clamp(floor(kv_capacity_tokens / max_model_len), 1, max_concurrent_rollouts)
             (= max_concurrent_rollouts when the engines report no KV capacity)

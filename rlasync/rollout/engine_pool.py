@@ -5,7 +5,7 @@
     pool.observe(completed)              every `stats_interval_s`: the engines' gauges to the ConcurrencyController
     pool.cap                             the controller's concurrency cap (None until it has seen stats)
 
-Retries (SPEC §2.5): `retryable_exceptions` (`EngineError`, `TimeoutError`, `ConnectionError`) are retried up to
+Retries (docs/algorithms.md §2.5): `retryable_exceptions` (`EngineError`, `TimeoutError`, `ConnectionError`) are retried up to
 `max_attempts` tries with the backoff 1, 2, 4, 8, 16, 16, ... s; each retry is logged, counted in
 `counters["<first word of what>_retries"]` and reported as `rollout/vllm_retry_count`. A rejected request
 (`RequestRejectedError`) and the last failure propagate. No torch, no ray: an engine is anything with
@@ -33,7 +33,7 @@ RETRYABLE_EXCEPTIONS: tuple[type[BaseException], ...] = (EngineError, TimeoutErr
 
 
 def retry_backoff_s(attempt: int) -> float:
-    """Seconds to wait before retry number `attempt` (0-based): 1, 2, 4, 8, 16, 16, ... (SPEC §2.5)."""
+    """Seconds to wait before retry number `attempt` (0-based): 1, 2, 4, 8, 16, 16, ... (docs/algorithms.md §2.5)."""
     return float(min(2 ** min(attempt, 4), 16))
 
 

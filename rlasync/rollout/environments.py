@@ -1,4 +1,4 @@
-"""Environments for the rollout loop (SPEC §3.4; TRL's `environment_factory=`).
+"""Environments for the rollout loop (docs/algorithms.md §3.4; TRL's `environment_factory=`).
 
 An environment is a class built by a zero-argument factory. Its **`reset(**row)`** starts an episode for one
 rollout (the dataset row's columns as keyword arguments) and may return an observation that is appended to the
@@ -196,7 +196,7 @@ async def run_in_environment(
     emit: Callable[[list[Any]], Any],
     clock: Callable[[], float],
 ) -> tuple[Any, tuple[str, float | None] | None, list[dict[str, Any]]]:
-    """One rollout inside an environment (SPEC §3.4): an instance from the spec's pool is reset with the row (its
+    """One rollout inside an environment (docs/algorithms.md §3.4): an instance from the spec's pool is reset with the row (its
     observation appended to the last prompt message), serves its methods as tools next to the standalone ones
     (`generate(prompt, tools, instance)`), and after the rollout gives `get_reward()` before going back to the
     pool. An instance whose rollout failed or was cancelled is dropped (a tool thread may still be using it).

@@ -41,12 +41,12 @@ re-raises it and `check_health()` raises `RuntimeError` chained to it. `stop()` 
 releases the leases of unfinished groups with reason "cancelled".
 
 Metrics go to `metrics_callback(items)` as `(key, value)` pairs (value a float or a `(num, den)` rate pair),
-keys as in SPEC §8.2/8.3: per rollout `rollout/duration_s`, `rollout/turns_mean|max`,
+keys as in docs/algorithms.md §8.2/8.3: per rollout `rollout/duration_s`, `rollout/turns_mean|max`,
 `rollout/samples_per_rollout`, `completions/mean_length|max_length|min_length|clipped_ratio`,
 `completions/mean_terminated_length|max_…|min_…`; per group `rollout/concurrency`, `rollout/score_s`,
 `rollout/generated_tokens_per_s`, `completions/duplicate_frac` and `score_group`'s items; per start
 `rollout/backpressure_s`; counters `rollout/vllm_retry_count`, `rollout/filtered_prompt_count`,
-`rollout/failed_group_count`; engine gauges from `ConcurrencyController`. With tools (SPEC §3.1/§3.2, see
+`rollout/failed_group_count`; engine gauges from `ConcurrencyController`. With tools (docs/algorithms.md §3.1/§3.2, see
 `rlasync.rollout.tools`): per rollout `tools/loop_exhausted_frac`, counter `rollout/context_exhausted_count`
 (a conversation that outgrew the engine), per tool call `tools/<name>/call_count|failure_count`,
 `tools/unknown_name_count`, `tools/parse_failure_count`, rates `tools/latency_s`, `tools/<name>/latency_s`,
@@ -152,7 +152,7 @@ class AsyncRolloutLoop(ScheduledLoop, RolloutPolicy):
 
     @property  # type: ignore[override]
     def max_generation_attempts(self) -> int:
-        """Tries of one generation request against transient engine errors (SPEC §2.5)."""
+        """Tries of one generation request against transient engine errors (docs/algorithms.md §2.5)."""
         return self.engine_pool.max_attempts
 
     @max_generation_attempts.setter

@@ -96,7 +96,7 @@ class RolloutPolicy:
     """The GRPO rollout policy (see the module docstring); `AsyncRolloutLoop` assembles it with a scheduler."""
 
     drop_zero_std_groups: bool = True
-    """Drop groups whose rewards carry no signal (SPEC §2.6.3); they still reach the sink, without samples."""
+    """Drop groups whose rewards carry no signal (docs/algorithms.md §2.6.3); they still reach the sink, without samples."""
     provides_rollout_rewards: bool = False
     """Set in a subclass whose `generate_one` sets `Rollout.reward`: it is then a reward source on its own."""
     group_failure_exceptions: tuple[type[BaseException], ...] = (RequestRejectedError,)
@@ -161,7 +161,7 @@ class RolloutPolicy:
         """One whole rollout of `prompt`; every sampling request it made must be in `Rollout.turns`.
 
         Default without tools: a single turn (render, one `generate_one_turn`, the output decoded as the assistant
-        message). With tools: the multi-turn tool loop of SPEC §3.1 (`generate_with_tools`).
+        message). With tools: the multi-turn tool loop of docs/algorithms.md §3.1 (`generate_with_tools`).
         """
         if tools:
             return await self.generate_with_tools(prompt, tools)
@@ -171,7 +171,7 @@ class RolloutPolicy:
         return Rollout(completion=[message], completion_ids=list(turn.output_ids), turns=[turn])
 
     async def generate_with_tools(self, prompt: list[dict[str, Any]], tools: Sequence[Any]) -> Rollout:
-        """The multi-turn tool loop (SPEC §3.1): generate, run the tool calls of the answer, repeat.
+        """The multi-turn tool loop (docs/algorithms.md §3.1): generate, run the tool calls of the answer, repeat.
 
         Each turn re-renders the whole conversation (tools in the template) and is bounded by
         `max_completion_length` on its own. The loop ends on an answer without tool calls, after
@@ -211,7 +211,7 @@ class RolloutPolicy:
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with a fresh 63-bit seed; transient engine errors are retried with backoff
-        (SPEC §2.5), a rejected request is not."""
+        (docs/algorithms.md §2.5), a rejected request is not."""
         sampling = self.settings.sampling.params(seed=self._rng.getrandbits(SEED_BITS))
         return await self.engine_pool.generate(prompt_ids, sampling)
 
@@ -260,7 +260,7 @@ class RolloutPolicy:
 
     async def run_task(self, group: GroupState, index: int, policy_version: int) -> RolloutOutcome:
         """One rollout in its own task; the task's `RolloutContext` carries the row to the hooks. With
-        environments (SPEC §3.4) see `rlasync.rollout.environments.run_in_environment`."""
+        environments (docs/algorithms.md §3.4) see `rlasync.rollout.environments.run_in_environment`."""
         lease, started = group.lease, self._clock()
         prompt = [dict(message) for message in group.prompt]
         spec = self.environment_for(lease.row, lease.row_index)

@@ -24,7 +24,7 @@ class PromptSource(Protocol):
 
 
 class Admission(Protocol):
-    """The gate in front of every new group: the token allowance of SPEC §2.3.3 (`rlasync.pipeline.TokenAllowance`
+    """The gate in front of every new group: the token allowance of docs/algorithms.md §2.3.3 (`rlasync.pipeline.TokenAllowance`
     has this shape). Every successful `acquire` is followed by exactly one `finish_group` or `cancel_group`."""
 
     def acquire(self, num_rollouts: int) -> Any:

@@ -1,4 +1,4 @@
-"""The GRPO rollout side's per-rollout and per-group metric items (SPEC §8.2/8.3 keys). Pure functions."""
+"""The GRPO rollout side's per-rollout and per-group metric items (docs/algorithms.md §8.2/8.3 keys). Pure functions."""
 
 from __future__ import annotations
 

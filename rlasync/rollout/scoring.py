@@ -2,7 +2,7 @@
 
     RolloutGroup ──call_reward_funcs──► RewardTable (one column per source) ──totals──► group.rewards [G]
         ──compute_advantages(group)──► advantages [G]
-        ──degenerate group? (SPEC §2.6.3)──► dropped: no samples
+        ──degenerate group? (docs/algorithms.md §2.6.3)──► dropped: no samples
                                otherwise ──► one RolloutSample per TrainingSequence, the conversation's
                                              advantage stamped unchanged on each of its rows
 
@@ -12,7 +12,7 @@ caller's `extra_columns` (e.g. `harness_reward`). Duplicate names get `_2`, `_3`
 column exists only when some rollout set a reward; a non-empty `rollout_rewards` list still counts as a reward
 source, so a group where every `Rollout.reward` is None is unscorable rather than an error.
 
-Metric names are the seed's (SPEC §8.3), with no 1.16 aliases:
+Metric names are those of docs/algorithms.md §8.3, with no 1.16 aliases:
 
 * per sample (`RolloutSample.metrics`, one dict per row, averaged over trained samples by the collator):
   `reward_trained` (the conversation's summed reward, NaN if unscorable; 1.16 called it `reward`),
@@ -70,7 +70,7 @@ class ScoredGroup:
 
 
 def default_compute_advantages(group: RolloutGroup) -> np.ndarray:
-    """GRPO's group-normalised advantage of `group.rewards` (SPEC §2.6.2)."""
+    """GRPO's group-normalised advantage of `group.rewards` (docs/algorithms.md §2.6.2)."""
     return group_advantages(group.rewards)[0]
 
 

@@ -1,4 +1,4 @@
-"""Training sequences from a rollout's turns (SPEC §3.3), and whether a completion was clipped.
+"""Training sequences from a rollout's turns (docs/algorithms.md §3.3), and whether a completion was clipped.
 
 `build_training_sequences` is the default of `AsyncRolloutLoop.build_sequences`; `reconciliation_tally` reports
 what it did (forks, drift). `is_clipped` is shared by the GRPO and distillation metrics. No torch, no ray.
@@ -36,7 +36,7 @@ def build_training_sequences(
     """Training sequences of one rollout's turns.
 
     A turn whose prompt starts with the tokens held so far extends the current sequence (the new prompt
-    tokens as context); any other turn starts a new sequence (the seed's rule, SPEC §3.3). Output tokens are
+    tokens as context); any other turn starts a new sequence (docs/algorithms.md §3.3). Output tokens are
     trained where `TurnRecord.output_mask` allows (all when it is None) and carry their sampler log-prob,
     top-K sampler log-probs (sorted by log-prob, padded -1 / -inf to `num_sampler_logprobs`) and candidate
     set (padded -1); context carries 0.0 / -1 / -inf. Sequences without a trained token are left out.
@@ -52,8 +52,8 @@ def build_training_sequences(
 
 
 def reconciliation_tally(turns: Sequence[TurnRecord]) -> tuple[int, int, int, int]:
-    """`(forks, transitions, drift_total, drift_max)` of one rollout under `build_training_sequences`' rule (SPEC §3.3,
-    the seed's reporting): a transition is every turn after the first; it forks when its prompt does not start with
+    """`(forks, transitions, drift_total, drift_max)` of one rollout under `build_training_sequences`' rule (docs/algorithms.md §3.3,
+    docs/algorithms.md §3.3): a transition is every turn after the first; it forks when its prompt does not start with
     the tokens the current sequence holds, and its drift is how many of those held tokens the new prompt re-rendered
     (0 for a transition that does not fork)."""
     held: list[int] = []

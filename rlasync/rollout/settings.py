@@ -72,7 +72,7 @@ class RolloutSettings:
                        `max_inflight_tasks`)
     heartbeat_timeout_s: a running loop whose heartbeat is older is reported hung (GRPO: `rollout_worker_timeout`;
                        distillation: `heartbeat_stale_after_s`)
-    max_request_attempts: tries of one engine request against transient errors (SPEC §2.5)
+    max_request_attempts: tries of one engine request against transient errors (docs/algorithms.md §2.5)
     sampling:          the generation request's sampling fields
     num_sampler_logprobs: top-K sampler log-probs kept per trained token (GRPO)
     max_tool_calling_iterations: rounds of tool execution per rollout (None: unbounded)

@@ -1,4 +1,4 @@
-"""Tool calling for the multi-turn rollout loop (SPEC §3.1 parsing, §3.2 execution).
+"""Tool calling for the multi-turn rollout loop (docs/algorithms.md §3.1 parsing, §3.2 execution).
 
     assistant output ids ──parse_response──► {"role": "assistant", "content", "tool_calls"?}
                                                    │ tool_calls (OpenAI shape)
@@ -14,7 +14,7 @@ malformed gives no call, is counted as a parse failure, and its text stays in th
 
 Execution runs the calls of one assistant message in the order emitted: coroutine functions are awaited, sync
 functions run on the given thread pool (so up to its size of them run at once across rollouts: tools touching
-shared state must be thread-safe). Metric names are the seed's (SPEC §8.2, seed column): counters
+shared state must be thread-safe). Metric names are those of docs/algorithms.md §8.2: counters
 `tools/<name>/call_count`, `tools/<name>/failure_count`, `tools/unknown_name_count`, `tools/parse_failure_count`;
 rates `tools/latency_s`, `tools/<name>/latency_s`, `tools/parallel_calls_mean`. Nothing here imports ray or torch.
 """
@@ -226,7 +226,7 @@ async def execute_tool_calls(
     *,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ToolResults:
-    """Run one assistant message's tool calls in the order emitted (SPEC §3.2).
+    """Run one assistant message's tool calls in the order emitted (docs/algorithms.md §3.2).
 
     Unknown name → failure, content `str({"error": "unknown tool <name>"})`, no latency. A known tool gets the
     call's `arguments` as keyword arguments: awaited if it is a coroutine function, else run on `executor`
@@ -291,7 +291,7 @@ async def run_tool_loop(
     emit: Callable[[Metrics], Any],
     max_iterations: int | None,
 ) -> Rollout:
-    """The multi-turn tool loop of SPEC §3.1 over a policy's hooks (`AsyncRolloutLoop.generate_with_tools`): render
+    """The multi-turn tool loop of docs/algorithms.md §3.1 over a policy's hooks (`AsyncRolloutLoop.generate_with_tools`): render
     the conversation, generate a turn, run its tool calls, repeat until an answer without tool calls, after
     `max_iterations` rounds of tool execution (None: unbounded; the rollout then counts in
     `tools/loop_exhausted_frac`), or when a later turn's request is rejected (the conversation outgrew the engine:

@@ -77,7 +77,7 @@ def _check_picklable(obj: Any, field_name: str) -> None:
 
 
 def check_same_vocabulary(student: str, teacher: str, teacher_id: str) -> None:
-    """Raise `ValueError` unless the teacher's tokenizer maps every token to the same id as the student's (SPEC §9.4:
+    """Raise `ValueError` unless the teacher's tokenizer maps every token to the same id as the student's (docs/algorithms.md §9.4:
     the teacher's candidate ids index the student's vocabulary; a different one trains on wrong tokens, silently)."""
     from transformers import AutoTokenizer
 

@@ -1,4 +1,4 @@
-"""`AsyncDistillationTrainer`: on-policy distillation (SPEC §9) on Ray actors, TRL's constructor.
+"""`AsyncDistillationTrainer`: on-policy distillation (docs/algorithms.md §9) on Ray actors, TRL's constructor.
 
     trainer = AsyncDistillationTrainer(model="smollm2-135m-instruct", args=AsyncDistillationConfig(...),
                                        train_dataset=dataset)                    # teachers: teacher_server_urls
@@ -6,7 +6,7 @@
                                        teacher_model="Qwen/Qwen3-1.7B")          # or {teacher_id: path}: local teachers
     trainer.train()                      # or train(resume_from_checkpoint=True / "out/checkpoint-20")
 
-The run is GRPO's with two changes (DESIGN.md §1), both in the `RunSpec` this trainer builds: the rollout side
+The run is GRPO's with two changes (docs/design.md §1), both in the `RunSpec` this trainer builds: the rollout side
 is a `DistillRolloutActor` (one `AsyncDistillationLoop`: student `generate` through the GenerationActors, teacher
 `score` through one `TeacherScorer` per teacher id), and the learners run the "distill" objective
 (`rlasync.learner.distill`: plain padding-free rows, Σ L² balanced, the JSD loss with the LM head). The queue, the
@@ -18,7 +18,7 @@ TeacherScorer holding a `vllm_server` client. For local runs and tests, `teacher
 or `{teacher_id: path}`) is hosted by TeacherScorers on the cluster's engine ("torch" on CPU or a GPU, or "vllm").
 All teachers must share the student's tokenizer (candidate ids index the student's vocabulary).
 
-The learning-rate schedule defaults to linear decay over `args.resolved_max_steps(len(train_dataset), P)` (SPEC
+The learning-rate schedule defaults to linear decay over `args.resolved_max_steps(len(train_dataset), P)` (docs/algorithms.md
 §9.6: `max_steps`, else the epoch ceiling), which is also the run's horizon. This module never imports Ray.
 """
 
@@ -124,7 +124,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
     def build_spec(self, resume_dir: str | None) -> RunSpec:
         """DistillRolloutActors (students and teachers, the in-flight task budget split over the actors), learners
         with the distillation objective over the resolved horizon, local teachers resolved and checked for the
-        student's vocabulary, and the queue over the dataset's rows (one sample per row and epoch, SPEC §9.6)."""
+        student's vocabulary, and the queue over the dataset's rows (one sample per row and epoch, docs/algorithms.md §9.6)."""
         from rlasync.model.registry import resolve_model
 
         args, cluster = self.args, self.args.cluster

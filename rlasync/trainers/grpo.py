@@ -1,4 +1,4 @@
-"""`AsyncGRPOTrainer`: TRL's constructor, run on Ray actors (DESIGN.md §1).
+"""`AsyncGRPOTrainer`: TRL's constructor, run on Ray actors (docs/design.md §1).
 
     trainer = AsyncGRPOTrainer(model="smollm2-135m-instruct", reward_funcs=last_number_reward,
                                args=AsyncGRPOConfig(...), train_dataset=dataset)
@@ -87,7 +87,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         return train_dataset
 
     def _placeholder_dataset(self, environment_factory: Any) -> list[dict[str, Any]]:
-        """Without a dataset, a single environment supplies the prompts (SPEC §3.4): B x GA rows with an empty
+        """Without a dataset, a single environment supplies the prompts (docs/algorithms.md §3.4): B x GA rows with an empty
         user message, to which each rollout's `reset()` observation is appended."""
         if environment_factory is None:
             raise ValueError(

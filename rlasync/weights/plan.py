@@ -1,4 +1,4 @@
-"""Naming, manifest and streaming of parameters for a weight sync (the sender side, SPEC §6.2).
+"""Naming, manifest and streaming of parameters for a weight sync (the sender side, docs/algorithms.md §6.2).
 
 The learner's parameter names carry wrappers (FSDP/DDP's `module.`, activation checkpointing's
 `_checkpoint_wrapped_module.`, PEFT's `base_model.model.` and `.base_layer`); an engine knows the plain HF names.
@@ -38,7 +38,7 @@ class ManifestEntry:
 
 
 def transfer_name(name: str) -> str:
-    """The engine-side name of a learner parameter (SPEC §6.2 rule 2-4 clean-ups)."""
+    """The engine-side name of a learner parameter (docs/algorithms.md §6.2 rule 2-4 clean-ups)."""
     name = name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
     name = name.removeprefix("base_model.model.").replace(".base_layer", "")
     return name.replace("modules_to_save.default.", "")
@@ -144,6 +144,6 @@ def next_matching(stream: Iterator[tuple[str, torch.Tensor]], entry: ManifestEnt
 
 
 def most_common_dtype(manifest: list[ManifestEntry]) -> str | None:
-    """The dtype most parameters are sent in (compared with the engine's dtype at init, SPEC §5.4)."""
+    """The dtype most parameters are sent in (compared with the engine's dtype at init, docs/algorithms.md §5.4)."""
     counts = Counter(entry.dtype for entry in manifest)
     return counts.most_common(1)[0][0] if counts else None

@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md §2, over every module under rlasync/ (walked from the file tree, not a list):
+"""The layering rules of docs/design.md §2, over every module under rlasync/ (walked from the file tree, not a list):
 no module imports ray (at module level or inside a function), the only imports of `actors` are the launch call
 inside the trainers' train(), and in fresh interpreters the pure core loads without torch / ray / transformers
 while the tensor core never loads ray or vllm."""

@@ -7,7 +7,7 @@ from rlasync.config import AsyncGRPOConfig, apply_overrides, build_config, load_
 
 REPO = Path(__file__).resolve().parents[3]
 
-# SPEC §10.2 (seed signature) defaults, plus the TrainingArguments defaults TRL overrides.
+# docs/algorithms.md §10.2 defaults, plus the TrainingArguments defaults TRL overrides.
 SEED_DEFAULTS = {
     "model_init_kwargs": None, "dtype": "float32", "trust_remote_code": False, "router_aux_loss_coef": None,
     "num_generations": 8, "max_completion_length": 2048, "temperature": 1.0, "top_p": 1.0, "top_k": 0,

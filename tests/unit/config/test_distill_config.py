@@ -1,4 +1,4 @@
-"""`AsyncDistillationConfig`: SPEC §10.3 defaults and the §11 validation errors."""
+"""`AsyncDistillationConfig`: docs/algorithms.md §10.3 defaults and the §11 validation errors."""
 
 import dataclasses
 import logging
@@ -8,7 +8,7 @@ import pytest
 import rlasync
 from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig, ClusterConfig, build_config, load_config
 
-# SPEC §10.3 (TRL 1.16) defaults
+# docs/algorithms.md §10.3 (TRL 1.16) defaults
 DEFAULTS = {
     "model_init_kwargs": None, "dtype": "float32", "trust_remote_code": False, "ignore_data_skip": True,
     "learning_rate": 1e-6, "logging_steps": 1, "lr_scheduler_type": "linear", "max_completion_length": 2048,

@@ -1,4 +1,4 @@
-"""rlasync.distill is pure core: it loads without torch, ray, transformers or vllm (DESIGN.md §2)."""
+"""rlasync.distill is pure core: it loads without torch, ray, transformers or vllm (docs/design.md §2)."""
 
 import subprocess
 import sys

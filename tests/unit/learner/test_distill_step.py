@@ -142,7 +142,7 @@ def test_no_teacher_signal_still_touches_every_parameter_and_logs_nan():
     assert float(loss.detach()) == 0.0 and float(stats.abs().sum()) == 0.0
     assert all(p.grad is not None for p in model.parameters())  # gradient sync would touch every parameter
     model.zero_grad(set_to_none=True)
-    assert "jsd" not in make_step(model).step([row])  # NaN: dropped from the record (SPEC §9.3)
+    assert "jsd" not in make_step(model).step([row])  # NaN: dropped from the record (docs/algorithms.md §9.3)
     assert math.isnan(make_step(model).step([row], rate_pairs=True)["jsd"])  # kept for the rank reduction
 
 

@@ -1,4 +1,4 @@
-"""reduce_across_ranks: SPEC §8.1 rules applied across learner ranks (two ranks as threads, a fake all-reduce)."""
+"""reduce_across_ranks: docs/algorithms.md §8.1 rules applied across learner ranks (two ranks as threads, a fake all-reduce)."""
 
 import math
 import threading

@@ -1,4 +1,4 @@
-"""Reference of the sampling-mask renormalisation (SPEC §5.3): log π̃(y) = log π(y) − logsumexp_{v∈S} log π(v)."""
+"""Reference of the sampling-mask renormalisation (docs/algorithms.md §5.3): log π̃(y) = log π(y) − logsumexp_{v∈S} log π(v)."""
 
 from __future__ import annotations
 

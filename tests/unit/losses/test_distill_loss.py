@@ -1,4 +1,4 @@
-"""The on-policy distillation loss (SPEC §9.3, §8.4) against slow, obvious per-position references."""
+"""The on-policy distillation loss (docs/algorithms.md §9.3, §8.4) against slow, obvious per-position references."""
 
 from __future__ import annotations
 

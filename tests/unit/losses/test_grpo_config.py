@@ -56,7 +56,7 @@ def test_shape_mismatch_raises():
 
 
 def test_trl_1_16_is_the_unmasked_clipped_surrogate():
-    """No IS mask at any ratio (r = 10 ≫ C_max of the seed), value and gradient by the closed form."""
+    """No IS mask at any ratio (r = 10 ≫ C_max), value and gradient by the closed form."""
     ratio = torch.tensor([0.1, 0.7, 1.0, 1.5, 10.0], dtype=torch.float64)
     adv = torch.tensor([-1.0, -2.0, 0.5, 1.0, -1.0], dtype=torch.float64)
     trainer = ratio.log().requires_grad_()

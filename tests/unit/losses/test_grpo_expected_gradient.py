@@ -1,4 +1,4 @@
-"""Score centering: with a constant advantage the *exact* expected gradient over the sampler is zero (SPEC §5.3).
+"""Score centering: with a constant advantage the *exact* expected gradient over the sampler is zero (docs/algorithms.md §5.3).
 
 A small vocabulary lets us enumerate every sampled token y: E_{y∼μ}[∇_θ ℓ(y)] = Σ_y μ(y) ∇_θ ℓ(y), with
 π_θ = softmax(θ) (renormalised over a candidate set S when there is one) and the sampler's head H = μ's top-K.

@@ -1,4 +1,4 @@
-"""Loss metrics on synthetic ratios, against values computed by hand (SPEC §5.2 table, §5.3 sampling/*)."""
+"""Loss metrics on synthetic ratios, against values computed by hand (docs/algorithms.md §5.2 table, §5.3 sampling/*)."""
 
 from __future__ import annotations
 

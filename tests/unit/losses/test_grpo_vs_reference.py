@@ -70,7 +70,7 @@ def test_random_batches_exercise_every_branch(term_batch):
 
 
 def test_normaliser_is_global_mean_over_ranks_and_micro_batches(term_batch):
-    """Two ranks × two micro-batches with the §5.2 normaliser: the averaged gradient equals the global token mean."""
+    """Two ranks × two micro-batches with the docs/algorithms.md §5.2 normaliser: the averaged gradient equals the global token mean."""
     config = LossConfig.trl_1_16()
     shards = [term_batch(seed, m=m) for seed, m in ((0, 10), (1, 6), (2, 12), (3, 4))]  # (mb0: r0, r1), (mb1: ...)
     trainer = [s.trainer_logprobs.clone().requires_grad_() for s in shards]

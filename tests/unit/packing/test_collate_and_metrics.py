@@ -1,4 +1,4 @@
-"""Collator metrics (SPEC §4.6) and rectangular stacking on hand-built micro-batches; expected values by hand."""
+"""Collator metrics (docs/algorithms.md §4.6) and rectangular stacking on hand-built micro-batches; expected values by hand."""
 
 import math
 
@@ -31,7 +31,7 @@ def row_of(*samples):
 
 
 def worked_micro_batch():
-    """SPEC §4.4's samples on two ranks: the group-7 pair on rank 0, the group-9 sample on rank 1."""
+    """docs/algorithms.md §4.4's samples on two ranks: the group-7 pair on rank 0, the group-9 sample on rank 1."""
     s0 = make_sample([11, 12, 13, 21, 22], [0, 0, 0, 1, 1], advantage=1.0, group_id=7, metrics={"reward": 1.0})
     s1 = make_sample(
         [11, 12, 13, 31, 32], [0, 0, 0, 1, 1], advantage=-1.0, group_id=7, metrics={"reward": math.nan, "x": math.nan}

@@ -1,4 +1,4 @@
-"""pack(): the DFS layout of SPEC §4.2, checked on the worked examples and against a slow reference."""
+"""pack(): the DFS layout of docs/algorithms.md §4.2, checked on the worked examples and against a slow reference."""
 
 import numpy as np
 from hypothesis import given, settings

@@ -1,4 +1,4 @@
-"""Planners (SPEC §4.5, §4.8): TRL-derived cases, placement rules, flush, and properties on random streams."""
+"""Planners (docs/algorithms.md §4.5, §4.8): TRL-derived cases, placement rules, flush, and properties on random streams."""
 
 import itertools
 
@@ -41,7 +41,7 @@ def assert_valid(batch, num_ranks, budget=None):
         assert all(row.num_tokens <= budget and row.trained <= budget for row in batch.rows)
 
 
-# ---- TRL-derived cases (SPEC §12.1), with unshared samples --------------------------------------------------
+# ---- TRL-derived cases (docs/algorithms.md §12.1), with unshared samples --------------------------------------------------
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -1,4 +1,4 @@
-"""TreeRow: keys, costs and the two budget bounds of SPEC §4.1."""
+"""TreeRow: keys, costs and the two budget bounds of docs/algorithms.md §4.1."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ def make_sample(ids, mask=None, group_id=0, advantage=0.0):
 
 
 def worked_example():
-    """SPEC §4.4: group 7 has two rollouts, group 9 one."""
+    """docs/algorithms.md §4.4: group 7 has two rollouts, group 9 one."""
     return [
         make_sample([11, 12, 13, 21, 22], [0, 0, 0, 1, 1], group_id=7),
         make_sample([11, 12, 13, 31, 32], [0, 0, 0, 1, 1], group_id=7),

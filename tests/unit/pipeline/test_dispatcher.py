@@ -43,7 +43,7 @@ def test_resume_start_index_begins_mid_dataset_then_later_passes_are_full():
     dispatcher = PromptDispatcher(num_rows=5, num_epochs=2, start_index=3)
     leases = lease_all(dispatcher)
     assert [(lease.epoch, lease.row_index) for lease in leases] == [(0, 3), (0, 4)] + [(1, row) for row in range(5)]
-    assert leases[0].group_id == 0  # group ids restart at 0 after a resume (SPEC §2.2)
+    assert leases[0].group_id == 0  # group ids restart at 0 after a resume (docs/algorithms.md §2.2)
     assert dispatcher.first_untrained_index() == 3
 
 

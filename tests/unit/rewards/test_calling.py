@@ -1,4 +1,4 @@
-"""The reward calling convention (SPEC §2.6.1): arguments, concurrency, summing, names and errors."""
+"""The reward calling convention (docs/algorithms.md §2.6.1): arguments, concurrency, summing, names and errors."""
 
 import asyncio
 import functools

@@ -1,4 +1,4 @@
-"""Group advantages (SPEC §2.6.2) against a slow reference, and the degenerate-group rule (§2.6.3)."""
+"""Group advantages (docs/algorithms.md §2.6.2) against a slow reference, and the degenerate-group rule (§2.6.3)."""
 
 import math
 

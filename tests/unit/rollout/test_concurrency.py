@@ -1,4 +1,4 @@
-"""The adaptive concurrency cap (SPEC §2.3.2): initial value, +25 % / -30 % rules, clamps, gauges."""
+"""The adaptive concurrency cap (docs/algorithms.md §2.3.2): initial value, +25 % / -30 % rules, clamps, gauges."""
 
 import pytest
 

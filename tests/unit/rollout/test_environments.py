@@ -1,4 +1,4 @@
-"""Environments in the rollout loop (SPEC §3.4): probing, reset observations, per-environment tools, rewards."""
+"""Environments in the rollout loop (docs/algorithms.md §3.4): probing, reset observations, per-environment tools, rewards."""
 
 import asyncio
 import itertools

@@ -1,4 +1,4 @@
-"""`reconciliation_tally`: the fork/drift accounting of SPEC §3.3 under the seed's rule, checked against the sequences
+"""`reconciliation_tally`: the fork/drift accounting of docs/algorithms.md §3.3, checked against the sequences
 `build_training_sequences` actually builds (a fork is exactly a new training sequence)."""
 
 import random

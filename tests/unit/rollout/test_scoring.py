@@ -1,4 +1,4 @@
-"""Group scoring: TRL's §12.1 scoring tests (seed metric names), the zero-std drop, reward columns, metrics."""
+"""Group scoring: TRL's scoring tests (docs/algorithms.md §12.1), the zero-std drop, reward columns, metrics."""
 
 import asyncio
 import math

@@ -1,4 +1,4 @@
-"""The default multi-turn tool loop of `AsyncRolloutLoop` (SPEC §3.1/§3.2) against a scripted engine."""
+"""The default multi-turn tool loop of `AsyncRolloutLoop` (docs/algorithms.md §3.1/§3.2) against a scripted engine."""
 
 import asyncio
 import random

@@ -1,4 +1,4 @@
-"""Parsing tool calls out of assistant outputs and executing them (SPEC §3.1 parsing, §3.2 execution)."""
+"""Parsing tool calls out of assistant outputs and executing them (docs/algorithms.md §3.1 parsing, §3.2 execution)."""
 
 import asyncio
 import threading

@@ -1,4 +1,4 @@
-"""A local teacher must share the student's vocabulary (SPEC §9.4): its candidate ids index the student's."""
+"""A local teacher must share the student's vocabulary (docs/algorithms.md §9.4): its candidate ids index the student's."""
 
 import pytest
 

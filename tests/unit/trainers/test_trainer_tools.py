@@ -1,5 +1,5 @@
 """AsyncGRPOTrainer's `tools=` and `environment_factory=` (TRL's names): checks before any actor starts, and the
-placeholder dataset an environment may write its prompts into (SPEC §3.4). No Ray is started."""
+placeholder dataset an environment may write its prompts into (docs/algorithms.md §3.4). No Ray is started."""
 
 import threading
 
