@@ -5,13 +5,14 @@
 #   call 1  carry [".devicekit"]:  bash bench/device_runs.sh torch       (~10 min on nvidia-h200-x2)
 #   call 2  carry [".vllmkit"]:    bash bench/device_runs.sh vllm        (~7 min)
 #   (or)    carry []:               bash bench/device_runs.sh distill     (~3 min; on-policy distillation e2e)
+#   (or)    carry [".devicekit"]:  bash bench/device_runs.sh onegpu      (~9 min on nvidia-h200: GPU tests, IPC GRPO, 1-GPU distillation)
 #
 # Build the kits first, here: ../shared/device/make-kit.sh with
 #   EXTRA="pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 math-verify==0.9.0
 #          latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"
 # and ../shared/device/vllm/build-kit.sh.
 set -uo pipefail
-stage=${1:?usage: bench/device_runs.sh torch|vllm|distill}
+stage=${1:?usage: bench/device_runs.sh torch|onegpu|vllm|distill}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -30,6 +31,13 @@ torch)
     run gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/learner/test_distill_step.py
     run weight_sync 150 python3 bench/weight_sync.py --rounds 3 --bucket-mb 256 --out "$out/weight_sync_h200.json"
     run e2e_torch 150 python3 bench/e2e_grpo.py --steps 10 --runs async --out "$out/e2e_torch.json"
+    ;;
+onegpu)  # one H200: GPU tests, GRPO with learner and engine sharing the GPU over CUDA IPC, distillation on one GPU
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/learner/test_distill_step.py
+    run e2e_ipc 170 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
+    run e2e_distill_1gpu 170 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --share-gpu --out "$out/e2e_distill_h200.json"
     ;;
 distill)  # no carry needed if it follows the torch stage while the machine is warm (/tmp/site has Ray)
     [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
