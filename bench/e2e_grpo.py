@@ -175,6 +175,8 @@ def make_distill_config(args: argparse.Namespace, output_dir: Path, max_stalenes
     cluster = {**grpo.to_dict()["cluster"]}
     if placement == "two_gpus":  # the student's engine and the teacher share the second GPU
         cluster["generation_num_gpus"] = 0.5
+    elif placement == "shared_gpu":  # learner, student engine and teacher on one GPU: their shares must add up to 1
+        cluster["learner_num_gpus"], cluster["generation_num_gpus"] = 0.4, 0.3
     return AsyncDistillationConfig(**shared, cluster=cluster, teacher_top_k=8, beta=0.0)
 
 
