@@ -53,10 +53,10 @@ class ClusterConfig:
     collective_timeout_s: float = 300.0
     """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
     weight_sync_backend: str = "auto"
-    """Weight broadcast transport: "auto" (NCCL when learner rank 0 and every engine hold distinct GPUs, else gloo
-    through the CPU, with a warning when a GPU is involved), "nccl" (an error where it cannot work), "gloo", or "ipc"
-    (learner rank 0 and every engine on one host and one device: the weights are shared by CUDA IPC handle, or
-    through shared memory on the CPU, instead of through a process group)."""
+    """Weight transport: "auto" (NCCL when learner rank 0 and every engine hold distinct GPUs, CUDA IPC when they all
+    share one GPU, else gloo through the CPU, with a warning when a GPU is involved), "nccl" (an error where it
+    cannot work), "gloo", or "ipc" (learner rank 0 and every engine on one host and one device: the weights are
+    shared by CUDA IPC handle, or through shared memory on the CPU, instead of through a process group)."""
     weight_sync_bucket_mb: float = 256.0
     """Parameters are broadcast in flat buckets of at most this many MiB (a larger parameter goes alone)."""
     weight_sync_staging_mb: float = 2048.0

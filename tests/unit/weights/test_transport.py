@@ -43,11 +43,15 @@ def test_each_engine_on_its_own_gpu_is_nccl():
     assert kind(gpu(uuid="a"), [gpu(uuid="b")], "nccl") == ("nccl", None)
 
 
-def test_a_shared_gpu_is_gloo_or_ipc_when_requested():
-    plan_kind, reason = kind(gpu(uuid="a"), [gpu(uuid="a")])
-    assert plan_kind == "gloo" and "share one GPU" in reason
-    assert "weight_sync_backend=ipc" in reason  # the shared-GPU warning names the faster option
+def test_one_shared_gpu_is_ipc_and_a_mixed_layout_is_gloo():
+    assert kind(gpu(uuid="a"), [gpu(uuid="a")]) == ("ipc", None)  # learner and engine on one GPU
+    assert kind(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="a")]) == ("ipc", None)
     assert kind(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="a")], "ipc") == ("ipc", None)
+    plan_kind, reason = kind(gpu(uuid="a"), [gpu(uuid="a"), gpu(uuid="b")])  # one engine shares, one does not
+    assert plan_kind == "gloo" and "distinct GPU per rank" in reason and "one GPU for all" in reason
+    plan_kind, _ = kind(gpu(uuid="a"), [gpu(uuid="b"), gpu(uuid="b")])  # two engines share one GPU
+    assert plan_kind == "gloo"
+    assert kind(gpu(uuid="a"), [gpu(uuid="a")], "gloo") == ("gloo", None)  # an explicit request wins
 
 
 def test_cpu_is_gloo_and_gloo_is_always_honoured():
