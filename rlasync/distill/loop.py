@@ -40,7 +40,7 @@ import collections
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.config import AsyncDistillationConfig
 from rlasync.distill.policy import FAILED_TASK_METRIC, DistillationPolicy
@@ -52,6 +52,9 @@ from rlasync.rollout.engine_pool import EnginePool
 from rlasync.rollout.protocols import PromptSource, Sink
 from rlasync.rollout.scheduler import TaskScheduler
 from rlasync.rollout.settings import RolloutSettings
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 
 def resolve_max_inflight_tasks(config: AsyncDistillationConfig, num_ranks: int = 1) -> int:
@@ -76,7 +79,7 @@ class AsyncDistillationLoop(ScheduledLoop, DistillationPolicy):
     def __init__(
         self,
         *,
-        config: Any = None,
+        config: TrainerConfig | None = None,
         tokenizer: Any,
         student: Engine | Sequence[Engine],
         teachers: Engine | Mapping[str, Engine],
@@ -90,7 +93,7 @@ class AsyncDistillationLoop(ScheduledLoop, DistillationPolicy):
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         rng: random.Random | None = None,
-        args: Any = None,
+        args: TrainerConfig | None = None,
     ) -> None:
         config = one_config(config, args, type(self).__name__)
         settings = RolloutSettings.from_config(config, max_inflight_tasks=max_inflight_tasks)

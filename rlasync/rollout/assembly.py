@@ -3,11 +3,14 @@ policy (`AsyncRolloutLoop`, `AsyncDistillationLoop`), and the helpers both assem
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.rollout.engine_pool import EnginePool
 from rlasync.rollout.protocols import Admission, PromptSource, Sink
 from rlasync.rollout.scheduler import TaskScheduler
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 
 class ScheduledLoop:
@@ -78,7 +81,7 @@ class ScheduledLoop:
         return self.engine_pool.controller
 
 
-def one_config(config: Any, args: Any, who: str) -> Any:
+def one_config(config: TrainerConfig | None, args: TrainerConfig | None, who: str) -> TrainerConfig:
     """The user's config given to a loop as `config=` (or, its old name, `args=`)."""
     if config is None and args is None:
         raise TypeError(f"{who} needs config= (the trainer config)")

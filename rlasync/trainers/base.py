@@ -13,10 +13,13 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.driver import Checkpointer, RunSpec
 from rlasync.pipeline import RolloutState
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class AsyncTrainerBase:
 
     loop_cls: type
 
-    def _begin_init(self, args: Any, loop_cls: type | None) -> None:
+    def _begin_init(self, args: TrainerConfig, loop_cls: type | None) -> None:
         """First step of a subclass's `__init__`: the (checked) config and the loop class its checks consult."""
         self.args = args
         if loop_cls is not None:

@@ -79,3 +79,19 @@ def test_every_document_reference_resolves():
         foreign += [f"{path.relative_to(REPO)}: {m.group(0)}" for m in FOREIGN.finditer(text)]
     assert not broken, f"references to sections the docs do not have: {broken[:20]}"
     assert not foreign, f"references to documents outside the repository: {foreign[:20]}"
+
+
+def test_no_untyped_args_object_in_the_core():
+    """Components take typed settings or the typed config, never an `args: Any` read with getattr."""
+    found = []
+    for path in _sources("rlasync"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                for arg in arguments:
+                    if arg.arg == "args" and (arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and node.args:
+                if ast.unparse(node.args[0]) in ("args", "self.args"):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} getattr({ast.unparse(node.args[0])}, ...)")
+    assert not found, f"untyped args objects: {found}"
