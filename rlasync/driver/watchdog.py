@@ -96,7 +96,7 @@ class Watchdog:
         if waited <= bound:
             return
         message = (
-            f"no training step completed in {waited:.0f} s (bound {bound:.0f} s: {self._bound_text()}): "
+            f"no training step completed in {_secs(waited)} s (bound {_secs(bound)} s: {self._bound_text()}): "
             + self.reason(queue_state, healths, bound)
             + ". Set watchdog_timeout_s to change the bound, or watchdog_action='warn' to keep going."
         )
@@ -114,6 +114,10 @@ class Watchdog:
         causes = now["causes"] - baseline["causes"]
         bound = self.bound_s() if bound_s is None else bound_s
         return explain(outcomes, causes, queue_state, healths, bound)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.1f}"
 
 
 def _counts(queue_state: Mapping[str, Any]) -> dict[str, Counter[str]]:

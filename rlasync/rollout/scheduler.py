@@ -328,7 +328,7 @@ class TaskScheduler(Generic[G]):
         warned = (lease.row_index, cause)
         log = logger.debug if warned in self._warned else logger.warning
         self._warned.add(warned)
-        log("group %d (row %d) failed and is dropped (%s): %s", lease.group_id, lease.row_index, cause, detail)
+        log("group %d failed and is dropped (%s): %s", lease.group_id, cause, detail)
         self.counters["groups_failed"] += 1
         self.policy.emit([(self.policy.failure_metric, 1.0)])
         report = getattr(self.prompt_source, "report_failure", None)
