@@ -10,10 +10,9 @@ def service(num_rows=3):
 
 def test_drops_are_counted_per_cause_with_the_last_detail():
     queue = service()
-    first, second, third = (queue.try_next_group(2) for _ in range(3))
-    queue.drop_group(first.group_id, "zero_std", 10, "no_reward", "every reward None (f)")
-    queue.drop_group(second.group_id, "failed", 0, "too_long", "row 1: prompt of 41 tokens > max_model_len 20")
-    queue.drop_group(third.group_id, "zero_std", 10)  # no cause given: counted by outcome only
+    queue.drop_group(queue.try_next_group(2).group_id, "zero_std", 10, "no_reward", "every reward None (f)")
+    queue.drop_group(queue.try_next_group(2).group_id, "failed", 0, "too_long", "row 1: prompt of 41 tokens > 20")
+    queue.drop_group(queue.try_next_group(2).group_id, "zero_std", 10)  # no cause given: counted by outcome only
     state = queue.state().to_dict()
     assert state["outcomes"] == {"zero_std": 2, "failed": 1}
     assert state["causes"] == {"zero_std/no_reward": 1, "failed/too_long": 1}
