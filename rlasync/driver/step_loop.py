@@ -197,9 +197,7 @@ class StepLoop:
         outcomes = dict(state.get("outcomes") or {})
         if outcomes.get("trained", 0) or not any(outcomes.values()):
             return
-        message = (
-            f"the prompt stream ended without a single training step: {self.watchdog.reason(state)}"
-        )
+        message = f"the prompt stream ended without a single training step: {self.watchdog.reason(state)}"
         if self.watchdog.settings.action == "error":
             raise NoProgressError(message)
         logger.warning("%s", message)
