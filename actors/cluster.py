@@ -316,10 +316,13 @@ class RayFleet:
     def __init__(self, handles: list[Any], name: str, setting: str, timeout: float) -> None:
         self.handles, self.name, self.setting, self.timeout = handles, name, setting, timeout
 
-    async def check_health(self, stale_after_s: float) -> None:
+    async def check_health(self, stale_after_s: float) -> list[tuple[str, dict[str, Any]]]:
+        healths = []
         for index, rollout in enumerate(self.handles):
             health = await _get(rollout.health.remote(), HEALTH_TIMEOUT_S)
             check_actor_health(f"{self.name} {index}", health, stale_after_s, self.setting)
+            healths.append((f"{self.name} {index}", health))
+        return healths
 
     async def drain_metrics(self) -> list[tuple[str, Any]]:
         drained = await _get([rollout.drain_metrics.remote() for rollout in self.handles], self.timeout)

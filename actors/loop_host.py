@@ -32,6 +32,7 @@ class QueuePromptSource:
         self.actor = actor
         self.group_size = group_size
         self.leases: dict[int, PromptLease] = {}
+        self.failures: dict[int, tuple[str, str]] = {}  # group id -> (cause, one-line detail) of a failed group
 
     async def lease(self) -> PromptLease | None:
         waited = 0.0
@@ -47,12 +48,17 @@ class QueuePromptSource:
         self.leases[lease.group_id] = lease
         return lease._replace(row=self.actor.dataset[lease.row_index], waited_s=waited)
 
+    def report_failure(self, lease: PromptLease, cause: str, detail: str) -> None:
+        """Why the group about to be released as "failed" failed: counted by cause at the queue (the watchdog)."""
+        self.failures[lease.group_id] = (cause, detail)
+
     async def release(self, lease: PromptLease, reason: GroupOutcome) -> None:
         queue_lease = self.leases.pop(lease.group_id, None)
+        cause, detail = self.failures.pop(lease.group_id, (None, None))
         if queue_lease is None:  # its samples already reached the queue (the sink took the lease): nothing to undo
             return
         if reason in DROP_REASONS:  # "filtered", or "failed": the engine rejected the prompt; retrying cannot help
-            await self.actor.queue.drop_group.remote(lease.group_id, str(reason), 0)
+            await self.actor.queue.drop_group.remote(lease.group_id, str(reason), 0, cause, detail)
         else:  # "cancelled" (the loop is stopping): the prompt is leased again
             await self.actor.queue.release.remote(queue_lease)
 
@@ -71,7 +77,9 @@ class QueueGroupSink:
     async def put(self, result: Any) -> None:
         self.source.taken(result.group_id)
         if result.dropped:
-            await self.queue.drop_group.remote(result.group_id, str(GroupOutcome.ZERO_STD), result.num_rollout_tokens)
+            scored = result.scored
+            await self.queue.drop_group.remote(result.group_id, str(GroupOutcome.ZERO_STD), result.num_rollout_tokens,
+                                               scored.drop_cause, scored.drop_detail())  # fmt: skip
             return
         await self.queue.put_group.remote([QueueEntry.for_sample(s, payload=ray.put(s)) for s in result.scored.samples])
 
@@ -130,16 +138,19 @@ class LoopHost:
 
     def health(self) -> dict[str, Any]:
         """`error` (a message) when the loop failed; else the heartbeat's age and whether the loop runs (the loop's
-        settings give the heartbeat limit)."""
+        settings give the heartbeat limit); plus the loop's `health_report()` for the watchdog (`num_inflight`,
+        `oldest_request`, `oldest_tool_call`, `last_failure`)."""
         if self.error is None:
             try:
                 self.loop.check_health()
             except RuntimeError as exc:
                 self.error = str(exc)
+        report = getattr(self.loop, "health_report", None)  # tasks in flight, the oldest request and tool call
         return {
             "error": self.error,
             "running": self.loop.is_running,
             "heartbeat_age_s": time.time() - self.loop.heartbeat,
+            **(report() if callable(report) else {}),
         }
 
     def drain_metrics(self) -> list[tuple[str, Any]]:

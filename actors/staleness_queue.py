@@ -30,8 +30,9 @@ class QueueActor:
     def put_group(self, entries: list[Any]) -> None:
         self.service.put_group(entries)
 
-    def drop_group(self, group_id: int, reason: str, num_tokens: int = 0) -> None:
-        self.service.drop_group(group_id, reason, num_tokens)  # type: ignore[arg-type]
+    def drop_group(self, group_id: int, reason: str, num_tokens: int = 0, cause: str | None = None,
+                   detail: str | None = None) -> None:  # fmt: skip
+        self.service.drop_group(group_id, reason, num_tokens, cause, detail)  # type: ignore[arg-type]
 
     def release(self, lease: Any) -> None:
         self.service.release(lease)

@@ -190,6 +190,20 @@ class TrainerConfig:
     log_completions: bool = False
     num_completions_to_print: int | None = None
 
+    # ---- progress watchdog and user-code timeouts (rlasync; docs/algorithms.md §2.1, §3.2) ----
+    watchdog_timeout_s: float | None = None
+    """No training step for this long stops the run with the reason (zero reward spread, prompts too long, a tool
+    that never returns, ...); None derives it: max(rollout_worker_timeout / heartbeat_stale_after_s, 5 x the slowest
+    step so far)."""
+    watchdog_action: str = "error"
+    """"error": the watchdog stops the run; "warn": it logs the reason once per bound and the run goes on."""
+    reward_timeout_s: float | None = 300.0
+    """Per-call limit of each reward function (sync and async) on one group; past it the group is dropped as failed,
+    the function named. None: no limit."""
+    tool_timeout_s: float | None = 120.0
+    """Per-call limit of each tool call; past it the model gets a tool error message and the call counts as a
+    failure (`tools/timeout_count`). None: no limit."""
+
     # ---- actor system (rlasync) ----
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Actor counts and resources (see `ClusterConfig`); `--set cluster.num_learners=2`."""
@@ -258,6 +272,12 @@ class TrainerConfig:
         _positive_int(self, "weight_sync_steps")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
             raise ValueError(f"num_completions_to_print={self.num_completions_to_print}: must be >= 0 or None")
+        for name in ("watchdog_timeout_s", "reward_timeout_s", "tool_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
+                raise ValueError(f"{name}={value!r}: must be a number of seconds > 0, or None for no limit")
+        if self.watchdog_action not in ("error", "warn"):
+            raise ValueError(f"watchdog_action={self.watchdog_action!r}: choose 'error' (stop the run) or 'warn'")
 
     # ---- derived values ----
     def samples_per_step(self, num_processes: int = 1) -> int:

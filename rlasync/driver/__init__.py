@@ -13,12 +13,14 @@ from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, Taken, We
 from rlasync.driver.resources import actor_requests, check_resources
 from rlasync.driver.spec import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, engine_dtype, step_budget
 from rlasync.driver.step_loop import StepLoop, StepSettings, TrainerControl, check_actor_health
+from rlasync.driver.watchdog import NoProgressError, Watchdog, WatchdogSettings
 
 __all__ = [
     "Checkpointer",
     "Fleet",
     "LearnerGroup",
     "LearnerSpec",
+    "NoProgressError",
     "RolloutSpec",
     "RunSpec",
     "SampleQueue",
@@ -27,6 +29,8 @@ __all__ = [
     "Taken",
     "TeacherSpec",
     "TrainerControl",
+    "Watchdog",
+    "WatchdogSettings",
     "WeightTransport",
     "actor_requests",
     "check_actor_health",

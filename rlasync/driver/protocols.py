@@ -68,9 +68,10 @@ class WeightTransport(Protocol):
 class Fleet(Protocol):
     """The rollout actors."""
 
-    async def check_health(self, stale_after_s: float) -> None:
+    async def check_health(self, stale_after_s: float) -> Sequence[tuple[str, dict[str, Any]]] | None:
         """Raise `RuntimeError` naming the failing actor when one failed or its heartbeat is older than
-        `stale_after_s` seconds."""
+        `stale_after_s` seconds; else the actors' `(name, health dict)` pairs, for the watchdog's reason (None:
+        nothing to report)."""
         ...
 
     async def drain_metrics(self) -> MetricItems:

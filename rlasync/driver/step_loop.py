@@ -5,7 +5,9 @@
 
 until the horizon (`max_steps`), the end of the prompt stream, or a callback's `control.should_training_stop`;
 then the last window is logged and the final model saved (unless that step was just saved). While it waits for
-samples the loop checks the rollout fleet's health: that is the one hang check of a run.
+samples the loop checks the rollout fleet's health (a failed or hung rollout loop) and asks the `Watchdog`
+(`rlasync.driver.watchdog`) whether a step is overdue: then the run stops with the reason (docs/algorithms.md §2.1).
+A prompt stream that ends before a single step trained is reported the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, MetricItems, SampleQueue, WeightTransport
+from rlasync.driver.watchdog import NoProgressError, Watchdog, WatchdogSettings
 from rlasync.metrics import MetricSink
 
 if TYPE_CHECKING:
@@ -33,7 +36,8 @@ EVENTS = ("on_step_begin", "on_step_end", "on_log", "on_save", "on_train_end")
 @dataclass(frozen=True)
 class StepSettings:
     """What the loop needs of the config: the horizon (None: until the prompt stream ends), the cadences, the step's
-    size (`samples_per_step` set: a fixed sample count, else `tokens_per_step` raw tokens) and the hang limit."""
+    size (`samples_per_step` set: a fixed sample count, else `tokens_per_step` raw tokens), the hang limit and the
+    watchdog's settings (its floor defaults to the hang limit)."""
 
     horizon: int | None
     tokens_per_step: int
@@ -43,15 +47,24 @@ class StepSettings:
     save_steps: int = 500
     hang_timeout_s: float = 300.0
     poll_s: float = TAKE_POLL_S
+    watchdog: WatchdogSettings | None = None
 
     @classmethod
     def from_config(cls, config: TrainerConfig, *, horizon: int | None, tokens_per_step: int, samples_per_step: int | None,
                     hang_timeout_s: float) -> StepSettings:  # fmt: skip
+        setting = "heartbeat_stale_after_s" if hasattr(config, "heartbeat_stale_after_s") else "rollout_worker_timeout"
+        watchdog = WatchdogSettings(
+            timeout_s=getattr(config, "watchdog_timeout_s", None), floor_s=hang_timeout_s, floor_setting=setting,
+            action=getattr(config, "watchdog_action", "error"),
+        )  # fmt: skip
         return cls(
             horizon=horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
             weight_sync_steps=config.weight_sync_steps, logging_steps=config.logging_steps,
-            save_steps=config.save_steps, hang_timeout_s=hang_timeout_s,
+            save_steps=config.save_steps, hang_timeout_s=hang_timeout_s, watchdog=watchdog,
         )  # fmt: skip
+
+    def watchdog_settings(self) -> WatchdogSettings:
+        return self.watchdog if self.watchdog is not None else WatchdogSettings(floor_s=self.hang_timeout_s)
 
 
 @dataclass
@@ -96,6 +109,7 @@ class StepLoop:
         self.tokenizer = tokenizer
         self.control = TrainerControl()
         self.window = MetricSink()
+        self.watchdog = Watchdog(settings.watchdog_settings())
 
     async def run(self, start_step: int = 0, version: int = 0) -> dict[str, Any]:
         """Train from `start_step` at served policy `version`; returns the final state. The sinks are closed on the
@@ -117,10 +131,13 @@ class StepLoop:
     async def _steps(self, step: int, version: int) -> int:
         s = self.settings
         last_step_end: float | None = None
+        start = step
         while s.horizon is None or step < s.horizon:
             refs, wait_s, take_items, tokens = await self.take()
             if not refs:
                 logger.info("the prompt stream is exhausted after %d steps", step)
+                if step == start:
+                    await self._nothing_trained()
                 break
             self.window.update(take_items)
             self.window.add("perf/rollout_wait_s", wait_s)
@@ -128,6 +145,7 @@ class StepLoop:
             self.window.update(await self.learners.train_step(refs))
             await self.queue.finish_step(tokens)
             step += 1
+            self.watchdog.step_done()
             if step % s.weight_sync_steps == 0:
                 version, timings = await self.weights.sync(version)
                 self.window.update(timings)
@@ -166,11 +184,23 @@ class StepLoop:
                 refs += taken.refs
                 tokens += taken.num_tokens
                 continue
-            await self.fleet.check_health(s.hang_timeout_s)
+            healths = await self.fleet.check_health(s.hang_timeout_s)
             state = await self.queue.state()
             if state["done"] and state["queue_size"] == 0 and state["inflight_groups"] == 0:
                 break
+            self.watchdog.check(state, list(healths or ()))
         return refs, waited, items, tokens
+
+    async def _nothing_trained(self) -> None:
+        """The stream ended before this run trained a step: when groups were consumed (all dropped), say why."""
+        state = await self.queue.state()
+        outcomes = dict(state.get("outcomes") or {})
+        if outcomes.get("trained", 0) or not any(outcomes.values()):
+            return
+        message = f"the prompt stream ended without a single training step: {self.watchdog.reason(state)}"
+        if self.watchdog.settings.action == "error":
+            raise NoProgressError(message)
+        logger.warning("%s", message)
 
     async def _save(self, step: int) -> None:
         path = await self.checkpointer.save(step, self.state, self.queue, self.learners, self.tokenizer)
@@ -191,4 +221,6 @@ class StepLoop:
                 method(self.callback_args, self.state, self.control, **kwargs)
 
 
-__all__ = ["EVENTS", "TAKE_POLL_S", "StepLoop", "StepSettings", "TrainerControl", "check_actor_health"]
+__all__ = [
+    "EVENTS", "TAKE_POLL_S", "NoProgressError", "StepLoop", "StepSettings", "TrainerControl", "check_actor_health",
+]  # fmt: skip

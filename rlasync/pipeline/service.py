@@ -7,6 +7,7 @@ The Ray actor only forwards calls to one `QueueService`; every call below keeps 
        (allowance gate, then a lease)                  (fresh entries; stale ones dropped and accounted)
     put_group(entries)   queued: group's samples    finish_step(tokens_per_step)   allowance follows
     drop_group(id, why)  consumed, nothing queued   set_policy_version(v)          after each weight sync
+      (+ cause, detail: counted per cause, the last detail kept: the watchdog's reason, docs/algorithms.md §2.1)
     release(lease)       leased again               rollout_state() ─► RolloutState for rollout_state.json
 
 Who waits for what, and what wakes it (one shared notifier; waiters re-check after every wake-up):
@@ -71,6 +72,8 @@ class QueueState:
     first_untrained_index: int
     done: bool
     outcomes: dict[str, int] = field(default_factory=dict)  # groups per outcome: trained, zero_std, filtered, stale
+    causes: dict[str, int] = field(default_factory=dict)  # dropped groups per "outcome/cause" (zero_std/no_reward, ...)
+    last_failures: dict[str, str] = field(default_factory=dict)  # "outcome/cause" -> the last drop's detail
 
     def to_dict(self) -> dict[str, int | float | bool]:
         return asdict(self)
@@ -96,6 +99,8 @@ class QueueService:
         self.queue = StalenessQueue(clock=clock, notifier=self._notifier)
         self.allowance = TokenAllowance(max_staleness, tokens_per_step, clock=clock, notifier=self._notifier)
         self._generating: dict[int, int] = {}  # group_id -> rollouts, for groups admitted and not yet back
+        self.causes: Counter[str] = Counter()
+        self.last_failures: dict[str, str] = {}
 
     @classmethod
     def create(
@@ -162,14 +167,22 @@ class QueueService:
         self.queue.put(entries, now=now)
         self.allowance.finish_group(num_rollouts, sum(entry.num_tokens for entry in entries))
 
-    def drop_group(self, group_id: int, reason: DropReason, num_tokens: int = 0) -> None:
+    def drop_group(self, group_id: int, reason: DropReason, num_tokens: int = 0, cause: str | None = None,
+                   detail: str | None = None) -> None:  # fmt: skip
         """The group produced nothing to train (zero reward std, `filter_prompt` rejected its prompt, or its prompt
         can never be generated: "failed", counted as consumed instead of being leased again forever).
 
         `num_tokens`: raw tokens its rollouts generated (0 for a filtered prompt), for the per-rollout estimate.
+        `cause` (e.g. "no_reward", "constant", "too_long", "reward_timeout") is counted in `state().causes` as
+        "reason/cause"; `detail`, a one-line message, is kept as that cause's last in `state().last_failures`.
         """
         if reason not in DROP_REASONS:
             raise ValueError(f"drop_group: unknown reason {reason!r}; expected one of {DROP_REASONS}")
+        if cause is not None:
+            key = f"{reason}/{cause}"
+            self.causes[key] += 1
+            if detail:
+                self.last_failures[key] = str(detail)[:500]
         num_rollouts = self._generating_rollouts(group_id, "drop_group")
         del self._generating[group_id]
         if num_tokens > 0:
@@ -245,6 +258,8 @@ class QueueService:
             first_untrained_index=self.dispatcher.first_untrained_index(),
             done=self.dispatcher.done,
             outcomes=dict(self.dispatcher.outcome_counts),
+            causes=dict(self.causes),
+            last_failures=dict(self.last_failures),
         )
 
     # ---- internals -----------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ Every reward function is called once per group, on the whole group, with keyword
 
 and returns `G` rewards, each an `int`, a `float` or `None` (not scored by this function). Functions should
 accept `**kwargs` so that unused dataset columns do not break them. Sync functions run in a worker thread
-(`asyncio.to_thread`), coroutine functions are awaited, and all of them run concurrently.
+(`asyncio.to_thread`), coroutine functions are awaited, and all of them run concurrently. With `timeout_s`
+(`reward_timeout_s`), a function that has not returned in time fails the group with a `RewardTimeoutError`
+naming it (a sync function's thread cannot be killed: it finishes in the background, its result unused).
 
 `bool` is not accepted as a reward (convert with `float(...)`): a list of booleans usually means a check
 was returned where a score was meant. Infinite values are rejected; NaN counts as `None`. A function that
@@ -46,6 +48,10 @@ RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
 class RewardFunctionError(ValueError):
     """A reward function (or an extra reward column) broke the calling convention; the message names it."""
+
+
+class RewardTimeoutError(RewardFunctionError):
+    """A reward function did not return within `reward_timeout_s`; the message names it. Only its group fails."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,18 +114,24 @@ async def call_reward_funcs(
     completion_ids: Sequence[Sequence[int]],
     reward_kwargs: Mapping[str, Sequence[Any]],
     extra_columns: RewardColumns | None = None,
+    timeout_s: float | None = None,
 ) -> RewardTable:
     """Score one group: call every reward function concurrently, then append the extra columns.
 
     Columns come in the order: reward functions, then `extra_columns`; duplicate names get `_2`, `_3`, ...
-    Raises `RewardFunctionError` when a function raises (chained), returns the wrong length or a non-number.
+    Raises `RewardFunctionError` when a function raises (chained), returns the wrong length or a non-number,
+    `RewardTimeoutError` when one has not returned within `timeout_s` seconds (None: no limit).
     """
     num_rollouts = len(completions)
     kwargs = _reward_call_kwargs(prompts, completions, completion_ids, reward_kwargs)
-    outcomes = await asyncio.gather(*(_call_reward_func(func, kwargs) for func in reward_funcs), return_exceptions=True)
     extra = reward_column_items(extra_columns)
     names = unique_names([reward_func_name(func) for func in reward_funcs] + [name for name, _ in extra])
     func_names, extra_names = names[: len(reward_funcs)], names[len(reward_funcs) :]
+    calls = (_timed(_call_reward_func(func, kwargs), name, timeout_s) for func, name in zip(reward_funcs, func_names))
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, RewardTimeoutError):
+            raise outcome
     rows = [
         _to_column(outcome, f"reward function '{name}'", num_rollouts)
         for name, outcome in zip(func_names, outcomes, strict=True)
@@ -152,6 +164,17 @@ def _reward_call_kwargs(
             "rename the column(s)"
         )
     return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **reward_kwargs}
+
+
+async def _timed(call: Any, name: str, timeout_s: float | None) -> Any:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await call
+    except TimeoutError:
+        raise RewardTimeoutError(
+            f"reward function '{name}' did not return within reward_timeout_s={timeout_s:g} s; its group is "
+            "dropped as failed (make it faster, or raise reward_timeout_s)"
+        ) from None
 
 
 async def _call_reward_func(func: RewardFunc, kwargs: dict[str, Any]) -> Any:

@@ -35,6 +35,20 @@ class ScheduledLoop:
         (default: the settings' `heartbeat_timeout_s`)."""
         self.scheduler.check_health(stale_after_s)
 
+    def health_report(self) -> dict[str, Any]:
+        """What the rollout actor's health adds for the watchdog (docs/algorithms.md §2.1): tasks in flight, the
+        oldest unanswered generation request, the last group failure and the policy's own `progress()` (GRPO:
+        the oldest tool call still running)."""
+        report: dict[str, Any] = {
+            "num_inflight": self.num_inflight,
+            "oldest_request": self.engine_pool.oldest_request(),
+            "last_failure": self.scheduler.last_failure,
+        }
+        progress = getattr(self.scheduler.policy, "progress", None)
+        if callable(progress):
+            report.update(progress())
+        return report
+
     def update_policy_version(self, version: int) -> None:
         """The policy version groups started from now on are stamped with."""
         self.scheduler.policy_version = int(version)

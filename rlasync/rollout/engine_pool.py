@@ -78,6 +78,8 @@ class EnginePool:
         self.counters = counters if counters is not None else collections.Counter()
         self._emit, self._clock, self._sleep = emit, clock, sleep
         self._load = [0] * len(self.engines)
+        self._inflight: dict[int, tuple[int, float]] = {}  # request number -> (engine index, start time)
+        self._request_numbers = 0
         self._next = 0
         self._next_stats_at = -float("inf")
 
@@ -120,10 +122,21 @@ class EnginePool:
         start, self._next = self._next, (self._next + 1) % count
         index = min(((start + k) % count for k in range(count)), key=self._load.__getitem__)
         self._load[index] += 1
+        number, self._request_numbers = self._request_numbers, self._request_numbers + 1
+        self._inflight[number] = (index, self._clock())
         try:
             return await resolve(self.engines[index].generate(prompt_ids, sampling))
         finally:
             self._load[index] -= 1
+            del self._inflight[number]
+
+    def oldest_request(self) -> dict[str, float] | None:
+        """`{"engine": index, "age_s": seconds}` of the oldest generation request still unanswered (None: none),
+        for the rollout actor's health and the watchdog's reason."""
+        if not self._inflight:
+            return None
+        index, started = min(self._inflight.values(), key=lambda entry: entry[1])
+        return {"engine": index, "age_s": self._clock() - started}
 
     async def observe(self, completed: int) -> None:
         """Every `stats_interval_s`: feed the engines' gauges to the concurrency controller (built from the first

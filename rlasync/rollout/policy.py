@@ -16,6 +16,7 @@ behaviour reads the typed `self.settings`. Metric keys are listed in `rlasync.ro
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextvars
 import random
@@ -29,7 +30,7 @@ import numpy as np
 from rlasync.data.prompts import render_prompt, row_prompt
 from rlasync.engine.base import RequestRejectedError
 from rlasync.records import MetricItem, PromptLease, Rollout, RolloutGroup, TrainingSequence, TurnRecord
-from rlasync.rewards.calling import RewardFunc
+from rlasync.rewards.calling import RewardFunc, RewardTimeoutError
 from rlasync.rollout.completions_log import print_group
 from rlasync.rollout.engine_pool import EnginePool, resolve
 from rlasync.rollout.environments import (
@@ -45,7 +46,7 @@ from rlasync.rollout.rollout_metrics import group_metrics, rollout_metrics
 from rlasync.rollout.scoring import default_compute_advantages, score_group
 from rlasync.rollout.sequences import build_training_sequences, tokenizer_eos_ids
 from rlasync.rollout.settings import RolloutSettings
-from rlasync.rollout.tools import PARSE_FAILURE_METRIC, run_tool_loop, tools_by_name
+from rlasync.rollout.tools import PARSE_FAILURE_METRIC, ToolCallTracker, run_tool_loop, tools_by_name
 from rlasync.rollout.tools import parse_response as parse_tool_response
 
 if TYPE_CHECKING:
@@ -99,8 +100,9 @@ class RolloutPolicy:
     """Drop groups whose rewards carry no signal (docs/algorithms.md §2.6.3); they still reach the sink, without samples."""
     provides_rollout_rewards: bool = False
     """Set in a subclass whose `generate_one` sets `Rollout.reward`: it is then a reward source on its own."""
-    group_failure_exceptions: tuple[type[BaseException], ...] = (RequestRejectedError,)
-    """Errors of a rollout that fail its group (lease released as "failed") instead of stopping the loop."""
+    group_failure_exceptions: tuple[type[BaseException], ...] = (RequestRejectedError, RewardTimeoutError)
+    """Errors of a rollout (or of its group's scoring) that fail its group (dropped as "failed", counted) instead of
+    stopping the loop."""
     hand_over_holds_slots = False
     failure_metric = "rollout/failed_group_count"
 
@@ -127,6 +129,7 @@ class RolloutPolicy:
         for spec in self.environments.values():
             tools_by_name([*(self.tools or []), *spec.class_tools()])
         self._tool_executor: ThreadPoolExecutor | None = None
+        self.tool_calls = ToolCallTracker(clock)
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else tokenizer_eos_ids(tokenizer)
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
@@ -184,7 +187,8 @@ class RolloutPolicy:
         return await run_tool_loop(
             prompt, tools, render=self.render, generate_one_turn=self.generate_one_turn,
             parse_response=self.parse_response, executor=self.tool_executor, emit=self.emit,
-            max_iterations=self.settings.max_tool_calling_iterations,
+            max_iterations=self.settings.max_tool_calling_iterations, timeout_s=self.settings.tool_timeout_s,
+            tracker=self.tool_calls,
         )  # fmt: skip
 
     def tool_executor(self) -> ThreadPoolExecutor:
@@ -245,6 +249,20 @@ class RolloutPolicy:
     def is_group_failure(self, error: BaseException) -> bool:
         return isinstance(error, self.group_failure_exceptions)
 
+    def failure_cause(self, error: BaseException) -> str:
+        """The cause a failed group is counted under (the watchdog's reason): "too_long" (the engine rejected a
+        prompt over max_model_len), "rejected" (another rejected request), "reward_timeout", else "error"."""
+        if isinstance(error, RewardTimeoutError):
+            return "reward_timeout"
+        if isinstance(error, RequestRejectedError):
+            return "too_long" if "max_model_len" in str(getattr(error, "cause", None) or error) else "rejected"
+        return "error"
+
+    def progress(self) -> dict[str, Any]:
+        """What the rollout actor's health adds for the watchdog: the oldest tool call still running
+        (`{"name", "age_s"}` or None)."""
+        return {"oldest_tool_call": self.tool_calls.oldest()}
+
     def after_close(self) -> None:
         """Shut the tool thread pool down (after `close()`, also when it raised)."""
         if self._tool_executor is not None:
@@ -297,19 +315,24 @@ class RolloutPolicy:
         rollout_group = group.rollout_group(policy_version, self.provides_rollout_rewards, self._clock())
         started = self._clock()
         reward_funcs, columns = self.reward_funcs, None
+        timeout_s = self.settings.reward_timeout_s
         if self.reward_scorer is not None:  # reward functions run elsewhere (a RewardActor): their table comes back
-            table = await resolve(
-                self.reward_scorer(
-                    prompts=rollout_group.prompts,
-                    completions=rollout_group.completions,
-                    completion_ids=rollout_group.completions_ids,
-                    reward_kwargs=rollout_group.reward_kwargs,
-                )
-            )
+            try:
+                async with asyncio.timeout(timeout_s):
+                    table = await resolve(
+                        self.reward_scorer(
+                            prompts=rollout_group.prompts, completions=rollout_group.completions,
+                            completion_ids=rollout_group.completions_ids, reward_kwargs=rollout_group.reward_kwargs,
+                        )  # fmt: skip
+                    )
+            except TimeoutError:
+                raise RewardTimeoutError(
+                    f"the reward actor did not score a group within reward_timeout_s={timeout_s:g} s"
+                ) from None
             reward_funcs, columns = [], list(zip(table.names, table.values))
         scored = await score_group(
             rollout_group, reward_funcs, compute_advantages=self.compute_advantages, extra_columns=columns,
-            drop_zero_std_groups=self.drop_zero_std_groups,
+            drop_zero_std_groups=self.drop_zero_std_groups, reward_timeout_s=timeout_s,
         )  # fmt: skip
         score_s = self._clock() - started
         if self.settings.log_completions:

@@ -19,9 +19,11 @@ pool's stats and dispatches:
 |                   | than `max_pending_groups` groups being collected or handed over|                                |
 | collect + hand over | the group's N tasks are done                                 | its own task                   |
 
-A group's tasks share the policy version read when its first task is dispatched. A task failing with an error the
-policy calls a group failure (a rejected request) fails its group: its other tasks are cancelled, the lease is
-released as "failed" and counted (`counters["groups_failed"]`, the policy's `failure_metric`). Any other error
+A group's tasks share the policy version read when its first task is dispatched. A task (or the group's `collect`) failing with an
+error the policy calls a group failure (a rejected request, a reward function past its timeout) fails its group:
+its other tasks are cancelled, the lease is released as "failed" and counted (`counters["groups_failed"]`, the
+policy's `failure_metric`, the policy's `failure_cause` and a one-line message to the prompt source's optional
+`report_failure`), with one warning per row and cause. Any other error
 stops the scheduler: `run()` re-raises it and `check_health()` raises `RuntimeError` chained to it. `stop()`
 cancels every task, releases the leases of unfinished groups as "cancelled" and returns once `run()` has ended.
 A policy whose `hand_over_holds_slots` is true counts groups being handed over as in flight (a blocked sink then
@@ -115,6 +117,8 @@ class TaskScheduler(Generic[G]):
         self._starter: asyncio.Task[_Group[G] | None] | None = None
         self._tasks: dict[asyncio.Task[Any], tuple[_Group[G], int]] = {}
         self._hand_overs: dict[asyncio.Task[Any], _Group[G]] = {}
+        self._warned: set[tuple[int, str]] = set()  # (row, cause) already warned about
+        self.last_failure: str | None = None
 
     # ---- control ------------------------------------------------------------------------------------------
 
@@ -310,21 +314,37 @@ class TaskScheduler(Generic[G]):
             self._hand_overs[self._spawn(self._hand_over(group))] = group
 
     async def _fail_group(self, group: _Group[G], error: BaseException) -> None:
+        """Drop the group for good ("failed", consumed: never leased again in this epoch) with one warning per row
+        and cause (no traceback: a remote error's is cut off), and the cause and message to the prompt source."""
         group.failed = True
         for task in group.tasks:
             task.cancel()
         self._groups.discard(group)
-        logger.warning(
-            "group %d (row %d) failed and is released: %s: %s",
-            group.lease.group_id, group.lease.row_index, type(error).__name__, error,
-        )  # fmt: skip
+        lease = group.lease
+        classify = getattr(self.policy, "failure_cause", None)
+        cause = classify(error) if classify is not None else "error"
+        detail = f"row {lease.row_index}: {short_error(error)}"
+        self.last_failure = detail
+        warned = (lease.row_index, cause)
+        log = logger.debug if warned in self._warned else logger.warning
+        self._warned.add(warned)
+        log("group %d failed and is dropped (%s): %s", lease.group_id, cause, detail)
         self.counters["groups_failed"] += 1
         self.policy.emit([(self.policy.failure_metric, 1.0)])
-        await resolve(self.prompt_source.release(group.lease, GroupOutcome.FAILED))
+        report = getattr(self.prompt_source, "report_failure", None)
+        if report is not None:
+            await resolve(report(lease, cause, detail))
+        await resolve(self.prompt_source.release(lease, GroupOutcome.FAILED))
         await resolve(self.admission.cancel_group(group.size))
 
     async def _hand_over(self, group: _Group[G]) -> None:
-        collected = await self.policy.collect(group.state, group.results, group.policy_version)
+        try:
+            collected = await self.policy.collect(group.state, group.results, group.policy_version)
+        except Exception as error:  # e.g. a reward function that timed out: only its group fails
+            if not self.policy.is_group_failure(error):
+                raise
+            await self._fail_group(group, error)
+            return
         put_started = self._clock()
         await resolve(self.sink.put(collected.item))
         put_s = self._clock() - put_started
@@ -365,4 +385,16 @@ class TaskScheduler(Generic[G]):
         self._done.clear()
 
 
-__all__ = ["TaskScheduler"]
+def short_error(error: BaseException, limit: int = 300) -> str:
+    """`Type: message` of `error` on one line: a remote (Ray) error is unwrapped to its cause and its traceback
+    dropped, so a log line or a watchdog reason stays one line."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        error = cause
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[-1] if lines and "Traceback" in str(error) else (lines[0] if lines else "")
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+__all__ = ["TaskScheduler", "short_error"]

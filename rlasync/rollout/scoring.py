@@ -68,6 +68,23 @@ class ScoredGroup:
     reward_table: RewardTable
     metrics: list[tuple[str, float]]
 
+    @property
+    def drop_cause(self) -> str | None:
+        """Why a dropped group carried no signal: "no_reward" (every reward None/NaN: TRL's "not applicable"),
+        "one_scored" (a single scored rollout) or "constant" (every scored reward equal); None when kept."""
+        if not self.dropped:
+            return None
+        scored = self.rewards[~np.isnan(self.rewards)]
+        return "no_reward" if scored.size == 0 else "one_scored" if scored.size == 1 else "constant"
+
+    def drop_detail(self) -> str:
+        """One line for the watchdog: the reward sources and the value every rollout got."""
+        names = ", ".join(self.reward_table.names) or "no reward column"
+        scored = self.rewards[~np.isnan(self.rewards)]
+        if scored.size == 0:
+            return f"every reward None ({names})"
+        return f"{scored.size} of {self.rewards.size} rollouts scored, every reward {float(scored[0]):g} ({names})"
+
 
 def default_compute_advantages(group: RolloutGroup) -> np.ndarray:
     """GRPO's group-normalised advantage of `group.rewards` (docs/algorithms.md §2.6.2)."""
@@ -81,12 +98,13 @@ async def score_group(
     compute_advantages: ComputeAdvantages | None = None,
     extra_columns: RewardColumns | None = None,
     drop_zero_std_groups: bool = True,
+    reward_timeout_s: float | None = None,
 ) -> ScoredGroup:
     """Score `group`, set `group.rewards`, and build its samples unless the group is dropped.
 
     `drop_zero_std_groups=False` keeps degenerate groups (TRL 1.16: they train with zero advantages).
     Raises `ValueError` when the group is malformed or has no reward source, `RewardFunctionError` when a
-    reward function breaks the calling convention.
+    reward function breaks the calling convention (`RewardTimeoutError`: not back within `reward_timeout_s`).
     """
     _check_group(group)
     columns = _group_reward_columns(group, extra_columns)
@@ -102,6 +120,7 @@ async def score_group(
         completion_ids=group.completions_ids,
         reward_kwargs=group.reward_kwargs,
         extra_columns=columns,
+        timeout_s=reward_timeout_s,
     )
     group.rewards = table.totals()
     advantages = _run_compute_advantages(compute_advantages or default_compute_advantages, group)

@@ -79,6 +79,7 @@ class RolloutSettings:
     chat_template_kwargs: extra keyword arguments of the chat template
     log_completions / num_completions_to_print / log_completions_steps: completion printing
     teacher_top_k / teacher_temperature: the teachers' scoring (distillation)
+    reward_timeout_s / tool_timeout_s: per-call limits of the user's reward functions and tools (None: none)
     """
 
     group_size: int
@@ -94,6 +95,8 @@ class RolloutSettings:
     log_completions_steps: int = 100
     teacher_top_k: int = 0
     teacher_temperature: float = 1.0
+    reward_timeout_s: float | None = None
+    tool_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -117,6 +120,8 @@ class RolloutSettings:
             max_concurrent=int(config.max_concurrent_rollouts),
             sampling=SamplingSettings.from_config(config, num_logprobs=config.num_sampler_logprobs),
             heartbeat_timeout_s=config.rollout_worker_timeout,
+            reward_timeout_s=getattr(config, "reward_timeout_s", None),
+            tool_timeout_s=getattr(config, "tool_timeout_s", None),
             num_sampler_logprobs=int(config.num_sampler_logprobs),
             max_tool_calling_iterations=config.max_tool_calling_iterations,
             chat_template_kwargs=config.chat_template_kwargs,

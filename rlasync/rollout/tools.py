@@ -14,7 +14,10 @@ malformed gives no call, is counted as a parse failure, and its text stays in th
 
 Execution runs the calls of one assistant message in the order emitted: coroutine functions are awaited, sync
 functions run on the given thread pool (so up to its size of them run at once across rollouts: tools touching
-shared state must be thread-safe). Metric names are those of docs/algorithms.md §8.2: counters
+shared state must be thread-safe). With `timeout_s` a call that has not returned in time becomes a tool error
+message to the model (`{"error": "tool `<name>` did not return within tool_timeout_s=..."}`), counted as a failure
+and in `tools/timeout_count`; a sync tool's thread cannot be killed and keeps its pool slot until it returns.
+A `ToolCallTracker` records the calls in flight (the oldest is in the rollout actor's health). Metric names are those of docs/algorithms.md §8.2: counters
 `tools/<name>/call_count`, `tools/<name>/failure_count`, `tools/unknown_name_count`, `tools/parse_failure_count`;
 rates `tools/latency_s`, `tools/<name>/latency_s`, `tools/parallel_calls_mean`. Nothing here imports ray or torch.
 """
@@ -45,6 +48,7 @@ _TOOL_CALL_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(T
 PARSE_FAILURE_METRIC = "tools/parse_failure_count"
 UNKNOWN_NAME_METRIC = "tools/unknown_name_count"
 LATENCY_METRIC = "tools/latency_s"
+TIMEOUT_METRIC = "tools/timeout_count"
 PARALLEL_CALLS_METRIC = "tools/parallel_calls_mean"
 
 Metrics = list[tuple[str, MetricValue]]
@@ -73,6 +77,30 @@ class ToolResults:
 
     def __iter__(self):  # unpacks as (tool_messages, num_calls, num_failures, metrics)
         return iter((self.messages, self.num_calls, self.num_failures, self.metrics))
+
+
+class ToolCallTracker:
+    """The tool calls in flight (name, start time): `oldest()` for the health report."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._calls: dict[int, tuple[str, float]] = {}
+        self._next = 0
+
+    def start(self, name: str) -> int:
+        token, self._next = self._next, self._next + 1
+        self._calls[token] = (name, self._clock())
+        return token
+
+    def end(self, token: int) -> None:
+        self._calls.pop(token, None)
+
+    def oldest(self) -> dict[str, Any] | None:
+        """`{"name", "age_s"}` of the oldest call still running, or None."""
+        if not self._calls:
+            return None
+        name, started = min(self._calls.values(), key=lambda call: call[1])
+        return {"name": name, "age_s": self._clock() - started}
 
 
 def tool_name(tool: Callable[..., Any]) -> str:
@@ -225,6 +253,8 @@ async def execute_tool_calls(
     executor: Executor | None = None,
     *,
     clock: Callable[[], float] = time.perf_counter,
+    timeout_s: float | None = None,
+    tracker: ToolCallTracker | None = None,
 ) -> ToolResults:
     """Run one assistant message's tool calls in the order emitted (docs/algorithms.md §3.2).
 
@@ -232,7 +262,7 @@ async def execute_tool_calls(
     call's `arguments` as keyword arguments: awaited if it is a coroutine function, else run on `executor`
     (`None`: the event loop's default pool). An exception → failure, content `str({"error": str(exc)})`. Each
     call gives one `{"role": "tool", "name": name, "content": str(result)}` message. Returns a `ToolResults`
-    (it unpacks as `(tool_messages, num_calls, num_failures, metrics)`).
+    (it unpacks as `(tool_messages, num_calls, num_failures, metrics)`). `timeout_s`: see the module docstring.
     """
     results = ToolResults()
     for call in calls:
@@ -248,14 +278,24 @@ async def execute_tool_calls(
             results.messages.append(_tool_message(name, {"error": f"unknown tool {name}"}))
             continue
         started = clock()
+        token = tracker.start(name) if tracker is not None else None
         try:
             if not isinstance(arguments, Mapping):
                 raise TypeError(f"arguments must be an object of named arguments, got {type(arguments).__name__}")
-            result = await call_tool(tool, dict(arguments), executor)
+            async with asyncio.timeout(timeout_s):
+                result = await call_tool(tool, dict(arguments), executor)
+        except TimeoutError:
+            results.num_failures += 1
+            results.metrics += [(f"tools/{name}/failure_count", 1.0), (TIMEOUT_METRIC, 1.0)]
+            result = {"error": f"tool `{name}` did not return within tool_timeout_s={timeout_s:g} s"}
+            logger.warning("tool `%s` did not return within tool_timeout_s=%g s: the model gets an error", name, timeout_s)
         except Exception as exc:
             results.num_failures += 1
             results.metrics.append((f"tools/{name}/failure_count", 1.0))
             result = {"error": str(exc)}
+        finally:
+            if tracker is not None and token is not None:
+                tracker.end(token)
         latency = clock() - started
         results.metrics += [(LATENCY_METRIC, (latency, 1.0)), (f"tools/{name}/latency_s", (latency, 1.0))]
         results.messages.append(_tool_message(name, result))
@@ -290,6 +330,8 @@ async def run_tool_loop(
     executor: Callable[[], Executor],
     emit: Callable[[Metrics], Any],
     max_iterations: int | None,
+    timeout_s: float | None = None,
+    tracker: ToolCallTracker | None = None,
 ) -> Rollout:
     """The multi-turn tool loop of docs/algorithms.md §3.1 over a policy's hooks (`AsyncRolloutLoop.generate_with_tools`): render
     the conversation, generate a turn, run its tool calls, repeat until an answer without tool calls, after
@@ -324,7 +366,7 @@ async def run_tool_loop(
         if max_iterations is not None and iterations >= max_iterations:
             exhausted = True  # the requested tools are not run
             break
-        results = await execute_tool_calls(calls, table, executor())
+        results = await execute_tool_calls(calls, table, executor(), timeout_s=timeout_s, tracker=tracker)
         emit(results.metrics)
         completion += results.messages
         messages += results.messages
@@ -337,6 +379,7 @@ async def run_tool_loop(
 
 __all__ = [
     "ParsedResponse",
+    "ToolCallTracker",
     "ToolResults",
     "call_tool",
     "execute_tool_calls",

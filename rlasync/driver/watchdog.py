@@ -1,0 +1,208 @@
+"""`Watchdog`: progress or a reason, always (docs/algorithms.md §2.1).
+
+The step loop asks the watchdog each time a poll of the queue comes back empty. When no training step has completed
+within the bound, the watchdog builds the reason from what the queue counted since the last step (groups per
+outcome and per cause: zero reward spread, no reward at all, prompt too long, failures with their last message) and
+from the rollout actors' health (the oldest tool call still running, the oldest unanswered generation request, the
+heartbeat), then raises `NoProgressError` with it, or, with `watchdog_action="warn"`, logs it once per bound and
+keeps going.
+
+    bound = watchdog_timeout_s                                        when set
+          = max(floor, RATE_FACTOR × the slowest step so far)         else (floor: rollout_worker_timeout /
+                                                                            heartbeat_stale_after_s)
+
+Pure Python: no ray, no torch; time comes from an injectable clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RATE_FACTOR = 5.0
+"""The derived bound is this many times the slowest step measured so far (never below the floor)."""
+WATCHDOG_ACTIONS = ("error", "warn")
+SLOW_CALL_FRACTION = 0.5
+"""A tool call or a generation request older than this fraction of the bound is named in the reason."""
+
+
+class NoProgressError(RuntimeError):
+    """No training step completed within the watchdog's bound; the message says why (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class WatchdogSettings:
+    """timeout_s: a fixed bound (None: derived); floor_s / floor_setting: the derived bound's floor and the config
+    field it comes from (named in the message); action: "error" (raise) or "warn" (log, keep going)."""
+
+    timeout_s: float | None = None
+    floor_s: float = 300.0
+    floor_setting: str = "rollout_worker_timeout"
+    action: str = "error"
+
+    def __post_init__(self) -> None:
+        if self.action not in WATCHDOG_ACTIONS:
+            raise ValueError(f"watchdog_action={self.action!r}: choose one of {', '.join(WATCHDOG_ACTIONS)}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"watchdog_timeout_s={self.timeout_s}: must be > 0 seconds, or None to derive it")
+
+
+class Watchdog:
+    """Tracks the time since the last completed step and explains a run that makes none (module docstring)."""
+
+    def __init__(self, settings: WatchdogSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._last_progress = clock()
+        self._slowest_step_s = 0.0
+        self._baseline: dict[str, Counter[str]] | None = {"outcomes": Counter(), "causes": Counter()}
+        self.steps = 0
+
+    def bound_s(self) -> float:
+        s = self.settings
+        if s.timeout_s is not None:
+            return s.timeout_s
+        return max(s.floor_s, RATE_FACTOR * self._slowest_step_s)
+
+    def _bound_text(self) -> str:
+        s = self.settings
+        if s.timeout_s is not None:
+            return f"watchdog_timeout_s={s.timeout_s:g}"
+        if RATE_FACTOR * self._slowest_step_s > s.floor_s:
+            return f"{RATE_FACTOR:g} x the slowest step so far ({self._slowest_step_s:.0f} s)"
+        return f"{s.floor_setting}={s.floor_s:g}"
+
+    def step_done(self) -> None:
+        """A step completed: restart the clock, measure the step, forget the counts (taken again at the next wait)."""
+        now = self._clock()
+        self._slowest_step_s = max(self._slowest_step_s, now - self._last_progress)
+        self._last_progress = now
+        self._baseline = None
+        self.steps += 1
+
+    def check(self, queue_state: Mapping[str, Any], healths: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> None:
+        """One empty poll: raise `NoProgressError` (or warn) when the bound has passed. `queue_state` is the queue's
+        `state()` dict, `healths` the rollout actors' `(name, health dict)` pairs."""
+        if self._baseline is None:
+            self._baseline = _counts(queue_state)
+        waited = self._clock() - self._last_progress
+        bound = self.bound_s()
+        if waited <= bound:
+            return
+        message = (
+            f"no training step completed in {_secs(waited)} s (bound {_secs(bound)} s: {self._bound_text()}): "
+            + self.reason(queue_state, healths, bound)
+            + ". Set watchdog_timeout_s to change the bound, or watchdog_action='warn' to keep going."
+        )
+        if self.settings.action == "error":
+            raise NoProgressError(message)
+        logger.warning("%s", message)
+        self._last_progress = self._clock()  # one warning per bound
+
+    def reason(self, queue_state: Mapping[str, Any], healths: Sequence[tuple[str, Mapping[str, Any]]] = (),
+               bound_s: float | None = None) -> str:  # fmt: skip
+        """Why nothing trains, from the counts since the baseline and the actors' health (see `explain`)."""
+        baseline = self._baseline or {"outcomes": Counter(), "causes": Counter()}
+        now = _counts(queue_state)
+        outcomes = now["outcomes"] - baseline["outcomes"]
+        causes = now["causes"] - baseline["causes"]
+        bound = self.bound_s() if bound_s is None else bound_s
+        return explain(outcomes, causes, queue_state, healths, bound)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.1f}"
+
+
+def _counts(queue_state: Mapping[str, Any]) -> dict[str, Counter[str]]:
+    return {
+        "outcomes": Counter(dict(queue_state.get("outcomes") or {})),
+        "causes": Counter(dict(queue_state.get("causes") or {})),
+    }
+
+
+def explain(outcomes: Mapping[str, int], causes: Mapping[str, int], queue_state: Mapping[str, Any],
+            healths: Sequence[tuple[str, Mapping[str, Any]]], bound_s: float) -> str:  # fmt: skip
+    """The reasons, most telling first, joined by "; ". `outcomes` / `causes` are the groups counted since the
+    last step; `queue_state["last_failures"]` holds the last message per cause."""
+    last = dict(queue_state.get("last_failures") or {})
+    reasons: list[str] = []
+    trained = int(outcomes.get("trained", 0))
+    no_reward = int(causes.get("zero_std/no_reward", 0))
+    zero_std = int(outcomes.get("zero_std", 0)) - no_reward
+    too_long = int(causes.get("failed/too_long", 0))
+    failed = int(outcomes.get("failed", 0)) - too_long
+    ended = sum(int(v) for v in outcomes.values())
+    if no_reward:
+        reasons.append(
+            f"the reward functions returned None for every sample of {no_reward} groups (TRL's 'not applicable': "
+            "NaN reward, group dropped): make at least one reward function score these prompts"
+            + _last(last, "zero_std/no_reward")
+        )
+    if zero_std:
+        in_a_row = " in a row" if trained == 0 else ""
+        reasons.append(
+            f"{zero_std} groups{in_a_row} had zero reward spread (every reward of a group equal): nothing to train — "
+            "check the reward functions (a constant reward, or an environment whose reward never varies, gives "
+            "GRPO no signal), or raise num_generations / temperature" + _last(last, "zero_std/constant")
+        )
+    if too_long:
+        every = "every prompt so far" if too_long == ended else f"{too_long} prompts"
+        reasons.append(
+            f"{every} ({too_long} groups) was longer than the engine accepts: shorten or filter the prompts, or "
+            "raise max_model_len" + _last(last, "failed/too_long")
+        )
+    if failed:
+        detail = next((last[k] for k in sorted(last) if k.startswith("failed/") and k != "failed/too_long"), None)
+        reasons.append(f"{failed} groups failed" + (f" (last: {detail})" if detail else ""))
+    if outcomes.get("filtered"):
+        reasons.append(f"filter_prompt rejected {outcomes['filtered']} prompts")
+    if outcomes.get("stale"):
+        reasons.append(f"{outcomes['stale']} groups were dropped as stale (every sample older than max_staleness)")
+    if trained and not reasons:
+        reasons.append(f"{trained} groups were trained, but not enough tokens for one step arrived")
+    reasons += _health_reasons(healths, bound_s)
+    if not reasons:
+        reasons.append(
+            f"no group finished: {queue_state.get('inflight_groups', 0)} groups in flight, "
+            f"{queue_state.get('queue_size', 0)} samples queued" + _heartbeats(healths)
+        )
+    return "; ".join(reasons)
+
+
+def _last(last: Mapping[str, str], cause: str) -> str:
+    return f" (last: {last[cause]})" if last.get(cause) else ""
+
+
+def _health_reasons(healths: Sequence[tuple[str, Mapping[str, Any]]], bound_s: float) -> list[str]:
+    reasons = []
+    slow = SLOW_CALL_FRACTION * bound_s
+    for name, health in healths:
+        tool = health.get("oldest_tool_call") or None
+        if tool and float(tool.get("age_s", 0.0)) > slow:
+            reasons.append(f"{name}: tool `{tool.get('name')}` has not returned in {float(tool['age_s']):.0f} s "
+                           "(set tool_timeout_s to bound every tool call)")  # fmt: skip
+        request = health.get("oldest_request") or None
+        if request and float(request.get("age_s", 0.0)) > slow:
+            reasons.append(f"{name}: generation engine {request.get('engine')} has not answered a request in "
+                           f"{float(request['age_s']):.0f} s (the generation actor may be frozen or overloaded)")  # fmt: skip
+    return reasons
+
+
+def _heartbeats(healths: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    if not healths:
+        return ""
+    parts = [
+        f"{name} heartbeat {float(h.get('heartbeat_age_s', 0.0)):.1f} s ago, {h.get('num_inflight', '?')} tasks in flight"
+        for name, h in healths
+    ]
+    return "; " + ", ".join(parts)
+
+
+__all__ = ["RATE_FACTOR", "WATCHDOG_ACTIONS", "NoProgressError", "Watchdog", "WatchdogSettings", "explain"]
