@@ -68,8 +68,20 @@ def load_config(
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    """The mapping in the YAML file at `path`; `ValueError` naming the file (and the line of a syntax error)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist (check the path, e.g. configs/quickstart.yaml)") from None
+    except OSError as exc:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).split("\n", 1)[0]
+        raise ValueError(f"{path}{at}: YAML syntax error: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a mapping of config fields, got {type(data).__name__}")
     return data
