@@ -233,7 +233,7 @@ class TrainerConfig:
         if unknown:
             raise ValueError(
                 f"report_to={self.report_to}: unsupported sink(s) {unknown} (rlasync has no sink for them; metrics.jsonl "
-                f"is always written); use any of {', '.join(repr(n) for n in REPORT_TO)}"
+                f"is always written); use 'tensorboard', 'wandb', 'all' or 'none'"
             )
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose one of {', '.join(LR_SCHEDULERS)}")

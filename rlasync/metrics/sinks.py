@@ -38,7 +38,7 @@ def check_report_to(report_to: str | list[str] | None) -> list[str]:
     if unknown:
         raise ValueError(
             f"report_to={names}: unsupported sink(s) {unknown} (rlasync writes metrics.jsonl always and has no "
-            f"sink for them); use any of {', '.join(repr(n) for n in REPORT_TO)}"
+            f"sink for them); use 'tensorboard', 'wandb', 'all' or 'none'"
         )
     wanted = [n for n in SINK_MODULES if n in names or "all" in names]
     for name in wanted:
