@@ -29,7 +29,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"override {text!r}: write it as key=value (for example learning_rate=1e-5)")
-    return key, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).split("\n", 1)[0]
+        raise ValueError(
+            f"override {text!r}: the value of {key} is not valid YAML ({problem}); quote it, e.g. {key}='...'"
+        ) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
@@ -94,8 +100,8 @@ def check_keys(data: Mapping[str, Any], config_class: type, prefix: str = "") ->
     for key, value in data.items():
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
-            raise ValueError(f"unknown config field {prefix}{key!r} for {config_class.__name__}{hint}")
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+            raise ValueError(f"unknown config field {prefix + str(key)!r} for {config_class.__name__}{hint}")
         section = hints.get(key)
         if dataclasses.is_dataclass(section) and isinstance(section, type) and isinstance(value, Mapping):
             check_keys(value, section, prefix=f"{prefix}{key}.")
