@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rlasync.data.prompts import NUM_ROWS_CHECKED, PROMPT_COLUMN, render_prompt
+from rlasync.data.prompts import NUM_ROWS_CHECKED, PROMPT_COLUMN, leased_row_problem, render_prompt
 from rlasync.metrics.sinks import check_report_to
 from rlasync.model.registry import ALIASES, is_alias, resolve_model
 
@@ -206,7 +206,10 @@ def prompt_lengths(tokenizer: Any, dataset: Any, config: Any, tools: Sequence[An
         )
     lengths = []
     for row_index in range(min(len(dataset), num_rows)):
-        prompt = dataset[row_index][PROMPT_COLUMN]
+        row = dataset[row_index]
+        if leased_row_problem(row, row_index) is not None:
+            continue  # not a prompt: dropped (or, strict_dataset, refused) when leased
+        prompt = row[PROMPT_COLUMN]
         try:
             try:
                 ids = render_prompt(tokenizer, prompt, config.chat_template_kwargs, tools)
