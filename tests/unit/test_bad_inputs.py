@@ -406,3 +406,18 @@ def test_cli_config_show_names_the_yaml_file(tmp_path, capsys):
     assert timed(main, ["config", "show", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "cfg.yaml at line" in err and "YAML syntax error" in err and "Traceback" not in err
+
+
+def test_the_config_and_the_sinks_agree_on_report_to(monkeypatch):
+    import rlasync.metrics.sinks as sinks
+    from rlasync.config.base import REPORT_TO as CONFIG_REPORT_TO
+    from rlasync.metrics.sinks import REPORT_TO, check_report_to
+
+    monkeypatch.setattr(sinks, "_importable", lambda module: True)
+    assert CONFIG_REPORT_TO == REPORT_TO
+    assert check_report_to("none") == [] and check_report_to(["wandb", "tensorboard"]) == ["wandb", "tensorboard"]
+
+
+def test_models_prepare_names_an_unknown_alias(capsys):
+    assert timed(main, ["models", "prepare", "smollm3"]) == 2
+    assert "unknown model alias 'smollm3'" in capsys.readouterr().err
