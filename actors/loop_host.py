@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from rlasync.data.prompts import leased_row_problem
 from rlasync.pipeline import QueueEntry
 from rlasync.records import DROP_REASONS, GroupOutcome, PromptLease
 
@@ -33,12 +34,15 @@ class QueuePromptSource:
         self.group_size = group_size
         self.leases: dict[int, PromptLease] = {}
         self.failures: dict[int, tuple[str, str]] = {}  # group id -> (cause, one-line detail) of a failed group
+        self.warned_rows: set[int] = set()
 
     async def lease(self) -> PromptLease | None:
         waited = 0.0
         while True:
             answer = await self.actor.queue.next_group.remote(self.group_size, LEASE_POLL_S)
             waited += answer.waited_s
+            if answer.lease is not None and not await self._usable(answer.lease):
+                continue  # a bad row, dropped and counted: lease the next one
             if answer.lease is not None:
                 break
             if answer.done:
@@ -51,6 +55,20 @@ class QueuePromptSource:
     def report_failure(self, lease: PromptLease, cause: str, detail: str) -> None:
         """Why the group about to be released as "failed" failed: counted by cause at the queue (the watchdog)."""
         self.failures[lease.group_id] = (cause, detail)
+
+    async def _usable(self, lease: PromptLease) -> bool:
+        """Every row is checked as it is leased (rlasync.data.prompts.leased_row_problem): a bad one is dropped as
+        "filtered" and named once in a warning, or, with `strict_dataset`, stops the loop."""
+        problem = leased_row_problem(self.actor.dataset[lease.row_index], lease.row_index)
+        if problem is None:
+            return True
+        if self.actor.config.strict_dataset:
+            raise ValueError(f"{problem} (strict_dataset=True stops the run at a bad row; False drops and counts it)")
+        if lease.row_index not in self.warned_rows:
+            self.warned_rows.add(lease.row_index)
+            logger.warning("dropping dataset row %d (counted as filtered): %s", lease.row_index, problem)
+        await self.actor.queue.drop_group.remote(lease.group_id, str(GroupOutcome.FILTERED), 0)
+        return False
 
     async def release(self, lease: PromptLease, reason: GroupOutcome) -> None:
         queue_lease = self.leases.pop(lease.group_id, None)

@@ -1,17 +1,21 @@
 """The `rlasync` command line.
 
-    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]]   train (local Ray cluster, or RAY_ADDRESS)
+    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]] [--verbose]   train (local Ray cluster,
+                                                                                        or RAY_ADDRESS)
     rlasync check-model MODEL_PATH      is this architecture supported by tree packing? (exit 0 = yes)
     rlasync config show [CONFIG.yaml] [--set key=value ...]   print the resolved config as JSON
     rlasync models prepare smollm2-135m-instruct              convert a shipped model to a cached HF folder
 
-Each subcommand imports its heavy dependencies only when it runs.
+Each subcommand imports its heavy dependencies only when it runs. An error is one line, `error: <what> (<where>)`
+(the traceback with `--verbose`); exit codes: 2 bad input (known before any actor starts), 1 a failed run, 130
+interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -42,9 +46,8 @@ def _config(argv: Sequence[str]) -> int:
                 resolved["teacher_model"] = run.teacher_model
         else:
             resolved = load_config(args.path, args.overrides).to_dict()
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        return _fail(exc, 2, verbose=False)
     print(json.dumps(resolved, indent=2, sort_keys=True))
     return 0
 
@@ -83,41 +86,115 @@ def _train(argv: Sequence[str]) -> int:
         "--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
         help="resume from a checkpoint folder (default: the latest checkpoint-* in output_dir)",
     )  # fmt: skip
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error")
     args = parser.parse_args(argv)
     import logging
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # bad input: everything known before the first actor exists (exit 2)
+        run, trainer = _build_trainer(args.path, args.overrides)
+        trainer.preflight()
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        return _fail(exc, 2, args.verbose)
+    try:  # a failed run (exit 1)
+        state = trainer.train(resume_from_checkpoint=args.resume)
+    except KeyboardInterrupt:
+        print(f"error: interrupted; resume with --resume (checkpoints in {run.config.output_dir})", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        return _fail(exc, 1, args.verbose, prefix="training failed: ")
+    print(json.dumps({"output_dir": run.config.output_dir, **state}))
+    return 0
+
+
+def _build_trainer(path: str, overrides: Sequence[str]) -> tuple[Any, Any]:
     from rlasync.config.run import load_run
     from rlasync.data import build_dataset
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        run = load_run(args.path, args.overrides)
-        dataset = build_dataset(run.dataset)
-        trainer: Any
-        if run.trainer == "distillation":
-            from rlasync.trainers import AsyncDistillationTrainer
+    run = load_run(path, overrides)
+    dataset = build_dataset(run.dataset)
+    if run.trainer == "distillation":
+        from rlasync.trainers import AsyncDistillationTrainer
 
-            trainer = AsyncDistillationTrainer(
-                model=run.model, args=run.config, train_dataset=dataset, teacher_model=run.teacher_model
-            )
-        else:
-            reward_funcs = run.build_reward_funcs()
-            from rlasync.trainers import AsyncGRPOTrainer
+        return run, AsyncDistillationTrainer(
+            model=run.model, args=run.config, train_dataset=dataset, teacher_model=run.teacher_model
+        )
+    reward_funcs = run.build_reward_funcs()
+    from rlasync.trainers import AsyncGRPOTrainer
 
-            trainer = AsyncGRPOTrainer(
-                model=run.model, reward_funcs=reward_funcs, args=run.config, train_dataset=dataset
-            )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        state = trainer.train(resume_from_checkpoint=args.resume)
-    except (RuntimeError, ValueError, TimeoutError) as exc:  # a failed actor, a stalled collective, a bad input
-        logging.getLogger("rlasync").debug("train failed", exc_info=True)
-        print(f"error: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps({"output_dir": run.config.output_dir, **state}))
-    return 0
+    return run, AsyncGRPOTrainer(model=run.model, reward_funcs=reward_funcs, args=run.config, train_dataset=dataset)
+
+
+def _fail(exc: BaseException, code: int, verbose: bool, prefix: str = "") -> int:
+    """Print `error: <what> (<where>)` (the traceback first with --verbose) and return the exit code."""
+    if verbose:
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"error: {prefix}{describe_error(exc)}", file=sys.stderr)
+    return code
+
+
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\w*)(?:\([\w.]+\))?: (.+)$")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def describe_error(exc: BaseException) -> str:
+    """The error as `<what> (<where>)`: a Ray task error reduced to the actor and the user's exception (its message
+    and the function that raised it), a dead actor to its class and name, an OS error to its path, a YAML / JSON
+    error to its position; a message that embeds a remote traceback to its last error line."""
+    kind = type(exc).__name__
+    cause = getattr(exc, "cause", None)
+    if isinstance(getattr(exc, "traceback_str", None), str) and isinstance(cause, BaseException):  # a RayTaskError
+        where = _frame(exc.traceback_str)
+        actor = f"in {exc.function_name}" if getattr(exc, "function_name", None) else "in a Ray task"
+        return f"{type(cause).__name__}: {_first(_reduce_text(str(cause)))} ({actor}{where})"
+    if kind in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "ActorUnschedulableError"):
+        text = str(exc)
+        fields = dict(re.findall(r"^\s*(class_name|name|pid|ip): (\S+)", text, flags=re.MULTILINE))
+        reason = re.search(r"The actor is dead because ([^.]+)", text)
+        actor = fields.get("class_name", "an actor") + (f" {fields['name']!r}" if fields.get("name") else "")
+        why = reason.group(1) if reason else _first(text)
+        return f"{kind}: {actor} died ({why}{', pid ' + fields['pid'] if 'pid' in fields else ''})"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{kind}: {exc.strerror or exc} ({exc.filename})"
+    if kind == "JSONDecodeError":
+        return f"{kind}: {exc} (a JSON file is corrupt; see --verbose for which one was being read)"
+    text = _reduce_text(str(exc)) or kind
+    if not isinstance(exc, ValueError | RuntimeError | TimeoutError) or text == kind:
+        text = f"{kind}: {text}" if text != kind else kind
+    inner = exc.__cause__
+    if inner is not None and getattr(inner, "traceback_str", None) and type(inner).__name__ not in text:
+        text += f" <- {describe_error(inner)}"
+    return text
+
+
+def _reduce_text(text: str) -> str:
+    """A message that embeds a (remote) traceback, reduced to its first line's own words and its last error line."""
+    text = text.strip()
+    if "Traceback (most recent call last)" not in text and "ray::" not in text:
+        return text
+    head = re.split(r"Ray\w*Error\(|Traceback \(most|ray::", text.split("\n", 1)[0])[0].strip()
+    actor = re.search(r"ray::(\w+)(?:\.(\w+))?", text)
+    errors = [m for line in text.splitlines() if (m := _ERROR_LINE.match(line))]
+    last = f"{errors[-1].group(1)}: {errors[-1].group(2)}" if errors else _first(text)
+    where = f"in {actor.group(1)}" if actor else "in a remote task"
+    return f"{head} {last} ({where}{_frame(text)})".strip()
+
+
+def _frame(traceback_text: str) -> str:
+    frames = _FRAME.findall(traceback_text)
+    if not frames:
+        return ""
+    path, line, function = frames[-1]
+    return f", raised at {function} ({path.rsplit('/', 1)[-1]}:{line})"
+
+
+def _first(text: str) -> str:
+    return text.strip().split("\n", 1)[0]
 
 
 COMMANDS = {

@@ -28,6 +28,7 @@ LR_SCHEDULERS = (
 )
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "ipc")
 ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
+REPORT_TO = ("tensorboard", "wandb", "all", "none")  # rlasync.metrics.sinks.REPORT_TO: the sinks rlasync has
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
 
 
@@ -144,6 +145,9 @@ class TrainerConfig:
     save_total_limit: int | None = None
     report_to: str | list[str] = "none"
     """Metric sinks besides `<output_dir>/metrics.jsonl`: "tensorboard", "wandb", "all" or "none"."""
+    strict_dataset: bool = False
+    """rlasync: a dataset row whose prompt is unusable (missing, empty, not conversational) stops the run; by
+    default it is dropped when leased, counted as "filtered" and named in a warning (docs/design.md §4)."""
     bf16: bool | None = None
     """Mixed precision in bf16; `None` -> True unless `fp16` (TRL's default). On a GPU with float32 trainer weights
     the learner computes in bf16 over float32 master weights, and the engines run in bf16."""
@@ -239,6 +243,12 @@ class TrainerConfig:
             raise ValueError(f"max_steps={self.max_steps}: use a positive step count, or -1 to run num_train_epochs")
         if self.max_steps == -1 and not self.num_train_epochs > 0:
             raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1: set one of them positive")
+        unknown = sorted(set(self.report_to) - set(REPORT_TO))
+        if unknown:
+            raise ValueError(
+                f"report_to={self.report_to}: unsupported sink(s) {unknown} (rlasync has no sink for them; metrics.jsonl "
+                f"is always written); use 'tensorboard', 'wandb', 'all' or 'none'"
+            )
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose one of {', '.join(LR_SCHEDULERS)}")
         if self.bf16 and self.fp16:

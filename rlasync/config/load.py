@@ -29,7 +29,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"override {text!r}: write it as key=value (for example learning_rate=1e-5)")
-    return key, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).split("\n", 1)[0]
+        raise ValueError(
+            f"override {text!r}: the value of {key} is not valid YAML ({problem}); quote it, e.g. {key}='...'"
+        ) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
@@ -68,8 +74,20 @@ def load_config(
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    """The mapping in the YAML file at `path`; `ValueError` naming the file (and the line of a syntax error)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist (check the path, e.g. configs/quickstart.yaml)") from None
+    except OSError as exc:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).split("\n", 1)[0]
+        raise ValueError(f"{path}{at}: YAML syntax error: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a mapping of config fields, got {type(data).__name__}")
     return data
@@ -82,8 +100,8 @@ def check_keys(data: Mapping[str, Any], config_class: type, prefix: str = "") ->
     for key, value in data.items():
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
-            raise ValueError(f"unknown config field {prefix}{key!r} for {config_class.__name__}{hint}")
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+            raise ValueError(f"unknown config field {prefix + str(key)!r} for {config_class.__name__}{hint}")
         section = hints.get(key)
         if dataclasses.is_dataclass(section) and isinstance(section, type) and isinstance(value, Mapping):
             check_keys(value, section, prefix=f"{prefix}{key}.")

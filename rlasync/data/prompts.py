@@ -55,6 +55,19 @@ def row_prompt(row: Mapping[str, Any], row_index: int | None = None) -> list[dic
     return list(prompt)
 
 
+def leased_row_problem(row: Any, row_index: int) -> str | None:
+    """Why the dataset row `row_index` cannot be rolled out (no prompt column, an empty or non-conversational
+    prompt), or None: the rollout actors check every row as it is leased (the up-front check sees only the first
+    `NUM_ROWS_CHECKED`), and drop a bad row, counted, instead of failing the run."""
+    if not isinstance(row, Mapping):
+        return f"row {row_index} is a {type(row).__name__}, not a dict of columns"
+    try:
+        row_prompt(row, row_index)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def validate_prompt_dataset(dataset: Any, num_rows: int | None = NUM_ROWS_CHECKED) -> None:
     """Check that `dataset` can feed GRPO: a `prompt` column, conversational prompts.
 

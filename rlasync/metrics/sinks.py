@@ -5,6 +5,7 @@ step time, tokens/s).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -22,6 +23,38 @@ CONSOLE_KEYS = (
     ("perf/wall_clock_trained_tokens_per_s", "tok/s", "{:.0f}"),
     ("loss", "loss", "{:.4f}"),
 )
+
+
+REPORT_TO = ("tensorboard", "wandb", "all", "none")
+"""The `report_to` values rlasync has sinks for ("all": both)."""
+SINK_MODULES = {"tensorboard": ("tensorboard", "pip install 'rlasync[tensorboard]'"), "wandb": ("wandb", "pip install wandb")}
+
+
+def check_report_to(report_to: str | list[str] | None) -> list[str]:
+    """`report_to` as a list, checked before any actor starts: every value names a sink rlasync has (TRL's other
+    integrations, e.g. trackio, mlflow, comet_ml, are not), and the sink's package is importable."""
+    names = [] if report_to in (None, "", "none") else [report_to] if isinstance(report_to, str) else list(report_to)
+    unknown = sorted(set(names) - set(REPORT_TO))
+    if unknown:
+        raise ValueError(
+            f"report_to={names}: unsupported sink(s) {unknown} (rlasync writes metrics.jsonl always and has no "
+            f"sink for them); use 'tensorboard', 'wandb', 'all' or 'none'"
+        )
+    wanted = [n for n in SINK_MODULES if n in names or "all" in names]
+    for name in wanted:
+        module, install = SINK_MODULES[name]
+        if not _importable(module):
+            raise ValueError(f"report_to includes {name!r} but {module} is not installed: {install} (or drop it from report_to)")
+    return names
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 class RecordSink(Protocol):
@@ -138,12 +171,7 @@ def build_sinks(
     """The sinks for a run: metrics.jsonl always; TensorBoard (under `<output_dir>/runs/<run_name>` when named) and
     Weights & Biases when asked ("all" means both); the console on request. `resume_step`: the run resumes from
     that step's checkpoint (records of later steps already written are replaced, not duplicated)."""
-    report_to = list(report_to or [])
-    unknown = sorted(set(report_to) - {"tensorboard", "wandb", "all", "none"})
-    if unknown:
-        raise ValueError(
-            f"report_to={report_to}: unsupported sink(s) {unknown}; use 'tensorboard', 'wandb', 'all' or 'none'"
-        )
+    report_to = check_report_to(report_to)
     sinks: list = [JsonlSink(Path(output_dir) / "metrics.jsonl", resume_step=resume_step)]
     if "tensorboard" in report_to or "all" in report_to:
         runs = Path(output_dir) / "runs"

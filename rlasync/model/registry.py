@@ -55,7 +55,10 @@ def prepare_model(alias: str, force: bool = False) -> Path:
     """Convert the alias's GGUF into a cached HF folder (model + tokenizer); return the folder."""
     spec = ALIASES.get(alias.lower())
     if spec is None:
-        raise ValueError(f"unknown model alias {alias!r}: known aliases are {', '.join(sorted(ALIASES))}")
+        raise ValueError(
+            f"unknown model alias {alias!r}: known aliases are {', '.join(sorted(ALIASES))}; or pass a hub id "
+            "(org/name) or a local model folder"
+        )
     target = cache_dir() / "models" / alias.lower()
     if (target / READY_MARKER).exists() and not force:
         return target

@@ -1,7 +1,11 @@
 """What both trainers share: TRL's `args` / `state` / `callbacks`, the model as a path the actors can load, and
 `train()`, which builds a `RunSpec` (pure) and makes the one call into `actors/` that runs it on Ray.
 
-    trainer.train()  ->  resume point (Checkpointer)  ->  build_spec (subclass)  ->  actors.cluster.launch(spec)
+    trainer.train()  ->  preflight()  ->  resume point (Checkpointer)  ->  build_spec (subclass)
+                     ->  actors.cluster.launch(spec)
+
+`preflight()` (rlasync.trainers.preflight) checks in seconds what is known before Ray starts: the model, the
+teachers, output_dir, report_to, the prompts against max_model_len and the token budget.
 
 A subclass's `__init__` runs `_begin_init`, its own checks, then `_end_init`; it implements `build_spec` and never
 touches Ray.
@@ -45,17 +49,28 @@ class AsyncTrainerBase:
         self.callbacks = list(callbacks or [])
         self.state: dict[str, Any] = {"global_step": 0, "policy_version": 0}
         self.actor_ids: list[str] = []
+        self._preflight_done = False
 
     # ---- public -------------------------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
         """Run until the horizon (`max_steps`, or the epochs' prompts are consumed); returns the final state
         (`global_step`, `policy_version`, `queue`). Actors are removed on the way out, also on error."""
+        self.preflight()
         checkpointer = Checkpointer(self.args.output_dir, self.args.save_total_limit)
         spec = self.build_spec(checkpointer.resume_dir(resume_from_checkpoint))
         from actors.cluster import launch  # the one way to Ray
 
         return launch(spec, state=self.state, actor_ids=self.actor_ids)
+
+    def preflight(self) -> None:
+        """The checks that need no actor (model, teachers, output_dir, report_to, prompt lengths, token budget);
+        `ValueError` naming the field and the fix. Runs once (train() calls it; the CLI calls it first)."""
+        if not getattr(self, "_preflight_done", False):
+            from rlasync.trainers.preflight import run_preflight
+
+            run_preflight(self)
+            self._preflight_done = True
 
     def build_spec(self, resume_dir: str | None) -> RunSpec:
         """Everything the Cluster creates and the step loop runs, for a fresh run or one resumed from `resume_dir`."""

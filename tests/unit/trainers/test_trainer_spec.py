@@ -56,6 +56,7 @@ def test_train_makes_one_launch_call_with_the_spec_and_resumes_from_the_newest_c
         return dict(state)
 
     monkeypatch.setitem(sys.modules, "actors.cluster", types.SimpleNamespace(launch=launch))
+    monkeypatch.setattr("rlasync.trainers.preflight.run_preflight", lambda trainer: None)  # "some/model" is fake
     trainer = grpo(tmp_path)
     assert trainer.train()["global_step"] == 1 and trainer.actor_ids == ["abc"]
     assert calls[0].resume_dir is None

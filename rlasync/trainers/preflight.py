@@ -1,0 +1,307 @@
+"""Checks a trainer runs before its one launch call into `actors/` (docs/design.md §4: errors that name the field and
+the fix), so that what is known up front fails in seconds instead of after Ray and every actor started:
+
+    model / teacher_model   an alias (known?), a local folder (exists? config.json? a tokenizer?), or a hub id
+                            (in the local cache, or the hub reachable: offline is said plainly)
+    output_dir              created, a probe file written and removed
+    report_to               every sink known and importable (`rlasync.metrics.sinks.check_report_to`)
+    prompts                 the first rows render with the chat template within the engine's max_model_len
+                            (`cluster.engine_kwargs.max_model_len`, else the model's max_position_embeddings)
+    token_budget            one sample (the longest checked prompt + max_completion_length) fits one packed row
+
+Each failure is a `ValueError` naming the field and the fix. Nothing here imports ray; transformers is imported
+only to load the tokenizer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import difflib
+import json
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from rlasync.data.prompts import NUM_ROWS_CHECKED, PROMPT_COLUMN, leased_row_problem, render_prompt
+from rlasync.metrics.sinks import check_report_to
+from rlasync.model.registry import ALIASES, is_alias, resolve_model
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+# ---- the model ------------------------------------------------------------------------------------------------------
+
+
+def check_model_source(name: Any, field: str = "model", need_tokenizer: bool = True) -> str:
+    """The path or hub id `from_pretrained` will load for `name` (an alias is prepared: its cached folder);
+    `ValueError` naming `field` when it cannot be a model: an unknown alias, a missing folder, a folder without
+    config.json or tokenizer, a hub id neither cached nor reachable."""
+    text = str(name)
+    if is_alias(text):
+        try:
+            path = resolve_model(text)
+        except ValueError as exc:
+            raise ValueError(f"{field}={text!r}: {exc}") from None
+        return _check_folder(Path(path), text, field, need_tokenizer)
+    path = Path(text).expanduser()
+    if path.exists():
+        return _check_folder(path, text, field, need_tokenizer)
+    if _looks_like_path(text):
+        raise ValueError(
+            f"{field}={text!r}: the local folder {path} does not exist; give an existing model folder (with "
+            f"config.json), a hub id (org/name) or an alias ({', '.join(sorted(ALIASES))})"
+        )
+    return _check_hub_id(text, field)
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith(("/", ".", "~")) or text.endswith("/") or text.count("/") > 1 or "\\" in text
+
+
+def _check_folder(path: Path, name: str, field: str, need_tokenizer: bool) -> str:
+    where = f"{field}={name!r}" + ("" if str(path) == name else f" ({path})")
+    if not path.is_dir():
+        raise ValueError(f"{where} is a file, not a model folder: give the folder that holds config.json")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{where} holds no config.json, so it is not a Hugging Face model folder: save the model with "
+            "`model.save_pretrained(folder)` (and its tokenizer with `tokenizer.save_pretrained(folder)`)"
+        )
+    try:
+        json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: {config_file} cannot be read ({type(exc).__name__}: {exc}); save the model again") from None
+    if need_tokenizer and not any((path / file).is_file() for file in TOKENIZER_FILES):
+        raise ValueError(
+            f"{where} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it there with "
+            "`tokenizer.save_pretrained(folder)`, or pass processing_class=tokenizer"
+        )
+    return str(path)
+
+
+def _check_hub_id(name: str, field: str) -> str:
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    aliases = ", ".join(sorted(ALIASES))
+    close = difflib.get_close_matches(name.lower(), list(ALIASES), n=1, cutoff=0.6)
+    if "/" not in name and close:  # a typo of an alias, not a legacy hub id
+        raise ValueError(
+            f"{field}={name!r}: unknown model alias {name!r} (did you mean {close[0]!r}?): known aliases are "
+            f"{aliases}; or pass a hub id (org/name) or a local folder"
+        )
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(
+            f"{field}={name!r} is neither a local folder (none exists there), a known alias ({aliases}), nor a "
+            "valid hub id (org/name)"
+        ) from None
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return name  # cached: loads offline
+    unknown = f"unknown model alias {name!r}: known aliases are {aliases}; or pass a hub id (org/name) or a local folder"
+    if constants.HF_HUB_OFFLINE:
+        offline = "HF_HUB_OFFLINE is set: download it first (`huggingface-cli download ...`)"
+    elif not _hub_reachable(constants.ENDPOINT):
+        offline = f"{constants.ENDPOINT} cannot be reached (offline?): download it where the hub is reachable"
+    else:
+        offline = None
+    if offline is not None:
+        missing = f"the hub id {name!r} is not in the local Hugging Face cache and {offline}, or pass a local folder"
+        raise ValueError(f"{field}={name!r}: {unknown if '/' not in name else missing}")
+    try:
+        from huggingface_hub import file_exists
+
+        found = file_exists(name, "config.json")
+    except Exception as exc:  # gated, unauthorised, network trouble: say what the hub said
+        raise ValueError(f"{field}={name!r}: the hub refused {name!r} ({type(exc).__name__}: {exc})") from None
+    if not found:
+        raise ValueError(f"{field}={name!r}: " + (unknown if "/" not in name else f"no model {name!r} on the hub "
+                                                  "(no config.json there): check the id"))  # fmt: skip
+    return name
+
+
+def _hub_reachable(endpoint: str, timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the hub opens within `timeout_s` (name resolution included)."""
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+
+    def connect() -> bool:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(connect).result(timeout=timeout_s)
+    except Exception:
+        return False
+    finally:
+        pool.shutdown(wait=False)
+
+
+def model_config(source: str) -> dict[str, Any]:
+    """The model's config.json as a dict ({} when it is not at hand)."""
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "config.json")
+        if not isinstance(cached, str):
+            return {}
+        path = Path(cached)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def max_model_len(config: Any, model_cfg: dict[str, Any]) -> int | None:
+    """The engine's prompt + output limit: `cluster.engine_kwargs.max_model_len`, else the model's positions
+    (the built-in engine's and vLLM's default); None when unknown (an external server)."""
+    kwargs = config.cluster.engine_kwargs or {}
+    if kwargs.get("max_model_len"):
+        return int(kwargs["max_model_len"])
+    if config.cluster.engine == "vllm_server":
+        return None
+    text_cfg = model_cfg.get("text_config") or {}
+    for key in POSITION_KEYS:
+        value = model_cfg.get(key) or text_cfg.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def load_tokenizer(source: str, field: str = "model") -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as exc:
+        raise ValueError(
+            f"{field}={source!r}: its tokenizer cannot be loaded ({type(exc).__name__}: {exc}); save a tokenizer "
+            "there with `tokenizer.save_pretrained(folder)` or pass processing_class=tokenizer"
+        ) from None
+
+
+# ---- the prompts and the token budget ------------------------------------------------------------------------------
+
+
+def prompt_lengths(tokenizer: Any, dataset: Any, config: Any, tools: Sequence[Any] | None = None,
+                   num_rows: int = NUM_ROWS_CHECKED) -> list[int]:  # fmt: skip
+    """Rendered token counts of the first `num_rows` prompts (chat template, generation prompt appended)."""
+    if getattr(tokenizer, "chat_template", True) is None:
+        raise ValueError(
+            f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat template, "
+            "but prompts are rendered with it: use an instruct model, or pass processing_class=tokenizer with "
+            "tokenizer.chat_template set"
+        )
+    lengths = []
+    for row_index in range(min(len(dataset), num_rows)):
+        row = dataset[row_index]
+        if leased_row_problem(row, row_index) is not None:
+            continue  # not a prompt: dropped (or, strict_dataset, refused) when leased
+        prompt = row[PROMPT_COLUMN]
+        try:
+            try:
+                ids = render_prompt(tokenizer, prompt, config.chat_template_kwargs, tools)
+            except Exception:
+                if not tools:
+                    raise
+                ids = render_prompt(tokenizer, prompt, config.chat_template_kwargs)  # a tool's schema is the loop's
+        except Exception as exc:
+            raise ValueError(
+                f"row {row_index}: the prompt cannot be rendered with the chat template ({type(exc).__name__}: {exc});"
+                " fix the row, or the template / chat_template_kwargs"
+            ) from None
+        lengths.append(len(ids))
+    return lengths
+
+
+def check_prompt_fit(config: Any, lengths: Sequence[int], limit: int | None) -> None:
+    """Every checked prompt too long for the engine is an error, some too long a warning (those rows fail and are
+    counted); then one sample of the longest prompt that fits must fit `token_budget`."""
+    if not lengths:
+        return
+    if limit is not None:
+        too_long = [i for i, n in enumerate(lengths) if n >= limit]
+        if len(too_long) == len(lengths):
+            raise ValueError(
+                f"every one of the first {len(lengths)} prompts is longer than max_model_len={limit} (the shortest "
+                f"renders to {min(lengths)} tokens): raise cluster.engine_kwargs.max_model_len (e.g. "
+                f"{min(lengths) + config.max_completion_length}) or shorten the prompts"
+            )
+        if too_long:
+            logger.warning("rows %s of the first %d render longer than max_model_len=%d: the engine rejects them "
+                           "(each is dropped and counted as failed)", too_long, len(lengths), limit)  # fmt: skip
+        lengths = [n for n in lengths if n < limit]
+    budget = config.token_budget
+    if budget is None or budget <= 0:
+        return
+    longest = max(lengths)
+    need = longest + config.max_completion_length
+    if limit is not None:
+        need = min(need, limit)
+    if budget < need:
+        raise ValueError(
+            f"token_budget={budget} is smaller than one sample: the longest of the first {len(lengths)} prompts "
+            f"renders to {longest} tokens, plus max_completion_length={config.max_completion_length}, needs {need}; "
+            f"set token_budget >= {need} (or lower max_completion_length), or token_budget <= 0 for a fixed count "
+            "of samples per step"
+        )
+
+
+# ---- output_dir and report_to ---------------------------------------------------------------------------------------
+
+
+def check_output_dir(output_dir: str | os.PathLike) -> None:
+    """Create `output_dir` and write and remove a probe file in it; `ValueError` naming it when that fails."""
+    path = Path(output_dir)
+    probe = path / f".rlasync-write-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("probe\n")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"output_dir={str(output_dir)!r} is not writable ({type(exc).__name__}: {exc.strerror or exc}): "
+            "choose a folder you can write, e.g. --set output_dir=runs/my_run"
+        ) from None
+
+
+# ---- the whole check ------------------------------------------------------------------------------------------------
+
+
+def run_preflight(trainer: Any) -> None:
+    """Every check above for one trainer (its `args`, `model`, `train_dataset`, `processing_class`, `tools`, and a
+    distillation trainer's local teachers), in seconds, before any actor exists."""
+    config = trainer.args
+    check_output_dir(config.output_dir)
+    check_report_to(config.report_to)
+    source = check_model_source(trainer.model, "model", need_tokenizer=trainer.processing_class is None)
+    for teacher in getattr(trainer, "teachers", {}).values():
+        if teacher.model is not None:
+            check_model_source(teacher.model, f"teacher_model[{teacher.teacher_id!r}]", need_tokenizer=False)
+    tokenizer = trainer.processing_class if trainer.processing_class is not None else load_tokenizer(source)
+    lengths = prompt_lengths(tokenizer, trainer.train_dataset, config, getattr(trainer, "tools", None))
+    check_prompt_fit(config, lengths, max_model_len(config, model_config(source)))
+
+
+__all__ = [
+    "check_model_source",
+    "check_output_dir",
+    "check_prompt_fit",
+    "load_tokenizer",
+    "max_model_len",
+    "model_config",
+    "prompt_lengths",
+    "run_preflight",
+]
