@@ -31,12 +31,13 @@ class QueuePromptSource:
     def __init__(self, actor: Any, group_size: int) -> None:
         self.actor = actor
         self.group_size = group_size
+        self.owner = f"{actor.kind} {actor.index}"  # the queue releases this owner's leases if the actor dies
         self.leases: dict[int, PromptLease] = {}
 
     async def lease(self) -> PromptLease | None:
         waited = 0.0
         while True:
-            answer = await self.actor.queue.next_group.remote(self.group_size, LEASE_POLL_S)
+            answer = await self.actor.queue.next_group.remote(self.group_size, LEASE_POLL_S, self.owner)
             waited += answer.waited_s
             if answer.lease is not None:
                 break
@@ -73,7 +74,8 @@ class QueueGroupSink:
         if result.dropped:
             await self.queue.drop_group.remote(result.group_id, str(GroupOutcome.ZERO_STD), result.num_rollout_tokens)
             return
-        await self.queue.put_group.remote([QueueEntry.for_sample(s, payload=ray.put(s)) for s in result.scored.samples])
+        entries = [QueueEntry.for_sample(s, payload=ray.put(s, _owner=self.queue)) for s in result.scored.samples]
+        await self.queue.put_group.remote(entries)  # owned by the queue: they outlive this actor
 
 
 class QueueSampleSink:
@@ -85,7 +87,7 @@ class QueueSampleSink:
 
     async def put(self, sample: Any) -> None:
         self.source.taken(sample.prompt_id)
-        await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=ray.put(sample))])
+        await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=ray.put(sample, _owner=self.queue))])
 
 
 class LoopHost:
