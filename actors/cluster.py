@@ -76,6 +76,7 @@ class Cluster:
         self.names: dict[str, str] = {}  # actor id (hex) -> "learner rank 0", "generation actor 1", ...
         self.rollouts: list[Any] = []
         self.engines: list[Any] = []
+        self.dataset_ref: Any = None
         self.started_ray = False
         self.version = spec.version
 
@@ -238,7 +239,9 @@ class Cluster:
     def spawn_rollouts(self, queue: Any, engines: list[Any], teachers: dict[str, Any], rewards: list[Any]) -> list[Any]:
         """The rollout actors of the spec's kind, started."""
         spec, config, cluster = self.spec, self.config, self.config.cluster
-        rollout, dataset = spec.rollout, ray.put(spec.train_dataset)
+        rollout = spec.rollout
+        # kept by the Cluster: a rollout actor Ray restarts needs its constructor arguments again
+        dataset = self.dataset_ref = ray.put(spec.train_dataset)
         if rollout.kind == "distill":
             from actors.distill_rollout import DistillRolloutActor
 

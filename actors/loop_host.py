@@ -4,7 +4,7 @@ hosting a worker loop (`AsyncRolloutLoop` / `AsyncDistillationLoop`, both a `rla
 
 `QueuePromptSource` hands the queue's `rlasync.records.PromptLease` to the loop with its dataset row and the seconds
 waited filled in; the queue's "no lease right now" (timeout) is waited through, only `done` ends the loop's stream.
-The sinks put samples (`ray.put` here, ObjectRefs + metadata to the queue) or drop a zero-std group.
+The sinks send samples to the queue (it `ray.put`s them and keeps the ObjectRefs + metadata) or drop a zero-std group.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import logging
 import time
 import traceback
 from typing import Any
-
-import ray
 
 from rlasync.pipeline import QueueEntry
 from rlasync.records import DROP_REASONS, GroupOutcome, PromptLease
@@ -63,7 +61,7 @@ class QueuePromptSource:
 
 
 class QueueGroupSink:
-    """The GRPO loop's sink: a `GroupResult`'s samples go to the queue (`ray.put` here), a zero-std group is dropped."""
+    """The GRPO loop's sink: a `GroupResult`'s samples go to the queue (by value: the queue owns them), a zero-std group is dropped."""
 
     def __init__(self, queue: Any, source: QueuePromptSource) -> None:
         self.queue = queue
@@ -74,8 +72,8 @@ class QueueGroupSink:
         if result.dropped:
             await self.queue.drop_group.remote(result.group_id, str(GroupOutcome.ZERO_STD), result.num_rollout_tokens)
             return
-        entries = [QueueEntry.for_sample(s, payload=ray.put(s, _owner=self.queue)) for s in result.scored.samples]
-        await self.queue.put_group.remote(entries)  # owned by the queue: they outlive this actor
+        # by value: the queue actor ray.puts them, so it owns them and they outlive this actor
+        await self.queue.put_group.remote([QueueEntry.for_sample(s, payload=s) for s in result.scored.samples])
 
 
 class QueueSampleSink:
@@ -87,7 +85,7 @@ class QueueSampleSink:
 
     async def put(self, sample: Any) -> None:
         self.source.taken(sample.prompt_id)
-        await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=ray.put(sample, _owner=self.queue))])
+        await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=sample)])
 
 
 class LoopHost:

@@ -1,7 +1,8 @@
 """The named StalenessQueue actor: forwards to one `rlasync.pipeline.QueueService`.
 
 Holds ObjectRefs of scored samples (`QueueEntry.payload`) plus their metadata; never fetches them. The rollout
-actors `ray.put` those samples with this actor as their owner, so they outlive a rollout actor that dies. Async
+actors send the samples by value and this actor `ray.put`s them, so it owns them: they outlive a rollout actor that
+dies (Ray 2.56 removed `ray.put(_owner=...)`; an object owned by a dead worker is lost). Async
 actor: `next_group` and `wait_take` wait on the service's notifier without blocking other calls.
 
 Leases carry their owner (the rollout actor's name); `release_owner(owner)` gives back every lease a dead (and
@@ -11,6 +12,7 @@ restarted) rollout actor still held, so those prompts are generated again and th
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -39,7 +41,8 @@ class QueueActor:
         return answer
 
     def put_group(self, entries: list[Any]) -> None:
-        self.service.put_group(entries)
+        owned = [e if isinstance(e.payload, ray.ObjectRef) else replace(e, payload=ray.put(e.payload)) for e in entries]
+        self.service.put_group(owned)
 
     def drop_group(self, group_id: int, reason: str, num_tokens: int = 0) -> None:
         self.service.drop_group(group_id, reason, num_tokens)  # type: ignore[arg-type]
