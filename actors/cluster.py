@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import ray
 
 from actors.cluster_faults import PROBE_TIMEOUT_S, dead_actor_name, died_error, frozen_error, restart_options
-from actors.cluster_weights import RayWeightSync, connect_weights, in_thread
+from actors.cluster_weights import RayWeightSync, connect_weights, get_all, in_thread
 from rlasync.driver import RunSpec, Taken, check_actor_health, check_resources, engine_dtype, step_budget
 
 logger = logging.getLogger(__name__)
@@ -45,20 +44,6 @@ def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dic
         except ray.exceptions.RayActorError as exc:  # the queue, a learner rank, a generation actor: stop-and-resume
             name = dead_actor_name(exc, cluster.names) or f"an actor ({exc.actor_id})"
             raise died_error(name, exc, spec.config.output_dir) from exc
-
-
-def get_all(refs: Any, timeout: float) -> Any:
-    """`ray.get`, but a list fails as soon as any of its calls failed (a dead learner rank must not leave the driver
-    waiting for the ranks blocked in a collective with it)."""
-    if not isinstance(refs, list) or len(refs) < 2:
-        return ray.get(refs, timeout=timeout)
-    loop_deadline, pending = time.monotonic() + timeout, list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=max(loop_deadline - time.monotonic(), 0.0))
-        if not done:
-            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls unfinished after {timeout:.0f} s")
-        ray.get(done)  # raises its failure now
-    return ray.get(refs)
 
 
 async def _get(refs: Any, timeout: float) -> Any:
@@ -130,7 +115,8 @@ class Cluster:
         learners = self.spawn_learners(budget)
         connect_weights(learners, engines, cluster)
         queue = self.spawn_queue(tokens_per_step)
-        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s)
+        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s, names=self.names,
+                                output_dir=self.config.output_dir)
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
         state["policy_version"] = self.version
         rewards = self.spawn_rewards()
