@@ -22,7 +22,8 @@ from typing import Any
 
 import ray
 
-from actors.cluster_weights import RayWeightSync, connect_weights, in_thread
+from actors.cluster_faults import PROBE_TIMEOUT_S, dead_actor_name, died_error, frozen_error, restart_options
+from actors.cluster_weights import RayWeightSync, connect_weights, get_all, in_thread
 from rlasync.driver import RunSpec, Taken, check_actor_health, check_resources, engine_dtype, step_budget
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 20.0
 DEATH_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 60.0
+RESTART_TIMEOUT_S = 180.0  # a restarted rollout actor builds its loop again (tokenizer, dataset) before answering
 
 
 def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dict[str, Any]:
@@ -37,12 +39,16 @@ def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dic
     (the trainer's) lists every actor created, also when the run fails."""
     with Cluster(spec, actor_ids) as cluster:
         loop = cluster.build(state)
-        return asyncio.run(loop.run(spec.start_step, cluster.version))
+        try:
+            return asyncio.run(loop.run(spec.start_step, cluster.version))
+        except ray.exceptions.RayActorError as exc:  # the queue, a learner rank, a generation actor: stop-and-resume
+            name = dead_actor_name(exc, cluster.names) or f"an actor ({exc.actor_id})"
+            raise died_error(name, exc, spec.config.output_dir) from exc
 
 
 async def _get(refs: Any, timeout: float) -> Any:
-    """`ray.get` off the event loop (the step loop's protocols are async)."""
-    return await in_thread(ray.get, refs, timeout=timeout)
+    """`get_all` off the event loop (the step loop's protocols are async)."""
+    return await in_thread(get_all, refs, timeout)
 
 
 class Cluster:
@@ -52,7 +58,10 @@ class Cluster:
         self.spec, self.config = spec, spec.config
         self.actor_ids = actor_ids if actor_ids is not None else []
         self.handles: list[Any] = []
+        self.names: dict[str, str] = {}  # actor id (hex) -> "learner rank 0", "generation actor 1", ...
         self.rollouts: list[Any] = []
+        self.engines: list[Any] = []
+        self.dataset_ref: Any = None
         self.started_ray = False
         self.version = spec.version
 
@@ -99,33 +108,37 @@ class Cluster:
         """Create every actor of the spec in dependency order, run the cold sync, start the rollouts; returns the
         StepLoop over adapters of the handles."""
         spec, cluster = self.spec, self.config.cluster
-        engines = self.spawn_engines()  # first: the token budget defaults to the engine's max_model_len
+        engines = self.engines = self.spawn_engines()  # first: the token budget defaults to the engine's max_model_len
         teachers = self.spawn_teachers()
         max_model_len = None if self.config.token_budget is not None else self.max_model_len(engines)
         budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len)
         learners = self.spawn_learners(budget)
         connect_weights(learners, engines, cluster)
         queue = self.spawn_queue(tokens_per_step)
-        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s)
+        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s, names=self.names,
+                                output_dir=self.config.output_dir)
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
         state["policy_version"] = self.version
         rewards = self.spawn_rewards()
         self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
         return spec.step_loop(
             queue=RayQueue(queue, cluster.collective_timeout_s), learners=RayLearners(learners, cluster.collective_timeout_s),
-            weights=weights, fleet=RayFleet(self.rollouts, spec.rollout.name, spec.hang_setting, cluster.collective_timeout_s),
+            weights=weights, fleet=RayFleet(self.rollouts, spec.rollout.name, spec.hang_setting, cluster.collective_timeout_s,
+                                            engines=engines, names=self.names, output_dir=self.config.output_dir),
             tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, state=state,
         )  # fmt: skip
 
-    def spawn(self, actor_cls: Any, name: str | None = None, **options: Any) -> Any:
-        """One actor: `num_cpus` / `num_gpus` (and `name`) are Ray options, the rest its constructor's keywords."""
+    def spawn(self, actor_cls: Any, label: str, kind: str, name: str | None = None, **options: Any) -> Any:
+        """One actor: `num_cpus` / `num_gpus` (and `name`) are Ray options, the rest its constructor's keywords;
+        `label` names it in errors ("learner rank 0"), `kind` decides whether Ray restarts it (actors/cluster_faults.py)."""
         handle_options = {k: v for k, v in options.items() if k in ("num_cpus", "num_gpus")}
         init = {k: v for k, v in options.items() if k not in ("num_cpus", "num_gpus")}
         if name is not None:
             handle_options["name"] = name
-        handle = actor_cls.options(**handle_options).remote(**init)
+        handle = actor_cls.options(**handle_options, **restart_options(kind)).remote(**init)
         self.handles.append(handle)
         self.actor_ids.append(handle._actor_id.hex())
+        self.names[handle._actor_id.hex()] = label
         return handle
 
     def spawn_engines(self) -> list[Any]:
@@ -137,10 +150,10 @@ class Cluster:
         if cluster.engine == "vllm_server" and server_url is None:
             server_url = config.vllm_server_base_url  # TRL's field
         return [
-            self.spawn(GenerationActor, model=self.spec.model, dtype=engine_dtype(config),
+            self.spawn(GenerationActor, f"generation actor {i}", "generation", model=self.spec.model, dtype=engine_dtype(config),
                        engine_kwargs=cluster.engine_kwargs, engine=cluster.engine, vllm_server_url=server_url,
                        num_cpus=cluster.generation_num_cpus, num_gpus=cluster.generation_num_gpus)
-            for _ in range(cluster.num_generation_actors)
+            for i in range(cluster.num_generation_actors)
         ]  # fmt: skip
 
     def max_model_len(self, engines: Sequence[Any]) -> int:
@@ -156,7 +169,7 @@ class Cluster:
         cluster = self.config.cluster
         teachers = {
             teacher_id: self.spawn(
-                TeacherScorer, teacher_id=teacher_id, model=t.model, engine=t.engine, base_url=t.base_url,
+                TeacherScorer, f"teacher {teacher_id!r}", "teacher", teacher_id=teacher_id, model=t.model, engine=t.engine, base_url=t.base_url,
                 engine_kwargs=cluster.engine_kwargs if t.is_local else None, num_cpus=cluster.generation_num_cpus,
                 num_gpus=cluster.generation_num_gpus if t.is_local else 0.0,
             )
@@ -177,7 +190,7 @@ class Cluster:
             teacher_ids=spec.learner.teacher_ids,
         )  # fmt: skip
         learners = [
-            self.spawn(LearnerActor, rank=rank, world_size=num_learners, model=spec.model, settings=settings,
+            self.spawn(LearnerActor, f"learner rank {rank}", "learner", rank=rank, world_size=num_learners, model=spec.model, settings=settings,
                        num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus)
             for rank in range(num_learners)
         ]  # fmt: skip
@@ -191,7 +204,7 @@ class Cluster:
 
         spec = self.spec
         return self.spawn(
-            QueueActor, name=f"{spec.queue_name}-{uuid.uuid4().hex[:8]}",
+            QueueActor, "the queue actor (StalenessQueue)", "queue", name=f"{spec.queue_name}-{uuid.uuid4().hex[:8]}",
             settings=spec.queue.with_tokens_per_step(tokens_per_step),
             resume=spec.resume_state.to_dict() if spec.resume_state else None, num_cpus=self.config.cluster.queue_num_cpus,
         )  # fmt: skip
@@ -204,19 +217,22 @@ class Cluster:
 
         cluster = self.config.cluster
         return [
-            self.spawn(RewardActor, reward_funcs=self.spec.rollout.reward_funcs, num_cpus=cluster.reward_num_cpus)
-            for _ in range(cluster.num_reward_actors)
+            self.spawn(RewardActor, f"reward actor {i}", "reward", reward_funcs=self.spec.rollout.reward_funcs,
+                       num_cpus=cluster.reward_num_cpus)
+            for i in range(cluster.num_reward_actors)
         ]
 
     def spawn_rollouts(self, queue: Any, engines: list[Any], teachers: dict[str, Any], rewards: list[Any]) -> list[Any]:
         """The rollout actors of the spec's kind, started."""
         spec, config, cluster = self.spec, self.config, self.config.cluster
-        rollout, dataset = spec.rollout, ray.put(spec.train_dataset)
+        rollout = spec.rollout
+        # kept by the Cluster: a rollout actor Ray restarts needs its constructor arguments again
+        dataset = self.dataset_ref = ray.put(spec.train_dataset)
         if rollout.kind == "distill":
             from actors.distill_rollout import DistillRolloutActor
 
             rollouts = [
-                self.spawn(DistillRolloutActor, index=i, config=config, tokenizer=spec.tokenizer, dataset=dataset,
+                self.spawn(DistillRolloutActor, f"{rollout.name} {i}", "rollout", index=i, config=config, tokenizer=spec.tokenizer, dataset=dataset,
                            queue=queue, students=engines, teachers=teachers, seed=config.seed,
                            loop_cls=rollout.loop_cls, max_inflight_tasks=rollout.max_inflight_tasks,
                            num_cpus=cluster.rollout_num_cpus)
@@ -226,7 +242,7 @@ class Cluster:
             from actors.rollout import RolloutActor
 
             rollouts = [
-                self.spawn(RolloutActor, index=i, config=config, tokenizer=spec.tokenizer, dataset=dataset,
+                self.spawn(RolloutActor, f"{rollout.name} {i}", "rollout", index=i, config=config, tokenizer=spec.tokenizer, dataset=dataset,
                            reward_funcs=rollout.reward_funcs, queue=queue, engines=engines, loop_cls=rollout.loop_cls,
                            seed=config.seed, reward_actors=rewards, num_cpus=cluster.rollout_num_cpus,
                            tools=rollout.tools, environment_factory=rollout.environment_factory)
@@ -311,20 +327,63 @@ class RayLearners:
 
 
 class RayFleet:
-    """`Fleet` over the rollout actors; `name` opens their errors ("rollout actor 0 failed: ...")."""
+    """`Fleet` over the rollout actors; `name` opens their errors ("rollout actor 0 failed: ..."). Before each
+    health check and metric drain every rollout actor is asked to `ensure_running` (a rollout actor Ray restarted
+    releases its predecessor's leases and starts its loop: actors/restart.py). A failure that is another actor's
+    death is reported as that actor's ("generation actor 0 died (seen by rollout actor 0: ...)"); a hung rollout
+    loop first probes the generation actors, so a frozen one is named instead of the loop waiting for it."""
 
-    def __init__(self, handles: list[Any], name: str, setting: str, timeout: float) -> None:
+    def __init__(self, handles: list[Any], name: str, setting: str, timeout: float, *, engines: Sequence[Any] = (),
+                 names: dict[str, str] | None = None, output_dir: str = ".") -> None:  # fmt: skip
         self.handles, self.name, self.setting, self.timeout = handles, name, setting, timeout
+        self.engines, self.names, self.output_dir = list(engines), names or {}, output_dir
+        self.restarts = 0
+
+    async def _call(self, index: int, ref: Any, timeout: float) -> Any:
+        try:
+            return await _get(ref, timeout)
+        except ray.exceptions.RayActorError as exc:  # restarts used up (or not restartable): stop with its name
+            raise died_error(f"{self.name} {index}", exc, self.output_dir) from exc
+
+    async def ensure_running(self) -> None:
+        for index, rollout in enumerate(self.handles):
+            released = await self._call(index, rollout.ensure_running.remote(), RESTART_TIMEOUT_S)
+            if released is not None:
+                self.restarts += 1
+                logger.warning("%s %d was restarted after it died: %d of its leases released and generated again",
+                               self.name, index, released)  # fmt: skip
 
     async def check_health(self, stale_after_s: float) -> list[tuple[str, dict[str, Any]]]:
+        await self.ensure_running()
         healths = []
         for index, rollout in enumerate(self.handles):
-            health = await _get(rollout.health.remote(), HEALTH_TIMEOUT_S)
-            check_actor_health(f"{self.name} {index}", health, stale_after_s, self.setting)
-            healths.append((f"{self.name} {index}", health))
+            name = f"{self.name} {index}"
+            health = await self._call(index, rollout.health.remote(), HEALTH_TIMEOUT_S)
+            try:
+                check_actor_health(name, health, stale_after_s, self.setting)
+            except RuntimeError as exc:
+                dead = dead_actor_name(health.get("error") or "", self.names)
+                if dead is not None:
+                    raise died_error(dead, health["error"], self.output_dir, seen_by=name) from exc
+                await self.probe_engines(name)
+                raise
+            healths.append((name, health))
         return healths
 
+    async def probe_engines(self, seen_by: str) -> None:
+        """Raise naming the first generation actor that is dead or does not answer within PROBE_TIMEOUT_S."""
+        for ref, engine in [(engine.stats.remote(), engine) for engine in self.engines]:
+            name = self.names.get(engine._actor_id.hex(), "a generation actor")
+            ready, _ = await in_thread(ray.wait, [ref], timeout=PROBE_TIMEOUT_S)
+            if not ready:
+                raise frozen_error(name, seen_by, self.output_dir)
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                raise died_error(name, exc, self.output_dir, seen_by=seen_by) from exc
+
     async def drain_metrics(self) -> list[tuple[str, Any]]:
+        await self.ensure_running()
         drained = await _get([rollout.drain_metrics.remote() for rollout in self.handles], self.timeout)
         return [item for items in drained for item in items]
 

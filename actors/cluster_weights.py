@@ -34,6 +34,20 @@ async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(_RAY_CALLS, partial(fn, *args, **kwargs))
 
 
+def get_all(refs: Any, timeout: float) -> Any:
+    """`ray.get`, but a list fails as soon as any of its calls failed (a dead learner rank must not leave the driver
+    waiting for the ranks blocked in a collective with it)."""
+    if not isinstance(refs, list) or len(refs) < 2:
+        return ray.get(refs, timeout=timeout)
+    loop_deadline, pending = time.monotonic() + timeout, list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(loop_deadline - time.monotonic(), 0.0))
+        if not done:
+            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls unfinished after {timeout:.0f} s")
+        ray.get(done)  # raises its failure now
+    return ray.get(refs)
+
+
 def _warn_once(message: str) -> None:
     """Log `message` as a warning the first time this process sees it."""
     if message not in _WARNED:
@@ -77,8 +91,21 @@ class RayWeightSync:
     send, waiting for the receivers included) and `perf/generation_loop_lag_max_s` (the worst event-loop lag of a
     GenerationActor since the previous sync)."""
 
-    def __init__(self, learners: list[Any], engines: list[Any], queue: Any, timeout: float) -> None:
+    def __init__(self, learners: list[Any], engines: list[Any], queue: Any, timeout: float, *,
+                 names: dict[str, str] | None = None, output_dir: str = ".") -> None:  # fmt: skip
         self.learners, self.engines, self.queue, self.timeout = learners, engines, queue, timeout
+        self.names, self.output_dir = names or {}, output_dir
+
+    def name_frozen_engine(self, error: BaseException) -> None:
+        """After a failed sync: raise naming the first engine that does not answer a stats call (frozen)."""
+        from actors.cluster_faults import PROBE_TIMEOUT_S, frozen_error
+
+        refs = [engine.stats.remote() for engine in self.engines]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+        for ref, engine in zip(refs, self.engines, strict=True):
+            if ref in pending:
+                name = self.names.get(engine._actor_id.hex(), "a generation actor")
+                raise frozen_error(name, "the weight sync", self.output_dir) from error
 
     async def sync(self, version: int) -> tuple[int, dict[str, float]]:
         return await in_thread(self.sync_now, version)
@@ -87,14 +114,22 @@ class RayWeightSync:
         """One sync, blocking (the cold sync runs it before the step loop starts)."""
         started, started_at = time.perf_counter(), time.time()
         ticket = ray.get([learner.prepare_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
+        finish = True
         try:
-            results = ray.get(
+            results = get_all(  # fails at once when an engine died, not after the broadcast's timeout
                 [learner.send_weights.remote() for learner in self.learners]
                 + [engine.sync_weights.remote(ticket) for engine in self.engines],
-                timeout=self.timeout + 60,
+                self.timeout + 60,
             )
+        except Exception as exc:
+            finish = False  # a learner still blocked in its send would hold the finish call back: the run stops
+            if not isinstance(exc, ray.exceptions.RayActorError):
+                self.name_frozen_engine(exc)
+            raise
         finally:
-            ray.get([learner.finish_weights.remote() for learner in self.learners], timeout=self.timeout)
+            finished = [learner.finish_weights.remote() for learner in self.learners]
+            if finish:
+                ray.get(finished, timeout=self.timeout)
         sent, phases = results[: len(self.learners)], results[len(self.learners) :]
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
         return version + 1, sync_timings(time.perf_counter() - started, started_at, sent, phases)

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from actors.loop_host import LoopHost, QueueSampleSink
+from actors.restart import RestartableLoop
 from rlasync.distill import AsyncDistillationLoop
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class _RemoteTeacher:
 
 
 @ray.remote
-class DistillRolloutActor(LoopHost):
+class DistillRolloutActor(RestartableLoop, LoopHost):
     kind = "distillation rollout actor"
 
     def __init__(

@@ -4,7 +4,7 @@ hosting a worker loop (`AsyncRolloutLoop` / `AsyncDistillationLoop`, both a `rla
 
 `QueuePromptSource` hands the queue's `rlasync.records.PromptLease` to the loop with its dataset row and the seconds
 waited filled in; the queue's "no lease right now" (timeout) is waited through, only `done` ends the loop's stream.
-The sinks put samples (`ray.put` here, ObjectRefs + metadata to the queue) or drop a zero-std group.
+The sinks send samples to the queue (it `ray.put`s them and keeps the ObjectRefs + metadata) or drop a zero-std group.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import logging
 import time
 import traceback
 from typing import Any
-
-import ray
 
 from rlasync.data.prompts import leased_row_problem
 from rlasync.pipeline import QueueEntry
@@ -32,6 +30,7 @@ class QueuePromptSource:
     def __init__(self, actor: Any, group_size: int) -> None:
         self.actor = actor
         self.group_size = group_size
+        self.owner = f"{actor.kind} {actor.index}"  # the queue releases this owner's leases if the actor dies
         self.leases: dict[int, PromptLease] = {}
         self.failures: dict[int, tuple[str, str]] = {}  # group id -> (cause, one-line detail) of a failed group
         self.warned_rows: set[int] = set()
@@ -39,7 +38,7 @@ class QueuePromptSource:
     async def lease(self) -> PromptLease | None:
         waited = 0.0
         while True:
-            answer = await self.actor.queue.next_group.remote(self.group_size, LEASE_POLL_S)
+            answer = await self.actor.queue.next_group.remote(self.group_size, LEASE_POLL_S, self.owner)
             waited += answer.waited_s
             if answer.lease is not None and not await self._usable(answer.lease):
                 continue  # a bad row, dropped and counted: lease the next one
@@ -86,7 +85,7 @@ class QueuePromptSource:
 
 
 class QueueGroupSink:
-    """The GRPO loop's sink: a `GroupResult`'s samples go to the queue (`ray.put` here), a zero-std group is dropped."""
+    """The GRPO loop's sink: a `GroupResult`'s samples go to the queue (by value: the queue owns them), a zero-std group is dropped."""
 
     def __init__(self, queue: Any, source: QueuePromptSource) -> None:
         self.queue = queue
@@ -99,7 +98,8 @@ class QueueGroupSink:
             await self.queue.drop_group.remote(result.group_id, str(GroupOutcome.ZERO_STD), result.num_rollout_tokens,
                                                scored.drop_cause, scored.drop_detail())  # fmt: skip
             return
-        await self.queue.put_group.remote([QueueEntry.for_sample(s, payload=ray.put(s)) for s in result.scored.samples])
+        # by value: the queue actor ray.puts them, so it owns them and they outlive this actor
+        await self.queue.put_group.remote([QueueEntry.for_sample(s, payload=s) for s in result.scored.samples])
 
 
 class QueueSampleSink:
@@ -111,7 +111,7 @@ class QueueSampleSink:
 
     async def put(self, sample: Any) -> None:
         self.source.taken(sample.prompt_id)
-        await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=ray.put(sample))])
+        await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=sample)])
 
 
 class LoopHost:

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from actors.loop_host import LoopHost, QueueGroupSink
+from actors.restart import RestartableLoop
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class _RewardPool:
 
 
 @ray.remote
-class RolloutActor(LoopHost):
+class RolloutActor(RestartableLoop, LoopHost):
     def __init__(
         self, *, index: int, config: Any, tokenizer: Any, dataset: Any, queue: Any, engines: list[Any],
         reward_funcs: list[Any], reward_actors: list[Any] | None = None, loop_cls: type, seed: int = 0,

@@ -1,17 +1,26 @@
 """The named StalenessQueue actor: forwards to one `rlasync.pipeline.QueueService`.
 
-Holds ObjectRefs of scored samples (`QueueEntry.payload`) plus their metadata; never fetches them. Async actor:
-`next_group` and `wait_take` wait on the service's notifier without blocking other calls.
+Holds ObjectRefs of scored samples (`QueueEntry.payload`) plus their metadata; never fetches them. The rollout
+actors send the samples by value and this actor `ray.put`s them, so it owns them: they outlive a rollout actor that
+dies (Ray 2.56 removed `ray.put(_owner=...)`; an object owned by a dead worker is lost). Async
+actor: `next_group` and `wait_take` wait on the service's notifier without blocking other calls.
+
+Leases carry their owner (the rollout actor's name); `release_owner(owner)` gives back every lease a dead (and
+restarted) rollout actor still held, so those prompts are generated again and the epoch stays exactly once.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from typing import Any
 
 import ray
 
 from rlasync.pipeline import QueueService, RolloutState
 from rlasync.pipeline.settings import QueueSettings
+
+logger = logging.getLogger(__name__)
 
 
 @ray.remote
@@ -22,13 +31,18 @@ class QueueActor:
             num_rows=settings.num_rows, num_epochs=settings.num_epochs, max_staleness=settings.max_staleness,
             tokens_per_step=settings.tokens_per_step, resume=state,
         )  # fmt: skip
+        self.released_by_owner: dict[str, int] = {}
 
     # rollout side
-    async def next_group(self, num_rollouts: int, timeout_s: float | None = None) -> Any:
-        return await self.service.next_group(num_rollouts, timeout_s)
+    async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> Any:
+        answer = await self.service.next_group(num_rollouts, timeout_s)
+        if owner is not None and answer.lease is not None:
+            self.service.dispatcher.assign_owner(answer.lease.group_id, owner)
+        return answer
 
     def put_group(self, entries: list[Any]) -> None:
-        self.service.put_group(entries)
+        owned = [e if isinstance(e.payload, ray.ObjectRef) else replace(e, payload=ray.put(e.payload)) for e in entries]
+        self.service.put_group(owned)
 
     def drop_group(self, group_id: int, reason: str, num_tokens: int = 0, cause: str | None = None,
                    detail: str | None = None) -> None:  # fmt: skip
@@ -36,6 +50,16 @@ class QueueActor:
 
     def release(self, lease: Any) -> None:
         self.service.release(lease)
+
+    def release_owner(self, owner: str) -> int:
+        """Release every live, not yet queued lease of `owner` (a rollout actor that died); returns how many."""
+        leases = self.service.dispatcher.leases_of(owner)
+        for lease in leases:
+            self.service.release(lease)
+        if leases:
+            self.released_by_owner[owner] = self.released_by_owner.get(owner, 0) + len(leases)
+            logger.warning("released %d leases of %s (restarted): their prompts are leased again", len(leases), owner)
+        return len(leases)
 
     # learner side
     async def wait_take(self, token_target: int, timeout_s: float | None) -> Any:
@@ -51,4 +75,4 @@ class QueueActor:
         return self.service.rollout_state().to_dict()
 
     def state(self) -> dict[str, Any]:
-        return self.service.state().to_dict()
+        return {**self.service.state().to_dict(), "released_by_owner": dict(self.released_by_owner)}

@@ -5,7 +5,9 @@
 
 A checkpoint is written under `checkpoint-<step>.tmp` and renamed once complete, so a run killed while saving
 leaves no `checkpoint-<step>` that looks finished; `resume_from_checkpoint=True` takes the newest one that holds
-`trainer_state.json` and logs the incomplete ones it skipped. `save_total_limit` keeps the newest complete ones.
+`trainer_state.json` and logs the incomplete ones it skipped. `save_total_limit` keeps the newest complete ones. A checkpoint with an unreadable file (truncated safetensors,
+`optimizer.pt`, a JSON file) is reported naming the file (`verify_checkpoint`, headers only), and skipped by
+`resume_from_checkpoint=True`.
 Pure Python: the queue and the learners are the step loop's async protocols.
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +44,77 @@ def is_complete(path: Path) -> bool:
     return (path / TRAINER_STATE).is_file()
 
 
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that cannot be read (truncated, not JSON, ...); the message names the file."""
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file, or `CorruptCheckpointError` naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(
+            f"{path} is corrupt ({type(exc).__name__}: {exc}): the checkpoint {path.parent} cannot be resumed; resume "
+            "from an earlier checkpoint-* (--resume <dir>) or delete this one"
+        ) from exc
+
+
+def _check_safetensors(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (header length, JSON header, tensor data past the end), or None."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes: shorter than the 8-byte header length"
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            return f"{size} bytes: the header says {length} bytes of header follow"
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return f"unreadable header ({exc})"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end > size:
+        return f"truncated: {size} bytes, the tensors need {8 + length + end}"
+    return None
+
+
+def _check_torch_file(path: Path) -> str | None:
+    """Why a `torch.save` file (a zip archive) is not whole (its directory at the end is missing), or None."""
+    try:
+        with zipfile.ZipFile(path):
+            return None
+    except zipfile.BadZipFile as exc:
+        return f"truncated or not a torch.save archive ({exc})"
+
+
+def verify_checkpoint(checkpoint_dir: str | Path) -> None:
+    """Raise `CorruptCheckpointError` naming the first file of the checkpoint that is unreadable: its JSON files,
+    the model's safetensors files (header and length) and the optimizer / scheduler archives. Reads headers only,
+    so it takes milliseconds, before any actor starts."""
+    path = Path(checkpoint_dir)
+    for json_file in sorted(path.glob("*.json")):
+        read_json(json_file)
+    checks = [(f, _check_safetensors) for f in sorted(path.glob("*.safetensors"))]
+    checks += [(f, _check_torch_file) for f in sorted(path.glob("*.pt")) + sorted(path.glob("*.bin"))]
+    for file, check in checks:
+        why = check(file)
+        if why is not None:
+            raise CorruptCheckpointError(
+                f"{file} is corrupt ({why}): the checkpoint {path} cannot be resumed; resume from an earlier "
+                "checkpoint-* (--resume <dir>) or delete this one"
+            )
+
+
 def read_step(checkpoint_dir: str | Path) -> int:
     """The global step a checkpoint was saved at: trainer_state.json, else the folder's name, else 0."""
     path = Path(checkpoint_dir) / TRAINER_STATE
     if path.is_file():
-        return int(json.loads(path.read_text())["global_step"])
+        state = read_json(path)
+        if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+            raise CorruptCheckpointError(f"{path} has no integer 'global_step': not a trainer state; resume from an "
+                                         "earlier checkpoint-* or delete this one")  # fmt: skip
+        return state["global_step"]
     step = checkpoint_step(Path(checkpoint_dir))
     return step if step is not None else 0
 
@@ -67,8 +137,9 @@ class Checkpointer:
         return [p for p in self.checkpoints() if is_complete(p)]
 
     def resume_dir(self, resume: str | bool | None) -> str | None:
-        """The folder `train(resume_from_checkpoint=...)` resumes from: None (a fresh run), the newest complete
-        checkpoint for True, or the given folder."""
+        """The folder `train(resume_from_checkpoint=...)` resumes from: None (a fresh run), the newest complete and
+        readable checkpoint for True (incomplete and corrupt ones are skipped with a warning naming them), or the
+        given folder (a corrupt file in it raises `CorruptCheckpointError` naming the file)."""
         if not resume:
             return None
         if resume is True:
@@ -79,10 +150,21 @@ class Checkpointer:
             skipped = [p.name for p in newest_first[: newest_first.index(complete[0])]]
             if skipped:
                 logger.warning("resume: skipping incomplete checkpoints (no %s): %s", TRAINER_STATE, ", ".join(skipped))
-            logger.info("resuming from %s", complete[0])
-            return str(complete[0])
+            corrupt: list[str] = []
+            for candidate in complete:
+                try:
+                    verify_checkpoint(candidate)
+                except CorruptCheckpointError as exc:
+                    logger.warning("resume: skipping a corrupt checkpoint: %s", exc)
+                    corrupt.append(str(exc))
+                    continue
+                logger.info("resuming from %s", candidate)
+                return str(candidate)
+            raise CorruptCheckpointError(f"resume_from_checkpoint=True: every complete checkpoint in {self.output_dir} "
+                                         f"is corrupt; the newest: {corrupt[0]}")  # fmt: skip
         if not Path(resume).is_dir():
             raise ValueError(f"resume_from_checkpoint={resume!r} is not a directory")
+        verify_checkpoint(resume)
         return str(resume)
 
     @staticmethod
@@ -137,4 +219,5 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CHECKPOINT_PREFIX", "TRAINER_STATE", "Checkpointer", "checkpoint_step", "is_complete", "read_step"]
+__all__ = ["CHECKPOINT_PREFIX", "TRAINER_STATE", "Checkpointer", "CorruptCheckpointError", "checkpoint_step",
+           "is_complete", "read_json", "read_step", "verify_checkpoint"]

@@ -73,7 +73,7 @@ def load_optimizer_state(
     path = Path(directory)
     if not (path / OPTIMIZER_FILE).is_file():
         return False
-    state = torch.load(path / OPTIMIZER_FILE, weights_only=False, map_location="cpu")
+    state = _load(path / OPTIMIZER_FILE)
     if any(isinstance(key, int) for key in state.get("state", {})):  # an older checkpoint: keyed by position
         if world_size > 1:
             raise ValueError(
@@ -84,5 +84,17 @@ def load_optimizer_state(
     else:
         set_optimizer_state_dict(scorer, optimizer, state, options=StateDictOptions(full_state_dict=True))
     if (path / SCHEDULER_FILE).is_file():
-        scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=False))
+        scheduler.load_state_dict(_load(path / SCHEDULER_FILE))
     return True
+
+
+def _load(file: Path) -> Any:
+    """`torch.load` of a checkpoint file; an unreadable one (truncated: PytorchStreamReader's "failed finding central
+    directory", a pickle error) raises `ValueError` naming the file."""
+    try:
+        return torch.load(file, weights_only=False, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the file, the cause chained
+        raise ValueError(
+            f"{file} is corrupt or unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
+            f"resume from an earlier checkpoint-* than {file.parent}, or delete this one"
+        ) from exc

@@ -17,6 +17,9 @@ at 0 on every start, docs/algorithms.md §2.2). Holes are leased before new posi
                                         some sample trained ──► consumed: "trained"
                                         every sample stale  ──► position leased again (a new group_id)
 
+A lease may carry an owner (`assign_owner`: the rollout actor generating it); when that actor dies, its live,
+not yet queued leases (`leases_of(owner)`) are released, so their prompts are generated again.
+
 A group whose samples were all dropped as stale is not consumed: its position is leased again in the same
 epoch rather than left as a hole for the next resume (docs/algorithms.md §7.1 only regenerates it on resume). Dropped
 zero-std groups and `filter_prompt` rejections count as consumed (docs/algorithms.md §2.6.3, §7.3).
@@ -47,6 +50,7 @@ class _Group:
     """Mutable bookkeeping of one live lease (internal)."""
 
     lease: PromptLease
+    owner: str | None = None  # who generates it (a rollout actor's name): its leases are released if it dies
     queued: bool = False
     pending_samples: int = 0
     trained_samples: int = 0
@@ -110,6 +114,14 @@ class PromptDispatcher:
         self._next_group_id += 1
         self._groups[lease.group_id] = _Group(lease)
         return lease
+
+    def assign_owner(self, group_id: int, owner: str) -> None:
+        """Record who generates the live lease `group_id` (a rollout actor), so `leases_of(owner)` finds it."""
+        self._leased_group(group_id, "assign_owner").owner = owner
+
+    def leases_of(self, owner: str) -> list[PromptLease]:
+        """The live leases of `owner` whose samples have not reached the queue (what dies with it), oldest first."""
+        return [g.lease for g in self._groups.values() if g.owner == owner and not g.queued]
 
     def release(self, lease: PromptLease) -> None:
         """Give an unconsumed lease back (its rollout failed for good, or the worker stopped); it is leased again.

@@ -58,4 +58,11 @@ def read_rollout_state(checkpoint_dir: str | Path) -> RolloutState | None:
     if not path.is_file():
         logger.warning("no %s in %s: resuming the prompt stream from prompt 0", ROLLOUT_STATE_FILENAME, checkpoint_dir)
         return None
-    return RolloutState.from_dict(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+        return RolloutState.from_dict(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"{path} is corrupt ({type(exc).__name__}: {exc}): expected {{\"prompt_index\": <int>, \"model_version\": "
+            "<int>}; resume from an earlier checkpoint-* or delete this one"
+        ) from exc

@@ -1,0 +1,72 @@
+"""What the Cluster does when an actor dies or freezes: which kinds Ray restarts, and the one-line errors for the
+ones that cannot be restarted (docs/design.md §4).
+
+    restartable (Ray `max_restarts`, calls retried)   rollout actors (their leases are released and the loop started
+                                                      again: actors/restart.py), reward actors, teachers (stateless)
+    stop-and-resume                                   the queue, the learner ranks, the generation actors (they hold
+                                                      the weight-sync group): the run stops with an error that names
+                                                      the dead actor and the checkpoint to resume from
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlasync.driver.checkpoint import Checkpointer
+
+MAX_RESTARTS = 3  # per actor and run: a crash that repeats (a reward that kills its process) stops the run
+RESTARTABLE_KINDS = ("rollout", "reward", "teacher")
+PROBE_TIMEOUT_S = 10.0  # a generation actor that does not answer a stats call in this time is reported frozen
+
+
+def restart_options(kind: str) -> dict[str, Any]:
+    """Ray options of an actor of `kind`: restarts (and retried calls) for the restartable kinds, none else."""
+    if kind not in RESTARTABLE_KINDS:
+        return {}
+    return {"max_restarts": MAX_RESTARTS, "max_task_retries": MAX_RESTARTS}
+
+
+def resume_hint(output_dir: str | Path) -> str:
+    """Where a stopped run continues from: the newest complete checkpoint under `output_dir`, or from the start."""
+    complete = Checkpointer(output_dir).complete_checkpoints()
+    if complete:
+        return f"resume with --resume (train(resume_from_checkpoint=True)): newest complete checkpoint {complete[-1]}"
+    return f"no complete checkpoint in {output_dir} yet: a rerun starts from step 0"
+
+
+def died_error(name: str, cause: BaseException | str, output_dir: str | Path, seen_by: str | None = None) -> RuntimeError:
+    """`"<name> died (<cause, first line>); resume with --resume: newest complete checkpoint <path>"`; `seen_by`:
+    the actor whose call found it dead."""
+    text = str(cause).strip().splitlines()
+    first = text[0] if text else type(cause).__name__
+    if isinstance(cause, BaseException):
+        first = f"{type(cause).__name__}: {first}"
+    where = f"seen by {seen_by}: " if seen_by else ""
+    return RuntimeError(f"{name} died ({where}{first[:300]}); {resume_hint(output_dir)}")
+
+
+def dead_actor_name(error: BaseException | str, names: dict[str, str]) -> str | None:
+    """The name of the actor whose death `error` reports (a `RayActorError`'s `actor_id`, or an actor id found in
+    the text of an error another actor saw), else None."""
+    actor_id = getattr(error, "actor_id", None)
+    if actor_id and actor_id in names:
+        return names[actor_id]
+    text = str(error)
+    if "ActorDiedError" not in text and "RayActorError" not in text and "actor died" not in text.lower():
+        return None
+    for candidate, name in names.items():
+        if candidate in text:
+            return name
+    return None
+
+
+def frozen_error(name: str, seen_by: str, output_dir: str | Path) -> RuntimeError:
+    return RuntimeError(
+        f"{name} made no progress: it did not answer a stats call within {PROBE_TIMEOUT_S:.0f} s while {seen_by} "
+        f"waited for it (frozen, e.g. SIGSTOPped, or its event loop is blocked); {resume_hint(output_dir)}"
+    )
+
+
+__all__ = ["MAX_RESTARTS", "PROBE_TIMEOUT_S", "dead_actor_name", "died_error", "frozen_error", "restart_options",
+           "resume_hint"]  # fmt: skip

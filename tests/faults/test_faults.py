@@ -1,0 +1,169 @@
+"""Fault injection on CPU (tiny random Llama, Ray local cluster): kill -9 each actor kind mid-run.
+
+    rollout, reward actors     restarted by Ray; the dead rollout actor's leases are released, the run finishes and
+                               every prompt of the epoch ends in exactly one counted outcome
+    learner, queue, generation stop-and-resume: the run stops within a bound with an error naming the dead actor and
+                               the checkpoint to resume from; `train(resume_from_checkpoint=True)` continues there
+    a frozen (SIGSTOPped) generation actor is named as such, not reported as a hung rollout loop
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+NUM_ROWS = 24
+
+
+def digit_reward(completions, **kwargs):
+    out = []
+    for completion in completions:
+        words = completion[-1]["content"].split()
+        out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pickle_by_value(ray_cluster):
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def make_config(tmp_path, **changes):
+    from rlasync.config import AsyncGRPOConfig
+
+    fields = dict(
+        output_dir=str(tmp_path), max_steps=-1, num_train_epochs=1.0, num_generations=4, max_completion_length=8,
+        token_budget=96, learning_rate=1e-2, logging_steps=1, save_steps=100, max_staleness=2,
+        gradient_checkpointing=False, temperature=1.0, top_k=16, seed=0,
+        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+                 "collective_timeout_s": 60.0},
+    )  # fmt: skip
+    fields.update(changes)
+    return AsyncGRPOConfig(**fields)
+
+
+def dataset(n=NUM_ROWS):
+    from rlasync.data import arithmetic_dataset
+
+    return arithmetic_dataset(n, seed=0)
+
+
+def actor_table(actor_ids):
+    from ray._private.state import actors
+
+    table = actors()
+    return [table[i] for i in actor_ids if i in table]
+
+
+def find(actor_ids, class_name):
+    rows = [row for row in actor_table(actor_ids) if row["ActorClassName"] == class_name and row["State"] == "ALIVE"]
+    assert rows, f"no live {class_name} among {[r['ActorClassName'] for r in actor_table(actor_ids)]}"
+    return rows[0]
+
+
+class KillAt:
+    """A callback: at `on_step_begin` of step `step` (global_step == step - 1), send `sig` to the process of the
+    first live actor of `class_name` this run created."""
+
+    def __init__(self, trainer_ids, class_name, step, sig=signal.SIGKILL):
+        self.ids, self.class_name, self.step, self.sig = trainer_ids, class_name, step, sig
+        self.pid = None
+        self.killed_at = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.pid is None and state.get("global_step", 0) == self.step - 1:
+            self.pid = find(self.ids, self.class_name)["Pid"]
+            os.kill(self.pid, self.sig)
+            self.killed_at = time.monotonic()
+
+
+def alive(actor_ids):
+    return [row["ActorID"] for row in actor_table(actor_ids) if row["State"] != "DEAD"]
+
+
+def assert_exactly_once(queue):
+    outcomes = {k: v for k, v in queue["outcomes"].items() if k != "stale"}  # stale groups are leased again
+    assert queue["done"] and queue["consumed_groups"] == NUM_ROWS and queue["first_untrained_index"] == NUM_ROWS
+    assert sum(outcomes.values()) == NUM_ROWS and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
+    assert queue["queue_size"] == 0 and queue["inflight_groups"] == 0 and queue["leased_groups"] == 0
+
+
+def grpo_trainer(tiny_model_dir, tmp_path, class_name, step, sig=signal.SIGKILL, cluster=None, **changes):
+    from rlasync import AsyncGRPOTrainer
+
+    args = make_config(tmp_path, **changes)
+    for key, value in (cluster or {}).items():
+        setattr(args.cluster, key, value)
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=args, train_dataset=dataset())
+    kill = KillAt(trainer.actor_ids, class_name, step, sig)
+    trainer.callbacks.append(kill)
+    return trainer, kill
+
+
+@pytest.mark.parametrize("class_name, cluster", [("RolloutActor", {}), ("RewardActor", {"num_reward_actors": 1})],
+                         ids=["rollout", "reward"])  # fmt: skip
+def test_a_killed_rollout_or_reward_actor_is_restarted_and_the_epoch_is_consumed_exactly_once(
+    ray_cluster, tiny_model_dir, tmp_path, class_name, cluster
+):
+    trainer, kill = grpo_trainer(tiny_model_dir, tmp_path, class_name, step=2, cluster=cluster)
+    state = trainer.train()
+    assert kill.pid is not None, "the run ended before the kill"
+    assert_exactly_once(state["queue"])
+    restarted = [row for row in actor_table(trainer.actor_ids) if row["ActorClassName"] == class_name]
+    assert restarted and restarted[0]["NumRestarts"] >= 1
+    assert (tmp_path / f"checkpoint-{state['global_step']}" / "trainer_state.json").is_file()  # the final model
+    assert alive(trainer.actor_ids) == []
+
+
+@pytest.mark.parametrize(
+    "class_name, name",
+    [("LearnerActor", "learner rank 0"), ("QueueActor", "the queue actor (StalenessQueue)"),
+     ("GenerationActor", "generation actor 0")],
+    ids=["learner", "queue", "generation"],
+)  # fmt: skip
+def test_a_killed_learner_queue_or_engine_stops_the_run_naming_it_and_resume_continues(
+    ray_cluster, tiny_model_dir, tmp_path, class_name, name
+):
+    trainer, kill = grpo_trainer(tiny_model_dir, tmp_path, class_name, step=3, save_steps=2)
+    with pytest.raises(RuntimeError) as info:
+        trainer.train()
+    stopped_after = time.monotonic() - kill.killed_at
+    message = str(info.value)
+    assert message.startswith(f"{name} died"), message
+    assert "--resume" in message and str(tmp_path / "checkpoint-2") in message, message
+    assert stopped_after < 60, f"the run took {stopped_after:.0f} s to stop after the kill"
+    assert alive(trainer.actor_ids) == []
+    if class_name != "LearnerActor":
+        return
+    from rlasync import AsyncGRPOTrainer
+
+    resumed = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward,
+                               args=make_config(tmp_path, max_steps=4), train_dataset=dataset())  # fmt: skip
+    state = resumed.train(resume_from_checkpoint=True)
+    assert state["global_step"] == 4
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 4  # the resumed run replaced the records after step 2
+    saved = json.loads((tmp_path / "checkpoint-2" / "rollout_state.json").read_text())
+    assert state["queue"]["first_untrained_index"] >= saved["prompt_index"]
+    assert alive(resumed.actor_ids) == []
+
+
+def test_a_frozen_generation_actor_is_named(ray_cluster, tiny_model_dir, tmp_path):
+    trainer, kill = grpo_trainer(tiny_model_dir, tmp_path, "GenerationActor", step=2, sig=signal.SIGSTOP,
+                                 rollout_worker_timeout=8.0)  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError) as info:
+            trainer.train()
+    finally:
+        if kill.pid is not None:
+            os.kill(kill.pid, signal.SIGCONT)
+    message = str(info.value)
+    assert message.startswith("generation actor 0 made no progress"), message
+    assert "rollout loop is hung" not in message

@@ -1,0 +1,65 @@
+"""Lease owners: the leases a rollout actor held when it died are released (its prompts leased again), its queued
+groups are not; every position is still consumed exactly once."""
+
+import asyncio
+
+import pytest
+
+from rlasync.pipeline import PromptDispatcher, QueueService
+
+
+def test_leases_of_an_owner_are_the_live_unqueued_ones():
+    d = PromptDispatcher(num_rows=6, num_epochs=1.0)
+    a = [d.lease() for _ in range(3)]
+    b = d.lease()
+    for lease in a:
+        d.assign_owner(lease.group_id, "rollout actor 0")
+    d.assign_owner(b.group_id, "rollout actor 1")
+    d.mark_queued(a[0].group_id, 4)  # its samples reached the queue: not the dead actor's business any more
+    assert [lease.group_id for lease in d.leases_of("rollout actor 0")] == [a[1].group_id, a[2].group_id]
+    assert d.leases_of("rollout actor 9") == []
+    with pytest.raises(ValueError, match="already has samples in the queue"):
+        d.assign_owner(a[0].group_id, "x")
+
+
+def test_releasing_a_dead_owner_leases_its_prompts_again_and_the_epoch_is_exactly_once():
+    service = QueueService.create(num_rows=5, num_epochs=1.0, max_staleness=100, tokens_per_step=10**6)
+
+    async def lease(owner):
+        answer = await service.next_group(2, 0.0)
+        service.dispatcher.assign_owner(answer.lease.group_id, owner)
+        return answer.lease
+
+    first = asyncio.run(lease("rollout actor 1"))
+    service.drop_group(first.group_id, "zero_std", num_tokens=8)  # one completed group opens the allowance
+    dead = [asyncio.run(lease("rollout actor 0")) for _ in range(3)]
+    alive = asyncio.run(lease("rollout actor 1"))
+    for lease_ in service.dispatcher.leases_of("rollout actor 0"):  # what QueueActor.release_owner does
+        service.release(lease_)
+    assert service.state().inflight_groups == 1 and service.dispatcher.num_leased == 1
+    service.drop_group(alive.group_id, "zero_std")
+    positions = []
+    while not service.done:
+        again = asyncio.run(lease("rollout actor 0 (restarted)"))
+        positions.append(again.position)
+        service.drop_group(again.group_id, "zero_std")
+    assert sorted(positions) == sorted([lease_.position for lease_ in dead])
+    assert service.dispatcher.outcome_counts["zero_std"] == 5 and service.dispatcher.consumed_groups == 5
+
+
+def test_death_messages_name_the_actor_and_the_checkpoint(tmp_path):
+    import json
+
+    from actors.cluster_faults import dead_actor_name, died_error, restart_options
+
+    assert restart_options("rollout")["max_restarts"] > 0 and restart_options("learner") == {}
+    assert "no complete checkpoint" in str(died_error("learner rank 0", RuntimeError("x"), tmp_path))
+    (tmp_path / "checkpoint-20").mkdir()
+    (tmp_path / "checkpoint-20" / "trainer_state.json").write_text(json.dumps({"global_step": 20}))
+    (tmp_path / "checkpoint-30").mkdir()  # incomplete
+    message = str(died_error("learner rank 0", RuntimeError("The actor died unexpectedly\nmore"), tmp_path))
+    assert message.startswith("learner rank 0 died (RuntimeError: The actor died unexpectedly)")
+    assert "--resume" in message and str(tmp_path / "checkpoint-20") in message and "checkpoint-30" not in message
+    names = {"ab12": "generation actor 0"}
+    assert dead_actor_name("ActorDiedError: The actor died ... actor_id=ab12", names) == "generation actor 0"
+    assert dead_actor_name("ValueError: ab12", names) is None
