@@ -24,7 +24,15 @@ import ray
 
 from actors.cluster_faults import PROBE_TIMEOUT_S, dead_actor_name, died_error, frozen_error, restart_options
 from actors.cluster_weights import RayWeightSync, connect_weights, get_all, in_thread
-from rlasync.driver import RunSpec, Taken, check_actor_health, check_resources, engine_dtype, step_budget
+from rlasync.driver import (
+    RunSpec,
+    Taken,
+    check_actor_health,
+    check_resources,
+    engine_dtype,
+    server_engine_kwargs,
+    step_budget,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +157,12 @@ class Cluster:
         server_url = cluster.vllm_server_url
         if cluster.engine == "vllm_server" and server_url is None:
             server_url = config.vllm_server_base_url  # TRL's field
+        engine_kwargs = cluster.engine_kwargs
+        if cluster.engine == "vllm_server":
+            engine_kwargs = server_engine_kwargs(config, engine_kwargs)
         return [
             self.spawn(GenerationActor, f"generation actor {i}", "generation", model=self.spec.model, dtype=engine_dtype(config),
-                       engine_kwargs=cluster.engine_kwargs, engine=cluster.engine, vllm_server_url=server_url,
+                       engine_kwargs=engine_kwargs, engine=cluster.engine, vllm_server_url=server_url,
                        num_cpus=cluster.generation_num_cpus, num_gpus=cluster.generation_num_gpus)
             for i in range(cluster.num_generation_actors)
         ]  # fmt: skip
@@ -170,7 +181,8 @@ class Cluster:
         teachers = {
             teacher_id: self.spawn(
                 TeacherScorer, f"teacher {teacher_id!r}", "teacher", teacher_id=teacher_id, model=t.model, engine=t.engine, base_url=t.base_url,
-                engine_kwargs=cluster.engine_kwargs if t.is_local else None, num_cpus=cluster.generation_num_cpus,
+                engine_kwargs=cluster.engine_kwargs if t.is_local else server_engine_kwargs(self.config, None),
+                num_cpus=cluster.generation_num_cpus,
                 num_gpus=cluster.generation_num_gpus if t.is_local else 0.0,
             )
             for teacher_id, t in self.spec.teachers.items()

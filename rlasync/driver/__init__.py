@@ -11,7 +11,15 @@ trainer builds for `actors.cluster` (which owns every Ray call).
 from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, Taken, WeightTransport
 from rlasync.driver.resources import actor_requests, check_resources
-from rlasync.driver.spec import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, engine_dtype, step_budget
+from rlasync.driver.spec import (
+    LearnerSpec,
+    RolloutSpec,
+    RunSpec,
+    TeacherSpec,
+    engine_dtype,
+    server_engine_kwargs,
+    step_budget,
+)
 from rlasync.driver.step_loop import StepLoop, StepSettings, TrainerControl, check_actor_health
 from rlasync.driver.watchdog import NoProgressError, Watchdog, WatchdogSettings
 
@@ -36,5 +44,6 @@ __all__ = [
     "check_actor_health",
     "check_resources",
     "engine_dtype",
+    "server_engine_kwargs",
     "step_budget",
 ]

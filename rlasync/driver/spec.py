@@ -129,4 +129,16 @@ def engine_dtype(config: TrainerConfig) -> str | None:
     return config.dtype
 
 
-__all__ = ["LearnerSpec", "RolloutSpec", "RunSpec", "TeacherSpec", "engine_dtype", "step_budget"]
+def server_engine_kwargs(config: TrainerConfig, engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments of a `vllm serve` client engine (a `vllm_server` policy engine or a teacher): the
+    config's timeouts (`vllm_server_timeout` bounds the readiness wait, so a teacher URL where no server runs fails
+    after it, not after the client's own 600-s default; distillation's `request_timeout` / `weight_sync_timeout` bound
+    each request / weight call, GRPO's `vllm_server_timeout` both), under what `cluster.engine_kwargs` sets."""
+    request_s = getattr(config, "request_timeout", config.vllm_server_timeout)
+    weight_s = getattr(config, "weight_sync_timeout", config.vllm_server_timeout)
+    timeouts = {"startup_timeout_s": float(config.vllm_server_timeout), "request_timeout_s": float(request_s),
+                "weight_sync_timeout_s": float(weight_s)}  # fmt: skip
+    return {**timeouts, **(engine_kwargs or {})}
+
+
+__all__ = ["LearnerSpec", "RolloutSpec", "RunSpec", "TeacherSpec", "engine_dtype", "server_engine_kwargs", "step_budget"]
