@@ -24,7 +24,7 @@ from rlasync.engine.base import Engine, RequestRejectedError, SamplingParams, Sc
 from rlasync.records import MetricItem, PromptLease, TurnRecord
 from rlasync.rewards.text import completion_text
 from rlasync.rollout.engine_pool import EnginePool
-from rlasync.rollout.protocols import Collected
+from rlasync.rollout.protocols import Collected, PolicyBase
 from rlasync.rollout.sequences import is_clipped, tokenizer_eos_ids
 from rlasync.rollout.settings import RolloutSettings
 
@@ -43,7 +43,7 @@ class _Task:
     """The task's metrics, emitted with its push."""
 
 
-class DistillationPolicy:
+class DistillationPolicy(PolicyBase):
     """The distillation policy (see the module docstring); `AsyncDistillationLoop` assembles it with a scheduler."""
 
     task_failure_exceptions: tuple[type[BaseException], ...] = (RequestRejectedError,)
@@ -84,20 +84,7 @@ class DistillationPolicy:
         self._tokens_since_push = 0
         self._last_push_at = clock()
 
-    def emit(self, items: list[MetricItem]) -> None:
-        """Report metric items (to `metrics_callback`); nothing for an empty list."""
-        if items:
-            self._metrics_callback(items)
-
-    _emit = emit
-
-    # ---- hooks --------------------------------------------------------------------------------------------
-
-    async def setup(self) -> None:
-        """Create resources on the loop's event loop (called by `run()` before anything else)."""
-
-    async def close(self) -> None:
-        """Release what `setup` created (called by `run()` on the way out, also after an error)."""
+    # ---- hooks (and `emit`, `setup`, `close` of PolicyBase) ----------------------------------------------
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt ids: the chat template with the generation prompt (and `chat_template_kwargs`)."""

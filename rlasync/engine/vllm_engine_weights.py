@@ -17,7 +17,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info, paused_for_update
+from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info
+from rlasync.weights.apply import paused_for_update
 
 
 async def bounded(awaitable: Any, timeout_s: float, what: str) -> Any:

@@ -64,8 +64,9 @@ from rlasync.engine.vllm_server_wire import (  # noqa: F401 - re-exported: these
     stats_from_metrics,
     turn_from_completion,
 )
-from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info, paused_for_update
+from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info
 from rlasync.records import TurnRecord
+from rlasync.weights.apply import paused_for_update
 
 logger = logging.getLogger(__name__)
 

@@ -33,11 +33,10 @@ Payload format (a plain dict, so msgpack (collective_rpc) and JSON (HTTP) both c
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import pickle
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 PAYLOAD_FORMAT = "rlasync-weights-v1"
@@ -46,20 +45,6 @@ EXTENSION_QUALNAME = "rlasync.engine.vllm_worker.WorkerExtension"
 
 
 # ---- payloads (sender side: the engine adapters) -------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def paused_for_update(engine: Any) -> AsyncIterator[None]:
-    """Pause `engine` for a weight update unless it already is, and resume it afterwards (also on error) only if it
-    was paused here; `engine` has `is_paused`, `pause()` and `resume()`."""
-    paused_here = not engine.is_paused
-    if paused_here:
-        await engine.pause()
-    try:
-        yield
-    finally:
-        if paused_here:
-            await engine.resume()
 
 
 def nccl_update_info(manifest: Iterable[Any], packed: bool = True) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from rlasync.rollout.environments import (
     run_in_environment,
 )
 from rlasync.rollout.groups import NOT_REWARD_KWARGS, GroupResult, GroupState, RolloutOutcome
-from rlasync.rollout.protocols import Collected
+from rlasync.rollout.protocols import Collected, PolicyBase
 from rlasync.rollout.rollout_metrics import group_metrics, rollout_metrics
 from rlasync.rollout.scoring import default_compute_advantages, score_group
 from rlasync.rollout.sequences import build_training_sequences, tokenizer_eos_ids
@@ -93,7 +93,7 @@ class _Scored(NamedTuple):
     score_s: float
 
 
-class RolloutPolicy:
+class RolloutPolicy(PolicyBase):
     """The GRPO rollout policy (see the module docstring); `AsyncRolloutLoop` assembles it with a scheduler."""
 
     drop_zero_std_groups: bool = True
@@ -139,20 +139,7 @@ class RolloutPolicy:
     _metrics_callback: Callable[[list[MetricItem]], Any]
     counters: collections.Counter[str]
 
-    def emit(self, items: list[MetricItem]) -> None:
-        """Report metric items (to `metrics_callback`); nothing for an empty list."""
-        if items:
-            self._metrics_callback(items)
-
-    _emit = emit
-
-    # ---- hooks --------------------------------------------------------------------------------------------
-
-    async def setup(self) -> None:
-        """Create resources on the loop's event loop (called by `run()` before anything else)."""
-
-    async def close(self) -> None:
-        """Release what `setup` created (called by `run()` on the way out, also after an error)."""
+    # ---- hooks (and `emit`, `setup`, `close` of PolicyBase) ----------------------------------------------
 
     def filter_prompt(self, row_index: int, row: Mapping[str, Any], epoch: int) -> bool:
         """Whether to generate for this prompt (once per lease). A rejected prompt is released with reason

@@ -4,7 +4,7 @@ ObjectRefs are awaitable). No torch, no ray."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -109,4 +109,26 @@ class TaskPolicy(Protocol[G]):
     def emit(self, items: list[MetricItem]) -> None: ...
 
 
-__all__ = ["Admission", "Collected", "OpenAdmission", "PromptSource", "Sink", "TaskPolicy"]
+class PolicyBase:
+    """What every rollout policy has: metric emission to the loop's callback and the `setup` / `close` hooks a user's
+    subclass overrides (run by the scheduler before the first lease and on the way out)."""
+
+    _metrics_callback: Callable[[list[MetricItem]], Any]
+
+    def emit(self, items: list[MetricItem]) -> None:
+        """Report metric items (to `metrics_callback`); nothing for an empty list."""
+        if items:
+            self._metrics_callback(items)
+
+    _emit = emit
+
+    # ---- hooks --------------------------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Create resources on the loop's event loop (called by `run()` before anything else)."""
+
+    async def close(self) -> None:
+        """Release what `setup` created (called by `run()` on the way out, also after an error)."""
+
+
+__all__ = ["Admission", "Collected", "OpenAdmission", "PolicyBase", "PromptSource", "Sink", "TaskPolicy"]

@@ -10,9 +10,10 @@ of the stream arrives, and the engine resumes. The received buffers themselves a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 
@@ -55,3 +56,17 @@ async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], sta
     end = time.perf_counter()
     return {"pause_s": paused_at[0] - start, "load_s": loaded - paused_at[0], "resume_s": end - loaded,
             "total_s": end - start}  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def paused_for_update(engine: Any) -> AsyncIterator[None]:
+    """Pause `engine` for a weight update (the engine-native receiver and the vLLM engines' own weight calls) unless it already is, and resume it afterwards (also on error) only if it
+    was paused here; `engine` has `is_paused`, `pause()` and `resume()`."""
+    paused_here = not engine.is_paused
+    if paused_here:
+        await engine.pause()
+    try:
+        yield
+    finally:
+        if paused_here:
+            await engine.resume()

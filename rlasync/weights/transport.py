@@ -24,15 +24,14 @@ where rank 0 consumes it); only rank 0's sends. No ray here: the actor shells ca
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from rlasync.weights.apply import load_while_pausing
+from rlasync.weights.apply import load_while_pausing, paused_for_update
 from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup, device_identity, free_port
 from rlasync.weights.plan import ManifestEntry
 
@@ -302,23 +301,6 @@ class IpcReceiver:
 
     def close(self) -> None:
         pass
-
-
-@contextlib.asynccontextmanager
-async def paused_for_update(engine: Any) -> AsyncIterator[None]:
-    """Pause `engine` unless it already is, and resume it afterwards (also on error) only if it was paused here.
-
-    The same rule as `rlasync.engine.vllm_worker.paused_for_update`, which the engine's own `receive_weights` uses
-    inside (it then finds the engine paused); kept here because rlasync.engine imports rlasync.weights, not the
-    other way round."""
-    paused_here = not engine.is_paused
-    if paused_here:
-        await engine.pause()
-    try:
-        yield
-    finally:
-        if paused_here:
-            await engine.resume()
 
 
 class EngineNativeReceiver:
