@@ -1,6 +1,6 @@
 """Fault injection on CPU (tiny random Llama, Ray local cluster): kill -9 each actor kind mid-run.
 
-    rollout, reward actors     restarted by Ray; the dead rollout actor's leases are released, the run finishes and
+    rollout, reward, teacher   restarted by Ray; the dead rollout actor's leases are released, the run finishes and
                                every prompt of the epoch ends in exactly one counted outcome
     learner, queue, generation stop-and-resume: the run stops within a bound with an error naming the dead actor and
                                the checkpoint to resume from; `train(resume_from_checkpoint=True)` continues there
@@ -167,3 +167,26 @@ def test_a_frozen_generation_actor_is_named(ray_cluster, tiny_model_dir, tmp_pat
     message = str(info.value)
     assert message.startswith("generation actor 0 made no progress"), message
     assert "rollout loop is hung" not in message
+
+
+def test_a_killed_teacher_is_restarted_and_the_distillation_run_finishes(ray_cluster, tiny_model_dir, tmp_path):
+    """A TeacherScorer is stateless: Ray restarts it and retries the scoring calls, and the run reaches max_steps."""
+    from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
+
+    args = AsyncDistillationConfig(
+        output_dir=str(tmp_path), max_steps=4, max_completion_length=8, token_budget=192, learning_rate=1e-2,
+        logging_steps=1, save_steps=100, max_staleness=2, gradient_checkpointing=False, teacher_top_k=4, seed=0,
+        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+                 "collective_timeout_s": 60.0},
+    )  # fmt: skip
+    trainer = AsyncDistillationTrainer(model=tiny_model_dir, args=args, train_dataset=dataset(64),
+                                       teacher_model=tiny_model_dir)  # fmt: skip
+    kill = KillAt(trainer.actor_ids, "TeacherScorer", step=2)
+    trainer.callbacks.append(kill)
+    state = trainer.train()
+    assert kill.pid is not None, "the run ended before the kill"
+    assert state["global_step"] == 4
+    restarted = [row for row in actor_table(trainer.actor_ids) if row["ActorClassName"] == "TeacherScorer"]
+    assert restarted and restarted[0]["NumRestarts"] >= 1
+    assert (tmp_path / "checkpoint-4" / "trainer_state.json").is_file()
+    assert alive(trainer.actor_ids) == []
