@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from actors.cluster_faults import PROBE_TIMEOUT_S, dead_actor_name, died_error, frozen_error, restart_options
+from actors.cluster_faults import dead_actor_name, died_error, probe_engines, restart_options
 from actors.cluster_weights import RayWeightSync, connect_weights, get_all, in_thread
 from rlasync.driver import (
     RunSpec,
@@ -288,9 +288,7 @@ def wait_until_dead(handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S) 
     for ref in done:
         try:
             ray.get(ref, timeout=0)
-        except ray.exceptions.RayActorError:
-            continue
-        except Exception:  # any other failure: the actor is not answering; treat as gone
+        except Exception:  # RayActorError: dead; any other failure: not answering, treated as gone
             continue
         alive.append(pings[ref])
     if alive:
@@ -377,22 +375,10 @@ class RayFleet:
                 dead = dead_actor_name(health.get("error") or "", self.names)
                 if dead is not None:
                     raise died_error(dead, health["error"], self.output_dir, seen_by=name) from exc
-                await self.probe_engines(name)
+                await in_thread(probe_engines, self.engines, self.names, name, self.output_dir)
                 raise
             healths.append((name, health))
         return healths
-
-    async def probe_engines(self, seen_by: str) -> None:
-        """Raise naming the first generation actor that is dead or does not answer within PROBE_TIMEOUT_S."""
-        for ref, engine in [(engine.stats.remote(), engine) for engine in self.engines]:
-            name = self.names.get(engine._actor_id.hex(), "a generation actor")
-            ready, _ = await in_thread(ray.wait, [ref], timeout=PROBE_TIMEOUT_S)
-            if not ready:
-                raise frozen_error(name, seen_by, self.output_dir)
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError as exc:
-                raise died_error(name, exc, self.output_dir, seen_by=seen_by) from exc
 
     async def drain_metrics(self) -> list[tuple[str, Any]]:
         await self.ensure_running()

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from rlasync.driver.checkpoint import Checkpointer
 
 MAX_RESTARTS = 3  # per actor and run: a crash that repeats (a reward that kills its process) stops the run
@@ -68,5 +70,20 @@ def frozen_error(name: str, seen_by: str, output_dir: str | Path) -> RuntimeErro
     )
 
 
-__all__ = ["MAX_RESTARTS", "PROBE_TIMEOUT_S", "dead_actor_name", "died_error", "frozen_error", "restart_options",
+def probe_engines(engines: list[Any], names: dict[str, str], seen_by: str, output_dir: str | Path) -> None:
+    """Raise naming the first generation actor that does not answer a stats call within PROBE_TIMEOUT_S (frozen) or
+    is dead; return when every one answers. Blocking: the engines are asked at once."""
+    refs = [engine.stats.remote() for engine in engines]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+    for ref, engine in zip(refs, engines, strict=True):
+        name = names.get(engine._actor_id.hex(), "a generation actor")
+        if ref in pending:
+            raise frozen_error(name, seen_by, output_dir)
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError as exc:
+            raise died_error(name, exc, output_dir, seen_by=seen_by) from exc
+
+
+__all__ = ["MAX_RESTARTS", "PROBE_TIMEOUT_S", "dead_actor_name", "died_error", "frozen_error", "probe_engines", "restart_options",
            "resume_hint"]  # fmt: skip

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from actors.cluster_faults import probe_engines
 from rlasync.weights.transport import TransportPlan, choose_transport
 
 logger = logging.getLogger(__name__)
@@ -96,17 +97,6 @@ class RayWeightSync:
         self.learners, self.engines, self.queue, self.timeout = learners, engines, queue, timeout
         self.names, self.output_dir = names or {}, output_dir
 
-    def name_frozen_engine(self, error: BaseException) -> None:
-        """After a failed sync: raise naming the first engine that does not answer a stats call (frozen)."""
-        from actors.cluster_faults import PROBE_TIMEOUT_S, frozen_error
-
-        refs = [engine.stats.remote() for engine in self.engines]
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
-        for ref, engine in zip(refs, self.engines, strict=True):
-            if ref in pending:
-                name = self.names.get(engine._actor_id.hex(), "a generation actor")
-                raise frozen_error(name, "the weight sync", self.output_dir) from error
-
     async def sync(self, version: int) -> tuple[int, dict[str, float]]:
         return await in_thread(self.sync_now, version)
 
@@ -123,8 +113,11 @@ class RayWeightSync:
             )
         except Exception as exc:
             finish = False  # a learner still blocked in its send would hold the finish call back: the run stops
-            if not isinstance(exc, ray.exceptions.RayActorError):
-                self.name_frozen_engine(exc)
+            if not isinstance(exc, ray.exceptions.RayActorError):  # a frozen (or dead) engine is named instead
+                try:
+                    probe_engines(self.engines, self.names, "the weight sync", self.output_dir)
+                except RuntimeError as named:
+                    raise named from exc
             raise
         finally:
             finished = [learner.finish_weights.remote() for learner in self.learners]
