@@ -31,14 +31,10 @@ class QueueActor:
             num_rows=settings.num_rows, num_epochs=settings.num_epochs, max_staleness=settings.max_staleness,
             tokens_per_step=settings.tokens_per_step, resume=state,
         )  # fmt: skip
-        self.released_by_owner: dict[str, int] = {}
 
     # rollout side
     async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> Any:
-        answer = await self.service.next_group(num_rollouts, timeout_s)
-        if owner is not None and answer.lease is not None:
-            self.service.dispatcher.assign_owner(answer.lease.group_id, owner)
-        return answer
+        return await self.service.next_group(num_rollouts, timeout_s, owner)
 
     def put_group(self, entries: list[Any]) -> None:
         owned = [e if isinstance(e.payload, ray.ObjectRef) else replace(e, payload=ray.put(e.payload)) for e in entries]
@@ -53,13 +49,10 @@ class QueueActor:
 
     def release_owner(self, owner: str) -> int:
         """Release every live, not yet queued lease of `owner` (a rollout actor that died); returns how many."""
-        leases = self.service.dispatcher.leases_of(owner)
-        for lease in leases:
-            self.service.release(lease)
-        if leases:
-            self.released_by_owner[owner] = self.released_by_owner.get(owner, 0) + len(leases)
-            logger.warning("released %d leases of %s (restarted): their prompts are leased again", len(leases), owner)
-        return len(leases)
+        released = self.service.release_owner(owner)
+        if released:
+            logger.warning("released %d leases of %s (restarted): their prompts are leased again", released, owner)
+        return released
 
     # learner side
     async def wait_take(self, token_target: int, timeout_s: float | None) -> Any:
@@ -75,4 +68,4 @@ class QueueActor:
         return self.service.rollout_state().to_dict()
 
     def state(self) -> dict[str, Any]:
-        return {**self.service.state().to_dict(), "released_by_owner": dict(self.released_by_owner)}
+        return self.service.state().to_dict()

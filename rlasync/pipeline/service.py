@@ -74,6 +74,7 @@ class QueueState:
     outcomes: dict[str, int] = field(default_factory=dict)  # groups per outcome: trained, zero_std, filtered, stale
     causes: dict[str, int] = field(default_factory=dict)  # dropped groups per "outcome/cause" (zero_std/no_reward, ...)
     last_failures: dict[str, str] = field(default_factory=dict)  # "outcome/cause" -> the last drop's detail
+    released_by_owner: dict[str, int] = field(default_factory=dict)  # leases given back for a dead (restarted) owner
 
     def to_dict(self) -> dict[str, int | float | bool]:
         return asdict(self)
@@ -101,6 +102,7 @@ class QueueService:
         self._generating: dict[int, int] = {}  # group_id -> rollouts, for groups admitted and not yet back
         self.causes: Counter[str] = Counter()
         self.last_failures: dict[str, str] = {}
+        self.released_by_owner: Counter[str] = Counter()
 
     @classmethod
     def create(
@@ -126,17 +128,20 @@ class QueueService:
 
     # ---- rollout side --------------------------------------------------------------------------------------
 
-    def try_next_group(self, num_rollouts: int) -> PromptLease | None:
-        """A lease whose group of `num_rollouts` is admitted now, or None (gate closed or nothing leasable)."""
+    def try_next_group(self, num_rollouts: int, owner: str | None = None) -> PromptLease | None:
+        """A lease whose group of `num_rollouts` is admitted now, or None (gate closed or nothing leasable);
+        `owner` (the rollout actor generating it) is recorded for `release_owner`."""
         if not (self.allowance.can_start() and self.dispatcher.has_leasable()):
             return None
         lease = self.dispatcher.lease()
         assert lease is not None
+        if owner is not None:
+            self.dispatcher.assign_owner(lease.group_id, owner)
         self.allowance.start_group(num_rollouts)
         self._generating[lease.group_id] = num_rollouts
         return lease
 
-    async def next_group(self, num_rollouts: int, timeout_s: float | None = None) -> NextGroup:
+    async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> NextGroup:
         """Wait (up to `timeout_s`, None = forever) for the allowance and a prompt; see `NextGroup`."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
@@ -144,7 +149,7 @@ class QueueService:
         while True:
             if self.dispatcher.done:
                 return self._admission(None, blocked_s)
-            lease = self.try_next_group(num_rollouts)
+            lease = self.try_next_group(num_rollouts, owner)
             if lease is not None:
                 return self._admission(lease, blocked_s)
             held_by_allowance = not self.allowance.can_start()
@@ -197,6 +202,16 @@ class QueueService:
         self.dispatcher.release(lease)
         del self._generating[lease.group_id]
         self.allowance.cancel_group(num_rollouts)
+
+    def release_owner(self, owner: str) -> int:
+        """Release every live, not yet queued lease of `owner` (a rollout actor that died and was restarted), so
+        their prompts are leased again; returns how many."""
+        leases = self.dispatcher.leases_of(owner)
+        for lease in leases:
+            self.release(lease)
+        if leases:
+            self.released_by_owner[owner] += len(leases)
+        return len(leases)
 
     # ---- learner side --------------------------------------------------------------------------------------
 
@@ -260,6 +275,7 @@ class QueueService:
             outcomes=dict(self.dispatcher.outcome_counts),
             causes=dict(self.causes),
             last_failures=dict(self.last_failures),
+            released_by_owner=dict(self.released_by_owner),
         )
 
     # ---- internals -----------------------------------------------------------------------------------------

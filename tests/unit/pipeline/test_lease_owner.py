@@ -63,3 +63,17 @@ def test_death_messages_name_the_actor_and_the_checkpoint(tmp_path):
     names = {"ab12": "generation actor 0"}
     assert dead_actor_name("ActorDiedError: The actor died ... actor_id=ab12", names) == "generation actor 0"
     assert dead_actor_name("ValueError: ab12", names) is None
+
+
+def test_the_service_records_owners_and_releases_a_dead_owners_live_leases():
+    service = QueueService.create(num_rows=5, num_epochs=1.0, max_staleness=100, tokens_per_step=10**6)
+    first = asyncio.run(service.next_group(2, 0.0)).lease
+    service.drop_group(first.group_id, "zero_std", num_tokens=8)  # one completed group opens the allowance
+    mine = [asyncio.run(service.next_group(2, 0.0, "rollout actor 0")).lease for _ in range(2)]
+    other = asyncio.run(service.next_group(2, 0.0, "rollout actor 1")).lease
+    assert service.release_owner("rollout actor 0") == 2
+    assert service.release_owner("rollout actor 0") == 0  # nothing left to give back
+    state = service.state()
+    assert state.leased_groups == 1 and state.released_by_owner == {"rollout actor 0": 2}
+    again = sorted(asyncio.run(service.next_group(2, 0.0)).lease.position for _ in range(2))
+    assert again == sorted(lease.position for lease in mine) and other.position not in again
