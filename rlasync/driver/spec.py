@@ -92,7 +92,7 @@ class RunSpec:
     def step_settings(self, tokens_per_step: int, samples_per_step: int | None) -> StepSettings:
         return StepSettings.from_config(
             self.config, horizon=self.horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
-            hang_timeout_s=self.hang_timeout_s,
+            hang_timeout_s=self.hang_timeout_s, hang_setting=self.hang_setting,
         )  # fmt: skip
 
     def step_loop(self, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport, fleet: Fleet,

@@ -51,11 +51,12 @@ class StepSettings:
 
     @classmethod
     def from_config(cls, config: TrainerConfig, *, horizon: int | None, tokens_per_step: int, samples_per_step: int | None,
-                    hang_timeout_s: float) -> StepSettings:  # fmt: skip
-        setting = "heartbeat_stale_after_s" if hasattr(config, "heartbeat_stale_after_s") else "rollout_worker_timeout"
+                    hang_timeout_s: float, hang_setting: str = "rollout_worker_timeout") -> StepSettings:  # fmt: skip
+        """`hang_timeout_s` and `hang_setting` (the config field it comes from, named in messages): the trainer's
+        heartbeat limit, also the watchdog's floor."""
         watchdog = WatchdogSettings(
-            timeout_s=getattr(config, "watchdog_timeout_s", None), floor_s=hang_timeout_s, floor_setting=setting,
-            action=getattr(config, "watchdog_action", "error"),
+            timeout_s=config.watchdog_timeout_s, floor_s=hang_timeout_s, floor_setting=hang_setting,
+            action=config.watchdog_action,
         )  # fmt: skip
         return cls(
             horizon=horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
