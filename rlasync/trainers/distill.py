@@ -123,8 +123,8 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
 
     def build_spec(self, resume_dir: str | None) -> RunSpec:
         """DistillRolloutActors (students and teachers, the in-flight task budget split over the actors), learners
-        with the distillation objective over the resolved horizon, local teachers resolved and checked for the
-        student's vocabulary, and the queue over the dataset's rows (one sample per row and epoch, docs/algorithms.md §9.6)."""
+        with the distillation objective over the resolved horizon, local teachers resolved (the preflight checked
+        their vocabulary against the student's), and the queue over the dataset's rows (one sample per row and epoch, docs/algorithms.md §9.6)."""
         from rlasync.model.registry import resolve_model
 
         args, cluster = self.args, self.args.cluster
@@ -147,10 +147,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
             if teacher.model is None:
                 teachers[teacher_id] = teacher
                 continue
-            path = resolve_model(teacher.model)
-            if self.processing_class is None:
-                check_same_vocabulary(spec.tokenizer, path, teacher_id)
-            teachers[teacher_id] = TeacherSpec(teacher_id, model=path, engine=teacher.engine)
+            teachers[teacher_id] = TeacherSpec(teacher_id, model=resolve_model(teacher.model), engine=teacher.engine)
         spec.teachers = teachers
         return spec
 

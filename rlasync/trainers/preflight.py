@@ -2,7 +2,8 @@
 the fix), so that what is known up front fails in seconds instead of after Ray and every actor started:
 
     model / teacher_model   an alias (known?), a local folder (exists? config.json? a tokenizer?), or a hub id
-                            (in the local cache, or the hub reachable: offline is said plainly)
+                            (in the local cache, or the hub reachable: offline is said plainly); a local teacher
+                            shares the student's vocabulary (`check_same_vocabulary`)
     output_dir              created, a probe file written and removed
     report_to               every sink known and importable (`rlasync.metrics.sinks.check_report_to`)
     prompts                 the first rows render with the chat template within the engine's max_model_len
@@ -29,6 +30,7 @@ from urllib.parse import urlparse
 from rlasync.data.prompts import NUM_ROWS_CHECKED, PROMPT_COLUMN, leased_row_problem, render_prompt
 from rlasync.metrics.sinks import check_report_to
 from rlasync.model.registry import ALIASES, is_alias, resolve_model
+from rlasync.trainers.checks import check_same_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +291,9 @@ def run_preflight(trainer: Any) -> None:
     source = check_model_source(trainer.model, "model", need_tokenizer=trainer.processing_class is None)
     for teacher in getattr(trainer, "teachers", {}).values():
         if teacher.model is not None:
-            check_model_source(teacher.model, f"teacher_model[{teacher.teacher_id!r}]", need_tokenizer=False)
+            path = check_model_source(teacher.model, f"teacher_model[{teacher.teacher_id!r}]", need_tokenizer=False)
+            if trainer.processing_class is None:
+                check_same_vocabulary(source, path, teacher.teacher_id)
     tokenizer = trainer.processing_class if trainer.processing_class is not None else load_tokenizer(source)
     lengths = prompt_lengths(tokenizer, trainer.train_dataset, config, getattr(trainer, "tools", None))
     check_prompt_fit(config, lengths, max_model_len(config, model_config(source)))
