@@ -93,7 +93,7 @@ class DistillationPolicy(PolicyBase):
     def sampling_params(self) -> SamplingParams:
         """The student's sampling settings with a fresh 63-bit seed; no log-probs (the student side is recomputed
         by the learner)."""
-        return self.settings.sampling.params(seed=self._rng.getrandbits(SEED_BITS))
+        return self.settings.sampling.with_seed(self._rng.getrandbits(SEED_BITS))
 
     async def generate_and_score_one(
         self, lease: PromptLease, policy_version: int | None = None

@@ -28,7 +28,7 @@ from rlasync.rollout.loop import (
 )
 from rlasync.rollout.policy import RolloutPolicy
 from rlasync.rollout.scheduler import TaskScheduler
-from rlasync.rollout.settings import RolloutSettings, SamplingSettings
+from rlasync.rollout.settings import RolloutSettings
 
 __all__ = [
     "Admission",
@@ -46,7 +46,6 @@ __all__ = [
     "RolloutPolicy",
     "RolloutSample",
     "RolloutSettings",
-    "SamplingSettings",
     "TaskScheduler",
     "TrainingSequence",
     "TurnRecord",

@@ -203,7 +203,7 @@ class RolloutPolicy(PolicyBase):
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with a fresh 63-bit seed; transient engine errors are retried with backoff
         (docs/algorithms.md §2.5), a rejected request is not."""
-        sampling = self.settings.sampling.params(seed=self._rng.getrandbits(SEED_BITS))
+        sampling = self.settings.sampling.with_seed(self._rng.getrandbits(SEED_BITS))
         return await self.engine_pool.generate(prompt_ids, sampling)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:

@@ -2,8 +2,8 @@
 `AsyncDistillationConfig`, which stay the user-facing surface).
 
 The task scheduler and the engine pool take a `RolloutSettings`, never the config; the rollout policies keep the
-config object only for the user's hooks (`self.config`). Sampling parameters are built here, one way for GRPO and
-distillation (`SamplingSettings.params`).
+config object only for the user's hooks (`self.config`). Sampling parameters are the engine's own reading of the
+config (`SamplingParams.from_config` / `.for_student`), built once; each request gets its seed with `with_seed`.
 """
 
 from __future__ import annotations
@@ -19,48 +19,6 @@ if TYPE_CHECKING:
     from rlasync.config.base import TrainerConfig
 
 DEFAULT_MAX_REQUEST_ATTEMPTS = 30
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingSettings:
-    """What every generation request samples with (vLLM's names, see `SamplingParams`); only the seed varies."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    num_logprobs: int = 0
-    return_sampling_mask: bool = True
-
-    def params(self, seed: int | None) -> SamplingParams:
-        """The `SamplingParams` of one request with `seed`."""
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k or 0,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            seed=seed,
-            num_logprobs=self.num_logprobs,
-            return_sampling_mask=self.return_sampling_mask,
-        )
-
-    @classmethod
-    def from_config(cls, config: TrainerConfig, *, num_logprobs: int, return_sampling_mask: bool = True) -> SamplingSettings:
-        """The generation fields of a trainer config (`max_completion_length`, `temperature`, `top_k`, ...)."""
-        return cls(
-            max_tokens=int(config.max_completion_length),
-            temperature=float(config.temperature),
-            top_k=int(config.top_k or 0),
-            top_p=float(config.top_p),
-            min_p=config.min_p,
-            repetition_penalty=float(config.repetition_penalty),
-            num_logprobs=int(num_logprobs),
-            return_sampling_mask=return_sampling_mask,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +42,7 @@ class RolloutSettings:
 
     group_size: int
     max_concurrent: int
-    sampling: SamplingSettings
+    sampling: SamplingParams
     heartbeat_timeout_s: float | None = None
     max_request_attempts: int = DEFAULT_MAX_REQUEST_ATTEMPTS
     num_sampler_logprobs: int = 0
@@ -118,10 +76,10 @@ class RolloutSettings:
         return cls(
             group_size=int(config.num_generations),
             max_concurrent=int(config.max_concurrent_rollouts),
-            sampling=SamplingSettings.from_config(config, num_logprobs=config.num_sampler_logprobs),
+            sampling=SamplingParams.from_config(config),
             heartbeat_timeout_s=config.rollout_worker_timeout,
-            reward_timeout_s=getattr(config, "reward_timeout_s", None),
-            tool_timeout_s=getattr(config, "tool_timeout_s", None),
+            reward_timeout_s=config.reward_timeout_s,
+            tool_timeout_s=config.tool_timeout_s,
             num_sampler_logprobs=int(config.num_sampler_logprobs),
             max_tool_calling_iterations=config.max_tool_calling_iterations,
             chat_template_kwargs=config.chat_template_kwargs,
@@ -143,7 +101,7 @@ class RolloutSettings:
             group_size=1,
             max_concurrent=int(max_inflight_tasks),
             # no log-probs and no candidate sets: the student side is recomputed by the learner
-            sampling=SamplingSettings.from_config(config, num_logprobs=0, return_sampling_mask=False),
+            sampling=SamplingParams.for_student(config),
             heartbeat_timeout_s=config.heartbeat_stale_after_s,
             chat_template_kwargs=config.chat_template_kwargs,
             log_completions=bool(config.log_completions),
@@ -153,4 +111,4 @@ class RolloutSettings:
         )
 
 
-__all__ = ["RolloutSettings", "SamplingSettings"]
+__all__ = ["RolloutSettings"]

@@ -124,7 +124,7 @@ def test_rollout_settings_from_a_grpo_config():
     settings = RolloutSettings.from_config(config)
     assert (settings.group_size, settings.max_concurrent, settings.heartbeat_timeout_s) == (4, 6, 12.0)
     assert settings.max_tool_calling_iterations == 2 and settings.log_completions
-    params = settings.sampling.params(seed=11)
+    params = settings.sampling.with_seed(11)
     assert params == SamplingParams.from_config(config, seed=11)  # the engine's own reading of the config
 
 
@@ -135,7 +135,7 @@ def test_rollout_settings_from_a_distillation_config():
     assert (settings.group_size, settings.max_concurrent, settings.heartbeat_timeout_s) == (1, 12, 9.0)
     assert (settings.teacher_top_k, settings.teacher_temperature) == (5, 0.5)
     assert RolloutSettings.from_config(config, max_inflight_tasks=3).max_concurrent == 3
-    params = settings.sampling.params(seed=1)
+    params = settings.sampling.with_seed(1)
     assert params.num_logprobs == 0 and not params.return_sampling_mask
     with pytest.raises(ValueError, match="max_inflight_tasks=0"):
         RolloutSettings.from_config(AsyncDistillationConfig(max_inflight_tasks=0))
