@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from rlasync.engine.base import SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import DecodeGraphs
+from rlasync.engine.mixed_graphs import MixedGraphs
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,9 @@ def check_engine_support(model: torch.nn.Module) -> None:
 class ModelRunner:
     """Runs steps of `model` over `pool` with the paged attention `backend` ("reference", "triton" or "varlen").
     `cuda_graph_sizes` (triton and varlen only): batch sizes whose decode steps are captured as CUDA graphs;
-    empty = eager. A capture that fails is logged and decode runs eagerly."""
+    empty = eager. `mixed_graph_tokens`: token counts whose mixed steps (prefill chunks with decodes, at most
+    `max_num_seqs` requests) are captured too (`mixed_graphs.py`). A capture that fails is logged and those steps
+    run eagerly."""
 
     def __init__(
         self,
@@ -78,6 +81,8 @@ class ModelRunner:
         max_model_len: int,
         backend: str = "reference",
         cuda_graph_sizes: Sequence[int] = (),
+        mixed_graph_tokens: Sequence[int] = (),
+        max_num_seqs: int = 256,
     ) -> None:
         check_engine_support(model)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -99,11 +104,34 @@ class ModelRunner:
             try:
                 with _on_device(device):
                     self.graphs = DecodeGraphs(
-                        self.decoder, self._logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask,
+                        self.decoder,
+                        self._logits,
+                        pool,
+                        device,
+                        cuda_graph_sizes,
+                        max_model_len,
+                        self._no_mask,
                         backend,
                     )
             except RuntimeError:
                 logger.exception("CUDA graph capture failed: decode steps run eagerly")
+        self.mixed = None
+        if mixed_graph_tokens and backend in ("varlen", "triton"):
+            try:
+                with _on_device(device):
+                    self.mixed = MixedGraphs(
+                        self.decoder,
+                        self._logits,
+                        pool,
+                        device,
+                        mixed_graph_tokens,
+                        max_num_seqs,
+                        max_model_len,
+                        self._no_mask,
+                        backend,
+                    )
+            except RuntimeError:
+                logger.exception("CUDA graph capture of mixed steps failed: steps with a prefill run eagerly")
 
     # ---- one engine step ----------------------------------------------------------------------------------------
 
@@ -130,6 +158,11 @@ class ModelRunner:
             if len(sampling) == len(chunks):  # a decode step: every request samples
                 return logits[: len(chunks)]
             return logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=self.device))
+        mixed = self.mixed
+        if mixed is not None and mixed.fits(sum(lengths), len(chunks)):
+            sampling = [i for i, chunk in enumerate(chunks) if chunk.sample is not None]
+            logits = mixed.run([chunk.token_ids for chunk in chunks], starts, block_ids, sampling)
+            return logits[: len(sampling)]
         flat_ids = [token for chunk in chunks for token in chunk.token_ids]
         ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
         rows = ends[[i for i, chunk in enumerate(chunks) if chunk.sample is not None]].to(self.device)

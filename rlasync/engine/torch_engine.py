@@ -35,6 +35,7 @@ import torch
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import decode_batch_sizes
 from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
+from rlasync.engine.mixed_graphs import mixed_token_counts
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, choose_layout, register_paged_attention
 from rlasync.engine.request import Request
 from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleSpec, check_engine_support
@@ -74,6 +75,8 @@ class TorchEngine:
     enable_prefix_caching  share the KV of full prompt blocks between requests with the same prompt prefix (a GRPO
                            group prefills its prompt once); cleared by every weight load
     cuda_graphs            capture decode steps as CUDA graphs, padded to a few batch sizes (triton and varlen backends)
+    mixed_cuda_graphs      with `cuda_graphs`, capture mixed steps (prefill chunks with decodes) too, padded to a few
+                           token counts up to 1024 (`mixed_graphs.py`): in RL rollouts most steps hold a prefill
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class TorchEngine:
         attention_backend: Literal["auto", "varlen", "triton", "reference"] = "auto",
         cuda_graphs: bool = True,
         enable_prefix_caching: bool = True,
+        mixed_cuda_graphs: bool = True,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -117,18 +121,23 @@ class TorchEngine:
         )
         self.block_size = block_size
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        cuda = self.device.type == "cuda"
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
+        graphs = cuda_graphs and cuda
         self._runner = ModelRunner(
             self.model,
             pool,
             self.device,
             max_model_len=self.max_model_len,
             backend=backend,
-            cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if cuda_graphs and self.device.type == "cuda" else (),
+            cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if graphs else (),
+            mixed_graph_tokens=(
+                mixed_token_counts(max_num_seqs, max_num_batched_tokens) if graphs and mixed_cuda_graphs else ()
+            ),
+            max_num_seqs=max_num_seqs,
         )
         allocator = BlockAllocator(pool.num_blocks, block_size, enable_caching=enable_prefix_caching)
-        if max_num_batched_tokens is None:
-            cuda = self.device.type == "cuda"
-            max_num_batched_tokens = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
         self._scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens)
         self._request_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None

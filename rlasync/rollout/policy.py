@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import json
 import random
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from rlasync.config.base import TrainerConfig
 
 SEED_BITS = 63
+RENDER_CACHE_SIZE = 1024  # prompts whose rendering `RolloutPolicy.render` keeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,7 @@ class RolloutPolicy(PolicyBase):
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else tokenizer_eos_ids(tokenizer)
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
+        self._rendered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # `render`'s cache
         self._generated_tokens_unreported = 0
         self._rate_window_start = clock()
 
@@ -211,8 +214,21 @@ class RolloutPolicy(PolicyBase):
         return default_compute_advantages(group)
 
     def render(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None) -> list[int]:
-        """The prompt ids of a conversation: the chat template with the generation prompt appended."""
-        return render_prompt(self.tokenizer, messages, self.settings.chat_template_kwargs, tools)
+        """The prompt ids of a conversation: the chat template with the generation prompt appended. The last
+        `RENDER_CACHE_SIZE` renderings are kept: a group's G rollouts render the same prompt once."""
+        try:
+            key = json.dumps([messages, [id(tool) for tool in tools or ()]], sort_keys=True)
+        except TypeError:  # content json cannot write (images, objects): render every time
+            return render_prompt(self.tokenizer, messages, self.settings.chat_template_kwargs, tools)
+        cached = self._rendered.get(key)
+        if cached is None:
+            cached = render_prompt(self.tokenizer, messages, self.settings.chat_template_kwargs, tools)
+            self._rendered[key] = cached
+            if len(self._rendered) > RENDER_CACHE_SIZE:
+                self._rendered.popitem(last=False)
+        else:
+            self._rendered.move_to_end(key)
+        return list(cached)
 
     def parse_response(self, output_ids: list[int], prompt_ids: list[int]) -> dict[str, Any]:
         """The assistant message of one turn's output: plain decoded text when the rollout has no tools; with

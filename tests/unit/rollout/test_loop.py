@@ -1,6 +1,7 @@
 """AsyncRolloutLoop with fakes in one event loop: leases, groups, versions, retries, failures, stop, metrics."""
 
 import asyncio
+import collections
 import random
 
 import numpy as np
@@ -762,3 +763,28 @@ def test_a_class_level_attempts_override_reaches_the_engine_pool():
 
     assert make_loop(FewAttempts).engine_pool.max_attempts == 2
     assert make_loop().max_generation_attempts == 30
+
+
+def test_a_groups_prompt_is_rendered_once_and_every_rollout_gets_the_same_ids():
+    calls = []
+
+    class CountingTokenizer(FakeTokenizer):
+        def apply_chat_template(self, messages, **kwargs):
+            calls.append(messages[-1]["content"])
+            return super().apply_chat_template(messages, **kwargs)
+
+    loop = AsyncRolloutLoop(
+        config=config(), tokenizer=CountingTokenizer(), engine=FakeEngine(), prompt_source=FakePromptSource(rows(3)),
+        sink=ListSink(), reward_funcs=[parity_reward], rng=random.Random(0), admission=RecordingAdmission(),
+    )  # fmt: skip
+    asyncio.run(loop.run())
+    assert sorted(calls) == ["q0", "q1", "q2"]  # one rendering per group, not one per rollout
+    prompts = collections.defaultdict(set)
+    for prompt_ids, _ in loop.engines[0].requests:
+        prompts[len(prompt_ids)].add(tuple(prompt_ids))
+    expected = {tuple(FakeTokenizer().apply_chat_template(r["prompt"], add_generation_prompt=True)["input_ids"])
+                for r in rows(3)}  # fmt: skip
+    assert set().union(*prompts.values()) == expected
+    ids = loop.render([{"role": "user", "content": "q0"}])
+    ids.append(999)  # a caller mutating its ids does not change the cached rendering
+    assert 999 not in loop.render([{"role": "user", "content": "q0"}])
