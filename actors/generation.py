@@ -40,6 +40,15 @@ class GenerationActor:
         self.loop_lag.start()
         return await self.engine.generate(prompt_ids, sampling)
 
+    async def generate_stream(self, requests: list[tuple[list[int], Any]]) -> Any:
+        """Many requests in one call (a Ray streaming generator): yields lists of `(index, ok, TurnRecord or
+        exception)` as they finish (`actors.engine_channel`, the rollout actors' side)."""
+        from actors.engine_channel import stream_results
+
+        self.loop_lag.start()
+        async for ready in stream_results(self.engine, requests):
+            yield ready
+
     def stats(self) -> Any:
         return self.engine.stats()
 
@@ -64,7 +73,9 @@ class GenerationActor:
         """This engine's device identity (what `choose_transport` compares)."""
         from rlasync.weights.transport import device_identity
 
-        return device_identity(self._device(), ray.util.get_node_ip_address() or socket.gethostname(), ray.get_gpu_ids())
+        return device_identity(
+            self._device(), ray.util.get_node_ip_address() or socket.gethostname(), ray.get_gpu_ids()
+        )
 
     async def open_weight_transport(self, plan: Any, rank: int, manifest: list[Any]) -> None:
         """This engine's receiver for `plan` as rank `rank` of the weight-sync group (joined here, with learner
@@ -90,4 +101,3 @@ class GenerationActor:
         if self.receiver is not None:
             self.receiver.close()
         await self.engine.close()
-

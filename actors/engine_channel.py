@@ -1,0 +1,115 @@
+"""`EngineChannel`: a GenerationActor handle as the rollout loop's engine, many requests per actor call.
+
+    loop ──generate(ids, sampling)──► EngineChannel ──generate_stream([...]) (one Ray call per event-loop turn)──►
+    GenerationActor ──yields [(index, ok, TurnRecord | exception), ...] as requests finish──► futures resolved
+
+A rollout actor makes one generation request per rollout turn, often hundreds a second. One Ray actor call each
+costs the caller a task submission (the largest share of a rollout actor's time in a profile on one H200) and
+the generation actor a task execution competing with its engine thread for the interpreter. The channel gathers
+the requests made within one turn of the event loop (up to `max_batch`) into one streaming call; the generation
+actor yields every result that is ready as a list, so a finished request never waits for the rest of its batch.
+
+A request's failure comes back as its own exception (a rejected request stays `RequestRejectedError`, not
+retried); the stream itself failing (the actor died or is unreachable) fails every unanswered request of it with
+`EngineError`, which `EnginePool` retries on a live engine. The core never sees Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from rlasync.engine.base import EngineError
+
+DEFAULT_MAX_BATCH = 256
+
+
+class EngineChannel:
+    """`generate(prompt_ids, sampling)` -> an awaitable TurnRecord, through `handle.generate_stream`; `stats()`
+    passes through. `calls` / `requests` count actor calls and the requests they carried."""
+
+    def __init__(self, handle: Any, name: str = "generation actor", max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        self.handle = handle
+        self.name = name
+        self.max_batch = max_batch
+        self.calls = 0
+        self.requests = 0
+        self._pending: list[tuple[list[int], Any, asyncio.Future[Any]]] = []
+        self._collectors: set[asyncio.Task[None]] = set()
+
+    def generate(self, prompt_ids: list[int], sampling: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((list(prompt_ids), sampling, future))
+        return future
+
+    def stats(self) -> Any:
+        return self.handle.stats.remote()
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        batch = [entry for entry in batch if not entry[2].cancelled()]
+        for begin in range(0, len(batch), self.max_batch):
+            part = batch[begin : begin + self.max_batch]
+            futures = [future for _, _, future in part]
+            try:
+                stream = self.handle.generate_stream.options(num_returns="streaming").remote(
+                    [(ids, sampling) for ids, sampling, _ in part]
+                )
+            except Exception as exc:  # the handle cannot submit (actor gone)
+                _fail(futures, self._lost(exc))
+                continue
+            self.calls += 1
+            self.requests += len(part)
+            task = asyncio.ensure_future(self._collect(stream, futures))
+            self._collectors.add(task)
+            task.add_done_callback(self._collectors.discard)
+
+    async def _collect(self, stream: Any, futures: Sequence[asyncio.Future[Any]]) -> None:
+        try:
+            async for ref in stream:
+                for index, ok, value in await ref:
+                    future = futures[index]
+                    if not future.done():
+                        future.set_result(value) if ok else future.set_exception(value)
+        except Exception as exc:  # the actor died mid-stream, or the stream broke
+            _fail(futures, self._lost(exc))
+        else:
+            _fail(futures, EngineError(f"{self.name} closed a generation stream without answering every request"))
+
+    def _lost(self, exc: BaseException) -> EngineError:
+        error = EngineError(f"{self.name} did not answer ({type(exc).__name__}: {exc})")
+        error.__cause__ = exc
+        return error
+
+
+def _fail(futures: Sequence[asyncio.Future[Any]], error: BaseException) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(error)
+
+
+async def stream_results(engine: Any, requests: Sequence[tuple[list[int], Any]]) -> Any:
+    """The generation actor's side: run `requests` on `engine` at once and yield, as they finish, lists of
+    `(index, ok, TurnRecord or the exception)`; closing the generator (the caller went away) cancels the rest."""
+    tasks = [
+        asyncio.ensure_future(_one(engine, index, ids, sampling)) for index, (ids, sampling) in enumerate(requests)
+    ]
+    pending: set[asyncio.Future[Any]] = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            yield [task.result() for task in done]
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _one(engine: Any, index: int, prompt_ids: list[int], sampling: Any) -> tuple[int, bool, Any]:
+    try:
+        return index, True, await engine.generate(prompt_ids, sampling)
+    except Exception as exc:  # sent back to that request's caller, not raised into the stream
+        return index, False, exc
