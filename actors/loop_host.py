@@ -49,7 +49,11 @@ class QueuePromptSource:
         lease = answer.lease
         self.actor.loop.update_policy_version(answer.policy_version)
         self.leases[lease.group_id] = lease
-        return lease._replace(row=self.actor.dataset[lease.row_index], waited_s=waited)
+        return lease._replace(row=self._row(lease), waited_s=waited)
+
+    def _row(self, lease: PromptLease) -> Any:
+        """The lease's row: carried by the lease (a streaming dataset), else indexed."""
+        return lease.row if lease.row else self.actor.dataset[lease.row_index]
 
     def report_failure(self, lease: PromptLease, cause: str, detail: str) -> None:
         """Why the group about to be released as "failed" failed: counted by cause at the queue (the watchdog)."""
@@ -58,7 +62,7 @@ class QueuePromptSource:
     async def _usable(self, lease: PromptLease) -> bool:
         """Every row is checked as it is leased (rlasync.data.prompts.leased_row_problem): a bad one is dropped as
         "filtered" and named once in a warning, or, with `strict_dataset`, stops the loop."""
-        problem = leased_row_problem(self.actor.dataset[lease.row_index], lease.row_index)
+        problem = leased_row_problem(self._row(lease), lease.row_index)
         if problem is None:
             return True
         if self.actor.config.strict_dataset:

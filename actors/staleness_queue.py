@@ -29,7 +29,7 @@ class QueueActor:
         state = RolloutState.from_dict(resume) if resume else None
         self.service = QueueService.create(
             num_rows=settings.num_rows, num_epochs=settings.num_epochs, max_staleness=settings.max_staleness,
-            tokens_per_step=settings.tokens_per_step, resume=state,
+            tokens_per_step=settings.tokens_per_step, resume=state, stream=settings.stream,
         )  # fmt: skip
 
     # rollout side

@@ -224,6 +224,11 @@ class RolloutGroup:
     def __len__(self) -> int:
         return len(self.completions)
 
+    @property
+    def model_version(self) -> int:
+        """TRL's name of `policy_version` (the policy version when the group's first rollout started)."""
+        return self.policy_version
+
 
 @dataclass(frozen=True, slots=True)
 class RolloutSample:

@@ -11,7 +11,9 @@ from rlasync.data.prompts import (
     row_prompt,
     validate_prompt,
     validate_prompt_dataset,
+    with_environment_prompts,
 )
+from rlasync.data.streaming import is_streaming
 from rlasync.data.tasks import (
     arithmetic_dataset,
     arithmetic_rows,
@@ -31,5 +33,7 @@ __all__ = [
     "render_prompt",
     "row_prompt",
     "validate_prompt",
+    "is_streaming",
     "validate_prompt_dataset",
+    "with_environment_prompts",
 ]

@@ -74,6 +74,11 @@ def validate_prompt_dataset(dataset: Any, num_rows: int | None = NUM_ROWS_CHECKE
     `dataset` is a `datasets.Dataset` (or anything with `column_names` and integer indexing) or a sequence of
     dict rows. The first `num_rows` prompts are checked (`None`: all of them). Raises `ValueError`.
     """
+    from rlasync.data.streaming import check_streaming_dataset, first_rows, is_streaming
+
+    if is_streaming(dataset):  # a streaming dataset: its first rows (rlasync.data.streaming)
+        check_streaming_dataset(dataset)
+        dataset = first_rows(dataset, NUM_ROWS_CHECKED if num_rows is None else num_rows)
     columns = _column_names(dataset)
     if PROMPT_COLUMN not in columns:
         raise ValueError(
@@ -88,6 +93,43 @@ def validate_prompt_dataset(dataset: Any, num_rows: int | None = NUM_ROWS_CHECKE
     count = total if num_rows is None else min(total, num_rows)
     for row_index in range(count):
         validate_prompt(dataset[row_index][PROMPT_COLUMN], row_index)
+
+
+ENVIRONMENT_PROMPT = ({"role": "user", "content": ""},)
+"""The prompt of a row without a `prompt` column when an environment serves it: `reset()`'s observation is
+appended to this empty user message and becomes the prompt (docs/algorithms.md §3.4)."""
+
+
+def with_environment_prompts(dataset: Any) -> Any:
+    """`dataset` with an empty user message as the prompt of every row, when it has no `prompt` column: an
+    environment-only dataset (e.g. only the `environment` column that routes rows among several environments),
+    whose environments' `reset()` write the prompts. A dataset with a `prompt` column is returned as it is.
+
+    Works on a `datasets.Dataset` / `IterableDataset` (lazily `map`ped), a list of rows, or a re-iterable of rows."""
+    from rlasync.data.streaming import first_rows, is_streaming
+
+    head = first_rows(dataset, 1)
+    if not head or not isinstance(head[0], Mapping) or PROMPT_COLUMN in head[0]:
+        return dataset
+    if hasattr(dataset, "map"):
+        return dataset.map(_add_environment_prompt)
+    if is_streaming(dataset):
+        return _EnvironmentPrompts(dataset)
+    return [_add_environment_prompt(row) for row in dataset]
+
+
+def _add_environment_prompt(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {**row, PROMPT_COLUMN: [dict(message) for message in ENVIRONMENT_PROMPT]}
+
+
+class _EnvironmentPrompts:
+    """A re-iterable of rows with the environment prompt added (for a plain re-iterable dataset)."""
+
+    def __init__(self, rows: Any) -> None:
+        self.rows = rows
+
+    def __iter__(self) -> Any:
+        return (_add_environment_prompt(row) for row in self.rows)
 
 
 def render_prompt(

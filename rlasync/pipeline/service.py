@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from rlasync.pipeline._notify import Notifier
 from rlasync.pipeline.allowance import TokenAllowance
@@ -114,10 +115,19 @@ class QueueService:
         tokens_per_step: int,
         resume: RolloutState | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stream: Any = None,
     ) -> QueueService:
-        """A service for a fresh run, or one resumed from a `rollout_state.json` (prompt position and version)."""
+        """A service for a fresh run, or one resumed from a `rollout_state.json` (prompt position and version);
+        `stream` (a streaming dataset) is leased by a `StreamingDispatcher` instead of by row index."""
         start = resume or RolloutState(prompt_index=0)
-        dispatcher = PromptDispatcher(num_rows, num_epochs, start_index=start.prompt_index)
+        if stream is not None:
+            from rlasync.pipeline.dispatcher_stream import StreamingDispatcher
+
+            dispatcher: PromptDispatcher = StreamingDispatcher(
+                stream, repeat=num_epochs is None, start_index=start.prompt_index
+            )
+        else:
+            dispatcher = PromptDispatcher(num_rows, num_epochs, start_index=start.prompt_index)
         return cls(
             dispatcher,
             max_staleness=max_staleness,

@@ -15,6 +15,9 @@ class QueueSettings:
     num_epochs: float | None
     max_staleness: int
     tokens_per_step: int = 0
+    stream: Any = None
+    """A streaming dataset (`rlasync.data.streaming`): the queue leases its rows in order, each lease carrying its
+    row; `num_rows` is then 0 and `num_epochs` None (`max_steps` run: the stream repeats) or 1 (one pass)."""
 
     @classmethod
     def from_config(cls, config: Any, *, num_rows: int, tokens_per_step: int = 0) -> QueueSettings:
@@ -23,6 +26,17 @@ class QueueSettings:
         num_epochs = None if config.max_steps > 0 else config.num_train_epochs
         return cls(num_rows=num_rows, num_epochs=num_epochs, max_staleness=config.max_staleness,
                    tokens_per_step=tokens_per_step)  # fmt: skip
+
+    @classmethod
+    def for_dataset(cls, config: Any, dataset: Any) -> QueueSettings:
+        """`from_config` for an indexed dataset (its length) or a streaming one (one pass, or repeated under
+        `max_steps`; see `rlasync.data.streaming`)."""
+        from rlasync.data.streaming import is_streaming
+
+        if not is_streaming(dataset):
+            return cls.from_config(config, num_rows=len(dataset))
+        num_epochs = None if config.max_steps > 0 else 1.0
+        return cls(num_rows=0, num_epochs=num_epochs, max_staleness=config.max_staleness, stream=dataset)
 
     def with_tokens_per_step(self, tokens_per_step: int) -> QueueSettings:
         """A copy with the first step's token target (known once the engines report their max_model_len)."""

@@ -150,7 +150,9 @@ class RolloutPolicy(PolicyBase):
         but rejections means; it sees every loop's leases)."""
         return True
 
-    async def generate_one(self, prompt: list[dict[str, Any]], tools: Sequence[Any] | None, group_id: int) -> Rollout:
+    async def generate_one(
+        self, prompt: list[dict[str, Any]], tools: Sequence[Any] | None, group_id: int = 0
+    ) -> Rollout:
         """One whole rollout of `prompt`; every sampling request it made must be in `Rollout.turns`.
 
         Default without tools: a single turn (render, one `generate_one_turn`, the output decoded as the assistant

@@ -30,6 +30,7 @@ from typing import Any
 
 from rlasync.config.distill import AsyncDistillationConfig
 from rlasync.data import validate_prompt_dataset
+from rlasync.data.streaming import is_streaming
 from rlasync.distill import AsyncDistillationLoop
 from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, actor_requests
 from rlasync.pipeline.settings import QueueSettings
@@ -128,14 +129,19 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         from rlasync.model.registry import resolve_model
 
         args, cluster = self.args, self.args.cluster
-        horizon = args.resolved_max_steps(len(self.train_dataset), cluster.num_learners)
+        if is_streaming(self.train_dataset) and args.max_steps <= 0:
+            raise ValueError(
+                "a streaming train_dataset has no length, so the learning-rate horizon cannot be derived from "
+                "num_train_epochs: set max_steps > 0"
+            )
+        horizon = args.resolved_max_steps(0 if args.max_steps > 0 else len(self.train_dataset), cluster.num_learners)
         inflight = args.resolved_max_inflight_tasks(cluster.num_learners)
         spec = self._run_spec(
             resume_dir,
             rollout=RolloutSpec(kind="distill", loop_cls=self.loop_cls, name="distillation rollout actor",
                                 max_inflight_tasks=max(1, -(-inflight // cluster.num_rollout_actors))),  # fmt: skip
             learner=LearnerSpec(objective="distill", max_steps=horizon, teacher_ids=self.teacher_ids),
-            queue=QueueSettings.from_config(args, num_rows=len(self.train_dataset)),
+            queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=horizon,
             hang_timeout_s=args.heartbeat_stale_after_s,
             hang_setting="heartbeat_stale_after_s",

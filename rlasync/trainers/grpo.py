@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlasync.config import AsyncGRPOConfig
-from rlasync.data import validate_prompt_dataset
+from rlasync.data import validate_prompt_dataset, with_environment_prompts
 from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, actor_requests, check_resources, engine_dtype
 from rlasync.driver.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE
 from rlasync.driver.step_loop import TAKE_POLL_S
@@ -67,6 +67,8 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         self.environment_factory = _checked_environment_factory(environment_factory)
         if train_dataset is None:
             train_dataset = self._placeholder_dataset(environment_factory)
+        elif environment_factory is not None:  # an environment-only dataset: reset() writes the prompts
+            train_dataset = with_environment_prompts(train_dataset)
         validate_prompt_dataset(train_dataset)
         if reward_funcs is None:
             reward_funcs = []
@@ -119,7 +121,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
                                 reward_funcs=self.reward_funcs, tools=self.tools,
                                 environment_factory=self.environment_factory),  # fmt: skip
             learner=LearnerSpec(objective="grpo"),
-            queue=QueueSettings.from_config(args, num_rows=len(self.train_dataset)),
+            queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=args.max_steps if args.max_steps > 0 else None,
             hang_timeout_s=args.rollout_worker_timeout,
             hang_setting="rollout_worker_timeout",

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from rlasync.data.prompts import NUM_ROWS_CHECKED, PROMPT_COLUMN, leased_row_problem, render_prompt
+from rlasync.data.streaming import first_rows
 from rlasync.metrics.sinks import check_report_to
 from rlasync.model.registry import ALIASES, is_alias, resolve_model
 from rlasync.trainers.checks import check_same_vocabulary
@@ -207,8 +208,7 @@ def prompt_lengths(tokenizer: Any, dataset: Any, config: Any, tools: Sequence[An
             "tokenizer.chat_template set"
         )
     lengths = []
-    for row_index in range(min(len(dataset), num_rows)):
-        row = dataset[row_index]
+    for row_index, row in enumerate(first_rows(dataset, num_rows)):  # a streaming dataset: its first rows
         if leased_row_problem(row, row_index) is not None:
             continue  # not a prompt: dropped (or, strict_dataset, refused) when leased
         prompt = row[PROMPT_COLUMN]

@@ -1,0 +1,1 @@
+"""TRL's `trl.experimental` import paths (see `rlasync.trainer`): `rlasync.experimental.async_distillation`."""
