@@ -44,6 +44,18 @@ distill)  # no carry needed if it follows the torch stage while the machine is w
     export PYTHONPATH=$PWD:/tmp/site
     run e2e_distill 300 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --out "$out/e2e_distill.json"
     ;;
+system_torch)  # one H200, after the SmolLM2 calls (../shared/device/smollm2): GPU engine tests, the system, the engine alone
+    export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+    st="python3 bench/system_throughput.py --out $out/system_throughput_h200.json"
+    run engine_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_torch_engine_cuda.py
+    (sleep 75; for a in RolloutActor GenerationActor; do p=$(pgrep -f "ray::$a" | head -1); [ -n "$p" ] && \
+        py-spy record -d 15 -r 100 -f raw -p "$p" -o "$out/pyspy_torch_$a.txt" >/dev/null 2>&1 & done; wait) &
+    run system_torch 300 $st system --engine torch --steps 80 --run-dir /tmp/st_torch
+    ckpt=$(ls -d /tmp/st_torch/checkpoint-* | sort -V | tail -1)
+    run engine_torch 100 $st engine --engine torch --model "$ckpt" --seconds 20
+    run engine_torch_nomixed 100 $st engine --engine torch --model "$ckpt" --seconds 20 --no-mixed-graphs
+    python3 bench/pyspy_top.py "$out"/pyspy_torch_*.txt > "$out/top_torch.txt" 2>&1
+    ;;
 vllm)
     bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \

@@ -199,16 +199,16 @@ class BatchSampling:
         min_p = [float(p.min_p or 0.0) for p in params]
         penalty = [float(p.repetition_penalty) for p in params]
 
-        def f32(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
+        # two host-to-device copies for the whole batch (one per dtype), not one per field: this runs every step
+        floats = torch.tensor([temperature, top_p, min_p, penalty], dtype=torch.float32).to(device)
+        ints = torch.tensor([top_k, [_i64(int(s)) for s in seeds]], dtype=torch.int64).to(device)
         batch = cls(
-            temperature=f32(temperature),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=f32(top_p),
-            min_p=f32(min_p),
-            repetition_penalty=f32(penalty),
-            seeds=torch.tensor([_i64(int(s)) for s in seeds], dtype=torch.int64, device=device),
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            seeds=ints[1],
             num_logprobs=max((int(p.num_logprobs) for p in params), default=0),
         )
         object.__setattr__(batch, "_plan", _Plan.of(temperature, top_k, top_p, min_p, penalty))
