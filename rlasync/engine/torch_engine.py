@@ -41,7 +41,7 @@ from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleS
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
 from rlasync.engine.weights import load_named_weights
 from rlasync.records import TurnRecord
-from rlasync.weights.adapter import LORA_A, AdapterMerger, adapter_base
+from rlasync.weights.adapter import AdapterMerger, adapter_base, peek_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -212,12 +212,8 @@ class TorchEngine:
 
     def _load(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Full weights by name, or a LoRA adapter sync (A, s*B pairs: merged into the kept base weights)."""
-        stream = iter(named_tensors)
-        first = next(stream, None)
-        if first is None:
-            return
-        stream = itertools.chain([first], stream)
-        if first[0].endswith(LORA_A):
+        stream, is_adapter = peek_adapter(named_tensors)
+        if is_adapter:
             self._adapter.load(self.model, stream)
         else:
             load_named_weights(self.model, stream)

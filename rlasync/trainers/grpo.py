@@ -33,6 +33,7 @@ from rlasync.rollout.environments import EnvironmentFactory
 from rlasync.rollout.loop import AsyncRolloutLoop
 from rlasync.trainers.base import AsyncTrainerBase
 from rlasync.trainers.checks import _check_picklable, _checked_environment_factory, _checked_tools, _may_own_reward
+from rlasync.weights.adapter import check_peft_config
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,10 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         loop_cls: type[AsyncRolloutLoop] | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
+        peft_config: Any = None,
     ) -> None:
         self._begin_init(args if args is not None else AsyncGRPOConfig(), loop_cls)
+        self.peft_config = check_peft_config(peft_config)  # a peft.LoraConfig: adapters only (docs/design.md §3)
         train_dataset = self._check_inputs(reward_funcs, train_dataset, tools, environment_factory)
         self._end_init(model, train_dataset, processing_class, callbacks)
 
@@ -118,7 +121,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
             rollout=RolloutSpec(kind="grpo", loop_cls=self.loop_cls, name="rollout actor",
                                 reward_funcs=self.reward_funcs, tools=self.tools,
                                 environment_factory=self.environment_factory),  # fmt: skip
-            learner=LearnerSpec(objective="grpo"),
+            learner=LearnerSpec(objective="grpo", peft_config=self.peft_config),
             queue=QueueSettings.from_config(args, num_rows=len(self.train_dataset)),
             horizon=args.max_steps if args.max_steps > 0 else None,
             hang_timeout_s=args.rollout_worker_timeout,

@@ -219,6 +219,17 @@ def is_adapter_manifest(manifest: Iterable[Any]) -> bool:
     return bool(names) and all(name.endswith((LORA_A, LORA_B)) for name in names)
 
 
+def peek_adapter(named_tensors: Iterable[tuple[str, Any]]) -> tuple[Iterator[tuple[str, Any]], bool]:
+    """`(the same stream, whether it is an adapter sync)` from its first name (the stream is not consumed)."""
+    import itertools
+
+    stream = iter(named_tensors)
+    first = next(stream, None)
+    if first is None:
+        return iter(()), False
+    return itertools.chain([first], stream), first[0].endswith(LORA_A)
+
+
 def adapter_pairs(named_tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """`(module name, A, B')` from an adapter stream (A then B' per module, as `adapter_stream` sends them)."""
     pending: dict[str, torch.Tensor] = {}
@@ -321,5 +332,6 @@ __all__ = [
     "lora_layers",
     "merged_manifest",
     "merged_stream",
+    "peek_adapter",
     "write_adapter",
 ]
