@@ -274,7 +274,10 @@ class AdapterMerger:
                 if base is None:
                     base = self.base[module] = target.detach().clone()
                 a, b = a.to(target.device, torch.float32), b.to(target.device, torch.float32)
-                target.copy_(base.float().addmm_(b, a) if base.dtype != torch.float32 else torch.addmm(base, b, a))
+                if target.dtype == torch.float32:
+                    torch.addmm(base, b, a, out=target.data)  # one fused pass, no temporary of the weight's size
+                else:
+                    target.copy_(torch.addmm(base.float(), b, a))
                 count += 1
         return count
 
