@@ -35,7 +35,6 @@ from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, actor
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.trainers.base import AsyncTrainerBase
 from rlasync.trainers.checks import check_same_vocabulary
-from rlasync.weights.adapter import check_peft_config
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
                 "to AsyncGRPOTrainer)"
             )
         self._begin_init(args, loop_cls)
-        self.peft_config = check_peft_config(peft_config)  # a peft.LoraConfig: the student trains adapters only
+        self.peft_config = _checked_peft_config(peft_config)  # a peft.LoraConfig: the student trains adapters only
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: pass a dataset with a 'prompt' column")
         validate_prompt_dataset(train_dataset)
@@ -157,3 +156,12 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
 
 
 __all__ = ["AsyncDistillationTrainer", "check_same_vocabulary"]
+
+
+def _checked_peft_config(peft_config: Any) -> Any:
+    """`rlasync.weights.adapter.check_peft_config`, imported only when a peft_config is given (it needs torch)."""
+    if peft_config is None:
+        return None
+    from rlasync.weights.adapter import check_peft_config
+
+    return check_peft_config(peft_config)

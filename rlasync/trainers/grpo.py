@@ -33,7 +33,6 @@ from rlasync.rollout.environments import EnvironmentFactory
 from rlasync.rollout.loop import AsyncRolloutLoop
 from rlasync.trainers.base import AsyncTrainerBase
 from rlasync.trainers.checks import _check_picklable, _checked_environment_factory, _checked_tools, _may_own_reward
-from rlasync.weights.adapter import check_peft_config
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         peft_config: Any = None,
     ) -> None:
         self._begin_init(args if args is not None else AsyncGRPOConfig(), loop_cls)
-        self.peft_config = check_peft_config(peft_config)  # a peft.LoraConfig: adapters only (docs/design.md §3)
+        self.peft_config = _checked_peft_config(peft_config)  # a peft.LoraConfig: adapters only (docs/design.md §3)
         train_dataset = self._check_inputs(reward_funcs, train_dataset, tools, environment_factory)
         self._end_init(model, train_dataset, processing_class, callbacks)
 
@@ -142,3 +141,12 @@ __all__ = [
     "check_resources",
     "engine_dtype",
 ]
+
+
+def _checked_peft_config(peft_config: Any) -> Any:
+    """`rlasync.weights.adapter.check_peft_config`, imported only when a peft_config is given (it needs torch)."""
+    if peft_config is None:
+        return None
+    from rlasync.weights.adapter import check_peft_config
+
+    return check_peft_config(peft_config)
