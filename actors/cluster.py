@@ -33,6 +33,7 @@ from rlasync.driver import (
     server_engine_kwargs,
     step_budget,
 )
+from rlasync.weights.adapter import lora_engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,10 @@ class Cluster:
         engine_kwargs = cluster.engine_kwargs
         if cluster.engine == "vllm_server":
             engine_kwargs = server_engine_kwargs(config, engine_kwargs)
+        if self.spec.learner.peft_config is not None and cluster.lora_sync == "adapter":  # runtime adapters
+            engine_kwargs = {**lora_engine_kwargs(self.spec.learner.peft_config, cluster.engine, max_loras=cluster.max_loras,
+                                                  lora_dir=cluster.lora_dir or f"{config.output_dir}/lora_adapters"),
+                             **(engine_kwargs or {})}  # fmt: skip
         return [
             self.spawn(GenerationActor, f"generation actor {i}", "generation", model=self.spec.model, dtype=engine_dtype(config),
                        engine_kwargs=engine_kwargs, engine=cluster.engine, vllm_server_url=server_url,
@@ -199,7 +204,7 @@ class Cluster:
         timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
         settings = LearnerSettings.from_config(
             self.config, objective=spec.learner.objective, token_budget=budget, max_steps=spec.learner.max_steps,
-            teacher_ids=spec.learner.teacher_ids,
+            teacher_ids=spec.learner.teacher_ids, peft_config=spec.learner.peft_config,
         )  # fmt: skip
         learners = [
             self.spawn(LearnerActor, f"learner rank {rank}", "learner", rank=rank, world_size=num_learners, model=spec.model, settings=settings,

@@ -63,6 +63,14 @@ class ClusterConfig:
     weight_sync_staging_mb: float = 2048.0
     """Up to this many MiB of a weight sync are received while the engine still generates (held in the receive
     buffers until it has paused), so the transfer overlaps the wait for its step in flight; 0 = pause first."""
+    lora_sync: str = "adapter"
+    """With a trainer's `peft_config` (LoRA): "adapter" sends only the adapter (the built-in engine merges it into its
+    base weights; vLLM loads it as a runtime LoRA adapter), "merged" sends the full merged weights (any engine)."""
+    max_loras: int = 2
+    """vLLM with LoRA: adapters live at once (the newest serves new requests; older ones finish theirs, then go)."""
+    lora_dir: str | None = None
+    """vLLM with LoRA: where adapters are written for the engine to load (default `<output_dir>/lora_adapters`; with
+    `vllm serve` a folder the server can read)."""
     engine: str = "torch"
     """Generation engine of each GenerationActor: "torch" (built-in), "vllm" (vLLM's AsyncLLM inside the actor, on its
     GPU; `pip install 'rlasync[vllm]'`) or "vllm_server" (a client of an external `vllm serve` at `vllm_server_url`)."""
@@ -96,6 +104,10 @@ class ClusterConfig:
             raise ValueError(f"cluster.weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: must be > 0 MiB")
         if isinstance(self.weight_sync_staging_mb, bool) or not self.weight_sync_staging_mb >= 0:
             raise ValueError(f"cluster.weight_sync_staging_mb={self.weight_sync_staging_mb!r}: must be >= 0 MiB")
+        if self.lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"cluster.lora_sync={self.lora_sync!r}: use 'adapter' (LoRA weights only) or 'merged'")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"cluster.max_loras={self.max_loras!r}: must be a positive integer")
         if isinstance(self.engine_kwargs, str):
             self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
         if self.engine not in ENGINES:

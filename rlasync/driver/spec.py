@@ -58,11 +58,13 @@ class RolloutSpec:
 
 @dataclass(frozen=True)
 class LearnerSpec:
-    """The learners' objective ("grpo" or "distill") and its options (the LR schedule's horizon, teacher ids)."""
+    """The learners' objective ("grpo" or "distill") and its options (the LR schedule's horizon, teacher ids, the
+    LoRA config)."""
 
     objective: Objective = "grpo"
     max_steps: int | None = None
     teacher_ids: list[str] | None = None
+    peft_config: Any = None  # a peft.LoraConfig (checked by the trainer): LoRA training with adapter syncs
 
 
 @dataclass

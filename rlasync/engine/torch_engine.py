@@ -42,6 +42,7 @@ from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleS
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
 from rlasync.engine.weights import load_named_weights
 from rlasync.records import TurnRecord
+from rlasync.weights.adapter import AdapterMerger, adapter_base, peek_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class TorchEngine:
         if self.device.type == "cuda" and self.device.index is None:  # pin "cuda" to the GPU current now
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = _build_model(model, dtype, self.device)
+        self._adapter = AdapterMerger()  # LoRA syncs: W = W0 + s*B@A over the base weights kept at the first one
         check_engine_support(self.model)
         config = self.model.config
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
@@ -211,11 +213,19 @@ class TorchEngine:
             raise RuntimeError("TorchEngine.load_weights needs a paused engine: await engine.pause() first")
         async with self._model_lock:
             try:
-                await asyncio.to_thread(load_named_weights, self.model, named_tensors)
+                await asyncio.to_thread(self._load, named_tensors)
                 if self.kv_on_weight_update == "recompute":
                     self._scheduler.preempt_all()
             finally:
                 self._scheduler.allocator.clear_cache()  # cached prefixes hold the old weights' KV
+
+    def _load(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Full weights by name, or a LoRA adapter sync (A, s*B pairs: merged into the kept base weights)."""
+        stream, is_adapter = peek_adapter(named_tensors)
+        if is_adapter:
+            self._adapter.load(self.model, stream)
+        else:
+            load_named_weights(self.model, stream)
 
     def stats(self) -> EngineStats:
         allocator = self._scheduler.allocator
@@ -387,6 +397,7 @@ def _build_model(model: str | torch.nn.Module, dtype: str | torch.dtype | None, 
 
     register_paged_attention()
     if isinstance(model, str):
+        model = adapter_base(model)  # a LoRA checkpoint: the engine holds the base, adapters arrive by sync
         torch_dtype = _resolve_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype, attn_implementation=ATTENTION_NAME)
     elif dtype is not None:

@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
+from rlasync.engine.vllm_engine_lora import RuntimeAdapters, lora_request
 from rlasync.engine.vllm_engine_weights import VLLMWeightLoading, bounded
 from rlasync.engine.vllm_outputs import (  # noqa: F401 - re-exported: these lived here first
     SAMPLING_MASK_WARNING,
@@ -60,6 +61,7 @@ from rlasync.engine.vllm_outputs import (  # noqa: F401 - re-exported: these liv
 )
 from rlasync.engine.vllm_worker import DEFAULT_CHUNK_BYTES, EXTENSION_QUALNAME
 from rlasync.records import TurnRecord
+from rlasync.weights.adapter import adapter_base
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +167,18 @@ class VLLMEngine(VLLMWeightLoading):
         rpc_timeout_s: float = 600.0,
         control_timeout_s: float = 300.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        lora_dir: str | None = None,
         **engine_args: Any,
     ) -> None:
         if not isinstance(model, str):
             raise TypeError(f"VLLMEngine needs a model path or hub id, got {type(model).__name__}")
+        model = adapter_base(model)  # a LoRA checkpoint: vLLM serves the base, the adapter arrives by sync
+        self._adapters: RuntimeAdapters | None = None  # LoRA syncs: runtime adapters (rlasync.engine.vllm_engine_lora)
+        if lora_dir is not None:
+            if not engine_args.get("enable_lora"):
+                raise ValueError("VLLMEngine(lora_dir=...) receives LoRA adapters: start it with enable_lora=True, "
+                                 "max_loras and max_lora_rank (rlasync.weights.adapter.lora_engine_kwargs)")  # fmt: skip
+            self._adapters = RuntimeAdapters(lora_dir, int(engine_args.get("max_loras", 1)), base_model=model)
         self.use_request_seeds = bool(use_request_seeds)
         self.clear_cache_on_pause = bool(clear_cache_on_pause)
         self.rpc_timeout_s = float(rpc_timeout_s)
@@ -350,7 +360,9 @@ class VLLMEngine(VLLMWeightLoading):
         request_id = f"rlasync-{next(self._request_ids)}-{secrets.token_hex(4)}"
         final = None
         try:
-            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id):
+            adapter = lora_request(self._adapters.current) if self._adapters is not None else None
+            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id,
+                                                   lora_request=adapter):  # fmt: skip
                 final = output
         except ValueError as exc:  # vLLM's request validation
             raise RequestRejectedError(f"vLLM rejected the request: {exc}") from exc

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info
+from rlasync.weights.adapter import peek_adapter
 from rlasync.weights.apply import paused_for_update
 
 
@@ -44,9 +45,13 @@ class VLLMWeightLoading:
         """Load `(HF name, tensor)` pairs in place through the workers' `model.load_weights`; only while paused.
 
         CUDA tensors travel as CUDA IPC handles (no copy; the worker must be on the same GPU), others inline in
-        chunks of ~`chunk_bytes`. Returns `{"num_tensors", "bytes", "seconds"}`."""
+        chunks of ~`chunk_bytes`. Returns `{"num_tensors", "bytes", "seconds"}`. A LoRA adapter sync (A / s*B
+        pairs) becomes a runtime adapter instead (`load_adapter`)."""
         if not self._paused:
             raise RuntimeError("VLLMEngine.load_weights needs a paused engine: await engine.pause() first")
+        named_tensors, is_adapter = peek_adapter(named_tensors)
+        if is_adapter:
+            return await self.load_adapter(named_tensors)
         import torch
 
         started = time.perf_counter()
@@ -67,6 +72,25 @@ class VLLMWeightLoading:
             keepalive.clear()
         total["seconds"] = time.perf_counter() - started
         return total
+
+    async def load_adapter(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+        """One LoRA sync: write the adapter, `add_lora` it as `rlasync-v{k}` (new requests use it), `remove_lora`
+        the oldest beyond `max_loras` (`rlasync.engine.vllm_engine_lora.RuntimeAdapters`)."""
+        from rlasync.engine.vllm_engine_lora import lora_request
+
+        adapters = getattr(self, "_adapters", None)
+        if adapters is None:
+            raise RuntimeError("a LoRA adapter sync reached a VLLMEngine started without lora_dir / enable_lora: "
+                               "start it with rlasync.weights.adapter.lora_engine_kwargs(...)")  # fmt: skip
+
+        async def load(adapter: Any) -> None:
+            if not await bounded(self._llm.add_lora(lora_request(adapter)), self.rpc_timeout_s, "add_lora"):
+                raise RuntimeError(f"vLLM refused LoRA adapter {adapter[0]} at {adapter[2]}")
+
+        async def unload(adapter: Any) -> None:
+            await bounded(self._llm.remove_lora(adapter[1]), self.rpc_timeout_s, "remove_lora")
+
+        return await adapters.publish(named_tensors, load=load, unload=unload)
 
     async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
                                 backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip

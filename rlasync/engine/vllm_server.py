@@ -50,6 +50,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
+from rlasync.engine.vllm_engine_lora import RuntimeAdapters
 from rlasync.engine.vllm_outputs import SAMPLING_MASK_WARNING, score_from_prompt_logprobs
 from rlasync.engine.vllm_server_check import LOGPROBS_MODE_FLAG, ServerInfo, StartupCheck  # noqa: F401
 from rlasync.engine.vllm_server_http import TRANSIENT_STATUS, ServerConnection, VLLMServerError  # noqa: F401
@@ -66,6 +67,7 @@ from rlasync.engine.vllm_server_wire import (  # noqa: F401 - re-exported: these
 )
 from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info
 from rlasync.records import TurnRecord
+from rlasync.weights.adapter import peek_adapter
 from rlasync.weights.apply import paused_for_update
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,8 @@ class VLLMServerEngine:
         chunk_bytes: int = 64 << 20,
         check: bool = True,
         strict: bool = True,
+        lora_dir: str | None = None,
+        max_loras: int = 1,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"vllm_server_url={base_url!r}: must start with http:// or https://")
@@ -133,6 +137,8 @@ class VLLMServerEngine:
         self._closed = False
         self._warned_mask = False
         self._num_generated_tokens = 0
+        # LoRA syncs: runtime adapters written under lora_dir (a folder the server reads), loaded over HTTP
+        self._adapters = RuntimeAdapters(lora_dir, max_loras, base_model=model) if lora_dir is not None else None
         if check:
             self.check_server()
 
@@ -170,7 +176,7 @@ class VLLMServerEngine:
         max_tokens = sampling.max_tokens
         if self.max_model_len:
             max_tokens = min(max_tokens, self.max_model_len - len(prompt))
-        body = completion_body(self.model_id, prompt, sampling, max_tokens)
+        body = completion_body(self._served_model(), prompt, sampling, max_tokens)
         data = await self._request("POST", "/v1/completions", body, timeout_s=self.request_timeout_s)
         turn = turn_from_completion(prompt, first_choice(data), sampling.num_logprobs)
         self._num_generated_tokens += len(turn.output_ids)
@@ -190,7 +196,7 @@ class VLLMServerEngine:
         if top_k < 0:
             raise RequestRejectedError(f"score: top_k={top_k} must be >= 0")
         self._check_prompt(ids)
-        body = score_body(self.model_id, ids, top_k, temperature)
+        body = score_body(self._served_model(), ids, top_k, temperature)
         data = await self._request("POST", "/v1/completions", body, timeout_s=self.request_timeout_s)
         choice = first_choice(data)
         return score_from_prompt_logprobs(ids, prompt_length, top_k, choice.get("prompt_logprobs") or [])
@@ -216,6 +222,9 @@ class VLLMServerEngine:
         `join_weight_group` + `receive_weights` (a broadcast) or vLLM's NCCL path (`update_weights_nccl`)."""
         if not self._paused:
             raise RuntimeError("VLLMServerEngine.load_weights needs a paused engine: await engine.pause() first")
+        named_tensors, is_adapter = peek_adapter(named_tensors)
+        if is_adapter:
+            return await self.load_adapter(named_tensors)
         started = time.perf_counter()
         total = {"num_tensors": 0, "bytes": 0}
         for payload in encode_weights(named_tensors, chunk_bytes=self.chunk_bytes, text=True):
@@ -225,6 +234,32 @@ class VLLMServerEngine:
             total["bytes"] += int(results[0]["bytes"])
         total["seconds"] = time.perf_counter() - started
         return total
+
+    def _served_model(self) -> str | None:
+        """What requests name as `model`: the newest LoRA adapter once one is loaded, else the served model."""
+        adapter = self._adapters.current if self._adapters is not None else None
+        return adapter[0] if adapter is not None else self.model_id
+
+    async def load_adapter(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+        """One LoRA sync: write the adapter under `lora_dir`, POST /v1/load_lora_adapter {lora_name, lora_path}
+        (the server runs with `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), then
+        /v1/unload_lora_adapter for the oldest beyond `max_loras`."""
+        if self._adapters is None:
+            raise RuntimeError(
+                "a LoRA adapter sync reached a VLLMServerEngine without lora_dir: set cluster.lora_dir to a folder "
+                "the server can read (or cluster.lora_sync='merged')"
+            )
+
+        async def load(adapter: Any) -> None:
+            body = {"lora_name": adapter[0], "lora_path": adapter[2]}
+            await self._request("POST", "/v1/load_lora_adapter", body, timeout_s=self.weight_sync_timeout_s,
+                                control=True, text=True)  # fmt: skip
+
+        async def unload(adapter: Any) -> None:
+            await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter[0]},
+                                timeout_s=self.control_timeout_s, control=True, text=True)  # fmt: skip
+
+        return await self._adapters.publish(named_tensors, load=load, unload=unload)
 
     def stats(self) -> EngineStats:
         """The last /metrics snapshot (refreshed every metrics_interval_s in the background once requests flow)."""

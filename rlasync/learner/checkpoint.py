@@ -1,5 +1,5 @@
 """The learner's checkpoint formats: the HF model (+ tokenizer), `optimizer.pt` keyed by parameter name and
-`scheduler.pt` in one directory. File names and formats are those every earlier version wrote, so existing
+`scheduler.pt` in one directory (with LoRA the model files are peft's adapter files). File names and formats are those every earlier version wrote, so existing
 checkpoints resume.
 
     save_checkpoint(directory, scorer, model, optimizer, scheduler, rank=rank, tokenizer=tok)   # every rank
@@ -31,9 +31,11 @@ def save_checkpoint(
     *,
     rank: int = 0,
     tokenizer: Any = None,
+    peft_model: Any = None,
 ) -> None:
     """Every rank: gather the full model and optimizer state (collectives under FSDP2); rank 0 writes the HF
-    model (+ tokenizer: an object or a path/id to load it from), `optimizer.pt` and `scheduler.pt`."""
+    model (+ tokenizer: an object or a path/id to load it from), `optimizer.pt` and `scheduler.pt`. With
+    `peft_model` (LoRA) the model files are the adapter only (`rlasync.learner.lora.save_adapter`)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -48,7 +50,12 @@ def save_checkpoint(
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     model_state = {key.removeprefix(MODEL_PREFIX): value for key, value in model_state.items()}
-    model.save_pretrained(path, state_dict=model_state)
+    if peft_model is not None:
+        from rlasync.learner.lora import save_adapter
+
+        save_adapter(path, peft_model, model_state)
+    else:
+        model.save_pretrained(path, state_dict=model_state)
     if tokenizer is not None:
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from rlasync.learner.checkpoint import load_optimizer_state, save_checkpoint
+from rlasync.learner.lora import adapter_base, trainable_parameters, wrap_with_lora
 from rlasync.learner.metrics import reduce_across_ranks
 from rlasync.learner.objectives import MetricItems, StepParts, make_objective
 from rlasync.learner.settings import LearnerSettings
@@ -66,8 +67,14 @@ class Learner:
         on_gpu = self.device.type == "cuda"
         torch.manual_seed(settings.seed)
         dtype, init_kwargs = model_init_options(settings.model_init_kwargs, settings.dtype, settings.trust_remote_code)  # type: ignore[arg-type]
-        self.model = load_model(resume_dir or model_path, dtype=dtype, device=self.device, **init_kwargs)
+        self.peft_model: Any = None  # with settings.peft_config: the PeftModel; self.model is the HF model inside it
+        path = resume_dir or model_path
+        self.model = load_model(adapter_base(path) if settings.peft_config else path, dtype=dtype,
+                                device=self.device, **init_kwargs)  # fmt: skip
         prepare_for_training(self.model, gradient_checkpointing=settings.gradient_checkpointing)
+        if settings.peft_config is not None:
+            self.peft_model = wrap_with_lora(self.model, settings.peft_config, adapter_dir=path)
+            self.model = self.peft_model.base_model.model  # LoRA layers in place: tree attention and FSDP2 unchanged
         self.mixed = on_gpu and settings.bf16 and dtype == "float32"
         if on_gpu and settings.fp16:
             logger.warning("fp16=True: fp16 mixed precision is not implemented; training in %s (use bf16=True)", dtype)
@@ -102,6 +109,8 @@ class Learner:
         """What the set-up reports (the driver logs it)."""
         return {
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "trainable_parameters": trainable_parameters(self.model),
+            "lora_sync": self.settings.lora_sync if self.peft_model is not None else None,
             "device": str(self.device),
             "sharded": self.world_size > 1,
             "mixed_precision": "bf16 compute, float32 master weights" if self.mixed else None,
@@ -139,13 +148,21 @@ class Learner:
     def weight_manifest(self) -> list[Any]:
         """What a weight sync sends (engine names, wire dtypes, global shapes), in stream order."""
         from rlasync.weights import build_manifest
+        from rlasync.weights.adapter import adapter_manifest, merged_manifest
 
+        if self.peft_model is not None:
+            lora_manifest = adapter_manifest if self.settings.lora_sync == "adapter" else merged_manifest
+            return lora_manifest(self.model, dtype=self.wire_dtype)
         return build_manifest(self.model, dtype=self.wire_dtype)
 
     def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full parameters one at a time in manifest order (lazy: under FSDP2 iterating it is a collective)."""
+        """The full parameters (with LoRA: the adapter or the merged weights) one at a time in manifest order (lazy: under FSDP2 iterating it is a collective)."""
         from rlasync.weights import stream_parameters
+        from rlasync.weights.adapter import adapter_stream, merged_stream
 
+        if self.peft_model is not None:  # LoRA: the adapter (A, s*B per module), or the merged full weights
+            lora_stream = adapter_stream if self.settings.lora_sync == "adapter" else merged_stream
+            return lora_stream(self.model, dtype=self.wire_dtype)
         return stream_parameters(self.model, dtype=self.wire_dtype)
 
     def checksum(self) -> float:
@@ -160,7 +177,7 @@ class Learner:
     def save(self, directory: str | Path, tokenizer: Any = None) -> None:
         """Every rank (a collective under FSDP2); rank 0 writes the checkpoint (`rlasync.learner.checkpoint`)."""
         save_checkpoint(directory, self.scorer, self.model, self.optimizer, self.scheduler, rank=self.rank,
-                        tokenizer=tokenizer)  # fmt: skip
+                        tokenizer=tokenizer, peft_model=self.peft_model)  # fmt: skip
 
 
 __all__ = ["Learner", "LocalReducer", "Reducer"]

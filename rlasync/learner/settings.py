@@ -39,6 +39,8 @@ class LearnerSettings:
     per_device_train_batch_size: int = 8
     temperature: float = 1.0
     max_grad_norm: float = 1.0
+    peft_config: Any = None  # a peft.LoraConfig: train adapters only (rlasync.learner.lora)
+    lora_sync: str = "adapter"  # with peft_config: "adapter" (send A/B only) or "merged" (full merged weights)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -46,6 +48,10 @@ class LearnerSettings:
         expected = LossConfig if self.objective == "grpo" else DistillLossConfig
         if not isinstance(self.loss, expected):
             raise TypeError(f"objective {self.objective!r} needs a {expected.__name__}, got {type(self.loss).__name__}")
+        from rlasync.weights.adapter import check_lora_sync, check_peft_config
+
+        check_peft_config(self.peft_config)
+        check_lora_sync(self.lora_sync)
 
     @classmethod
     def from_config(
@@ -56,6 +62,7 @@ class LearnerSettings:
         token_budget: int,
         max_steps: int | None = None,
         teacher_ids: list[str] | None = None,
+        peft_config: Any = None,
     ) -> LearnerSettings:
         """Read an `AsyncGRPOConfig` (objective "grpo") or `AsyncDistillationConfig` ("distill"). `max_steps`
         overrides the scheduler's horizon when the driver resolved it (distillation with max_steps=-1)."""
@@ -72,5 +79,6 @@ class LearnerSettings:
             model_init_kwargs=config.model_init_kwargs, trust_remote_code=config.trust_remote_code,
             gradient_checkpointing=config.gradient_checkpointing, bf16=bool(config.bf16), fp16=bool(config.fp16),
             seed=config.seed, per_device_train_batch_size=config.per_device_train_batch_size,
-            temperature=config.temperature, max_grad_norm=config.max_grad_norm,
+            temperature=config.temperature, max_grad_norm=config.max_grad_norm, peft_config=peft_config,
+            lora_sync=getattr(config.cluster, "lora_sync", "adapter"),
         )  # fmt: skip

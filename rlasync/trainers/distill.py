@@ -57,6 +57,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         processing_class: Any = None,
         callbacks: Sequence[Any] | None = None,
         loop_cls: type[AsyncDistillationLoop] | None = None,
+        peft_config: Any = None,
     ) -> None:
         args = args if args is not None else AsyncDistillationConfig()
         if not isinstance(args, AsyncDistillationConfig):
@@ -65,6 +66,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
                 "to AsyncGRPOTrainer)"
             )
         self._begin_init(args, loop_cls)
+        self.peft_config = _checked_peft_config(peft_config)  # a peft.LoraConfig: the student trains adapters only
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: pass a dataset with a 'prompt' column")
         validate_prompt_dataset(train_dataset)
@@ -140,7 +142,8 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
             resume_dir,
             rollout=RolloutSpec(kind="distill", loop_cls=self.loop_cls, name="distillation rollout actor",
                                 max_inflight_tasks=max(1, -(-inflight // cluster.num_rollout_actors))),  # fmt: skip
-            learner=LearnerSpec(objective="distill", max_steps=horizon, teacher_ids=self.teacher_ids),
+            learner=LearnerSpec(objective="distill", max_steps=horizon, teacher_ids=self.teacher_ids,
+                                peft_config=self.peft_config),
             queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=horizon,
             hang_timeout_s=args.heartbeat_stale_after_s,
@@ -159,3 +162,12 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
 
 
 __all__ = ["AsyncDistillationTrainer", "check_same_vocabulary"]
+
+
+def _checked_peft_config(peft_config: Any) -> Any:
+    """`rlasync.weights.adapter.check_peft_config`, imported only when a peft_config is given (it needs torch)."""
+    if peft_config is None:
+        return None
+    from rlasync.weights.adapter import check_peft_config
+
+    return check_peft_config(peft_config)

@@ -53,8 +53,10 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         loop_cls: type[AsyncRolloutLoop] | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
+        peft_config: Any = None,
     ) -> None:
         self._begin_init(args if args is not None else AsyncGRPOConfig(), loop_cls)
+        self.peft_config = _checked_peft_config(peft_config)  # a peft.LoraConfig: adapters only (docs/design.md §3)
         train_dataset = self._check_inputs(reward_funcs, train_dataset, tools, environment_factory)
         self._end_init(model, train_dataset, processing_class, callbacks)
 
@@ -120,7 +122,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
             rollout=RolloutSpec(kind="grpo", loop_cls=self.loop_cls, name="rollout actor",
                                 reward_funcs=self.reward_funcs, tools=self.tools,
                                 environment_factory=self.environment_factory),  # fmt: skip
-            learner=LearnerSpec(objective="grpo"),
+            learner=LearnerSpec(objective="grpo", peft_config=self.peft_config),
             queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=args.max_steps if args.max_steps > 0 else None,
             hang_timeout_s=args.rollout_worker_timeout,
@@ -141,3 +143,12 @@ __all__ = [
     "check_resources",
     "engine_dtype",
 ]
+
+
+def _checked_peft_config(peft_config: Any) -> Any:
+    """`rlasync.weights.adapter.check_peft_config`, imported only when a peft_config is given (it needs torch)."""
+    if peft_config is None:
+        return None
+    from rlasync.weights.adapter import check_peft_config
+
+    return check_peft_config(peft_config)

@@ -31,6 +31,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from rlasync.weights.adapter import is_adapter_manifest
 from rlasync.weights.apply import load_while_pausing, paused_for_update
 from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup, device_identity, free_port
 from rlasync.weights.plan import ManifestEntry
@@ -333,10 +334,11 @@ class EngineNativeReceiver:
 async def make_receiver(plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry], engine: Any,
                         device: torch.device | str) -> WeightReceiver:  # fmt: skip
     """Engine `rank`'s receiver for `plan` (1-based: learner rank 0 is rank 0 of the group); joins the broadcast
-    group here (every member at once). "ipc" maps handles; an engine with its own receiver receives in place."""
+    group here (every member at once). "ipc" maps handles; an engine with its own receiver receives in place (full weights only: a LoRA
+    adapter sync goes through the engine's `load_weights`, which loads it as a runtime adapter)."""
     if plan.kind == "ipc":
         return IpcReceiver(manifest)
-    if isinstance(engine, SelfReceivingEngine):
+    if isinstance(engine, SelfReceivingEngine) and not is_adapter_manifest(manifest):  # adapters: load_weights
         return await EngineNativeReceiver.open(plan, rank, manifest, engine)
     return BroadcastReceiver(plan, rank, manifest, device)
 
