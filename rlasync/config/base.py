@@ -145,6 +145,9 @@ class TrainerConfig:
     save_total_limit: int | None = None
     report_to: str | list[str] = "none"
     """Metric sinks besides `<output_dir>/metrics.jsonl`: "tensorboard", "wandb", "all" or "none"."""
+    disable_tqdm: bool = False
+    """TRL's field: no progress bar; the console then gets one plain line per logging step (as when it is not a
+    terminal)."""
     strict_dataset: bool = False
     """rlasync: a dataset row whose prompt is unusable (missing, empty, not conversational) stops the run; by
     default it is dropped when leased, counted as "filtered" and named in a warning (docs/design.md §4)."""
