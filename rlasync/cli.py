@@ -75,6 +75,24 @@ def _models(argv: Sequence[str]) -> int:
     return 0
 
 
+def _plot(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rlasync plot", description="Draw a run's diagnostic panels into a PNG.")
+    parser.add_argument("run_dir", help="a run's output_dir (or its metrics.jsonl)")
+    parser.add_argument("--out", default=None, metavar="FILE.png", help="where the PNG goes (default RUN_DIR/metrics.png)")
+    parser.add_argument("--title", default=None, help="the figure's title (default: the run folder and its steps)")
+    args = parser.parse_args(argv)
+    from rlasync.plot import plot_run
+
+    try:
+        path, notes = plot_run(args.run_dir, args.out, title=args.title)
+    except (ValueError, OSError) as exc:
+        return _fail(exc, 2, verbose=False)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(path)
+    return 0
+
+
 def _train(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rlasync train",
@@ -211,6 +229,7 @@ def _first(text: str) -> str:
 
 COMMANDS = {
     "train": (_train, "train from a run file: `rlasync train configs/quickstart.yaml --set max_steps=2`"),
+    "plot": (_plot, "draw a run's diagnostic panels from its metrics.jsonl: `rlasync plot outputs/quickstart`"),
     "check-model": (_check_model, "compare tree-packed and unpacked log-probs of a model; exit non-zero on mismatch"),
     "config": (_config, "resolve a YAML config with --set overrides and print it"),
     "models": (_models, "prepare a model alias (`rlasync models prepare smollm2-135m-instruct`) or list them"),
