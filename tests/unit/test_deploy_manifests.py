@@ -82,7 +82,9 @@ def test_the_manifests_run_as_written():
     spec = load("raycluster.yaml")["spec"]
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     assert set(groups) == {"learner", "generation", "rollout"} and spec["enableInTreeAutoscaling"] is True
-    assert all(g["minReplicas"] == 0 < g["maxReplicas"] for g in groups.values())
+    assert all(g["minReplicas"] == g["replicas"] == 0 < g["maxReplicas"] for g in groups.values())
+    gpus = {n: g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0) for n, g in groups.items()}
+    assert gpus == {"learner": 1, "generation": 1, "rollout": 0} and groups["rollout"]["rayStartParams"]["num-gpus"] == "0"
     assert spec["authOptions"] == {"mode": "token"}
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     base = re.search(r"ARG RAY_IMAGE=rayproject/ray:(\d+\.\d+\.\d+)-py311-gpu", dockerfile)
