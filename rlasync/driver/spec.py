@@ -98,11 +98,11 @@ class RunSpec:
 
     def step_loop(self, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport, fleet: Fleet,
                   tokens_per_step: int, samples_per_step: int | None, state: dict[str, Any]) -> StepLoop:  # fmt: skip
-        """The run's StepLoop over the Cluster's adapters: the config's sinks (a resumed run replaces the records
-        after its step), its checkpointer, the callbacks (called with the config as TRL's `args`)."""
+        """The run's StepLoop over the Cluster's adapters: the config's sinks (the records after the starting step,
+        of an interrupted or an earlier run, are replaced: one record per step), its checkpointer, the callbacks (called with the config as TRL's `args`)."""
         config = self.config
         sinks = build_sinks(config.output_dir, config.report_to, max_steps=config.max_steps, run_name=config.run_name,
-                            config=config.to_dict(), resume_step=self.start_step if self.resume_dir else None,
+                            config=config.to_dict(), resume_step=self.start_step,
                             console=False)  # fmt: skip
         progress = ProgressCallback(disable_tqdm=config.disable_tqdm)  # the console: a bar, or a line per window
         return StepLoop(

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+logger = logging.getLogger(__name__)
 
 Record = dict[str, float | None]
 
@@ -73,8 +76,10 @@ class RecordSink(Protocol):
 class JsonlSink:
     """Appends `{"step": ..., "time": ..., **record}` lines to a file (NaN/None written as null).
 
-    `resume_step`: a run resumed from the checkpoint of that step first drops the records of later steps (logged
-    by the interrupted run after its checkpoint): the resumed run writes them again, so each step has one record."""
+    `resume_step`: a run that starts at that step (its checkpoint's, 0 for a fresh run) first drops the records of
+    later steps (logged by an interrupted run after its checkpoint, or by an earlier run in this output_dir, e.g. a
+    notebook cell run again): this run writes them again, so each step has one record. The dropped lines are kept
+    in `<name>.replaced` and a warning says so."""
 
     def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(path)
@@ -84,14 +89,19 @@ class JsonlSink:
         self._file = self.path.open("a")
 
     def _truncate_after(self, step: int) -> None:
-        kept = []
+        kept, dropped = [], []
         for line in self.path.read_text().splitlines():
             try:
                 later = json.loads(line).get("step", 0) > step
             except (ValueError, AttributeError, TypeError):
                 later = False  # not ours to judge: keep it
-            if not later:
-                kept.append(line + "\n")
+            (dropped if later else kept).append(line + "\n")
+        if not dropped:
+            return
+        replaced = self.path.with_name(self.path.name + ".replaced")
+        replaced.write_text("".join(dropped))
+        logger.warning("%s: %d records of steps after %d (an earlier run in this output_dir) are replaced by this "
+                       "run's; the old lines are in %s", self.path, len(dropped), step, replaced)  # fmt: skip
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(self.path)
