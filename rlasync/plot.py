@@ -5,7 +5,7 @@
     queue               queue size and staleness, backpressure (seconds the rollouts were held back)
     packing             packing ratio and row fill
     log-prob gap        sampler vs learner log-prob difference (mean, max) and the KL estimate
-    throughput          trained tokens/s (wall clock) and generated tokens/s
+    throughput          the learner's forward/backward tokens/s and the generated tokens/s
 
 A metric the run did not log leaves its series out, and a panel with none of its metrics is drawn empty with a
 note naming them (docs/algorithms.md §8 has the catalogue). matplotlib is an optional extra: `pip install
@@ -52,8 +52,9 @@ PANELS = (
     Panel("sampler vs learner log-probs", (Series("sampling/sampling_logp_difference/mean", "|Δ log p| mean"),
                                            Series("sampling/sampling_logp_difference/max", "|Δ log p| max", right=True),
                                            Series("kl", "kl")), "nats", "nats (max)"),
-    Panel("throughput", (Series("perf/wall_clock_trained_tokens_per_s", "trained tok/s"),
-                         Series("rollout/generated_tok_s", "generated tok/s")), "tokens / s"),
+    Panel("throughput", (Series("perf/forwarded_tok_s_fwd_bwd", "learner fwd/bwd tok/s"),
+                         Series("rollout/generated_tokens_per_s", "generated tok/s (GRPO)"),
+                         Series("rollout/generated_tok_s", "generated tok/s (distillation)")), "tokens / s"),
 )  # fmt: skip
 
 
