@@ -86,3 +86,18 @@ def test_the_scan_sees_function_level_imports():
     imports = third_party_imports()
     assert "rlasync/engine/vllm_engine.py" in imports["vllm"] and "rlasync/plot.py" in imports["matplotlib"]
     assert "ray" in imports and "numpy" in imports
+
+
+def test_the_demo_alias_without_gguf_names_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    import pytest
+
+    from rlasync.model import registry
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(registry, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(registry, "_gguf_path", lambda spec: tmp_path / "model.gguf")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"needs the gguf package: pip install 'rlasync\[demo\]'"):
+        registry.prepare_model("smollm2-135m-instruct", force=True)
