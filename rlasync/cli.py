@@ -1,7 +1,8 @@
 """The `rlasync` command line.
 
-    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]] [--verbose]   train (local Ray cluster,
-                                                                                        or RAY_ADDRESS)
+    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]] [--verbose] [--json]   train (local Ray
+                                                            cluster, or RAY_ADDRESS); a progress bar, then a summary
+    rlasync plot RUN_DIR [--out FILE.png]                   the diagnostic panels of a run's metrics.jsonl
     rlasync check-model MODEL_PATH      is this architecture supported by tree packing? (exit 0 = yes)
     rlasync config show [CONFIG.yaml] [--set key=value ...]   print the resolved config as JSON
     rlasync models prepare smollm2-135m-instruct              convert a shipped model to a cached HF folder
@@ -74,6 +75,24 @@ def _models(argv: Sequence[str]) -> int:
     return 0
 
 
+def _plot(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rlasync plot", description="Draw a run's diagnostic panels into a PNG.")
+    parser.add_argument("run_dir", help="a run's output_dir (or its metrics.jsonl)")
+    parser.add_argument("--out", default=None, metavar="FILE.png", help="where the PNG goes (default RUN_DIR/metrics.png)")
+    parser.add_argument("--title", default=None, help="the figure's title (default: the run folder and its steps)")
+    args = parser.parse_args(argv)
+    from rlasync.plot import plot_run
+
+    try:
+        path, notes = plot_run(args.run_dir, args.out, title=args.title)
+    except (ValueError, OSError) as exc:
+        return _fail(exc, 2, verbose=False)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(path)
+    return 0
+
+
 def _train(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rlasync train",
@@ -86,11 +105,19 @@ def _train(argv: Sequence[str]) -> int:
         "--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
         help="resume from a checkpoint folder (default: the latest checkpoint-* in output_dir)",
     )  # fmt: skip
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an error")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the traceback of an error, INFO logs and the actors' start-up output")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="end with the final state as one JSON line, not a summary")
     args = parser.parse_args(argv)
     import logging
+    import time
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rlasync.console import quiet_actors, run_summary
+
+    quiet_actors(args.verbose)  # before Ray starts: local workers inherit the environment
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    started = time.monotonic()
     try:  # bad input: everything known before the first actor exists (exit 2)
         run, trainer = _build_trainer(args.path, args.overrides)
         trainer.preflight()
@@ -106,7 +133,10 @@ def _train(argv: Sequence[str]) -> int:
         return 130
     except Exception as exc:
         return _fail(exc, 1, args.verbose, prefix="training failed: ")
-    print(json.dumps({"output_dir": run.config.output_dir, **state}))
+    if args.json:
+        print(json.dumps({"output_dir": run.config.output_dir, **state}, default=str))
+    else:
+        print(run_summary(run.config.output_dir, state, time.monotonic() - started))
     return 0
 
 
@@ -199,6 +229,7 @@ def _first(text: str) -> str:
 
 COMMANDS = {
     "train": (_train, "train from a run file: `rlasync train configs/quickstart.yaml --set max_steps=2`"),
+    "plot": (_plot, "draw a run's diagnostic panels from its metrics.jsonl: `rlasync plot outputs/quickstart`"),
     "check-model": (_check_model, "compare tree-packed and unpacked log-probs of a model; exit non-zero on mismatch"),
     "config": (_config, "resolve a YAML config with --set overrides and print it"),
     "models": (_models, "prepare a model alias (`rlasync models prepare smollm2-135m-instruct`) or list them"),

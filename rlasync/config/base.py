@@ -28,7 +28,7 @@ LR_SCHEDULERS = (
 )
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "ipc")
 ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
-REPORT_TO = ("tensorboard", "wandb", "all", "none")  # rlasync.metrics.sinks.REPORT_TO: the sinks rlasync has
+REPORT_TO = ("tensorboard", "wandb", "trackio", "mlflow", "all", "none")  # rlasync.metrics.sinks.REPORT_TO: the sinks rlasync has
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
 
 
@@ -156,7 +156,11 @@ class TrainerConfig:
     save_steps: int = 500
     save_total_limit: int | None = None
     report_to: str | list[str] = "none"
-    """Metric sinks besides `<output_dir>/metrics.jsonl`: "tensorboard", "wandb", "all" or "none"."""
+    """Metric sinks besides `<output_dir>/metrics.jsonl`: "tensorboard", "wandb", "trackio", "mlflow", "all" (those
+    installed) or "none"."""
+    disable_tqdm: bool = False
+    """TRL's field: no progress bar; the console then gets one plain line per logging step (as when it is not a
+    terminal)."""
     strict_dataset: bool = False
     """rlasync: a dataset row whose prompt is unusable (missing, empty, not conversational) stops the run; by
     default it is dropped when leased, counted as "filtered" and named in a warning (docs/design.md §4)."""
@@ -259,7 +263,7 @@ class TrainerConfig:
         if unknown:
             raise ValueError(
                 f"report_to={self.report_to}: unsupported sink(s) {unknown} (rlasync has no sink for them; metrics.jsonl "
-                f"is always written); use 'tensorboard', 'wandb', 'all' or 'none'"
+                f"is always written); use 'tensorboard', 'wandb', 'trackio', 'mlflow', 'all' or 'none'"
             )
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose one of {', '.join(LR_SCHEDULERS)}")

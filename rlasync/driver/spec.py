@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlasync.console import ProgressCallback
 from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, WeightTransport
 from rlasync.driver.resources import ActorRequests
@@ -99,15 +100,17 @@ class RunSpec:
 
     def step_loop(self, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport, fleet: Fleet,
                   tokens_per_step: int, samples_per_step: int | None, state: dict[str, Any]) -> StepLoop:  # fmt: skip
-        """The run's StepLoop over the Cluster's adapters: the config's sinks (a resumed run replaces the records
-        after its step), its checkpointer, the callbacks (called with the config as TRL's `args`)."""
+        """The run's StepLoop over the Cluster's adapters: the config's sinks (the records after the starting step,
+        of an interrupted or an earlier run, are replaced: one record per step), its checkpointer, the callbacks (called with the config as TRL's `args`)."""
         config = self.config
         sinks = build_sinks(config.output_dir, config.report_to, max_steps=config.max_steps, run_name=config.run_name,
-                            config=config.to_dict(), resume_step=self.start_step if self.resume_dir else None)  # fmt: skip
+                            config=config.to_dict(), resume_step=self.start_step,
+                            console=False)  # fmt: skip
+        progress = ProgressCallback(disable_tqdm=config.disable_tqdm)  # the console: a bar, or a line per window
         return StepLoop(
             self.step_settings(tokens_per_step, samples_per_step), queue=queue, learners=learners, weights=weights,
             fleet=fleet, checkpointer=Checkpointer(config.output_dir, config.save_total_limit), sinks=sinks,
-            callbacks=self.callbacks, callback_args=config, state=state, tokenizer=self.tokenizer,
+            callbacks=[progress, *self.callbacks], callback_args=config, state=state, tokenizer=self.tokenizer,
         )  # fmt: skip
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 from rlasync.engine.base import EngineError, EngineStats, SamplingParams
@@ -82,28 +81,26 @@ def turn_from_completion(prompt_ids: list[int], choice: dict[str, Any], num_logp
     )
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples `(name, labels, value)` of a Prometheus text exposition (comments and malformed lines skipped)."""
+    """Samples `(name, labels, value)` of a Prometheus text exposition, by `prometheus_client`'s parser; when the
+    whole text does not parse, line by line, malformed lines skipped (one bad line does not hide the others)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples_of(chunk: str) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, dict(s.labels), float(s.value)) for family in text_string_to_metric_families(chunk)
+                for s in family.samples]  # fmt: skip
+
+    try:
+        return samples_of(text)
+    except ValueError:
+        pass
     samples = []
     for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, _, labels, value = match.group(1), match.group(2), match.group(3), match.group(4)
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        parsed = {key: raw.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-                  for key, raw in _LABEL.findall(labels or "")}  # fmt: skip
-        samples.append((name, parsed, number))
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                samples += samples_of(line + "\n")
+            except ValueError:
+                continue
     return samples
 
 

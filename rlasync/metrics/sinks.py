@@ -1,17 +1,20 @@
-"""Where one reduced record per logging window goes: `<output_dir>/metrics.jsonl` (always), TensorBoard and/or
-Weights & Biases when `report_to` names them, and a one-line console summary (step, reward, queue size, staleness,
-step time, tokens/s).
+"""Where one reduced record per logging window goes: `<output_dir>/metrics.jsonl` (always), TensorBoard, Weights &
+Biases, Trackio and/or MLflow when `report_to` names them, and (on request; the trainers use
+`rlasync.console.ProgressCallback` instead) a one-line console summary.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+logger = logging.getLogger(__name__)
 
 Record = dict[str, float | None]
 
@@ -25,27 +28,34 @@ CONSOLE_KEYS = (
 )
 
 
-REPORT_TO = ("tensorboard", "wandb", "all", "none")
-"""The `report_to` values rlasync has sinks for ("all": both)."""
-SINK_MODULES = {"tensorboard": ("tensorboard", "pip install 'rlasync[tensorboard]'"), "wandb": ("wandb", "pip install wandb")}
+REPORT_TO = ("tensorboard", "wandb", "trackio", "mlflow", "all", "none")
+"""The `report_to` values rlasync has sinks for ("all": every one whose package is installed, as in transformers)."""
+SINK_MODULES = {
+    "tensorboard": ("tensorboard", "pip install 'rlasync[tensorboard]'"),
+    "wandb": ("wandb", "pip install 'rlasync[wandb]'"),
+    "trackio": ("trackio", "pip install 'rlasync[trackio]'"),
+    "mlflow": ("mlflow", "pip install 'rlasync[mlflow]'"),
+}
 
 
 def check_report_to(report_to: str | list[str] | None) -> list[str]:
-    """`report_to` as a list, checked before any actor starts: every value names a sink rlasync has (TRL's other
-    integrations, e.g. trackio, mlflow, comet_ml, are not), and the sink's package is importable."""
+    """`report_to` as a list of sink names, checked before any actor starts: every value names a sink rlasync has
+    (TRL's other integrations, e.g. comet_ml, are not) and the sink's package is importable; "all" becomes the
+    sinks whose package is installed."""
     names = [] if report_to in (None, "", "none") else [report_to] if isinstance(report_to, str) else list(report_to)
     unknown = sorted(set(names) - set(REPORT_TO))
     if unknown:
         raise ValueError(
             f"report_to={names}: unsupported sink(s) {unknown} (rlasync writes metrics.jsonl always and has no "
-            f"sink for them); use 'tensorboard', 'wandb', 'all' or 'none'"
+            f"sink for them); use {', '.join(repr(n) for n in REPORT_TO[:-1])} or 'none'"
         )
-    wanted = [n for n in SINK_MODULES if n in names or "all" in names]
-    for name in wanted:
+    if "all" in names:
+        return [n for n in SINK_MODULES if n in names or _importable(SINK_MODULES[n][0])]
+    for name in names:
         module, install = SINK_MODULES[name]
         if not _importable(module):
             raise ValueError(f"report_to includes {name!r} but {module} is not installed: {install} (or drop it from report_to)")
-    return names
+    return list(dict.fromkeys(names))
 
 
 def _importable(module: str) -> bool:
@@ -66,8 +76,10 @@ class RecordSink(Protocol):
 class JsonlSink:
     """Appends `{"step": ..., "time": ..., **record}` lines to a file (NaN/None written as null).
 
-    `resume_step`: a run resumed from the checkpoint of that step first drops the records of later steps (logged
-    by the interrupted run after its checkpoint): the resumed run writes them again, so each step has one record."""
+    `resume_step`: a run that starts at that step (its checkpoint's, 0 for a fresh run) first drops the records of
+    later steps (logged by an interrupted run after its checkpoint, or by an earlier run in this output_dir, e.g. a
+    notebook cell run again): this run writes them again, so each step has one record. The dropped lines are kept
+    in `<name>.replaced` and a warning says so."""
 
     def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(path)
@@ -77,14 +89,19 @@ class JsonlSink:
         self._file = self.path.open("a")
 
     def _truncate_after(self, step: int) -> None:
-        kept = []
+        kept, dropped = [], []
         for line in self.path.read_text().splitlines():
             try:
                 later = json.loads(line).get("step", 0) > step
             except (ValueError, AttributeError, TypeError):
                 later = False  # not ours to judge: keep it
-            if not later:
-                kept.append(line + "\n")
+            (dropped if later else kept).append(line + "\n")
+        if not dropped:
+            return
+        replaced = self.path.with_name(self.path.name + ".replaced")
+        replaced.write_text("".join(dropped))
+        logger.warning("%s: %d records of steps after %d (an earlier run in this output_dir) are replaced by this "
+                       "run's; the old lines are in %s", self.path, len(dropped), step, replaced)  # fmt: skip
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(self.path)
@@ -126,7 +143,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError as exc:
-            raise ValueError("report_to includes 'wandb' but wandb is not installed: pip install wandb") from exc
+            raise ValueError("report_to includes 'wandb' but wandb is not installed: pip install 'rlasync[wandb]'") from exc
         self._wandb = wandb
         self._run = wandb.init(name=run_name, config=config) if wandb.run is None else wandb.run
 
@@ -136,6 +153,65 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _finite(record: Record) -> dict[str, float]:
+    return {k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+
+
+class TrackioSink:
+    """Trackio (TRL's default tracker; local dashboard `trackio show`): project `TRACKIO_PROJECT` (default
+    "rlasync"), the run named `run_name`, the config attached; one `log` per record at its step."""
+
+    def __init__(self, run_name: str | None = None, config: dict[str, Any] | None = None) -> None:
+        import os
+
+        import trackio
+
+        self._run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "rlasync"), name=run_name, config=config)
+
+    def write(self, step: int, record: Record) -> None:
+        self._run.log(_finite(record), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowSink:
+    """MLflow: a run named `run_name` (the config as its params, flattened), metrics at their steps. Without
+    `MLFLOW_TRACKING_URI` the store is the folder `<output_dir>/mlruns` (`mlflow ui --backend-store-uri
+    <output_dir>/mlruns`; MLflow 3 keeps that file store in maintenance mode behind `MLFLOW_ALLOW_FILE_STORE`, set
+    here; a database store needs the full `mlflow`, not `mlflow-skinny`)."""
+
+    def __init__(self, output_dir: str | Path, run_name: str | None = None, config: dict[str, Any] | None = None) -> None:
+        import os
+
+        import mlflow
+
+        self._mlflow = mlflow
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri((Path(output_dir).resolve() / "mlruns").as_uri())
+        self._run = mlflow.start_run(run_name=run_name)
+        params = {key: str(value)[:500] for key, value in _flatten(config or {}).items()}
+        for start in range(0, len(params), 100):  # mlflow takes at most 100 params a call
+            mlflow.log_params(dict(list(params.items())[start : start + 100]))
+
+    def write(self, step: int, record: Record) -> None:
+        self._mlflow.log_metrics({k: float(v) for k, v in _finite(record).items()}, step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 class ConsoleSink:
@@ -169,15 +245,19 @@ def build_sinks(
     **kwargs: Any,
 ) -> list:
     """The sinks for a run: metrics.jsonl always; TensorBoard (under `<output_dir>/runs/<run_name>` when named) and
-    Weights & Biases when asked ("all" means both); the console on request. `resume_step`: the run resumes from
+    Weights & Biases / Trackio / MLflow when asked ("all": those installed); the console on request. `resume_step`: the run resumes from
     that step's checkpoint (records of later steps already written are replaced, not duplicated)."""
     report_to = check_report_to(report_to)
     sinks: list = [JsonlSink(Path(output_dir) / "metrics.jsonl", resume_step=resume_step)]
-    if "tensorboard" in report_to or "all" in report_to:
+    if "tensorboard" in report_to:
         runs = Path(output_dir) / "runs"
         sinks.append(TensorBoardSink(runs / run_name if run_name else runs, resume_step=resume_step))
-    if "wandb" in report_to or "all" in report_to:
+    if "wandb" in report_to:
         sinks.append(WandbSink(run_name, config))
+    if "trackio" in report_to:
+        sinks.append(TrackioSink(run_name, config))
+    if "mlflow" in report_to:
+        sinks.append(MlflowSink(output_dir, run_name, config))
     if console:
         sinks.append(ConsoleSink(max_steps=kwargs.get("max_steps")))
     return sinks

@@ -102,5 +102,5 @@ def test_wandb_sink_logs_each_record_at_its_step_in_a_run_named_run_name(tmp_pat
     for sink in sinks:
         sink.close()
     assert calls == [("init", "exp-1", {"learning_rate": 1e-6}), ("log", {"reward": 0.5}, 5), ("finish",)]
-    with pytest.raises(ValueError, match="'tensorboard', 'wandb', 'all' or 'none'"):
-        build_sinks(tmp_path, ["mlflow"])
+    with pytest.raises(ValueError, match="'trackio', 'mlflow', 'all' or 'none'"):
+        build_sinks(tmp_path, ["comet_ml"])
