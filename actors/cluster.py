@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import ray
@@ -49,7 +49,7 @@ def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dic
         loop = cluster.build(state)
         try:
             return asyncio.run(loop.run(spec.start_step, cluster.version))
-        except ray.exceptions.RayActorError as exc:  # the queue, a learner rank, a generation actor: stop-and-resume
+        except ray.exceptions.RayActorError as exc:  # the queue, a learner rank, restarts used up: stop-and-resume
             name = dead_actor_name(exc, cluster.names) or f"an actor ({exc.actor_id})"
             raise died_error(name, exc, spec.config.output_dir) from exc
 
@@ -123,8 +123,8 @@ class Cluster:
         learners = self.spawn_learners(budget)
         connect_weights(learners, engines, cluster)
         queue = self.spawn_queue(tokens_per_step)
-        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s, names=self.names,
-                                output_dir=self.config.output_dir)
+        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s, cluster=cluster, names=self.names,
+                                output_dir=self.config.output_dir)  # fmt: skip
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
         state["policy_version"] = self.version
         rewards = self.spawn_rewards()
@@ -132,7 +132,7 @@ class Cluster:
         return spec.step_loop(
             queue=RayQueue(queue, cluster.collective_timeout_s), learners=RayLearners(learners, cluster.collective_timeout_s),
             weights=weights, fleet=RayFleet(self.rollouts, spec.rollout.name, spec.hang_setting, cluster.collective_timeout_s,
-                                            engines=engines, names=self.names, output_dir=self.config.output_dir),
+                                            engines=engines, names=self.names, output_dir=self.config.output_dir, heal=weights.heal),
             tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, state=state,
         )  # fmt: skip
 
@@ -338,15 +338,18 @@ class RayLearners:
 
 class RayFleet:
     """`Fleet` over the rollout actors; `name` opens their errors ("rollout actor 0 failed: ..."). Before each
-    health check and metric drain every rollout actor is asked to `ensure_running` (a rollout actor Ray restarted
-    releases its predecessor's leases and starts its loop: actors/restart.py). A failure that is another actor's
+    health check and metric drain a generation actor Ray restarted is brought back (`heal`: the weight transport
+    re-opened, the current policy sent), and every rollout actor is asked to `ensure_running` (a rollout actor Ray
+    restarted releases its predecessor's leases and starts its loop: actors/restart.py). A failure that is another actor's
     death is reported as that actor's ("generation actor 0 died (seen by rollout actor 0: ...)"); a hung rollout
     loop first probes the generation actors, so a frozen one is named instead of the loop waiting for it."""
 
     def __init__(self, handles: list[Any], name: str, setting: str, timeout: float, *, engines: Sequence[Any] = (),
-                 names: dict[str, str] | None = None, output_dir: str = ".") -> None:  # fmt: skip
+                 names: dict[str, str] | None = None, output_dir: str = ".",
+                 heal: Callable[[], Awaitable[Any]] | None = None) -> None:  # fmt: skip
         self.handles, self.name, self.setting, self.timeout = handles, name, setting, timeout
         self.engines, self.names, self.output_dir = list(engines), names or {}, output_dir
+        self.heal = heal  # brings back generation actors Ray restarted (RayWeightSync.heal)
         self.restarts = 0
 
     async def _call(self, index: int, ref: Any, timeout: float) -> Any:
@@ -356,6 +359,8 @@ class RayFleet:
             raise died_error(f"{self.name} {index}", exc, self.output_dir) from exc
 
     async def ensure_running(self) -> None:
+        if self.heal is not None:
+            await self.heal()
         for index, rollout in enumerate(self.handles):
             released = await self._call(index, rollout.ensure_running.remote(), RESTART_TIMEOUT_S)
             if released is not None:

@@ -1,7 +1,7 @@
 """DistillRolloutActor: one `AsyncDistillationLoop` (docs/algorithms.md §9.1) wired to Ray handles.
 
     queue actor ──next_group(1)──► QueuePromptSource.lease() (actors/loop_host.py)   (a distillation "group" is one sample)
-    loop ──generate──► _RemoteStudent ──► GenerationActor handles (the student; they receive the weight syncs)
+    loop ──generate──► RemoteEngine (actors/restart.py) ──► GenerationActor handles (the student; they receive the weight syncs)
     loop ──score──► _RemoteTeacher ──► TeacherScorer handle of the row's teacher id
     loop ──put(DistillationSample)──► QueueSampleSink: the sample ray.put here, its ObjectRef + metadata to the queue
 
@@ -19,18 +19,10 @@ from typing import Any
 import ray
 
 from actors.loop_host import LoopHost, QueueSampleSink
-from actors.restart import RestartableLoop
+from actors.restart import RemoteEngine, RestartableLoop
 from rlasync.distill import AsyncDistillationLoop
 
 logger = logging.getLogger(__name__)
-
-
-class _RemoteStudent:
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
-        return self.handle.generate.remote(prompt_ids, sampling)
 
 
 class _RemoteTeacher:
@@ -54,7 +46,7 @@ class DistillRolloutActor(RestartableLoop, LoopHost):
     ) -> None:  # fmt: skip
         tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=1)  # a "group" is one sample
         self.loop = loop_cls(
-            config=config, tokenizer=tokenizer, student=[_RemoteStudent(h) for h in students],
+            config=config, tokenizer=tokenizer, student=[RemoteEngine(h) for h in students],
             teachers={teacher_id: _RemoteTeacher(handle) for teacher_id, handle in teachers.items()},
             prompt_source=self.source, sink=QueueSampleSink(queue, self.source), metrics_callback=self.items.extend,
             rng=random.Random(seed * 1_000_003 + index), max_inflight_tasks=max_inflight_tasks,

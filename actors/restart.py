@@ -5,12 +5,20 @@ starts a new incarnation with the same constructor arguments. That incarnation's
 calls `ensure_running()` on every rollout actor at each step and health check, and a loop that is not running yet
 is started. `start()` first asks the queue to release every lease the actor's owner name still holds (the dead
 incarnation's groups in flight), so those prompts are leased again: every prompt is still consumed exactly once.
+
+`RemoteEngine` is a GenerationActor handle as the rollout loop's engine: a call that the engine's death failed
+(`ActorDiedError`, or `ActorUnavailableError` while Ray restarts it) becomes an `EngineError`, which the loop's
+`EnginePool` retries with backoff, on another engine or on the restarted one (the core never sees a Ray error).
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import ray
+
+from rlasync.engine.base import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -38,3 +46,26 @@ class RestartableLoop:
             return None
         await self.start()
         return self.released_at_start
+
+
+class RemoteEngine:
+    """A GenerationActor handle as an engine (`generate`, `stats`); see the module docstring."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def _call(self, what: str, ref: Any) -> Any:
+        try:
+            return await ref
+        except ray.exceptions.RayActorError as exc:  # ActorDiedError / ActorUnavailableError: the engine died
+            # the actor id stays in the text: when the retries run out, the driver names the dead engine from it
+            raise EngineError(
+                f"{what} on generation actor {self.handle._actor_id.hex()} failed: {type(exc).__name__} "
+                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'})"
+            ) from exc
+
+    async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
+        return await self._call("generate", self.handle.generate.remote(prompt_ids, sampling))
+
+    async def stats(self) -> Any:
+        return await self._call("stats", self.handle.stats.remote())

@@ -1,7 +1,7 @@
 """RolloutActor: one `AsyncRolloutLoop` (or the trainer's `loop_cls`) wired to Ray handles.
 
     queue actor ──next_group──► QueuePromptSource.lease() (actors/loop_host.py)  (the queue gates admission: OpenAdmission here)
-    loop ──generate──► _RemoteEngine ──► GenerationActor handles
+    loop ──generate──► RemoteEngine (actors/restart.py: a dead engine's failure is retryable) ──► GenerationActor handles
     loop ──reward_scorer──► _RewardPool ──► RewardActor handles (when the cluster has any; else the loop scores)
     loop ──put(GroupResult)──► QueueGroupSink: samples ray.put here, ObjectRefs + metadata to the queue
 
@@ -19,20 +19,9 @@ from typing import Any
 import ray
 
 from actors.loop_host import LoopHost, QueueGroupSink
-from actors.restart import RestartableLoop
+from actors.restart import RemoteEngine, RestartableLoop
 
 logger = logging.getLogger(__name__)
-
-
-class _RemoteEngine:
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
-        return self.handle.generate.remote(prompt_ids, sampling)
-
-    def stats(self) -> Any:
-        return self.handle.stats.remote()
 
 
 class _RewardPool:
@@ -62,7 +51,7 @@ class RolloutActor(RestartableLoop, LoopHost):
         if environment_factory is not None:
             extra["environment_factory"] = environment_factory
         self.loop = loop_cls(
-            config=config, tokenizer=tokenizer, engine=[_RemoteEngine(h) for h in engines], prompt_source=self.source,
+            config=config, tokenizer=tokenizer, engine=[RemoteEngine(h) for h in engines], prompt_source=self.source,
             sink=QueueGroupSink(queue, self.source), reward_funcs=reward_funcs, metrics_callback=self.items.extend,
             rng=random.Random(seed * 1_000_003 + index),
             reward_scorer=_RewardPool(reward_actors) if reward_actors else None, **extra,
