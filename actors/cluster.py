@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -108,7 +109,7 @@ class Cluster:
                 ray.kill(handle, no_restart=True)
             except Exception as exc:
                 logger.warning("ray.kill: %s", exc)
-        wait_until_dead(handles)
+        wait_until_dead(handles, names=self.names)
 
     # ---- wiring -------------------------------------------------------------------------------------------------
 
@@ -276,24 +277,29 @@ def connect(address: str | None) -> bool:
     return True
 
 
-def wait_until_dead(handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S) -> None:
+def wait_until_dead(handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S,
+                    names: dict[str, str] | None = None) -> None:  # fmt: skip
     """Return once every killed actor is reported dead (ray.kill is asynchronous), or warn after `timeout_s`. A
-    ping (the built-in `__ray_ready__`) on a dead actor fails with `RayActorError`; this works on a Ray Client
-    (`ray://`) driver too, which has no state API."""
-    if not handles:
-        return
-    pings = {handle.__ray_ready__.remote(): handle for handle in handles}
-    done, pending = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
-    alive = [pings[ref] for ref in pending]
-    for ref in done:
-        try:
-            ray.get(ref, timeout=0)
-        except Exception:  # RayActorError: dead; any other failure: not answering, treated as gone
-            continue
-        alive.append(pings[ref])
+    ping (the built-in `__ray_ready__`) on a dead actor fails with `RayActorError`; one that still answers (the
+    kill has not landed yet) is asked again. This works on a Ray Client (`ray://`) driver too (no state API)."""
+    deadline, alive = time.monotonic() + timeout_s, list(handles)
+    while alive:
+        pings = {handle.__ray_ready__.remote(): handle for handle in alive}
+        done, pending = ray.wait(list(pings), num_returns=len(pings), timeout=max(deadline - time.monotonic(), 0.0))
+        alive = [pings[ref] for ref in pending]
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # RayActorError: dead; any other failure: not answering, treated as gone
+                continue
+            alive.append(pings[ref])
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if alive:
+        ids = [h._actor_id.hex() for h in alive]
         logger.warning("%d actors still alive %.0f s after ray.kill: %s", len(alive), timeout_s,
-                       [h._actor_id.hex() for h in alive])  # fmt: skip
+                       [(names or {}).get(i, i) for i in ids])  # fmt: skip
 
 
 # ---- the core's protocols over actor handles ----------------------------------------------------------------------
