@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from actors.cluster_faults import dead_actor_name, died_error, probe_engines, restart_options
-from actors.cluster_weights import RayWeightSync, connect_weights, get_all, in_thread
+from actors.cluster_weights import RESTART_TIMEOUT_S, RayWeightSync, connect_weights, get_all, in_thread
 from rlasync.driver import (
     RunSpec,
     Taken,
@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 20.0
 DEATH_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 60.0
-RESTART_TIMEOUT_S = 180.0  # a restarted rollout actor builds its loop again (tokenizer, dataset) before answering
 
 
 def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from rlasync.weights.transport import TransportPlan, choose_transport
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
-RESTART_TIMEOUT_S = 180.0  # a restarted engine loads its model again before it answers
+RESTART_TIMEOUT_S = 180.0  # a restarted actor builds its model / loop again before it answers
 DEATH_NOTICE_S = 3.0  # after a failed sync: how long Ray gets to report a dead engine (its watch call fails)
 # Blocking Ray calls run here, off the step loop's event loop. Not asyncio's default executor: on Ctrl-C,
 # asyncio.run would wait for that one (a train_step's ray.get can block for an hour) before the Cluster kills the
@@ -92,7 +92,9 @@ class EngineRestarted(Exception):
     """A weight sync failed because generation engine(s) `indices` died (Ray restarts them)."""
 
     def __init__(self, indices: Sequence[int], cause: BaseException) -> None:
-        super().__init__(f"generation engine(s) {list(indices)} died during the weight sync: {cause}")
+        lines = [line for line in str(cause).splitlines() if line.strip()]
+        first = lines[-1] if lines else type(cause).__name__  # a remote error's last line is its own message
+        super().__init__(f"generation engine(s) {list(indices)} died during the weight sync ({first[:300]})")
         self.indices, self.cause = list(indices), cause
 
 
