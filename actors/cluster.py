@@ -16,14 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import ray
 
 from actors.cluster_faults import dead_actor_name, died_error, probe_engines, restart_options
-from actors.cluster_weights import RayWeightSync, connect_weights, get_all, in_thread
+from actors.cluster_weights import RESTART_TIMEOUT_S, RayWeightSync, connect_weights, get_all, in_thread
 from rlasync.driver import (
     RunSpec,
     Taken,
@@ -40,7 +41,6 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 20.0
 DEATH_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 60.0
-RESTART_TIMEOUT_S = 180.0  # a restarted rollout actor builds its loop again (tokenizer, dataset) before answering
 
 
 def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dic
         loop = cluster.build(state)
         try:
             return asyncio.run(loop.run(spec.start_step, cluster.version))
-        except ray.exceptions.RayActorError as exc:  # the queue, a learner rank, a generation actor: stop-and-resume
+        except ray.exceptions.RayActorError as exc:  # the queue, a learner rank, restarts used up: stop-and-resume
             name = dead_actor_name(exc, cluster.names) or f"an actor ({exc.actor_id})"
             raise died_error(name, exc, spec.config.output_dir) from exc
 
@@ -109,7 +109,7 @@ class Cluster:
                 ray.kill(handle, no_restart=True)
             except Exception as exc:
                 logger.warning("ray.kill: %s", exc)
-        wait_until_dead(handles)
+        wait_until_dead(handles, names=self.names)
 
     # ---- wiring -------------------------------------------------------------------------------------------------
 
@@ -124,8 +124,8 @@ class Cluster:
         learners = self.spawn_learners(budget)
         connect_weights(learners, engines, cluster)
         queue = self.spawn_queue(tokens_per_step)
-        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s, names=self.names,
-                                output_dir=self.config.output_dir)
+        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s, cluster=cluster, names=self.names,
+                                output_dir=self.config.output_dir)  # fmt: skip
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
         state["policy_version"] = self.version
         rewards = self.spawn_rewards()
@@ -133,7 +133,7 @@ class Cluster:
         return spec.step_loop(
             queue=RayQueue(queue, cluster.collective_timeout_s), learners=RayLearners(learners, cluster.collective_timeout_s),
             weights=weights, fleet=RayFleet(self.rollouts, spec.rollout.name, spec.hang_setting, cluster.collective_timeout_s,
-                                            engines=engines, names=self.names, output_dir=self.config.output_dir),
+                                            engines=engines, names=self.names, output_dir=self.config.output_dir, heal=weights.heal),
             tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, state=state,
         )  # fmt: skip
 
@@ -281,24 +281,29 @@ def connect(address: str | None) -> bool:
     return True
 
 
-def wait_until_dead(handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S) -> None:
+def wait_until_dead(handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S,
+                    names: dict[str, str] | None = None) -> None:  # fmt: skip
     """Return once every killed actor is reported dead (ray.kill is asynchronous), or warn after `timeout_s`. A
-    ping (the built-in `__ray_ready__`) on a dead actor fails with `RayActorError`; this works on a Ray Client
-    (`ray://`) driver too, which has no state API."""
-    if not handles:
-        return
-    pings = {handle.__ray_ready__.remote(): handle for handle in handles}
-    done, pending = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
-    alive = [pings[ref] for ref in pending]
-    for ref in done:
-        try:
-            ray.get(ref, timeout=0)
-        except Exception:  # RayActorError: dead; any other failure: not answering, treated as gone
-            continue
-        alive.append(pings[ref])
+    ping (the built-in `__ray_ready__`) on a dead actor fails with `RayActorError`; one that still answers (the
+    kill has not landed yet) is asked again. This works on a Ray Client (`ray://`) driver too (no state API)."""
+    deadline, alive = time.monotonic() + timeout_s, list(handles)
+    while alive:
+        pings = {handle.__ray_ready__.remote(): handle for handle in alive}
+        done, pending = ray.wait(list(pings), num_returns=len(pings), timeout=max(deadline - time.monotonic(), 0.0))
+        alive = [pings[ref] for ref in pending]
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # RayActorError: dead; any other failure: not answering, treated as gone
+                continue
+            alive.append(pings[ref])
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if alive:
+        ids = [h._actor_id.hex() for h in alive]
         logger.warning("%d actors still alive %.0f s after ray.kill: %s", len(alive), timeout_s,
-                       [h._actor_id.hex() for h in alive])  # fmt: skip
+                       [(names or {}).get(i, i) for i in ids])  # fmt: skip
 
 
 # ---- the core's protocols over actor handles ----------------------------------------------------------------------
@@ -343,15 +348,18 @@ class RayLearners:
 
 class RayFleet:
     """`Fleet` over the rollout actors; `name` opens their errors ("rollout actor 0 failed: ..."). Before each
-    health check and metric drain every rollout actor is asked to `ensure_running` (a rollout actor Ray restarted
-    releases its predecessor's leases and starts its loop: actors/restart.py). A failure that is another actor's
+    health check and metric drain a generation actor Ray restarted is brought back (`heal`: the weight transport
+    re-opened, the current policy sent), and every rollout actor is asked to `ensure_running` (a rollout actor Ray
+    restarted releases its predecessor's leases and starts its loop: actors/restart.py). A failure that is another actor's
     death is reported as that actor's ("generation actor 0 died (seen by rollout actor 0: ...)"); a hung rollout
     loop first probes the generation actors, so a frozen one is named instead of the loop waiting for it."""
 
     def __init__(self, handles: list[Any], name: str, setting: str, timeout: float, *, engines: Sequence[Any] = (),
-                 names: dict[str, str] | None = None, output_dir: str = ".") -> None:  # fmt: skip
+                 names: dict[str, str] | None = None, output_dir: str = ".",
+                 heal: Callable[[], Awaitable[Any]] | None = None) -> None:  # fmt: skip
         self.handles, self.name, self.setting, self.timeout = handles, name, setting, timeout
         self.engines, self.names, self.output_dir = list(engines), names or {}, output_dir
+        self.heal = heal  # brings back generation actors Ray restarted (RayWeightSync.heal)
         self.restarts = 0
 
     async def _call(self, index: int, ref: Any, timeout: float) -> Any:
@@ -361,6 +369,8 @@ class RayFleet:
             raise died_error(f"{self.name} {index}", exc, self.output_dir) from exc
 
     async def ensure_running(self) -> None:
+        if self.heal is not None:
+            await self.heal()
         for index, rollout in enumerate(self.handles):
             released = await self._call(index, rollout.ensure_running.remote(), RESTART_TIMEOUT_S)
             if released is not None:

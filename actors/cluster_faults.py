@@ -3,9 +3,13 @@ ones that cannot be restarted (docs/design.md §4).
 
     restartable (Ray `max_restarts`, calls retried)   rollout actors (their leases are released and the loop started
                                                       again: actors/restart.py), reward actors, teachers (stateless)
-    stop-and-resume                                   the queue, the learner ranks, the generation actors (they hold
-                                                      the weight-sync group): the run stops with an error that names
-                                                      the dead actor and the checkpoint to resume from
+    restartable (Ray `max_restarts`, calls fail)      generation actors: the rollouts' `EnginePool` retries the failed
+                                                      requests, the driver re-opens the weight transport and sends the
+                                                      restarted engine the current policy before it serves
+                                                      (actors/cluster_weights.py `EngineRestarts`)
+    stop-and-resume                                   the queue, the learner ranks, and any actor whose restarts are
+                                                      used up: the run stops with an error that names the dead actor
+                                                      and the checkpoint to resume from
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import ray
 from rlasync.driver.checkpoint import Checkpointer
 
 MAX_RESTARTS = 3  # per actor and run: a crash that repeats (a reward that kills its process) stops the run
-RESTARTABLE_KINDS = ("rollout", "reward", "teacher")
+RESTARTABLE_KINDS = ("rollout", "reward", "teacher", "generation")
+RETRIED_KINDS = ("rollout", "reward", "teacher")  # Ray resends their calls; a generation call fails (retried above it)
 PROBE_TIMEOUT_S = 10.0  # a generation actor that does not answer a stats call in this time is reported frozen
 
 
@@ -26,7 +31,7 @@ def restart_options(kind: str) -> dict[str, Any]:
     """Ray options of an actor of `kind`: restarts (and retried calls) for the restartable kinds, none else."""
     if kind not in RESTARTABLE_KINDS:
         return {}
-    return {"max_restarts": MAX_RESTARTS, "max_task_retries": MAX_RESTARTS}
+    return {"max_restarts": MAX_RESTARTS, "max_task_retries": MAX_RESTARTS if kind in RETRIED_KINDS else 0}
 
 
 def resume_hint(output_dir: str | Path) -> str:

@@ -12,18 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
 import ray
 
-from actors.cluster_faults import probe_engines
+from actors.cluster_faults import MAX_RESTARTS, died_error, probe_engines, resume_hint
 from rlasync.weights.transport import TransportPlan, choose_transport
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
+RESTART_TIMEOUT_S = 180.0  # a restarted actor builds its model / loop again before it answers
+DEATH_NOTICE_S = 3.0  # after a failed sync: how long Ray gets to report a dead engine (its watch call fails)
 # Blocking Ray calls run here, off the step loop's event loop. Not asyncio's default executor: on Ctrl-C,
 # asyncio.run would wait for that one (a train_step's ray.get can block for an hour) before the Cluster kills the
 # actors, which is what unblocks these threads.
@@ -56,9 +58,12 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def connect_weights(learners: list[Any], engines: list[Any], cluster: Any) -> TransportPlan:
+def connect_weights(learners: list[Any], engines: list[Any], cluster: Any, *,
+                    only: Sequence[int] | None = None) -> TransportPlan:  # fmt: skip
     """Choose the weight transport once from the layout (device identities of learner rank 0 and every engine) and
-    open it on every learner rank and every engine at once (NCCL and gloo rendezvous need every member)."""
+    open it on every learner rank and every engine at once (NCCL and gloo rendezvous need every member). `only`
+    (engine indices; a restart): over IPC only those engines open a receiver (there is no group); a broadcast
+    group is always re-opened on every member, learner rank 0 included."""
     timeout = cluster.collective_timeout_s
     host, port = ray.get(learners[0].address.remote(), timeout=timeout)
     infos = ray.get([learners[0].weight_endpoint.remote()] + [e.weight_endpoint.remote() for e in engines],
@@ -71,13 +76,48 @@ def connect_weights(learners: list[Any], engines: list[Any], cluster: Any) -> Tr
     if why_not_nccl:
         _warn_once(f"weight sync: {why_not_nccl}")
     manifest = ray.get(learners[0].weight_manifest.remote(), timeout=timeout)
+    opened = range(len(engines)) if only is None or plan.kind != "ipc" else sorted(set(only))
     ray.get(
-        [learner.open_weight_transport.remote(plan) for learner in learners]
-        + [engine.open_weight_transport.remote(plan, i + 1, manifest) for i, engine in enumerate(engines)],
+        ([learner.open_weight_transport.remote(plan) for learner in learners] if len(opened) == len(engines) or
+         plan.kind != "ipc" else [])
+        + [engines[i].open_weight_transport.remote(plan, i + 1, manifest) for i in opened],
         timeout=timeout + 30,
-    )
-    logger.info("weight-sync transport: %d engines over %s", len(engines), plan.kind)
+    )  # fmt: skip
+    logger.info("weight-sync transport: %d engines over %s%s", len(engines), plan.kind,
+                "" if only is None else f" (re-opened for engine(s) {sorted(set(only))})")  # fmt: skip
     return plan
+
+
+class EngineRestarted(Exception):
+    """A weight sync failed because generation engine(s) `indices` died (Ray restarts them)."""
+
+    def __init__(self, indices: Sequence[int], cause: BaseException) -> None:
+        lines = [line for line in str(cause).splitlines() if line.strip()]
+        first = lines[-1] if lines else type(cause).__name__  # a remote error's last line is its own message
+        super().__init__(f"generation engine(s) {list(indices)} died during the weight sync ({first[:300]})")
+        self.indices, self.cause = list(indices), cause
+
+
+def _settle(refs: list[Any], timeout: float) -> list[Any]:
+    """Each call's result or exception, waiting at most `timeout` for all of them (unfinished ones: None)."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    out: list[Any] = []
+    for ref in refs:
+        if ref not in ready:
+            out.append(None)
+            continue
+        try:
+            out.append(ray.get(ref, timeout=0))
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
+def _gone_or_fresh(result: Any) -> bool:
+    """A sync call's outcome that means its engine died: Ray's actor error, or a restarted one's NOT_OPENED."""
+    from actors.generation import NOT_OPENED
+
+    return isinstance(result, ray.exceptions.RayActorError) or (isinstance(result, Exception) and NOT_OPENED in str(result))
 
 
 class RayWeightSync:
@@ -90,29 +130,121 @@ class RayWeightSync:
     loaded: what of the transfer did not overlap, and the copies) and `perf/weight_sync_resume_s`; also
     `perf/weight_sync_dispatch_s` (until the slowest engine's call started), `perf/weight_sync_send_s` (rank 0's
     send, waiting for the receivers included) and `perf/generation_loop_lag_max_s` (the worst event-loop lag of a
-    GenerationActor since the previous sync)."""
+    GenerationActor since the previous sync).
 
-    def __init__(self, learners: list[Any], engines: list[Any], queue: Any, timeout: float, *,
+    Restarted engines (docs/design.md §4): the driver holds one `watch()` call per engine, which never returns, so
+    its failure says the engine died (a frozen engine's does not fail). A sync that fails because an engine died
+    waits (bounded) until every call of it has ended, waits for Ray to restart the engine, re-opens the transport
+    (`connect_weights`: every member of a broadcast group) and runs again, at most MAX_RESTARTS times. Between
+    syncs `heal()` (the fleet calls it at each step and health check) does the same for an engine that died,
+    publishing a new version; the next `sync(version)` continues from the newest published one. An engine whose restarts are used up
+    stops the run (`died_error`). `restarts` counts the engines brought back (`faults/generation_restarts`)."""
+
+    def __init__(self, learners: list[Any], engines: list[Any], queue: Any, timeout: float, *, cluster: Any = None,
                  names: dict[str, str] | None = None, output_dir: str = ".") -> None:  # fmt: skip
         self.learners, self.engines, self.queue, self.timeout = learners, engines, queue, timeout
-        self.names, self.output_dir = names or {}, output_dir
+        self.cluster, self.names, self.output_dir = cluster, names or {}, output_dir
+        self.version = -1  # the newest version this transport published
+        self.restarts = 0
+        self._watches: dict[int, Any] = {}  # engine index -> its `watch()` call, which fails when the engine dies
+        self._arm(range(len(engines)))
+
+    def _name(self, index: int) -> str:
+        return self.names.get(self.engines[index]._actor_id.hex(), f"generation actor {index}")
 
     async def sync(self, version: int) -> tuple[int, dict[str, float]]:
         return await in_thread(self.sync_now, version)
 
+    async def heal(self) -> int:
+        return await in_thread(self.heal_now)
+
     def sync_now(self, version: int) -> tuple[int, dict[str, float]]:
-        """One sync, blocking (the cold sync runs it before the step loop starts)."""
+        """One sync, blocking (the cold sync runs it before the step loop starts); engines that die during it are
+        waited for, re-connected and synced again."""
+        version = max(version, self.version)  # heal() may have published a newer version since the caller's
+        for attempt in range(MAX_RESTARTS + 1):
+            try:
+                version, timings = self._sync_once(version)
+            except EngineRestarted as restarted:
+                if attempt == MAX_RESTARTS:
+                    raise RuntimeError(f"the weight sync failed {attempt + 1} times: {restarted}; "
+                                       f"{resume_hint(self.output_dir)}") from restarted.cause  # fmt: skip
+                logger.warning("%s; waiting for the restart, then the weight sync runs again", restarted)
+                self._reconnect(restarted.indices)
+                continue
+            self.version = version
+            if self.restarts:
+                timings["faults/generation_restarts"] = float(self.restarts)
+            return version, timings
+        raise AssertionError("unreachable")
+
+    def heal_now(self) -> int:
+        """Engines whose watch call failed since the last look (they died; Ray restarts them): wait for them, re-open
+        the transport and sync the current weights (a new version); the number brought back. Non-blocking while no
+        engine died."""
+        fired = self._fired(0.0)
+        if fired:
+            self._reconnect(fired)
+            self.version, _ = self.sync_now(self.version)
+        return len(fired)
+
+    def _arm(self, indices: Sequence[int]) -> None:
+        for index in indices:
+            self._watches[index] = self.engines[index].watch.remote()
+
+    def _fired(self, timeout: float) -> list[int]:
+        """The engines whose watch call ended (it only ends when the actor dies), waiting up to `timeout` for one."""
+        refs = list(self._watches.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        return [index for index, ref in self._watches.items() if ref in ready]
+
+    def _wait_restarted(self, index: int) -> int | None:
+        """Block until engine `index` answers again (Ray restarts it); its weights_version. Raises `died_error`
+        when its restarts are used up, a RuntimeError when it does not come back within RESTART_TIMEOUT_S."""
+        engine, deadline, died = self.engines[index], time.monotonic() + RESTART_TIMEOUT_S, 0
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return ray.get(engine.weights_version.remote(), timeout=max(left, 1.0))
+            except ray.exceptions.ActorUnavailableError:  # "the actor is restarting": asked again
+                pass
+            except ray.exceptions.RayActorError as exc:  # ActorDiedError: asked again twice, then it is final
+                died += 1
+                if died >= 3:
+                    raise died_error(self._name(index), exc, self.output_dir) from exc
+            except ray.exceptions.GetTimeoutError:
+                pass
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{self._name(index)} died and did not come back within {RESTART_TIMEOUT_S:.0f} "
+                                   f"s; {resume_hint(self.output_dir)}")  # fmt: skip
+            time.sleep(1.0)
+
+    def _reconnect(self, indices: Sequence[int]) -> None:
+        """Wait for the engines `indices` to come back, then re-open the transport for them (all members of a group)."""
+        restarted = [i for i in sorted(set(indices)) if self._wait_restarted(i) is None]
+        self._arm(sorted(set(indices)))
+        for index in restarted:
+            self.restarts += 1
+            logger.warning("%s was restarted: the weight transport is re-opened and the current policy sent before "
+                           "it serves (generation restarts so far: %d)", self._name(index), self.restarts)  # fmt: skip
+        if self.cluster is None:
+            raise RuntimeError("RayWeightSync needs the cluster settings to re-open the weight transport")
+        connect_weights(self.learners, self.engines, self.cluster, only=restarted)
+
+    def _sync_once(self, version: int) -> tuple[int, dict[str, float]]:
         started, started_at = time.perf_counter(), time.time()
         ticket = ray.get([learner.prepare_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
         finish = True
+        sends = [learner.send_weights.remote() for learner in self.learners]
+        loads = [engine.sync_weights.remote(ticket, version + 1) for engine in self.engines]
         try:
-            results = get_all(  # fails at once when an engine died, not after the broadcast's timeout
-                [learner.send_weights.remote() for learner in self.learners]
-                + [engine.sync_weights.remote(ticket) for engine in self.engines],
-                self.timeout + 60,
-            )
+            results = get_all(sends + loads, self.timeout + 60)  # fails at once when an engine died
         except Exception as exc:
             finish = False  # a learner still blocked in its send would hold the finish call back: the run stops
+            dead = self._dead_engines(exc, sends, loads)
+            if dead:
+                finish = True  # every call of this sync has ended
+                raise EngineRestarted(dead, exc) from exc
             if not isinstance(exc, ray.exceptions.RayActorError):  # a frozen (or dead) engine is named instead
                 try:
                     probe_engines(self.engines, self.names, "the weight sync", self.output_dir)
@@ -126,6 +258,27 @@ class RayWeightSync:
         sent, phases = results[: len(self.learners)], results[len(self.learners) :]
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
         return version + 1, sync_timings(time.perf_counter() - started, started_at, sent, phases)
+
+    def _dead_engines(self, exc: BaseException, sends: list[Any], loads: list[Any]) -> list[int]:
+        """After a failed sync: the engines that died (empty: not an engine death, e.g. a frozen engine or a dead
+        learner). When there are some, first waits (bounded by the collective timeout) for every call of the
+        sync to end: the survivors' collectives fail once their dead peer's connection is gone, or time out."""
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            return []  # something hangs: named by the probe
+        learner_ids = {learner._actor_id.hex() for learner in self.learners}
+        if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_id", None) in learner_ids:
+            return []
+        early = _settle(loads, 0.0)
+        dead = set(self._fired(DEATH_NOTICE_S)) | {i for i, result in enumerate(early) if _gone_or_fresh(result)}
+        if not dead:
+            return []
+        survivors = sends + [ref for i, ref in enumerate(loads) if i not in dead]  # a dead engine's call may wait
+        settled = _settle(survivors, self.timeout + 30)  # for its restart; the others end or time out
+        if any(result is None for result in settled):
+            return []  # a member is still blocked: the run stops (named by the probe)
+        if any(isinstance(r, ray.exceptions.RayActorError) for r in settled[: len(sends)]):
+            return []  # a learner died too: stop-and-resume
+        return sorted(dead)
 
 
 def sync_timings(total_s: float, started_at: float, sent: list[float], phases: list[dict[str, float]]) -> dict[str, float]:

@@ -11,7 +11,8 @@ actor yields every result that is ready as a list, so a finished request never w
 
 A request's failure comes back as its own exception (a rejected request stays `RequestRejectedError`, not
 retried); the stream itself failing (the actor died or is unreachable) fails every unanswered request of it with
-`EngineError`, which `EnginePool` retries on a live engine. The core never sees Ray.
+`EngineError` naming the actor, which `EnginePool` retries with backoff on another engine or on the one Ray
+restarted (docs/design.md §4); any other failure of the call propagates as it is. The core never sees Ray.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any
+
+import ray
 
 from rlasync.engine.base import EngineError
 
@@ -46,8 +49,11 @@ class EngineChannel:
         self._pending.append((list(prompt_ids), sampling, future))
         return future
 
-    def stats(self) -> Any:
-        return self.handle.stats.remote()
+    async def stats(self) -> Any:
+        try:
+            return await self.handle.stats.remote()
+        except ray.exceptions.RayActorError as exc:  # the engine died: the pool keeps its cap and retries later
+            raise self._lost(exc) from exc
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -59,7 +65,7 @@ class EngineChannel:
                 stream = self.handle.generate_stream.options(num_returns="streaming").remote(
                     [(ids, sampling) for ids, sampling, _ in part]
                 )
-            except Exception as exc:  # the handle cannot submit (actor gone)
+            except ray.exceptions.RayActorError as exc:  # the handle cannot submit (actor gone)
                 _fail(futures, self._lost(exc))
                 continue
             self.calls += 1
@@ -75,13 +81,19 @@ class EngineChannel:
                     future = futures[index]
                     if not future.done():
                         future.set_result(value) if ok else future.set_exception(value)
-        except Exception as exc:  # the actor died mid-stream, or the stream broke
+        except ray.exceptions.RayActorError as exc:  # ActorDiedError / ActorUnavailableError: the engine died
             _fail(futures, self._lost(exc))
+        except Exception as exc:  # the stream broke otherwise (a task error of the call itself): not retried
+            _fail(futures, exc)
         else:
             _fail(futures, EngineError(f"{self.name} closed a generation stream without answering every request"))
 
     def _lost(self, exc: BaseException) -> EngineError:
-        error = EngineError(f"{self.name} did not answer ({type(exc).__name__}: {exc})")
+        """The retryable error of a request the engine's death (or an unreachable actor) failed. The actor id stays
+        in the text: when the retries run out, the driver names the dead engine from it."""
+        actor_id = getattr(getattr(self.handle, "_actor_id", None), "hex", lambda: "?")()
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no detail"
+        error = EngineError(f"{self.name} ({actor_id}) did not answer: {type(exc).__name__} ({detail})")
         error.__cause__ = exc
         return error
 

@@ -8,15 +8,24 @@ buffers), the engine pauses (its step in flight finishes) meanwhile, then the we
 received, and it resumes. Over NCCL the buckets land in GPU buffers on the engine's device; over gloo they arrive
 on the CPU and are copied in; over IPC the ticket holds handles to learner rank 0's buckets. vLLM engines receive
 in their own workers (and pause themselves).
+
+Restarts (docs/design.md §4): Ray restarts a GenerationActor that died (`max_restarts`). The new incarnation holds
+the initial weights, so `generate` waits at a first-sync gate (at most `SYNC_GATE_S`, then a retryable
+`EngineError`) until the driver has re-opened the weight transport for it and sent it the current policy. The
+driver learns of the death from its `watch()` call failing; `weights_version()` is None until the first sync.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from typing import Any
 
 import ray
+
+NOT_OPENED = "sync_weights before open_weight_transport"  # also how the driver recognises a restarted engine
+SYNC_GATE_S = 30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
 
 
 @ray.remote
@@ -35,9 +44,21 @@ class GenerationActor:
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.loop_lag = LoopLagMonitor()  # how late this actor's event loop runs (a late loop delays every call)
+        self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
+        self.synced = asyncio.Event()
 
     async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
         self.loop_lag.start()
+        if not self.synced.is_set():  # a restarted engine: not before it holds the current policy
+            try:
+                await asyncio.wait_for(self.synced.wait(), SYNC_GATE_S)
+            except TimeoutError:
+                from rlasync.engine.base import EngineError
+
+                raise EngineError(
+                    f"generation engine not synced with the current policy after {SYNC_GATE_S:.0f} s "
+                    "(restarted, waiting for the driver's weight sync): retry"
+                ) from None
         return await self.engine.generate(prompt_ids, sampling)
 
     async def generate_stream(self, requests: list[tuple[list[int], Any]]) -> Any:
@@ -46,8 +67,17 @@ class GenerationActor:
         from actors.engine_channel import stream_results
 
         self.loop_lag.start()
-        async for ready in stream_results(self.engine, requests):
+        async for ready in stream_results(self, requests):  # through `generate`: its first-sync gate
             yield ready
+
+    async def watch(self) -> None:
+        """Never returns: the driver keeps one call per incarnation in flight, and its failure tells it this actor
+        died (a frozen actor's call just stays pending)."""
+        await asyncio.Event().wait()
+
+    def weights_version(self) -> int | None:
+        """The policy version this incarnation last loaded (None: none yet, e.g. restarted by Ray)."""
+        return self.version
 
     def stats(self) -> Any:
         return self.engine.stats()
@@ -86,15 +116,17 @@ class GenerationActor:
             self.receiver.close()
         self.receiver = await make_receiver(plan, rank, manifest, self.engine, self._device())
 
-    async def sync_weights(self, ticket: Any = None) -> dict[str, float]:
-        """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) and load it, pausing only
-        for the copy: returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until
+    async def sync_weights(self, ticket: Any = None, version: int | None = None) -> dict[str, float]:
+        """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and
+        load it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until
         loaded, `resume_s`, `total_s`), `started_at` (wall clock) and `loop_lag_max_s` (this actor's worst
         event-loop lag since the previous sync)."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:
-            raise RuntimeError("sync_weights before open_weight_transport")
+            raise RuntimeError(NOT_OPENED)
         phases = await self.receiver.load_into(self.engine, ticket)
+        self.version = version
+        self.synced.set()
         return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max()}
 
     async def close(self) -> None:

@@ -5,6 +5,9 @@ starts a new incarnation with the same constructor arguments. That incarnation's
 calls `ensure_running()` on every rollout actor at each step and health check, and a loop that is not running yet
 is started. `start()` first asks the queue to release every lease the actor's owner name still holds (the dead
 incarnation's groups in flight), so those prompts are leased again: every prompt is still consumed exactly once.
+
+A GenerationActor's death is handled on the rollout side by `actors.engine_channel.EngineChannel`: the requests it
+failed become retryable `EngineError`s.
 """
 
 from __future__ import annotations

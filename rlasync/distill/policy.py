@@ -43,6 +43,11 @@ class _Task:
     """The task's metrics, emitted with its push."""
 
 
+class TeacherRejectedError(RequestRejectedError):
+    """The row's teacher rejected its scoring request (e.g. prompt + completion longer than the teacher's
+    max_model_len): the task fails (dropped as "failed", counted under a `teacher_*` cause), never retried."""
+
+
 class DistillationPolicy(PolicyBase):
     """The distillation policy (see the module docstring); `AsyncDistillationLoop` assembles it with a scheduler."""
 
@@ -116,9 +121,12 @@ class DistillationPolicy(PolicyBase):
         if completion_ids:
             score_started = self._clock()
             token_ids = prompt_ids + completion_ids
-            scores = await self.engine_pool.retrying(
-                f"teacher {teacher_id}", lambda: self._score(teacher_id, teacher, token_ids, len(prompt_ids))
-            )
+            try:
+                scores = await self.engine_pool.retrying(
+                    f"teacher {teacher_id}", lambda: self._score(teacher_id, teacher, token_ids, len(prompt_ids))
+                )
+            except RequestRejectedError as exc:  # told apart from the student's rejection in `failure_cause`
+                raise TeacherRejectedError(f"teacher {teacher_id!r} rejected the scoring request: {exc}") from exc
             score_s = self._clock() - score_started
         sample = build_distillation_sample(
             prompt_ids, completion_ids, scores, self.teacher_top_k,
@@ -130,7 +138,18 @@ class DistillationPolicy(PolicyBase):
     # ---- the scheduler's calls (TaskPolicy) ----------------------------------------------------------------
 
     def is_group_failure(self, error: BaseException) -> bool:
+        """A rejected request (student or teacher) fails only its task; transient errors were retried by the
+        engine pool; anything else (retries used up, a dead teacher) stops the loop with its error."""
         return isinstance(error, self.task_failure_exceptions)
+
+    def failure_cause(self, error: BaseException) -> str:
+        """The cause a failed task is counted under (the watchdog's reason), as GRPO's: "too_long" (the student
+        rejected a prompt over max_model_len), "rejected"; the teacher's: "teacher_too_long", "teacher_rejected"."""
+        prefix = "teacher_" if isinstance(error, TeacherRejectedError) else ""
+        if isinstance(error, RequestRejectedError):
+            too_long = "max_model_len" in str(getattr(error, "cause", None) or error)
+            return prefix + ("too_long" if too_long else "rejected")
+        return "error"
 
     def after_close(self) -> None:
         """Nothing of its own to release."""
@@ -213,4 +232,4 @@ def _accepts_keyword(function: Any, name: str) -> bool:
     return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-__all__ = ["FAILED_TASK_METRIC", "DistillationPolicy"]
+__all__ = ["FAILED_TASK_METRIC", "DistillationPolicy", "TeacherRejectedError"]

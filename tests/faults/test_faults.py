@@ -2,8 +2,10 @@
 
     rollout, reward, teacher   restarted by Ray; the dead rollout actor's leases are released, the run finishes and
                                every prompt of the epoch ends in exactly one counted outcome
+    generation                 restarted by Ray; its failed requests are retried, the driver re-opens the weight
+                               transport and sends it the current policy, and the run finishes (1 and 2 engines)
     learner, queue, generation stop-and-resume: the run stops within a bound with an error naming the dead actor and
-                               the checkpoint to resume from; `train(resume_from_checkpoint=True)` continues there
+    (restarts used up)         the checkpoint to resume from; `train(resume_from_checkpoint=True)` continues there
     a frozen (SIGSTOPped) generation actor is named as such, not reported as a hung rollout loop
 """
 
@@ -122,15 +124,38 @@ def test_a_killed_rollout_or_reward_actor_is_restarted_and_the_epoch_is_consumed
     assert alive(trainer.actor_ids) == []
 
 
+@pytest.mark.parametrize("engines", [1, 2], ids=["one-engine", "two-engines"])
+def test_a_killed_generation_actor_is_restarted_synced_and_the_epoch_is_consumed_exactly_once(
+    ray_cluster, tiny_model_dir, tmp_path, engines
+):
+    trainer, kill = grpo_trainer(tiny_model_dir, tmp_path, "GenerationActor", step=2,
+                                 cluster={"num_generation_actors": engines})  # fmt: skip
+    state = trainer.train()
+    assert kill.pid is not None, "the run ended before the kill"
+    assert_exactly_once(state["queue"])
+    restarted = [row for row in actor_table(trainer.actor_ids) if row["ActorClassName"] == "GenerationActor"]
+    assert len(restarted) == engines and max(row["NumRestarts"] for row in restarted) >= 1
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    counts = [r["faults/generation_restarts"] for r in records if "faults/generation_restarts" in r]
+    assert counts and counts[-1] >= 1, "no record of the generation restart"
+    assert all(r["step"] < 2 for r in records if "faults/generation_restarts" not in r)  # counted from the restart on
+    versions = [r["policy_version"] for r in records]
+    assert versions == sorted(versions) and versions[-1] > state["global_step"]  # the restart's sync is a version
+    assert (tmp_path / f"checkpoint-{state['global_step']}" / "trainer_state.json").is_file()
+    assert alive(trainer.actor_ids) == []
+
+
 @pytest.mark.parametrize(
     "class_name, name",
     [("LearnerActor", "learner rank 0"), ("QueueActor", "the queue actor (StalenessQueue)"),
      ("GenerationActor", "generation actor 0")],
-    ids=["learner", "queue", "generation"],
+    ids=["learner", "queue", "generation-restarts-used-up"],
 )  # fmt: skip
 def test_a_killed_learner_queue_or_engine_stops_the_run_naming_it_and_resume_continues(
-    ray_cluster, tiny_model_dir, tmp_path, class_name, name
+    ray_cluster, tiny_model_dir, tmp_path, class_name, name, monkeypatch
 ):
+    if class_name == "GenerationActor":  # no restart left: stop-and-resume, like the queue and the learners
+        monkeypatch.setattr("actors.cluster_faults.MAX_RESTARTS", 0)
     trainer, kill = grpo_trainer(tiny_model_dir, tmp_path, class_name, step=3, save_steps=2)
     with pytest.raises(RuntimeError) as info:
         trainer.train()

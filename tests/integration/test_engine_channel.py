@@ -67,4 +67,6 @@ def test_a_dead_generation_actor_fails_its_unanswered_requests_with_a_retryable_
 
     results = asyncio.run(killed_mid_stream())
     errors = [r for r in results if isinstance(r, BaseException)]
-    assert errors and all(isinstance(e, EngineError) and "generation actor 3 did not answer" in str(e) for e in errors)
+    assert errors and all(
+        isinstance(e, EngineError) and "generation actor 3 (" in str(e) and "did not answer" in str(e) for e in errors
+    )

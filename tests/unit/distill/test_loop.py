@@ -264,3 +264,43 @@ def test_log_completions_prints_every_n_samples(fakes, capsys):
                     args=fakes.args(log_completions=True, log_completions_steps=2))  # fmt: skip
     asyncio.run(loop.run())
     assert capsys.readouterr().out.count("[distill] prompt") == 2
+
+
+def test_teacher_and_student_rejections_fail_only_their_task_counted_under_their_own_cause(fakes):
+    """A rejected teacher score is a task failure like a rejected student request (never swallowed, never stops
+    the loop), and the cause says which side rejected it."""
+    failures = []
+
+    class Source(fakes.Source):
+        def report_failure(self, lease, cause, detail):
+            failures.append((lease.row_index, cause, detail))
+
+    student, teacher = fakes.Student(), fakes.Teacher()
+    student.reject = lambda prompt_ids: len(prompt_ids) > 4
+    loop, metrics = _loop(fakes, [fakes.row("a"), fakes.row("long prompt")], student=student, teachers=teacher,
+                          source=Source([fakes.row("a"), fakes.row("long prompt")]))  # fmt: skip
+    asyncio.run(loop.run())
+    assert [cause for _, cause, _ in failures] == ["rejected"]  # the student's ("prompt too long": no max_model_len)
+    assert len(loop.sink.samples) == 1
+
+    failures.clear()
+    teacher = fakes.Teacher()
+    teacher.reject = True
+    loop, metrics = _loop(fakes, [fakes.row("a")], teachers=teacher, source=Source([fakes.row("a")]))
+    asyncio.run(loop.run())
+    assert loop.sink.samples == [] and loop.prompt_source.released == [(0, "failed")]
+    assert [cause for _, cause, _ in failures] == ["teacher_rejected"]
+    assert "teacher 'default' rejected the scoring request" in failures[0][2]
+    assert _values(metrics, "rollout/failed_task_count") == [1.0]
+
+
+def test_failure_cause_tells_a_too_long_prompt_apart_for_either_side(fakes):
+    from rlasync.distill.policy import TeacherRejectedError
+    from rlasync.engine.base import RequestRejectedError
+
+    loop, _ = _loop(fakes, [fakes.row("a")])
+    policy = loop  # the loop is the policy (AsyncDistillationLoop subclasses DistillationPolicy)
+    too_long = RequestRejectedError("prompt of 600 tokens is longer than max_model_len=512")
+    assert policy.failure_cause(too_long) == "too_long"
+    assert policy.failure_cause(TeacherRejectedError(f"teacher 't' rejected: {too_long}")) == "teacher_too_long"
+    assert policy.failure_cause(RuntimeError("boom")) == "error"

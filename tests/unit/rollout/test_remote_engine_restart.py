@@ -1,0 +1,95 @@
+"""A dead or restarting GenerationActor's failed requests are retryable EngineErrors for the EnginePool (the core never
+sees a Ray error), and the retry lands on another engine or the restarted one (`actors.engine_channel`)."""
+
+import asyncio
+import collections
+
+import pytest
+
+ray_exceptions = pytest.importorskip("ray.exceptions")
+
+
+class _ActorId:
+    def hex(self):
+        return "ab" * 14
+
+
+class _Stream:
+    """A Ray streaming generator: each item awaits to one list of (index, ok, value); `outcome` an exception fails
+    the stream itself (the actor died), else every request gets `outcome`."""
+
+    def __init__(self, requests, outcome):
+        self.requests, self.outcome = requests, outcome
+
+    async def __aiter__(self):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        for index in range(len(self.requests)):
+
+            async def item(index=index):
+                return [(index, True, self.outcome)]
+
+            yield item()
+
+
+class FakeHandle:
+    def __init__(self, *outcomes):
+        self.outcomes = collections.deque(outcomes)
+        self.generate_stream = self
+        self._actor_id = _ActorId()
+
+    def options(self, **options):
+        assert options == {"num_returns": "streaming"}
+        return self
+
+    def remote(self, requests):
+        return _Stream(requests, self.outcomes.popleft())
+
+
+def _pool(engines, slept):
+    from rlasync.rollout.engine_pool import EnginePool
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    return EnginePool(engines, max_concurrent=4, emit=lambda items: None, stats_interval_s=None, sleep=sleep)
+
+
+def test_an_engine_death_is_retried_on_the_restarted_engine():
+    from actors.engine_channel import EngineChannel
+
+    died = ray_exceptions.ActorUnavailableError("The actor is restarting", b"\x00" * 16)
+    slept = []
+    pool = _pool([EngineChannel(FakeHandle(died, "tokens"))], slept)
+
+    async def run():
+        return await pool.retrying("generation", lambda: pool.engines[0].generate([1, 2], None))
+
+    assert asyncio.run(run()) == "tokens"
+    assert slept == [1.0] and pool.counters["generation_retries"] == 1
+
+
+def test_the_engine_error_names_the_dead_actor_and_keeps_the_cause():
+    from actors.engine_channel import EngineChannel
+    from rlasync.engine.base import EngineError
+
+    channel = EngineChannel(FakeHandle(ray_exceptions.ActorDiedError()), name="generation actor 1")
+
+    async def run():
+        return await channel.generate([1], None)
+
+    with pytest.raises(EngineError, match=r"generation actor 1 \(abab.*\) did not answer: ActorDiedError") as info:
+        asyncio.run(run())
+    assert isinstance(info.value.__cause__, ray_exceptions.ActorDiedError)
+
+
+def test_a_task_error_of_the_call_itself_is_not_translated():
+    from actors.engine_channel import EngineChannel
+
+    channel = EngineChannel(FakeHandle(ValueError("bad sampling")))
+
+    async def run():
+        return await channel.generate([1], None)
+
+    with pytest.raises(ValueError, match="bad sampling"):
+        asyncio.run(run())
