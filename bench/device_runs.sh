@@ -56,6 +56,21 @@ system_torch)  # one H200, after the SmolLM2 calls (../shared/device/smollm2): G
     run engine_torch_nomixed 100 $st engine --engine torch --model "$ckpt" --seconds 20 --no-mixed-graphs
     python3 bench/pyspy_top.py "$out"/pyspy_torch_*.txt > "$out/top_torch.txt" 2>&1
     ;;
+vllm_sums)  # after system_torch's SmolLM2 calls and a call that ran `bash .vllmkit/unpack.sh`: vLLM in the system
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    st="python3 bench/system_throughput.py --out $out/system_throughput_h200.json"
+    run system_vllm 330 $st system --engine vllm --steps 80 --run-dir /tmp/st_vllm
+    ckpt=$(ls -d /tmp/st_vllm/checkpoint-* | sort -V | tail -1)
+    run engine_vllm 150 $st engine --engine vllm --model "$ckpt" --seconds 20
+    ;;
+lora)  # LoRA on one H200 (vLLM kit unpacked in an earlier call): adapter sync times, LoRA GRPO with both engines
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    run lora_sync 150 python3 bench/lora_sync.py --out "$out/lora_h200.json"
+    run e2e_lora_torch 170 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --out "$out/e2e_lora_torch.json"
+    run e2e_lora_vllm 220 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --engine vllm --out "$out/e2e_lora_vllm.json"
+    ;;
 vllm)
     bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \

@@ -243,8 +243,14 @@ def run_training(args: argparse.Namespace, model_dir: str, name: str, max_stalen
             trainer = AsyncDistillationTrainer(model=model_dir, args=config, train_dataset=arithmetic_dataset(20000, seed=0),
                                                teacher_model=args.teacher_dir)  # fmt: skip
         else:
+            peft = None
+            if args.lora_rank:
+                from peft import LoraConfig
+
+                peft = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
             trainer = AsyncGRPOTrainer(
-                model=model_dir, reward_funcs=bench_reward, args=config, train_dataset=arithmetic_dataset(20000, seed=0)
+                model=model_dir, reward_funcs=bench_reward, args=config, train_dataset=arithmetic_dataset(20000, seed=0),
+                peft_config=peft,
             )
         state = trainer.train()
     finally:
@@ -290,6 +296,7 @@ def main() -> None:
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5,
                         help="vLLM's share of its GPU (lower it with --share-gpu)")
     parser.add_argument("--dtype", default=None, help="dtype of the random checkpoint (default bfloat16 on GPU)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (all-linear; peft)")
     parser.add_argument("--keep-outputs", action="store_true", help="keep each run's output_dir (metrics.jsonl)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="JSON result path")
