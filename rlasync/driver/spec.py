@@ -64,6 +64,8 @@ class LearnerSpec:
     objective: Objective = "grpo"
     max_steps: int | None = None
     teacher_ids: list[str] | None = None
+    optimizer_overrides: dict[str, Any] | None = None
+    """The trainer's `optimizers=`: OptimizerSettings fields (optimizer_cls, optimizer_kwargs, scheduler_factory)."""
 
 
 @dataclass
@@ -91,6 +93,8 @@ class RunSpec:
     version: int = 0
     trainer_state: Any = None
     """transformers' `TrainerState` the callbacks get (the trainer's `state`); None: the StepLoop makes one."""
+    log_inbox: list[dict[str, float]] | None = None
+    """`trainer.log(logs)` during the run: the StepLoop records these into the next window."""
 
     def step_settings(self, tokens_per_step: int, samples_per_step: int | None) -> StepSettings:
         return StepSettings.from_config(
@@ -109,7 +113,7 @@ class RunSpec:
             self.step_settings(tokens_per_step, samples_per_step), queue=queue, learners=learners, weights=weights,
             fleet=fleet, checkpointer=Checkpointer(config.output_dir, config.save_total_limit), sinks=sinks,
             callbacks=self.callbacks, callback_args=config, state=state, tokenizer=self.tokenizer,
-            trainer_state=self.trainer_state, perf=step_perf(self.model, config),
+            trainer_state=self.trainer_state, perf=step_perf(self.model, config), log_inbox=self.log_inbox,
         )  # fmt: skip
 
 

@@ -105,7 +105,8 @@ class StepLoop:
     def __init__(self, settings: StepSettings, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport,
                  fleet: Fleet, checkpointer: Checkpointer, sinks: Sequence[Any] = (), callbacks: Sequence[Any] = (),
                  callback_args: Any = None, state: dict[str, Any] | None = None, tokenizer: Any = None,
-                 trainer_state: Any = None, perf: StepPerf | None = None) -> None:  # fmt: skip
+                 trainer_state: Any = None, perf: StepPerf | None = None,
+                 log_inbox: list[dict[str, float]] | None = None) -> None:  # fmt: skip
         """`state`: the run's dict (updated in place, returned by `run`); `trainer_state`: the transformers
         `TrainerState` the callbacks get (a new one when None); `perf`: the throughput / MFU estimator."""
         from transformers import TrainerControl, TrainerState
@@ -122,6 +123,7 @@ class StepLoop:
         self.control = TrainerControl()
         self.window = MetricSink()
         self.perf = perf if perf is not None else StepPerf()
+        self.log_inbox = log_inbox if log_inbox is not None else []  # trainer.log(...) while the run goes
         self.watchdog = Watchdog(settings.watchdog_settings())
 
     @property
@@ -190,6 +192,8 @@ class StepLoop:
             self.trainer_state.global_step = step
             self._event("on_step_end", metrics=step_window.reduce())
             self.window.update(await self.fleet.drain_metrics())
+            while self.log_inbox:
+                self.window.update(self.log_inbox.pop(0))
             if step % s.logging_steps == 0 or (s.logging_first_step and step == 1) or self.control.should_log:
                 self._log(step, self.window.reduce())
             if (s.save_steps is not None and step % s.save_steps == 0) or self.control.should_save:

@@ -67,7 +67,8 @@ class Learner:
         torch.manual_seed(settings.seed)
         dtype, init_kwargs = model_init_options(settings.model_init_kwargs, settings.dtype, settings.trust_remote_code)  # type: ignore[arg-type]
         self.model = load_model(resume_dir or model_path, dtype=dtype, device=self.device, **init_kwargs)
-        prepare_for_training(self.model, gradient_checkpointing=settings.gradient_checkpointing)
+        prepare_for_training(self.model, gradient_checkpointing=settings.gradient_checkpointing,
+                             use_reentrant=settings.use_reentrant)
         self.mixed = on_gpu and settings.bf16 and dtype == "float32"
         if on_gpu and settings.fp16:
             logger.warning("fp16=True: fp16 mixed precision is not implemented; training in %s (use bf16=True)", dtype)

@@ -53,10 +53,11 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         loop_cls: type[AsyncRolloutLoop] | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
         self._begin_init(args if args is not None else AsyncGRPOConfig(), loop_cls)
         train_dataset = self._check_inputs(reward_funcs, train_dataset, tools, environment_factory)
-        self._end_init(model, train_dataset, processing_class, callbacks)
+        self._end_init(model, train_dataset, processing_class, callbacks, optimizers)
 
     # ---- checks -------------------------------------------------------------------------------------------------
 
