@@ -216,6 +216,14 @@ class TrainingArgumentsFields:
     use_cpu: bool = False
 
 
+def _unset(value: Any, default: Any) -> bool:
+    """An "off" value where the default is unset (None, "" or []): e.g. TrainingArguments' `debug=[]`,
+    `tf32=False`, `include_num_input_tokens_seen=False` mean what the default means."""
+    if default in (None, "", []) or default == "no":
+        return value in (None, "", [], False, "no")
+    return False
+
+
 def _enum_value(value: Any) -> Any:
     """transformers' enums (IntervalStrategy, SaveStrategy, ...) compare by their string value."""
     return getattr(value, "value", value)
@@ -227,8 +235,9 @@ def check_training_arguments(config: Any) -> None:
                 for name, f in TrainingArgumentsFields.__dataclass_fields__.items()}  # fmt: skip
     for name, fix in UNSUPPORTED.items():
         value = _enum_value(getattr(config, name))
-        if value != defaults[name]:
-            raise ValueError(f"{name}={value!r} is not supported by rlasync: {fix} (default {defaults[name]!r})")
+        if value == defaults[name] or _unset(value, defaults[name]):
+            continue
+        raise ValueError(f"{name}={value!r} is not supported by rlasync: {fix} (default {defaults[name]!r})")
     config.save_strategy = _enum_value(config.save_strategy)
     if config.save_strategy not in SAVE_STRATEGIES:
         raise ValueError(

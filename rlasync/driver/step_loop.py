@@ -124,6 +124,7 @@ class StepLoop:
         self.window = MetricSink()
         self.perf = perf if perf is not None else StepPerf()
         self.log_inbox = log_inbox if log_inbox is not None else []  # trainer.log(...) while the run goes
+        self._last_saved_step: int | None = None
         self.watchdog = Watchdog(settings.watchdog_settings())
 
     @property
@@ -155,7 +156,7 @@ class StepLoop:
         return dict(self.run_state)
 
     def _saved_at(self, step: int) -> bool:
-        return self.run_state.get("last_saved_step") == step
+        return self._last_saved_step == step
 
     async def _steps(self, step: int, version: int) -> int:
         s = self.settings
@@ -241,7 +242,7 @@ class StepLoop:
 
     async def _save(self, step: int) -> None:
         path = await self.checkpointer.save(step, self.run_state, self.queue, self.learners, self.tokenizer)
-        self.run_state["last_saved_step"] = step
+        self._last_saved_step = step
         self.control.should_save = False
         self._event("on_save", checkpoint=path)
 
