@@ -133,3 +133,16 @@ def test_mfu_is_omitted_without_a_known_peak(tmp_path):
     assert not any(k.endswith("_mfu") for _, r in sink.records for k in r)
     assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
     assert peak_flops("cpu") is None and peak_flops(None) is None
+
+
+def test_trainer_log_during_a_run_joins_the_next_window(tmp_path):
+    inbox = []
+
+    class LogFromCallback(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            inbox.append({"my/metric": float(state.global_step)})  # what trainer.log does during a run
+
+    loop, sink = make(tmp_path, [LogFromCallback()], horizon=2)
+    loop.log_inbox = inbox
+    asyncio.run(loop.run())
+    assert [r["my/metric"] for _, r in sink.records] == [1.0, 2.0] and inbox == []
