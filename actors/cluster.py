@@ -205,6 +205,7 @@ class Cluster:
         settings = LearnerSettings.from_config(
             self.config, objective=spec.learner.objective, token_budget=budget, max_steps=spec.learner.max_steps,
             teacher_ids=spec.learner.teacher_ids, peft_config=spec.learner.peft_config,
+            optimizer_overrides=spec.learner.optimizer_overrides,
         )  # fmt: skip
         learners = [
             self.spawn(LearnerActor, f"learner rank {rank}", "learner", rank=rank, world_size=num_learners, model=spec.model, settings=settings,

@@ -125,7 +125,8 @@ class RayWeightSync:
     None for a broadcast), then the learners send while each engine receives, pauses (its step in flight finishes
     meanwhile), loads and resumes (`GenerationActor.sync_weights`), then the learners finish (e.g. release shared
     buckets); then the queue publishes version + 1. The timings are the sync's phases (docs/algorithms.md §6.1 names):
-    `perf/weight_sync_s` (total, including the version bump), and over the engines the slowest
+    `perf/weight_sync_s` (total, including the version bump), `perf/weight_sync_barrier_s` (until every learner
+    rank had prepared its send: the ranks' barrier), and over the engines the slowest
     `perf/weight_sync_pause_s` (until paused, overlapping the transfer), `perf/weight_sync_transfer_s` (paused until
     loaded: what of the transfer did not overlap, and the copies) and `perf/weight_sync_resume_s`; also
     `perf/weight_sync_dispatch_s` (until the slowest engine's call started), `perf/weight_sync_send_s` (rank 0's
@@ -234,6 +235,7 @@ class RayWeightSync:
     def _sync_once(self, version: int) -> tuple[int, dict[str, float]]:
         started, started_at = time.perf_counter(), time.time()
         ticket = ray.get([learner.prepare_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
+        barrier_s = time.perf_counter() - started  # until every learner rank was ready to send
         finish = True
         sends = [learner.send_weights.remote() for learner in self.learners]
         loads = [engine.sync_weights.remote(ticket, version + 1) for engine in self.engines]
@@ -257,7 +259,8 @@ class RayWeightSync:
                 ray.get(finished, timeout=self.timeout)
         sent, phases = results[: len(self.learners)], results[len(self.learners) :]
         ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
-        return version + 1, sync_timings(time.perf_counter() - started, started_at, sent, phases)
+        timings = sync_timings(time.perf_counter() - started, started_at, sent, phases)
+        return version + 1, {**timings, "perf/weight_sync_barrier_s": barrier_s}
 
     def _dead_engines(self, exc: BaseException, sends: list[Any], loads: list[Any]) -> list[int]:
         """After a failed sync: the engines that died (empty: not an engine death, e.g. a frozen engine or a dead

@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rlasync.config.trl_fields import TrainingArgumentsFields, check_training_arguments, parse_optim_args
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -29,6 +31,9 @@ LR_SCHEDULERS = (
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "ipc")
 ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
 REPORT_TO = ("tensorboard", "wandb", "trackio", "mlflow", "all", "none")  # rlasync.metrics.sinks.REPORT_TO: the sinks rlasync has
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adagrad", "rmsprop")
+"""`optim` names the learner builds (transformers' names; torch optimizers, `adafactor` is transformers')."""
+GRADIENT_CHECKPOINTING_KWARGS = ("use_reentrant",)
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
 
 
@@ -126,8 +131,10 @@ class ClusterConfig:
 
 
 @dataclass
-class TrainerConfig:
-    """Fields and checks shared by the trainer configs (TRL / TrainingArguments names and defaults)."""
+class TrainerConfig(TrainingArgumentsFields):
+    """Fields and checks shared by the trainer configs (TRL / TrainingArguments names and defaults). The
+    TrainingArguments fields rlasync does not use otherwise come from `TrainingArgumentsFields`
+    (rlasync.config.trl_fields): accepted with TRL's defaults, honoured or refused."""
 
     # ---- run and optimisation (TrainingArguments names; TRL's defaults where they differ) ----
     output_dir: str | None = None
@@ -143,7 +150,9 @@ class TrainerConfig:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    optim: str = "adamw_torch"
+    optim: str = "adamw_torch_fused"
+    """The learner's optimizer (transformers' names): adamw_torch_fused (TRL's default), adamw_torch, adafactor, sgd,
+    adagrad, rmsprop; `optim_args` adds keyword arguments. `optimizers=` on the trainer overrides it."""
     lr_scheduler_type: str = "constant"
     """The step count is unknown up front (infinite stream), so decay only with an explicit `max_steps`."""
     lr_scheduler_kwargs: dict[str, Any] | str | None = None
@@ -152,15 +161,14 @@ class TrainerConfig:
     num_train_epochs: float = 3.0
     max_steps: int = -1
     """Stop after this many optimizer steps; `-1` = stop after `num_train_epochs` over the dataset."""
-    logging_steps: int = 1
-    save_steps: int = 500
+    logging_steps: float = 1
+    """Log a window every this many steps; a value in (0, 1) is a fraction of `max_steps` (as transformers)."""
+    save_steps: float = 500
+    """Checkpoint every this many steps; a value in (0, 1) is a fraction of `max_steps` (as transformers)."""
     save_total_limit: int | None = None
     report_to: str | list[str] = "none"
     """Metric sinks besides `<output_dir>/metrics.jsonl`: "tensorboard", "wandb", "trackio", "mlflow", "all" (those
     installed) or "none"."""
-    disable_tqdm: bool = False
-    """TRL's field: no progress bar; the console then gets one plain line per logging step (as when it is not a
-    terminal)."""
     strict_dataset: bool = False
     """rlasync: a dataset row whose prompt is unusable (missing, empty, not conversational) stops the run; by
     default it is dropped when leased, counted as "filtered" and named in a warning (docs/design.md §4)."""
@@ -172,6 +180,7 @@ class TrainerConfig:
     learner then trains in its `dtype` (a warning says so on a GPU)."""
     gradient_checkpointing: bool = True
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
+    """Only `use_reentrant` (default False: non-reentrant checkpointing) is supported."""
     ignore_data_skip: bool = True
     """Forced True: resume continues at the first untrained prompt, not by skipping batches."""
     use_liger_kernel: bool = False
@@ -198,7 +207,18 @@ class TrainerConfig:
     """TRL's name for the `vllm serve` address: used when `cluster.engine="vllm_server"` and `cluster.vllm_server_url`
     is not set."""
     vllm_server_timeout: float = 1800.0
-    """Seconds: server readiness, each generation request (retried on timeout) and each weight-sync call."""
+    """Seconds to wait for a `vllm serve` server to become ready (GRPO: also each request and weight-sync call,
+    unless `request_timeout` / `weight_sync_timeout` are set)."""
+    request_timeout: float = 600
+    """Seconds per HTTP request to a `vllm serve` server (retried on timeout)."""
+    weight_sync_timeout: float = 1800
+    """Seconds per weight-sync call to a `vllm serve` server."""
+    remove_unused_columns: bool = True
+    """Accepted either way: as in TRL's async trainers, every dataset column reaches the reward functions (the
+    prompts go to the rollouts, not through a model signature)."""
+    queue_maxsize: int = 1024
+    """TRL's rollout-buffer bound: refused unless left at the default, since the StalenessQueue is bounded by the
+    token allowance (max(max_staleness, 1) steps of tokens); set max_staleness."""
 
     # ---- batching and asynchrony ----
     token_budget: int | None = None
@@ -245,14 +265,28 @@ class TrainerConfig:
             self.output_dir = "trainer_output"
 
     def _validate(self) -> None:
+        check_training_arguments(self)
         self._check_run()
         self._check_sampling()
         self._check_async()
 
     # One rule group per method; subclasses extend them. Each error names the field and the fix.
     def _check_run(self) -> None:
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             _positive_int(self, name)
+        for name in ("logging_steps", "save_steps"):
+            _steps_or_ratio(self, name)
+        if self.optim not in OPTIMIZERS:
+            raise ValueError(
+                f"optim={self.optim!r} is not supported: choose one of {', '.join(OPTIMIZERS)}, or pass "
+                "optimizers=(torch.optim.SomeOptimizer, None) to the trainer"
+            )
+        unknown_gc = sorted(set(self.gradient_checkpointing_kwargs or {}) - set(GRADIENT_CHECKPOINTING_KWARGS))
+        if unknown_gc:
+            raise ValueError(
+                f"gradient_checkpointing_kwargs: {unknown_gc} not supported; only "
+                f"{list(GRADIENT_CHECKPOINTING_KWARGS)} (e.g. {{'use_reentrant': False}})"
+            )
         for name in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps"):
             _at_least(self, name, 0.0)
         if self.max_steps == 0 or self.max_steps < -1:
@@ -278,6 +312,14 @@ class TrainerConfig:
             self.ignore_data_skip = True
 
     def _check_sampling(self) -> None:
+        for name in ("vllm_server_timeout", "request_timeout", "weight_sync_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if self.queue_maxsize != 1024:
+            raise ValueError(
+                f"queue_maxsize={self.queue_maxsize} is not supported: the StalenessQueue is bounded by the token "
+                "allowance (max(max_staleness, 1) steps of tokens), not a sample count; set max_staleness instead"
+            )
         _positive_int(self, "max_completion_length")
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature}: must be > 0 (use a small value such as 1e-3 for near-greedy)")
@@ -306,6 +348,25 @@ class TrainerConfig:
             raise ValueError(f"watchdog_action={self.watchdog_action!r}: choose 'error' (stop the run) or 'warn'")
 
     # ---- derived values ----
+    def steps_of(self, name: str, horizon: int | None) -> int:
+        """`logging_steps` / `save_steps` as a step count: a ratio in (0, 1) is ceil(ratio x horizon)
+        (transformers' rule), where `horizon` is the run's step count (max_steps, or distillation's epoch ceiling)."""
+        value = getattr(self, name)
+        if value >= 1:
+            return int(value)
+        if horizon is None:
+            raise ValueError(f"{name}={value} is a fraction of max_steps, but the run has no step horizon: set max_steps")
+        return max(1, math.ceil(value * horizon))
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """`optim_args` parsed ("k=v,k2=v2" -> a dict)."""
+        return parse_optim_args(self.optim_args) if self.optim_args else {}
+
+    @property
+    def use_reentrant(self) -> bool:
+        """Gradient checkpointing's `use_reentrant` (`gradient_checkpointing_kwargs`; False by default)."""
+        return bool((self.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
+
     def samples_per_step(self, num_processes: int = 1) -> int:
         """B x GA x P: samples per optimizer step."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * num_processes
@@ -333,10 +394,21 @@ def _positive_int(config: Any, name: str) -> None:
         raise ValueError(f"{name}={value!r}: must be a positive integer")
 
 
+def _steps_or_ratio(config: Any, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: must be a positive step count, or a fraction of max_steps in (0, 1)")
+    if value > 1 and value != int(value):
+        raise ValueError(f"{name}={value!r}: a value above 1 is a step count, give an integer")
+    if value >= 1:
+        setattr(config, name, int(value))
+
+
 def _at_least(config: Any, name: str, low: float) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < low:
         raise ValueError(f"{name}={value!r}: must be a number >= {low}")
 
 
-__all__ = ["DTYPES", "ENGINES", "JSON_DICT_FIELDS", "LR_SCHEDULERS", "WEIGHT_SYNC_BACKENDS", "ClusterConfig", "TrainerConfig"]
+__all__ = ["DTYPES", "ENGINES", "GRADIENT_CHECKPOINTING_KWARGS", "JSON_DICT_FIELDS", "LR_SCHEDULERS", "OPTIMIZERS",
+           "WEIGHT_SYNC_BACKENDS", "ClusterConfig", "TrainerConfig"]

@@ -3,7 +3,7 @@
 The run, optimisation, model, sampling and actor-system fields and their checks come from `TrainerConfig`
 (`rlasync.config.base`), shared with `AsyncGRPOConfig`; this class adds the teachers, the loss and the distillation
 worker's knobs, and keeps docs/algorithms.md §10.3's defaults where they differ from GRPO's (`lr_scheduler_type` stays
-transformers' "linear"; `vllm_server_timeout` is 240 s). Loaded the same way (`load_config(path, overrides,
+transformers' "linear"). Loaded the same way (`load_config(path, overrides,
 config_class=AsyncDistillationConfig)`); dict-valued fields also accept a JSON object string.
 
 Imports neither torch nor ray.
@@ -29,6 +29,7 @@ class AsyncDistillationConfig(TrainerConfig):
     lr_scheduler_type: str = "linear"
     """Not overridden (transformers' linear decay): its horizon is `max_steps`, or the epoch ceiling
     ⌈num_train_epochs × len(dataset) / samples_per_step⌉ when `max_steps = -1`."""
+
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the student server to become ready."""
 
@@ -36,9 +37,6 @@ class AsyncDistillationConfig(TrainerConfig):
     teacher_server_urls: dict[str, str] | str | None = None
     """Teacher id -> teacher vLLM server URL (dict or JSON string); `None` -> {"default": "http://localhost:8001"}.
     More than one entry = multi-teacher (MOPD): each row's `teacher_id` column picks its teacher."""
-    request_timeout: float = 600
-    """Seconds per HTTP request (student or teacher)."""
-    weight_sync_timeout: float = 1800
 
     # ---- loss ----
     beta: float = 0.0
@@ -54,7 +52,6 @@ class AsyncDistillationConfig(TrainerConfig):
     # ---- the distillation worker ----
     max_inflight_tasks: int = -1
     """Concurrent generate-and-score tasks; `< 0` -> max(max_staleness, 1) × B × GA × P."""
-    queue_maxsize: int = 1024
     heartbeat_stale_after_s: float = 300.0
     log_completions_steps: int = 100
     """Scored samples between two printed completions."""
@@ -69,12 +66,6 @@ class AsyncDistillationConfig(TrainerConfig):
         super()._validate()
         self._check_teachers()
         self._check_loss()
-
-    def _check_sampling(self) -> None:
-        super()._check_sampling()
-        for name in ("request_timeout", "weight_sync_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
 
     def _check_teachers(self) -> None:
         if not self.teacher_server_urls:
@@ -103,8 +94,7 @@ class AsyncDistillationConfig(TrainerConfig):
         super()._check_async()
         if self.max_inflight_tasks == 0:
             raise ValueError("max_inflight_tasks=0: use a positive task count, or -1 for max(max_staleness, 1) × B × GA × P")
-        for name in ("queue_maxsize", "log_completions_steps"):
-            _positive_int(self, name)
+        _positive_int(self, "log_completions_steps")
         if not self.heartbeat_stale_after_s > 0:
             raise ValueError(f"heartbeat_stale_after_s={self.heartbeat_stale_after_s}: must be > 0 seconds")
 

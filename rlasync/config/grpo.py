@@ -37,9 +37,14 @@ class AsyncGRPOConfig(TrainerConfig):
     optimisation, model, sampling and actor-system fields come from `TrainerConfig`."""
 
     remove_unused_columns: bool = False
-    """Must stay False: every dataset column reaches the reward functions."""
+    """The document's default (TRL 1.16: True); either value is accepted and every dataset column reaches the
+    reward functions."""
     router_aux_loss_coef: float | None = None
-    """MoE load-balancing loss coefficient; `None` -> the model config's value (0 if absent)."""
+    """TRL's MoE load-balancing loss coefficient. rlasync trains without the router auxiliary loss: only None or 0.0
+    is accepted (with a Mixture-of-Experts model TRL's None would add the model's own coefficient)."""
+    fork_threshold_tokens: int = 1024
+    """TRL's realign-or-fork threshold of multi-turn reconciliation. rlasync forks on any re-tokenization drift
+    (TRL's behaviour with 0; docs/algorithms.md §3.3), so only TRL's default (accepted, with rlasync's rule) or 0."""
 
     # ---- generation ----
     num_generations: int = 8
@@ -61,7 +66,35 @@ class AsyncGRPOConfig(TrainerConfig):
 
     # ---- asynchrony ----
     max_concurrent_rollouts: int = 512
+    """Concurrent rollouts of all rollout actors (the cap of the adaptive concurrency controller)."""
+    max_inflight_tasks: int = -1
+    """TRL's name of the concurrency cap: a positive value sets `max_concurrent_rollouts`; -1 keeps it."""
     rollout_worker_timeout: float = 300.0
+    """A rollout actor without a heartbeat for this long is hung: the run stops with its error."""
+    heartbeat_stale_after_s: float = 300.0
+    """TRL's name of `rollout_worker_timeout`: a value other than the default sets it."""
+
+    def _normalize(self) -> None:
+        super()._normalize()
+        self._alias("max_inflight_tasks", -1, "max_concurrent_rollouts", 512)
+        self._alias("heartbeat_stale_after_s", 300.0, "rollout_worker_timeout", 300.0)
+        # The document's single `vllm_server_timeout` bounds requests and weight calls too, unless TRL 1.16's own
+        # fields are given (their defaults then follow it).
+        if self.request_timeout == 600:
+            self.request_timeout = self.vllm_server_timeout
+        if self.weight_sync_timeout == 1800:
+            self.weight_sync_timeout = self.vllm_server_timeout
+
+    def _alias(self, trl_name: str, trl_default: object, name: str, default: object) -> None:
+        """TRL's field `trl_name` sets rlasync's `name` when given; both given with different values is an error."""
+        value = getattr(self, trl_name)
+        if value == trl_default:
+            return
+        if getattr(self, name) not in (default, value):
+            raise ValueError(
+                f"{trl_name}={value!r} and {name}={getattr(self, name)!r} name the same setting: give only one"
+            )
+        setattr(self, name, value)
 
     def _validate(self) -> None:
         super()._validate()
@@ -69,13 +102,22 @@ class AsyncGRPOConfig(TrainerConfig):
 
     def _check_run(self) -> None:
         super()._check_run()
-        if self.remove_unused_columns:
+        if self.router_aux_loss_coef not in (None, 0, 0.0):
             raise ValueError(
-                "remove_unused_columns=True: every dataset column must reach the reward functions; "
-                "set remove_unused_columns=False"
+                f"router_aux_loss_coef={self.router_aux_loss_coef} is not supported: rlasync trains without the MoE "
+                "router auxiliary loss; leave router_aux_loss_coef=None"
             )
-        if self.router_aux_loss_coef is not None:
-            _at_least(self, "router_aux_loss_coef", 0.0)
+        if self.fork_threshold_tokens not in (1024, 0):
+            raise ValueError(
+                f"fork_threshold_tokens={self.fork_threshold_tokens} is not supported: rlasync forks a new training "
+                "sequence on any re-tokenization drift (docs/algorithms.md §3.3); leave the default or set 0"
+            )
+        for name in ("logging_steps", "save_steps"):
+            if getattr(self, name) < 1 and self.max_steps <= 0:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is a fraction of max_steps, but max_steps=-1 (GRPO's prompt "
+                    "stream has no known length): set max_steps, or give a step count"
+                )
 
     def _check_sampling(self) -> None:
         _positive_int(self, "num_generations")

@@ -20,7 +20,7 @@ from rlasync.driver.spec import (
     server_engine_kwargs,
     step_budget,
 )
-from rlasync.driver.step_loop import StepLoop, StepSettings, TrainerControl, check_actor_health
+from rlasync.driver.step_loop import StepLoop, StepSettings, check_actor_health
 from rlasync.driver.watchdog import NoProgressError, Watchdog, WatchdogSettings
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
     "StepSettings",
     "Taken",
     "TeacherSpec",
-    "TrainerControl",
     "Watchdog",
     "WatchdogSettings",
     "WeightTransport",

@@ -17,6 +17,7 @@ from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, WeightTransport
 from rlasync.driver.resources import ActorRequests
 from rlasync.driver.step_loop import StepLoop, StepSettings
+from rlasync.metrics.perf import StepPerf, peak_flops
 from rlasync.metrics.sinks import build_sinks
 from rlasync.pipeline import RolloutState, initial_tokens_per_step
 from rlasync.pipeline.settings import QueueSettings
@@ -66,6 +67,8 @@ class LearnerSpec:
     max_steps: int | None = None
     teacher_ids: list[str] | None = None
     peft_config: Any = None  # a peft.LoraConfig (checked by the trainer): LoRA training with adapter syncs
+    optimizer_overrides: dict[str, Any] | None = None
+    """The trainer's `optimizers=`: OptimizerSettings fields (optimizer_cls, optimizer_kwargs, scheduler_factory)."""
 
 
 @dataclass
@@ -91,6 +94,10 @@ class RunSpec:
     resume_state: RolloutState | None = None
     start_step: int = 0
     version: int = 0
+    trainer_state: Any = None
+    """transformers' `TrainerState` the callbacks get (the trainer's `state`); None: the StepLoop makes one."""
+    log_inbox: list[dict[str, float]] | None = None
+    """`trainer.log(logs)` during the run: the StepLoop records these into the next window."""
 
     def step_settings(self, tokens_per_step: int, samples_per_step: int | None) -> StepSettings:
         return StepSettings.from_config(
@@ -106,12 +113,33 @@ class RunSpec:
         sinks = build_sinks(config.output_dir, config.report_to, max_steps=config.max_steps, run_name=config.run_name,
                             config=config.to_dict(), resume_step=self.start_step,
                             console=False)  # fmt: skip
-        progress = ProgressCallback(disable_tqdm=config.disable_tqdm)  # the console: a bar, or a line per window
+        progress = ProgressCallback(disable_tqdm=bool(config.disable_tqdm))  # the console: a bar, or a line per window
         return StepLoop(
             self.step_settings(tokens_per_step, samples_per_step), queue=queue, learners=learners, weights=weights,
             fleet=fleet, checkpointer=Checkpointer(config.output_dir, config.save_total_limit), sinks=sinks,
             callbacks=[progress, *self.callbacks], callback_args=config, state=state, tokenizer=self.tokenizer,
+            trainer_state=self.trainer_state, perf=step_perf(self.model, config), log_inbox=self.log_inbox,
         )  # fmt: skip
+
+
+def step_perf(model_path: str, config: TrainerConfig) -> StepPerf:
+    """The MFU estimator of a run: the peak of the learners' GPU (by the name torch reports here, on the driver, so
+    only when the driver sees the same kind of GPU the learners ask for) and N counted on the meta device; on the
+    CPU, or an unknown GPU, MFU is omitted and only the throughputs are logged."""
+    cluster = config.cluster
+    if not cluster.learner_num_gpus:
+        return StepPerf(num_devices=cluster.num_learners)
+    import torch
+
+    peak = peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    if peak is None:
+        return StepPerf(num_devices=cluster.num_learners)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code))
+    num_params = sum(p.numel() for p in model.parameters())
+    return StepPerf(num_params=num_params, peak_flops_per_device=peak, num_devices=cluster.num_learners)
 
 
 def step_budget(config: TrainerConfig, num_learners: int, max_model_len: int | None) -> tuple[int, int, int | None]:

@@ -1,10 +1,19 @@
 """`StepLoop`: the driver's loop, pure asyncio over the protocols of `rlasync.driver.protocols` (no Ray).
 
-    take (token target, or a sample count) -> learners train -> finish_step -> every weight_sync_steps: sync ->
-    on_step_end -> drain the rollout metrics -> every logging_steps: log a window -> every save_steps: checkpoint
+    on_train_begin, on_epoch_begin ->
+    take (token target, or a sample count) -> on_step_begin -> learners train -> finish_step -> every
+    weight_sync_steps: sync -> on_step_end -> drain the rollout metrics -> every logging_steps (or when a callback
+    set control.should_log): log a window (on_log) -> every save_steps (or control.should_save): checkpoint (on_save)
+    -> ... -> on_epoch_end, on_train_end
 
 until the horizon (`max_steps`), the end of the prompt stream, or a callback's `control.should_training_stop`;
-then the last window is logged and the final model saved (unless that step was just saved). While it waits for
+then the last window is logged and the final model saved (unless that step was just saved). Callbacks are
+transformers' `TrainerCallback`s (or any object with some of its methods): each event is called as
+`callback.on_x(args, state, control, model=None, processing_class=tokenizer, optimizer=None, lr_scheduler=None,
+train_dataloader=None, eval_dataloader=None, ...)` with transformers' `TrainerState` and `TrainerControl`, so
+transformers' own `PrinterCallback` / `ProgressCallback` work; `on_step_end` also gets `metrics` (this step's
+reduced metrics) and `on_log` `logs` (the window's record). The run's own state (`global_step`, `policy_version`,
+`queue`) is a plain dict, `run_state`, which the checkpointer and the Cluster read. While it waits for
 samples the loop checks the rollout fleet's health (a failed or hung rollout loop) and asks the `Watchdog`
 (`rlasync.driver.watchdog`) whether a step is overdue: then the run stops with the reason (docs/algorithms.md §2.1).
 A prompt stream that ends before a single step trained is reported the same way.
@@ -23,14 +32,18 @@ from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, MetricItems, SampleQueue, WeightTransport
 from rlasync.driver.watchdog import NoProgressError, Watchdog, WatchdogSettings
 from rlasync.metrics import MetricSink
+from rlasync.metrics.perf import StepPerf
 
 if TYPE_CHECKING:
+    from transformers import TrainerState
+
     from rlasync.config.base import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
 TAKE_POLL_S = 5.0
-EVENTS = ("on_step_begin", "on_step_end", "on_log", "on_save", "on_train_end")
+EVENTS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_log", "on_save", "on_epoch_end",
+          "on_train_end")  # on_init_end is the trainer's; no evaluation events (rlasync has no evaluation loop)
 
 
 @dataclass(frozen=True)
@@ -44,7 +57,9 @@ class StepSettings:
     samples_per_step: int | None = None
     weight_sync_steps: int = 1
     logging_steps: int = 1
-    save_steps: int = 500
+    save_steps: int | None = 500
+    """None: no periodic checkpoints (save_strategy="no"); the final model is still saved."""
+    logging_first_step: bool = False
     hang_timeout_s: float = 300.0
     poll_s: float = TAKE_POLL_S
     watchdog: WatchdogSettings | None = None
@@ -58,26 +73,16 @@ class StepSettings:
             timeout_s=config.watchdog_timeout_s, floor_s=hang_timeout_s, floor_setting=hang_setting,
             action=config.watchdog_action,
         )  # fmt: skip
+        save_steps = config.steps_of("save_steps", horizon) if config.save_strategy == "steps" else None
         return cls(
             horizon=horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
-            weight_sync_steps=config.weight_sync_steps, logging_steps=config.logging_steps,
-            save_steps=config.save_steps, hang_timeout_s=hang_timeout_s, watchdog=watchdog,
+            weight_sync_steps=config.weight_sync_steps, logging_steps=config.steps_of("logging_steps", horizon),
+            save_steps=save_steps, logging_first_step=config.logging_first_step, hang_timeout_s=hang_timeout_s,
+            watchdog=watchdog,
         )  # fmt: skip
 
     def watchdog_settings(self) -> WatchdogSettings:
         return self.watchdog if self.watchdog is not None else WatchdogSettings(floor_s=self.hang_timeout_s)
-
-
-@dataclass
-class TrainerControl:
-    """The `control` argument of the callback events (TRL's TrainerControl fields); a callback sets
-    `should_training_stop` to end the run after the current step (the final model is still saved)."""
-
-    should_training_stop: bool = False
-    should_epoch_stop: bool = False
-    should_save: bool = False
-    should_evaluate: bool = False
-    should_log: bool = False
 
 
 def check_actor_health(name: str, health: dict[str, Any], stale_after_s: float,
@@ -99,35 +104,59 @@ class StepLoop:
 
     def __init__(self, settings: StepSettings, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport,
                  fleet: Fleet, checkpointer: Checkpointer, sinks: Sequence[Any] = (), callbacks: Sequence[Any] = (),
-                 callback_args: Any = None, state: dict[str, Any] | None = None, tokenizer: Any = None) -> None:  # fmt: skip
+                 callback_args: Any = None, state: dict[str, Any] | None = None, tokenizer: Any = None,
+                 trainer_state: Any = None, perf: StepPerf | None = None,
+                 log_inbox: list[dict[str, float]] | None = None) -> None:  # fmt: skip
+        """`state`: the run's dict (updated in place, returned by `run`); `trainer_state`: the transformers
+        `TrainerState` the callbacks get (a new one when None); `perf`: the throughput / MFU estimator."""
+        from transformers import TrainerControl, TrainerState
+
         self.settings = settings
         self.queue, self.learners, self.weights, self.fleet = queue, learners, weights, fleet
         self.checkpointer = checkpointer
         self.sinks = list(sinks)
         self.callbacks = list(callbacks)
         self.callback_args = callback_args
-        self.state = state if state is not None else {}
+        self.run_state = state if state is not None else {}
+        self.trainer_state = trainer_state if trainer_state is not None else TrainerState()
         self.tokenizer = tokenizer
         self.control = TrainerControl()
         self.window = MetricSink()
+        self.perf = perf if perf is not None else StepPerf()
+        self.log_inbox = log_inbox if log_inbox is not None else []  # trainer.log(...) while the run goes
+        self._last_saved_step: int | None = None
         self.watchdog = Watchdog(settings.watchdog_settings())
+
+    @property
+    def state(self) -> TrainerState:
+        """transformers' `TrainerState`, as the callbacks see it."""
+        return self.trainer_state
 
     async def run(self, start_step: int = 0, version: int = 0) -> dict[str, Any]:
         """Train from `start_step` at served policy `version`; returns the final state. The sinks are closed on the
         way out, also on error."""
-        self.state.update(global_step=start_step, policy_version=version)
+        self.run_state.update(global_step=start_step, policy_version=version)
+        ts, s = self.trainer_state, self.settings
+        ts.global_step, ts.max_steps = start_step, s.horizon or 0
+        ts.logging_steps, ts.save_steps = s.logging_steps, s.save_steps or 0
         try:
+            self._event("on_train_begin")
+            self._event("on_epoch_begin")
             step = await self._steps(start_step, version)
             if len(self.window):
                 self._log(step, self.window.reduce())
-            if step > start_step and step % self.settings.save_steps != 0:
+            if step > start_step and not self._saved_at(step):
                 await self._save(step)  # the final model, however the run ended normally
-            self.state["queue"] = await self.queue.state()  # epoch accounting, for callers
+            self.run_state["queue"] = await self.queue.state()  # epoch accounting, for callers
+            self._event("on_epoch_end")
             self._event("on_train_end")
         finally:
             for sink in self.sinks:
                 sink.close()
-        return dict(self.state)
+        return dict(self.run_state)
+
+    def _saved_at(self, step: int) -> bool:
+        return self._last_saved_step == step
 
     async def _steps(self, step: int, version: int) -> int:
         s = self.settings
@@ -140,27 +169,35 @@ class StepLoop:
                 if step == start:
                     await self._nothing_trained()
                 break
-            self.window.update(take_items)
-            self.window.add("perf/rollout_wait_s", wait_s)
+            step_window = MetricSink()
+            step_window.update(take_items)
+            step_window.add("perf/rollout_wait_s", wait_s)
             self._event("on_step_begin")
-            self.window.update(await self.learners.train_step(refs))
+            step_window.update(await self.learners.train_step(refs))
             await self.queue.finish_step(tokens)
             step += 1
             self.watchdog.step_done()
             if step % s.weight_sync_steps == 0:
                 version, timings = await self.weights.sync(version)
-                self.window.update(timings)
-            self.state.update(global_step=step, policy_version=version)
-            self._event("on_step_end")
-            self.window.update(await self.fleet.drain_metrics())
+                step_window.update(timings)
             now = time.perf_counter()
-            if last_step_end is not None:
-                self.window.add("perf/step_s", now - last_step_end)
+            step_s = None if last_step_end is None else now - last_step_end
+            if step_s is not None:
+                step_window.add("perf/step_s", step_s)
             last_step_end = now
-            self.window.add("policy_version", float(version))
-            if step % s.logging_steps == 0:
+            step_window.add("policy_version", float(version))
+            step_metrics = step_window.reduce(clear=False)
+            step_window.update(self.perf.step_metrics(step_metrics, step_s))
+            self.window.update(step_window.items())
+            self.run_state.update(global_step=step, policy_version=version)
+            self.trainer_state.global_step = step
+            self._event("on_step_end", metrics=step_window.reduce())
+            self.window.update(await self.fleet.drain_metrics())
+            while self.log_inbox:
+                self.window.update(self.log_inbox.pop(0))
+            if step % s.logging_steps == 0 or (s.logging_first_step and step == 1) or self.control.should_log:
                 self._log(step, self.window.reduce())
-            if step % s.save_steps == 0:
+            if (s.save_steps is not None and step % s.save_steps == 0) or self.control.should_save:
                 await self._save(step)
             if self.control.should_training_stop:
                 logger.info("a callback stopped training after step %d", step)
@@ -204,24 +241,33 @@ class StepLoop:
         logger.warning("%s", message)
 
     async def _save(self, step: int) -> None:
-        path = await self.checkpointer.save(step, self.state, self.queue, self.learners, self.tokenizer)
+        path = await self.checkpointer.save(step, self.run_state, self.queue, self.learners, self.tokenizer)
+        self._last_saved_step = step
+        self.control.should_save = False
         self._event("on_save", checkpoint=path)
 
     def _log(self, step: int, record: dict[str, Any]) -> None:
         record = {k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
         for sink in self.sinks:
             sink.write(step, record)
-        self._event("on_log", logs=record)
+        self.trainer_state.log_history.append({**record, "step": step})
+        self.control.should_log = False
+        self._event("on_log", logs=dict(record))
 
     def _event(self, name: str, **kwargs: Any) -> None:
-        """Call `name` (TRL's TrainerCallback events: on_step_begin, on_step_end, on_log, on_save, on_train_end)
-        on every callback that defines it, as `callback.name(args, state, control, **kwargs)`."""
+        """Call `name` (transformers' TrainerCallback events: on_train_begin, on_epoch_begin, on_step_begin,
+        on_step_end, on_log, on_save, on_epoch_end, on_train_end) on every callback that defines it, as
+        `callback.name(args, state, control, model=..., processing_class=..., ..., **kwargs)`; a returned
+        `TrainerControl` replaces the loop's (transformers' CallbackHandler rule)."""
+        full = {"model": None, "processing_class": self.tokenizer, "optimizer": None, "lr_scheduler": None,
+                "train_dataloader": None, "eval_dataloader": None, **kwargs}  # fmt: skip
         for callback in self.callbacks:
             method = getattr(callback, name, None)
-            if method is not None:
-                method(self.callback_args, self.state, self.control, **kwargs)
+            if method is None:
+                continue
+            result = method(self.callback_args, self.trainer_state, self.control, **full)
+            if result is not None and hasattr(result, "should_training_stop"):
+                self.control = result
 
 
-__all__ = [
-    "EVENTS", "TAKE_POLL_S", "NoProgressError", "StepLoop", "StepSettings", "TrainerControl", "check_actor_health",
-]  # fmt: skip
+__all__ = ["EVENTS", "TAKE_POLL_S", "NoProgressError", "StepLoop", "StepSettings", "check_actor_health"]

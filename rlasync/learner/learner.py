@@ -71,7 +71,8 @@ class Learner:
         path = resume_dir or model_path
         self.model = load_model(adapter_base(path) if settings.peft_config else path, dtype=dtype,
                                 device=self.device, **init_kwargs)  # fmt: skip
-        prepare_for_training(self.model, gradient_checkpointing=settings.gradient_checkpointing)
+        prepare_for_training(self.model, gradient_checkpointing=settings.gradient_checkpointing,
+                             use_reentrant=settings.use_reentrant)
         if settings.peft_config is not None:
             self.peft_model = wrap_with_lora(self.model, settings.peft_config, adapter_dir=path)
             self.model = self.peft_model.base_model.model  # LoRA layers in place: tree attention and FSDP2 unchanged

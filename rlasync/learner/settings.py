@@ -33,6 +33,7 @@ class LearnerSettings:
     model_init_kwargs: dict[str, Any] | str | None = None
     trust_remote_code: bool = False
     gradient_checkpointing: bool = True
+    use_reentrant: bool = False
     bf16: bool = False
     fp16: bool = False
     seed: int = 42
@@ -63,6 +64,7 @@ class LearnerSettings:
         max_steps: int | None = None,
         teacher_ids: list[str] | None = None,
         peft_config: Any = None,
+        optimizer_overrides: dict[str, Any] | None = None,
     ) -> LearnerSettings:
         """Read an `AsyncGRPOConfig` (objective "grpo") or `AsyncDistillationConfig` ("distill"). `max_steps`
         overrides the scheduler's horizon when the driver resolved it (distillation with max_steps=-1)."""
@@ -71,13 +73,16 @@ class LearnerSettings:
         optimizer = OptimizerSettings.from_config(config)
         if max_steps is not None:
             optimizer = dataclasses.replace(optimizer, max_steps=max_steps)
+        if optimizer_overrides:  # the trainer's optimizers=(class, scheduler factory)
+            optimizer = dataclasses.replace(optimizer, **optimizer_overrides)
         loss: LossConfig | DistillLossConfig
         loss = LossConfig.from_config(config) if objective == "grpo" else DistillLossConfig.from_config(config)  # type: ignore[arg-type]
         return cls(
             objective=objective, token_budget=int(token_budget), optimizer=optimizer, loss=loss,
             teacher_ids=tuple(teacher_ids or ["default"]), dtype=config.dtype,
             model_init_kwargs=config.model_init_kwargs, trust_remote_code=config.trust_remote_code,
-            gradient_checkpointing=config.gradient_checkpointing, bf16=bool(config.bf16), fp16=bool(config.fp16),
+            gradient_checkpointing=config.gradient_checkpointing, use_reentrant=config.use_reentrant,
+            bf16=bool(config.bf16), fp16=bool(config.fp16),
             seed=config.seed, per_device_train_batch_size=config.per_device_train_batch_size,
             temperature=config.temperature, max_grad_norm=config.max_grad_norm, peft_config=peft_config,
             lora_sync=getattr(config.cluster, "lora_sync", "adapter"),

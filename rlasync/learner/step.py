@@ -46,6 +46,15 @@ class OptimizerSettings:
     lr_scheduler_kwargs: dict[str, Any] | None = _DEFAULTS["lr_scheduler_kwargs"]
     warmup_steps: float = _DEFAULTS["warmup_steps"]
     max_steps: int = _DEFAULTS["max_steps"]
+    optim: str = _DEFAULTS["optim"]
+    """transformers' optimizer name (`rlasync.config.base.OPTIMIZERS`)."""
+    optim_args: dict[str, Any] | None = None
+    optimizer_cls: type | None = None
+    """The trainer's `optimizers=(cls, ...)`: this torch optimizer class instead of `optim`."""
+    optimizer_kwargs: dict[str, Any] | None = None
+    """Its keyword arguments (else lr / weight_decay from the config)."""
+    scheduler_factory: Callable[[Any], Any] | None = None
+    """The trainer's `optimizers=(..., fn)`: `fn(optimizer)` builds the scheduler instead of `lr_scheduler_type`."""
 
     @classmethod
     def from_config(cls, config: TrainerConfig) -> OptimizerSettings:
@@ -55,7 +64,8 @@ class OptimizerSettings:
             learning_rate=config.learning_rate, weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
             adam_beta2=config.adam_beta2, adam_epsilon=config.adam_epsilon, max_grad_norm=config.max_grad_norm,
             lr_scheduler_type=config.lr_scheduler_type, lr_scheduler_kwargs=config.lr_scheduler_kwargs,  # type: ignore[arg-type]
-            warmup_steps=config.warmup_steps, max_steps=config.max_steps,
+            warmup_steps=config.warmup_steps, max_steps=config.max_steps, optim=config.optim,
+            optim_args=config.optimizer_kwargs() or None,
         )  # fmt: skip
 
 
@@ -65,13 +75,9 @@ def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> tupl
     from transformers import get_scheduler
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params,
-        lr=settings.learning_rate,
-        betas=(settings.adam_beta1, settings.adam_beta2),
-        eps=settings.adam_epsilon,
-        weight_decay=settings.weight_decay,
-    )
+    optimizer = _make_optimizer(params, settings)
+    if settings.scheduler_factory is not None:
+        return optimizer, settings.scheduler_factory(optimizer)
     total = settings.max_steps if settings.max_steps > 0 else None
     if total is None and settings.lr_scheduler_type not in ("constant", "constant_with_warmup"):
         raise ValueError(
@@ -91,6 +97,31 @@ def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> tupl
         scheduler_specific_kwargs=settings.lr_scheduler_kwargs or {},
     )
     return optimizer, scheduler
+
+
+def _make_optimizer(params: list[torch.nn.Parameter], settings: OptimizerSettings) -> torch.optim.Optimizer:
+    """The trainer's optimizer class, else transformers' `optim` name as TrainingArguments builds it."""
+    extra = dict(settings.optim_args or {})
+    if settings.optimizer_cls is not None:
+        kwargs = settings.optimizer_kwargs if settings.optimizer_kwargs is not None else {
+            "lr": settings.learning_rate, "weight_decay": settings.weight_decay}  # fmt: skip
+        return settings.optimizer_cls(params, **{**kwargs, **extra})
+    lr, wd = settings.learning_rate, settings.weight_decay
+    if settings.optim in ("adamw_torch", "adamw_torch_fused"):
+        adam = {"lr": lr, "betas": (settings.adam_beta1, settings.adam_beta2), "eps": settings.adam_epsilon,
+                "weight_decay": wd}  # fmt: skip
+        if settings.optim == "adamw_torch_fused":
+            adam["fused"] = True
+        return torch.optim.AdamW(params, **{**adam, **extra})
+    if settings.optim == "adafactor":
+        from transformers.optimization import Adafactor
+
+        kwargs = {"lr": lr, "weight_decay": wd, "scale_parameter": False, "relative_step": False}
+        return Adafactor(params, **{**kwargs, **extra})
+    classes = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
+    if settings.optim not in classes:
+        raise ValueError(f"optim={settings.optim!r}: not an optimizer the learner builds")
+    return classes[settings.optim](params, **{"lr": lr, "weight_decay": wd, **extra})
 
 
 class LearnerStep:

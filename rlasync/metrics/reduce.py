@@ -4,7 +4,8 @@ A value is a float or a `(numerator, denominator)` pair. Within a logging window
   1. pairs -> rate = sum(num) / sum(den) (NaN if the denominators sum to 0) -- never a mean of ratios;
   2. otherwise the words of the key's last path component (split on "_") decide: "total" or "count" ->
      sum (a counter); else "max" -> max; else "min" -> min (whole words only: `perf/maximal_s` is a gauge);
-  3. otherwise -> mean (a gauge).
+  3. a running total (`LAST_KEYS`, e.g. `num_tokens`) -> its last value;
+  4. otherwise -> mean (a gauge).
 NaN floats are discarded first; a key whose values were all NaN reduces to None.
 Pure Python: no torch, no ray.
 """
@@ -18,15 +19,18 @@ from typing import Literal
 
 from rlasync.records import MetricValue
 
-Reduction = Literal["rate", "sum", "max", "min", "mean"]
+Reduction = Literal["rate", "sum", "max", "min", "last", "mean"]
 
 COUNTER_WORDS = ("total", "count")
+LAST_KEYS = frozenset({"num_tokens"})  # running totals: the window reports the latest value
 
 
 def reduction_for(key: str, value: MetricValue) -> Reduction:
     """Which rule of docs/algorithms.md §8.1 reduces `key` (given one of its values)."""
     if isinstance(value, tuple):
         return "rate"
+    if key in LAST_KEYS:
+        return "last"
     words = key.rsplit("/", 1)[-1].split("_")
     if any(word in words for word in COUNTER_WORDS):
         return "sum"
@@ -55,6 +59,8 @@ def reduce_values(key: str, values: list[MetricValue]) -> float | None:
         return max(floats)
     if rule == "min":
         return min(floats)
+    if rule == "last":
+        return floats[-1]
     return sum(floats) / len(floats)
 
 
@@ -85,6 +91,10 @@ class MetricSink:
         items = metrics.items() if isinstance(metrics, Mapping) else metrics
         for key, value in items:
             self.add(key, value)
+
+    def items(self) -> list[tuple[str, MetricValue]]:
+        """Every value of the window as (key, value) items, in the order added per key (for another sink)."""
+        return [(key, value) for key, values in self._values.items() for value in values]
 
     def __len__(self) -> int:
         return len(self._values)

@@ -83,6 +83,7 @@ def prepare_for_training(
     *,
     gradient_checkpointing: bool = True,
     compile: bool | Literal["layers", "decoder"] = False,
+    use_reentrant: bool = False,
 ) -> torch.nn.Module:
     """Tree attention on, activation checkpointing per decoder layer, and (optionally) each decoder layer compiled.
 
@@ -99,7 +100,7 @@ def prepare_for_training(
         )
     enable_tree_attention(model)
     if gradient_checkpointing:
-        kwargs = {"use_reentrant": False}
+        kwargs = {"use_reentrant": use_reentrant}  # gradient_checkpointing_kwargs' only supported key
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed it
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:

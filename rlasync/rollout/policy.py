@@ -138,6 +138,8 @@ class RolloutPolicy(PolicyBase):
         self._rendered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # `render`'s cache
         self._generated_tokens_unreported = 0
         self._rate_window_start = clock()
+        self._done_at: dict[int, float] = {}  # id(group) -> when its last rollout finished (rollout/score_wait_s)
+        self._scoring = 0  # groups being scored now (rollout/score_queue_size)
 
     _metrics_callback: Callable[[list[MetricItem]], Any]
     counters: collections.Counter[str]
@@ -312,6 +314,7 @@ class RolloutPolicy(PolicyBase):
     def record(self, group: GroupState, index: int, outcome: RolloutOutcome) -> None:
         sequences = self.build_sequences(outcome.rollout)
         group.add(index, outcome, sequences)
+        self._done_at[id(group)] = self._clock()
         self.counters["rollouts_completed"] += 1
         self._generated_tokens_unreported += sum(len(turn.output_ids) for turn in outcome.rollout.turns)
         self.emit(rollout_metrics(outcome.rollout, sequences, outcome.duration_s, self.eos_token_ids))
@@ -319,6 +322,19 @@ class RolloutPolicy(PolicyBase):
     async def collect(self, group: GroupState, results: list[Any], policy_version: int) -> Collected:
         rollout_group = group.rollout_group(policy_version, self.provides_rollout_rewards, self._clock())
         started = self._clock()
+        # The documents' scoring-queue metrics: a finished group is scored at once, concurrently with the others
+        # (no bounded score queue), so score_queue_size counts the other groups being scored and generation never
+        # blocks on scoring (score_block_s is 0).
+        self.emit([("rollout/score_queue_size", float(self._scoring)),
+                   ("rollout/score_wait_s", max(started - self._done_at.pop(id(group), started), 0.0)),
+                   ("rollout/score_block_s", 0.0)])  # fmt: skip
+        self._scoring += 1
+        try:
+            return await self._score(group, rollout_group, policy_version, started)
+        finally:
+            self._scoring -= 1
+
+    async def _score(self, group: GroupState, rollout_group: Any, policy_version: int, started: float) -> Collected:
         reward_funcs, columns = self.reward_funcs, None
         timeout_s = self.settings.reward_timeout_s
         if self.reward_scorer is not None:  # reward functions run elsewhere (a RewardActor): their table comes back

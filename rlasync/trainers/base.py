@@ -9,18 +9,27 @@ teachers, output_dir, report_to, the prompts against max_model_len and the token
 
 A subclass's `__init__` runs `_begin_init`, its own checks, then `_end_init`; it implements `build_spec` and never
 touches Ray.
+
+transformers' Trainer surface (rlasync.trainers.surface): `state` is a `TrainerState`, callbacks are
+`TrainerCallback`s (`add_callback` / `remove_callback` / `pop_callback`), `train()` returns a `TrainOutput`,
+`model` is the trained model after `train()` (loaded lazily from the final checkpoint), `save_model`,
+`push_to_hub` (offline: a local folder), `log`; `optimizers=(optimizer, scheduler)` (rlasync.trainers.optimizers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlasync.driver import Checkpointer, RunSpec
 from rlasync.pipeline import RolloutState
+from rlasync.trainers.optimizers import optimizer_overrides
+from rlasync.trainers.surface import TrainerSurface
 
 if TYPE_CHECKING:
     from rlasync.config.base import TrainerConfig
@@ -28,7 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class AsyncTrainerBase:
+class AsyncTrainerBase(TrainerSurface):
     """The common part of `AsyncGRPOTrainer` and `AsyncDistillationTrainer`."""
 
     loop_cls: type
@@ -40,28 +49,50 @@ class AsyncTrainerBase:
             self.loop_cls = loop_cls
 
     def _end_init(self, model: Any, train_dataset: Any, processing_class: Any,
-                  callbacks: Sequence[Any] | None) -> None:  # fmt: skip
-        """Last step, once the subclass checked its arguments: the dataset, the model as a path the actors load,
-        and TRL's `callbacks` / `state`; `actor_ids` lists the Ray actors a run created."""
+                  callbacks: Sequence[Any] | None, optimizers: tuple[Any, Any] = (None, None)) -> None:  # fmt: skip
+        """Last step, once the subclass checked its arguments: the dataset, the model as a path the actors load
+        (`model_path`), the optimizer overrides, TRL's `callbacks` / `state` (transformers' TrainerState; the run's
+        own dict is `run_state`); `actor_ids` lists the Ray actors a run created. Fires `on_init_end`."""
         self.train_dataset = train_dataset
-        self.model = self._model_path(model)
+        self.optimizer_overrides = optimizer_overrides(optimizers)
+        self.model_path = self._model_path(model)
+        self._model_input = model
         self.processing_class = processing_class
-        self.callbacks = list(callbacks or [])
-        self.state: dict[str, Any] = {"global_step": 0, "policy_version": 0}
+        self._init_surface(callbacks)
+        self.run_state: dict[str, Any] = {"global_step": 0, "policy_version": 0}
         self.actor_ids: list[str] = []
         self._preflight_done = False
+        self._event("on_init_end")
 
     # ---- public -------------------------------------------------------------------------------------------------
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
-        """Run until the horizon (`max_steps`, or the epochs' prompts are consumed); returns the final state
-        (`global_step`, `policy_version`, `queue`). Actors are removed on the way out, also on error."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """Run until the horizon (`max_steps`, or the epochs' prompts are consumed); returns transformers'
+        `TrainOutput(global_step, training_loss, metrics)` (`metrics` has `train_runtime`, `train_loss`,
+        `policy_version`, ...). `resume_from_checkpoint` defaults to `args.resume_from_checkpoint`. Actors are
+        removed on the way out, also on error. With `args.push_to_hub`, the final model is pushed (offline)."""
+        if kwargs:
+            raise TypeError(f"train() got unexpected keyword arguments {sorted(kwargs)} (rlasync takes resume_from_checkpoint)")
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = self.args.resume_from_checkpoint
         self.preflight()
         checkpointer = Checkpointer(self.args.output_dir, self.args.save_total_limit)
         spec = self.build_spec(checkpointer.resume_dir(resume_from_checkpoint))
+        spec.trainer_state, spec.log_inbox = self.state, self._log_inbox
+        if self.optimizer_overrides:
+            spec.learner = dataclasses.replace(spec.learner, optimizer_overrides=self.optimizer_overrides)
         from actors.cluster import launch  # the one way to Ray
 
-        return launch(spec, state=self.state, actor_ids=self.actor_ids)
+        started = time.perf_counter()
+        self._training = True
+        try:
+            run_state = launch(spec, state=self.run_state, actor_ids=self.actor_ids)
+        finally:
+            self._training = False
+        output = self._train_output(run_state, time.perf_counter() - started, spec.start_step)
+        if self.args.push_to_hub:
+            self.push_to_hub()
+        return output
 
     def preflight(self) -> None:
         """The checks that need no actor (model, teachers, output_dir, report_to, prompt lengths, token budget);
@@ -91,7 +122,7 @@ class AsyncTrainerBase:
         """(model path, tokenizer, rollout state or None, first step, policy version) of a fresh or resumed run."""
         from rlasync.model.registry import resolve_model
 
-        model = resume_dir or resolve_model(self.model)  # an alias is converted once, here, not in every actor
+        model = resume_dir or resolve_model(self.model_path)  # an alias is converted once, here, not in every actor
         tokenizer = self.processing_class if self.processing_class is not None else resolve_model(model)
         resume_state, start_step, version = Checkpointer.starting_point(resume_dir)
         return model, tokenizer, resume_state, start_step, version

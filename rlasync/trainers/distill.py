@@ -58,6 +58,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         callbacks: Sequence[Any] | None = None,
         loop_cls: type[AsyncDistillationLoop] | None = None,
         peft_config: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
         args = args if args is not None else AsyncDistillationConfig()
         if not isinstance(args, AsyncDistillationConfig):
@@ -71,7 +72,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
             raise ValueError("`train_dataset` is required: pass a dataset with a 'prompt' column")
         validate_prompt_dataset(train_dataset)
         self.teachers = self._teacher_specs(teacher_model)
-        self._end_init(model, train_dataset, processing_class, callbacks)
+        self._end_init(model, train_dataset, processing_class, callbacks, optimizers)
 
     # ---- setup --------------------------------------------------------------------------------------------------
 

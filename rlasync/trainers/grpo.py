@@ -54,11 +54,12 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
         peft_config: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
         self._begin_init(args if args is not None else AsyncGRPOConfig(), loop_cls)
         self.peft_config = _checked_peft_config(peft_config)  # a peft.LoraConfig: adapters only (docs/design.md §3)
         train_dataset = self._check_inputs(reward_funcs, train_dataset, tools, environment_factory)
-        self._end_init(model, train_dataset, processing_class, callbacks)
+        self._end_init(model, train_dataset, processing_class, callbacks, optimizers)
 
     # ---- checks -------------------------------------------------------------------------------------------------
 

@@ -288,7 +288,7 @@ def run_preflight(trainer: Any) -> None:
     config = trainer.args
     check_output_dir(config.output_dir)
     check_report_to(config.report_to)
-    source = check_model_source(trainer.model, "model", need_tokenizer=trainer.processing_class is None)
+    source = check_model_source(trainer.model_path, "model", need_tokenizer=trainer.processing_class is None)
     for teacher in getattr(trainer, "teachers", {}).values():
         if teacher.model is not None:
             path = check_model_source(teacher.model, f"teacher_model[{teacher.teacher_id!r}]", need_tokenizer=False)

@@ -80,7 +80,7 @@ class KillAt:
         self.killed_at = None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.pid is None and state.get("global_step", 0) == self.step - 1:
+        if self.pid is None and state.global_step == self.step - 1:
             self.pid = find(self.ids, self.class_name)["Pid"]
             os.kill(self.pid, self.sig)
             self.killed_at = time.monotonic()

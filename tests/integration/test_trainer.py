@@ -12,6 +12,10 @@ pytestmark = pytest.mark.integration
 ACCEPTANCE_KEYS = (
     "reward", "frac_zero_std_groups", "perf/step_s", "perf/rollout_wait_s", "rollout/backpressure_s",
     "sample/staleness_mean", "rollout/queue_size", "batch/packing_ratio", "entropy",
+    # the documents' names (docs/algorithms.md §8.2); perf/*_mfu are omitted on the CPU
+    "num_tokens", "perf/fwd_bwd_forwarded_tokens_per_s", "perf/wall_clock_forwarded_tokens_per_s",
+    "perf/wall_clock_trained_tokens_per_s", "rollout/score_queue_size", "rollout/score_wait_s",
+    "rollout/score_block_s", "perf/weight_sync_barrier_s", "perf/forwarded_tok_s_fwd_bwd",
 )  # fmt: skip
 
 
@@ -84,7 +88,18 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     # the first step waits for the first groups to be generated and scored: that wait is measured
     assert records[0]["perf/rollout_wait_s"] > 0
     assert all(r["perf/fetch_samples_s"] >= 0 and r["perf/pack_s"] > 0 for r in records)  # the learner's own phases
+    assert [r["num_tokens"] for r in records] == sorted(r["num_tokens"] for r in records) and records[0]["num_tokens"] > 0
+    assert not any(k.endswith("_mfu") for k in keys)  # no peak FLOPs on the CPU
     assert alive(ray_cluster, trainer.actor_ids) == []
+
+    # transformers' surface: TrainOutput, TrainerState, the trained model loaded from the final checkpoint
+    from transformers import AutoModelForCausalLM
+    from transformers.trainer_utils import TrainOutput
+
+    assert isinstance(state, TrainOutput) and state.global_step == 3 and state.metrics["policy_version"] == 4
+    assert trainer.state.global_step == 3 and [e["step"] for e in trainer.state.log_history] == [1, 2, 3]
+    assert trainer.model.config.num_hidden_layers == 2
+    AutoModelForCausalLM.from_pretrained(trainer.save_model(str(tmp_path / "final")))
 
     # the weights changed, and a checkpoint resumes at its step and policy version
     ckpt = tmp_path / "checkpoint-2"
@@ -148,11 +163,11 @@ class SlowLearner:
         self.delay_s, self.events = delay_s, []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.events.append(("begin", state.get("global_step", 0)))
+        self.events.append(("begin", state.global_step))
         time.sleep(self.delay_s)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.events.append(("end", state["global_step"]))
+        self.events.append(("end", state.global_step))
 
 
 def test_generation_forced_ahead_with_max_staleness_zero_drops_and_counts_stale_samples(

@@ -99,7 +99,7 @@ CONFIG_CASES = [
     (["report_to=comet_ml"], r"report_to=\['comet_ml'\]: unsupported"),
     (["max_staleness=-1"], "max_staleness=-1"),
     (["num_sampler_logprobs=0"], "score_centering=True needs"),
-    (["remove_unused_columns=true"], "remove_unused_columns=True"),
+    (["queue_maxsize=8"], "queue_maxsize=8 is not supported"),
     (["top_k=0", "min_p=0.1"], "min_p=0.1 needs top_k"),
     (["max_completion_length=0"], "max_completion_length"),
     (["chat_template_kwargs={not json"], "value of chat_template_kwargs is not valid YAML"),

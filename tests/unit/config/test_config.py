@@ -54,7 +54,7 @@ def test_subclass_written_as_in_the_seed_works_and_keeps_validation():
         ({"max_staleness": -1}, "max_staleness"),
         ({"lr_scheduler_type": "cosyne"}, "lr_scheduler_type"),
         ({"bf16": True, "fp16": True}, "fp16"),
-        ({"remove_unused_columns": True}, "remove_unused_columns"),
+        ({"queue_maxsize": 5}, "queue_maxsize"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
         ({"model_init_kwargs": "{not json"}, "model_init_kwargs"),
         ({"masked_token_centering": "maybe"}, "masked_token_centering"),

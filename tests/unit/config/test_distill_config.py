@@ -39,7 +39,7 @@ def test_grpo_only_fields_are_absent():
 
 def test_shared_fields_keep_grpo_defaults_except_the_documented_ones():
     grpo = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}
-    differ = {"lr_scheduler_type", "vllm_server_timeout"}
+    differ = {"lr_scheduler_type", "vllm_server_timeout", "remove_unused_columns"}  # TRL 1.16's: True
     for f in dataclasses.fields(AsyncDistillationConfig):
         if f.name in grpo and f.name not in differ and f.default is not dataclasses.MISSING:
             assert f.default == grpo[f.name].default, f.name

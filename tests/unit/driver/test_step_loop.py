@@ -120,7 +120,7 @@ class Callback:
 
     def on_step_end(self, args, state, control, **kwargs):
         self.journal.append("on_step_end")
-        if self.stop_at is not None and state["global_step"] >= self.stop_at:
+        if self.stop_at is not None and state.global_step >= self.stop_at:
             control.should_training_stop = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
