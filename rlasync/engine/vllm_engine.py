@@ -41,6 +41,7 @@ vocabulary (docs/algorithms.md §2.4: biased when top-k/top-p filter; exact with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -359,11 +360,12 @@ class VLLMEngine(VLLMWeightLoading):
 
         request_id = f"rlasync-{next(self._request_ids)}-{secrets.token_hex(4)}"
         final = None
+        holding = self._adapters.using() if self._adapters is not None else contextlib.nullcontext()
         try:
-            adapter = lora_request(self._adapters.current) if self._adapters is not None else None
-            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id,
-                                                   lora_request=adapter):  # fmt: skip
-                final = output
+            with holding as adapter:  # the adapter stays loaded (and its folder kept) until this request ends
+                async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id,
+                                                       lora_request=lora_request(adapter)):  # fmt: skip
+                    final = output
         except ValueError as exc:  # vLLM's request validation
             raise RequestRejectedError(f"vLLM rejected the request: {exc}") from exc
         except EngineDeadError as exc:

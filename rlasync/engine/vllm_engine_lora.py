@@ -2,6 +2,11 @@
 (LoRA A / s*B pairs from the learner, `rlasync.weights.adapter`) is written as a peft directory and loaded by vLLM
 as a new adapter; requests use the newest; at most `max_loras` stay loaded (the oldest is retired: removed).
 
+A request holds its adapter from submission to its end (`using`): vLLM may load an adapter again from its folder
+while one of its requests waits or is preempted, so an adapter beyond `max_loras` is retired (unloaded, folder
+deleted) only once its last request has finished. (A request naming a deleted folder kills vLLM's engine core:
+measured on one H200 before this rule.)
+
     adapters = RuntimeAdapters(lora_dir, max_loras, base_model)
     name = await adapters.publish(stream, load=..., unload=...)    # writes lora_dir/rlasync-v{k}, loads, retires
     adapters.current                                               # (name, int id, path) of the newest, or None
@@ -17,9 +22,10 @@ folder must be one the server can read (a shared `cluster.lora_dir`). No vllm im
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +44,10 @@ class RuntimeAdapters:
         self.lora_dir, self.max_loras, self.base_model = Path(lora_dir), int(max_loras), base_model
         self.live: list[Adapter] = []
         self.version = 0
+        self._users: dict[str, int] = {}  # adapter name -> requests in flight on it
+        self._retiring: dict[str, Adapter] = {}  # beyond max_loras, retired once its last request ends
+        self._unload: Callable[[Adapter], Awaitable[Any]] | None = None
+        self._retirements: set[asyncio.Task[None]] = set()
 
     @property
     def current(self) -> Adapter | None:
@@ -56,14 +66,49 @@ class RuntimeAdapters:
         adapter = (name, self.version, str(path))
         await load(adapter)
         self.live.append(adapter)
+        self._unload = unload
         retired = []
         while len(self.live) > self.max_loras:
             old = self.live.pop(0)
-            await unload(old)
-            shutil.rmtree(old[2], ignore_errors=True)
+            if self._users.get(old[0], 0):
+                self._retiring[old[0]] = old  # `using` retires it when its last request ends
+                continue
+            await self._retire(old)
             retired.append(old[0])
         return {"adapter": name, "write_s": written - started, "load_s": time.perf_counter() - written,
                 "retired": retired}  # fmt: skip
+
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[Adapter | None]:
+        """The newest adapter (None before the first sync), held for one request: `with adapters.using() as a:`."""
+        adapter = self.current
+        if adapter is None:
+            yield None
+            return
+        name = adapter[0]
+        self._users[name] = self._users.get(name, 0) + 1
+        try:
+            yield adapter
+        finally:
+            self._users[name] -= 1
+            if not self._users[name]:
+                del self._users[name]
+                retiring = self._retiring.pop(name, None)
+                if retiring is not None:
+                    task = asyncio.ensure_future(self._retire(retiring))
+                    self._retirements.add(task)
+                    task.add_done_callback(self._retirements.discard)
+
+    @property
+    def retiring(self) -> list[str]:
+        """Adapters beyond `max_loras` still used by requests in flight."""
+        return list(self._retiring)
+
+    async def _retire(self, adapter: Adapter) -> None:
+        if self._unload is not None:
+            await self._unload(adapter)
+        shutil.rmtree(adapter[2], ignore_errors=True)
 
 
 def lora_request(adapter: Adapter | None) -> Any:

@@ -42,6 +42,7 @@ re-exported here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -176,8 +177,10 @@ class VLLMServerEngine:
         max_tokens = sampling.max_tokens
         if self.max_model_len:
             max_tokens = min(max_tokens, self.max_model_len - len(prompt))
-        body = completion_body(self._served_model(), prompt, sampling, max_tokens)
-        data = await self._request("POST", "/v1/completions", body, timeout_s=self.request_timeout_s)
+        holding = self._adapters.using() if self._adapters is not None else contextlib.nullcontext()
+        with holding as adapter:  # the adapter stays loaded on the server until this request ends
+            body = completion_body(adapter[0] if adapter is not None else self.model_id, prompt, sampling, max_tokens)
+            data = await self._request("POST", "/v1/completions", body, timeout_s=self.request_timeout_s)
         turn = turn_from_completion(prompt, first_choice(data), sampling.num_logprobs)
         self._num_generated_tokens += len(turn.output_ids)
         return turn

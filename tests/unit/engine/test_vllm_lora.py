@@ -195,3 +195,35 @@ def test_runtime_adapters_refuse_a_stream_that_is_not_an_adapter(tmp_path):
 
     with pytest.raises(ValueError, match="not a LoRA A/B weight"):
         asyncio.run(adapters.publish([("model.embed_tokens.weight", torch.ones(2))], load=noop, unload=noop))
+
+
+def test_an_adapter_in_use_is_retired_only_after_its_last_request_ends(tmp_path):
+    """vLLM may reload an adapter from its folder while one of its requests waits or is preempted: an adapter beyond
+    max_loras keeps its folder (and stays loaded) until no request holds it, then is removed and deleted."""
+    calls = []
+
+    async def load(adapter):
+        calls.append(("load", adapter[0]))
+
+    async def unload(adapter):
+        calls.append(("unload", adapter[0]))
+
+    async def scenario():
+        adapters = RuntimeAdapters(tmp_path, max_loras=1)
+        await adapters.publish(adapter_sync(), load=load, unload=unload)  # v1
+        with adapters.using() as held:  # a request on v1, still running across two more syncs
+            assert held[0] == "rlasync-v1"
+            await adapters.publish(adapter_sync(2.0), load=load, unload=unload)  # v2: v1 is beyond max_loras
+            assert adapters.retiring == ["rlasync-v1"] and (tmp_path / "rlasync-v1").is_dir()
+            with adapters.using() as newer:
+                assert newer[0] == "rlasync-v2"  # new requests take the newest
+            await adapters.publish(adapter_sync(3.0), load=load, unload=unload)  # v3: v2 unused, retired at once
+            assert ("unload", "rlasync-v2") in calls and not (tmp_path / "rlasync-v2").exists()
+            assert ("unload", "rlasync-v1") not in calls
+        await asyncio.sleep(0)  # the retirement runs once the request let go
+        await asyncio.sleep(0)
+        assert ("unload", "rlasync-v1") in calls and not (tmp_path / "rlasync-v1").exists()
+        assert adapters.retiring == [] and [a[0] for a in adapters.live] == ["rlasync-v3"]
+        assert (tmp_path / "rlasync-v3").is_dir()
+
+    asyncio.run(scenario())
