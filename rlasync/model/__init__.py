@@ -7,48 +7,46 @@ head       chunked LM head: log-probs, entropy, top-K and candidate-set renormal
 forward    PackedRow -> tensors -> TokenScores; TreeScorer (the FSDP2 root); sequence_logprobs
 loading    load_model
 check      `rlasync check-model`: tree-packed vs unpacked log-probs and gradients on random tries
+
+Names are imported on first use (PEP 562), so `rlasync.model.registry` (model aliases, read by the checks that run
+before anything heavy) does not import torch; importing `rlasync.model.attention` registers the tree attention
+with transformers.
 """
 
-from rlasync.model.attention import (
-    ATTENTION_NAME,
-    TreeAttention,
-    build_tree_attention,
-    check_tree_attention_support,
-    dense_tree_mask,
-    enable_tree_attention,
-    register_tree_attention,
-    tree_block_mask,
-)
-from rlasync.model.forward import (
-    PackedRowTensors,
-    TreeScorer,
-    packed_row_to_tensors,
-    packed_token_scores,
-    sequence_logprobs,
-)
-from rlasync.model.head import LogitTransform, TokenScores, chunked_token_scores
-from rlasync.model.loading import decoder_layers, load_model, prepare_for_training
+from __future__ import annotations
 
-register_tree_attention()
+import importlib
+from typing import Any
 
-__all__ = [
-    "ATTENTION_NAME",
-    "LogitTransform",
-    "PackedRowTensors",
-    "TokenScores",
-    "TreeAttention",
-    "TreeScorer",
-    "build_tree_attention",
-    "check_tree_attention_support",
-    "chunked_token_scores",
-    "dense_tree_mask",
-    "enable_tree_attention",
-    "decoder_layers",
-    "load_model",
-    "prepare_for_training",
-    "packed_row_to_tensors",
-    "packed_token_scores",
-    "register_tree_attention",
-    "sequence_logprobs",
-    "tree_block_mask",
-]
+_WHERE = {
+    "ATTENTION_NAME": "attention",
+    "TreeAttention": "attention",
+    "build_tree_attention": "attention",
+    "check_tree_attention_support": "attention",
+    "dense_tree_mask": "attention",
+    "enable_tree_attention": "attention",
+    "register_tree_attention": "attention",
+    "tree_block_mask": "attention",
+    "PackedRowTensors": "forward",
+    "TreeScorer": "forward",
+    "packed_row_to_tensors": "forward",
+    "packed_token_scores": "forward",
+    "sequence_logprobs": "forward",
+    "LogitTransform": "head",
+    "TokenScores": "head",
+    "chunked_token_scores": "head",
+    "decoder_layers": "loading",
+    "load_model": "loading",
+    "prepare_for_training": "loading",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlasync.model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rlasync.model.{module}"), name)
+    globals()[name] = value
+    return value

@@ -320,9 +320,12 @@ def _plain_attention(
 
 @functools.cache
 def register_tree_attention() -> None:
-    """Register `ATTENTION_NAME` with transformers (idempotent; done on import of `rlasync.model`)."""
+    """Register `ATTENTION_NAME` with transformers (idempotent; done on import of this module)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+register_tree_attention()

@@ -55,10 +55,8 @@ class TrainerSurface:
     run_state: dict[str, Any]
 
     def _init_surface(self, callbacks: Sequence[Any] | None) -> None:
-        from transformers import TrainerControl, TrainerState
-
-        self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
-        self.control = TrainerControl()
+        self._state: Any = None
+        self._control: Any = None
         self.callbacks: list[Any] = []
         for callback in callbacks or []:
             self.add_callback(callback)
@@ -66,6 +64,32 @@ class TrainerSurface:
         self._training = False
         self._trained_model: Any = None
         self._final_dir: Path | None = None
+
+    # transformers' TrainerState / TrainerControl, made on first use: importing them loads transformers' trainer
+    # (torch, peft), seconds that a run stopped by a check before Ray starts should not pay
+    @property
+    def state(self) -> Any:
+        if self._state is None:
+            from transformers import TrainerState
+
+            self._state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._state = value
+
+    @property
+    def control(self) -> Any:
+        if self._control is None:
+            from transformers import TrainerControl
+
+            self._control = TrainerControl()
+        return self._control
+
+    @control.setter
+    def control(self, value: Any) -> None:
+        self._control = value
 
     # ---- callbacks (transformers' Trainer semantics) ---------------------------------------------------------
 

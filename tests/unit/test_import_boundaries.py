@@ -135,3 +135,18 @@ def test_pure_core_loads_without_torch_ray_or_transformers():
 def test_tensor_core_never_loads_ray_or_vllm():
     """Every other module, all in one interpreter (engines import vllm lazily, when built)."""
     assert _loaded_after_import(TENSOR, ("ray", "vllm")) == []
+
+
+def test_the_checks_before_ray_import_no_torch():
+    """A bad model alias or a config error is reported in about a second: the CLI, the config, the trainers and
+    their preflight (model aliases included) import neither torch nor peft until a run really starts."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rlasync.cli, rlasync.trainers.preflight, rlasync.model.registry, rlasync.config; "
+        "from rlasync import AsyncGRPOTrainer; "
+        "print(sorted(m for m in ('torch', 'peft', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
