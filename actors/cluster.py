@@ -79,7 +79,8 @@ class Cluster:
     def __enter__(self) -> Cluster:
         self.started_ray = connect(self.config.cluster.ray_address)
         try:
-            check_resources(self.spec.requests, ray.cluster_resources(), autoscaling=not self.started_ray)
+            nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+            check_resources(self.spec.requests, ray.cluster_resources(), autoscaling=not self.started_ray, nodes=nodes)
         except BaseException:
             self._disconnect()
             raise

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -25,17 +25,16 @@ def actor_requests(cluster: Any) -> ActorRequests:
 
 
 def check_resources(requests: Mapping[str, tuple[int, float, float]], available: Mapping[str, float],
-                    autoscaling: bool) -> None:  # fmt: skip
-    """Compare what the actors ask for with what the Ray cluster has. On a local cluster this process started (it
-    cannot grow) a shortfall is a `ValueError` naming the `cluster.*` fields to lower; on an existing cluster (it may
-    autoscale) a warning: otherwise actors would wait for resources that never come."""
+                    autoscaling: bool, nodes: Sequence[Mapping[str, float]] | None = None) -> None:  # fmt: skip
+    """Compare what the actors ask for with what the Ray cluster has, before any actor starts. A cluster that cannot
+    grow (a local one this process started, or an existing one without an autoscaler) that falls short, in total
+    or because some actor fits on no node (`nodes`: each node's CPU/GPU), is a `ValueError` naming the `cluster.*`
+    fields to change and, for GPUs, a layout that fits; on an autoscaling cluster a warning (it may scale up)."""
     need = {
         "CPU": sum(count * cpus for count, cpus, _ in requests.values()),
         "GPU": sum(count * gpus for count, _, gpus in requests.values()),
     }
     short = {kind: (need[kind], float(available.get(kind, 0.0))) for kind in need if need[kind] > available.get(kind, 0.0) + 1e-9}
-    if not short:
-        return
     field = {"CPU": "num_cpus", "GPU": "num_gpus"}
     parts = []
     for kind, (wanted, have) in short.items():
@@ -45,11 +44,52 @@ def check_resources(requests: Mapping[str, tuple[int, float, float]], available:
             if count and each[0 if kind == "CPU" else 1]
         )
         parts.append(f"{wanted:g} {kind}s but the Ray cluster has {have:g} ({roles})")
-    message = "the actors ask for " + "; ".join(parts) + ": lower those fields or the actor counts"
+    if parts:
+        message = "the actors ask for " + "; ".join(parts) + ": lower those fields or the actor counts"
+        if "GPU" in short:
+            message += gpu_layout_hint(requests, float(available.get("GPU", 0.0)))
+    elif nodes:
+        unplaced = first_fit(requests, nodes)
+        if unplaced is None:
+            return
+        message = (f"{unplaced} fits on no node of the Ray cluster (nodes have "
+                   + ", ".join(f"{n.get('CPU', 0):g} CPUs/{n.get('GPU', 0):g} GPUs" for n in nodes)
+                   + "): an actor's cluster.*_num_cpus / *_num_gpus must fit on one node")  # fmt: skip
+    else:
+        return
     if autoscaling:
         logger.warning("%s, unless the cluster scales up", message)
     else:
         raise ValueError(message)
 
 
-__all__ = ["ActorRequests", "actor_requests", "check_resources"]
+def first_fit(requests: Mapping[str, tuple[int, float, float]], nodes: Sequence[Mapping[str, float]]) -> str | None:
+    """Place every actor on a node, largest GPU (then CPU) demand first, on the first node with room (as Ray's
+    scheduler would, roughly); the first actor that fits nowhere ("learner 1 (2 GPUs, 1 CPU)"), else None."""
+    free = [{"CPU": float(n.get("CPU", 0.0)), "GPU": float(n.get("GPU", 0.0))} for n in nodes]
+    actors = [(gpus, cpus, role, i) for role, (count, cpus, gpus) in requests.items() for i in range(count)]
+    for gpus, cpus, role, i in sorted(actors, key=lambda a: (-a[0], -a[1])):
+        for node in free:
+            if node["GPU"] + 1e-9 >= gpus and node["CPU"] + 1e-9 >= cpus:
+                node["GPU"] -= gpus
+                node["CPU"] -= cpus
+                break
+        else:
+            return f"{role} {i} ({gpus:g} GPUs, {cpus:g} CPUs)"
+    return None
+
+
+def gpu_layout_hint(requests: Mapping[str, tuple[int, float, float]], gpus: float) -> str:
+    """A layout that fits the GPU roles into `gpus` GPUs by sharing: each GPU actor an equal fraction."""
+    users = [(role, count) for role, (count, _, each) in requests.items() if count and each > 0]
+    total = sum(count for _, count in users)
+    if not users or gpus <= 0:
+        return ""
+    share = int(gpus / total * 100) / 100  # rounded down: the sum never exceeds the cluster
+    if share <= 0:
+        return ""
+    fields = ", ".join(f"cluster.{role}_num_gpus={share:g}" for role, _ in users)
+    return f"; on {gpus:g} GPU(s) this layout fits: {fields}"
+
+
+__all__ = ["ActorRequests", "actor_requests", "check_resources", "first_fit", "gpu_layout_hint"]

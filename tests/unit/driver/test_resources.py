@@ -22,3 +22,24 @@ def test_actor_requests_follow_the_cluster_section():
     requests = actor_requests(config.cluster)
     assert requests["learner"] == (2, config.cluster.learner_num_cpus, config.cluster.learner_num_gpus)
     assert set(requests) == {"generation", "learner", "rollout", "reward", "queue"}
+
+
+def test_an_actor_that_fits_on_no_node_is_refused_though_the_total_fits():
+    requests = {"learner": (1, 1.0, 2.0), "generation": (1, 1.0, 1.0)}  # 3 GPUs in all, one actor needs 2 at once
+    nodes = [{"CPU": 8.0, "GPU": 1.0}] * 3
+    with pytest.raises(ValueError, match=r"learner 0 \(2 GPUs, 1 CPUs\) fits on no node"):
+        check_resources(requests, {"CPU": 24.0, "GPU": 3.0}, autoscaling=False, nodes=nodes)
+    check_resources(requests, {"CPU": 24.0, "GPU": 3.0}, autoscaling=False, nodes=[{"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 1}])
+
+
+def test_too_few_gpus_names_a_shared_layout_that_fits():
+    """Distillation on one GPU: learner, student engine and teacher each asking for a whole GPU."""
+    requests = {"learner": (1, 1.0, 1.0), "generation": (1, 1.0, 1.0), "teacher": (1, 1.0, 1.0), "queue": (1, 0.1, 0.0)}
+    with pytest.raises(ValueError) as info:
+        check_resources(requests, {"CPU": 16.0, "GPU": 1.0}, autoscaling=False, nodes=[{"CPU": 16.0, "GPU": 1.0}])
+    message = str(info.value)
+    assert "3 GPUs but the Ray cluster has 1" in message
+    hint = message.split("this layout fits: ")[1]
+    assert hint == "cluster.learner_num_gpus=0.33, cluster.generation_num_gpus=0.33, cluster.teacher_num_gpus=0.33"
+    shared = {role: (count, cpus, 0.33 if gpus else 0.0) for role, (count, cpus, gpus) in requests.items()}
+    check_resources(shared, {"CPU": 16.0, "GPU": 1.0}, autoscaling=False, nodes=[{"CPU": 16.0, "GPU": 1.0}])  # fits
