@@ -48,7 +48,7 @@ class StepReader:
     def __init__(self):
         from transformers import TrainerCallback
 
-        self.__class__ = type("StepReaderCallback", (TrainerCallback, StepReader), {})
+        self.__class__ = type("StepReaderCallback", (StepReader, TrainerCallback), {})  # ours first: its on_log wins
         self.steps = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
