@@ -32,7 +32,9 @@ SYNC_GATE_S = 30.0  # a generate call waits this long for the first weight sync 
 class GenerationActor:
     def __init__(self, *, model: str, dtype: str | None = None, num_threads: int | None = 1,
                  engine_kwargs: dict[str, Any] | None = None, engine: str = "torch",
-                 vllm_server_url: str | None = None) -> None:  # fmt: skip
+                 vllm_server_url: str | None = None, serve_initial_weights: bool = False) -> None:  # fmt: skip
+        """`serve_initial_weights`: serve the weights loaded here at once (an engine outside a training run); a
+        training run's engines wait for their first sync (the first-sync gate, kept across Ray restarts)."""
         import torch
 
         from rlasync.engine.factory import make_engine
@@ -46,6 +48,8 @@ class GenerationActor:
         self.loop_lag = LoopLagMonitor()  # how late this actor's event loop runs (a late loop delays every call)
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.synced = asyncio.Event()
+        if serve_initial_weights:
+            self.synced.set()
 
     async def generate(self, prompt_ids: list[int], sampling: Any) -> Any:
         self.loop_lag.start()

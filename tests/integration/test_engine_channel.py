@@ -12,7 +12,9 @@ def _actor(ray_cluster, tiny_model_dir):
     from actors.generation import GenerationActor
 
     return GenerationActor.options(num_cpus=0.5, max_restarts=0).remote(
-        model=tiny_model_dir, engine_kwargs={"max_model_len": 64, "kv_cache_tokens": 4096, "max_num_seqs": 16}
+        model=tiny_model_dir,
+        serve_initial_weights=True,
+        engine_kwargs={"max_model_len": 64, "kv_cache_tokens": 4096, "max_num_seqs": 16},
     )
 
 

@@ -150,7 +150,7 @@ def test_optimizers_become_what_the_learner_builds():
 
 def test_optimizers_reach_the_spec(tmp_path, fake_launch, monkeypatch):
     seen = []
-    import actors.cluster as fake  # the fake module installed by fake_launch
+    fake = sys.modules["actors.cluster"]  # the fake module installed by fake_launch (`import a.b` may bind the real one)
 
     launch = fake.launch
     monkeypatch.setattr(fake, "launch", lambda spec, **kw: (seen.append(spec), launch(spec, **kw))[1])
