@@ -87,12 +87,18 @@ class Objective:
 
 
 class GrpoObjective(Objective):
-    """Asynchronous GRPO on tree-packed rows (`LearnerStep`); counts `batch/groups_per_step`."""
+    """Asynchronous GRPO on tree-packed rows (`LearnerStep`); counts `batch/groups_per_step`. A model with
+    linear-attention layers is planned padding-free (every sample its own chain, docs/algorithms.md §4.3)."""
+
+    share_prefixes = True  # set by `build` from the model
 
     def build(self, parts: StepParts) -> None:
         from rlasync.learner.step import LearnerStep
+        from rlasync.model.attention import has_linear_attention
 
         settings = self.settings
+        # linear-attention (gated DeltaNet) layers cannot share a prefix: such models train padding-free
+        self.share_prefixes = not has_linear_attention(getattr(parts.scorer, "model", parts.scorer))
         self.step_core = LearnerStep(
             parts.scorer, parts.optimizer, parts.scheduler, settings.loss, temperature=settings.temperature,
             max_grad_norm=settings.max_grad_norm, num_ranks=self.world_size, device=parts.device,
@@ -102,10 +108,13 @@ class GrpoObjective(Objective):
     def plan(self, samples: Sequence[Any]) -> list[Any]:
         from rlasync.packing import FixedCountBatcher, TokenBudgetBatcher
 
+        share = self.share_prefixes
         if self.settings.token_budget > 0:
-            batcher: Any = TokenBudgetBatcher(self.world_size, self.settings.token_budget)
+            batcher: Any = TokenBudgetBatcher(self.world_size, self.settings.token_budget, share_prefixes=share)
         else:
-            batcher = FixedCountBatcher(self.world_size, self.settings.per_device_train_batch_size)
+            batcher = FixedCountBatcher(
+                self.world_size, self.settings.per_device_train_batch_size, share_prefixes=share
+            )
         batches = batcher.plan(list(samples))
         if not batches:
             raise ValueError(f"the step's {len(samples)} samples cannot fill one row per rank ({self.world_size})")

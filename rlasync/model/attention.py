@@ -4,7 +4,11 @@ attention function, its registration with transformers and the architecture chec
 The masks themselves (the rule `k <= q < subtree_end[k]`, `TreeAttention`, the dense and FlexAttention block masks)
 are built in `rlasync.model.tree_mask` and `rlasync.model.block_mask`; their names are re-exported here.
 
-How it plugs into transformers (no module is patched):
+Gated DeltaNet hybrids (`linear_attention` layers, docs/algorithms.md §4.3): `enable_tree_attention` wraps each
+`*.linear_attn` module's forward (on the instance; state dict and class unchanged) so that a tree forward runs it
+once per sample of a padding-free row (`sample_bounds`); rows that share a prefix are refused.
+
+How it plugs into transformers (no module class is patched):
   * `ATTENTION_NAME` ("rlasync_tree") is registered in `AttentionInterface` (the attention function) and in
     `AttentionMaskInterface` (transformers' own `sdpa_mask`, so a plain forward without a tree builds its usual
     causal / padding / sliding masks and runs transformers' SDPA function: the model stays usable as is).
@@ -42,6 +46,8 @@ from rlasync.model.tree_mask import (  # noqa: F401 - re-exported: these lived h
 
 ATTENTION_NAME = "rlasync_tree"
 ALLOWED_LAYER_TYPES = ("full_attention", "sliding_attention")
+LINEAR_LAYER_TYPES = ("linear_attention",)  # gated DeltaNet: run one sample at a time (padding-free rows)
+_BOUNDS_KEY = ("rlasync", "sample_bounds")  # TreeAttention.masks entry caching a row's sample bounds
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +58,14 @@ logger = logging.getLogger(__name__)
 def check_tree_attention_support(model: torch.nn.Module) -> None:
     """Refuse, with a `ValueError`, a model tree attention cannot run exactly (docs/algorithms.md §4.3, §11).
 
-    Refused: any text-config `layer_types` other than full / sliding attention (recurrent or convolutional layers
-    would mix the samples of a packed row) and any parameter named `*.sinks` (attention sinks). A model whose
-    attention does not go through transformers' `AttentionInterface` is refused by `enable_tree_attention`.
+    Refused: any text-config `layer_types` other than full / sliding / linear attention (recurrent or convolutional
+    layers would mix the samples of a packed row), linear-attention layers that are not gated DeltaNet modules
+    under `linear_attn` (the layers `enable_tree_attention` runs one sample at a time), and any parameter named
+    `*.sinks` (attention sinks). A model whose attention does not go through transformers' `AttentionInterface`
+    is refused by `enable_tree_attention`.
     """
     check_layer_types(model.config)
+    linear_attention_modules(model)  # raises for linear-attention layers it cannot run per sample
     sinks = [name for name, _ in model.named_parameters() if name == "sinks" or name.endswith(".sinks")]
     if sinks:
         raise ValueError(
@@ -66,16 +75,91 @@ def check_tree_attention_support(model: torch.nn.Module) -> None:
 
 
 def check_layer_types(config: Any) -> None:
-    """Refuse (`ValueError`) a config whose text `layer_types` include anything but full / sliding attention."""
+    """Refuse (`ValueError`) a config whose text `layer_types` include anything but full / sliding / linear
+    attention."""
     text = _text_config_of(config)
     layer_types = getattr(text, "layer_types", None) or []
-    unsupported = sorted({str(kind) for kind in layer_types} - set(ALLOWED_LAYER_TYPES))
+    unsupported = sorted({str(kind) for kind in layer_types} - set(ALLOWED_LAYER_TYPES) - set(LINEAR_LAYER_TYPES))
     if unsupported:
         raise ValueError(
-            f"tree packing supports only {list(ALLOWED_LAYER_TYPES)} layers, but this model "
-            f"({getattr(text, 'model_type', '?')}) has layer_types {unsupported}: recurrent or convolutional "
-            "layers would mix the samples of a packed row"
+            f"tree packing supports only {list(ALLOWED_LAYER_TYPES + LINEAR_LAYER_TYPES)} layers (linear attention: "
+            f"gated DeltaNet hybrids, trained padding-free), but this model ({getattr(text, 'model_type', '?')}) "
+            f"has layer_types {unsupported}: recurrent or convolutional layers would mix the samples of a packed row"
         )
+
+
+def has_linear_attention(model_or_config: Any) -> bool:
+    """Whether the model (or config) has linear-attention layers: it must then be trained padding-free (each sample
+    its own chain, `TreeRow(share_prefixes=False)`), docs/algorithms.md §4.3."""
+    config = getattr(model_or_config, "config", model_or_config)
+    layer_types = getattr(_text_config_of(config), "layer_types", None) or []
+    return any(str(kind) in LINEAR_LAYER_TYPES for kind in layer_types)
+
+
+def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The gated DeltaNet token mixers (`*.linear_attn`) of a hybrid model; `ValueError` if the config announces
+    linear-attention layers this function cannot find as such modules."""
+    if not has_linear_attention(model):
+        return []
+    layer_types = [str(kind) for kind in getattr(_text_config(model), "layer_types", None) or []]
+    expected = sum(kind in LINEAR_LAYER_TYPES for kind in layer_types)
+    found = [module for name, module in model.named_modules() if name.endswith(".linear_attn")]
+    unknown = sorted({type(m).__name__ for m in found if "GatedDeltaNet" not in type(m).__name__})
+    if len(found) != expected or unknown:
+        raise ValueError(
+            f"this model announces {expected} linear_attention layers but has {len(found)} gated DeltaNet "
+            f"`linear_attn` modules{f' (unknown kinds {unknown})' if unknown else ''}: only gated DeltaNet hybrids "
+            "(Qwen3-Next, Qwen3.5) are supported, trained padding-free"
+        )
+    return found
+
+
+def sample_bounds(tree: TreeAttention) -> list[tuple[int, int]]:
+    """`[(start, end)]` of each sample of a padding-free row (every sample its own chain, nothing shared); a row
+    whose samples share a prefix is refused (`ValueError`): a linear-attention layer cannot share one."""
+    cached = tree.masks.get(_BOUNDS_KEY)
+    if cached is not None:
+        return cached
+    depth = tree.position_ids.detach().cpu()
+    subtree_end = tree.subtree_end.detach().cpu()
+    n = int(depth.shape[0])
+    starts = torch.nonzero(depth == 0).flatten().tolist() if n else []
+    ends = [*starts[1:], n]
+    lengths = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.int64)
+    chains = bool(starts) and starts[0] == 0
+    if chains:
+        expected_depth = torch.arange(n) - torch.repeat_interleave(torch.tensor(starts), lengths)
+        expected_end = torch.repeat_interleave(torch.tensor(ends), lengths)
+        chains = bool((depth == expected_depth).all() and (subtree_end == expected_end).all())
+    if n and not chains:
+        raise ValueError(
+            "this row shares prefixes between samples, but the model has linear-attention (gated DeltaNet) layers, "
+            "which cannot share a prefix: pack it padding-free (TreeRow(share_prefixes=False); the GRPO learner "
+            "does so for such models)"
+        )
+    bounds = list(zip(starts, ends))
+    tree.masks[_BOUNDS_KEY] = bounds
+    return bounds
+
+
+def _per_sample_forward(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`forward` of a linear-attention module, run once per sample of a padding-free row when a tree forward
+    passes `tree_attention` (without it: the module's own forward, unchanged)."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, tree_attention: TreeAttention | None = None, **kwargs: Any) -> torch.Tensor:
+        if tree_attention is None:
+            return forward(*args, **kwargs)
+        hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+        if hidden.shape[0] != 1 or hidden.shape[1] != tree_attention.num_tokens:
+            raise ValueError(f"linear attention on a packed row expects [1, {tree_attention.num_tokens}, H]")
+        if kwargs.get("cache") is not None:
+            raise ValueError("a packed tree forward runs without a cache (pass use_cache=False)")
+        parts = [forward(hidden_states=hidden[:, s:e]) for s, e in sample_bounds(tree_attention)]
+        return torch.cat(parts, dim=1)
+
+    run.__rlasync_per_sample__ = True  # type: ignore[attr-defined]
+    return run
 
 
 def enable_tree_attention(model: torch.nn.Module) -> torch.nn.Module:
@@ -86,6 +170,9 @@ def enable_tree_attention(model: torch.nn.Module) -> torch.nn.Module:
     if pretrained is None:
         raise ValueError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
     pretrained.set_attn_implementation(ATTENTION_NAME)
+    for module in linear_attention_modules(pretrained):  # the instance's forward; the class is left alone
+        if not getattr(module.forward, "__rlasync_per_sample__", False):
+            module.forward = _per_sample_forward(module.forward)
     if not uses_tree_attention(pretrained):
         raise ValueError(
             f"{type(pretrained).__name__} kept attn_implementation={_text_config(pretrained)._attn_implementation!r}: "

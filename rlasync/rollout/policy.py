@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
+from rlasync.data.chat_templates import with_training_chat_template
 from rlasync.data.prompts import render_prompt, row_prompt
 from rlasync.engine.base import RequestRejectedError
 from rlasync.records import MetricItem, PromptLease, Rollout, RolloutGroup, TrainingSequence, TurnRecord
@@ -130,6 +131,8 @@ class RolloutPolicy(PolicyBase):
         tools_by_name(self.tools)  # duplicate or unnamed tools fail here, not mid-rollout
         for spec in self.environments.values():
             tools_by_name([*(self.tools or []), *spec.class_tools()])
+        if self.tools or any(spec.class_tools() for spec in self.environments.values()):  # docs/algorithms.md §3.3
+            self.tokenizer = with_training_chat_template(tokenizer, settings.chat_template_kwargs)
         self._tool_executor: ThreadPoolExecutor | None = None
         self.tool_calls = ToolCallTracker(clock)
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else tokenizer_eos_ids(tokenizer)
