@@ -12,7 +12,8 @@ overlaps a weight sync). docs/design.md §4.
     add_rollouts(n)     spawn rollout actors over the current engines, started
     remove_rollouts(n)  the loop stops (its groups in flight are cancelled: their leases go back to the queue), its
                         metrics are drained, every lease the queue still holds under its owner name is released
-                        (`release_owner`), then it is killed: every prompt is still consumed exactly once
+                        (`release_owner`), then it is killed, and released again after LEASE_POLL_S (a lease it
+                        asked for before it stopped may be granted that late): every prompt is consumed exactly once
 
 A pool never goes below one actor. An actor that cannot start within `collective_timeout_s` (no node has room and
 the cluster does not grow) is killed again with a warning; the run goes on at the old size. Each change is
@@ -29,6 +30,7 @@ from typing import Any
 import ray
 
 from actors.cluster_weights import in_thread
+from actors.loop_host import LEASE_POLL_S
 from rlasync.driver.elastic import Sizes
 
 logger = logging.getLogger(__name__)
@@ -145,6 +147,10 @@ class RayPools:
         released = ray.get([self.queue.release_owner.remote(owner) for owner in owners], timeout=self.timeout)
         del handles[-n:]
         self._kill(gone)
+        # a lease asked for before the stop is answered by the queue up to LEASE_POLL_S later: released too
+        time.sleep(LEASE_POLL_S + 1.0)
+        late = ray.get([self.queue.release_owner.remote(owner) for owner in owners], timeout=self.timeout)
+        released = [a + b for a, b in zip(released, late, strict=True)]
         for rollout, count in zip(gone, released, strict=True):
             self._event("remove_rollout", rollout, policy_version=self.weights.version, released_leases=count)
         return [item for items in drained for item in items]
