@@ -73,6 +73,9 @@ class Cluster:
         self.dataset_ref: Any = None
         self.started_ray = False
         self.version = spec.version
+        self.engine_count = self.rollout_count = 0  # actors of each pool made so far (they name the next one)
+        self.engine_options: dict[str, Any] = {}
+        self.rollout_parts: tuple[Any, dict[str, Any], list[Any]] = (None, {}, [])
 
     # ---- connect and remove -------------------------------------------------------------------------------------
 
@@ -131,11 +134,14 @@ class Cluster:
         state["policy_version"] = self.version
         rewards = self.spawn_rewards()
         self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
+        fleet = RayFleet(self.rollouts, spec.rollout.name, spec.hang_setting, cluster.collective_timeout_s,
+                         engines=engines, names=self.names, output_dir=self.config.output_dir, heal=weights.heal)  # fmt: skip
+        from actors.cluster_elastic import RayPools
+
         return spec.step_loop(
             queue=RayQueue(queue, cluster.collective_timeout_s), learners=RayLearners(learners, cluster.collective_timeout_s),
-            weights=weights, fleet=RayFleet(self.rollouts, spec.rollout.name, spec.hang_setting, cluster.collective_timeout_s,
-                                            engines=engines, names=self.names, output_dir=self.config.output_dir, heal=weights.heal),
-            tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, state=state,
+            weights=weights, fleet=fleet, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, state=state,
+            pools=RayPools(self, weights, fleet, queue, state),
         )  # fmt: skip
 
     def spawn(self, actor_cls: Any, label: str, kind: str, name: str | None = None, **options: Any) -> Any:
@@ -153,8 +159,6 @@ class Cluster:
 
     def spawn_engines(self) -> list[Any]:
         """The GenerationActors of the policy (they receive the weight syncs)."""
-        from actors.generation import GenerationActor
-
         config, cluster = self.config, self.config.cluster
         server_url = cluster.vllm_server_url
         if cluster.engine == "vllm_server" and server_url is None:
@@ -166,12 +170,17 @@ class Cluster:
             engine_kwargs = {**lora_engine_kwargs(self.spec.learner.peft_config, cluster.engine, max_loras=cluster.max_loras,
                                                   lora_dir=cluster.lora_dir or f"{config.output_dir}/lora_adapters"),
                              **(engine_kwargs or {})}  # fmt: skip
-        return [
-            self.spawn(GenerationActor, f"generation actor {i}", "generation", model=self.spec.model, dtype=engine_dtype(config),
-                       engine_kwargs=engine_kwargs, engine=cluster.engine, vllm_server_url=server_url,
-                       num_cpus=cluster.generation_num_cpus, num_gpus=cluster.generation_num_gpus)
-            for i in range(cluster.num_generation_actors)
-        ]  # fmt: skip
+        self.engine_options = dict(model=self.spec.model, dtype=engine_dtype(config), engine_kwargs=engine_kwargs,
+                                   engine=cluster.engine, vllm_server_url=server_url, num_cpus=cluster.generation_num_cpus,
+                                   num_gpus=cluster.generation_num_gpus)  # fmt: skip
+        return [self.spawn_engine() for _ in range(cluster.num_generation_actors)]
+
+    def spawn_engine(self) -> Any:
+        """One more GenerationActor (numbered on: "generation actor 2"); `spawn_engines` ran first."""
+        from actors.generation import GenerationActor
+
+        index, self.engine_count = self.engine_count, self.engine_count + 1
+        return self.spawn(GenerationActor, f"generation actor {index}", "generation", **self.engine_options)
 
     def max_model_len(self, engines: Sequence[Any]) -> int:
         return ray.get(engines[0].max_model_len.remote(), timeout=self.config.cluster.collective_timeout_s)
@@ -243,32 +252,34 @@ class Cluster:
 
     def spawn_rollouts(self, queue: Any, engines: list[Any], teachers: dict[str, Any], rewards: list[Any]) -> list[Any]:
         """The rollout actors of the spec's kind, started."""
+        cluster = self.config.cluster
+        # kept by the Cluster: a rollout actor Ray restarts (or one added later) needs its constructor arguments
+        self.dataset_ref = ray.put(self.spec.train_dataset)
+        self.rollout_parts = (queue, teachers, rewards)
+        rollouts = [self.spawn_rollout(engines) for _ in range(cluster.num_rollout_actors)]
+        ray.get([r.start.remote() for r in rollouts], timeout=cluster.collective_timeout_s + 600)
+        return rollouts
+
+    def spawn_rollout(self, engines: list[Any]) -> Any:
+        """One more rollout actor of the spec's kind over `engines` (not started; numbered on, so its owner name
+        at the queue is new); `spawn_rollouts` ran first."""
         spec, config, cluster = self.spec, self.config, self.config.cluster
-        rollout = spec.rollout
-        # kept by the Cluster: a rollout actor Ray restarts needs its constructor arguments again
-        dataset = self.dataset_ref = ray.put(spec.train_dataset)
+        rollout, (queue, teachers, rewards), dataset = spec.rollout, self.rollout_parts, self.dataset_ref
+        i, self.rollout_count = self.rollout_count, self.rollout_count + 1
         if rollout.kind == "distill":
             from actors.distill_rollout import DistillRolloutActor
 
-            rollouts = [
-                self.spawn(DistillRolloutActor, f"{rollout.name} {i}", "rollout", index=i, config=config, tokenizer=spec.tokenizer, dataset=dataset,
-                           queue=queue, students=engines, teachers=teachers, seed=config.seed,
-                           loop_cls=rollout.loop_cls, max_inflight_tasks=rollout.max_inflight_tasks,
-                           num_cpus=cluster.rollout_num_cpus)
-                for i in range(cluster.num_rollout_actors)
-            ]  # fmt: skip
-        else:
-            from actors.rollout import RolloutActor
+            return self.spawn(DistillRolloutActor, f"{rollout.name} {i}", "rollout", index=i, config=config, tokenizer=spec.tokenizer,
+                              dataset=dataset, queue=queue, students=engines, teachers=teachers, seed=config.seed,
+                              loop_cls=rollout.loop_cls, max_inflight_tasks=rollout.max_inflight_tasks,
+                              num_cpus=cluster.rollout_num_cpus)  # fmt: skip
+        from actors.rollout import RolloutActor
 
-            rollouts = [
-                self.spawn(RolloutActor, f"{rollout.name} {i}", "rollout", index=i, config=config, tokenizer=spec.tokenizer, dataset=dataset,
-                           reward_funcs=rollout.reward_funcs, queue=queue, engines=engines, loop_cls=rollout.loop_cls,
-                           seed=config.seed, reward_actors=rewards, num_cpus=cluster.rollout_num_cpus,
-                           tools=rollout.tools, environment_factory=rollout.environment_factory)
-                for i in range(cluster.num_rollout_actors)
-            ]  # fmt: skip
-        ray.get([r.start.remote() for r in rollouts], timeout=cluster.collective_timeout_s + 600)
-        return rollouts
+        return self.spawn(RolloutActor, f"{rollout.name} {i}", "rollout", index=i, config=config, tokenizer=spec.tokenizer,
+                          dataset=dataset, reward_funcs=rollout.reward_funcs, queue=queue, engines=engines,
+                          loop_cls=rollout.loop_cls, seed=config.seed, reward_actors=rewards,
+                          num_cpus=cluster.rollout_num_cpus, tools=rollout.tools,
+                          environment_factory=rollout.environment_factory)  # fmt: skip
 
 
 def connect(address: str | None) -> bool:
@@ -375,10 +386,15 @@ class RayFleet:
             await self.heal()
         for index, rollout in enumerate(self.handles):
             released = await self._call(index, rollout.ensure_running.remote(), RESTART_TIMEOUT_S)
-            if released is not None:
+            if released is not None:  # Ray restarted it with its first engines: give it the current ones
+                await self._call(index, rollout.set_engines.remote(self.engines, self.labels()), self.timeout)
                 self.restarts += 1
                 logger.warning("%s %d was restarted after it died: %d of its leases released and generated again",
                                self.name, index, released)  # fmt: skip
+
+    def labels(self) -> list[str]:
+        """The engines' names ("generation actor 2"), as the rollout actors' channels call them."""
+        return [self.names.get(engine._actor_id.hex(), "generation actor") for engine in self.engines]
 
     async def check_health(self, stale_after_s: float) -> list[tuple[str, dict[str, Any]]]:
         await self.ensure_running()

@@ -189,6 +189,34 @@ class RayWeightSync:
             self.version, _ = self.sync_now(self.version)
         return len(fired)
 
+    def add_engines(self, new: Sequence[Any]) -> int:
+        """Elastic pools: `new` GenerationActors join the transport (a broadcast group is re-opened on every member,
+        as after a restart; over IPC only they open a receiver), then every engine gets the current weights as a
+        new policy version (returned); the new ones serve only after it (their first-sync gate)."""
+        first = len(self.engines)
+        self.engines.extend(new)
+        indices = list(range(first, len(self.engines)))
+        self._arm(indices)
+        connect_weights(self.learners, self.engines, self._cluster(), only=indices)
+        self.version, _ = self.sync_now(self.version)
+        return self.version
+
+    def remove_engines(self, gone: Sequence[Any]) -> None:
+        """Elastic pools: these engines leave the transport before they are killed (their watch calls are
+        dropped first, so their deaths are not restarts); a broadcast group is re-opened without them."""
+        ids = {engine._actor_id.hex() for engine in gone}
+        kept = [(engine, self._watches[i]) for i, engine in enumerate(self.engines) if engine._actor_id.hex() not in ids]
+        if not kept:
+            raise ValueError("the weight transport needs at least one generation engine")
+        self.engines[:] = [engine for engine, _ in kept]
+        self._watches = {i: watch for i, (_, watch) in enumerate(kept)}
+        connect_weights(self.learners, self.engines, self._cluster(), only=[])
+
+    def _cluster(self) -> Any:
+        if self.cluster is None:
+            raise RuntimeError("RayWeightSync needs the cluster settings to re-open the weight transport")
+        return self.cluster
+
     def _arm(self, indices: Sequence[int]) -> None:
         for index in indices:
             self._watches[index] = self.engines[index].watch.remote()
@@ -228,9 +256,7 @@ class RayWeightSync:
             self.restarts += 1
             logger.warning("%s was restarted: the weight transport is re-opened and the current policy sent before "
                            "it serves (generation restarts so far: %d)", self._name(index), self.restarts)  # fmt: skip
-        if self.cluster is None:
-            raise RuntimeError("RayWeightSync needs the cluster settings to re-open the weight transport")
-        connect_weights(self.learners, self.engines, self.cluster, only=restarted)
+        connect_weights(self.learners, self.engines, self._cluster(), only=restarted)
 
     def _sync_once(self, version: int) -> tuple[int, dict[str, float]]:
         started, started_at = time.perf_counter(), time.time()

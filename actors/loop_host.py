@@ -118,9 +118,16 @@ class QueueSampleSink:
         await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=sample)])
 
 
+def actor_id(handle: Any) -> str:
+    """A Ray actor handle's id (hex); an `EngineChannel`'s, of the handle it wraps."""
+    handle = getattr(handle, "handle", handle)
+    return handle._actor_id.hex()
+
+
 class LoopHost:
     """Mixed into a Ray actor whose `__init__` calls `_host(...)` and sets `self.loop` (with `self.items.extend` as
-    its metrics callback): `start`, `health`, `drain_metrics`, `stop`."""
+    its metrics callback): `start`, `health`, `drain_metrics`, `stop`; for elastic pools `set_engines`,
+    `engine_report` and `owner` (docs/design.md §4)."""
 
     loop: Any
     index: int
@@ -174,6 +181,34 @@ class LoopHost:
             "heartbeat_age_s": time.time() - self.loop.heartbeat,
             **(report() if callable(report) else {}),
         }
+
+    def set_engines(self, handles: list[Any], labels: list[str]) -> None:
+        """Make the loop's engine pool exactly these GenerationActors: new ones join (each in an `EngineChannel`),
+        missing ones get no new request while their requests in flight finish (`engine_report` counts them)."""
+        from actors.engine_channel import EngineChannel
+
+        pool = self.loop.engine_pool
+        known = {actor_id(channel): channel for channel in pool.engines}
+        wanted = {actor_id(handle) for handle in handles}
+        added = [EngineChannel(h, label) for h, label in zip(handles, labels, strict=True) if actor_id(h) not in known]
+        pool.add_engines(added)
+        removed = [channel for key, channel in known.items() if key not in wanted]
+        pool.remove_engines(removed)
+        self.channels = {**getattr(self, "channels", {}), **known, **{actor_id(c): c for c in added}}
+        if added or removed:
+            logger.info("%s %d: engines %s joined, %s left", self.kind, self.index, [c.name for c in added],
+                        [c.name for c in removed])  # fmt: skip
+
+    def engine_report(self, ids: list[str]) -> dict[str, tuple[int, int]]:
+        """`{actor id: (requests answered, requests in flight)}` of these engines in this loop's pool (also of
+        engines removed from it)."""
+        pool, channels = self.loop.engine_pool, getattr(self, "channels", {})
+        channels = {**channels, **{actor_id(c): c for c in pool.engines}}
+        return {key: (pool.served(channels[key]), pool.inflight_on(channels[key])) for key in ids if key in channels}
+
+    def owner(self) -> str:
+        """The owner name the queue holds this actor's leases under (`release_owner`)."""
+        return self.source.owner
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
         items, self.items[:] = list(self.items), []

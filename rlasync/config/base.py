@@ -86,12 +86,26 @@ class ClusterConfig:
     """Base URL of `vllm serve` (e.g. http://10.0.0.5:8000) when `engine` is "vllm_server"."""
     ray_address: str | None = None
     """Join this Ray cluster (else `RAY_ADDRESS`, else an existing `ray.init`, else a new local cluster)."""
+    elastic: bool = False
+    """Resize the generation and rollout pools while the run goes (rlasync.driver.elastic.ElasticPolicy): every
+    `elastic_interval_steps` steps the driver adds a GenerationActor when the learner waits for samples and the
+    engines are saturated, a rollout actor when it waits and the engines have room, and removes one when the
+    learner does not wait; always within the min/max fields below. `trainer.resize(...)` works without it."""
+    min_generation_actors: int = 1
+    max_generation_actors: int | None = None
+    """Upper bound of the generation pool when resized (None: `num_generation_actors`, no growth)."""
+    min_rollout_actors: int = 1
+    max_rollout_actors: int | None = None
+    """Upper bound of the rollout pool when resized (None: `num_rollout_actors`, no growth)."""
+    elastic_interval_steps: int = 5
+    """With `elastic`: steps between two decisions of the policy (and after each change)."""
 
     def __post_init__(self) -> None:
         for name in ("num_rollout_actors", "num_generation_actors", "num_learners"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cluster.{name}={value!r}: must be a positive integer")
+        self._check_elastic()
         reward_actors = self.num_reward_actors
         if isinstance(reward_actors, bool) or not isinstance(reward_actors, int) or reward_actors < 0:
             raise ValueError(f"cluster.num_reward_actors={self.num_reward_actors!r}: must be an integer >= 0")
@@ -128,6 +142,37 @@ class ClusterConfig:
             raise ValueError(
                 f"cluster.vllm_server_url is set but cluster.engine={self.engine!r}: set cluster.engine='vllm_server'"
             )
+
+    def _check_elastic(self) -> None:
+        """min <= num <= max for both pools; `elastic=True` needs a pool that can change size."""
+        if not isinstance(self.elastic, bool):
+            raise ValueError(f"cluster.elastic={self.elastic!r}: must be true or false")
+        for pool in ("generation", "rollout"):
+            num = getattr(self, f"num_{pool}_actors")
+            low, high = getattr(self, f"min_{pool}_actors"), getattr(self, f"max_{pool}_actors")
+            if isinstance(low, bool) or not isinstance(low, int) or low < 1:
+                raise ValueError(f"cluster.min_{pool}_actors={low!r}: must be a positive integer")
+            if high is not None and (isinstance(high, bool) or not isinstance(high, int) or high < 1):
+                raise ValueError(f"cluster.max_{pool}_actors={high!r}: must be a positive integer (or null: "
+                                 f"num_{pool}_actors)")  # fmt: skip
+            if low > num:
+                raise ValueError(f"cluster.min_{pool}_actors={low} > cluster.num_{pool}_actors={num}: the run starts "
+                                 f"with num_{pool}_actors; set min_{pool}_actors <= {num}")  # fmt: skip
+            if high is not None and high < num:
+                raise ValueError(f"cluster.max_{pool}_actors={high} < cluster.num_{pool}_actors={num}: set "
+                                 f"max_{pool}_actors >= {num} (or null)")  # fmt: skip
+        interval = self.elastic_interval_steps
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"cluster.elastic_interval_steps={interval!r}: must be a positive integer")
+        if self.elastic and all(self.pool_bounds(pool) == (n, n) for pool, n in
+                                (("generation", self.num_generation_actors), ("rollout", self.num_rollout_actors))):
+            raise ValueError("cluster.elastic=True but neither pool can change size: set cluster.max_generation_actors "
+                             "or cluster.max_rollout_actors above num_*_actors (or min_*_actors below it)")  # fmt: skip
+
+    def pool_bounds(self, pool: str) -> tuple[int, int]:
+        """`(min, max)` actors of the "generation" or "rollout" pool (max None: the starting count)."""
+        high = getattr(self, f"max_{pool}_actors")
+        return getattr(self, f"min_{pool}_actors"), getattr(self, f"num_{pool}_actors") if high is None else high
 
 
 @dataclass

@@ -14,6 +14,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlasync.console import ProgressCallback
 from rlasync.driver.checkpoint import Checkpointer
+from rlasync.driver.elastic import (
+    ElasticBounds,
+    ElasticController,
+    ElasticPolicy,
+    ElasticPolicySettings,
+    Resizable,
+    ResizeRequests,
+)
 from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, WeightTransport
 from rlasync.driver.resources import ActorRequests
 from rlasync.driver.step_loop import StepLoop, StepSettings
@@ -98,6 +106,8 @@ class RunSpec:
     """transformers' `TrainerState` the callbacks get (the trainer's `state`); None: the StepLoop makes one."""
     log_inbox: list[dict[str, float]] | None = None
     """`trainer.log(logs)` during the run: the StepLoop records these into the next window."""
+    resize_requests: ResizeRequests | None = None
+    """`trainer.resize(...)` during the run: pool sizes the StepLoop's elastic hook applies after the next step."""
 
     def step_settings(self, tokens_per_step: int, samples_per_step: int | None) -> StepSettings:
         return StepSettings.from_config(
@@ -106,10 +116,19 @@ class RunSpec:
         )  # fmt: skip
 
     def step_loop(self, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport, fleet: Fleet,
-                  tokens_per_step: int, samples_per_step: int | None, state: dict[str, Any]) -> StepLoop:  # fmt: skip
+                  tokens_per_step: int, samples_per_step: int | None, state: dict[str, Any],
+                  pools: Resizable | None = None) -> StepLoop:  # fmt: skip
         """The run's StepLoop over the Cluster's adapters: the config's sinks (the records after the starting step,
-        of an interrupted or an earlier run, are replaced: one record per step), its checkpointer, the callbacks (called with the config as TRL's `args`)."""
+        of an interrupted or an earlier run, are replaced: one record per step), its checkpointer, the callbacks (called with the config as TRL's `args`);
+        with `pools` (the Cluster's resizable pools) the elastic hook: `resize_requests`, and the policy when
+        `cluster.elastic`."""
         config = self.config
+        elastic = None
+        if pools is not None:
+            bounds = ElasticBounds.from_cluster(config.cluster)
+            policy = ElasticPolicy(bounds, ElasticPolicySettings(interval_steps=config.cluster.elastic_interval_steps))
+            elastic = ElasticController(pools, self.resize_requests or ResizeRequests(bounds),
+                                        policy if config.cluster.elastic else None)  # fmt: skip
         sinks = build_sinks(config.output_dir, config.report_to, max_steps=config.max_steps, run_name=config.run_name,
                             config=config.to_dict(), resume_step=self.start_step,
                             console=False)  # fmt: skip
@@ -119,6 +138,7 @@ class RunSpec:
             fleet=fleet, checkpointer=Checkpointer(config.output_dir, config.save_total_limit), sinks=sinks,
             callbacks=[progress, *self.callbacks], callback_args=config, state=state, tokenizer=self.tokenizer,
             trainer_state=self.trainer_state, perf=step_perf(self.model, config), log_inbox=self.log_inbox,
+            elastic=elastic,
         )  # fmt: skip
 
 

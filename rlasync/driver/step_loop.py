@@ -106,9 +106,10 @@ class StepLoop:
                  fleet: Fleet, checkpointer: Checkpointer, sinks: Sequence[Any] = (), callbacks: Sequence[Any] = (),
                  callback_args: Any = None, state: dict[str, Any] | None = None, tokenizer: Any = None,
                  trainer_state: Any = None, perf: StepPerf | None = None,
-                 log_inbox: list[dict[str, float]] | None = None) -> None:  # fmt: skip
+                 log_inbox: list[dict[str, float]] | None = None, elastic: Any = None) -> None:  # fmt: skip
         """`state`: the run's dict (updated in place, returned by `run`); `trainer_state`: the transformers
-        `TrainerState` the callbacks get (a new one when None); `perf`: the throughput / MFU estimator."""
+        `TrainerState` the callbacks get (a new one when None); `perf`: the throughput / MFU estimator; `elastic`:
+        an `rlasync.driver.elastic.ElasticController` (`after_step(step, window) -> metric items`: resizes pools)."""
         from transformers import TrainerControl, TrainerState
 
         self.settings = settings
@@ -126,6 +127,7 @@ class StepLoop:
         self.log_inbox = log_inbox if log_inbox is not None else []  # trainer.log(...) while the run goes
         self._last_saved_step: int | None = None
         self.watchdog = Watchdog(settings.watchdog_settings())
+        self.elastic = elastic
 
     @property
     def state(self) -> TrainerState:
@@ -195,6 +197,8 @@ class StepLoop:
             self.window.update(await self.fleet.drain_metrics())
             while self.log_inbox:
                 self.window.update(self.log_inbox.pop(0))
+            if self.elastic is not None:  # resize the pools (a user's request, or the policy on this window)
+                self.window.update(await self.elastic.after_step(step, self.window.reduce(clear=False)))
             if step % s.logging_steps == 0 or (s.logging_first_step and step == 1) or self.control.should_log:
                 self._log(step, self.window.reduce())
             if (s.save_steps is not None and step % s.save_steps == 0) or self.control.should_save:

@@ -4,6 +4,8 @@
     pool.retrying(what, call)            any engine call (a teacher's score) through the same retry path
     pool.observe(completed)              every `stats_interval_s`: the engines' gauges to the ConcurrencyController
     pool.cap                             the controller's concurrency cap (None until it has seen stats)
+    pool.add_engines / remove_engines    elastic pools: a removed engine gets no new request, its requests in
+                                         flight finish (`inflight_on`), `served` counts each engine's answers
 
 Retries (docs/algorithms.md §2.5): `retryable_exceptions` (`EngineError`, `TimeoutError`, `ConnectionError`) are retried up to
 `max_attempts` tries with the backoff 1, 2, 4, 8, 16, 16, ... s; each retry is logged, counted in
@@ -77,8 +79,9 @@ class EnginePool:
         self.controller = controller
         self.counters = counters if counters is not None else collections.Counter()
         self._emit, self._clock, self._sleep = emit, clock, sleep
-        self._load = [0] * len(self.engines)
-        self._inflight: dict[int, tuple[int, float]] = {}  # request number -> (engine index, start time)
+        self._load: dict[int, int] = {id(engine): 0 for engine in self.engines}  # id(engine) -> requests in flight
+        self._served: dict[int, int] = {id(engine): 0 for engine in self.engines}  # id(engine) -> requests answered
+        self._inflight: dict[int, tuple[Any, float]] = {}  # request number -> (engine, start time)
         self._request_numbers = 0
         self._next = 0
         self._next_stats_at = -float("inf")
@@ -91,7 +94,33 @@ class EnginePool:
     @property
     def load(self) -> list[int]:
         """Requests in flight per engine."""
-        return list(self._load)
+        return [self._load[id(engine)] for engine in self.engines]
+
+    def add_engines(self, engines: Sequence[Any]) -> None:
+        """New engines take requests from now on (elastic pools)."""
+        for engine in engines:
+            if any(engine is known for known in self.engines):
+                continue
+            self.engines.append(engine)
+            self._load.setdefault(id(engine), 0)
+            self._served.setdefault(id(engine), 0)
+
+    def remove_engines(self, engines: Sequence[Any]) -> None:
+        """These engines get no new request (a retry picks another one); their requests in flight finish."""
+        gone = {id(engine) for engine in engines}
+        kept = [engine for engine in self.engines if id(engine) not in gone]
+        if not kept:
+            raise ValueError("an engine pool needs at least one engine: add the new engines before removing the last")
+        self.engines[:] = kept
+        self._next %= len(kept)
+
+    def inflight_on(self, engine: Any) -> int:
+        """Requests still unanswered by `engine` (also after it was removed)."""
+        return self._load.get(id(engine), 0)
+
+    def served(self, engine: Any) -> int:
+        """Requests `engine` answered (successfully) since it joined this pool."""
+        return self._served.get(id(engine), 0)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, what: str = "generation") -> TurnRecord:
         """One request to the least-loaded engine, transient errors retried (each retry picks an engine again and
@@ -120,14 +149,17 @@ class EnginePool:
     async def _on_least_loaded(self, prompt_ids: list[int], sampling: SamplingParams) -> TurnRecord:
         count = len(self.engines)
         start, self._next = self._next, (self._next + 1) % count
-        index = min(((start + k) % count for k in range(count)), key=self._load.__getitem__)
-        self._load[index] += 1
+        index = min(((start + k) % count for k in range(count)), key=lambda i: self._load[id(self.engines[i])])
+        engine = self.engines[index]  # held: the pool may drop it (elastic) while this request runs
+        self._load[id(engine)] += 1
         number, self._request_numbers = self._request_numbers, self._request_numbers + 1
-        self._inflight[number] = (index, self._clock())
+        self._inflight[number] = (engine, self._clock())
         try:
-            return await resolve(self.engines[index].generate(prompt_ids, sampling))
+            record = await resolve(engine.generate(prompt_ids, sampling))
+            self._served[id(engine)] += 1
+            return record
         finally:
-            self._load[index] -= 1
+            self._load[id(engine)] -= 1
             del self._inflight[number]
 
     def oldest_request(self) -> dict[str, float] | None:
@@ -135,7 +167,8 @@ class EnginePool:
         for the rollout actor's health and the watchdog's reason."""
         if not self._inflight:
             return None
-        index, started = min(self._inflight.values(), key=lambda entry: entry[1])
+        engine, started = min(self._inflight.values(), key=lambda entry: entry[1])
+        index = next((i for i, known in enumerate(self.engines) if known is engine), -1)  # -1: removed since
         return {"engine": index, "age_s": self._clock() - started}
 
     async def observe(self, completed: int) -> None:

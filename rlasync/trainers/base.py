@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlasync.driver import Checkpointer, RunSpec
+from rlasync.driver.elastic import ElasticBounds, ResizeRequests
 from rlasync.pipeline import RolloutState
 from rlasync.trainers.optimizers import optimizer_overrides
 from rlasync.trainers.surface import TrainerSurface
@@ -79,6 +80,7 @@ class AsyncTrainerBase(TrainerSurface):
         checkpointer = Checkpointer(self.args.output_dir, self.args.save_total_limit)
         spec = self.build_spec(checkpointer.resume_dir(resume_from_checkpoint))
         spec.trainer_state, spec.log_inbox = self.state, self._log_inbox
+        spec.resize_requests = self._resize_requests = ResizeRequests(ElasticBounds.from_cluster(self.args.cluster))
         if self.optimizer_overrides:
             spec.learner = dataclasses.replace(spec.learner, optimizer_overrides=self.optimizer_overrides)
         from actors.cluster import launch  # the one way to Ray

@@ -61,6 +61,7 @@ class TrainerSurface:
         for callback in callbacks or []:
             self.add_callback(callback)
         self._log_inbox: list[dict[str, float]] = []
+        self._resize_requests: Any = None  # rlasync.driver.elastic.ResizeRequests of the running train()
         self._training = False
         self._trained_model: Any = None
         self._final_dir: Path | None = None
@@ -221,6 +222,15 @@ class TrainerSurface:
         logger.warning("push_to_hub: no network here, so the model was written to the local folder %s (hub id %r); "
                        "upload it with `huggingface-cli upload`", path, repo)  # fmt: skip
         return path
+
+    def resize(self, generation: int | None = None, rollout: int | None = None) -> None:
+        """Elastic pools: ask for `generation` GenerationActors and/or `rollout` rollout actors (within
+        `cluster.min_*_actors` / `cluster.max_*_actors`), applied after the next training step. Works during
+        `train()`: from a TrainerCallback holding the trainer, or from another thread (docs/design.md §4)."""
+        if not self._training:
+            raise RuntimeError("resize() works during train() (from a callback or another thread); before it, set "
+                               "cluster.num_generation_actors / cluster.num_rollout_actors")  # fmt: skip
+        self._resize_requests.request(generation=generation, rollout=rollout)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """transformers' `log`: during `train()` the values join the run's metrics (the next logged window, so
