@@ -131,7 +131,8 @@ class RolloutPolicy(PolicyBase):
         tools_by_name(self.tools)  # duplicate or unnamed tools fail here, not mid-rollout
         for spec in self.environments.values():
             tools_by_name([*(self.tools or []), *spec.class_tools()])
-        if self.tools or any(spec.class_tools() for spec in self.environments.values()):  # docs/algorithms.md §3.3
+        self.has_tools = bool(self.tools or any(spec.class_tools() for spec in self.environments.values()))
+        if self.has_tools:  # docs/algorithms.md §3.3
             self.tokenizer = with_training_chat_template(tokenizer, settings.chat_template_kwargs)
         self._tool_executor: ThreadPoolExecutor | None = None
         self.tool_calls = ToolCallTracker(clock)
@@ -378,7 +379,7 @@ class RolloutPolicy(PolicyBase):
         now = self._clock()
         rate = (float(self._generated_tokens_unreported), now - self._rate_window_start)
         self._generated_tokens_unreported, self._rate_window_start = 0, now
-        self.emit(group_metrics(rollout_group, result.scored, score_s, rate, num_inflight))
+        self.emit(group_metrics(rollout_group, result.scored, score_s, rate, num_inflight, tools=self.has_tools))
 
 
 def _as_reward_funcs(reward_funcs: RewardFunc | Sequence[RewardFunc] | None) -> list[RewardFunc]:

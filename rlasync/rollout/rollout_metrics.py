@@ -44,15 +44,25 @@ def rollout_metrics(
 
 
 def group_metrics(
-    group: RolloutGroup, scored: ScoredGroup, score_s: float, tokens_rate: tuple[float, float], num_inflight: int
+    group: RolloutGroup, scored: ScoredGroup, score_s: float, tokens_rate: tuple[float, float], num_inflight: int,
+    tools: bool = False,
 ) -> list[MetricItem]:
-    """Concurrency, scoring time, generated tokens per second since the last group, duplicates, the scorer's."""
+    """Concurrency, scoring time, generated tokens per second since the last group, duplicates, the scorer's; with
+    `tools` (the trainer has tools), `tools/call_frequency` (calls per rollout) and `tools/failure_frequency` (failed
+    / all calls: NaN, so not logged, in a window without calls) over every rollout, dropped groups included."""
     seen: set[tuple[int, ...]] = set()
     duplicates = 0
     for ids in group.completions_ids:
         duplicates += tuple(ids) in seen
         seen.add(tuple(ids))
-    return [
+    items: list[MetricItem] = []
+    if tools:
+        calls = float(sum(group.tool_call_counts))
+        items += [
+            ("tools/call_frequency", (calls, float(len(group)))),
+            ("tools/failure_frequency", (float(sum(group.tool_failure_counts)), calls)),
+        ]
+    return items + [
         ("rollout/concurrency", float(num_inflight)),
         ("rollout/score_s", score_s),
         ("rollout/generated_tokens_per_s", tokens_rate),  # per rollout actor (its tokens over its own time)

@@ -16,9 +16,8 @@ Metric names are those of docs/algorithms.md §8.3, with no 1.16 aliases:
 
 * per sample (`RolloutSample.metrics`, one dict per row, averaged over trained samples by the collator):
   `reward_trained` (the conversation's summed reward, NaN if unscorable; 1.16 called it `reward`),
-  `reward_group_std` (the advantage divisor; 1.16 `reward_std`), `rewards/<name>/group_std` per column, and,
-  when the group made at least one tool call, `tools/call_frequency` (the conversation's calls) and
-  `tools/failure_frequency` (its failures / calls, 0 without calls).
+  `reward_group_std` (the advantage divisor; 1.16 `reward_std`), `rewards/<name>/group_std` per column. (The tool
+  metrics are the rollout loop's, over every rollout: `rlasync.rollout.rollout_metrics.group_metrics`.)
 * per group (`ScoredGroup.metrics`, recorded by the worker for every group, dropped ones included):
   `(key, value)` items, one per value, ready for `MetricSink.update`; every key is reduced by mean:
   `reward` (one item per scored summed reward), `rewards/<name>/mean` (one per scored value of the column),
@@ -198,13 +197,7 @@ def _sample_metrics(group: RolloutGroup, table: RewardTable) -> list[dict[str, f
     """Per-rollout metric dicts (shared by the rollout's rows; each row gets its own copy)."""
     shared = {"reward_group_std": group_reward_std(group.rewards)}
     shared.update({f"rewards/{name}/group_std": group_reward_std(table.column(name)) for name in table.names})
-    per_rollout = [{"reward_trained": float(reward), **shared} for reward in group.rewards]
-    if sum(group.tool_call_counts) > 0:
-        failure_counts = group.tool_failure_counts or [0] * len(group)
-        for metrics, calls, failures in zip(per_rollout, group.tool_call_counts, failure_counts, strict=True):
-            metrics["tools/call_frequency"] = float(calls)
-            metrics["tools/failure_frequency"] = failures / calls if calls > 0 else 0.0
-    return per_rollout
+    return [{"reward_trained": float(reward), **shared} for reward in group.rewards]
 
 
 def _build_samples(group: RolloutGroup, advantages: np.ndarray, metrics: list[dict[str, float]]) -> list[RolloutSample]:

@@ -229,18 +229,29 @@ def test_no_reward_source_is_refused():
         score(make_group(one_row_each(2)), [])
 
 
-def test_tool_frequencies_only_when_the_group_called_tools():
+def test_tool_frequencies_cover_every_rollout_when_the_trainer_has_tools():
+    """TRL's rule: calls per rollout over every rollout (dropped groups and rollouts without calls included), failed /
+    all calls over the window; logged only when the trainer has tools; never per trained sample."""
+    from rlasync.metrics import MetricSink
+    from rlasync.rollout.rollout_metrics import group_metrics
+
     def by_index(completions, **kwargs):
         return [float(i) for i in range(len(completions))]
 
     with_calls = make_group(one_row_each(3), tool_call_counts=[0, 2, 4], tool_failure_counts=[0, 1, 0])
-    rewards = [by_index]
-    samples = score(with_calls, rewards).samples
-    assert [s.metrics["tools/call_frequency"] for s in samples] == [0.0, 2.0, 4.0]
-    assert [s.metrics["tools/failure_frequency"] for s in samples] == [0.0, 0.5, 0.0]
-
+    scored = score(with_calls, [by_index])
+    assert all(not any(key.startswith("tools/") for key in s.metrics) for s in scored.samples)
     without_calls = make_group(one_row_each(3), tool_call_counts=[0, 0, 0], tool_failure_counts=[0, 0, 0])
-    assert all("tools/call_frequency" not in s.metrics for s in score(without_calls, rewards).samples)
+    sink = MetricSink()
+    for group in (with_calls, without_calls):
+        sink.update(group_metrics(group, score(group, [by_index]), 0.0, (0.0, 1.0), 1, tools=True))
+    window = sink.reduce()
+    assert window["tools/call_frequency"] == pytest.approx(6 / 6)  # 6 calls over 6 rollouts
+    assert window["tools/failure_frequency"] == pytest.approx(1 / 6)  # 1 failed of 6 calls
+    only_without = group_metrics(without_calls, score(without_calls, [by_index]), 0.0, (0.0, 1.0), 1, tools=True)
+    assert ("tools/call_frequency", (0.0, 3.0)) in only_without  # 0.0 is logged: the model called nothing
+    no_tools = group_metrics(with_calls, scored, 0.0, (0.0, 1.0), 1, tools=False)
+    assert not any(key.startswith("tools/") for key, _ in no_tools)
 
 
 def test_malformed_group_is_refused():
