@@ -71,6 +71,8 @@ class GroupState:
     """Per rollout index, `(environment class name, get_reward())` for environments that own a reward."""
     scored: Any = None
     """Set by the policy's `collect` for its `handed_over`."""
+    done_at: float | None = None
+    """When its latest rollout finished (the policy's clock): `rollout/score_wait_s` runs from there."""
 
     @classmethod
     def for_lease(cls, lease: PromptLease, prompt: list[dict[str, Any]], size: int) -> GroupState:

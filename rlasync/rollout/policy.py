@@ -142,7 +142,6 @@ class RolloutPolicy(PolicyBase):
         self._rendered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # `render`'s cache
         self._generated_tokens_unreported = 0
         self._rate_window_start = clock()
-        self._done_at: dict[int, float] = {}  # id(group) -> when its last rollout finished (rollout/score_wait_s)
         self._scoring = 0  # groups being scored now (rollout/score_queue_size)
 
     _metrics_callback: Callable[[list[MetricItem]], Any]
@@ -318,7 +317,7 @@ class RolloutPolicy(PolicyBase):
     def record(self, group: GroupState, index: int, outcome: RolloutOutcome) -> None:
         sequences = self.build_sequences(outcome.rollout)
         group.add(index, outcome, sequences)
-        self._done_at[id(group)] = self._clock()
+        group.done_at = self._clock()
         self.counters["rollouts_completed"] += 1
         self._generated_tokens_unreported += sum(len(turn.output_ids) for turn in outcome.rollout.turns)
         self.emit(rollout_metrics(outcome.rollout, sequences, outcome.duration_s, self.eos_token_ids))
@@ -330,7 +329,7 @@ class RolloutPolicy(PolicyBase):
         # (no bounded score queue), so score_queue_size counts the other groups being scored and generation never
         # blocks on scoring (score_block_s is 0).
         self.emit([("rollout/score_queue_size", float(self._scoring)),
-                   ("rollout/score_wait_s", max(started - self._done_at.pop(id(group), started), 0.0)),
+                   ("rollout/score_wait_s", max(started - (group.done_at if group.done_at is not None else started), 0.0)),
                    ("rollout/score_block_s", 0.0)])  # fmt: skip
         self._scoring += 1
         try:
