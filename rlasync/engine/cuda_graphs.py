@@ -61,7 +61,6 @@ class DecodeGraphs:
         self._decoder = decoder
         self._logits_of = logits_of
         self._no_mask = no_mask
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture_all()
 
     @property
@@ -97,20 +96,7 @@ class DecodeGraphs:
         return self._logits_of(hidden)
 
     def _capture_all(self) -> None:
-        mempool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up (lazy kernel and library init) outside any capture
-                for _ in range(2):
-                    self._forward(self.max_batch_size)
-            torch.cuda.current_stream().wait_stream(side)
-            for size in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    logits = self._forward(size)
-                self._graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
+        self._graphs = capture_graphs(self._forward, self.batch_sizes, warmup=[self.max_batch_size] * 2)
 
     def run_decode(self, token_ids: Sequence[int], positions: Sequence[int], block_ids: Sequence[Sequence[int]]
                    ) -> torch.Tensor:  # fmt: skip
@@ -128,6 +114,29 @@ class DecodeGraphs:
         graph, logits = self._graphs[size]
         graph.replay()
         return logits
+
+
+def capture_graphs(forward: Callable[[int], torch.Tensor], sizes: Sequence[int], warmup: Sequence[int]
+                   ) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:  # fmt: skip
+    """One CUDA graph of `forward(size)` per size, sharing one memory pool: `forward` runs first for each size of
+    `warmup` on a side stream (lazy kernel and library init outside any capture), then the sizes are captured
+    largest first (later graphs reuse its memory). Returns {size: (graph, its output tensor)}."""
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+    mempool = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for size in warmup:
+                forward(size)
+        torch.cuda.current_stream().wait_stream(side)
+        for size in sorted(sizes, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                output = forward(size)
+            graphs[size] = (graph, output)
+    torch.cuda.synchronize()
+    return graphs
 
 
 def stage_decode(

@@ -23,17 +23,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from rlasync.engine.cuda_graphs import capture_graphs
 from rlasync.engine.kv_cache import num_blocks_for
 from rlasync.engine.paged_attention import KVPool, PagedAttentionMetadata
 
 DEFAULT_TOKEN_COUNTS = (64, 128, 256, 384, 512, 768, 1024)
 
 
-def mixed_token_counts(max_num_seqs: int, max_num_batched_tokens: int,
-                       counts: Sequence[int] = DEFAULT_TOKEN_COUNTS) -> tuple[int, ...]:  # fmt: skip
-    """The token counts to capture: those of `counts` within the step budget and above the smallest that holds one
-    token per request slot in use (a mixed step has more tokens than requests)."""
-    return tuple(sorted(count for count in counts if count <= max_num_batched_tokens and count > 1)) or ()
+def mixed_token_counts(max_num_batched_tokens: int, counts: Sequence[int] = DEFAULT_TOKEN_COUNTS) -> tuple[int, ...]:
+    """The token counts to capture: those of `counts` (above 1: a mixed step has a prefill) within the step budget."""
+    return tuple(sorted(count for count in counts if 1 < count <= max_num_batched_tokens))
 
 
 class StagedMixed:
@@ -133,16 +132,14 @@ class MixedGraphs:
         max_model_len: int,
         no_mask: torch.Tensor,
         backend: str,
-        mempool: object | None = None,
     ) -> None:
         self.pool, self.backend, self.max_model_len = pool, backend, max_model_len
         self.token_counts = tuple(sorted(token_counts))
         max_blocks = num_blocks_for(max_model_len, pool.block_size)
         self._staged = {t: StagedMixed(t, min(t, max_num_seqs) + 1, max_blocks, device) for t in self.token_counts}
         self._decoder, self._logits_of, self._no_mask = decoder, logits_of, no_mask
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps run through these graphs (the engine reports it in its stats)
-        self._capture_all(mempool)
+        self._capture_all()
 
     @property
     def max_tokens(self) -> int:
@@ -188,23 +185,11 @@ class MixedGraphs:
         staged.dev64.copy_(staged.host64)
         staged.dev32.copy_(staged.host32)
 
-    def _capture_all(self, mempool: object | None) -> None:
-        mempool = mempool if mempool is not None else torch.cuda.graph_pool_handle()
+    def _capture_all(self) -> None:
         with torch.inference_mode():
             for tokens in self.token_counts:
                 self._stage_empty(tokens)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up (kernel compilation and library init) outside any capture
-                for tokens in self.token_counts:
-                    self._forward(tokens)
-            torch.cuda.current_stream().wait_stream(side)
-            for tokens in reversed(self.token_counts):  # largest first: later graphs reuse its memory
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    logits = self._forward(tokens)
-                self._graphs[tokens] = (graph, logits)
-        torch.cuda.synchronize()
+        self._graphs = capture_graphs(self._forward, self.token_counts, warmup=self.token_counts)
 
     def run(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int], block_ids: Sequence[Sequence[int]],
             sample_rows: Sequence[int]) -> torch.Tensor:  # fmt: skip

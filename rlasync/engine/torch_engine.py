@@ -135,7 +135,7 @@ class TorchEngine:
             backend=backend,
             cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if graphs else (),
             mixed_graph_tokens=(
-                mixed_token_counts(max_num_seqs, max_num_batched_tokens) if graphs and mixed_cuda_graphs else ()
+                mixed_token_counts(max_num_batched_tokens) if graphs and mixed_cuda_graphs else ()
             ),
             max_num_seqs=max_num_seqs,
         )
