@@ -147,10 +147,11 @@ class MixedGraphs:
 
     def fits(self, num_tokens: int, num_requests: int) -> bool:
         """Whether some graph holds a step of `num_tokens` tokens from `num_requests` requests."""
-        return any(t >= num_tokens and self._staged[t].slots > num_requests for t in self.token_counts)
+        return self._size_for(num_tokens, num_requests) is not None
 
-    def _size_for(self, num_tokens: int, num_requests: int) -> int:
-        return next(t for t in self.token_counts if t >= num_tokens and self._staged[t].slots > num_requests)
+    def _size_for(self, num_tokens: int, num_requests: int) -> int | None:
+        """The smallest token count whose graph holds the step (its padding request included), or None."""
+        return next((t for t in self.token_counts if t >= num_tokens and self._staged[t].slots > num_requests), None)
 
     def _forward(self, tokens: int) -> torch.Tensor:
         staged = self._staged[tokens]
@@ -197,6 +198,8 @@ class MixedGraphs:
         As for the decode graphs, read the logits before the next call (the buffers are reused)."""
         num_tokens = sum(len(ids) for ids in token_ids)
         tokens = self._size_for(num_tokens, len(token_ids))
+        if tokens is None:
+            raise ValueError(f"a step of {num_tokens} tokens from {len(token_ids)} requests fits no mixed-step graph")
         staged = self._staged[tokens]
         host = {k: v.numpy() for k, v in staged.views(staged.host64, staged.host32).items()}
         stage_mixed(host, token_ids, starts, block_ids, sample_rows, self.pool.block_size, self.pool.null_block)
