@@ -34,6 +34,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     prompt_block_keys: list[Any] = field(default_factory=list)  # prefix-cache keys of the full prompt blocks
     num_computed_tokens: int = 0
+    slot: int | None = None  # its row in the runner's per-slot sampling tensors while it runs (the scheduler's)
     finish_reason: str | None = None
     handle: Any = None  # the engine's completion handle (an asyncio future); opaque here
 

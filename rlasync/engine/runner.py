@@ -21,6 +21,7 @@ from rlasync.engine.base import SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import DecodeGraphs
 from rlasync.engine.mixed_graphs import MixedGraphs
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
+from rlasync.engine.slot_sampling import SlotSampling
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class SampleSpec:
     seed: int
     step: int  # index of the token being generated within its request (counter-based randomness)
     seen_ids: list[int] | None  # prompt + output so far, only when a repetition penalty applies
+    slot: int | None = None  # the request's row in the per-slot sampling tensors (None: built for this step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class ModelRunner:
         if backend not in ("reference", "varlen", "triton"):
             raise ValueError(f"unknown paged attention backend {backend!r}")
         self.backend = backend
+        self.slots = SlotSampling(max_num_seqs, device)
         self.graphs = None
         if cuda_graph_sizes and backend in ("varlen", "triton"):
             try:
@@ -184,8 +187,12 @@ class ModelRunner:
         from rlasync.engine.sampler import BatchSampling, sample
 
         params = [spec.params for spec in specs]
-        batch = BatchSampling.from_params(params, [spec.seed for spec in specs], self.device)
-        steps = torch.tensor([spec.step for spec in specs], dtype=torch.int64, device=self.device)
+        seeds = [spec.seed for spec in specs]
+        if all(spec.slot is not None for spec in specs):
+            batch, steps = self.slots.batch([spec.slot for spec in specs], params, seeds, [s.step for s in specs])
+        else:
+            batch = BatchSampling.from_params(params, seeds, self.device)
+            steps = torch.tensor([spec.step for spec in specs], dtype=torch.int64, device=self.device)
         seen = None
         if any(spec.seen_ids is not None for spec in specs):
             rows = [row for row, spec in enumerate(specs) for _ in spec.seen_ids or ()]
@@ -227,22 +234,39 @@ def _on_device(device: torch.device) -> Any:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _unpack(result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
-    """The sampler's batched tensors -> one `SampledToken` per row (Python values)."""
-    token_ids = result.token_ids.tolist()
-    logprobs = result.logprobs.tolist()
-    topn_ids = result.topn_ids.tolist() if result.topn_ids is not None else None
-    topn_logprobs = result.topn_logprobs.tolist() if result.topn_logprobs is not None else None
-    candidate_ids = result.candidate_ids.tolist() if result.candidate_ids is not None else None
-    num_candidates = result.num_candidates.tolist() if result.num_candidates is not None else None
+def pack_result(result: object) -> torch.Tensor:
+    """The sampler's batched tensors as one [B, W] float64 tensor (ids are exact in float64), so a step's results
+    leave the device in one copy: token id, log-prob, then top-N ids and log-probs, then candidates and their count
+    (the parts present, in that order; `unpack_rows` reads them back)."""
+    parts = [result.token_ids[:, None], result.logprobs[:, None]]
+    for extra in (result.topn_ids, result.topn_logprobs, result.candidate_ids):
+        if extra is not None:
+            parts.append(extra)
+    if result.num_candidates is not None:
+        parts.append(result.num_candidates[:, None])
+    return torch.cat([part.to(torch.float64) for part in parts], dim=1)
+
+
+def unpack_rows(rows: list[list[float]], result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """`pack_result`'s rows (as Python lists) -> one `SampledToken` per row; `result` gives the parts' widths."""
+    n = result.topn_ids.shape[1] if result.topn_ids is not None else 0
+    c = result.candidate_ids.shape[1] if result.candidate_ids is not None else 0
+    has_topn = result.topn_ids is not None
+    has_candidates = result.candidate_ids is not None and result.num_candidates is not None
     out = []
-    for row, p in enumerate(params):
+    for row, p in zip(rows, params):
         top = None
-        if p.num_logprobs > 0 and topn_ids is not None:
-            pairs = zip(topn_ids[row][: p.num_logprobs], topn_logprobs[row][: p.num_logprobs])
+        if p.num_logprobs > 0 and has_topn:
+            pairs = zip(row[2 : 2 + p.num_logprobs], row[2 + n : 2 + n + p.num_logprobs])
             top = {int(i): float(lp) for i, lp in pairs if lp != float("-inf")}
         candidates = None
-        if p.filters and p.return_sampling_mask and candidate_ids is not None:
-            candidates = candidate_ids[row][: num_candidates[row]]
-        out.append(SampledToken(int(token_ids[row]), float(logprobs[row]), top, candidates))
+        if p.filters and p.return_sampling_mask and has_candidates:
+            begin = 2 + 2 * n
+            candidates = [int(i) for i in row[begin : begin + int(row[begin + c])]]
+        out.append(SampledToken(int(row[0]), float(row[1]), top, candidates))
     return out
+
+
+def _unpack(result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """The sampler's batched tensors -> one `SampledToken` per row (Python values), through one device copy."""
+    return unpack_rows(pack_result(result).tolist(), result, params)

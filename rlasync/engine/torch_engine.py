@@ -383,7 +383,7 @@ class TorchEngine:
         if chunk.samples:
             params = request.params
             seen = list(request.token_ids) if params.repetition_penalty != 1.0 else None
-            sample = SampleSpec(params, request.seed, request.num_output_tokens, seen)
+            sample = SampleSpec(params, request.seed, request.num_output_tokens, seen, request.slot)
         # the block list itself, not a copy: it only changes in `schedule()` (between steps), and a request dropped
         # during the step gets a new, empty list
         return ChunkInput(request.token_ids[chunk.start : chunk.end], chunk.start, request.block_ids, sample)
