@@ -120,6 +120,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # async scheduling: its last token is being sampled by the step in flight
+                index += 1
+                continue
             while not self._reserve(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
