@@ -174,3 +174,49 @@ def test_async_score_is_served_between_overlapped_steps():
     scored, still_running = asyncio.run(run())
     assert still_running  # the score did not wait for every request to finish
     assert len(scored.token_logprobs) == 2
+
+
+def test_async_failed_collect_fails_the_steps_in_flight_and_the_engine_goes_on(monkeypatch):
+    from rlasync.engine import EngineError
+
+    engine = make_engine(tiny_model("llama"), async_scheduling=True)
+    collect, calls = engine._runner.collect, []
+
+    def failing_third(step):
+        calls.append(step)
+        if len(calls) == 3:  # a decode step is in flight behind it
+            raise RuntimeError("injected")
+        return collect(step)
+
+    monkeypatch.setattr(engine._runner, "collect", failing_third)
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def run():
+        failed = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS), return_exceptions=True)
+        assert engine.stats().kv_cache_usage_frac == 0 and engine.stats().num_running == 0
+        later = await engine.generate(PROMPTS[0], params)
+        return failed, later
+
+    failed, later = asyncio.run(run())
+    assert all(isinstance(e, EngineError) and "injected" in str(e) for e in failed)
+    assert len(later.output_ids) == 8
+
+
+def test_async_cancelled_request_frees_its_blocks_and_slot_while_others_go_on():
+    engine = make_engine(tiny_model("llama"), async_scheduling=True)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=2)
+
+    async def run():
+        victim = asyncio.create_task(engine.generate(PROMPTS[4], params))
+        others = [asyncio.create_task(engine.generate(p, params)) for p in PROMPTS[:3]]
+        await wait_until(lambda: engine.stats().extra["num_steps"] >= 4)
+        victim.cancel()
+        await asyncio.gather(victim, return_exceptions=True)
+        records = await asyncio.gather(*others)
+        assert engine.stats().kv_cache_usage_frac == 0
+        assert sorted(engine._scheduler._free_slots) == list(range(engine._scheduler.max_num_seqs))
+        return records, victim
+
+    records, victim = asyncio.run(run())
+    assert victim.cancelled()
+    assert all(len(r.output_ids) == 40 for r in records)
