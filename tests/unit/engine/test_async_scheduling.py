@@ -95,7 +95,7 @@ def test_async_is_bitwise_sync_when_every_step_holds_the_same_requests():
     assert [len(r[0]) for r in out[True]] == [4 + 3 * i for i in range(len(PROMPTS))]
 
 
-def test_cpu_default_is_synchronous():
+def test_the_default_is_synchronous():
     assert make_engine(tiny_model("llama")).async_scheduling is False
 
 

@@ -185,7 +185,7 @@ def _records(records):
     return [(r.output_ids, r.finish_reason, r.output_sampler_logprobs is not None) for r in records]
 
 
-def test_async_scheduling_is_the_cuda_default_and_gives_the_sync_tokens_with_cuda_graphs():
+def test_async_scheduling_gives_the_sync_tokens_with_cuda_graphs():
     """fp32, Triton kernel, decode and mixed-step graphs: all requests at once, length stops only, so both modes run
     the same batches: same tokens, log-probs and top-N; the async run fed its decode inputs back on the device."""
     model = tiny_model(init=0.05)
@@ -194,7 +194,7 @@ def test_async_scheduling_is_the_cuda_default_and_gives_the_sync_tokens_with_cud
     out = {}
     for mode in (False, True):
         engine = engine_of(model, dtype="float32", attention_backend="triton", max_num_batched_tokens=256,
-                           **({} if mode else dict(async_scheduling=False)))  # fmt: skip
+                           async_scheduling=mode)  # fmt: skip
         assert engine.async_scheduling is mode
         records = asyncio.run(asyncio.gather(*(engine.generate(p, s) for p, s in jobs)))
         out[mode] = records
