@@ -21,7 +21,7 @@ from rlasync.engine.base import SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import DecodeGraphs
 from rlasync.engine.mixed_graphs import MixedGraphs
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
-from rlasync.engine.slot_sampling import SlotSampling
+from rlasync.engine.slot_sampling import SlotSampling, host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class ModelRunner:
             sampling = [i for i, chunk in enumerate(chunks) if chunk.sample is not None]
             if len(sampling) == len(chunks):  # a decode step: every request samples
                 return logits[: len(chunks)]
-            return logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=self.device))
+            return logits.index_select(0, host_to_device(sampling, torch.int64, self.device))
         mixed = self.mixed
         if mixed is not None and mixed.fits(sum(lengths), len(chunks)):
             sampling = [i for i, chunk in enumerate(chunks) if chunk.sample is not None]
@@ -234,7 +234,7 @@ class ModelRunner:
             return None
         if feedback_ids is None:
             raise RuntimeError("a chunk feeds back a sampled token but no previous step was given")
-        index = torch.tensor(pairs, dtype=torch.int64).T.contiguous().to(self.device)
+        index = host_to_device([[p for p, _ in pairs], [r for _, r in pairs]], torch.int64, self.device)
         return index[0], feedback_ids.index_select(0, index[1])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,16 @@ from rlasync.engine.base import SamplingParams
 from rlasync.engine.sampler import BatchSampling, _i64, _Plan
 
 
+def host_to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the GPU: on CUDA through pinned memory and a
+    non-blocking copy (a copy from pageable memory waits for the stream's queued work, which would undo the overlap
+    of asynchronous scheduling); torch's pinned-memory cache reuses the block only once the copy has run."""
+    tensor = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class SlotSampling:
     """`capacity` rows of temperature, top_k, top_p, min_p, repetition penalty and seed on `device`."""
 
@@ -44,7 +54,7 @@ class SlotSampling:
         stale = [i for i, slot in enumerate(slots) if self._stale(slot, params[i], seeds[i])]
         if stale:
             self._write([slots[i] for i in stale], [params[i] for i in stale], [seeds[i] for i in stale])
-        index_and_steps = torch.tensor([list(slots), list(steps)], dtype=torch.int64).to(self.device)
+        index_and_steps = host_to_device([list(slots), list(steps)], torch.int64, self.device)
         index = index_and_steps[0]
         floats = self.floats.index_select(1, index)
         ints = self.ints.index_select(1, index)
@@ -76,11 +86,10 @@ class SlotSampling:
                                 float(p.repetition_penalty))  # fmt: skip
             self._num_logprobs[slot] = int(p.num_logprobs)
         rows = [self._rows[slot] for slot in slots]
-        # pageable host tensors copied synchronously: the staging memory is never reused under an in-flight copy
-        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
-        floats = torch.tensor([[r[0] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows]],
-                              dtype=torch.float32).to(self.device)  # fmt: skip
-        ints = torch.tensor([[r[1] for r in rows], [_i64(int(s)) for s in seeds]], dtype=torch.int64).to(self.device)
+        index = host_to_device(slots, torch.int64, self.device)
+        floats = host_to_device([[r[0] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows]],
+                                torch.float32, self.device)  # fmt: skip
+        ints = host_to_device([[r[1] for r in rows], [_i64(int(s)) for s in seeds]], torch.int64, self.device)
         self.floats.index_copy_(1, index, floats)
         self.ints.index_copy_(1, index, ints)
         self.num_writes += len(slots)
