@@ -8,6 +8,7 @@ batch = concurrency, the same prompts).
 
     python bench/engine_throughput.py --out bench/results/engine_throughput_h200.json
     python bench/engine_throughput.py --device cpu --tiny --concurrency 8 --new-tokens 16   # smoke test
+    python bench/engine_throughput.py --async-scheduling compare --no-hf   # async scheduling on vs off, same engine
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8,
                         help="also run the top concurrency as groups of this many requests per prompt (1 = skip)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "varlen", "reference"])
+    parser.add_argument("--async-scheduling", default="default", choices=["default", "on", "off", "compare"],
+                        help="the engine's async_scheduling (default: the engine's, off); compare: run the engine suite "
+                        "with it off then on, keys suffixed _sync / _async, and async_over_sync_c<N> ratios")
     parser.add_argument("--profile", default=None, help="write torch.profiler tables of a short run to this folder")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -118,36 +122,49 @@ def main() -> None:
     engine = TorchEngine(
         model, device=args.device, max_model_len=max_len, kv_cache_tokens=max(levels) * max_len + 4096,
         max_num_seqs=max(levels), cuda_graphs=not args.no_cuda_graphs, attention_backend=args.attention_backend,
+        async_scheduling={"on": True, "off": False}.get(args.async_scheduling),
     )  # fmt: skip
+    modes = {"compare": [("_sync", False), ("_async", True)]}.get(args.async_scheduling, [("", None)])
     results["attention_backend"] = engine._runner.backend
     results["cuda_graphs"] = engine._runner.graphs is not None
+    results["async_scheduling"] = args.async_scheduling if args.async_scheduling == "compare" else engine.async_scheduling
     print(f"attention backend {results['attention_backend']}, CUDA graphs {results['cuda_graphs']}", flush=True)
 
-    async def engine_suite() -> None:
+    async def engine_suite(tag: str) -> None:
         await engine_run(engine, prompts_all[: min(8, len(prompts_all))], 8, 0)  # warm-up (graphs, kernels)
         for level in levels:
             prompts = prompts_all[:level]
             plain = await engine_run(engine, prompts, args.new_tokens, 0)
             topn = await engine_run(engine, prompts, args.new_tokens, 8)
-            results["runs"][f"engine_c{level}"] = plain
-            results["runs"][f"engine_c{level}_logprobs8"] = topn
-            results[f"engine_c{level}_new_tokens_per_s"] = plain["new_tokens_per_s"]
-            results[f"engine_c{level}_logprobs8_cost_frac"] = 1 - topn["new_tokens_per_s"] / plain["new_tokens_per_s"]
-            print(f"engine c={level}: {plain['new_tokens_per_s']:.0f} new tok/s; with 8 logprobs "
+            results["runs"][f"engine{tag}_c{level}"] = plain
+            results["runs"][f"engine{tag}_c{level}_logprobs8"] = topn
+            results[f"engine{tag}_c{level}_new_tokens_per_s"] = plain["new_tokens_per_s"]
+            results[f"engine{tag}_c{level}_logprobs8_cost_frac"] = 1 - topn["new_tokens_per_s"] / plain["new_tokens_per_s"]
+            print(f"engine{tag} c={level}: {plain['new_tokens_per_s']:.0f} new tok/s; with 8 logprobs "
                   f"{topn['new_tokens_per_s']:.0f}", flush=True)  # fmt: skip
             _write(args.out, results)
         if args.group_size > 1:  # GRPO-shaped: groups of requests on one prompt (prefix caching shares its prefill)
             level = max(levels)
             grouped = [p for p in prompts_all[: level // args.group_size] for _ in range(args.group_size)]
             run = await engine_run(engine, grouped, args.new_tokens, 0)
-            key = f"engine_c{len(grouped)}_groups_of_{args.group_size}"
+            key = f"engine{tag}_c{len(grouped)}_groups_of_{args.group_size}"
             run["prefix_cache_hit_tokens_total"] = engine.stats().extra.get("prefix_cache_hit_tokens")
             results["runs"][key] = run
             results[f"{key}_new_tokens_per_s"] = run["new_tokens_per_s"]
-            print(f"engine {key}: {run['new_tokens_per_s']:.0f} new tok/s", flush=True)
+            print(f"{key}: {run['new_tokens_per_s']:.0f} new tok/s", flush=True)
             _write(args.out, results)
 
-    asyncio.run(engine_suite())
+    for tag, mode in modes:
+        if mode is not None:
+            engine.async_scheduling = mode  # read by the engine loop at each run of steps; the engine is idle here
+        asyncio.run(engine_suite(tag))
+    if args.async_scheduling == "compare":
+        for level in levels:
+            for extra in ("", "_logprobs8"):
+                sync, overlapped = (results["runs"][f"engine{tag}_c{level}{extra}"]["new_tokens_per_s"]
+                                    for tag in ("_sync", "_async"))  # fmt: skip
+                results[f"async_over_sync_c{level}{extra}"] = overlapped / sync
+        _write(args.out, results)
     if args.profile:
         profile_engine(engine, prompts_all[: max(levels)], args.device, Path(args.profile))
     if hf_model is not None:

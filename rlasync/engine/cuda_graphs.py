@@ -61,6 +61,7 @@ class DecodeGraphs:
         self._decoder = decoder
         self._logits_of = logits_of
         self._no_mask = no_mask
+        self._copied: torch.cuda.Event | None = None  # recorded after the last step's host-to-device copies
         self._capture_all()
 
     @property
@@ -98,19 +99,26 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         self._graphs = capture_graphs(self._forward, self.batch_sizes, warmup=[self.max_batch_size] * 2)
 
-    def run_decode(self, token_ids: Sequence[int], positions: Sequence[int], block_ids: Sequence[Sequence[int]]
-                   ) -> torch.Tensor:  # fmt: skip
+    def run_decode(self, token_ids: Sequence[int], positions: Sequence[int], block_ids: Sequence[Sequence[int]],
+                   feedback: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
         """Replay the graph of the smallest captured size holding this decode step (request i feeds `token_ids[i]` at
         `positions[i]`, its KV in blocks `block_ids[i]`); returns that graph's logits [size, V] (rows past the step's
-        requests are padding). Host inputs are staged in pinned memory and sent in two copies.
+        requests are padding). Host inputs are staged in pinned memory and sent in two copies. `feedback`
+        (rows [F] int64, ids [F] int64, on the device) overwrites those rows' input ids after the copies.
 
         The returned tensor is the graph's own output buffer, and the host buffers are reused by the next step: read
         the logits (which synchronises) before the next call."""
         size = self.padded_size(len(token_ids))
+        if self._copied is not None:  # asynchronous scheduling: the last step's copies may still read the host buffers
+            self._copied.synchronize()
         stage_decode(self.host64.numpy(), self.host32.numpy(), token_ids, positions, block_ids, size,
                      self.pool.block_size, self.pool.null_block, self.max_blocks)  # fmt: skip
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        if feedback is not None:  # input ids sampled by the previous step, still on the device
+            self.input_ids.index_copy_(0, *feedback)
         graph, logits = self._graphs[size]
         graph.replay()
         return logits

@@ -46,6 +46,7 @@ class StagedMixed:
         self.host32 = torch.zeros(3 * slots + 2 + slots * max_blocks, dtype=torch.int32, pin_memory=pin)
         self.dev64 = self.host64.to(device)
         self.dev32 = self.host32.to(device)
+        self.copied: torch.cuda.Event | None = None  # recorded after the last host-to-device copies
 
     def views(self, buffer64: torch.Tensor, buffer32: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views into a (host or device) pair of buffers."""
@@ -193,18 +194,26 @@ class MixedGraphs:
         self._graphs = capture_graphs(self._forward, self.token_counts, warmup=self.token_counts)
 
     def run(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int], block_ids: Sequence[Sequence[int]],
-            sample_rows: Sequence[int]) -> torch.Tensor:  # fmt: skip
+            sample_rows: Sequence[int], feedback: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:  # fmt: skip
         """Replay the graph for this step; returns its logits buffer (rows past `len(sample_rows)` are padding).
-        As for the decode graphs, read the logits before the next call (the buffers are reused)."""
+        As for the decode graphs, read the logits before the next call (the buffers are reused); `feedback` (flat
+        token indices, ids, on the device) overwrites those input ids after the copies."""
         num_tokens = sum(len(ids) for ids in token_ids)
         tokens = self._size_for(num_tokens, len(token_ids))
         if tokens is None:
             raise ValueError(f"a step of {num_tokens} tokens from {len(token_ids)} requests fits no mixed-step graph")
         staged = self._staged[tokens]
+        if staged.copied is not None:  # asynchronous scheduling: the last copies may still read the host buffers
+            staged.copied.synchronize()
         host = {k: v.numpy() for k, v in staged.views(staged.host64, staged.host32).items()}
         stage_mixed(host, token_ids, starts, block_ids, sample_rows, self.pool.block_size, self.pool.null_block)
         staged.dev64.copy_(staged.host64, non_blocking=True)
         staged.dev32.copy_(staged.host32, non_blocking=True)
+        staged.copied = torch.cuda.Event()
+        staged.copied.record()
+        if feedback is not None:
+            staged.dev64[:tokens].index_copy_(0, *feedback)
         graph, logits = self._graphs[tokens]
         graph.replay()
         self.replays += 1

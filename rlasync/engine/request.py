@@ -34,6 +34,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     prompt_block_keys: list[Any] = field(default_factory=list)  # prefix-cache keys of the full prompt blocks
     num_computed_tokens: int = 0
+    num_pending: int = 0  # trailing placeholder tokens: sampled by a step in flight, ids not read yet (async)
+    slot: int | None = None  # its row in the runner's per-slot sampling tensors while it runs (the scheduler's)
     finish_reason: str | None = None
     handle: Any = None  # the engine's completion handle (an asyncio future); opaque here
 
@@ -71,18 +73,33 @@ class Request:
         top_logprobs: dict[int, float] | None = None,
         candidates: list[int] | None = None,
     ) -> str | None:
-        """Record one sampled token; returns the finish reason when this token ends the request, else None."""
-        self.token_ids.append(token_id)
+        """Record one sampled token (into the first pending placeholder, if any); returns the finish reason when
+        this token ends the request, else None. A request that finishes drops its remaining placeholders."""
+        if self.num_pending:
+            self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(token_id)
         self.output_log_probs.append(logprob)
         if self.sampler_logprobs is not None:
             self.sampler_logprobs.append(top_logprobs or {})
         if self.sampling_mask is not None:
             self.sampling_mask.append(candidates if candidates is not None else [])
+        reason = None
         if token_id in self.stop_ids:
-            return FINISH_STOP
-        if self.num_output_tokens >= self.max_output_tokens:
-            return FINISH_LENGTH
-        return None
+            reason = FINISH_STOP
+        elif self.num_output_tokens - self.num_pending >= self.max_output_tokens:
+            reason = FINISH_LENGTH
+        if reason is not None and self.num_pending:
+            del self.token_ids[len(self.token_ids) - self.num_pending :]
+            self.num_pending = 0
+        return reason
+
+    def add_pending(self) -> None:
+        """Count the token a launched step samples for this request before its id is known (asynchronous
+        scheduling): a placeholder id 0 holds its place, the next step reads the real id on the device."""
+        self.token_ids.append(0)
+        self.num_pending += 1
 
     def to_turn_record(self) -> TurnRecord:
         return TurnRecord(

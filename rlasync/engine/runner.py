@@ -21,6 +21,7 @@ from rlasync.engine.base import SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import DecodeGraphs
 from rlasync.engine.mixed_graphs import MixedGraphs
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
+from rlasync.engine.slot_sampling import SlotSampling, host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class SampleSpec:
     seed: int
     step: int  # index of the token being generated within its request (counter-based randomness)
     seen_ids: list[int] | None  # prompt + output so far, only when a repetition penalty applies
+    slot: int | None = None  # the request's row in the per-slot sampling tensors (None: built for this step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,18 @@ class ChunkInput:
     start: int
     block_ids: list[int]
     sample: SampleSpec | None
+    feedback_row: int | None = None  # the last input token is row r of the previous launched step's sampled ids
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose work is queued on the device (`ModelRunner.launch`); `collect` reads its results."""
+
+    samples: list[bool]  # per chunk: whether it samples
+    params: list[SamplingParams]
+    result: Any = None  # the sampler's SampleResult (device tensors), None when no chunk samples
+    packed: torch.Tensor | None = None  # `pack_result`, on the host (pinned, filled asynchronously on CUDA)
+    ready: Any = None  # a CUDA event recorded after the copy to `packed`
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +113,7 @@ class ModelRunner:
         if backend not in ("reference", "varlen", "triton"):
             raise ValueError(f"unknown paged attention backend {backend!r}")
         self.backend = backend
+        self.slots = SlotSampling(max_num_seqs, device)
         self.graphs = None
         if cuda_graph_sizes and backend in ("varlen", "triton"):
             try:
@@ -136,38 +151,67 @@ class ModelRunner:
     # ---- one engine step ----------------------------------------------------------------------------------------
 
     def execute(self, chunks: Sequence[ChunkInput]) -> list[SampledToken | None]:
-        """Run one step; returns, per chunk, its sampled token (None for a prefill chunk that does not sample).
+        """Run one step; returns, per chunk, its sampled token (None for a prefill chunk that does not sample)."""
+        return self.collect(self.launch(chunks))
+
+    def launch(self, chunks: Sequence[ChunkInput], previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step on the device and return without waiting for it (on CUDA); chunks with a `feedback_row`
+        take their last input token from `previous`'s sampled ids on the device.
 
         Runs in a worker thread: the engine's GPU is made current here (a thread starts on GPU 0, and Triton
         launches on the current device)."""
         with torch.inference_mode(), _on_device(self.device):
-            logits = self.forward(chunks)
+            logits = self.forward(chunks, previous.result.token_ids if previous and previous.result else None)
             specs = [chunk.sample for chunk in chunks if chunk.sample is not None]
-            sampled = iter(self.sample(logits, specs) if specs else [])
-            return [next(sampled) if chunk.sample is not None else None for chunk in chunks]
+            step = LaunchedStep([chunk.sample is not None for chunk in chunks], [spec.params for spec in specs])
+            if not specs:
+                return step
+            step.result = self.sample_tensors(logits, specs)
+            packed = pack_result(step.result)
+            if packed.is_cuda:
+                step.packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                step.packed.copy_(packed, non_blocking=True)
+                step.ready = torch.cuda.Event()
+                step.ready.record()
+            else:
+                step.packed = packed
+            return step
 
-    def forward(self, chunks: Sequence[ChunkInput]) -> torch.Tensor:
-        """Logits [S, V] float32 at the last position of each chunk that samples (S of them), in chunk order."""
+    def collect(self, step: LaunchedStep) -> list[SampledToken | None]:
+        """Wait for a launched step and return, per chunk, its sampled token (None where it does not sample)."""
+        if step.result is None:
+            return [None] * len(step.samples)
+        if step.ready is not None:
+            step.ready.synchronize()
+        sampled = iter(unpack_rows(step.packed.tolist(), step.result, step.params))
+        return [next(sampled) if samples else None for samples in step.samples]
+
+    def forward(self, chunks: Sequence[ChunkInput], feedback_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, V] float32 at the last position of each chunk that samples (S of them), in chunk order;
+        `feedback_ids` [R] (device): the previous step's sampled ids, read by chunks with a `feedback_row`."""
         starts = [chunk.start for chunk in chunks]
         lengths = [len(chunk.token_ids) for chunk in chunks]
         block_ids = [chunk.block_ids for chunk in chunks]
+        feedback = self._feedback(chunks, lengths, feedback_ids)
         graphs = self.graphs
         if graphs is not None and max(lengths) == 1 and len(chunks) <= graphs.max_batch_size:
-            logits = graphs.run_decode([chunk.token_ids[0] for chunk in chunks], starts, block_ids)
+            logits = graphs.run_decode([chunk.token_ids[0] for chunk in chunks], starts, block_ids, feedback)
             sampling = [i for i, chunk in enumerate(chunks) if chunk.sample is not None]
             if len(sampling) == len(chunks):  # a decode step: every request samples
                 return logits[: len(chunks)]
-            return logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=self.device))
+            return logits.index_select(0, host_to_device(sampling, torch.int64, self.device))
         mixed = self.mixed
         if mixed is not None and mixed.fits(sum(lengths), len(chunks)):
             sampling = [i for i, chunk in enumerate(chunks) if chunk.sample is not None]
-            logits = mixed.run([chunk.token_ids for chunk in chunks], starts, block_ids, sampling)
+            logits = mixed.run([chunk.token_ids for chunk in chunks], starts, block_ids, sampling, feedback)
             return logits[: len(sampling)]
         flat_ids = [token for chunk in chunks for token in chunk.token_ids]
         ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
         rows = ends[[i for i, chunk in enumerate(chunks) if chunk.sample is not None]].to(self.device)
         meta = build_metadata(self.pool, starts, lengths, block_ids, self.device, self.backend)
         input_ids = torch.tensor(flat_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if feedback is not None:
+            input_ids.index_copy_(0, *feedback)
         hidden = self.decoder(
             input_ids=input_ids[None],
             position_ids=meta.positions[None],
@@ -177,15 +221,39 @@ class ModelRunner:
         ).last_hidden_state[0]
         return self._logits(hidden.index_select(0, rows))
 
+    def _feedback(self, chunks: Sequence[ChunkInput], lengths: list[int], feedback_ids: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """(flat input positions, their ids on the device) for the chunks whose last token is fed back."""
+        pairs = []
+        end = 0
+        for chunk, length in zip(chunks, lengths):
+            end += length
+            if chunk.feedback_row is not None:
+                pairs.append((end - 1, chunk.feedback_row))
+        if not pairs:
+            return None
+        if feedback_ids is None:
+            raise RuntimeError("a chunk feeds back a sampled token but no previous step was given")
+        index = host_to_device([[p for p, _ in pairs], [r for _, r in pairs]], torch.int64, self.device)
+        return index[0], feedback_ids.index_select(0, index[1])
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head.weight, getattr(self.head, "bias", None)).float()
 
     def sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampledToken]:
+        return _unpack(self.sample_tensors(logits, specs), [spec.params for spec in specs])
+
+    def sample_tensors(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> Any:
+        """The sampler's `SampleResult` (device tensors) for `logits` [S, V], one row per spec."""
         from rlasync.engine.sampler import BatchSampling, sample
 
         params = [spec.params for spec in specs]
-        batch = BatchSampling.from_params(params, [spec.seed for spec in specs], self.device)
-        steps = torch.tensor([spec.step for spec in specs], dtype=torch.int64, device=self.device)
+        seeds = [spec.seed for spec in specs]
+        if all(spec.slot is not None for spec in specs):
+            batch, steps = self.slots.batch([spec.slot for spec in specs], params, seeds, [s.step for s in specs])
+        else:
+            batch = BatchSampling.from_params(params, seeds, self.device)
+            steps = torch.tensor([spec.step for spec in specs], dtype=torch.int64, device=self.device)
         seen = None
         if any(spec.seen_ids is not None for spec in specs):
             rows = [row for row, spec in enumerate(specs) for _ in spec.seen_ids or ()]
@@ -193,8 +261,7 @@ class ModelRunner:
             seen = torch.zeros(len(specs), logits.shape[1], dtype=torch.bool, device=self.device)
             seen[torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)] = True
         wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
-        result = sample(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
-        return _unpack(result, params)
+        return sample(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
 
     # ---- teacher-forced scoring ---------------------------------------------------------------------------------
 
@@ -227,22 +294,39 @@ def _on_device(device: torch.device) -> Any:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _unpack(result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
-    """The sampler's batched tensors -> one `SampledToken` per row (Python values)."""
-    token_ids = result.token_ids.tolist()
-    logprobs = result.logprobs.tolist()
-    topn_ids = result.topn_ids.tolist() if result.topn_ids is not None else None
-    topn_logprobs = result.topn_logprobs.tolist() if result.topn_logprobs is not None else None
-    candidate_ids = result.candidate_ids.tolist() if result.candidate_ids is not None else None
-    num_candidates = result.num_candidates.tolist() if result.num_candidates is not None else None
+def pack_result(result: object) -> torch.Tensor:
+    """The sampler's batched tensors as one [B, W] float64 tensor (ids are exact in float64), so a step's results
+    leave the device in one copy: token id, log-prob, then top-N ids and log-probs, then candidates and their count
+    (the parts present, in that order; `unpack_rows` reads them back)."""
+    parts = [result.token_ids[:, None], result.logprobs[:, None]]
+    for extra in (result.topn_ids, result.topn_logprobs, result.candidate_ids):
+        if extra is not None:
+            parts.append(extra)
+    if result.num_candidates is not None:
+        parts.append(result.num_candidates[:, None])
+    return torch.cat([part.to(torch.float64) for part in parts], dim=1)
+
+
+def unpack_rows(rows: list[list[float]], result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """`pack_result`'s rows (as Python lists) -> one `SampledToken` per row; `result` gives the parts' widths."""
+    n = result.topn_ids.shape[1] if result.topn_ids is not None else 0
+    c = result.candidate_ids.shape[1] if result.candidate_ids is not None else 0
+    has_topn = result.topn_ids is not None
+    has_candidates = result.candidate_ids is not None and result.num_candidates is not None
     out = []
-    for row, p in enumerate(params):
+    for row, p in zip(rows, params):
         top = None
-        if p.num_logprobs > 0 and topn_ids is not None:
-            pairs = zip(topn_ids[row][: p.num_logprobs], topn_logprobs[row][: p.num_logprobs])
+        if p.num_logprobs > 0 and has_topn:
+            pairs = zip(row[2 : 2 + p.num_logprobs], row[2 + n : 2 + n + p.num_logprobs])
             top = {int(i): float(lp) for i, lp in pairs if lp != float("-inf")}
         candidates = None
-        if p.filters and p.return_sampling_mask and candidate_ids is not None:
-            candidates = candidate_ids[row][: num_candidates[row]]
-        out.append(SampledToken(int(token_ids[row]), float(logprobs[row]), top, candidates))
+        if p.filters and p.return_sampling_mask and has_candidates:
+            begin = 2 + 2 * n
+            candidates = [int(i) for i in row[begin : begin + int(row[begin + c])]]
+        out.append(SampledToken(int(row[0]), float(row[1]), top, candidates))
     return out
+
+
+def _unpack(result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """The sampler's batched tensors -> one `SampledToken` per row (Python values), through one device copy."""
+    return unpack_rows(pack_result(result).tolist(), result, params)

@@ -17,6 +17,9 @@ Prefix caching (when the allocator has it on): a request admitted from scratch t
 prompt's longest cached prefix and computes only the rest (a GRPO group's `num_generations` requests share their
 prompt's KV); the full prompt blocks a step computes are registered as it is scheduled.
 
+A running request holds a slot (`Request.slot`, in [0, max_num_seqs)): its row in the runner's per-slot sampling
+tensors (`slot_sampling.py`); preemption and `finish` give it back.
+
 While `paused`, nothing is scheduled. `complete(output)` marks the scheduled tokens computed once the step ran;
 `finish` / `abort` drop a request and free its blocks.
 """
@@ -79,6 +82,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache (cumulative)
         self.paused = False
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() gives the lowest free slot
 
     @property
     def num_waiting(self) -> int:
@@ -116,6 +120,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # async scheduling: its last token is being sampled by the step in flight
+                index += 1
+                continue
             while not self._reserve(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -138,6 +145,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self.running.append(request)
+            request.slot = self._free_slots.pop()
             self.num_prefix_hit_tokens += hit_tokens
             self._schedule_chunk(output, request, num_new)
             budget -= num_new
@@ -191,6 +199,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, request: Request) -> None:
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
         self.allocator.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0

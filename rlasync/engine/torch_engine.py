@@ -24,14 +24,16 @@ are conditioned on old-policy keys/values that the trainer will never reproduce.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 
+from rlasync.engine.async_steps import run_overlapped
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import decode_batch_sizes
 from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
@@ -78,6 +80,8 @@ class TorchEngine:
     cuda_graphs            capture decode steps as CUDA graphs, padded to a few batch sizes (triton and varlen backends)
     mixed_cuda_graphs      with `cuda_graphs`, capture mixed steps (prefill chunks with decodes) too, padded to a few
                            token counts up to 1024 (`mixed_graphs.py`): in RL rollouts most steps hold a prefill
+    async_scheduling       plan and launch step N+1 while step N runs, its sampled ids fed back on the device
+                           (`async_steps.py`; same tokens and log-probs); default off (on CPU it overlaps nothing)
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class TorchEngine:
         cuda_graphs: bool = True,
         enable_prefix_caching: bool = True,
         mixed_cuda_graphs: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -124,6 +129,8 @@ class TorchEngine:
         self.block_size = block_size
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         cuda = self.device.type == "cuda"
+        self.async_scheduling = bool(async_scheduling)
+        self._lock_waiters = 0  # callers waiting for the model lock: an overlapped run of steps drains for them
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
         graphs = cuda_graphs and cuda
@@ -183,7 +190,7 @@ class TorchEngine:
         self._bind()
         while True:
             await self._resumed.wait()
-            async with self._model_lock:
+            async with self._exclusive():
                 if self._scheduler.paused:
                     continue
                 return await asyncio.to_thread(self._runner.score, ids, prompt_length, top_k, temperature)
@@ -193,7 +200,7 @@ class TorchEngine:
         self._bind()
         self._scheduler.paused = True
         self._resumed.clear()
-        async with self._model_lock:
+        async with self._exclusive():
             pass
 
     async def resume(self) -> None:
@@ -211,7 +218,7 @@ class TorchEngine:
         self._bind()
         if not self._scheduler.paused:
             raise RuntimeError("TorchEngine.load_weights needs a paused engine: await engine.pause() first")
-        async with self._model_lock:
+        async with self._exclusive():
             try:
                 await asyncio.to_thread(self._load, named_tensors)
                 if self.kv_on_weight_update == "recompute":
@@ -305,6 +312,19 @@ class TorchEngine:
 
     # ---- the engine loop ------------------------------------------------------------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """The model lock for a caller other than the loop (counted: the loop stops overlapping steps for it)."""
+        self._lock_waiters += 1
+        acquired = False
+        try:
+            async with self._model_lock:
+                self._lock_waiters, acquired = self._lock_waiters - 1, True
+                yield
+        finally:
+            if not acquired:  # cancelled while waiting
+                self._lock_waiters -= 1
+
     def _bind(self) -> None:
         """Start the loop task on the running event loop (first use, or a new event loop once the old one is gone)."""
         if self._closed:
@@ -336,19 +356,25 @@ class TorchEngine:
                 async with self._model_lock:
                     if self._scheduler.paused:
                         continue
-                    output = self._scheduler.schedule()
-                    if not output.chunks:
-                        raise RuntimeError(
-                            f"scheduler made an empty step with {self._scheduler.num_waiting} waiting and "
-                            f"{self._scheduler.num_running} running requests"
-                        )
-                    await self._step(output)
+                    if self.async_scheduling:
+                        await run_overlapped(self)
+                    else:
+                        await self._step_once()
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug in the loop itself: fail every request loudly, the next call restarts it
             logger.exception("TorchEngine loop stopped")
             self._fail_all(EngineError(f"TorchEngine loop stopped: {exc!r}"))
+
+    async def _step_once(self) -> None:
+        output = self._scheduler.schedule()
+        if not output.chunks:
+            raise RuntimeError(
+                f"scheduler made an empty step with {self._scheduler.num_waiting} waiting and "
+                f"{self._scheduler.num_running} running requests"
+            )
+        await self._step(output)
 
     async def _step(self, output: SchedulerOutput) -> None:
         chunk_inputs = [self._chunk_input(chunk) for chunk in output.chunks]
@@ -383,7 +409,7 @@ class TorchEngine:
         if chunk.samples:
             params = request.params
             seen = list(request.token_ids) if params.repetition_penalty != 1.0 else None
-            sample = SampleSpec(params, request.seed, request.num_output_tokens, seen)
+            sample = SampleSpec(params, request.seed, request.num_output_tokens, seen, request.slot)
         # the block list itself, not a copy: it only changes in `schedule()` (between steps), and a request dropped
         # during the step gets a new, empty list
         return ChunkInput(request.token_ids[chunk.start : chunk.end], chunk.start, request.block_ids, sample)

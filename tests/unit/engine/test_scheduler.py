@@ -217,6 +217,9 @@ def test_random_workloads_finish_every_request_and_leak_no_block(seed, caching):
         assert output.chunks or not scheduler.has_work
         assert len({b for r in scheduler.running for b in r.block_ids}) == allocator.num_used
         assert output.num_tokens <= scheduler.max_num_batched_tokens
+        slots = [r.slot for r in scheduler.running]  # every running request holds its own slot, waiting ones none
+        assert len(set(slots)) == len(slots) and all(0 <= s < scheduler.max_num_seqs for s in slots)
+        assert all(r.slot is None for r in scheduler.waiting)
         for request in scheduler.running:  # a request's blocks are distinct and cover its computed tokens
             assert len(set(request.block_ids)) == len(request.block_ids)
             assert len(request.block_ids) * allocator.block_size >= request.num_computed_tokens
@@ -224,5 +227,6 @@ def test_random_workloads_finish_every_request_and_leak_no_block(seed, caching):
             allocator.clear_cache()  # a weight load
     assert all(r.is_finished and r.num_output_tokens == r.max_output_tokens for r in requests)
     assert allocator.num_free == allocator.num_blocks
+    assert all(r.slot is None for r in requests)
     if caching and seed % 2 == 0:
         assert scheduler.num_prefix_hit_tokens > 0

@@ -179,3 +179,58 @@ def test_mixed_step_graphs_with_flash_attention_agree_with_eager_in_bf16():
     same = sum(a == b for x, y in zip(outputs[False], outputs[True]) for a, b in zip(x.output_ids, y.output_ids))
     total = sum(len(x.output_ids) for x in outputs[False])
     assert same >= 0.9 * total, f"{same} of {total} greedy tokens agree (bf16 rounding flips only a few)"
+
+
+def _records(records):
+    return [(r.output_ids, r.finish_reason, r.output_sampler_logprobs is not None) for r in records]
+
+
+def test_async_scheduling_gives_the_sync_tokens_with_cuda_graphs():
+    """fp32, Triton kernel, decode and mixed-step graphs: all requests at once, length stops only, so both modes run
+    the same batches: same tokens, log-probs and top-N; the async run fed its decode inputs back on the device."""
+    model = tiny_model(init=0.05)
+    jobs = [(p, SamplingParams(max_tokens=10 + 7 * i, temperature=1.0, seed=i, top_k=30, num_logprobs=3))
+            for i, p in enumerate(PROMPTS * 3)]  # fmt: skip
+    out = {}
+    for mode in (False, True):
+        engine = engine_of(model, dtype="float32", attention_backend="triton", max_num_batched_tokens=256,
+                           async_scheduling=mode)  # fmt: skip
+        assert engine.async_scheduling is mode
+        records = asyncio.run(asyncio.gather(*(engine.generate(p, s) for p, s in jobs)))
+        out[mode] = records
+        assert engine._runner.graphs is not None and engine._runner.mixed is not None
+    for a, b in zip(out[True], out[False]):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.output_log_probs), torch.tensor(b.output_log_probs), atol=1e-5,
+                                   rtol=0)  # fmt: skip
+        assert [sorted(t) for t in a.output_sampler_logprobs] == [sorted(t) for t in b.output_sampler_logprobs]
+
+
+def test_async_scheduling_on_cuda_agrees_with_sync_under_arrivals_stops_preemption_and_a_weight_sync():
+    model = tiny_model()
+    greedy = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[7, 8, 9])
+    prompts = [[(3 * i + j) % 160 for j in range(1 + i % 17)] for i in range(48)]
+    outputs, stats = {}, {}
+    for mode in (False, True):
+        engine = engine_of(model, dtype="float32", attention_backend="triton", kv_cache_tokens=768, max_num_seqs=32,
+                           max_num_batched_tokens=256, async_scheduling=mode)  # fmt: skip
+        outputs[mode] = asyncio.run(_staggered(engine, prompts, greedy, gap_s=0.002))
+        stats[mode] = engine.stats()
+    assert _records(outputs[True]) == _records(outputs[False])
+    assert {r.finish_reason for r in outputs[True]} == {"stop", "length"}
+    assert stats[True].num_preemptions > 0 and stats[True].kv_cache_usage_frac == 0
+
+    engine = engine_of(model, dtype="float32", attention_backend="triton", async_scheduling=True)
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    async def with_sync():
+        tasks = [asyncio.ensure_future(engine.generate(p, greedy)) for p in prompts[:16]]
+        await asyncio.sleep(0.05)
+        await engine.pause()
+        requests = [*engine._scheduler.running, *engine._scheduler.waiting]
+        assert all(r.num_pending == 0 for r in requests)
+        await engine.load_weights(state.items())  # the same weights: the outputs must not change
+        await engine.resume()
+        return await asyncio.gather(*tasks)
+
+    assert _records(asyncio.run(with_sync())) == _records(outputs[False][:16])

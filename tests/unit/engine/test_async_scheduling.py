@@ -1,0 +1,222 @@
+"""Asynchronous scheduling (`async_steps.py`): step N+1 is launched before step N's ids are read, its input ids fed
+back on the device. With a seed per request, it gives exactly the tokens, log-probs, top-N and candidate sets of the
+synchronous engine: greedy and sampled, EOS / stop-id and max_tokens stops, preemption, requests arriving mid-run,
+repetition penalties (drained steps), and a weight update between pause and resume."""
+
+import asyncio
+
+import pytest
+import torch
+
+from rlasync.engine import SamplingParams
+from rlasync.engine.async_steps import run_overlapped  # noqa: F401  (the module under test is importable on CPU)
+from tests.unit.engine.test_torch_engine import (
+    PROMPTS,
+    generate_all,
+    make_engine,
+    perturbed_state,
+    tiny_model,
+    wait_until,
+)
+
+PARAMS = [
+    SamplingParams(max_tokens=12, temperature=0),
+    SamplingParams(max_tokens=20, temperature=1.0, seed=3, num_logprobs=3),
+    SamplingParams(max_tokens=1, temperature=0.8, seed=4),
+    SamplingParams(max_tokens=25, temperature=1.2, top_k=8, top_p=0.9, seed=5, return_sampling_mask=True),
+    SamplingParams(max_tokens=17, temperature=0.9, min_p=0.05, seed=6, num_logprobs=2),
+    SamplingParams(max_tokens=30, temperature=1.0, seed=7, stop_token_ids=[11, 12, 13, 14, 15, 16, 17, 18, 19]),
+    SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+]
+
+
+def as_tuple(record):
+    return (record.output_ids, record.output_log_probs, record.output_sampler_logprobs, record.output_sampling_mask,
+            record.finish_reason)  # fmt: skip
+
+
+def assert_same_records(got, want):
+    """Exact tokens, finish reasons, candidate sets and top-N ids; log-probs to 1e-5 (a step of another batch
+    composition, e.g. holding a request that stopped in the step before, changes CPU float sums in the last bits)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a[0], a[3], a[4]) == (b[0], b[3], b[4])
+        assert a[1] == pytest.approx(b[1], abs=1e-5)
+        assert (a[2] is None) == (b[2] is None)
+        for top_a, top_b in zip(a[2] or [], b[2] or []):
+            assert top_a.keys() == top_b.keys()
+            assert list(top_a.values()) == pytest.approx(list(top_b.values()), abs=1e-5)
+
+
+async def staggered(engine, jobs, every=2):
+    """Start the jobs a few at a time, each batch once the engine made `every` more steps (arrivals mid-run)."""
+    tasks = []
+    for i, (prompt, params) in enumerate(jobs):
+        if i and i % 3 == 0:
+            target = engine.stats().extra["num_steps"] + every
+            await wait_until(lambda t=target: engine.stats().extra["num_steps"] >= t or not engine.stats().num_running)
+        tasks.append(asyncio.create_task(engine.generate(prompt, params)))
+    return await asyncio.gather(*tasks)
+
+
+def run_both(model_factory, jobs, **engine_kwargs):
+    out = {}
+    for mode in (False, True):
+        engine = make_engine(model_factory(), async_scheduling=mode, **engine_kwargs)
+        assert engine.async_scheduling is mode
+        records = asyncio.run(staggered(engine, jobs))
+        out[mode] = ([as_tuple(r) for r in records], engine.stats())
+    return out
+
+
+def jobs_of(n):
+    return [(PROMPTS[i % len(PROMPTS)], PARAMS[i % len(PARAMS)]) for i in range(n)]
+
+
+def test_async_is_bitwise_sync_when_every_step_holds_the_same_requests():
+    """All requests arrive at once and stop by length only: no step holds a token to discard, so both modes run the
+    same batches and give bitwise the same records."""
+    jobs = [(p, SamplingParams(max_tokens=4 + 3 * i, temperature=1.0, seed=i, num_logprobs=2, top_k=20,
+                               return_sampling_mask=True)) for i, p in enumerate(PROMPTS)]  # fmt: skip
+    out = {}
+    for mode in (False, True):
+        engine = make_engine(tiny_model("qwen3", init=0.05), async_scheduling=mode)
+        launch, fed_back = engine._runner.launch, []
+
+        def spy(chunks, previous=None, launch=launch, fed_back=fed_back):
+            fed_back.append(sum(chunk.feedback_row is not None for chunk in chunks))
+            return launch(chunks, previous)
+
+        engine._runner.launch = spy
+        records = asyncio.run(generate_all(engine, [p for p, _ in jobs], [s for _, s in jobs]))
+        out[mode] = [as_tuple(r) for r in records]
+        assert (sum(fed_back) > 0) is mode  # the async run's decode inputs came from the device
+    assert out[True] == out[False]
+    assert [len(r[0]) for r in out[True]] == [4 + 3 * i for i in range(len(PROMPTS))]
+
+
+def test_the_default_is_synchronous():
+    assert make_engine(tiny_model("llama")).async_scheduling is False
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_async_gives_the_tokens_and_logprobs_of_sync_with_stops_and_arrivals(family):
+    # eos id 5 is frequent enough in a tiny random model to stop some sampled requests early
+    out = run_both(lambda: tiny_model(family, init=0.05), jobs_of(14), eos_token_ids=[5])
+    assert_same_records(out[True][0], out[False][0])
+    reasons = {r[-1] for r in out[True][0]}
+    assert reasons == {"stop", "length"}, reasons
+    # the stats count real tokens only (discarded in-flight tokens of finished requests are not generated tokens)
+    assert out[True][1].extra["num_generated_tokens"] == out[False][1].extra["num_generated_tokens"]
+    assert out[True][1].num_running == out[True][1].num_waiting == 0
+
+
+def test_async_equals_sync_under_preemption_and_chunked_prefill():
+    kwargs = dict(kv_cache_tokens=128, max_num_batched_tokens=16, block_size=4)
+    out = run_both(lambda: tiny_model("llama", init=0.05), jobs_of(12), **kwargs)
+    assert_same_records(out[True][0], out[False][0])
+    assert out[True][1].num_preemptions > 0 and out[False][1].num_preemptions > 0
+
+
+def test_async_equals_sync_with_a_repetition_penalty_in_the_mix():
+    penalised = SamplingParams(max_tokens=15, temperature=1.0, seed=9, repetition_penalty=1.3, num_logprobs=2)
+    jobs = jobs_of(6) + [(PROMPTS[1], penalised), (PROMPTS[3], penalised)] + jobs_of(4)
+    out = run_both(lambda: tiny_model("llama", init=0.05), jobs)
+    assert_same_records(out[True][0], out[False][0])
+
+
+def test_async_pause_drains_the_step_in_flight_and_a_weight_update_applies_to_the_rest():
+    model = tiny_model("llama")
+    new_state = perturbed_state(model)
+    reference = tiny_model("llama")
+    reference.load_state_dict(new_state, strict=False)
+    engine = make_engine(model, async_scheduling=True)
+    greedy = SamplingParams(max_tokens=30, temperature=0)
+
+    async def run():
+        tasks = [asyncio.create_task(engine.generate(p, greedy)) for p in PROMPTS]
+        await wait_until(lambda: engine.stats().extra["num_steps"] >= 3)
+        await engine.pause()
+        requests = [*engine._scheduler.running, *engine._scheduler.waiting]
+        assert requests and all(r.num_pending == 0 for r in requests)  # no token left in flight
+        assert all(len(r.output_log_probs) == r.num_output_tokens for r in requests)
+        frozen = engine.stats().extra
+        await asyncio.sleep(0.05)
+        assert engine.stats().extra == frozen  # no step while paused
+        await engine.load_weights(new_state.items())
+        assert engine.stats().num_running == 0  # every running request was preempted (recompute)
+        await engine.resume()
+        return await asyncio.gather(*tasks)
+
+    records = asyncio.run(run())
+    for record in records:  # every token after the sync is the new model's greedy choice given the whole prefix
+        assert len(record.output_ids) == 30 and len(record.output_log_probs) == 30
+        ids = record.prompt_ids + record.output_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids])).logits[0]
+        new_choices = logits[len(record.prompt_ids) - 1 : -1].argmax(-1).tolist()
+        matches = [a == b for a, b in zip(new_choices, record.output_ids)]
+        assert all(matches[-10:]), matches
+
+
+def test_async_score_is_served_between_overlapped_steps():
+    engine = make_engine(tiny_model("llama"), async_scheduling=True)
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=1)
+
+    async def run():
+        tasks = [asyncio.create_task(engine.generate(p, params)) for p in PROMPTS]
+        await wait_until(lambda: engine.stats().extra["num_steps"] >= 2)
+        scored = await engine.score([1, 2, 3, 4], 2, 2)
+        still_running = not all(task.done() for task in tasks)
+        await asyncio.gather(*tasks)
+        return scored, still_running
+
+    scored, still_running = asyncio.run(run())
+    assert still_running  # the score did not wait for every request to finish
+    assert len(scored.token_logprobs) == 2
+
+
+def test_async_failed_collect_fails_the_steps_in_flight_and_the_engine_goes_on(monkeypatch):
+    from rlasync.engine import EngineError
+
+    engine = make_engine(tiny_model("llama"), async_scheduling=True)
+    collect, calls = engine._runner.collect, []
+
+    def failing_third(step):
+        calls.append(step)
+        if len(calls) == 3:  # a decode step is in flight behind it
+            raise RuntimeError("injected")
+        return collect(step)
+
+    monkeypatch.setattr(engine._runner, "collect", failing_third)
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def run():
+        failed = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS), return_exceptions=True)
+        assert engine.stats().kv_cache_usage_frac == 0 and engine.stats().num_running == 0
+        later = await engine.generate(PROMPTS[0], params)
+        return failed, later
+
+    failed, later = asyncio.run(run())
+    assert all(isinstance(e, EngineError) and "injected" in str(e) for e in failed)
+    assert len(later.output_ids) == 8
+
+
+def test_async_cancelled_request_frees_its_blocks_and_slot_while_others_go_on():
+    engine = make_engine(tiny_model("llama"), async_scheduling=True)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=2)
+
+    async def run():
+        victim = asyncio.create_task(engine.generate(PROMPTS[4], params))
+        others = [asyncio.create_task(engine.generate(p, params)) for p in PROMPTS[:3]]
+        await wait_until(lambda: engine.stats().extra["num_steps"] >= 4)
+        victim.cancel()
+        await asyncio.gather(victim, return_exceptions=True)
+        records = await asyncio.gather(*others)
+        assert engine.stats().kv_cache_usage_frac == 0
+        assert sorted(engine._scheduler._free_slots) == list(range(engine._scheduler.max_num_seqs))
+        return records, victim
+
+    records, victim = asyncio.run(run())
+    assert victim.cancelled()
+    assert all(len(r.output_ids) == 40 for r in records)
