@@ -12,7 +12,7 @@
 #          latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"
 # and ../shared/device/vllm/build-kit.sh.
 set -uo pipefail
-stage=${1:?usage: bench/device_runs.sh torch|onegpu|vllm|distill}
+stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -55,6 +55,19 @@ system_torch)  # one H200, after the SmolLM2 calls (../shared/device/smollm2): G
     run engine_torch 100 $st engine --engine torch --model "$ckpt" --seconds 20
     run engine_torch_nomixed 100 $st engine --engine torch --model "$ckpt" --seconds 20 --no-mixed-graphs
     python3 bench/pyspy_top.py "$out"/pyspy_torch_*.txt > "$out/top_torch.txt" 2>&1
+    ;;
+engine_async)  # no carry: the built-in engine's CUDA tests (async scheduling included) and async vs sync throughput
+    export PYTHONPATH=$PWD
+    run engine_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_torch_engine_cuda.py
+    run engine_async 240 python3 bench/engine_throughput.py --no-hf --async-scheduling compare --out "$out/engine_async_h200.json"
+    ;;
+learner)  # carry [".trlwheel", ".trltp"] (TRL 1.16's wheel; its tree-packing anchor): ours and TRL's, same shapes
+    export PYTHONPATH=$PWD
+    shapes=1088x256x8@4096,544x128x8@8192
+    run tree_ckpt 200 python3 bench/tree_packing.py --compile layers --groups 8 --steps 6 --warmup 2 --modes tree --shapes $shapes --out "$out/tree_ckpt.json"
+    run tree_nockpt 200 python3 bench/tree_packing.py --compile layers --groups 8 --steps 6 --warmup 2 --modes tree --no-grad-ckpt --shapes $shapes --out "$out/tree_nockpt.json"
+    python3 -m pip install -q --no-index --no-deps --target /tmp/trlsite .trlwheel/trl-*.whl
+    (cd .trltp && PYTHONPATH=/tmp/trlsite timeout 200 python3 tree_packing_anchor.py --out "$out/trl" --configs "1088x256x8@4096/8,544x128x8@8192/8" --iters 4 --deadline-s 150 > "$out/trl.log" 2>&1; echo "trl rc $?"; tail -5 "$out/trl.log")
     ;;
 vllm_sums)  # after system_torch's SmolLM2 calls and a call that ran `bash .vllmkit/unpack.sh`: vLLM in the system
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
