@@ -90,7 +90,7 @@ def main() -> None:
                         help="also run the top concurrency as groups of this many requests per prompt (1 = skip)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "varlen", "reference"])
     parser.add_argument("--async-scheduling", default="default", choices=["default", "on", "off", "compare"],
-                        help="the engine's async_scheduling (default: the engine's, off); compare: run the engine suite "
+                        help="the engine's async_scheduling (default: the engine's, on for CUDA); compare: run the engine suite "
                         "with it off then on, keys suffixed _sync / _async, and async_over_sync_c<N> ratios")
     parser.add_argument("--profile", default=None, help="write torch.profiler tables of a short run to this folder")
     parser.add_argument("--out", default=None)

@@ -81,7 +81,8 @@ class TorchEngine:
     mixed_cuda_graphs      with `cuda_graphs`, capture mixed steps (prefill chunks with decodes) too, padded to a few
                            token counts up to 1024 (`mixed_graphs.py`): in RL rollouts most steps hold a prefill
     async_scheduling       plan and launch step N+1 while step N runs, its sampled ids fed back on the device
-                           (`async_steps.py`; same tokens and log-probs); default off (on CPU it overlaps nothing)
+                           (`async_steps.py`; same tokens and log-probs); None (default): on for CUDA, off on CPU
+                           (where it overlaps nothing). On one H200 it gives 1.5x new tokens/s at 256 concurrent
     """
 
     def __init__(
@@ -102,7 +103,7 @@ class TorchEngine:
         cuda_graphs: bool = True,
         enable_prefix_caching: bool = True,
         mixed_cuda_graphs: bool = True,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -129,7 +130,7 @@ class TorchEngine:
         self.block_size = block_size
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         cuda = self.device.type == "cuda"
-        self.async_scheduling = bool(async_scheduling)
+        self.async_scheduling = cuda if async_scheduling is None else bool(async_scheduling)
         self._lock_waiters = 0  # callers waiting for the model lock: an overlapped run of steps drains for them
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS

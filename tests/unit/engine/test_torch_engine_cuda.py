@@ -196,8 +196,10 @@ def test_async_scheduling_gives_the_sync_tokens_with_cuda_graphs():
         engine = engine_of(model, dtype="float32", attention_backend="triton", max_num_batched_tokens=256,
                            async_scheduling=mode)  # fmt: skip
         assert engine.async_scheduling is mode
-        records = asyncio.run(asyncio.gather(*(engine.generate(p, s) for p, s in jobs)))
-        out[mode] = records
+        async def run_all(engine=engine):
+            return await asyncio.gather(*(engine.generate(p, s) for p, s in jobs))
+
+        out[mode] = asyncio.run(run_all())
         assert engine._runner.graphs is not None and engine._runner.mixed is not None
     for a, b in zip(out[True], out[False]):
         assert a.output_ids == b.output_ids
