@@ -69,6 +69,12 @@ learner)  # carry [".trlwheel", ".trltp"] (TRL 1.16's wheel; its tree-packing an
     python3 -m pip install -q --no-index --no-deps --target /tmp/trlsite .trlwheel/trl-*.whl
     (cd .trltp && PYTHONPATH=/tmp/trlsite timeout 200 python3 tree_packing_anchor.py --out "$out/trl" --configs "1088x256x8@4096/8,544x128x8@8192/8" --iters 4 --deadline-s 150 > "$out/trl.log" 2>&1; echo "trl rc $?"; tail -5 "$out/trl.log")
     ;;
+vllm_speed)  # after a call that ran `bash .vllmkit/unpack.sh`: both engines, 256 x 256 -> 256 in one run; LoRA GRPO with vLLM
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
+    run e2e_lora_vllm 240 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --engine vllm --out "$out/e2e_lora_vllm.json"
+    ;;
 vllm_sums)  # after system_torch's SmolLM2 calls and a call that ran `bash .vllmkit/unpack.sh`: vLLM in the system
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1

@@ -291,6 +291,9 @@ class Run:
             self.result["phases"][name] = {"skipped": f"time budget ({self.args.budget_s} s) spent"}
             self.save()
             return None
+        if self.args.skip_phases and name in self.args.skip_phases.split(","):
+            self.result["phases"][name] = {"skipped": "--skip-phases"}
+            return None
         started = time.perf_counter()
         print(f"[vllm_check] {name} ... (t={self.elapsed():.0f} s)", flush=True)
         try:
@@ -848,6 +851,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout-s", type=float, default=120.0)
     parser.add_argument("--server-start-timeout-s", type=float, default=240.0)
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--skip-phases", default="", help="comma-separated phases not to run (e.g. correctness,weight_sync)")
     parser.add_argument("--skip-torch-engine", action="store_true")
     return parser.parse_args(argv)
 
