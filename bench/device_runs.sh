@@ -50,7 +50,7 @@ system_torch)  # one H200, after the SmolLM2 calls (../shared/device/smollm2): G
     run engine_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_torch_engine_cuda.py
     (sleep 75; for a in RolloutActor GenerationActor; do p=$(pgrep -f "ray::$a" | head -1); [ -n "$p" ] && \
         py-spy record -d 15 -r 100 -f raw -p "$p" -o "$out/pyspy_torch_$a.txt" >/dev/null 2>&1 & done; wait) &
-    run system_torch 300 $st system --engine torch --steps 80 --run-dir /tmp/st_torch
+    run system_torch 400 $st system --engine torch --steps ${STEPS:-80} --run-dir /tmp/st_torch
     ckpt=$(ls -d /tmp/st_torch/checkpoint-* | sort -V | tail -1)
     run engine_torch 100 $st engine --engine torch --model "$ckpt" --seconds 20
     run engine_torch_nomixed 100 $st engine --engine torch --model "$ckpt" --seconds 20 --no-mixed-graphs
