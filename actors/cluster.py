@@ -127,7 +127,7 @@ class Cluster:
         budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len)
         learners = self.spawn_learners(budget)
         connect_weights(learners, engines, cluster)
-        queue = self.spawn_queue(tokens_per_step)
+        queue = self.spawn_queue(tokens_per_step, samples_per_step)
         weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s, cluster=cluster, names=self.names,
                                 output_dir=self.config.output_dir)  # fmt: skip
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
@@ -226,14 +226,14 @@ class Cluster:
         ray.get([learner.setup.remote(master, timeout, spec.resume_dir) for learner in learners], timeout=timeout + 600)
         return learners
 
-    def spawn_queue(self, tokens_per_step: int) -> Any:
+    def spawn_queue(self, tokens_per_step: int, samples_per_step: int | None = None) -> Any:
         """The named StalenessQueue actor (resumed at the checkpoint's prompt position)."""
         from actors.staleness_queue import QueueActor
 
         spec = self.spec
         return self.spawn(
             QueueActor, "the queue actor (StalenessQueue)", "queue", name=f"{spec.queue_name}-{uuid.uuid4().hex[:8]}",
-            settings=spec.queue.with_tokens_per_step(tokens_per_step),
+            settings=spec.queue.with_tokens_per_step(tokens_per_step, samples_per_step),
             resume=spec.resume_state.to_dict() if spec.resume_state else None, num_cpus=self.config.cluster.queue_num_cpus,
         )  # fmt: skip
 

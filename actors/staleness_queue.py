@@ -30,6 +30,7 @@ class QueueActor:
         self.service = QueueService.create(
             num_rows=settings.num_rows, num_epochs=settings.num_epochs, max_staleness=settings.max_staleness,
             tokens_per_step=settings.tokens_per_step, resume=state, stream=settings.stream,
+            steps_per_version=settings.steps_per_version, samples_per_step=settings.samples_per_step,
         )  # fmt: skip
 
     # rollout side

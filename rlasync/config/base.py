@@ -263,14 +263,15 @@ class TrainerConfig(TrainingArgumentsFields):
     prompts go to the rollouts, not through a model signature)."""
     queue_maxsize: int = 1024
     """TRL's rollout-buffer bound: refused unless left at the default, since the StalenessQueue is bounded by the
-    token allowance (max(max_staleness, 1) steps of tokens); set max_staleness."""
+    token allowance (max_staleness steps of tokens; synchronous at 0); set max_staleness."""
 
     # ---- batching and asynchrony ----
     token_budget: int | None = None
     """Tokens per packed row; `None` -> the engine's `max_model_len`; `<= 0` -> a fixed count of
     `per_device_train_batch_size` samples per rank."""
     max_staleness: int = 4
-    """Drop samples produced more than this many weight versions ago; generation is held to it."""
+    """Drop samples produced more than this many weight versions ago; generation is held to it. 0 runs
+    synchronously without waste: each version generates its step's samples, then the learner trains on them."""
     weight_sync_steps: int = 1
     log_completions: bool = False
     num_completions_to_print: int | None = None
@@ -363,7 +364,7 @@ class TrainerConfig(TrainingArgumentsFields):
         if self.queue_maxsize != 1024:
             raise ValueError(
                 f"queue_maxsize={self.queue_maxsize} is not supported: the StalenessQueue is bounded by the token "
-                "allowance (max(max_staleness, 1) steps of tokens), not a sample count; set max_staleness instead"
+                "allowance (max_staleness steps of tokens; synchronous at 0), not a sample count; set max_staleness instead"
             )
         _positive_int(self, "max_completion_length")
         if not self.temperature > 0:

@@ -2,7 +2,7 @@
 
     PromptDispatcher  which prompt each new group generates; epochs; the resume position (dispatcher.py)
     StalenessQueue    FIFO of scored samples, token-targeted takes, stale samples dropped at take (staleness_queue.py)
-    TokenAllowance    generation held to max(S, 1) steps of tokens ahead of training (allowance.py)
+    TokenAllowance    generation held to S steps of tokens ahead of training, synchronous at S = 0 (allowance.py)
     QueueService      the three wired together: what the Ray actor forwards to (service.py)
     RolloutState      rollout_state.json (resume.py)
 

@@ -1,9 +1,20 @@
-"""Token allowance (docs/algorithms.md §2.3.3): generation may run at most `max(S, 1)` optimizer steps ahead of training.
+"""Token allowance (docs/algorithms.md §2.3.3): generation may run at most `S` optimizer steps ahead of training.
 
-    allowance      = max(max_staleness, 1) × tokens_per_step
+    allowance      = max_staleness × tokens_per_step                       (S >= 1)
     queued_tokens  = raw tokens of scored samples in the queue
     inflight_tokens = (#rollouts in flight) × mean raw tokens per completed rollout (running mean)
     a new group may start  ⇔  queued_tokens + inflight_tokens < allowance
+
+`max_staleness=0` is synchronous (docs/algorithms.md §2.3.4): each policy version generates the samples of the steps
+it serves (`steps_per_version` = weight_sync_steps) and no more, so nothing is generated while the learner trains
+and nothing goes stale. What was already taken under the current version counts against it until `new_version()`:
+
+    a new group may start  ⇔  taken + queued + in flight < steps_per_version × step size
+
+in raw tokens (step size: the first step's token target, fixed, since a synchronous step takes everything its
+version generated and would otherwise grow step after step), or in samples when steps are a sample count
+(`samples_per_step`). Once a version's budget is taken, a group starts only while the learner still waits for
+samples of its step, one at a time (its samples ran longer than planned): the gate cannot deadlock.
 
 `tokens_per_step` is what the learner consumed in its last step (Σ raw sample lengths), published after every
 step; before the first step it is an assumption (`initial_tokens_per_step`: every row full). Until the first
@@ -56,9 +67,10 @@ class AcquireResult:
 class TokenAllowance:
     """The admission gate of docs/algorithms.md §2.3.3 (see the module docstring).
 
-    max_staleness:    S, the configured `max_staleness` (0 is treated as 1 step of look-ahead)
-    tokens_per_step:  the initial assumption, replaced by `set_tokens_per_step` after each step
-    clock:            seconds, for the waited time of `acquire`
+    max_staleness:     S, the configured `max_staleness` (0: synchronous, see the module docstring)
+    tokens_per_step:   the initial assumption, replaced by `set_tokens_per_step` after each step
+    clock:             seconds, for the waited time of `acquire`
+    steps_per_version: optimizer steps between weight syncs (`weight_sync_steps`); read only when S = 0
     """
 
     def __init__(
@@ -67,10 +79,20 @@ class TokenAllowance:
         tokens_per_step: int,
         clock: Callable[[], float] = time.monotonic,
         notifier: Notifier | None = None,
+        steps_per_version: int = 1,
+        samples_per_step: int | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
+        if steps_per_version < 1:
+            raise ValueError(f"steps_per_version={steps_per_version}: must be >= 1 (weight_sync_steps)")
         self.max_staleness = max_staleness
+        self.steps_per_version = steps_per_version
+        self.samples_per_step = samples_per_step
+        self._sync_step_tokens = _positive_tokens(tokens_per_step)
+        self.taken = 0  # S = 0: tokens (or samples) taken for training under the current policy version
+        self.queued_samples = 0
+        self.learner_waiting = False  # a take is waiting for samples (set by the queue service)
         self._clock = clock
         self._notifier = notifier or Notifier()
         self.tokens_per_step = _positive_tokens(tokens_per_step)
@@ -84,8 +106,37 @@ class TokenAllowance:
     # ---- the gate ------------------------------------------------------------------------------------------
 
     @property
+    def synchronous(self) -> bool:
+        return self.max_staleness == 0
+
+    @property
     def allowance_tokens(self) -> int:
-        return max(self.max_staleness, 1) * self.tokens_per_step
+        """S >= 1: S steps of tokens; S = 0: this version's budget (in samples when steps are a sample count)."""
+        if self.synchronous:
+            step = self._sync_step_tokens if self.samples_per_step is None else self.samples_per_step
+            return self.steps_per_version * step
+        return self.max_staleness * self.tokens_per_step
+
+    @property
+    def last_step_of_version(self) -> bool:
+        """S = 0, steps of tokens: this version's budget is generated, nothing is in flight and the next step is the
+        version's last, so it may take everything queued (nothing of this version is left to go stale)."""
+        if not self.synchronous or self.samples_per_step is not None or self._inflight_groups or self._sync_open():
+            return False
+        return self.taken >= self.allowance_tokens - self._sync_step_tokens
+
+    def _sync_used(self) -> float:
+        if self.samples_per_step is not None:
+            return self.taken + self.queued_samples + self._inflight_rollouts
+        return self.taken + self.queued_tokens + self.inflight_tokens
+
+    def _sync_open(self) -> bool:
+        if self.taken >= self.allowance_tokens:
+            # served: wait for the next weight sync, unless the learner still waits for samples of its step
+            return self.learner_waiting and self._inflight_groups == 0 and self.queued_tokens == 0
+        if self.completed_groups == 0:
+            return self._inflight_groups == 0
+        return self._sync_used() < self.allowance_tokens
 
     @property
     def mean_tokens_per_rollout(self) -> float | None:
@@ -110,6 +161,8 @@ class TokenAllowance:
 
     def can_start(self) -> bool:
         """Whether a new group may start now (one at a time until the first group completes)."""
+        if self.synchronous:
+            return self._sync_open()
         if self.completed_groups == 0:
             return self._inflight_groups == 0
         return self.queued_tokens + self.inflight_tokens < self.allowance_tokens
@@ -151,7 +204,8 @@ class TokenAllowance:
 
     # ---- what moves tokens ---------------------------------------------------------------------------------
 
-    def finish_group(self, num_rollouts: int, num_tokens: int, queued: bool = True) -> None:
+    def finish_group(self, num_rollouts: int, num_tokens: int, queued: bool = True, num_samples: int | None = None
+                     ) -> None:  # fmt: skip
         """A group of `num_rollouts` completed with `num_tokens` raw tokens of samples in all.
 
         `queued=False` for a group dropped after scoring (zero std): its tokens update the per-rollout estimate
@@ -165,6 +219,7 @@ class TokenAllowance:
         self.completed_groups += 1
         if queued:
             self.queued_tokens += num_tokens
+            self.queued_samples += num_rollouts if num_samples is None else num_samples
         self._notifier.notify()
 
     def cancel_group(self, num_rollouts: int) -> None:
@@ -172,11 +227,22 @@ class TokenAllowance:
         self._leave_flight(num_rollouts, "cancel_group")
         self._notifier.notify()
 
-    def consumed(self, num_tokens: int) -> None:
-        """`num_tokens` raw tokens left the queue (taken by the learner or dropped as stale)."""
+    def consumed(self, num_tokens: int, taken_tokens: int = 0, num_samples: int = 0, taken_samples: int = 0) -> None:
+        """`num_tokens` raw tokens (`num_samples` samples) left the queue, taken by the learner or dropped as stale;
+        `taken_tokens` (`taken_samples`) of them were taken for training: with S = 0 they count against the version."""
         if not 0 <= num_tokens <= self.queued_tokens:
             raise ValueError(f"consumed: {num_tokens} tokens taken but only {self.queued_tokens} are queued")
+        if not 0 <= taken_tokens <= num_tokens:
+            raise ValueError(f"consumed: taken_tokens={taken_tokens} must be in [0, {num_tokens}]")
         self.queued_tokens -= num_tokens
+        self.queued_samples = max(0, self.queued_samples - num_samples)
+        if self.synchronous:
+            self.taken += taken_tokens if self.samples_per_step is None else taken_samples
+        self._notifier.notify()
+
+    def new_version(self) -> None:
+        """A weight sync served a new policy version: with S = 0 its steps may be generated now."""
+        self.taken = 0
         self._notifier.notify()
 
     def set_tokens_per_step(self, tokens_per_step: int) -> None:

@@ -36,7 +36,7 @@ from rlasync.pipeline._notify import Notifier
 from rlasync.pipeline.allowance import TokenAllowance
 from rlasync.pipeline.dispatcher import DROP_REASONS, DropReason, PromptDispatcher, PromptLease
 from rlasync.pipeline.resume import RolloutState
-from rlasync.pipeline.staleness_queue import QueueEntry, StalenessQueue, TakeResult, check_group_entries
+from rlasync.pipeline.staleness_queue import QueueEntry, StalenessQueue, TakeResult, check_group_entries, empty_take
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,8 @@ class QueueService:
         tokens_per_step: int,
         policy_version: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        steps_per_version: int = 1,
+        samples_per_step: int | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.max_staleness = max_staleness
@@ -99,7 +101,9 @@ class QueueService:
         self._clock = clock
         self._notifier = Notifier()
         self.queue = StalenessQueue(clock=clock, notifier=self._notifier)
-        self.allowance = TokenAllowance(max_staleness, tokens_per_step, clock=clock, notifier=self._notifier)
+        self.allowance = TokenAllowance(max_staleness, tokens_per_step, clock=clock, notifier=self._notifier,
+                                        steps_per_version=steps_per_version,
+                                        samples_per_step=samples_per_step)  # fmt: skip
         self._generating: dict[int, int] = {}  # group_id -> rollouts, for groups admitted and not yet back
         self.causes: Counter[str] = Counter()
         self.last_failures: dict[str, str] = {}
@@ -116,6 +120,8 @@ class QueueService:
         resume: RolloutState | None = None,
         clock: Callable[[], float] = time.monotonic,
         stream: Any = None,
+        steps_per_version: int = 1,
+        samples_per_step: int | None = None,
     ) -> QueueService:
         """A service for a fresh run, or one resumed from a `rollout_state.json` (prompt position and version);
         `stream` (a streaming dataset) is leased by a `StreamingDispatcher` instead of by row index."""
@@ -134,6 +140,8 @@ class QueueService:
             tokens_per_step=tokens_per_step,
             policy_version=start.model_version,
             clock=clock,
+            steps_per_version=steps_per_version,
+            samples_per_step=samples_per_step,
         )
 
     # ---- rollout side --------------------------------------------------------------------------------------
@@ -180,7 +188,7 @@ class QueueService:
         self.dispatcher.mark_queued(group_id, len(entries))
         del self._generating[group_id]
         self.queue.put(entries, now=now)
-        self.allowance.finish_group(num_rollouts, sum(entry.num_tokens for entry in entries))
+        self.allowance.finish_group(num_rollouts, sum(entry.num_tokens for entry in entries), num_samples=len(entries))
 
     def drop_group(self, group_id: int, reason: DropReason, num_tokens: int = 0, cause: str | None = None,
                    detail: str | None = None) -> None:  # fmt: skip
@@ -226,7 +234,15 @@ class QueueService:
     # ---- learner side --------------------------------------------------------------------------------------
 
     def take(self, token_target: int, now: float | None = None) -> TakeResult:
-        """Take up to `token_target` raw tokens of fresh samples now (never waits; may return nothing)."""
+        """Take up to `token_target` raw tokens of fresh samples now (never waits; may return nothing).
+
+        With S = 0 (synchronous) nothing is taken while groups of this version are in flight, and the version's last
+        step (steps of tokens) takes everything queued: all that is left of this version's samples."""
+        if self.allowance.synchronous:
+            if self.allowance.inflight_groups > 0 and not self.dispatcher.done:
+                return empty_take()
+            if self.allowance.last_step_of_version:
+                token_target = max(token_target, self.queue.num_tokens)
         result = self.queue.take(token_target, self.policy_version, self.max_staleness, now=now)
         self._account(result)
         return result
@@ -236,14 +252,20 @@ class QueueService:
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         dropped: list[QueueEntry] = []
-        while True:
-            result = self.take(token_target)
-            dropped.extend(result.dropped_stale)
-            if result.entries:
-                break
-            remaining = None if deadline is None else deadline - loop.time()
-            if not await self._notifier.wait(remaining):
-                break
+        try:
+            while True:
+                result = self.take(token_target)
+                dropped.extend(result.dropped_stale)
+                if result.entries:
+                    break
+                if not self.allowance.learner_waiting:
+                    self.allowance.learner_waiting = True  # S = 0: a served version may start a group for this step
+                    self._notifier.notify()
+                remaining = None if deadline is None else deadline - loop.time()
+                if not await self._notifier.wait(remaining):
+                    break
+        finally:
+            self.allowance.learner_waiting = False
         return _with_drops(result, dropped)
 
     def finish_step(self, tokens_per_step: int) -> None:
@@ -254,6 +276,8 @@ class QueueService:
         """The version served after a weight sync; it never goes back."""
         if policy_version < self.policy_version:
             raise ValueError(f"set_policy_version: {policy_version} is older than the current {self.policy_version}")
+        if policy_version > self.policy_version:
+            self.allowance.new_version()
         self.policy_version = policy_version
         self._notifier.notify()
 
@@ -309,7 +333,9 @@ class QueueService:
             self.dispatcher.mark_stale(group_id, count)
         left = result.num_tokens + sum(entry.num_tokens for entry in result.dropped_stale)
         if result.entries or result.dropped_stale:
-            self.allowance.consumed(left)
+            self.allowance.consumed(left, taken_tokens=result.num_tokens,
+                                    num_samples=len(result.entries) + len(result.dropped_stale),
+                                    taken_samples=len(result.entries))  # fmt: skip
 
 
 def _with_drops(result: TakeResult, dropped: list[QueueEntry]) -> TakeResult:

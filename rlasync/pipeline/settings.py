@@ -16,6 +16,10 @@ class QueueSettings:
     max_staleness: int
     tokens_per_step: int = 0
     stream: Any = None
+    steps_per_version: int = 1
+    """Optimizer steps between weight syncs (`weight_sync_steps`): what one version serves when `max_staleness=0`."""
+    samples_per_step: int | None = None
+    """Steps of a fixed sample count (else of `tokens_per_step` raw tokens): the unit of the synchronous budget."""
     """A streaming dataset (`rlasync.data.streaming`): the queue leases its rows in order, each lease carrying its
     row; `num_rows` is then 0 and `num_epochs` None (`max_steps` run: the stream repeats) or 1 (one pass)."""
 
@@ -25,7 +29,7 @@ class QueueSettings:
         `num_train_epochs` epochs over distinct prompts."""
         num_epochs = None if config.max_steps > 0 else config.num_train_epochs
         return cls(num_rows=num_rows, num_epochs=num_epochs, max_staleness=config.max_staleness,
-                   tokens_per_step=tokens_per_step)  # fmt: skip
+                   tokens_per_step=tokens_per_step, steps_per_version=_steps_per_version(config))  # fmt: skip
 
     @classmethod
     def for_dataset(cls, config: Any, dataset: Any) -> QueueSettings:
@@ -36,11 +40,17 @@ class QueueSettings:
         if not is_streaming(dataset):
             return cls.from_config(config, num_rows=len(dataset))
         num_epochs = None if config.max_steps > 0 else 1.0
-        return cls(num_rows=0, num_epochs=num_epochs, max_staleness=config.max_staleness, stream=dataset)
+        return cls(num_rows=0, num_epochs=num_epochs, max_staleness=config.max_staleness, stream=dataset,
+                   steps_per_version=_steps_per_version(config))  # fmt: skip
 
-    def with_tokens_per_step(self, tokens_per_step: int) -> QueueSettings:
-        """A copy with the first step's token target (known once the engines report their max_model_len)."""
-        return replace(self, tokens_per_step=tokens_per_step)
+    def with_tokens_per_step(self, tokens_per_step: int, samples_per_step: int | None = None) -> QueueSettings:
+        """A copy with the first step's token target (known once the engines report their max_model_len) and the
+        step's sample count when steps are a sample count."""
+        return replace(self, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step)
 
 
 __all__ = ["QueueSettings"]
+
+
+def _steps_per_version(config: Any) -> int:
+    return int(getattr(config, "weight_sync_steps", 1) or 1)

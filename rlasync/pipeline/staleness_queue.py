@@ -177,6 +177,11 @@ class StalenessQueue:
             tally.staleness.append(staleness)
 
 
+def empty_take() -> TakeResult:
+    """A take that got nothing (the metrics of an empty take)."""
+    return _Tally().result()
+
+
 def check_group_entries(entries: list[QueueEntry]) -> None:
     """A put holds one group's samples: at least one entry, all with the same group_id, none negative in size."""
     if not entries:

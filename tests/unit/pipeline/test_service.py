@@ -179,11 +179,11 @@ def test_old_rollout_state_files_without_model_version_resume_at_zero(tmp_path, 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_full_asynchronous_run_consumes_every_prompt_exactly_once(seed):
-    """Three fake rollout workers and a fake learner that syncs weights every step, with max_staleness=0:
-    many groups go stale and are regenerated; the run ends with every prompt consumed exactly once."""
+    """Three fake rollout workers and a fake learner whose version moves two per step, with max_staleness=1:
+    groups left over from a step go stale and are regenerated; every prompt is consumed exactly once."""
     rng = random.Random(seed)
     num_rows, num_epochs, group_size = 7, 2, 3
-    service = make_service(num_rows=num_rows, num_epochs=num_epochs, max_staleness=0, tokens_per_step=60)
+    service = make_service(num_rows=num_rows, num_epochs=num_epochs, max_staleness=1, tokens_per_step=60)
     positions = {}  # group_id -> position
     dropped = []
     trained_groups = set()
@@ -218,7 +218,7 @@ def test_a_full_asynchronous_run_consumes_every_prompt_exactly_once(seed):
             trained_groups.update(entry.group_id for entry in result.entries)
             if result.entries:
                 service.finish_step(result.num_tokens)
-                version += 1
+                version += 2
                 service.set_policy_version(version)
             await asyncio.sleep(0)
 
@@ -231,3 +231,80 @@ def test_a_full_asynchronous_run_consumes_every_prompt_exactly_once(seed):
     state = service.state()
     assert state.done and state.first_untrained_index == num_rows * num_epochs
     assert state.regenerated_groups > 0 and sink.reduce()["sample/dropped_stale_count"] > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_max_staleness_0_is_synchronous_nothing_generated_while_training_and_nothing_stale(seed):
+    """S = 0: each version generates one step of samples; while the learner trains (between its last take and the
+    weight sync) no group starts, and no sample goes stale; every prompt is still consumed exactly once, also when
+    a step's samples run longer than the last step's (the learner waits for more: one group at a time)."""
+    rng = random.Random(seed)
+    num_rows, group_size, target = 40, 4, 100
+    service = make_service(num_rows=num_rows, num_epochs=1, max_staleness=0, tokens_per_step=target)
+    training = {"now": False, "admitted_while_training": 0, "stale": 0, "steps": 0}
+    positions, trained_groups, dropped = {}, set(), []
+
+    async def rollout_worker():
+        while True:
+            admission = await service.next_group(group_size, timeout_s=0.5)
+            if admission.done:
+                return
+            if admission.lease is None:
+                continue
+            training["admitted_while_training"] += training["now"]
+            lease = admission.lease
+            positions[lease.group_id] = lease.position
+            for _ in range(rng.randint(0, 3)):
+                await asyncio.sleep(0)
+            if rng.random() < 0.2:
+                service.drop_group(lease.group_id, "zero_std", num_tokens=20)
+                dropped.append(lease.position)
+            else:  # later steps' samples run longer than the first ones'
+                low = 5 + 2 * training["steps"]
+                sizes = [rng.randint(low, low + 10) for _ in range(group_size)]
+                service.put_group(group_entries(lease, admission.policy_version, sizes))
+
+    async def learner():
+        version = 0
+        while not service.done:
+            tokens = 0
+            while tokens < target and not service.done:
+                result = await service.wait_take(token_target=target - tokens, timeout_s=0.5)
+                training["stale"] += len(result.dropped_stale)
+                trained_groups.update(entry.group_id for entry in result.entries)
+                tokens += result.num_tokens
+            if tokens == 0:
+                continue
+            training["now"] = True
+            for _ in range(5):  # "training": the rollout workers get every chance to start a group
+                await asyncio.sleep(0)
+            service.finish_step(tokens)
+            version += 1
+            training["steps"] += 1
+            training["now"] = False
+            service.set_policy_version(version)
+
+    async def run():
+        await asyncio.wait_for(asyncio.gather(learner(), *(rollout_worker() for _ in range(3))), 10.0)
+
+    asyncio.run(run())
+    assert training["steps"] >= 3
+    assert training["admitted_while_training"] == 0
+    assert training["stale"] == 0 and service.state().regenerated_groups == 0
+    consumed = Counter([positions[group_id] for group_id in trained_groups] + dropped)
+    assert consumed == Counter(range(num_rows)), "every prompt consumed exactly once"
+
+
+def test_max_staleness_0_serves_weight_sync_steps_steps_per_version():
+    service = make_service(num_rows=20, max_staleness=0, tokens_per_step=20, steps_per_version=2)
+    assert service.allowance.allowance_tokens == 40
+    leases = []
+    while (lease := service.try_next_group(num_rollouts=2)) is not None:
+        leases.append(lease)
+        service.put_group(group_entries(lease, version=0))  # 20 tokens a group
+    assert len(leases) == 2  # two steps of 20 tokens for this version, then the gate holds
+    assert service.take(token_target=15).num_tokens == 20  # the first step: its target (one whole sample over)
+    assert service.take(token_target=5).num_tokens == 20  # the version's last step: everything that is left
+    assert service.try_next_group(num_rollouts=2) is None  # both steps taken: wait for the sync
+    service.set_policy_version(1)
+    assert service.try_next_group(num_rollouts=2) is not None
