@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench helpers (trl_tree_anchor, tree_profile)
 
 from rlasync.model import (  # noqa: E402
     chunked_token_scores,
@@ -72,6 +73,29 @@ def qwen3_06b_config(num_layers: int):
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
     )
+
+
+def model_config(layers: int, tiny: bool = False):
+    """The benched model's config (TRL's anchor builds the same): Qwen3-0.6B, or with `tiny` 2 layers, vocab 4096."""
+    config = qwen3_06b_config(layers)
+    if tiny:
+        config.vocab_size, config.num_hidden_layers = 4096, 2
+    return config
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """`PxCxG@ROW[,...]`: prompt, completion, group size, row token budget."""
+    shapes = []
+    for item in text.split(","):
+        try:
+            dims, row = item.split("@")
+            p, c, g = (int(x) for x in dims.split("x"))
+            shapes.append(Shape(p, c, g, int(row)))
+        except ValueError:
+            raise SystemExit(
+                f"--shapes: {item!r} is not PROMPTxCOMPLETIONxGROUP@ROW_TOKENS (e.g. 1088x256x8@4096)"
+            ) from None
+    return shapes
 
 
 def make_samples(shape: Shape, num_groups: int, vocab: int, seed: int) -> list[RolloutSample]:
@@ -260,6 +284,16 @@ def bench_shape(model, config, shape: Shape, args) -> dict:
         model.zero_grad(set_to_none=True)
         logprobs[name] = per_sample_logprobs(model, mode, args.check_rows)
         print(name, json.dumps(results[name]), flush=True)
+    if "tree" in logprobs:  # by sample index, for the TRL anchor's cross-check (popped before the JSON is written)
+        results["_tree_logprobs"] = {
+            i: logprobs["tree"][id(s)] for i, s in enumerate(samples) if id(s) in logprobs["tree"]
+        }
+    if args.profile and "tree" in modes:
+        from tree_profile import profile_tree
+
+        results["profile"] = profile_tree(
+            model, modes["tree"], config, shape.name, args.profile, args.profile_steps, args.device
+        )
     others = [name for name in ("padding_free", "padded") if name in modes]
     if "tree" not in modes or not others:
         return results
@@ -274,7 +308,41 @@ def bench_shape(model, config, shape: Shape, args) -> dict:
     return results
 
 
-def main() -> None:
+def training_options(args) -> dict:
+    """`prepare_for_training` keyword arguments from --grad-ckpt / --no-grad-ckpt / --compile / --prepare-kwargs."""
+    import inspect
+
+    if args.no_grad_ckpt and args.grad_ckpt not in (None, "none"):
+        raise SystemExit(f"--no-grad-ckpt contradicts --grad-ckpt {args.grad_ckpt}: give one of them")
+    ckpt = args.grad_ckpt or ("none" if args.no_grad_ckpt else "all")
+    accepted = set(inspect.signature(prepare_for_training).parameters) - {"model"}
+    options: dict = {
+        "gradient_checkpointing": ckpt != "none",
+        "compile": False if args.compile == "none" else args.compile,
+    }
+    if ckpt == "auto":
+        if "gradient_checkpointing_layers" not in accepted:
+            raise SystemExit(
+                "--grad-ckpt auto: this checkout's prepare_for_training has no per-layer checkpointing option "
+                f"(it takes {sorted(accepted)}); use --grad-ckpt all|none, or pass the option with --prepare-kwargs"
+            )
+        options["gradient_checkpointing_layers"] = "auto"
+    try:
+        extra = json.loads(args.prepare_kwargs)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(
+            f"--prepare-kwargs: not JSON ({exc}); e.g. --prepare-kwargs '{{\"use_reentrant\": true}}'"
+        ) from None
+    if not isinstance(extra, dict):
+        raise SystemExit(f"--prepare-kwargs: expected a JSON object of prepare_for_training arguments, got {extra!r}")
+    unknown = sorted(set(extra) - accepted)
+    if unknown:
+        raise SystemExit(f"--prepare-kwargs: prepare_for_training takes no {unknown}; it takes {sorted(accepted)}")
+    options.update(extra)
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--groups", type=int, default=24, help="GRPO groups per shape")
@@ -283,33 +351,69 @@ def main() -> None:
     parser.add_argument("--check-rows", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", choices=["none", "layers", "decoder"], default="layers")
-    parser.add_argument("--no-grad-ckpt", action="store_true")
+    parser.add_argument("--no-grad-ckpt", action="store_true", help="same as --grad-ckpt none")
+    parser.add_argument(
+        "--grad-ckpt",
+        choices=["all", "none", "auto"],
+        default=None,
+        help="activation checkpointing: every layer (default), none, or per layer by memory "
+        "(needs prepare_for_training's gradient_checkpointing_layers)",
+    )
+    parser.add_argument(
+        "--prepare-kwargs",
+        default="{}",
+        help="JSON object of extra prepare_for_training arguments (they override the flags above)",
+    )
     parser.add_argument("--shapes", default="1088x256x8@4096,544x128x8@8192,2048x512x8@6144")
     parser.add_argument("--modes", default="tree,padding_free,padded", help="comma-separated subset to time")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 4k-vocab model: a CPU smoke test")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--trl-wheel",
+        default=None,
+        help="TRL's wheel (trl-1.16.0-py3-none-any.whl): install it into a temp dir and time TRL's "
+        "own tree packing on the same shapes first (bench/trl_tree_anchor.py)",
+    )
+    parser.add_argument("--trl-timeout-s", type=float, default=420.0, help="the TRL anchor's wall-clock limit")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="torch.profiler over a few tree-mode rows per shape: kernel table and split into DIR",
+    )
+    parser.add_argument("--profile-steps", type=int, default=3, help="tree-mode rows profiled per shape")
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+    options = training_options(args)
+    unknown_modes = set(args.modes.split(",")) - {"tree", "padding_free", "padded"}
+    if unknown_modes:
+        raise SystemExit(f"--modes: unknown {sorted(unknown_modes)}; choose from tree, padding_free, padded")
+    if args.trl_wheel and not Path(args.trl_wheel).is_file():
+        raise SystemExit(
+            f"--trl-wheel: no file {args.trl_wheel} (the TRL 1.16 wheel, e.g. .trlwheel/trl-1.16.0-py3-none-any.whl)"
+        )
+    anchor = None
+    if args.trl_wheel:  # first, while the GPU is still free of our model
+        from trl_tree_anchor import run_anchor
+
+        anchor = run_anchor(args.trl_wheel, args, timeout_s=args.trl_timeout_s)
+        print("trl anchor:", anchor.get("status"), flush=True)
 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
     torch._dynamo.config.recompile_limit = 64
-    config = qwen3_06b_config(args.layers)
-    if args.tiny:
-        config.vocab_size, config.num_hidden_layers = 4096, 2
+    config = model_config(args.layers, args.tiny)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device)
-    model = prepare_for_training(
-        model, gradient_checkpointing=not args.no_grad_ckpt, compile=False if args.compile == "none" else args.compile
-    )
+    model = prepare_for_training(model, **options)
     model.train()
 
-    shapes = []
-    for text in args.shapes.split(","):
-        dims, row = text.split("@")
-        p, c, g = (int(x) for x in dims.split("x"))
-        shapes.append(Shape(p, c, g, int(row)))
     results = {
         "benchmark": "tree_packing",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -317,24 +421,36 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "model_shape": "Qwen3-0.6B (random bf16 weights)",
-        "gradient_checkpointing": not args.no_grad_ckpt,
+        "gradient_checkpointing": args.grad_ckpt or ("none" if args.no_grad_ckpt else "all"),
         "compile": args.compile,
+        "prepare_for_training": {k: v for k, v in options.items()},
+        "peak_flops_assumed": PEAK_BF16_FLOPS,
         "shapes": {},
     }
     import transformers
 
     results["transformers"] = transformers.__version__
-    for shape in shapes:
-        results["shapes"][shape.name] = bench_shape(model, config, shape, args)
-        results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
+
+    def write() -> None:
         if args.out:  # written after every shape, so a run cut short keeps what it measured
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=2))
-        print(shape.name, "speedup_vs_padding_free", results["speedup_vs_padding_free"], flush=True)
-    results["peak_flops_assumed"] = PEAK_BF16_FLOPS
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2))
+
+    for shape in shapes:
+        measured = bench_shape(model, config, shape, args)
+        ours_logprobs = measured.pop("_tree_logprobs", {})
+        results["shapes"][shape.name] = measured
+        results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
+        results["mfu"] = {name: {m: r[m]["mfu"] for m in ("tree", "padding_free", "padded") if m in r}
+                          for name, r in results["shapes"].items()}  # fmt: skip
+        if anchor is not None:
+            from trl_tree_anchor import merge_anchor
+
+            merge_anchor(results, anchor, shape.name, ours_logprobs)
+        write()
+        print(shape.name, "speedup_vs_padding_free", measured.get("speedup_vs_padding_free"),
+              "speedup_vs_trl", measured.get("speedup_vs_trl"), flush=True)  # fmt: skip
+    write()
     print(json.dumps({k: v for k, v in results.items() if k != "shapes"}, indent=2))
 
 
