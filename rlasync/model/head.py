@@ -16,10 +16,13 @@ i.e. log_softmax of the logits masked to S_t: π̃ has support S_t, so an id out
 and no gradient (the renormalised top-K mass never exceeds 1). Candidate lists are -1 padded; duplicate ids count
 once; a term whose list is empty is not renormalised. Entropy stays over the full vocabulary.
 
-Memory: a custom autograd.Function keeps only the inputs and two [M] statistics; backward recomputes each chunk's
-logits, so gradients w.r.t. the hidden states, the weight (and bias) are exact and at most one chunk's [m, V]
-buffers exist at a time. Logits are computed in the weight's dtype (like the model's own lm_head) and reduced in
-float32 (float64 inputs stay float64, for exact checks).
+Memory and passes: a custom autograd.Function keeps the inputs, three [M] statistics and, within
+`keep_logits_bytes`, the raw logits of the first chunks; backward recomputes the others, so gradients w.r.t. the
+hidden states, the weight (and bias) are exact and one chunk's [m, V] working buffers exist at a time. Per chunk
+one dense pass forward and one backward (rlasync/model/head_kernels.py, torch.compile'd on CUDA); chunks are sized
+by `chunk_bytes`; the weight gradient is one matmul when one chunk holds every term, else addmm accumulations into
+a float32 buffer (docs/algorithms.md §5.1). Logits are computed in the weight's dtype (autocast's when it is on,
+like the model's own lm_head) and reduced in float32 (float64 inputs stay float64, for exact checks).
 
 Shape legend: M loss terms, H hidden size, V vocabulary, K extra ids per term, C candidate ids per term.
 """
