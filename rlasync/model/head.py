@@ -310,7 +310,9 @@ def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_no
     single = num_terms <= config.chunk_size
     accumulate = reduce_dtype(weight.dtype)
     grad_hidden = torch.empty_like(hidden) if needs_hidden and not single else None
-    grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if needs_weight else None
+    grad_weight = None  # one chunk: a single matmul; several: a float32 (or wider) accumulator
+    if needs_weight and (not single or num_terms == 0):
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
     grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if needs_bias else None
     for index, start in enumerate(range(0, num_terms, config.chunk_size)):
         rows = slice(start, min(start + config.chunk_size, num_terms))
@@ -329,7 +331,7 @@ def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_no
                 grad_hidden[rows] = grad_raw @ w
         if needs_weight:
             if single:
-                grad_weight = matmul_to(grad_raw.t(), h, weight.dtype)
+                grad_weight = matmul_to(grad_raw.t(), h, weight.dtype)  # no [V, H] accumulator pass
             else:
                 accumulate_matmul(grad_weight, grad_raw.t(), h)
         if needs_bias:
