@@ -12,8 +12,8 @@ renormalising). Each variant is a setting of `chunked_token_scores`:
               git show 8f3cc5a:rlasync/model/head.py > /tmp/head_before.py), at its own defaults
 
 The loss touches the log-probs, the entropy and the extra log-probs. Reported per case: ms per fwd+bwd (median of
---iters), terms/s, peak CUDA memory, and the max |Δ| of the log-probs and of the weight gradient against the first
-variant (recompute). `--tiny` shrinks the shape (hidden 64, vocab 4096, M 256..1024) for a CPU check.
+--iters), terms/s, peak CUDA memory, the max |Δ| of the log-probs and the max |Δ| of the weight gradient over its
+max |value|, against the first variant (recompute). `--tiny` shrinks the shape (hidden 64, vocab 4096, M 256..1024) for a CPU check.
 
     python bench/head_bench.py --out bench/results/head_bench_h200.json
     python bench/head_bench.py --device cpu --tiny
@@ -142,7 +142,8 @@ def main() -> None:
                 else:
                     finite = torch.isfinite(reference[0])
                     entry["max_abs_dlogprob"] = float((logprobs - reference[0])[finite].abs().max())
-                    entry["max_abs_dgrad_weight"] = float((grad_weight - reference[1]).abs().max())
+                    scale = float(reference[1].abs().max()) or 1.0
+                    entry["max_rel_dgrad_weight"] = float((grad_weight - reference[1]).abs().max()) / scale
                     entry["speedup_vs_recompute"] = round(row["variants"]["recompute"]["ms"] / entry["ms"], 2)
                 row["variants"][name] = entry
             print(json.dumps(row), flush=True)
