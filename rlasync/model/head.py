@@ -16,24 +16,30 @@ i.e. log_softmax of the logits masked to S_t: π̃ has support S_t, so an id out
 and no gradient (the renormalised top-K mass never exceeds 1). Candidate lists are -1 padded; duplicate ids count
 once; a term whose list is empty is not renormalised. Entropy stays over the full vocabulary.
 
-Memory: a custom autograd.Function keeps only the inputs and two [M] statistics; backward recomputes each chunk's
-logits, so gradients w.r.t. the hidden states, the weight (and bias) are exact and at most one chunk's [m, V]
-buffers exist at a time. Logits are computed in the weight's dtype (like the model's own lm_head) and reduced in
-float32 (float64 inputs stay float64, for exact checks).
+Memory and passes: a custom autograd.Function keeps the inputs, three [M] statistics and, within
+`keep_logits_bytes`, the raw logits of the first chunks; backward recomputes the others, so gradients w.r.t. the
+hidden states, the weight (and bias) are exact and one chunk's [m, V] working buffers exist at a time. Per chunk
+one dense pass forward and one backward (rlasync/model/head_kernels.py, torch.compile'd on CUDA); chunks are sized
+by `chunk_bytes`; the weight gradient is one matmul when one chunk holds every term, else addmm accumulations into
+a float32 buffer (docs/algorithms.md §5.1). Logits are computed in the weight's dtype (autocast's when it is on,
+like the model's own lm_head) and reduced in float32 (float64 inputs stay float64, for exact checks).
 
 Shape legend: M loss terms, H hidden size, V vocabulary, K extra ids per term, C candidate ids per term.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 27  # default chunk: about 2^27 logits (512 MiB in float32) per [m, V] buffer; fewer,
-# larger chunks cut launches and the float32 accumulations of the head weight gradient
+from rlasync.model.head_kernels import HeadMath, fused, reduce_dtype, sparse_fixup, transform
+
+CHUNK_ELEMENTS = 1 << 27  # the CPU default chunk: about 2^27 logits per [m, V] buffer
+WORKSPACE_BYTES_PER_LOGIT = 16  # working memory of a chunk per logit (raw logits, grad-logits, float32 temporaries)
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,8 @@ class LogitTransform:
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    return max(1, min(4096, CHUNK_ELEMENTS // max(1, vocab_size)))
+    """The chunk on CPU when neither `chunk_size` nor `chunk_bytes` is given: about CHUNK_ELEMENTS logits."""
+    return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
 
 
 def chunked_token_scores(
@@ -90,9 +97,17 @@ def chunked_token_scores(
     candidate_ids: torch.Tensor | None = None,
     has_candidates: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    chunk_bytes: int | None = None,
+    keep_logits_bytes: int | None = None,
+    compile_kernels: bool | None = None,
 ) -> TokenScores:
     """Score M terms: hidden [M, H], weight [V, H], target_ids [M]; extra_ids [M, K] and candidate_ids [M, C]
-    (-1 padded) with has_candidates [M] bool (None = every row that lists a candidate). See the module docstring."""
+    (-1 padded) with has_candidates [M] bool (None = every row that lists a candidate). See the module docstring.
+
+    chunk_size: terms per chunk; None sizes chunks by `chunk_bytes`, the working memory of one chunk (default: an
+    eighth of the free CUDA memory, about CHUNK_ELEMENTS logits on CPU). keep_logits_bytes: how much memory the raw
+    logits kept from forward to backward may take (default: a quarter of the free CUDA memory, 0 on CPU).
+    compile_kernels: torch.compile the two dense passes (default: on CUDA, unless RLASYNC_HEAD_COMPILE=0)."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"expected hidden [M, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -102,26 +117,96 @@ def chunked_token_scores(
         raise ValueError(f"target_ids must be [{num_terms}], got {tuple(target_ids.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if keep_logits_bytes is not None and keep_logits_bytes < 0:
+        raise ValueError(
+            f"keep_logits_bytes must be >= 0 (0 recomputes the logits in backward), got {keep_logits_bytes}"
+        )
     transform = transform or LogitTransform()
     device = hidden.device
     extra = _ids_or_empty(extra_ids, num_terms, device, "extra_ids")
     candidates, has = _prepare_candidates(candidate_ids, has_candidates, num_terms, device)
-    chunk = int(chunk_size) if chunk_size else default_chunk_size(weight.shape[0])
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    config = _HeadConfig(float(temperature), float(transform.scale), transform.softcap, chunk)
+    mm_dtype = _matmul_dtype(weight)
+    chunk = plan_chunk_size(num_terms, weight.shape[0], device, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    keep = 0
+    if wants_grad:
+        keep = _default_keep_bytes(device) if keep_logits_bytes is None else int(keep_logits_bytes)
+    keep_chunks = plan_kept_chunks(num_terms, chunk, weight.shape[0], mm_dtype, keep)
+    math = HeadMath(float(temperature), float(transform.scale), transform.softcap)
+    config = _HeadConfig(math, chunk, keep_chunks, mm_dtype, _compile_default(device, compile_kernels))
     logprobs, entropy, extra_logprobs = _ChunkedHead.apply(
         hidden, weight, bias, target_ids.long(), extra, candidates, has, config
     )
     return TokenScores(logprobs, entropy, extra_logprobs if extra_ids is not None else None)
 
 
+def plan_chunk_size(
+    num_terms: int, vocab_size: int, device: torch.device, *, chunk_size: int | None = None,
+    chunk_bytes: int | None = None,
+) -> int:  # fmt: skip
+    """Terms per chunk: `chunk_size`, else as many as `chunk_bytes` of working memory hold (WORKSPACE_BYTES_PER_LOGIT
+    per logit), then evened out so that the chunks of `num_terms` differ by at most one term."""
+    if chunk_size is not None:
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or None to size chunks by memory), got {chunk_size}")
+        size = int(chunk_size)
+    else:
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0 (or None for the default), got {chunk_bytes}")
+        budget = _default_chunk_bytes(device, vocab_size) if chunk_bytes is None else int(chunk_bytes)
+        size = max(1, budget // (max(1, vocab_size) * WORKSPACE_BYTES_PER_LOGIT))
+    if num_terms <= size:
+        return max(1, num_terms)
+    num_chunks = -(-num_terms // size)
+    return -(-num_terms // num_chunks)
+
+
+def plan_kept_chunks(num_terms: int, chunk_size: int, vocab_size: int, dtype: torch.dtype, keep_bytes: int) -> int:
+    """How many chunks (the first ones) keep their raw [chunk, V] logits within `keep_bytes`; the rest recompute."""
+    num_chunks = -(-num_terms // chunk_size)
+    chunk_bytes = chunk_size * vocab_size * torch.empty((), dtype=dtype).element_size()
+    return min(num_chunks, keep_bytes // max(1, chunk_bytes))
+
+
+def _free_cuda_bytes(device: torch.device) -> int:
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def _default_chunk_bytes(device: torch.device, vocab_size: int) -> int:
+    if device.type == "cuda":
+        return _free_cuda_bytes(device) // 8
+    return default_chunk_size(vocab_size) * max(1, vocab_size) * WORKSPACE_BYTES_PER_LOGIT
+
+
+def _default_keep_bytes(device: torch.device) -> int:
+    return _free_cuda_bytes(device) // 4 if device.type == "cuda" else 0
+
+
+def _compile_default(device: torch.device, compile_kernels: bool | None) -> bool:
+    if compile_kernels is not None:
+        return bool(compile_kernels)
+    setting = os.environ.get("RLASYNC_HEAD_COMPILE", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"RLASYNC_HEAD_COMPILE must be 0 or 1, got {setting!r}")
+    return device.type == "cuda" and setting == "1"
+
+
+def _matmul_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the logits are computed in: autocast's where it is on (float64 stays float64), else the weight's."""
+    device_type = weight.device.type
+    if weight.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
 @dataclass(frozen=True)
 class _HeadConfig:
-    temperature: float
-    scale: float
-    softcap: float | None
+    math: HeadMath
     chunk_size: int
+    keep_chunks: int  # the first `keep_chunks` chunks keep their raw logits from forward to backward
+    mm_dtype: torch.dtype
+    compile_kernels: bool
 
 
 def _ids_or_empty(ids: torch.Tensor | None, num_terms: int, device: torch.device, name: str) -> torch.Tensor:
@@ -135,15 +220,15 @@ def _ids_or_empty(ids: torch.Tensor | None, num_terms: int, device: torch.device
 def _prepare_candidates(
     candidate_ids: torch.Tensor | None, has_candidates: torch.Tensor | None, num_terms: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted candidates with -1 at pads and repeated ids ([M, C]); `has` false where a row lists none ([M])."""
+    """Ascending candidates with -1 (first) at pads and repeated ids ([M, C]); `has` false where a row lists none."""
     candidates = _ids_or_empty(candidate_ids, num_terms, device, "candidate_ids")
     if candidates.shape[1] == 0:
         return candidates, torch.zeros(num_terms, dtype=torch.bool, device=device)
     candidates = torch.sort(candidates, dim=1).values
     repeated = torch.zeros_like(candidates, dtype=torch.bool)
     repeated[:, 1:] = candidates[:, 1:] == candidates[:, :-1]
-    candidates = candidates.masked_fill(repeated | (candidates < 0), -1)
-    has = (candidates >= 0).any(dim=1)
+    candidates = torch.sort(candidates.masked_fill(repeated | (candidates < 0), -1), dim=1).values.contiguous()
+    has = candidates[:, -1] >= 0
     if has_candidates is not None:
         if has_candidates.shape != (num_terms,):
             raise ValueError(f"has_candidates must be [{num_terms}], got {tuple(has_candidates.shape)}")
@@ -151,21 +236,8 @@ def _prepare_candidates(
     return candidates, has
 
 
-def _chunk_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: _HeadConfig
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Post-processed float32 logits [m, V] and, with a softcap, tanh(scaled / cap) for the backward."""
-    logits = F.linear(hidden, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if config.scale != 1.0:
-        logits = logits * config.scale
-    tanh = None
-    if config.softcap is not None:
-        tanh = torch.tanh(logits / config.softcap)
-        logits = tanh * config.softcap
-    if config.temperature != 1.0:
-        logits = logits / config.temperature
-    return logits, tanh
+def _raw_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(hidden, weight, bias)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -173,100 +245,167 @@ class _ChunkedHead(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, extra, candidates, has, config: _HeadConfig):
         num_terms = hidden.shape[0]
         device = hidden.device
-        dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for exact checks
+        dtype = reduce_dtype(hidden.dtype)  # float32, or float64 for exact checks
         logprobs = torch.empty(num_terms, dtype=dtype, device=device)
         entropy = torch.empty_like(logprobs)
         extra_logprobs = torch.empty(extra.shape, dtype=dtype, device=device)
         log_norm = torch.empty_like(logprobs)  # logsumexp over the vocabulary
         log_norm_target = torch.empty_like(logprobs)  # ... or over S_t where the term renormalises
-        with torch.no_grad():
-            for start in range(0, num_terms, config.chunk_size):
+        mean_logit = torch.empty_like(logprobs)  # E_π[z], for the entropy's gradient
+        stats = fused("dense_stats", config.compile_kernels)
+        math = config.math
+        kept = []
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            w, b = _cast(weight, bias, config.mm_dtype)
+            for index, start in enumerate(range(0, num_terms, config.chunk_size)):
                 rows = slice(start, min(start + config.chunk_size, num_terms))
-                logits, _ = _chunk_logits(hidden[rows], weight, bias, config)
-                lse = torch.logsumexp(logits, dim=-1)
-                probs = torch.exp(logits - lse[:, None])
-                entropy[rows] = lse - (probs * logits).sum(-1)
-                del probs
-                norm = _renormaliser(logits, lse, candidates[rows], has[rows])
-                values = logits.gather(1, targets[rows, None]).squeeze(1) - norm
+                raw = _raw_logits(hidden[rows].to(config.mm_dtype), w, b)
+                lse, mean = stats(raw, math)
+                entropy[rows] = lse - mean
+                norm = _renormaliser(raw, lse, candidates[rows], has[rows], math)
+                values = transform(raw.gather(1, targets[rows, None]), math).squeeze(1) - norm
                 outside = _outside(targets[rows, None], candidates[rows], has[rows]).squeeze(1)
                 logprobs[rows] = values.masked_fill(outside, float("-inf"))
                 if extra.shape[1]:
-                    values = logits.gather(1, extra[rows].clamp(min=0)) - norm[:, None]
+                    values = transform(raw.gather(1, extra[rows].clamp(min=0)), math) - norm[:, None]
                     invalid = _invalid_extra(extra[rows], candidates[rows], has[rows])
                     extra_logprobs[rows] = values.masked_fill(invalid, float("-inf"))
-                log_norm[rows] = lse
-                log_norm_target[rows] = norm
-        ctx.save_for_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target)
+                log_norm[rows], log_norm_target[rows], mean_logit[rows] = lse, norm, mean
+                if index < config.keep_chunks:
+                    kept.append(raw)
+        ctx.save_for_backward(
+            hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, *kept
+        )
         ctx.config = config
-        device_type = hidden.device.type  # backward runs outside autocast: it re-enters the forward's state
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.set_materialize_grads(False)
         return logprobs, entropy, extra_logprobs
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, grad_extra):
-        hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target = ctx.saved_tensors
+        hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, *kept = (
+            ctx.saved_tensors
+        )
         config: _HeadConfig = ctx.config
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
-        accumulate = torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if needs_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if needs_bias else None
         if grad_extra is not None and extra.shape[1] == 0:
             grad_extra = None
-        device_type, autocast_on, autocast_dtype = ctx.autocast
-        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-            _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, config,
-                           grad_logprobs, grad_entropy, grad_extra, grad_hidden, grad_weight, grad_bias)  # fmt: skip
-        return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            grads = _head_backward(
+                hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, kept,
+                config, grad_logprobs, grad_entropy, grad_extra, needs_hidden, needs_weight, needs_bias,
+            )  # fmt: skip
+        return (*grads, None, None, None, None, None)
 
 
-def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, config,
-                   grad_logprobs, grad_entropy, grad_extra, grad_hidden, grad_weight, grad_bias) -> None:  # fmt: skip
-    """Chunk by chunk: accumulate the head's gradients into grad_hidden / grad_weight / grad_bias (float32 or wider
-    accumulators; under autocast the matmuls run in its dtype)."""
+def _cast(weight, bias, dtype):
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, kept,
+                   config, grad_logprobs, grad_entropy, grad_extra, needs_hidden, needs_weight, needs_bias):  # fmt: skip
+    """Chunk by chunk: the grad-logits of a chunk (kept or recomputed logits), then its grad_hidden rows and its
+    addition to grad_weight / grad_bias (float32 accumulators when there are several chunks)."""
     num_terms = hidden.shape[0]
-    for start in range(0, num_terms, config.chunk_size):
+    w, b = _cast(weight, bias, config.mm_dtype)
+    single = num_terms <= config.chunk_size
+    accumulate = reduce_dtype(weight.dtype)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden and not single else None
+    grad_weight = None  # one chunk: a single matmul; several: a float32 (or wider) accumulator
+    if needs_weight and (not single or num_terms == 0):
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
+    grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if needs_bias else None
+    for index, start in enumerate(range(0, num_terms, config.chunk_size)):
         rows = slice(start, min(start + config.chunk_size, num_terms))
-        grad_logits = _chunk_grad_logits(
-            hidden[rows], weight, bias, config, targets[rows], extra[rows], candidates[rows], has[rows],
-            log_norm[rows], log_norm_target[rows],
-            None if grad_logprobs is None else grad_logprobs[rows],
-            None if grad_entropy is None else grad_entropy[rows],
-            None if grad_extra is None else grad_extra[rows],
+        h = hidden[rows].to(config.mm_dtype)
+        raw = kept[index] if index < len(kept) else _raw_logits(h, w, b)
+        grad_raw = _chunk_grad_logits(
+            raw, config.math, config.compile_kernels, targets[rows], extra[rows], candidates[rows], has[rows], log_norm[rows],
+            log_norm_target[rows], mean_logit[rows], _rows_of(grad_logprobs, rows, num_terms),
+            _rows_of(grad_entropy, rows, num_terms), _rows_of(grad_extra, rows, num_terms),
         )  # fmt: skip
-        grad_logits = grad_logits.to(weight.dtype)
-        if grad_hidden is not None:
-            grad_hidden[rows] = grad_logits @ weight
-        if grad_weight is not None:
-            grad_weight += grad_logits.t() @ hidden[rows].to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias += grad_logits.sum(0)
+        del raw
+        if needs_hidden:
+            if single:
+                grad_hidden = (grad_raw @ w).to(hidden.dtype)
+            else:
+                grad_hidden[rows] = grad_raw @ w
+        if needs_weight:
+            if single:
+                grad_weight = matmul_to(grad_raw.t(), h, weight.dtype)  # no [V, H] accumulator pass
+            else:
+                accumulate_matmul(grad_weight, grad_raw.t(), h)
+        if needs_bias:
+            grad_bias += grad_raw.sum(0, dtype=accumulate)
+    if needs_hidden and num_terms == 0:
+        grad_hidden = torch.zeros_like(hidden)
+    return (
+        grad_hidden,
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+    )
 
 
-def _renormaliser(logits: torch.Tensor, lse: torch.Tensor, candidates: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+def _rows_of(grad: torch.Tensor | None, rows: slice, num_terms: int) -> torch.Tensor | None:
+    return None if grad is None else grad[rows]
+
+
+def _out_dtype_matmul(device: torch.device) -> bool:
+    """Whether torch.mm / torch.addmm take bfloat16 inputs with a float32 output (out_dtype) on this device, and
+    addmm accumulates in place into that output (CUDA builds); probed once per device type."""
+    if device.type not in _OUT_DTYPE:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+            acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _OUT_DTYPE[device.type] = bool((acc == 3.0).all())
+        except (RuntimeError, NotImplementedError, TypeError):
+            _OUT_DTYPE[device.type] = False  # no out_dtype kernel on this backend: that is the probe's answer
+    return _OUT_DTYPE[device.type]
+
+
+_OUT_DTYPE: dict[str, bool] = {}
+
+
+def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b returned in `dtype`, straight from the matmul's float32 accumulator where the backend can."""
+    if a.dtype == dtype:
+        return a @ b
+    if dtype == torch.float32 and a.dtype in _HALF and _out_dtype_matmul(a.device):
+        return torch.mm(a, b, out_dtype=dtype)
+    return (a @ b).to(dtype)
+
+
+def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b in one pass over acc (addmm into it), also for bfloat16 a, b into a float32 acc on CUDA."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.dtype == torch.float32 and a.dtype in _HALF and _out_dtype_matmul(a.device):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (a @ b).to(acc.dtype)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _renormaliser(
+    raw: torch.Tensor, lse: torch.Tensor, candidates: torch.Tensor, has: torch.Tensor, math
+) -> torch.Tensor:
     """[m] logsumexp over S_t for renormalising terms, over the vocabulary otherwise."""
     if candidates.shape[1] == 0:
         return lse
-    candidate_logits = logits.gather(1, candidates.clamp(min=0)).masked_fill(candidates < 0, float("-inf"))
+    candidate_logits = transform(raw.gather(1, candidates.clamp(min=0)), math).masked_fill(
+        candidates < 0, float("-inf")
+    )
     return torch.where(has, torch.logsumexp(candidate_logits, dim=-1), lse)
 
 
 def _outside(ids: torch.Tensor, candidates: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
-    """[m, K] True where an id lies outside S_t on a renormalising term."""
+    """[m, K] True where an id lies outside S_t on a renormalising term (candidates ascending: a binary search)."""
     if candidates.shape[1] == 0:
         return torch.zeros_like(ids, dtype=torch.bool)
-    inside = (ids[:, :, None] == candidates[:, None, :]).any(-1)
+    position = torch.searchsorted(candidates, ids.contiguous()).clamp(max=candidates.shape[1] - 1)
+    inside = (candidates.gather(1, position) == ids) & (ids >= 0)
     return has[:, None] & ~inside
 
 
@@ -275,53 +414,33 @@ def _invalid_extra(extra: torch.Tensor, candidates: torch.Tensor, has: torch.Ten
     return (extra < 0) | _outside(extra, candidates, has)
 
 
-def _chunk_grad_logits(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: _HeadConfig,
-    targets: torch.Tensor,
-    extra: torch.Tensor,
-    candidates: torch.Tensor,
-    has: torch.Tensor,
-    log_norm: torch.Tensor,
-    log_norm_target: torch.Tensor,
-    grad_logprobs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    grad_extra: torch.Tensor | None,
-) -> torch.Tensor:
-    """d loss / d raw logits ([m, V], float32 or float64) for one chunk, recomputing its logits."""
-    with torch.no_grad():
-        logits, tanh = _chunk_logits(hidden, weight, bias, config)
-        probs = torch.exp(logits - log_norm[:, None])  # full-vocabulary softmax
-        grad = torch.zeros_like(logits)
-        # log-prob terms: d(z[v] - norm)/dz = onehot(v) - softmax under the norm (vocabulary or S_t)
-        weight_of_norm = torch.zeros_like(log_norm)
-        if grad_logprobs is not None:
-            grad_logprobs = grad_logprobs.masked_fill(_outside(targets[:, None], candidates, has).squeeze(1), 0.0)
-            weight_of_norm += grad_logprobs
-            grad.scatter_add_(1, targets[:, None], grad_logprobs[:, None])
-        if grad_extra is not None:
-            grad_extra = grad_extra.masked_fill(_invalid_extra(extra, candidates, has), 0.0)
-            weight_of_norm += grad_extra.sum(-1)
-            grad.scatter_add_(1, extra.clamp(min=0), grad_extra)
-        if candidates.shape[1]:
-            candidate_probs = torch.exp(
-                logits.gather(1, candidates.clamp(min=0)) - log_norm_target[:, None]
-            ).masked_fill(candidates < 0, 0.0)
-            renormalised = torch.zeros_like(logits).scatter_add_(1, candidates.clamp(min=0), candidate_probs)
-            grad -= weight_of_norm[:, None] * torch.where(has[:, None], renormalised, probs)
-        else:
-            grad -= weight_of_norm[:, None] * probs
-        # entropy: dH/dz[v] = -p[v] (z[v] - E_p[z])
-        if grad_entropy is not None:
-            mean_logit = (probs * logits).sum(-1, keepdim=True)
-            grad -= grad_entropy[:, None] * probs * (logits - mean_logit)
-        # back through / temperature, softcap and scale
-        if config.temperature != 1.0:
-            grad = grad / config.temperature
-        if tanh is not None:
-            grad = grad * (1.0 - tanh * tanh)
-        if config.scale != 1.0:
-            grad = grad * config.scale
-    return grad
+def _chunk_grad_logits(raw, math, compile_kernels, targets, extra, candidates, has, log_norm, log_norm_target,
+                       mean_logit, grad_logprobs, grad_entropy, grad_extra) -> torch.Tensor:  # fmt: skip
+    """d loss / d raw logits ([m, V], in the logits' dtype) for one chunk: one dense pass, then the sparse ids."""
+    dtype = log_norm.dtype
+    weight_of_norm = torch.zeros_like(log_norm)  # Σ of the incoming grads of the terms normalised by `norm`
+    ids, values = [], []
+    if grad_logprobs is not None:
+        grad_logprobs = grad_logprobs.to(dtype).masked_fill(_outside(targets[:, None], candidates, has).squeeze(1), 0.0)
+        weight_of_norm += grad_logprobs
+        ids.append(targets[:, None])
+        values.append(grad_logprobs[:, None])
+    if grad_extra is not None:
+        grad_extra = grad_extra.to(dtype).masked_fill(_invalid_extra(extra, candidates, has), 0.0)
+        weight_of_norm += grad_extra.sum(-1)
+        ids.append(extra.clamp(min=0))
+        values.append(grad_extra)
+    if candidates.shape[1] and ids:
+        # renormalising terms: d norm / dz = softmax over S_t, sparse at the candidates
+        logits = transform(raw.gather(1, candidates.clamp(min=0)), math)
+        candidate_probs = torch.exp(logits - log_norm_target[:, None]).masked_fill(candidates < 0, 0.0)
+        ids.append(candidates.clamp(min=0))
+        values.append(-(weight_of_norm * has)[:, None] * candidate_probs)
+    coef = -weight_of_norm.masked_fill(has, 0.0)
+    grad_entropy = None if grad_entropy is None else grad_entropy.to(dtype)
+    dense = fused("dense_grad", compile_kernels)(raw, log_norm, mean_logit, coef, grad_entropy, math)
+    if ids:
+        sparse_fixup(
+            dense, raw, torch.cat(ids, 1), torch.cat(values, 1), log_norm, mean_logit, coef, grad_entropy, math
+        )
+    return dense

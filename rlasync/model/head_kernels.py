@@ -1,0 +1,111 @@
+"""The chunked LM head's per-chunk math over one chunk's raw logits [m, V] (docs/algorithms.md §5.1, §5.3).
+
+Two dense passes, each written so that it fuses into one kernel under torch.compile (elementwise math feeding row
+reductions, no [m, V] temporaries kept between ops):
+
+  dense_stats   forward: logsumexp and the softmax mean of the post-processed logits, from which the entropy
+                H = lse − E_π[z] follows; reads the raw logits once
+  dense_grad    backward: the dense part of d loss / d raw logits, −π(v)·(w_norm + g_H·(z[v] − E_π[z])) times the
+                chain factor of the logit transform, written in the logits' dtype; reads the raw logits once
+
+Everything sparse (the target, the K extra ids, the C candidate ids) is a gather at [m, L] ids: `sparse_fixup`
+adds those ids' contributions (onehot terms, the candidate-set softmax of renormalising terms) to the dense value at
+the same ids, recomputed in float32, and writes each listed id once (repeated ids are summed first, so every write
+of one id carries the same value): the grad-logits are rounded to their dtype once, as a float32 buffer would.
+
+`transform`/`chain` are the logit post-processing z = (c·tanh(s·raw / c)) / T and its derivative dz/draw.
+Reductions run in float32 (float64 for float64 logits, for exact checks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HeadMath:
+    """The logit post-processing of docs/algorithms.md §5.1: scale, optional final-logit softcap, temperature."""
+
+    temperature: float
+    scale: float
+    softcap: float | None
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def transform(raw: torch.Tensor, math: HeadMath) -> torch.Tensor:
+    """Post-processed logits (float32 or wider) from raw logits of any shape."""
+    z = raw.to(reduce_dtype(raw.dtype))
+    if math.scale != 1.0:
+        z = z * math.scale
+    if math.softcap is not None:
+        z = torch.tanh(z / math.softcap) * math.softcap
+    if math.temperature != 1.0:
+        z = z / math.temperature
+    return z
+
+
+def chain(raw: torch.Tensor, math: HeadMath) -> torch.Tensor | float:
+    """dz/draw of `transform`, elementwise (a float when it is a constant)."""
+    factor = math.scale / math.temperature
+    if math.softcap is None:
+        return factor
+    tanh = torch.tanh(raw.to(reduce_dtype(raw.dtype)) * (math.scale / math.softcap))
+    return (1.0 - tanh * tanh) * factor
+
+
+def dense_stats(raw: torch.Tensor, math: HeadMath) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of raw logits [m, V]: (logsumexp z, E_π[z]) in the reduction dtype."""
+    z = transform(raw, math)
+    peak = z.amax(dim=-1, keepdim=True)
+    e = torch.exp(z - peak)
+    total = e.sum(dim=-1)
+    mean = (e * z).sum(dim=-1) / total
+    return peak.squeeze(-1) + torch.log(total), mean
+
+
+def _pre_chain(z, lse, mean, coef, grad_entropy):  # elementwise, broadcast over [m, V] or [m, L]
+    probs = torch.exp(z - lse[:, None])
+    scale = coef[:, None]
+    if grad_entropy is not None:
+        scale = scale - grad_entropy[:, None] * (z - mean[:, None])
+    return probs * scale
+
+
+def dense_grad(raw, lse, mean, coef, grad_entropy, math: HeadMath) -> torch.Tensor:
+    """[m, V] in raw's dtype: (π(v)·(coef − g_H·(z[v] − E_π[z]))) · dz/draw; coef = −w_norm on terms normalised over
+    the vocabulary (0 on renormalising ones: their normaliser's part is sparse), g_H the entropy's incoming grad."""
+    z = transform(raw, math)
+    return (_pre_chain(z, lse, mean, coef, grad_entropy) * chain(raw, math)).to(raw.dtype)
+
+
+def sparse_fixup(out, raw, ids, values, lse, mean, coef, grad_entropy, math: HeadMath) -> None:
+    """out[r, ids[r, j]] = round((dense pre-chain value + Σ values at that id) · dz/draw) for every listed id."""
+    ids, order = torch.sort(ids, dim=1)
+    values = values.gather(1, order)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    segment = starts.long().cumsum(dim=1) - 1
+    summed = torch.zeros_like(values).scatter_add_(1, segment, values).gather(1, segment)
+    raw_at = raw.gather(1, ids)
+    z = transform(raw_at, math)
+    exact = (_pre_chain(z, lse, mean, coef, grad_entropy) + summed) * chain(raw_at, math)
+    out.scatter_(1, ids, exact.to(out.dtype))
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def fused(name: str, compile_kernels: bool) -> Callable:
+    """`dense_stats` or `dense_grad`, torch.compile'd (dynamic in the chunk length) when `compile_kernels`."""
+    function = {"dense_stats": dense_stats, "dense_grad": dense_grad}[name]
+    if not compile_kernels:
+        return function
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(function, dynamic=True, fullgraph=True)
+    return _COMPILED[name]
