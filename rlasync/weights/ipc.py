@@ -57,8 +57,9 @@ class SharedWeights:
         for bucket in bucket_manifest(list(manifest), bucket_bytes):
             offsets, size = bucket_layout(bucket)
             if device.type == "cpu":
-                files.append(_shm_dir() / f"rlasync-weights-{os.getpid()}-{uuid.uuid4().hex}")
-                buffers.append(_map_file(files[-1], size, create=True))
+                path = _shm_dir() / f"rlasync-weights-{os.getpid()}-{uuid.uuid4().hex}"
+                buffers.append(_map_file(path, size, create=True))
+                files.append(_anonymous(path))
             else:
                 buffers.append(torch.empty(size, dtype=torch.uint8, device=device))
             entries.append([(e.name, e.dtype, tuple(e.shape), o, e.num_bytes) for e, o in zip(bucket, offsets)])
@@ -124,10 +125,13 @@ class SharedWeights:
         return self._handles
 
     def release(self) -> None:
-        """Drop the buffers (and remove the CPU buckets' files: mappings already open stay valid)."""
+        """Drop the buffers (and close or remove the CPU buckets' files: mappings already open stay valid)."""
         self.buffers, self._views, self._handles = [], None, None
         for path in self.files:
-            path.unlink(missing_ok=True)
+            if str(path).startswith(f"/proc/{os.getpid()}/fd/"):
+                os.close(int(path.name))
+            else:
+                path.unlink(missing_ok=True)
         self.files = []
 
     @property
@@ -192,6 +196,18 @@ class MappedWeights:
 
     def __len__(self) -> int:
         return sum(len(entries) for entries, _ in self.handles)
+
+
+def _anonymous(path: Path) -> Path:
+    """The path other processes open a just-created bucket file by: `/proc/<pid>/fd/<fd>` of a descriptor this
+    process keeps, the file itself unlinked at once (its memory goes when this process does, even killed);
+    the file's own path where /proc is not there."""
+    proc = Path(f"/proc/{os.getpid()}/fd")
+    if not proc.is_dir():
+        return path
+    fd = os.open(path, os.O_RDWR)
+    path.unlink()
+    return proc / str(fd)
 
 
 def _shm_dir() -> Path:
