@@ -119,8 +119,9 @@ class SharedWeights:
             for index, (entries, buffer) in enumerate(zip(self.entries, self.buffers)):
                 if buffer.device.type == "cpu":
                     out.append((entries, ("file", str(self.files[index]), int(buffer.numel()))))
-                else:
-                    out.append((entries, ("cuda", reduce_tensor(buffer))))
+                else:  # the GPU's UUID: a process that numbers GPUs differently (a vLLM worker) checks and remaps
+                    uuid_ = str(torch.cuda.get_device_properties(buffer.device).uuid)
+                    out.append((entries, ("cuda", reduce_tensor(buffer), uuid_)))
             self._handles = out
         return self._handles
 
@@ -157,7 +158,7 @@ def _bucket_views(buckets: Iterable[tuple[BucketEntries, torch.Tensor]]) -> Iter
 def _open_bucket(handle: Any) -> torch.Tensor:
     if handle[0] == "file":
         return _map_file(Path(handle[1]), handle[2], create=False)
-    rebuild, args = handle[1]
+    rebuild, args = handle[1][:2]
     return rebuild(*args)
 
 
