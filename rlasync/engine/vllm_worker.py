@@ -153,7 +153,7 @@ def _rebuild_ipc(name: str, data: bytes, device: Any) -> Any:
     return _rebuild_cuda(name, uuid, args, device)
 
 
-def _rebuild_cuda(name: str, uuid: str, args: Any, device: Any) -> Any:
+def _rebuild_cuda(name: str, uuid: str, args: tuple | list, device: Any) -> Any:
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 

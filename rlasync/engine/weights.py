@@ -106,7 +106,7 @@ class CopyPlan:
         problems: list[str] = []
 
         class Recorder(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            def __torch_dispatch__(self, func, types, args: tuple = (), kwargs=None):  # noqa: ANN001
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
                 written = [a for a in _mutated(func, args, kwargs) if _storage(a) in owners]
