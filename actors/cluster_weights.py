@@ -131,7 +131,10 @@ class RayWeightSync:
     loaded: what of the transfer did not overlap, and the copies) and `perf/weight_sync_resume_s`; also
     `perf/weight_sync_dispatch_s` (until the slowest engine's call started), `perf/weight_sync_send_s` (rank 0's
     send, waiting for the receivers included) and `perf/generation_loop_lag_max_s` (the worst event-loop lag of a
-    GenerationActor since the previous sync).
+    GenerationActor since the previous sync). The parts that sum to the total: barrier (of which `_pack_s`,
+    rank 0 filling its IPC buckets) + the slowest engine's pause + transfer + resume (+ `_stage_s`, mapping
+    handles before pausing) + `_calls_s` (the driver's Ray round trips around them) + `_finish_s` (finish and the
+    version bump, together). Over IPC every engine `begin_sync`s first: it pauses while the learners pack.
 
     Restarted engines (docs/design.md §4): the driver holds one `watch()` call per engine, which never returns, so
     its failure says the engine died (a frozen engine's does not fail). A sync that fails because an engine died
@@ -260,9 +263,16 @@ class RayWeightSync:
 
     def _sync_once(self, version: int) -> tuple[int, dict[str, float]]:
         started, started_at = time.perf_counter(), time.time()
-        ticket = ray.get([learner.prepare_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
+        for engine in self.engines:  # IPC: engines start pausing while the learners pack (their step drains)
+            engine.begin_sync.remote()
+        try:
+            ticket = ray.get([learner.prepare_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
+        except Exception:
+            for engine in self.engines:
+                engine.cancel_sync.remote()
+            raise
         barrier_s = time.perf_counter() - started  # until every learner rank was ready to send
-        finish = True
+        finish, results = True, None
         sends = [learner.send_weights.remote() for learner in self.learners]
         loads = [engine.sync_weights.remote(ticket, version + 1) for engine in self.engines]
         try:
@@ -280,13 +290,19 @@ class RayWeightSync:
                     raise named from exc
             raise
         finally:
+            loaded = time.perf_counter()
             finished = [learner.finish_weights.remote() for learner in self.learners]
-            if finish:
+            if finish and results is None:  # a failed sync: finish before raising
                 ray.get(finished, timeout=self.timeout)
         sent, phases = results[: len(self.learners)], results[len(self.learners) :]
-        ray.get(self.queue.set_policy_version.remote(version + 1), timeout=self.timeout)
-        timings = sync_timings(time.perf_counter() - started, started_at, sent, phases)
-        return version + 1, {**timings, "perf/weight_sync_barrier_s": barrier_s}
+        ray.get(finished + [self.queue.set_policy_version.remote(version + 1)], timeout=self.timeout)  # together
+        ended = time.perf_counter()
+        timings = sync_timings(ended - started, started_at, sent, phases)
+        return version + 1, {**timings, "perf/weight_sync_barrier_s": barrier_s,
+                             "perf/weight_sync_pack_s": float(getattr(ticket, "pack_s", 0.0)),
+                             "perf/weight_sync_calls_s": (loaded - started - barrier_s)
+                             - max(p["total_s"] for p in phases),
+                             "perf/weight_sync_finish_s": ended - loaded}  # fmt: skip
 
     def _dead_engines(self, exc: BaseException, sends: list[Any], loads: list[Any]) -> list[int]:
         """After a failed sync: the engines that died (empty: not an engine death, e.g. a frozen engine or a dead
@@ -321,4 +337,5 @@ def sync_timings(total_s: float, started_at: float, sent: list[float], phases: l
         "perf/weight_sync_dispatch_s": max(max(p.get("started_at", started_at) - started_at, 0.0) for p in phases),
         "perf/generation_loop_lag_max_s": max(p.get("loop_lag_max_s", 0.0) for p in phases),
         "perf/weight_sync_send_s": max(sent),
+        "perf/weight_sync_stage_s": max(p.get("stage_s", 0.0) for p in phases),
     }

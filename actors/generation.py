@@ -45,6 +45,7 @@ class GenerationActor:
 
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
+        self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
         self.loop_lag = LoopLagMonitor()  # how late this actor's event loop runs (a late loop delays every call)
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.synced = asyncio.Event()
@@ -120,6 +121,27 @@ class GenerationActor:
             self.receiver.close()
         self.receiver = await make_receiver(plan, rank, manifest, self.engine, self._device())
 
+    async def begin_sync(self) -> None:
+        """The driver's call at the start of a sync, before learner rank 0's ticket exists: a receiver that
+        `pauses_early` (IPC: nothing to stage before the ticket) starts pausing now, so the step in flight drains
+        while the learner packs. Undone by `cancel_sync` or, should no sync follow, after `SYNC_GATE_S`."""
+        from rlasync.weights.apply import begin_pause
+
+        if getattr(self.receiver, "pauses_early", False) and self.pausing is None:
+            self.pausing = begin_pause(self.engine)
+            asyncio.get_running_loop().call_later(SYNC_GATE_S, lambda p=self.pausing: self._abandon(p))
+
+    def _abandon(self, pausing: Any) -> None:
+        if self.pausing is pausing:  # no sync_weights took it over
+            asyncio.ensure_future(self.cancel_sync())
+
+    async def cancel_sync(self) -> None:
+        """A sync begun (`begin_sync`) that will not come (its prepare failed): resume the engine."""
+        pausing, self.pausing = self.pausing, None
+        if pausing is not None:
+            await asyncio.gather(pausing, return_exceptions=True)
+            await self.engine.resume()
+
     async def sync_weights(self, ticket: Any = None, version: int | None = None) -> dict[str, float]:
         """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and
         load it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until
@@ -128,7 +150,11 @@ class GenerationActor:
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:
             raise RuntimeError(NOT_OPENED)
-        phases = await self.receiver.load_into(self.engine, ticket)
+        pausing, self.pausing = self.pausing, None
+        if pausing is not None:
+            phases = await self.receiver.load_into(self.engine, ticket, pausing=pausing)
+        else:
+            phases = await self.receiver.load_into(self.engine, ticket)
         self.version = version
         self.synced.set()
         return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max()}

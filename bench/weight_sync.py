@@ -12,6 +12,12 @@ breakdown that the end-to-end run (`bench/e2e_grpo.py`) only shows from the driv
 
     python3 bench/weight_sync.py --out $OUT/weight_sync_h200.json            # 2 GPUs, NCCL
     python bench/weight_sync.py --device cpu --tiny --rounds 2                # smoke test (gloo, CPU)
+    python bench/weight_sync.py --ipc-copy --out $OUT/weight_sync_ipc_h200.json  # one GPU: IPC pack + copy
+
+`--ipc-copy` times, in one process on one device, the two copies of an IPC sync as the transport runs them: the
+learner's fill of its persistent buckets (float32 master weights cast to bf16 in one batched copy,
+`SharedWeights.fill`) and the engine's replayed copy plan (`PlannedLoader`, one foreach copy), against the
+per-tensor load (`load_named_weights`) they replace.
 """
 
 from __future__ import annotations
@@ -146,6 +152,44 @@ def _receive_manifest(args: argparse.Namespace):
     return build_manifest(_model(args.tiny, torch.float32, "cpu"), dtype=wire)  # same shapes/names as the sender
 
 
+def ipc_copy(args: argparse.Namespace) -> dict:
+    from rlasync.engine.weights import PlannedLoader, load_named_weights
+    from rlasync.weights import build_manifest, stream_parameters
+    from rlasync.weights.ipc import MappedWeights, SharedWeights
+
+    device = "cuda" if args.device == "cuda" else "cpu"
+    wire = torch.bfloat16 if device == "cuda" else torch.float32
+    learner, engine = _model(args.tiny, torch.float32, device), _model(args.tiny, wire, device, seed=1)
+    manifest = build_manifest(learner, dtype=wire)
+    shared = SharedWeights.allocate(manifest, device, 1 << 30)
+    mapped, loader = MappedWeights(shared.key, shared.handles()), PlannedLoader()
+    sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(args.rounds + 1):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    out = {"bytes": sum(e.num_bytes for e in manifest), "tensors": len(manifest)}
+    out["learner_fill_batched_s"] = timed(lambda: (shared.fill(stream_parameters(learner, dtype=wire), manifest),
+                                                   shared.synchronize()))  # fmt: skip
+    out["learner_fill_per_tensor_s"] = timed(lambda: shared.fill(list(stream_parameters(learner, dtype=wire)),
+                                                                 manifest))  # fmt: skip
+    load = lambda stream: load_named_weights(engine, stream)  # noqa: E731
+    out["engine_first_load_recorded_s"] = timed(lambda: (loader.plans.clear(), loader.load(engine, mapped, load)))
+    loader.load(engine, mapped, load)
+    out["engine_replayed_copy_s"] = timed(lambda: loader.load(engine, mapped, load))
+    out["engine_per_tensor_load_s"] = timed(lambda: load_named_weights(engine, mapped))
+    out["replayable"] = next(iter(loader.plans.values())).replayable
+    shared.release()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -156,7 +200,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--port", type=int, default=29611)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--ipc-copy", action="store_true", help="one device: time the IPC pack and copy only")
     args = parser.parse_args()
+    if args.ipc_copy:
+        result = {"benchmark": "weight_sync_ipc_copy", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                  "hardware": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                  "model_shape": "tiny Qwen3" if args.tiny else "Qwen3-0.6B (random; float32 master, bf16 engine)",
+                  **ipc_copy(args)}  # fmt: skip
+        print(json.dumps(result, indent=2))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"weight_sync_{os.getpid()}"
     mp.spawn(_worker, args=(args, args.port, str(work)), nprocs=2, join=True)
     sender, receiver = (json.loads(Path(f"{work}.{rank}").read_text()) for rank in (0, 1))

@@ -42,9 +42,9 @@ from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, choose_layout
 from rlasync.engine.request import Request
 from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleSpec, check_engine_support
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
-from rlasync.engine.weights import load_named_weights
+from rlasync.engine.weights import PlannedLoader, load_sync
 from rlasync.records import TurnRecord
-from rlasync.weights.adapter import AdapterMerger, adapter_base, peek_adapter
+from rlasync.weights.adapter import AdapterMerger, adapter_base
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class TorchEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = _build_model(model, dtype, self.device)
         self._adapter = AdapterMerger()  # LoRA syncs: W = W0 + s*B@A over the base weights kept at the first one
+        self._loader = PlannedLoader()  # IPC syncs: the first one's copies recorded, then replayed in one batch
         check_engine_support(self.model)
         config = self.model.config
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
@@ -228,12 +229,9 @@ class TorchEngine:
                 self._scheduler.allocator.clear_cache()  # cached prefixes hold the old weights' KV
 
     def _load(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Full weights by name, or a LoRA adapter sync (A, s*B pairs: merged into the kept base weights)."""
-        stream, is_adapter = peek_adapter(named_tensors)
-        if is_adapter:
-            self._adapter.load(self.model, stream)
-        else:
-            load_named_weights(self.model, stream)
+        """Full weights, a LoRA adapter (merged into the kept base weights), or persistent IPC buckets (a replayed
+        copy plan); returns once the copies are done (`rlasync.engine.weights.load_sync`)."""
+        load_sync(self.model, named_tensors, self._adapter, self._loader, self.device)
 
     def stats(self) -> EngineStats:
         allocator = self._scheduler.allocator

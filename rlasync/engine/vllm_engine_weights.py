@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from rlasync.engine.vllm_worker import encode_weights, manifest_rows, nccl_update_info
+from rlasync.engine.vllm_worker import encode_weights, flat_buckets, manifest_rows, nccl_update_info
 from rlasync.weights.adapter import peek_adapter
 from rlasync.weights.apply import paused_for_update
 
@@ -28,6 +28,11 @@ async def bounded(awaitable: Any, timeout_s: float, what: str) -> Any:
         return await asyncio.wait_for(awaitable, timeout_s)
     except TimeoutError as exc:
         raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s") from exc
+
+
+def _adapter_entries(handles: Sequence[Any]) -> bool:
+    """Whether persistent buckets hold a LoRA adapter (a runtime adapter for vLLM, not weights to copy in)."""
+    return any(str(entry[0]).endswith(".lora_A.weight") for entries, _ in handles for entry in entries[:1])
 
 
 class VLLMWeightLoading:
@@ -49,6 +54,9 @@ class VLLMWeightLoading:
         pairs) becomes a runtime adapter instead (`load_adapter`)."""
         if not self._paused:
             raise RuntimeError("VLLMEngine.load_weights needs a paused engine: await engine.pause() first")
+        handles = getattr(named_tensors, "handles", None)
+        if handles and getattr(named_tensors, "key", "") and not _adapter_entries(handles):
+            return await self.load_flat(named_tensors.key, handles)  # type: ignore[attr-defined]
         named_tensors, is_adapter = peek_adapter(named_tensors)
         if is_adapter:
             return await self.load_adapter(named_tensors)
@@ -72,6 +80,15 @@ class VLLMWeightLoading:
             keepalive.clear()
         total["seconds"] = time.perf_counter() - started
         return total
+
+    async def load_flat(self, key: str, handles: Sequence[Any]) -> dict[str, Any]:
+        """An IPC sync from learner rank 0's persistent buckets: one `collective_rpc` carrying their handles (the
+        same every sync: each worker maps them once and replays its recorded copies, `WorkerExtension.load_flat_ipc`);
+        nothing per tensor here, nothing blocking this event loop (the learner synchronized before handing out
+        the handles)."""
+        started = time.perf_counter()
+        results = await self._rpc("load_flat_ipc", key, flat_buckets(handles))
+        return {**results[0], "seconds": time.perf_counter() - started}
 
     async def load_adapter(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         """One LoRA sync: write the adapter, `add_lora` it as `rlasync-v{k}` (new requests use it), `remove_lora`

@@ -9,6 +9,8 @@ so its methods run inside the worker process, next to the model, and are reached
 (0.25's Worker already has `update_weights`, `reload_weights`, `start_weight_update`, ...).
 
     load_weights_payload(payload)                 tensors sent inline (CPU bytes) or as CUDA IPC handles (same GPU)
+    load_flat_ipc(key, buckets)                   an IPC sync: learner rank 0's persistent buckets, mapped once,
+                                                  the recorded copies replayed as one batched copy
     init_weight_group(host, port, rank, world_size, timeout_s)
                                                   join rlasync's weight-sync group (`rlasync.weights.broadcast`)
     receive_weights(manifest)                     receive one broadcast per manifest entry from learner rank 0
@@ -147,10 +149,14 @@ def decode_weights(payload: dict[str, Any], device: Any = None) -> Iterator[tupl
 
 
 def _rebuild_ipc(name: str, data: bytes, device: Any) -> Any:
+    uuid, args = pickle.loads(data)
+    return _rebuild_cuda(name, uuid, args, device)
+
+
+def _rebuild_cuda(name: str, uuid: str, args: tuple | list, device: Any) -> Any:
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    uuid, args = pickle.loads(data)
     index = torch.device(device).index if device is not None and torch.device(device).type == "cuda" else None
     index = torch.cuda.current_device() if index is None else index
     here = str(torch.cuda.get_device_properties(index).uuid)
@@ -211,6 +217,43 @@ class WorkerExtension:
         """Load one payload of `encode_weights` (a dict, or its JSON) through the model's `load_weights` (in place)."""
         return self._rlasync_load(decode_weights(payload, self._rlasync_device()))
 
+    def load_flat_ipc(self, key: str, buckets: Sequence[Any]) -> dict[str, Any]:
+        """One sync from learner rank 0's persistent buckets (`rlasync.weights.ipc.SharedWeights`; `buckets` as
+        `flat_buckets` encodes them): mapped once per `key` (the same handles every sync), the first load through
+        the model's `load_weights` with its copies recorded, later ones one batched copy of the recorded shards
+        into the fused parameters (`rlasync.engine.weights.CopyPlan`; the loader again if it is not replayable)."""
+        import torch
+
+        from rlasync.engine.weights import PlannedLoader
+
+        started = time.perf_counter()
+        cached = getattr(self, "_rlasync_flat", None)
+        if cached is None or cached.key != key:
+            cached = self._rlasync_flat = _Mapped(key, self._rlasync_open(buckets), PlannedLoader())
+        with torch.no_grad():
+            how = cached.loader.load(self._rlasync_model(), cached, lambda pairs: self._rlasync_load(pairs))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the sender refills its buckets once this returns
+        return {"how": how, "num_tensors": len(cached.pairs), "seconds": time.perf_counter() - started,
+                "bytes": sum(t.numel() * t.element_size() for _, t in cached.pairs)}  # fmt: skip
+
+    def _rlasync_open(self, buckets: Sequence[Any]) -> list[tuple[str, Any]]:
+        from pathlib import Path
+
+        import torch
+
+        from rlasync.weights.ipc import _map_file
+
+        pairs = []
+        for entries, handle in buckets:
+            if handle[0] == "file":
+                flat = _map_file(Path(handle[1]), int(handle[2]), create=False)
+            else:
+                flat = _rebuild_cuda("flat bucket", handle[2], pickle.loads(handle[1]), self._rlasync_device())
+            for name, dtype, shape, offset, num_bytes in entries:
+                pairs.append((name, flat[offset : offset + num_bytes].view(getattr(torch, dtype)).view(tuple(shape))))
+        return pairs
+
     def init_weight_group(self, host: str, port: Any, rank: Any, world_size: Any, timeout_s: Any = 300.0,
                           backend: str = "gloo", bucket_bytes: Any = None) -> dict:  # fmt: skip
         """Join rlasync's weight-sync group as rank `rank + self.rank` (one rank per worker of this engine: with
@@ -256,6 +299,29 @@ class WorkerExtension:
         params = dict(self._rlasync_model().named_parameters())
         chosen = list(params) if names is None else [n for n in names if n in params]
         return {name: float(params[name].detach().double().sum().item()) for name in chosen}
+
+
+def flat_buckets(handles: Sequence[Any]) -> list[list[Any]]:
+    """`SharedWeights.handles()` as `load_flat_ipc` takes them through `collective_rpc` (plain lists and bytes):
+    per bucket its entries and `["file", path, size]` or `["cuda", pickled reduce_tensor args, GPU UUID]`."""
+    out = []
+    for entries, handle in handles:
+        rows = [[n, d, list(s), int(o), int(b)] for n, d, s, o, b in entries]
+        if handle[0] == "file":
+            out.append([rows, ["file", str(handle[1]), int(handle[2])]])
+        else:
+            out.append([rows, ["cuda", pickle.dumps(handle[1][1]), str(handle[2])]])
+    return out
+
+
+class _Mapped:
+    """A worker's mapped persistent buckets: `(name, view)` pairs with the `key` a `PlannedLoader` caches by."""
+
+    def __init__(self, key: str, pairs: list[tuple[str, Any]], loader: Any) -> None:
+        self.key, self.pairs, self.loader = key, pairs, loader
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.pairs)
 
 
 class _Counted:

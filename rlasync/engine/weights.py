@@ -1,4 +1,5 @@
-"""In-place weight loading by Hugging Face parameter names (the engine side of a weight sync)."""
+"""In-place weight loading by Hugging Face parameter names (the engine side of a weight sync), and the replayed
+copy plans of syncs from persistent buffers (`CopyPlan`, `PlannedLoader`: the TorchEngine's and vLLM workers')."""
 
 from __future__ import annotations
 
@@ -63,3 +64,136 @@ def _raise_if_bad(unknown: list[str], mismatched: list[str]) -> None:
 
 def _listed(items: list[str]) -> str:
     return ", ".join(items[:5]) + (f", ... ({len(items)} in all)" if len(items) > 5 else "")
+
+
+# ---- replayed copy plans (persistent sources: an IPC sync's mapped buckets) -------------------------------------
+
+
+class CopyPlan:
+    """The copies one load made from persistent source views into persistent parameters, replayed as batched
+    copies (`rlasync.weights.plan.foreach_copy`: one multi-tensor kernel per dtype pair instead of Python per tensor).
+
+    `CopyPlan.record(load, pairs, params)` runs `load(pairs)` (any loader: `load_named_weights`, vLLM's
+    `model.load_weights` with its fused qkv_proj / gate_up_proj shards) under a dispatch mode that records each
+    `copy_` whose source aliases a source view and whose target aliases a parameter. The plan is replayable only if
+    that was all the loader did to the parameters: a source transformed first (a cast, a concatenation) or any other
+    write into a parameter makes `replayable` False (the caller keeps calling its loader; `reason` says why), and
+    so does a source that was never copied."""
+
+    def __init__(self, targets: list[torch.Tensor], sources: list[torch.Tensor], reason: str | None) -> None:
+        self.targets, self.sources, self.reason = targets, sources, reason
+
+    @property
+    def replayable(self) -> bool:
+        return self.reason is None
+
+    def replay(self) -> int:
+        from rlasync.weights.plan import foreach_copy
+
+        if self.reason is not None:
+            raise RuntimeError(f"this copy plan cannot be replayed: {self.reason}")
+        foreach_copy(self.targets, self.sources)
+        return len(self.targets)
+
+    @classmethod
+    def record(cls, load: Any, pairs: list[tuple[str, torch.Tensor]], params: Iterable[torch.Tensor]) -> CopyPlan:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        sources = {_storage(t) for _, t in pairs}
+        owners = {_storage(p) for p in params}
+        targets: list[torch.Tensor] = []
+        copied: list[torch.Tensor] = []
+        problems: list[str] = []
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args: tuple = (), kwargs=None):  # noqa: ANN001
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                written = [a for a in _mutated(func, args, kwargs) if _storage(a) in owners]
+                if not written:
+                    return out
+                if func is torch.ops.aten.copy_.default and _storage(args[1]) in sources:
+                    targets.append(args[0].detach())
+                    copied.append(args[1].detach())
+                elif len(problems) < 3:
+                    problems.append(f"{func} writes a parameter from something other than a source view")
+                return out
+
+        with torch.no_grad(), Recorder():
+            load(pairs)
+        reason = "; ".join(problems) or None
+        missing = [name for name, t in pairs if not any(_overlaps(t, c) for c in copied)]
+        if reason is None and missing:
+            reason = f"the loader copied nothing from {missing[:3]}"
+        return cls(targets, copied, reason)
+
+
+def _storage(tensor: Any) -> int:
+    return tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else -1
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether view `b` reads part of view `a` (same storage, byte ranges intersect)."""
+    if _storage(a) != _storage(b):
+        return False
+    a0, b0 = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    return a0 < b0 + max(b.numel(), 1) * b.element_size() and b0 < a0 + max(a.numel(), 1) * a.element_size()
+
+
+def _mutated(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments an op writes (its schema's mutable arguments)."""
+    out = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        values = value if isinstance(value, list | tuple) else [value]
+        out.extend(v for v in values if isinstance(v, torch.Tensor))
+    return out
+
+
+class PlannedLoader:
+    """An engine's loads: a stream with a `key` (persistent buckets: `rlasync.weights.ipc.MappedWeights`) is
+    loaded once through `load` while its copies are recorded, then by replaying them (`CopyPlan`); anything else,
+    or a plan that cannot be replayed, through `load` every time."""
+
+    def __init__(self) -> None:
+        self.plans: dict[str, CopyPlan] = {}
+
+    def load(self, model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]], load: Any) -> str:
+        """Load; returns how: "replayed", "recorded" or "loaded"."""
+        key = getattr(named_tensors, "key", "")
+        if not key:
+            load(named_tensors)
+            return "loaded"
+        plan = self.plans.get(key)
+        if plan is not None and plan.replayable:
+            plan.replay()
+            return "replayed"
+        pairs = list(named_tensors)
+        if plan is not None:
+            load(pairs)
+            return "loaded"
+        self.plans = {key: CopyPlan.record(load, pairs, model.parameters())}  # one bucket set at a time
+        return "recorded"
+
+
+def load_sync(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]], adapter: Any, loader: PlannedLoader,
+              device: torch.device) -> str:  # fmt: skip
+    """One weight sync into a built-in engine's model: a LoRA adapter stream (A, s*B pairs) through `adapter`
+    (`rlasync.weights.adapter.AdapterMerger`), full weights through `loader` (replaying a copy plan for persistent
+    buckets); on CUDA, returns once the copies are done (the sender may then overwrite its buckets). How it loaded."""
+    from rlasync.weights.adapter import LORA_A, peek_adapter
+
+    if getattr(named_tensors, "key", ""):  # persistent buckets: peeking would map them again
+        pairs, is_adapter = named_tensors, next(iter(named_tensors), ("",))[0].endswith(LORA_A)
+    else:
+        pairs, is_adapter = peek_adapter(named_tensors)
+    if is_adapter:
+        adapter.load(model, pairs)
+        how = "adapter"
+    else:
+        how = loader.load(model, pairs, lambda stream: load_named_weights(model, stream))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return how

@@ -253,33 +253,51 @@ def adapter_pairs(named_tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[st
 
 class AdapterMerger:
     """The built-in engine's adapter sync: the first sync keeps a copy of each adapted base weight (W0); every sync
-    sets W = W0 + B' @ A (float32 product, cast to the engine's dtype), so repeated syncs never accumulate."""
+    sets W = W0 + B' @ A, so repeated syncs never accumulate. Modules of one shape (out, in, r, dtype) form a group:
+    its W0 are kept stacked, and a sync is per group one stack of the A's and of the B's, one `baddbmm` (float32
+    accumulation) and one batched copy into the engine's weights (`foreach_copy`), instead of a product, casts and
+    a copy per module."""
 
     def __init__(self) -> None:
-        self.base: dict[str, torch.Tensor] = {}
+        self.base: dict[str, torch.Tensor] = {}  # module -> its W0 (a view into its group's stack)
+        self._groups: list[tuple[list[str], list[torch.Tensor], torch.Tensor]] = []  # (modules, weights, W0 stack)
+        self._signature: tuple[str, ...] = ()
 
     def load(self, model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]]) -> int:
         """Merge every `(module, A, B')` pair of the stream into `model`'s `<module>.weight`; returns the count."""
-        params = dict(model.named_parameters(remove_duplicate=False))
-        count = 0
+        from rlasync.weights.plan import foreach_copy
+
+        pairs = {module: (a, b) for module, a, b in adapter_pairs(named_tensors)}
+        if tuple(pairs) != self._signature:
+            self._group(model, pairs)
         with torch.no_grad():
-            for module, a, b in adapter_pairs(named_tensors):
-                target = params.get(module + ".weight")
-                if target is None:
-                    raise ValueError(f"adapter sync: the engine's model has no parameter {module}.weight")
-                delta_shape = (b.shape[0], a.shape[1])
-                if tuple(target.shape) != delta_shape:
-                    raise ValueError(f"adapter sync: {module} B@A is {delta_shape}, the weight {tuple(target.shape)}")
-                base = self.base.get(module)
-                if base is None:
-                    base = self.base[module] = target.detach().clone()
-                a, b = a.to(target.device, torch.float32), b.to(target.device, torch.float32)
-                if target.dtype == torch.float32:
-                    torch.addmm(base, b, a, out=target.data)  # one fused pass, no temporary of the weight's size
-                else:
-                    target.copy_(torch.addmm(base.float(), b, a))
-                count += 1
-        return count
+            for modules, weights, base in self._groups:
+                a = torch.stack([pairs[m][0] for m in modules]).to(base.device, base.dtype)
+                b = torch.stack([pairs[m][1] for m in modules]).to(base.device, base.dtype)
+                foreach_copy(weights, list(torch.baddbmm(base, b, a).unbind(0)))
+        return len(pairs)
+
+    def _group(self, model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Group the adapted modules by shape and keep their W0 stacked (W0 of modules seen before: as kept)."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        groups: dict[tuple, list[str]] = {}
+        for module, (a, b) in pairs.items():
+            target = params.get(module + ".weight")
+            if target is None:
+                raise ValueError(f"adapter sync: the engine's model has no parameter {module}.weight")
+            delta_shape = (b.shape[0], a.shape[1])
+            if tuple(target.shape) != delta_shape:
+                raise ValueError(f"adapter sync: {module} B@A is {delta_shape}, the weight {tuple(target.shape)}")
+            key = (target.device, target.dtype, *target.shape, a.shape[0])
+            groups.setdefault(key, []).append(module)
+        built = []
+        with torch.no_grad():
+            for modules in groups.values():
+                weights = [params[m + ".weight"].detach() for m in modules]
+                base = torch.stack([self.base.get(m, w) for m, w in zip(modules, weights)])
+                built.append((modules, weights, base))
+        self.base = {m: base[i] for modules, _, base in built for i, m in enumerate(modules)}
+        self._groups, self._signature = built, tuple(pairs)
 
 
 def write_adapter(directory: str | Path, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],

@@ -30,23 +30,24 @@ def take_bytes(stream: Iterator[tuple[str, Any]], limit: int) -> list[tuple[str,
     return taken
 
 
-async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], staging_bytes: int) -> dict[str, float]:
+async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], staging_bytes: int, *,
+                             load: Any = None, pausing: asyncio.Future | None = None) -> dict[str, float]:  # fmt: skip
     """Receive up to `staging_bytes` of `stream` while `engine` pauses, then load everything and resume; returns
     the phases' seconds: `pause_s` (until paused), `load_s` (paused until loaded), `resume_s`, `total_s`.
 
-    The engine is resumed whatever happens; an error of the stream (a stalled sender) propagates."""
+    `load`: what `engine.load_weights` gets instead of the stream (an IPC sync's `MappedWeights`, on which an engine
+    may replay a cached copy plan). `pausing`: a pause already under way (`begin_pause`, started before the ticket
+    arrived); `pause_s` then counts from its start. The engine is resumed whatever happens; an error of the stream
+    (a stalled sender) propagates."""
     start = time.perf_counter()
-    paused_at: list[float] = []
-
-    async def pause() -> None:
-        await engine.pause()
-        paused_at.append(time.perf_counter())
-
-    pausing = asyncio.create_task(pause())
+    if pausing is None:
+        pausing = begin_pause(engine)
+    start = min(start, getattr(pausing, "started_at", start))
     try:
-        staged = await asyncio.to_thread(take_bytes, stream, staging_bytes)
+        staged = await asyncio.to_thread(take_bytes, stream, staging_bytes) if staging_bytes > 0 else []
         await pausing
-        await engine.load_weights(itertools.chain(staged, stream))
+        paused = getattr(pausing, "paused_at", None) or time.perf_counter()
+        await engine.load_weights(itertools.chain(staged, stream) if load is None else load)
         loaded = time.perf_counter()
     finally:
         if not pausing.done():
@@ -54,8 +55,19 @@ async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], sta
         await asyncio.gather(pausing, return_exceptions=True)
         await engine.resume()
     end = time.perf_counter()
-    return {"pause_s": paused_at[0] - start, "load_s": loaded - paused_at[0], "resume_s": end - loaded,
-            "total_s": end - start}  # fmt: skip
+    return {"pause_s": paused - start, "load_s": loaded - paused, "resume_s": end - loaded, "total_s": end - start}
+
+
+def begin_pause(engine: Any) -> asyncio.Task:
+    """Start pausing `engine` (a task; its `started_at` / `paused_at` are perf_counter times)."""
+
+    async def pause() -> None:
+        await engine.pause()
+        task.paused_at = time.perf_counter()  # type: ignore[attr-defined]
+
+    task = asyncio.ensure_future(pause())
+    task.started_at, task.paused_at = time.perf_counter(), None  # type: ignore[attr-defined]
+    return task
 
 
 @contextlib.asynccontextmanager

@@ -79,24 +79,90 @@ def build_manifest(model: torch.nn.Module, is_peft: bool = False, dtype: torch.d
     ]
 
 
+class TensorStream:
+    """`(name, tensor)` pairs, one at a time (an iterator: `next()` and `for` work), that can also be written into
+    preallocated views in one batched op (`copy_into`): a persistent flat buffer (`rlasync.weights.ipc`) is filled
+    with one `torch._foreach_copy_` instead of a cast and a copy per tensor."""
+
+    def __init__(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._pairs = pairs
+        self._started = False
+
+    def __iter__(self) -> TensorStream:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        self._started = True
+        return next(self._pairs)
+
+    def entries(self) -> list[ManifestEntry] | None:
+        """What `copy_into` writes, in order (None: no batched path); compared with the manifest first."""
+        return None
+
+    def copy_into(self, views: list[torch.Tensor]) -> bool:
+        """Write every tensor into `views` (stream order, shapes and dtypes of the manifest) in batched ops; False
+        (nothing written) when this stream has no batched path (already started, sharded parameters)."""
+        return False
+
+
+def foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """`targets[i].copy_(sources[i])` for all i, batched: one `torch._foreach_copy_` per (device, dtype) pair (it
+    casts; a multi-tensor kernel on CUDA instead of a launch per tensor)."""
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for target, source in zip(targets, sources, strict=True):
+        key = (target.device, target.dtype, source.device, source.dtype)
+        dst, src = groups.setdefault(key, ([], []))
+        dst.append(target)
+        src.append(source)
+    with torch.no_grad():
+        for dst, src in groups.values():
+            torch._foreach_copy_(dst, src)
+
+
+class ParameterStream(TensorStream):
+    """What `stream_parameters` returns: per-parameter full tensors, or (`copy_into`) a batched cast-and-copy of
+    every parameter into the given views when none is sharded."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str | None, is_peft: bool,
+                 dtype: torch.dtype | None) -> None:  # fmt: skip
+        self._model, self._device, self._is_peft, self._dtype = model, device, is_peft, dtype
+        super().__init__(self._generate())
+
+    def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in _sent_parameters(self._model, self._is_peft):
+            data = param.detach()
+            full_tensor = getattr(data, "full_tensor", None)
+            if full_tensor is not None:  # a DTensor (FSDP2 shard): gather the global tensor
+                data = full_tensor()
+            yield name, data.to(device=self._device, dtype=_wire_dtype(data.dtype, self._dtype))
+
+    def entries(self) -> list[ManifestEntry] | None:
+        return build_manifest(self._model, self._is_peft, self._dtype)
+
+    def copy_into(self, views: list[torch.Tensor]) -> bool:
+        params = [param.detach() for _, param in _sent_parameters(self._model, self._is_peft)]
+        if self._started or any(hasattr(p, "full_tensor") for p in params):
+            return False
+        if len(params) != len(views):
+            raise ValueError(f"weight stream has {len(params)} tensors, the buffer {len(views)}: they differ")
+        foreach_copy(views, params)
+        self._started = True
+        return True
+
+
 def stream_parameters(
     model: torch.nn.Module,
     device: torch.device | str | None = None,
     is_peft: bool = False,
     dtype: torch.dtype | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> ParameterStream:
     """Yield `(engine name, full tensor)` in manifest order (floating point ones cast to `dtype` when given); each
-    tensor is released when the generator advances.
+    tensor is released when the stream advances. `copy_into(views)` writes them all in one batched op instead.
 
     Every rank of a sharded model must iterate the stream (each `full_tensor()` is a collective); only the sending
     rank uses the values.
     """
-    for name, param in _sent_parameters(model, is_peft):
-        data = param.detach()
-        full_tensor = getattr(data, "full_tensor", None)
-        if full_tensor is not None:  # a DTensor (FSDP2 shard): gather the global tensor
-            data = full_tensor()
-        yield name, data.to(device=device, dtype=_wire_dtype(data.dtype, dtype))
+    return ParameterStream(model, device, is_peft, dtype)
 
 
 def bucket_manifest(manifest: list[ManifestEntry], bucket_bytes: int) -> list[list[ManifestEntry]]:

@@ -4,17 +4,18 @@ so that neither the actors nor the driver know which transport runs.
     plan, why_not_nccl = choose_transport(learner_info, engine_infos, cluster.weight_sync_backend, host=, port=,
                                           timeout_s=, bucket_bytes=, staging_bytes=)
     learner rank r:  sender = make_sender(plan, device, manifest=manifest, rank=r)
-                     ticket = sender.prepare(stream_parameters(model))   # IPC: gather + pack, handles out
+                     ticket = sender.prepare(stream_parameters(model))   # IPC: pack into persistent buckets, IpcTicket out
                      sender.send(stream_parameters(model))              # broadcast: gather + send
-                     sender.finish()                                    # IPC: drop the shared buckets
+                     sender.finish()                                    # (IPC: the buckets persist until close)
     engine k:        receiver = await make_receiver(plan, k, manifest, engine, device)
                      phases = await receiver.load_into(engine, ticket)  # while learner rank 0 sends
 
 Kinds (`TransportPlan.kind`):
   * "nccl": a broadcast group from learner rank 0's GPU into each engine's GPU (every rank on its own GPU);
   * "gloo": the same broadcast through the CPU (a GPU sender copies each bucket to the host);
-  * "ipc": no group; rank 0 packs the weights into buckets on its device and hands out handles
-    (`rlasync.weights.ipc`: CUDA IPC on a shared GPU, shared memory on the CPU) that travel as the ticket.
+  * "ipc": no group; rank 0 packs the weights into persistent buckets on its device (one batched copy) and hands
+    out their handles (`rlasync.weights.ipc`: CUDA IPC on a shared GPU, shared memory on the CPU) as the ticket;
+    an engine maps them once and replays one batched copy per sync (`rlasync.engine.weights.CopyPlan`).
 A broadcast receiver stages up to `staging_bytes` while its engine still generates (`load_while_pausing`); an
 engine with its own receiver (vLLM: its workers join the group and receive in place) gets `EngineNativeReceiver`.
 
@@ -177,8 +178,10 @@ class BroadcastSender:
 
 
 class IpcSender:
-    """Learner rank 0 without a group: `prepare` packs the weights into shareable buckets on its device and returns
-    their handles (the ticket); the buckets live until `finish`, once every engine has copied them."""
+    """Learner rank 0 without a group: `prepare` fills persistent shareable buckets on its device (allocated at the
+    first sync, reused by every later one: same handles, which each engine maps once) and returns an `IpcTicket`
+    once the copies are done; the buckets live until `close`. An engine copies out of them inside its sync call,
+    which returns only once its copies are done, so the next `prepare` never overwrites what is being read."""
 
     streams_in = "prepare"
 
@@ -186,23 +189,26 @@ class IpcSender:
         self.manifest, self.device, self.bucket_bytes = list(manifest), torch.device(device), plan.bucket_bytes
         self.shared: Any = None
 
-    def prepare(self, stream: NamedTensors) -> list[Any]:
-        from rlasync.weights.ipc import SharedWeights
+    def prepare(self, stream: NamedTensors) -> Any:
+        from rlasync.weights.ipc import IpcTicket, SharedWeights
 
-        self.finish()
-        self.shared = SharedWeights.pack(stream, self.manifest, self.device, self.bucket_bytes)
-        return self.shared.handles()
+        start = time.perf_counter()
+        if self.shared is None:
+            self.shared = SharedWeights.allocate(self.manifest, self.device, self.bucket_bytes)
+        self.shared.fill(stream, self.manifest)
+        self.shared.synchronize()  # the engines read these bytes from another process
+        return IpcTicket(self.shared.key, self.shared.handles(), time.perf_counter() - start)
 
     def send(self, stream: NamedTensors) -> None:
         pass
 
     def finish(self) -> None:
+        pass  # the buckets persist: the next sync refills them
+
+    def close(self) -> None:
         if self.shared is not None:
             self.shared.release()
             self.shared = None
-
-    def close(self) -> None:
-        self.finish()
 
 
 class GatherOnlySender:
@@ -288,20 +294,37 @@ class BroadcastReceiver:
 
 
 class IpcReceiver:
-    """Maps learner rank 0's shared buckets (the ticket: their handles) and copies them in while paused."""
+    """Maps learner rank 0's persistent buckets (the ticket's handles; once per bucket set, cached by its key),
+    then pauses, loads (the engine may replay a copy plan cached for that key: one batched copy) and resumes.
+    Pausing may start earlier (`begin`, while the learner packs): the step in flight drains meanwhile."""
+
+    pauses_early = True
 
     def __init__(self, manifest: Sequence[ManifestEntry]) -> None:
         self.manifest = list(manifest)
+        self.mapped: Any = None
 
-    async def load_into(self, engine: Any, ticket: Any) -> dict[str, float]:
-        from rlasync.weights.ipc import open_shared
+    def stage(self, ticket: Any) -> Any:
+        """The ticket's buckets as `MappedWeights` (mapped again only when the buckets changed)."""
+        from rlasync.weights.ipc import IpcTicket, MappedWeights
 
         if ticket is None:
             raise RuntimeError("an ipc weight sync needs learner rank 0's handles as its ticket")
-        return await load_while_pausing(engine, open_shared(ticket), 0)
+        if not isinstance(ticket, IpcTicket):  # bare handles (one-off buckets): mapped for this sync only
+            return MappedWeights("", ticket)
+        if self.mapped is None or self.mapped.key != ticket.key:
+            self.mapped = MappedWeights(ticket.key, ticket.handles)
+        return self.mapped
+
+    async def load_into(self, engine: Any, ticket: Any, pausing: Any = None) -> dict[str, float]:
+        start = time.perf_counter()
+        mapped = self.stage(ticket)
+        staged = time.perf_counter()
+        phases = await load_while_pausing(engine, iter(()), 0, load=mapped, pausing=pausing)
+        return {**phases, "stage_s": staged - start, "pack_s": float(getattr(ticket, "pack_s", 0.0))}
 
     def close(self) -> None:
-        pass
+        self.mapped = None
 
 
 class EngineNativeReceiver:

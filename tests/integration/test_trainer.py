@@ -265,6 +265,13 @@ def test_weights_shared_by_handle_reach_the_engine(ray_cluster, tiny_model_dir, 
     gaps = [r["sampling/sampling_logp_difference/max"] for r in records if "sampling/sampling_logp_difference/max" in r]
     assert len(gaps) == 2 and max(gaps) < 1e-3, gaps
     assert all("perf/weight_sync_transfer_s" in r for r in records)
+    for record in records:  # the phases account for the whole sync (IPC: the pause overlaps the pack)
+        parts = ("barrier", "pause", "transfer", "resume", "stage", "calls", "finish")
+        total = sum(record[f"perf/weight_sync_{part}_s"] for part in parts)
+        pause_overlap = min(record["perf/weight_sync_pause_s"], record["perf/weight_sync_barrier_s"])
+        assert total - pause_overlap <= record["perf/weight_sync_s"] * 1.05 + 2e-3, record
+        assert total >= record["perf/weight_sync_s"] * 0.9, record
+        assert 0 <= record["perf/weight_sync_pack_s"] <= record["perf/weight_sync_barrier_s"]
     if Path("/dev/shm").is_dir():
         assert set(Path("/dev/shm").glob("rlasync-weights-*")) == before
     assert alive(ray_cluster, trainer.actor_ids) == []

@@ -342,3 +342,35 @@ def test_cluster_config_engine_fields():
         ClusterConfig(engine="vllm_server", vllm_server_url="10.0.0.5:8000")
     with pytest.raises(ValueError, match="set cluster.engine='vllm_server'"):
         ClusterConfig(vllm_server_url="http://10.0.0.5:8000")
+
+
+def test_an_ipc_sync_is_one_rpc_the_worker_maps_once_and_replays():
+    """Persistent buckets (`MappedWeights`): one `load_flat_ipc` rpc per sync carrying the handles; the worker maps
+    them once, records its model's `load_weights` copies at the first sync and replays them after (same weights)."""
+    from rlasync.weights.ipc import MappedWeights, SharedWeights
+    from rlasync.weights.plan import ManifestEntry
+
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in WEIGHTS.items()]
+    shared = SharedWeights.pack(WEIGHTS.items(), manifest, "cpu")
+    engine = FakeVLLMEngine("m", dtype=None, max_model_len=96, gpu_memory_utilization=0.3)
+    llm, model = engine._llm, engine._llm.worker.model_runner.model
+    versions = [WEIGHTS, {"a": -WEIGHTS["a"], "b": WEIGHTS["b"] * 2}, {"a": WEIGHTS["a"] + 1, "b": -WEIGHTS["b"]}]
+
+    async def go():
+        hows = []
+        for weights in versions:
+            shared.fill(weights.items(), manifest)
+            await engine.pause()
+            hows.append((await engine.load_weights(MappedWeights(shared.key, shared.handles())))["how"])
+            await engine.resume()
+            assert torch.equal(model.a, weights["a"]) and torch.equal(model.b, weights["b"])
+        return hows
+
+    assert run(go()) == ["recorded", "replayed", "replayed"]
+    assert [c[1] for c in llm.calls if c[0] == "rpc"] == ["load_flat_ipc"] * 3
+    assert len(model.seen) == 2  # the model's own loader ran once (the recorded sync)
+    worker_pairs = llm.worker._rlasync_flat.pairs
+    run(engine.pause())
+    run(engine.load_weights(MappedWeights(shared.key, shared.handles())))
+    assert llm.worker._rlasync_flat.pairs is worker_pairs  # mapped once
+    shared.release()

@@ -157,8 +157,8 @@ def sync_once(sender, receiver, engine, learner):
     return phases
 
 
-def check_phases(phases):
-    assert set(phases) == {"pause_s", "load_s", "resume_s", "total_s"}
+def check_phases(phases, extra=frozenset()):
+    assert set(phases) == {"pause_s", "load_s", "resume_s", "total_s", *extra}
     assert all(value >= 0 for value in phases.values())
 
 
@@ -187,7 +187,7 @@ def test_gloo_broadcast_between_two_threads_loads_the_learners_weights(staging_b
         receiver.close()
 
 
-def test_ipc_on_the_cpu_shares_buckets_through_shared_memory_until_finish():
+def test_ipc_on_the_cpu_reuses_persistent_buckets_mapped_once_until_close():
     from pathlib import Path
 
     learner, engine = tiny_model(0), FakeEngine()
@@ -197,12 +197,24 @@ def test_ipc_on_the_cpu_shares_buckets_through_shared_memory_until_finish():
     receiver = asyncio.run(make_receiver(plan, 1, manifest, SelfReceiving(), "cpu"))  # ipc wins over in-place
     assert isinstance(sender, IpcSender) and isinstance(receiver, IpcReceiver)
     ticket = sender.prepare(stream_parameters(learner))
-    files = [Path(handle[1]) for _, handle in ticket]
-    assert len(files) > 1 and all(path.exists() for path in files)
+    files = [Path(handle[1]) for _, handle in ticket.handles]
+    assert len(files) > 1 and all(path.exists() for path in files) and ticket.pack_s >= 0
     sender.send(stream_parameters(learner))  # nothing left to send: the engines copy from the buckets
-    check_phases(asyncio.run(receiver.load_into(engine, ticket)))
+    phases = asyncio.run(receiver.load_into(engine, ticket))
+    check_phases(phases, extra={"stage_s", "pack_s"})
     assert same_weights(learner, engine.model) and engine.events == ["pause", "load", "resume"]
     sender.finish()
+    assert all(path.exists() for path in files)  # persistent: the next sync refills them
+    mapped = receiver.mapped
+    with torch.no_grad():  # a new policy version: same buckets, same handles, new contents
+        for param in learner.parameters():
+            param.mul_(-2.0)
+    second = sender.prepare(stream_parameters(learner))
+    assert second.key == ticket.key and second.handles == ticket.handles
+    asyncio.run(receiver.load_into(engine, second))
+    assert receiver.mapped is mapped  # mapped once
+    assert same_weights(learner, engine.model)
+    sender.close()
     assert not any(path.exists() for path in files)
     with pytest.raises(RuntimeError, match="handles"):
         asyncio.run(receiver.load_into(engine, None))
