@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlasync.weights.plan import ManifestEntry, transfer_name
+from rlasync.weights.plan import ManifestEntry, TensorStream, foreach_copy, transfer_name
 
 LoraSync = Literal["adapter", "merged"]
 LORA_SYNCS: tuple[str, ...] = ("adapter", "merged")
@@ -169,16 +169,51 @@ def adapter_manifest(model: torch.nn.Module, dtype: torch.dtype | None = None) -
     return entries
 
 
+class AdapterStream(TensorStream):
+    """What `adapter_stream` returns: the pairs one at a time, or (`copy_into`, unsharded adapters) every A and
+    s * B written into preallocated views in a few multi-tensor ops (an s * B is computed in float32 and rounded
+    once, as the one-at-a-time path does)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device | str | None) -> None:
+        self._model, self._dtype, self._device = model, dtype, device
+        super().__init__(self._generate())
+
+    def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, layer in lora_layers(self._model):
+            reference = layer.lora_A[_adapter_of(layer)].weight.dtype
+            a, b = _pair(layer)
+            target = transfer_name(name)
+            yield target + LORA_A, _cast(a, self._dtype, reference).to(self._device)
+            yield target + LORA_B, _cast(b, self._dtype, reference).to(self._device)
+
+    def entries(self) -> list[ManifestEntry] | None:
+        return adapter_manifest(self._model, self._dtype)
+
+    def copy_into(self, views: list[torch.Tensor]) -> bool:
+        layers = [layer for _, layer in lora_layers(self._model)]
+        a_list, b_list, scales = [], [], []
+        for layer in layers:
+            adapter = _adapter_of(layer)
+            a_list.append(layer.lora_A[adapter].weight.detach())
+            b_list.append(layer.lora_B[adapter].weight.detach())
+            scales.append(float(layer.scaling[adapter]))
+        if self._started or any(hasattr(t, "full_tensor") for t in a_list + b_list):
+            return False
+        if len(views) != 2 * len(layers):
+            raise ValueError(f"adapter stream has {2 * len(layers)} tensors, the buffer {len(views)}: they differ")
+        with torch.no_grad():
+            scaled = torch._foreach_mul([b.float() if b.dtype != torch.float32 else b for b in b_list], scales)
+        foreach_copy(list(views[0::2]) + list(views[1::2]), a_list + list(scaled))
+        self._started = True
+        return True
+
+
 def adapter_stream(model: torch.nn.Module, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+                   device: torch.device | str | None = None) -> AdapterStream:  # fmt: skip
     """`(engine module name + ".lora_A.weight", A)`, `(... ".lora_B.weight", s * B)` per LoRA module, in manifest
-    order; every rank of a sharded model iterates it (each gather is a collective)."""
-    for name, layer in lora_layers(model):
-        reference = layer.lora_A[_adapter_of(layer)].weight.dtype
-        a, b = _pair(layer)
-        target = transfer_name(name)
-        yield target + LORA_A, _cast(a, dtype, reference).to(device)
-        yield target + LORA_B, _cast(b, dtype, reference).to(device)
+    order; every rank of a sharded model iterates it (each gather is a collective). `copy_into(views)` writes them
+    all in a few batched ops instead (an unsharded adapter: one process)."""
+    return AdapterStream(model, dtype, device)
 
 
 def _merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, Any]]:

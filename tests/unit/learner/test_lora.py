@@ -262,3 +262,30 @@ def test_written_adapter_loads_with_peft_and_equals_the_folded_pairs(model_dir, 
         torch.testing.assert_close(reference_logprobs(loaded, ids), reference_logprobs(learner.peft_model, ids),
                                    atol=1e-5, rtol=0)  # fmt: skip
     assert adapter_manifest(learner.model) == learner.weight_manifest()
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+def test_the_batched_adapter_copy_writes_what_the_one_at_a_time_stream_sends(model_dir, wire):
+    """`adapter_stream(...).copy_into(views)` (the persistent IPC buckets' batched fill) equals the pairs the stream
+    yields one at a time, bit for bit: A, and s * B computed in float32 then rounded once to the wire dtype."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlasync.weights.adapter import adapter_stream
+    from rlasync.weights.ipc import SharedWeights
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora(lora_alpha=12)).base_model.model
+    manifest = adapter_manifest(model, dtype=wire)
+    expected = list(adapter_stream(model, dtype=wire))
+    assert [name for name, _ in expected] == [entry.name for entry in manifest]
+    shared = SharedWeights.allocate(manifest, "cpu")
+    try:
+        stream = adapter_stream(model, dtype=wire)
+        assert stream.entries() == manifest and stream.copy_into(shared.views())
+        for (name, tensor), view in zip(expected, shared.views()):
+            assert view.dtype == tensor.dtype and torch.equal(view, tensor), name
+        started = adapter_stream(model, dtype=wire)
+        next(started)
+        assert not started.copy_into(shared.views())  # a started stream has no batched path
+    finally:
+        shared.release()
