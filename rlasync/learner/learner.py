@@ -169,7 +169,8 @@ class Learner:
         except _compile_errors() as exc:
             if not self.settings.torch_compile or not uncompile_decoder_layers(self.model):
                 raise
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            first_line = " ".join(lines[:2])[:300]  # e.g. "backend='inductor' raised: RuntimeError: ..."
             logger.warning("torch_compile: compiling the decoder layers failed (%s: %s); training with eager "
                            "layers from now on", type(exc).__name__, first_line)  # fmt: skip
             self.optimizer.zero_grad(set_to_none=True)
