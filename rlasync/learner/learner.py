@@ -59,6 +59,7 @@ class Learner:
         from rlasync.model import load_model, prepare_for_training
         from rlasync.model.checkpointing import plan_for_model
         from rlasync.model.loading import model_init_options
+        from rlasync.model.row_shapes import padded_length
 
         if world_size > 1 and reducer is None:
             raise ValueError(f"a Learner of {world_size} ranks needs a reducer over the training group (GroupReducer)")
@@ -74,7 +75,8 @@ class Learner:
                                 device=self.device, **init_kwargs)  # fmt: skip
         self.mixed = on_gpu and settings.bf16 and dtype == "float32"
         self.checkpoint_plan = plan_for_model(
-            self.model, settings.gradient_checkpointing_layers, device=self.device, tokens=settings.token_budget,
+            self.model, settings.gradient_checkpointing_layers, device=self.device,
+            tokens=padded_length(settings.token_budget, settings.row_bucket) if settings.token_budget > 0 else 0,
             enabled=settings.gradient_checkpointing, autocast=self.mixed and world_size == 1, world_size=world_size,
         )  # fmt: skip
         if rank == 0:
