@@ -41,16 +41,17 @@ class CheckpointPlan:
     layers: tuple[int, ...]  # checkpointed layer indices, ascending
     reason: str  # "all" / "count" (the user's choice), "memory", "cpu", "disabled"
     tokens: int = 0  # the row token budget planned for
-    estimate_bytes: int = 0  # activations of one row under this plan (0: not estimated)
-    available_bytes: int = 0  # memory left for activations (0: not estimated)
+    estimate_bytes: int = 0  # activations of one row under this plan (reason "memory" only)
+    available_bytes: int = 0  # memory left for activations, negative when the training state alone overflows
 
     @property
     def fits(self) -> bool:
-        return self.available_bytes <= 0 or self.estimate_bytes <= self.available_bytes
+        """Whether the estimate fits (True where nothing was estimated: the user chose the layers)."""
+        return self.reason != "memory" or self.estimate_bytes <= self.available_bytes
 
     def describe(self) -> str:
         text = f"activation checkpointing on {len(self.layers)} of {self.num_layers} decoder layers ({self.reason})"
-        if self.estimate_bytes and self.available_bytes:
+        if self.reason == "memory":
             text += (f": {self.tokens}-token rows need ~{self.estimate_bytes / 2**30:.1f} GiB of activations, "
                      f"{self.available_bytes / 2**30:.1f} GiB available")  # fmt: skip
             if not self.fits:
@@ -95,9 +96,7 @@ def plan_checkpointing(
     else:  # estimate(k) = L*full - k*(full - saved) + full for k >= 1
         count = math.ceil((num_layers * full + full - available_bytes) / (full - saved))
         count = max(1, min(num_layers, count))
-    return CheckpointPlan(
-        num_layers, spread(count, num_layers), "memory", tokens, int(estimate(count)), int(max(available_bytes, 0))
-    )
+    return CheckpointPlan(num_layers, spread(count, num_layers), "memory", tokens, int(estimate(count)), int(available_bytes))
 
 
 def activation_bytes_per_token(
@@ -188,8 +187,10 @@ def plan_for_model(
         return CheckpointPlan(num_layers, spread(choice, num_layers), "count")
     if choice != "auto":
         raise ValueError(f"gradient_checkpointing_layers={choice!r}: use 'auto', 'all' or a number of layers")
-    if device.type != "cuda" or tokens <= 0:
-        return CheckpointPlan(num_layers, tuple(range(num_layers)), "cpu" if device.type != "cuda" else "all")
+    if device.type != "cuda":
+        return CheckpointPlan(num_layers, tuple(range(num_layers)), "cpu")
+    if tokens <= 0:  # fixed-count rows: their size is not known before the step
+        return CheckpointPlan(num_layers, tuple(range(num_layers)), "no token_budget")
     weight_bytes = next(model.parameters()).element_size()
     compute_bytes = 2 if autocast else weight_bytes
     full, saved = activation_bytes_per_token(model.config, compute_bytes, weight_bytes)

@@ -56,6 +56,12 @@ def test_fixed_bytes_per_layer_count_for_uncheckpointed_layers_only():
     assert without.layers == () and len(with_fixed.layers) > 0
 
 
+def test_a_training_state_larger_than_the_device_checkpoints_everything_and_does_not_fit():
+    plan = plan_checkpointing(4, 100, 10.0, 1.0, available_bytes=-5 * GIB)
+    assert plan.layers == (0, 1, 2, 3) and not plan.fits and "-5.0 GiB available" in plan.describe()
+    assert CheckpointPlan(4, (0,), "count").fits
+
+
 def test_checkpointing_that_saves_nothing_is_not_planned():
     assert plan_checkpointing(4, 100, 1.0, 1.0, available_bytes=0).layers == ()
 
@@ -86,12 +92,12 @@ def test_the_plan_for_a_qwen3_06b_shape_on_an_h200_checkpoints_nothing_at_8k_row
 # ---- the estimate against what autograd saves ----------------------------------------------------------------------
 
 
-def _tiny(family, dtype=torch.float32):
+def _tiny(family, dtype=torch.float32, num_layers=2):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     register_tree_attention()
     cls = Qwen3Config if family == "qwen3" else LlamaConfig
-    config = cls(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+    config = cls(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=num_layers, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="rlasync_tree", dtype=dtype)
@@ -207,3 +213,29 @@ def test_compiled_layers_with_a_partial_plan_and_padded_rows_match_eager(make_mo
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4  # 2 checkpointing variants x 2 shapes at most
     assert uncompile_decoder_layers(compiled) == 2 and compiled_layer_count(compiled) == 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_auto_on_a_gpu_plans_by_the_memory_it_reports(monkeypatch, autocast):
+    """The CUDA branch of "auto" with the device's memory faked: a roomy device checkpoints nothing, a tight one
+    some layers, one already full of another process' memory every layer."""
+    model = _tiny("llama", num_layers=6)
+    cuda = torch.device("cuda")
+    state = training_state_bytes(model)
+    full, saved = activation_bytes_per_token(model.config, 2 if autocast else 4, 4)
+    fixed = 2 * sum(p.numel() for p in model.model.layers[0].parameters()) if autocast else 0
+    one_layer = 512 * full + fixed
+
+    def fake(free, total):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+        return plan_for_model(model, "auto", device=cuda, tokens=512, autocast=autocast)
+
+    roomy = fake(free=100 * GIB, total=100 * GIB)
+    assert roomy.layers == () and roomy.fits and roomy.reason == "memory"
+    tight_total = (state + 4.5 * one_layer) / 0.85  # room for 4.5 of 6 layers' activations: 3 checkpointed
+    tight = fake(free=tight_total, total=tight_total)
+    assert tight.layers == (1, 3, 5) and tight.fits
+    shared = fake(free=state, total=100 * GIB)  # a colocated process holds the rest
+    assert shared.layers == tuple(range(6)) and not shared.fits
+    assert plan_for_model(model, "auto", device=cuda, tokens=0).reason == "no token_budget"
