@@ -226,6 +226,10 @@ class TrainerConfig(TrainingArgumentsFields):
     gradient_checkpointing: bool = True
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Only `use_reentrant` (default False: non-reentrant checkpointing) is supported."""
+    gradient_checkpointing_layers: str | int = "auto"
+    """rlasync: which decoder layers `gradient_checkpointing` covers: "auto" (on a GPU the fewest layers whose
+    activations fit its memory at `token_budget`-token rows, spread evenly; every layer on the CPU), "all", or a
+    number of layers, spread evenly (docs/algorithms.md §5.5)."""
     ignore_data_skip: bool = True
     """Forced True: resume continues at the first untrained prompt, not by skipping batches."""
     use_liger_kernel: bool = False
@@ -333,6 +337,9 @@ class TrainerConfig(TrainingArgumentsFields):
                 f"gradient_checkpointing_kwargs: {unknown_gc} not supported; only "
                 f"{list(GRADIENT_CHECKPOINTING_KWARGS)} (e.g. {{'use_reentrant': False}})"
             )
+        self.gradient_checkpointing_layers = check_checkpointing_layers(
+            self.gradient_checkpointing_layers, self.gradient_checkpointing
+        )
         for name in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps"):
             _at_least(self, name, 0.0)
         if self.max_steps == 0 or self.max_steps < -1:
@@ -419,6 +426,24 @@ class TrainerConfig(TrainingArgumentsFields):
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_checkpointing_layers(value: Any, enabled: bool = True) -> str | int:
+    """`gradient_checkpointing_layers` normalised ("auto", "all" or a layer count >= 0; "4" from a command line
+    becomes 4), or a `ValueError` naming the field."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value not in ("auto", "all") and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(
+            f"gradient_checkpointing_layers={value!r}: use 'auto' (by memory on a GPU), 'all', or a number of decoder "
+            "layers to checkpoint (0 or more, spread evenly)"
+        )
+    if not enabled and value != "auto":
+        raise ValueError(
+            f"gradient_checkpointing_layers={value!r} needs gradient_checkpointing=True (it is False: no layer is "
+            "checkpointed); set gradient_checkpointing=True or leave gradient_checkpointing_layers='auto'"
+        )
+    return value
 
 
 def _parse_json_dict(name: str, value: Any) -> dict[str, Any] | None:

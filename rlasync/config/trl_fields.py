@@ -5,7 +5,9 @@ rlasync has no use for: each is accepted with TRL's default (so that a TRL confi
 - honoured where it is cheap: `save_strategy` ("steps", or "no": no periodic checkpoints, the final one is still
   written), `logging_first_step`, `push_to_hub` / `hub_model_id` (`trainer.push_to_hub()` at the end, offline: a
   local folder), `resume_from_checkpoint` (`train()`'s default), `log_level` (the `rlasync` loggers), `do_train`
-  (transformers' Trainer does not read it either), `disable_tqdm` (read by the console progress callbacks);
+  (transformers' Trainer does not read it either), `disable_tqdm` (read by the console progress callbacks),
+  `torch_compile` / `torch_compile_backend` / `torch_compile_mode` (the learner compiles each decoder layer;
+  setting a backend or mode turns `torch_compile` on, as in transformers);
 - refused: any other value than the default raises `ValueError` at config time, naming the field, saying that it
   is not supported and what to use instead (`UNSUPPORTED`).
 
@@ -95,9 +97,6 @@ UNSUPPORTED: dict[str, str] = {
     "save_only_model": "checkpoints always hold the optimizer and rollout state (needed to resume)",
     "skip_memory_metrics": "memory metrics are not collected; leave it True",
     "tf32": "TF32 matmuls cannot be switched from the config (the learner is another process); use bf16=True",
-    "torch_compile": "not supported from the config; the benchmarks compile layers with bench/tree_packing.py --compile",
-    "torch_compile_backend": "not supported from the config (see torch_compile)",
-    "torch_compile_mode": "not supported from the config (see torch_compile)",
     "torch_empty_cache_steps": "not supported; the learner frees its step buffers itself",
     "trackio_bucket_id": "trackio is not supported; use report_to='tensorboard' or 'wandb'",
     "trackio_space_id": "trackio is not supported; use report_to='tensorboard' or 'wandb'",
@@ -109,6 +108,8 @@ UNSUPPORTED: dict[str, str] = {
 
 LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 SAVE_STRATEGIES = ("steps", "no")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""`torch_compile_mode` values (`torch.compile`'s modes; rlasync.model.loading.COMPILE_MODES)."""
 
 
 @dataclass
@@ -128,6 +129,14 @@ class TrainingArgumentsFields:
     hub_model_id: str | None = None
     """`push_to_hub`'s target: a local path, or a hub id (written under `<output_dir>/hub/<hub_model_id>`)."""
     resume_from_checkpoint: str | None = None
+    torch_compile: bool = False
+    """Compile each decoder layer of the learner (regional `torch.compile`; a compile failure falls back to eager
+    layers with one warning). Off by default, as in TRL: the first steps then pay the compile time."""
+    torch_compile_backend: str | None = None
+    """`torch.compile`'s backend (None: inductor); setting it turns `torch_compile` on."""
+    torch_compile_mode: str | None = None
+    """`torch.compile`'s mode ("reduce-overhead": CUDA graphs over the compiled layers); setting it turns
+    `torch_compile` on."""
     """`train()`'s default `resume_from_checkpoint`."""
     log_level: str = "passive"
     """Level of the `rlasync` loggers ("passive": leave them as they are)."""
@@ -204,9 +213,6 @@ class TrainingArgumentsFields:
     save_only_model: bool = False
     skip_memory_metrics: bool = True
     tf32: bool | None = None
-    torch_compile: bool = False
-    torch_compile_backend: str | None = None
-    torch_compile_mode: str | None = None
     torch_empty_cache_steps: int | None = None
     trackio_bucket_id: str | None = None
     trackio_space_id: str | None = None
@@ -238,6 +244,12 @@ def check_training_arguments(config: Any) -> None:
         if value == defaults[name] or _unset(value, defaults[name]):
             continue
         raise ValueError(f"{name}={value!r} is not supported by rlasync: {fix} (default {defaults[name]!r})")
+    if config.torch_compile_mode not in COMPILE_MODES:
+        raise ValueError(
+            f"torch_compile_mode={config.torch_compile_mode!r}: use one of {', '.join(map(str, COMPILE_MODES))}"
+        )
+    if config.torch_compile_backend is not None or config.torch_compile_mode is not None:
+        config.torch_compile = True  # transformers' rule: a backend or mode asks for compilation
     config.save_strategy = _enum_value(config.save_strategy)
     if config.save_strategy not in SAVE_STRATEGIES:
         raise ValueError(

@@ -57,7 +57,9 @@ class Learner:
                  device: torch.device | str = "cpu", reducer: Reducer | None = None,
                  resume_dir: str | None = None) -> None:  # fmt: skip
         from rlasync.model import load_model, prepare_for_training
+        from rlasync.model.checkpointing import plan_for_model
         from rlasync.model.loading import model_init_options
+        from rlasync.model.row_shapes import padded_length
 
         if world_size > 1 and reducer is None:
             raise ValueError(f"a Learner of {world_size} ranks needs a reducer over the training group (GroupReducer)")
@@ -71,12 +73,21 @@ class Learner:
         path = resume_dir or model_path
         self.model = load_model(adapter_base(path) if settings.peft_config else path, dtype=dtype,
                                 device=self.device, **init_kwargs)  # fmt: skip
+        self.mixed = on_gpu and settings.bf16 and dtype == "float32"
+        self.checkpoint_plan = plan_for_model(
+            self.model, settings.gradient_checkpointing_layers, device=self.device,
+            tokens=padded_length(settings.token_budget, settings.row_bucket) if settings.token_budget > 0 else 0,
+            enabled=settings.gradient_checkpointing, autocast=self.mixed and world_size == 1, world_size=world_size,
+        )  # fmt: skip
+        if rank == 0:
+            logger.info("%s", self.checkpoint_plan.describe())
         prepare_for_training(self.model, gradient_checkpointing=settings.gradient_checkpointing,
-                             use_reentrant=settings.use_reentrant)
+                             use_reentrant=settings.use_reentrant, checkpoint_layers=self.checkpoint_plan.layers,
+                             compile="layers" if settings.torch_compile else False,
+                             compile_backend=settings.torch_compile_backend, compile_mode=settings.torch_compile_mode)  # fmt: skip
         if settings.peft_config is not None:
             self.peft_model = wrap_with_lora(self.model, settings.peft_config, adapter_dir=path)
             self.model = self.peft_model.base_model.model  # LoRA layers in place: tree attention and FSDP2 unchanged
-        self.mixed = on_gpu and settings.bf16 and dtype == "float32"
         if on_gpu and settings.fp16:
             logger.warning("fp16=True: fp16 mixed precision is not implemented; training in %s (use bf16=True)", dtype)
         self.wire_dtype = torch.bfloat16 if self.mixed else None  # what floating point weights travel to engines as
@@ -108,6 +119,8 @@ class Learner:
 
     def info(self) -> dict[str, Any]:
         """What the set-up reports (the driver logs it)."""
+        from rlasync.model.loading import compiled_layer_count
+
         return {
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "trainable_parameters": trainable_parameters(self.model),
@@ -115,6 +128,9 @@ class Learner:
             "device": str(self.device),
             "sharded": self.world_size > 1,
             "mixed_precision": "bf16 compute, float32 master weights" if self.mixed else None,
+            "checkpointed_layers": f"{len(self.checkpoint_plan.layers)}/{self.checkpoint_plan.num_layers}",
+            "compiled_layers": compiled_layer_count(self.model),
+            "row_bucket": self.settings.row_bucket,
         }
 
     def _clip(self, max_norm: float) -> torch.Tensor:
@@ -131,7 +147,7 @@ class Learner:
         started = time.perf_counter()
         rows = self.objective.rows(self.objective.plan(samples), self.device, self.pad_id)
         packed_at = time.perf_counter()
-        metrics = self.objective.step(rows)
+        metrics = self._step(rows)
         metrics["perf/fetch_samples_s"] = fetch_s  # the step's samples out of the object store
         metrics["perf/pack_s"] = packed_at - started  # planning and packing the micro-batches
         metrics["batch/forwarded_tokens_per_step"] = float(rows.forwarded_tokens)
@@ -143,6 +159,24 @@ class Learner:
         if fwd_bwd > 0:
             items.append(("perf/forwarded_tok_s_fwd_bwd", (float(reduced["batch/forwarded_tokens_per_step"]), fwd_bwd)))  # type: ignore[arg-type]
         return items if self.rank == 0 else []
+
+    def _step(self, rows: Any) -> dict[str, Any]:
+        """The objective's step; when a compiled decoder layer fails to compile, the layers go back to eager (one
+        warning) and the step runs again from zeroed gradients (no optimizer step had happened)."""
+        from rlasync.model.attention import _compile_errors
+        from rlasync.model.loading import uncompile_decoder_layers
+
+        try:
+            return self.objective.step(rows)
+        except _compile_errors() as exc:
+            if not self.settings.torch_compile or not uncompile_decoder_layers(self.model):
+                raise
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            first_line = " ".join(lines[:2])[:300]  # e.g. "backend='inductor' raised: RuntimeError: ..."
+            logger.warning("torch_compile: compiling the decoder layers failed (%s: %s); training with eager "
+                           "layers from now on", type(exc).__name__, first_line)  # fmt: skip
+            self.optimizer.zero_grad(set_to_none=True)
+            return self.objective.step(rows)
 
     # ---- weights and checkpoints -------------------------------------------------------------------------------
 

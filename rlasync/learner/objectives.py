@@ -102,7 +102,7 @@ class GrpoObjective(Objective):
         self.step_core = LearnerStep(
             parts.scorer, parts.optimizer, parts.scheduler, settings.loss, temperature=settings.temperature,
             max_grad_norm=settings.max_grad_norm, num_ranks=self.world_size, device=parts.device,
-            clip_grad_norm=parts.clip_grad_norm, autocast_dtype=parts.autocast_dtype,
+            clip_grad_norm=parts.clip_grad_norm, autocast_dtype=parts.autocast_dtype, row_bucket=settings.row_bucket,
         )  # fmt: skip
 
     def plan(self, samples: Sequence[Any]) -> list[Any]:

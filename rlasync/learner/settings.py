@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rlasync.config.base import TrainerConfig
+from rlasync.config.base import TrainerConfig, check_checkpointing_layers
 from rlasync.learner.step import OptimizerSettings
 from rlasync.losses import DistillLossConfig, LossConfig
 
@@ -33,7 +33,12 @@ class LearnerSettings:
     model_init_kwargs: dict[str, Any] | str | None = None
     trust_remote_code: bool = False
     gradient_checkpointing: bool = True
+    gradient_checkpointing_layers: str | int = "auto"  # "auto" (by memory on CUDA), "all" or a layer count
     use_reentrant: bool = False
+    torch_compile: bool = False  # each decoder layer compiled (regional); a failure falls back to eager, once
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
+    row_bucket: int = 0  # > 0: pad each row's unique tokens to a multiple of it (static shapes); 0: no padding
     bf16: bool = False
     fp16: bool = False
     seed: int = 42
@@ -53,6 +58,10 @@ class LearnerSettings:
 
         check_peft_config(self.peft_config)
         check_lora_sync(self.lora_sync)
+        object.__setattr__(self, "gradient_checkpointing_layers", check_checkpointing_layers(
+            self.gradient_checkpointing_layers, self.gradient_checkpointing))  # fmt: skip
+        if self.row_bucket < 0:
+            raise ValueError(f"row_bucket={self.row_bucket}: use 0 (no padding) or a positive multiple of tokens")
 
     @classmethod
     def from_config(
@@ -77,11 +86,17 @@ class LearnerSettings:
             optimizer = dataclasses.replace(optimizer, **optimizer_overrides)
         loss: LossConfig | DistillLossConfig
         loss = LossConfig.from_config(config) if objective == "grpo" else DistillLossConfig.from_config(config)  # type: ignore[arg-type]
+        compiled = bool(config.torch_compile)
+        from rlasync.model.row_shapes import row_bucket  # compiled layers see few row shapes (docs/algorithms.md §5.5)
+
         return cls(
             objective=objective, token_budget=int(token_budget), optimizer=optimizer, loss=loss,
             teacher_ids=tuple(teacher_ids or ["default"]), dtype=config.dtype,
             model_init_kwargs=config.model_init_kwargs, trust_remote_code=config.trust_remote_code,
             gradient_checkpointing=config.gradient_checkpointing, use_reentrant=config.use_reentrant,
+            gradient_checkpointing_layers=config.gradient_checkpointing_layers, torch_compile=compiled,
+            torch_compile_backend=config.torch_compile_backend, torch_compile_mode=config.torch_compile_mode,
+            row_bucket=row_bucket(int(token_budget)) if compiled and objective == "grpo" else 0,
             bf16=bool(config.bf16), fp16=bool(config.fp16),
             seed=config.seed, per_device_train_batch_size=config.per_device_train_batch_size,
             temperature=config.temperature, max_grad_norm=config.max_grad_norm, peft_config=peft_config,

@@ -28,6 +28,7 @@ from rlasync.config.base import TrainerConfig
 from rlasync.losses import LossConfig, grpo_loss
 from rlasync.metrics import MetricSink, MetricValue, reduce_values
 from rlasync.model import packed_row_to_tensors, packed_token_scores
+from rlasync.model.row_shapes import pad_row_tensors, padded_length
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}  # one place for the defaults
 
@@ -67,7 +68,6 @@ class OptimizerSettings:
             warmup_steps=config.warmup_steps, max_steps=config.max_steps, optim=config.optim,
             optim_args=config.optimizer_kwargs() or None,
         )  # fmt: skip
-
 
 
 def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> tuple[torch.optim.Optimizer, Any]:
@@ -145,8 +145,10 @@ class LearnerStep:
         device: torch.device | str = "cpu",
         clip_grad_norm: Callable[[float], torch.Tensor] | None = None,
         autocast_dtype: torch.dtype | None = None,
+        row_bucket: int = 0,
     ) -> None:
         self.model = model
+        self.row_bucket = row_bucket  # > 0: unique tokens padded to a multiple (static shapes, invisible padding)
         self.autocast_dtype = autocast_dtype  # mixed precision: float32 master weights, forward/backward in this
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -196,6 +198,8 @@ class LearnerStep:
 
     def _loss(self, row: Any, global_terms: float, grad_accum_steps: int) -> tuple[torch.Tensor, dict]:
         tensors = packed_row_to_tensors(row, self.device)
+        if self.row_bucket > 0:  # compiled layers see few shapes; the padding is invisible (docs/algorithms.md §5.5)
+            tensors = pad_row_tensors(tensors, padded_length(tensors.num_tokens, self.row_bucket))
         dtype = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             scores = packed_token_scores(self.model, tensors, temperature=self.temperature)

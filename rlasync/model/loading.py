@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -84,15 +85,19 @@ def prepare_for_training(
     gradient_checkpointing: bool = True,
     compile: bool | Literal["layers", "decoder"] = False,
     use_reentrant: bool = False,
+    checkpoint_layers: Sequence[int] | None = None,
+    compile_backend: str | None = None,
+    compile_mode: str | None = None,
 ) -> torch.nn.Module:
     """Tree attention on, activation checkpointing per decoder layer, and (optionally) each decoder layer compiled.
 
-    `compile=True` or "layers": regional compilation. Every decoder layer runs the same code, so one compiled
-    graph serves all of them (compile time does not grow with depth); checkpointing wraps each compiled layer.
-    Cheap to compile, but each layer call still pays Python and guard overhead: on an H200 a 3k-token row of a
-    0.6B model left the GPU idle half the time. "decoder": the whole decoder is one compiled graph with dynamic
-    shapes (checkpointing traced inside it): minutes to compile once, then GPU-bound.
-    Returns `model` (changed in place).
+    `checkpoint_layers`: the decoder layers to checkpoint (default: all of them; `rlasync.model.checkpointing`
+    chooses them by memory). `compile=True` or "layers": regional compilation (`compile_decoder_layers`). Every
+    decoder layer runs the same code, so one compiled graph serves all of them (compile time does not grow with
+    depth); transformers >= 5.2x checkpoints a layer's `forward`, so the checkpoint is traced inside the compiled
+    layer. Each layer call still pays Python and guard overhead: on an H200 a 3k-token row of a 0.6B model left the
+    GPU idle half the time. "decoder": the whole decoder is one compiled graph with dynamic shapes (checkpointing
+    traced inside it): minutes to compile once, then GPU-bound. Returns `model` (changed in place).
     """
     if not getattr(model, "supports_gradient_checkpointing", True) and gradient_checkpointing:
         raise ValueError(
@@ -107,14 +112,47 @@ def prepare_for_training(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if hasattr(model, "config"):
             model.config.use_cache = False
+        if checkpoint_layers is not None:
+            from rlasync.model.checkpointing import apply_checkpoint_plan
+
+            apply_checkpoint_plan(model, checkpoint_layers)
+    options = {"backend": compile_backend, "mode": compile_mode}
     if compile == "decoder":
-        model.get_decoder().compile(dynamic=True)
+        model.get_decoder().compile(dynamic=True, **_given(options))
     elif compile in (True, "layers"):
-        for layer in decoder_layers(model):
-            layer.compile()
+        compile_decoder_layers(model, backend=compile_backend, mode=compile_mode)
     elif compile is not False:
         raise ValueError(f"compile={compile!r}: use False, True / 'layers' (each decoder layer) or 'decoder'")
     return model
+
+
+def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = None, mode: str | None = None) -> None:
+    """Regional compilation: `layer.compile()` on each decoder layer (the compiled call replaces the layer's own;
+    `uncompile_decoder_layers` undoes it). `mode="reduce-overhead"` replays CUDA graphs (needs static row shapes)."""
+    from rlasync.config.trl_fields import COMPILE_MODES
+
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"torch_compile_mode={mode!r}: use one of {[m for m in COMPILE_MODES if m]} or None")
+    for layer in decoder_layers(model):
+        layer.compile(**_given({"backend": backend, "mode": mode}))
+
+
+def uncompile_decoder_layers(model: torch.nn.Module) -> int:
+    """Back to eager decoder layers (after a compile failure); returns how many layers were compiled."""
+    count = 0
+    for layer in decoder_layers(model):
+        if getattr(layer, "_compiled_call_impl", None) is not None:
+            layer._compiled_call_impl = None
+            count += 1
+    return count
+
+
+def compiled_layer_count(model: torch.nn.Module) -> int:
+    return sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model))
+
+
+def _given(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,8 +1,12 @@
 """`Learner` on CPU with a tiny random Llama: one GRPO and one distillation `train_step` through the Learner and its
 objective change the weights and return the metric names the pre-refactor LearnerActor returned on the same samples;
 `LearnerSettings.from_config` reads the typed slices; the checkpoint module round-trips model + optimizer +
-scheduler state (and refuses the old position-keyed optimizer format with several ranks)."""
+scheduler state (and refuses the old position-keyed optimizer format with several ranks). The training path at GPU
+speed, on CPU: `gradient_checkpointing_layers` (config, settings, the applied plan), `torch_compile` (regional
+compilation, the fallback to eager layers on a compile failure) and padded rows (the same step as unpadded ones)."""
 
+import dataclasses
+import logging
 import math
 
 import numpy as np
@@ -12,6 +16,9 @@ import torch
 from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig
 from rlasync.learner import Learner, LearnerSettings
 from rlasync.losses import DistillLossConfig, LossConfig
+from rlasync.model.checkpointing import checkpointed_layers
+from rlasync.model.loading import compiled_layer_count
+from rlasync.model.row_shapes import row_bucket
 
 VOCAB = 40
 K = 3
@@ -96,8 +103,9 @@ def distill_samples(num=6, seed=0):
 
 
 def grpo_config(tmp_path, **overrides):
-    return AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2, gradient_checkpointing=False,
-                           seed=0, score_centering=False, num_sampler_logprobs=0, **overrides)  # fmt: skip
+    overrides.setdefault("gradient_checkpointing", False)
+    return AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2, seed=0, score_centering=False,
+                           num_sampler_logprobs=0, **overrides)  # fmt: skip
 
 
 def distill_config(tmp_path, **overrides):
@@ -198,3 +206,100 @@ def test_the_checkpoint_round_trips_model_optimizer_and_scheduler(model_dir, tmp
     with pytest.raises(ValueError, match="num_learners=1"):
         load_optimizer_state(checkpoint, resumed.scorer, resumed.optimizer, resumed.scheduler, world_size=2)
     assert not load_optimizer_state(tmp_path / "nothing", resumed.scorer, resumed.optimizer, resumed.scheduler)
+
+
+# ---- the training path at GPU speed ------------------------------------------------------------------------------
+
+
+def test_gradient_checkpointing_layers_is_validated_by_name():
+    assert AsyncGRPOConfig().gradient_checkpointing_layers == "auto"
+    assert AsyncGRPOConfig(gradient_checkpointing_layers="4").gradient_checkpointing_layers == 4  # a command line
+    assert AsyncDistillationConfig(gradient_checkpointing_layers="all").gradient_checkpointing_layers == "all"
+    for bad in ("most", -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"gradient_checkpointing_layers={bad!r}: use 'auto'"):
+            AsyncGRPOConfig(gradient_checkpointing_layers=bad)
+    with pytest.raises(ValueError, match="gradient_checkpointing_layers=3 needs gradient_checkpointing=True"):
+        AsyncGRPOConfig(gradient_checkpointing=False, gradient_checkpointing_layers=3)
+    assert AsyncGRPOConfig(gradient_checkpointing=False).gradient_checkpointing_layers == "auto"
+
+
+def test_torch_compile_fields_are_honoured_and_checked():
+    assert AsyncGRPOConfig().torch_compile is False  # TRL's default
+    assert AsyncGRPOConfig(torch_compile_mode="reduce-overhead").torch_compile is True  # transformers' rule
+    assert AsyncGRPOConfig(torch_compile_backend="eager").torch_compile is True
+    with pytest.raises(ValueError, match="torch_compile_mode='fastest': use one of"):
+        AsyncGRPOConfig(torch_compile_mode="fastest")
+
+
+def test_settings_carry_the_choice_and_pad_rows_when_compiled(tmp_path):
+    config = grpo_config(tmp_path, gradient_checkpointing=True, gradient_checkpointing_layers=1, torch_compile=True)
+    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=8192)
+    assert (settings.gradient_checkpointing_layers, settings.torch_compile) == (1, True)
+    assert settings.row_bucket == row_bucket(8192) == 512
+    assert LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=8192).row_bucket == 0
+    with pytest.raises(ValueError, match="gradient_checkpointing_layers='some'"):
+        dataclasses.replace(settings, gradient_checkpointing_layers="some")
+    with pytest.raises(ValueError, match="row_bucket=-1"):
+        dataclasses.replace(settings, row_bucket=-1)
+
+
+def test_the_learner_checkpoints_the_chosen_layers(model_dir, tmp_path):
+    config = grpo_config(tmp_path, gradient_checkpointing=True, gradient_checkpointing_layers=1)
+    learner = Learner(model_dir, LearnerSettings.from_config(config, objective="grpo", token_budget=TOKEN_BUDGET))
+    assert checkpointed_layers(learner.model) == (1,) and learner.info()["checkpointed_layers"] == "1/2"
+    assert learner.info()["compiled_layers"] == 0
+    auto = grpo_config(tmp_path, gradient_checkpointing=True)
+    learner = Learner(model_dir, LearnerSettings.from_config(auto, objective="grpo", token_budget=TOKEN_BUDGET))
+    assert checkpointed_layers(learner.model) == (0, 1)  # "auto" on the CPU: every layer
+
+
+def _trained(model_dir, settings, steps=2):
+    learner = Learner(model_dir, settings)
+    metrics = [dict(learner.train_step(grpo_samples(seed=step))) for step in range(steps)]
+    return learner, metrics
+
+
+def test_padded_rows_train_exactly_like_unpadded_ones(model_dir, tmp_path):
+    """One step's loss and gradient norm (after it, Adam's sign-like steps on near-zero gradients amplify fp32
+    round-off: later steps are not comparable; rlasync/model's tests compare the gradients themselves)."""
+    settings = LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=TOKEN_BUDGET)
+    (plain_metrics,) = _trained(model_dir, settings, steps=1)[1]
+    padded, (padded_metrics,) = _trained(model_dir, dataclasses.replace(settings, row_bucket=16), steps=1)
+    assert padded.objective.step_core.row_bucket == 16
+    assert plain_metrics["loss"] == pytest.approx(padded_metrics["loss"], rel=1e-5)
+    assert plain_metrics["grad_norm"] == pytest.approx(padded_metrics["grad_norm"], rel=1e-5)
+    for key in ("batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step"):  # padding is not counted
+        assert plain_metrics[key] == padded_metrics[key]
+
+
+@pytest.fixture
+def failing_backend():
+    from torch._dynamo import register_backend
+
+    name = "rlasync_test_failing"
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+
+        @register_backend(name=name)
+        def failing(graph_module, example_inputs):
+            raise RuntimeError("no kernel for this test")
+
+    return name
+
+
+def test_a_compile_failure_falls_back_to_eager_layers_with_one_warning(model_dir, tmp_path, failing_backend, caplog):
+    torch._dynamo.reset()
+    settings = LearnerSettings.from_config(grpo_config(tmp_path, torch_compile_backend=failing_backend),
+                                           objective="grpo", token_budget=TOKEN_BUDGET)  # fmt: skip
+    assert settings.torch_compile and settings.row_bucket == row_bucket(TOKEN_BUDGET)
+    eager = LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=TOKEN_BUDGET)
+    learner = Learner(model_dir, settings)
+    assert compiled_layer_count(learner.model) == 2  # compiled lazily: nothing traced yet
+    with caplog.at_level(logging.WARNING, logger="rlasync.learner.learner"):
+        metrics = [dict(learner.train_step(grpo_samples(seed=step))) for step in range(2)]
+    warnings = [r for r in caplog.records if "torch_compile: compiling the decoder layers failed" in r.getMessage()]
+    assert len(warnings) == 1 and "no kernel for this test" in warnings[0].getMessage()
+    assert compiled_layer_count(learner.model) == 0
+    reference, reference_metrics = _trained(model_dir, eager)  # the failed step left no gradient behind
+    assert metrics[0]["loss"] == pytest.approx(reference_metrics[0]["loss"], rel=1e-5)
+    assert metrics[0]["grad_norm"] == pytest.approx(reference_metrics[0]["grad_norm"], rel=1e-5)
+    torch._dynamo.reset()
