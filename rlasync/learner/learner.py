@@ -78,6 +78,7 @@ class Learner:
             self.model, settings.gradient_checkpointing_layers, device=self.device,
             tokens=padded_length(settings.token_budget, settings.row_bucket) if settings.token_budget > 0 else 0,
             enabled=settings.gradient_checkpointing, autocast=self.mixed and world_size == 1, world_size=world_size,
+            gpu_share=settings.gpu_share,
         )  # fmt: skip
         if rank == 0:
             logger.info("%s", self.checkpoint_plan.describe())

@@ -47,6 +47,7 @@ class LearnerSettings:
     max_grad_norm: float = 1.0
     peft_config: Any = None  # a peft.LoraConfig: train adapters only (rlasync.learner.lora)
     lora_sync: str = "adapter"  # with peft_config: "adapter" (send A/B only) or "merged" (full merged weights)
+    gpu_share: float = 1.0  # the learner's part of its GPU (cluster.learner_num_gpus < 1: it shares it)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -101,4 +102,11 @@ class LearnerSettings:
             seed=config.seed, per_device_train_batch_size=config.per_device_train_batch_size,
             temperature=config.temperature, max_grad_norm=config.max_grad_norm, peft_config=peft_config,
             lora_sync=getattr(config.cluster, "lora_sync", "adapter"),
+            gpu_share=_gpu_share(getattr(config.cluster, "learner_num_gpus", 0.0)),
         )  # fmt: skip
+
+
+def _gpu_share(learner_num_gpus: float) -> float:
+    """A learner given a fraction of a GPU plans its memory within that fraction; a whole GPU (or more, or none
+    declared) is its own."""
+    return float(learner_num_gpus) if 0 < learner_num_gpus < 1 else 1.0

@@ -167,9 +167,12 @@ def plan_for_model(
     enabled: bool = True,
     autocast: bool = False,
     world_size: int = 1,
+    gpu_share: float = 1.0,
 ) -> CheckpointPlan:
     """The plan of `gradient_checkpointing_layers=choice` for `model` on `device` ("auto": by memory on CUDA, every
-    layer elsewhere; "all"; an int: that many layers, spread evenly; `enabled=False`: none)."""
+    layer elsewhere; "all"; an int: that many layers, spread evenly; `enabled=False`: none). `gpu_share` (0, 1]: the
+    part of the device the learner was given (`cluster.learner_num_gpus` when it shares the GPU with an engine that
+    may allocate after the plan is made): the budget is that part of the device's memory."""
     from rlasync.model.loading import decoder_layers
 
     layers = decoder_layers(model)
@@ -195,7 +198,9 @@ def plan_for_model(
     compute_bytes = 2 if autocast else weight_bytes
     full, saved = activation_bytes_per_token(model.config, compute_bytes, weight_bytes)
     fixed = compute_bytes * decoder_layer_params(layers[0]) if autocast else 0.0  # autocast's saved weight copies
-    available = activation_memory_budget(model, device, world_size=world_size)
+    if not 0 < gpu_share <= 1:
+        raise ValueError(f"gpu_share={gpu_share}: must be in (0, 1] (the learner's part of its GPU)")
+    available = activation_memory_budget(model, device, world_size=world_size, fraction=MEMORY_FRACTION * gpu_share)
     plan = plan_checkpointing(num_layers, tokens, full, saved, available, layer_fixed_bytes=fixed)
     return plan
 

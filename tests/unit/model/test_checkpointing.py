@@ -226,10 +226,10 @@ def test_auto_on_a_gpu_plans_by_the_memory_it_reports(monkeypatch, autocast):
     fixed = 2 * sum(p.numel() for p in model.model.layers[0].parameters()) if autocast else 0
     one_layer = 512 * full + fixed
 
-    def fake(free, total):
+    def fake(free, total, gpu_share=1.0):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-        return plan_for_model(model, "auto", device=cuda, tokens=512, autocast=autocast)
+        return plan_for_model(model, "auto", device=cuda, tokens=512, autocast=autocast, gpu_share=gpu_share)
 
     roomy = fake(free=100 * GIB, total=100 * GIB)
     assert roomy.layers == () and roomy.fits and roomy.reason == "memory"
@@ -238,4 +238,9 @@ def test_auto_on_a_gpu_plans_by_the_memory_it_reports(monkeypatch, autocast):
     assert tight.layers == (1, 3, 5) and tight.fits
     shared = fake(free=state, total=100 * GIB)  # a colocated process holds the rest
     assert shared.layers == tuple(range(6)) and not shared.fits
+    # a learner given half the GPU (an engine will take the rest later) plans within half of it
+    assert fake(free=2 * tight_total, total=2 * tight_total, gpu_share=0.5).layers == (1, 3, 5)
+    assert fake(free=2 * tight_total, total=2 * tight_total).layers == ()
+    with pytest.raises(ValueError, match="gpu_share"):
+        fake(free=tight_total, total=tight_total, gpu_share=0.0)
     assert plan_for_model(model, "auto", device=cuda, tokens=0).reason == "no token_budget"
