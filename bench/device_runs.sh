@@ -75,6 +75,15 @@ vllm_speed)  # after a call that ran `bash .vllmkit/unpack.sh`: both engines, 25
     run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
     run e2e_lora_vllm 240 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --engine vllm --out "$out/e2e_lora_vllm.json"
     ;;
+final)  # one call, carry [".devicekit", ".whl", ".trlwheel"]: new CUDA paths' tests, the learner against TRL, GRPO sync, LoRA
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run gpu_tests 60 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/model/test_head_devices.py tests/unit/engine/test_weight_plans.py
+    grep -q "failed" "$out/gpu_tests.log" && export RLASYNC_HEAD_COMPILE=0 && echo "head compile off"
+    run tree_trl 270 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 140 --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps 6 --warmup 2 --compile layers --grad-ckpt auto --modes tree --profile "$out/profiles" --profile-steps 2 --out "$out/tree_packing_h200.json"
+    run e2e_ipc 150 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
+    run lora_sync 50 python3 bench/lora_sync.py --skip-vllm --out "$out/lora_h200.json"
+    ;;
 vllm_sums)  # after system_torch's SmolLM2 calls and a call that ran `bash .vllmkit/unpack.sh`: vLLM in the system
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1

@@ -320,13 +320,8 @@ def training_options(args) -> dict:
         "gradient_checkpointing": ckpt != "none",
         "compile": False if args.compile == "none" else args.compile,
     }
-    if ckpt == "auto":
-        if "gradient_checkpointing_layers" not in accepted:
-            raise SystemExit(
-                "--grad-ckpt auto: this checkout's prepare_for_training has no per-layer checkpointing option "
-                f"(it takes {sorted(accepted)}); use --grad-ckpt all|none, or pass the option with --prepare-kwargs"
-            )
-        options["gradient_checkpointing_layers"] = "auto"
+    if ckpt == "auto":  # the learner's plan by memory (rlasync.model.checkpointing), made once the model is built
+        options["checkpoint_layers"] = "auto"
     try:
         extra = json.loads(args.prepare_kwargs)
     except json.JSONDecodeError as exc:
@@ -357,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["all", "none", "auto"],
         default=None,
         help="activation checkpointing: every layer (default), none, or per layer by memory "
-        "(needs prepare_for_training's gradient_checkpointing_layers)",
+        "(the learner's plan by memory: rlasync.model.checkpointing)",
     )
     parser.add_argument(
         "--prepare-kwargs",
@@ -411,6 +406,14 @@ def main(argv=None) -> None:
     config = model_config(args.layers, args.tiny)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device)
+    plan = None
+    if options.get("checkpoint_layers") == "auto":
+        from rlasync.model.checkpointing import plan_for_model
+
+        plan = plan_for_model(model, "auto", device=torch.device(args.device),
+                              tokens=max(shape.row_tokens for shape in shapes))  # fmt: skip
+        options["checkpoint_layers"] = plan.layers
+        print(plan.describe(), flush=True)
     model = prepare_for_training(model, **options)
     model.train()
 
@@ -422,6 +425,7 @@ def main(argv=None) -> None:
         "python": platform.python_version(),
         "model_shape": "Qwen3-0.6B (random bf16 weights)",
         "gradient_checkpointing": args.grad_ckpt or ("none" if args.no_grad_ckpt else "all"),
+        "checkpointed_layers": None if plan is None else len(plan.layers),
         "compile": args.compile,
         "prepare_for_training": {k: v for k, v in options.items()},
         "peak_flops_assumed": PEAK_BF16_FLOPS,

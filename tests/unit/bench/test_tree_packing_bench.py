@@ -84,14 +84,10 @@ def test_checkpointing_flags_and_prepare_kwargs_reach_prepare_for_training():
         tree_packing.parse_shapes("8x4@32")
 
 
-def test_grad_ckpt_auto_needs_the_per_layer_option_of_prepare_for_training():
-    import inspect
-
-    if "gradient_checkpointing_layers" in inspect.signature(tree_packing.prepare_for_training).parameters:
-        assert options("--grad-ckpt", "auto")["gradient_checkpointing_layers"] == "auto"
-    else:
-        with pytest.raises(SystemExit, match="no per-layer checkpointing option"):
-            options("--grad-ckpt", "auto")
+def test_grad_ckpt_auto_asks_for_the_learners_plan_by_memory():
+    auto = options("--grad-ckpt", "auto")
+    assert auto["gradient_checkpointing"] is True and auto["checkpoint_layers"] == "auto"
+    assert "checkpoint_layers" not in options("--grad-ckpt", "all")
 
 
 def test_segment_reference_attention_is_bottom_right_causal_with_gqa():
