@@ -90,10 +90,17 @@ def main() -> None:
         payload[:] = list(adapter_stream(inner, dtype=engine_dtype))
 
     result["learner_adapter_stream"] = summary(timed(stream, args.repeats, sync))
+    from rlasync.weights.ipc import SharedWeights
+
+    shared = SharedWeights.allocate(manifest, device)  # what an IPC sync fills: persistent buckets, one batched copy
+    result["learner_adapter_fill"] = summary(timed(lambda: shared.fill(adapter_stream(inner, dtype=engine_dtype),
+                                                                       manifest), args.repeats, sync))  # fmt: skip
+    shared.release()
     engine_model, _ = build_model(args.model, device, engine_dtype)
     merger = AdapterMerger()
     merger.load(engine_model, payload)  # the first sync also copies W0
     result["torch_engine_merge"] = summary(timed(lambda: merger.load(engine_model, payload), args.repeats, sync))
+    result["adapter_sync_s"] = result["learner_adapter_fill"]["median_s"] + result["torch_engine_merge"]["median_s"]
     result["torch_engine_kept_base_bytes"] = sum(t.numel() * t.element_size() for t in merger.base.values())
     full: list = []
     result["learner_merged_stream"] = summary(timed(lambda: full.__setitem__(slice(None), list(merged_stream(
