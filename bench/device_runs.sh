@@ -84,6 +84,11 @@ final)  # one call, carry [".devicekit", ".whl", ".trlwheel"]: new CUDA paths' t
     run e2e_ipc 150 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
     run lora_sync 50 python3 bench/lora_sync.py --skip-vllm --out "$out/lora_h200.json"
     ;;
+trl_only)  # carry [".trlwheel"]: TRL's tree packing alone (bench/trl_tree_anchor.py), the shapes of `final`
+    export PYTHONPATH=$PWD
+    mkdir -p /tmp/trlsite && python3 -m pip install -q --no-index --no-deps --target /tmp/trlsite .trlwheel/trl-*.whl
+    PYTHONPATH=/tmp/trlsite:$PWD timeout 230 python3 bench/trl_tree_anchor.py --out "$out/trl.json" --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps 6 --warmup 2 > "$out/trl.log" 2>&1; echo "trl rc $?"; tail -3 "$out/trl.log"
+    ;;
 vllm_sums)  # after system_torch's SmolLM2 calls and a call that ran `bash .vllmkit/unpack.sh`: vLLM in the system
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1

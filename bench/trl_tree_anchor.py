@@ -266,7 +266,7 @@ def check_kernel(kernel, device, TreeRow) -> dict:
     grad = torch.randn(n, 8, 64, generator=gen).to(device)
     results = []
     for fn, dtype in ((segments_varlen, torch.float32), (kernel, torch.bfloat16 if device.type == "cuda" else None)):
-        q, k, v = (x.to(dtype or x.dtype).requires_grad_() for x in base)
+        q, k, v = (x.detach().to(dtype or x.dtype).clone().requires_grad_() for x in base)
         out = fn(q, k.index_select(0, kv), v.index_select(0, kv), cu_q, cu_k, max_q, max_k, causal=True)
         out.backward(grad.to(out.dtype))
         results.append([t.detach().float() for t in (out, q.grad, k.grad, v.grad)])
