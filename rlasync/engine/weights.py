@@ -3,10 +3,13 @@ copy plans of syncs from persistent buffers (`CopyPlan`, `PlannedLoader`: the To
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]]) -> int:
@@ -174,7 +177,16 @@ class PlannedLoader:
         if plan is not None:
             load(pairs)
             return "loaded"
-        self.plans = {key: CopyPlan.record(load, pairs, model.parameters())}  # one bucket set at a time
+        try:
+            plan = CopyPlan.record(load, pairs, model.parameters())
+        except Exception as exc:  # noqa: BLE001 - an engine's loader the recorder cannot follow: load it plainly
+            logger.warning("weight sync: recording the loader's copies failed (%s: %s); loading tensor by tensor "
+                           "on every sync instead", type(exc).__name__, exc)  # fmt: skip
+            load(pairs)
+            plan = CopyPlan([], [], f"recording failed: {type(exc).__name__}: {exc}")
+            self.plans = {key: plan}
+            return "loaded"
+        self.plans = {key: plan}  # one bucket set at a time
         return "recorded"
 
 

@@ -16,6 +16,7 @@ sync is pairs of tensors under the engine's own module names. Pure torch (no ray
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -169,6 +170,18 @@ def adapter_manifest(model: torch.nn.Module, dtype: torch.dtype | None = None) -
     return entries
 
 
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LoRA layers and manifests
+
+
+def _cached_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's LoRA layers, read once per model (walking a 0.6B model's ~2,400 modules costs milliseconds per
+    sync; adapters are not added to a model during a run), with its manifests per wire dtype."""
+    cached = _LAYERS.get(model)
+    if cached is None:
+        cached = _LAYERS[model] = {"layers": lora_layers(model), "manifests": {}}
+    return cached
+
+
 class AdapterStream(TensorStream):
     """What `adapter_stream` returns: the pairs one at a time, or (`copy_into`, unsharded adapters) every A and
     s * B written into preallocated views in a few multi-tensor ops (an s * B is computed in float32 and rounded
@@ -176,10 +189,11 @@ class AdapterStream(TensorStream):
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device | str | None) -> None:
         self._model, self._dtype, self._device = model, dtype, device
+        self._cache = _cached_layers(model)
         super().__init__(self._generate())
 
     def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, layer in lora_layers(self._model):
+        for name, layer in self._cache["layers"]:
             reference = layer.lora_A[_adapter_of(layer)].weight.dtype
             a, b = _pair(layer)
             target = transfer_name(name)
@@ -187,23 +201,28 @@ class AdapterStream(TensorStream):
             yield target + LORA_B, _cast(b, self._dtype, reference).to(self._device)
 
     def entries(self) -> list[ManifestEntry] | None:
-        return adapter_manifest(self._model, self._dtype)
+        manifests = self._cache["manifests"]
+        if self._dtype not in manifests:
+            manifests[self._dtype] = adapter_manifest(self._model, self._dtype)
+        return manifests[self._dtype]
 
     def copy_into(self, views: list[torch.Tensor]) -> bool:
-        layers = [layer for _, layer in lora_layers(self._model)]
-        a_list, b_list, scales = [], [], []
-        for layer in layers:
-            adapter = _adapter_of(layer)
-            a_list.append(layer.lora_A[adapter].weight.detach())
-            b_list.append(layer.lora_B[adapter].weight.detach())
-            scales.append(float(layer.scaling[adapter]))
+        if "weights" not in self._cache:
+            a_list, b_list, scales = [], [], []
+            for _, layer in self._cache["layers"]:
+                adapter = _adapter_of(layer)
+                a_list.append(layer.lora_A[adapter].weight)
+                b_list.append(layer.lora_B[adapter].weight)
+                scales.append(float(layer.scaling[adapter]))
+            self._cache["weights"] = (a_list, b_list, scales)
+        a_list, b_list, scales = self._cache["weights"]
         if self._started or any(hasattr(t, "full_tensor") for t in a_list + b_list):
             return False
-        if len(views) != 2 * len(layers):
-            raise ValueError(f"adapter stream has {2 * len(layers)} tensors, the buffer {len(views)}: they differ")
+        if len(views) != 2 * len(a_list):
+            raise ValueError(f"adapter stream has {2 * len(a_list)} tensors, the buffer {len(views)}: they differ")
         with torch.no_grad():
-            scaled = torch._foreach_mul([b.float() if b.dtype != torch.float32 else b for b in b_list], scales)
-        foreach_copy(list(views[0::2]) + list(views[1::2]), a_list + list(scaled))
+            scaled = torch._foreach_mul([b.detach().float() for b in b_list], scales)
+            foreach_copy(list(views[0::2]) + list(views[1::2]), [a.detach() for a in a_list] + list(scaled))
         self._started = True
         return True
 

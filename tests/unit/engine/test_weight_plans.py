@@ -167,3 +167,27 @@ def test_torch_engine_ipc_syncs_replay_and_generate_as_a_fresh_engine_would():
     expected = asyncio.run(reference())
     assert out.output_ids == expected.output_ids and out.output_log_probs == pytest.approx(expected.output_log_probs)
     sender.close()
+
+
+def test_a_loader_the_recorder_cannot_follow_falls_back_to_plain_loads(monkeypatch, caplog):
+    """An engine loader that breaks under the recording dispatch mode (a real engine's custom ops, say) still loads
+    its weights: one warning, then tensor by tensor on every sync."""
+    learner, engine = tiny(0), tiny(1)
+    manifest = build_manifest(learner)
+    shared = SharedWeights.pack(stream_parameters(learner), manifest, "cpu")
+    mapped = MappedWeights(shared.key, shared.handles())
+
+    def broken_record(load, pairs, params):
+        load(pairs[:1])  # part of the weights copied, then the recorder fails
+        raise RuntimeError("an op the dispatch mode cannot run")
+
+    monkeypatch.setattr(CopyPlan, "record", broken_record)
+    loader = PlannedLoader()
+    with caplog.at_level("WARNING"):
+        assert loader.load(engine, mapped, lambda stream: load_named_weights(engine, stream)) == "loaded"
+    assert same(learner, engine) and "recording the loader's copies failed" in caplog.text
+    perturb(learner, 3)
+    shared.fill(stream_parameters(learner), manifest)
+    assert loader.load(engine, mapped, lambda stream: load_named_weights(engine, stream)) == "loaded"
+    assert same(learner, engine)
+    shared.release()
