@@ -13,6 +13,7 @@ A mixin: the host class (`VLLMEngine`) provides `_llm` (the AsyncLLM), `_rpc(met
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 from rlasync.engine.vllm_worker import encode_weights, flat_buckets, manifest_rows, nccl_update_info
 from rlasync.weights.adapter import peek_adapter
 from rlasync.weights.apply import paused_for_update
+
+logger = logging.getLogger(__name__)
 
 
 async def bounded(awaitable: Any, timeout_s: float, what: str) -> Any:
@@ -55,8 +58,14 @@ class VLLMWeightLoading:
         if not self._paused:
             raise RuntimeError("VLLMEngine.load_weights needs a paused engine: await engine.pause() first")
         handles = getattr(named_tensors, "handles", None)
-        if handles and getattr(named_tensors, "key", "") and not _adapter_entries(handles):
-            return await self.load_flat(named_tensors.key, handles)  # type: ignore[attr-defined]
+        flat = handles and getattr(named_tensors, "key", "") and not _adapter_entries(handles)
+        if flat and not getattr(self, "_flat_failed", None):
+            try:
+                return await self.load_flat(named_tensors.key, handles)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - a worker that cannot map or replay: the per-tensor path
+                self._flat_failed = f"{type(exc).__name__}: {exc}"
+                logger.warning("vLLM weight sync from persistent buckets failed (%s); syncing tensor by tensor from "
+                               "now on", self._flat_failed)  # fmt: skip
         named_tensors, is_adapter = peek_adapter(named_tensors)
         if is_adapter:
             return await self.load_adapter(named_tensors)

@@ -374,3 +374,34 @@ def test_an_ipc_sync_is_one_rpc_the_worker_maps_once_and_replays():
     run(engine.load_weights(MappedWeights(shared.key, shared.handles())))
     assert llm.worker._rlasync_flat.pairs is worker_pairs  # mapped once
     shared.release()
+
+
+def test_a_failed_flat_sync_falls_back_to_the_per_tensor_path_for_good(monkeypatch, caplog):
+    """A worker that cannot map or replay the persistent buckets (an untried vLLM build): one warning, then the
+    per-tensor path for this sync and the later ones; the weights still arrive."""
+    from rlasync.weights.ipc import MappedWeights, SharedWeights
+    from rlasync.weights.plan import ManifestEntry
+
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in WEIGHTS.items()]
+    shared = SharedWeights.pack(WEIGHTS.items(), manifest, "cpu")
+    engine = FakeVLLMEngine("m", dtype=None, max_model_len=96, gpu_memory_utilization=0.3)
+    llm, model = engine._llm, engine._llm.worker.model_runner.model
+
+    def broken(self, key, buckets):
+        raise RuntimeError("cannot map")
+
+    monkeypatch.setattr(type(llm.worker), "load_flat_ipc", broken)
+
+    async def go(weights):
+        shared.fill(weights.items(), manifest)
+        await engine.pause()
+        await engine.load_weights(MappedWeights(shared.key, shared.handles()))
+        await engine.resume()
+        assert torch.equal(model.a, weights["a"]) and torch.equal(model.b, weights["b"])
+
+    with caplog.at_level("WARNING"):
+        run(go(WEIGHTS))
+        run(go({"a": -WEIGHTS["a"], "b": WEIGHTS["b"] * 2}))
+    assert caplog.text.count("persistent buckets failed") == 1
+    assert [c[1] for c in llm.calls if c[0] == "rpc"].count("load_flat_ipc") == 1
+    shared.release()
