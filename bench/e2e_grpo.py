@@ -8,8 +8,9 @@ tokenizer with a chat template (no hub access needed), or `--model smollm2-135m-
 The reward is the last-number accuracy plus a small hash of the reply, so no group has zero spread and every
 step trains (random weights never answer correctly).
 
-The same training runs twice: with `--max-staleness` (async, default 4) and with `max_staleness=0` (synchronous:
-samples must come from the current policy). Per run the JSON holds the means over steps after `--warmup` of
+The same training runs twice: with `--max-staleness` (async, default 4) and with `max_staleness=0` (synchronous
+without waste: each weight version generates its step's samples, then the learner trains on them; nothing is
+generated while it trains and nothing is dropped as stale, docs/algorithms.md §2.3.4). Per run the JSON holds the means over steps after `--warmup` of
 `perf/step_s`, `perf/weight_sync_s` (+ `_pause_s`, `_transfer_s`, `_resume_s`), `perf/rollout_wait_s`,
 `rollout/backpressure_s`, trained tokens/s (Σ `batch/trained_tokens_per_step` / Σ `perf/step_s`), read from the
 run's `<output_dir>/metrics.jsonl`; and the ratio async / sync of trained tokens/s.
