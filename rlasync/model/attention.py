@@ -24,7 +24,9 @@ Backends (`TreeAttention.backend`): dense (a bool mask through SDPA) or flex (`t
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -313,6 +315,7 @@ def _flex_attention(
 
     # inside an outer torch.compile the call is traced into that graph; eagerly it needs its own compiled kernel
     attention = _compiled_flex_attention() if compile and not torch.compiler.is_compiling() else flex_attention
+    options = flex_kernel_options()
     return attention(
         query,
         key,
@@ -321,7 +324,28 @@ def _flex_attention(
         block_mask=block_mask,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
+        **({"kernel_options": options} if options else {}),
     )
+
+
+FLEX_KERNEL_OPTIONS_ENV = "RLASYNC_FLEX_KERNEL_OPTIONS"
+
+
+@functools.cache
+def flex_kernel_options() -> dict[str, Any] | None:
+    """FlexAttention `kernel_options` from `$RLASYNC_FLEX_KERNEL_OPTIONS` (a JSON object, e.g.
+    '{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}' for the backward's tiles): a tuning knob for
+    benchmarks on a GPU; unset, torch chooses. Read once per process."""
+    text = os.environ.get(FLEX_KERNEL_OPTIONS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"${FLEX_KERNEL_OPTIONS_ENV}: not JSON ({exc}); e.g. '{{\"BLOCK_M\": 64}}'") from None
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"${FLEX_KERNEL_OPTIONS_ENV}: expected a JSON object of kernel options, got {text!r}")
+    return options
 
 
 def _flex_or_dense(
