@@ -89,6 +89,20 @@ trl_only)  # carry [".trlwheel"]: TRL's tree packing alone (bench/trl_tree_ancho
     mkdir -p /tmp/trlsite && python3 -m pip install -q --no-index --no-deps --target /tmp/trlsite .trlwheel/trl-*.whl
     PYTHONPATH=/tmp/trlsite:$PWD timeout 230 python3 bench/trl_tree_anchor.py --out "$out/trl.json" --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps 6 --warmup 2 > "$out/trl.log" 2>&1; echo "trl rc $?"; tail -3 "$out/trl.log"
     ;;
+learner_tune)  # carry []: the learner's knobs on the 8K shape (one H200): FlexAttention tiles, CUDA graphs, head passes
+    export PYTHONPATH=$PWD
+    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --compile layers --grad-ckpt auto --modes tree"
+    run tune_base 120 $tp --out "$out/tune_base.json"
+    RLASYNC_FLEX_KERNEL_OPTIONS='{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}' run tune_flex_bwd 120 $tp --out "$out/tune_flex_bwd.json"
+    run tune_graphs 150 $tp --prepare-kwargs '{"compile_mode": "reduce-overhead"}' --out "$out/tune_graphs.json"
+    RLASYNC_HEAD_COMPILE=0 run tune_head_eager 120 $tp --out "$out/tune_head_eager.json"
+    ;;
+sync_baseline)  # carry [".devicekit"]: async (max_staleness 2 and 4) against the synchronous baseline (0), one shared H200
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run e2e_s4 170 python3 bench/e2e_grpo.py --steps 12 --runs async,sync --share-gpu --weight-sync-backend ipc --out "$out/e2e_sync_vs_s4_h200.json"
+    run e2e_s2 120 python3 bench/e2e_grpo.py --steps 12 --runs async --max-staleness 2 --share-gpu --weight-sync-backend ipc --out "$out/e2e_s2_h200.json"
+    ;;
 vllm_sums)  # after system_torch's SmolLM2 calls and a call that ran `bash .vllmkit/unpack.sh`: vLLM in the system
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
