@@ -155,3 +155,25 @@ def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_
     state = resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert state["global_step"] == 3 and state["policy_version"] == 3 + 1 + 1  # saved version 3, cold sync, one step
     assert alive(resumed.actor_ids) == []
+
+
+def test_distillation_with_max_staleness_zero_runs_synchronously(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
+    """max_staleness=0 (docs/algorithms.md §2.3.4) for distillation: each version generates its step's samples, the
+    run finishes and nothing is dropped as stale."""
+    from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
+    from rlasync.data import arithmetic_dataset
+
+    args = AsyncDistillationConfig(
+        output_dir=str(tmp_path), max_steps=3, max_completion_length=8, token_budget=192, learning_rate=1e-2,
+        logging_steps=1, save_steps=100, max_staleness=0, gradient_checkpointing=False, teacher_top_k=K, seed=0,
+        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+                 "collective_timeout_s": 60.0},
+    )  # fmt: skip
+    trainer = AsyncDistillationTrainer(
+        model=tiny_model_dir, args=args, train_dataset=arithmetic_dataset(64, seed=0), teacher_model=teacher_dir
+    )
+    assert trainer.train()["global_step"] == 3
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("sample/dropped_stale_count", 0) for r in records) == 0
+    assert all(r["sample/staleness_max"] == 0 for r in records if r.get("sample/staleness_max") is not None)
+    assert alive(trainer.actor_ids) == []
