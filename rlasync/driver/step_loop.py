@@ -32,7 +32,7 @@ from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, MetricItems, SampleQueue, WeightTransport
 from rlasync.driver.watchdog import NoProgressError, Watchdog, WatchdogSettings
 from rlasync.metrics import MetricSink
-from rlasync.metrics.perf import StepPerf
+from rlasync.metrics.perf import StepPerf, system_generation_rate
 
 if TYPE_CHECKING:
     from transformers import TrainerState
@@ -194,7 +194,7 @@ class StepLoop:
             self.run_state.update(global_step=step, policy_version=version)
             self.trainer_state.global_step = step
             self._event("on_step_end", metrics=step_window.reduce())
-            self.window.update(await self.fleet.drain_metrics())
+            self.window.update(system_generation_rate(list(await self.fleet.drain_metrics()), step_s))
             while self.log_inbox:
                 self.window.update(self.log_inbox.pop(0))
             if self.elastic is not None:  # resize the pools (a user's request, or the policy on this window)

@@ -8,6 +8,9 @@ learner's step metrics and the step's wall-clock time:
     perf/fwd_bwd_mfu, perf/wall_clock_mfu   6·N FLOPs per forwarded token x tokens/s / (peak FLOPs x learner
                                             devices), in percent; only where the peak is known (a GPU of PEAK_FLOPS)
 
+    rollout/generated_tokens_per_s          tokens the rollout actors generated since the last step (all of them:
+                                            Σ rollout/generated_tokens_total) / perf/step_s (`system_generation_rate`)
+
 The rates are (numerator, denominator) pairs, so a logging window reduces them as Σ tokens / Σ seconds. No torch.
 """
 
@@ -83,4 +86,23 @@ class StepPerf:
         return items
 
 
-__all__ = ["PEAK_FLOPS", "StepPerf", "peak_flops"]
+
+
+GENERATED_RATE = "rollout/generated_tokens_per_s"
+GENERATED_TOTAL = "rollout/generated_tokens_total"
+
+
+def system_generation_rate(items: list[tuple[str, MetricValue]], step_s: float | None) -> list[tuple[str, MetricValue]]:
+    """The rollout actors' metrics drained after a step, with their per-actor `rollout/generated_tokens_per_s`
+    (each actor's tokens over its own time: with N actors, a rate N times too low for the system) replaced by the
+    system's: Σ `rollout/generated_tokens_total` of these items over the step's wall time. Before the first timed
+    step (`step_s` None) the per-actor rates are dropped and nothing replaces them."""
+    kept = [(name, value) for name, value in items if name != GENERATED_RATE]
+    if step_s is None or step_s <= 0:
+        return kept
+    tokens = [float(value) for name, value in items if name == GENERATED_TOTAL and isinstance(value, (int, float))]
+    if not tokens:
+        return kept
+    return [*kept, (GENERATED_RATE, (sum(tokens), float(step_s)))]
+
+__all__ = ["GENERATED_RATE", "GENERATED_TOTAL", "PEAK_FLOPS", "StepPerf", "peak_flops", "system_generation_rate"]

@@ -65,7 +65,7 @@ def group_metrics(
     return items + [
         ("rollout/concurrency", float(num_inflight)),
         ("rollout/score_s", score_s),
-        ("rollout/generated_tokens_per_s", tokens_rate),  # per rollout actor (its tokens over its own time)
+        ("rollout/generated_tokens_per_s", tokens_rate),  # this actor's; the driver logs the system's (metrics/perf.py)
         ("rollout/generated_tokens_total", tokens_rate[0]),  # summed over actors: the system's tokens per window
         ("completions/duplicate_frac", duplicates / len(group)),
         *scored.metrics,
