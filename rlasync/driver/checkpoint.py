@@ -119,6 +119,24 @@ def read_step(checkpoint_dir: str | Path) -> int:
     return step if step is not None else 0
 
 
+def resumed_trainer_state(checkpoint_dir: str | Path | None) -> dict[str, Any]:
+    """What a resumed run continues from its checkpoint's trainer_state.json: `num_tokens` (forwarded tokens so
+    far) and `log_history` (the logged records, as transformers' `TrainerState.log_history`); {} for a fresh run or
+    a checkpoint written before these were saved."""
+    if checkpoint_dir is None:
+        return {}
+    path = Path(checkpoint_dir) / TRAINER_STATE
+    state = read_json(path) if path.is_file() else {}
+    out: dict[str, Any] = {}
+    if isinstance(state, dict):
+        if isinstance(state.get("num_tokens"), (int, float)) and not isinstance(state["num_tokens"], bool):
+            out["num_tokens"] = float(state["num_tokens"])
+        history = state.get("log_history")
+        if isinstance(history, list) and all(isinstance(record, dict) for record in history):
+            out["log_history"] = history
+    return out
+
+
 class Checkpointer:
     """Saves `checkpoint-<step>` folders under `output_dir`, prunes to `save_total_limit`, finds the resume point."""
 
@@ -220,4 +238,5 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = ["CHECKPOINT_PREFIX", "TRAINER_STATE", "Checkpointer", "CorruptCheckpointError", "checkpoint_step",
+           "resumed_trainer_state",
            "is_complete", "read_json", "read_step", "verify_checkpoint"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlasync.console import ProgressCallback
-from rlasync.driver.checkpoint import Checkpointer
+from rlasync.driver.checkpoint import Checkpointer, resumed_trainer_state
 from rlasync.driver.elastic import (
     ElasticBounds,
     ElasticController,
@@ -133,11 +133,18 @@ class RunSpec:
                             config=config.to_dict(), resume_step=self.start_step,
                             console=False)  # fmt: skip
         progress = ProgressCallback(disable_tqdm=bool(config.disable_tqdm))  # the console: a bar, or a line per window
+        perf = step_perf(self.model, config)
+        resumed = resumed_trainer_state(self.resume_dir)  # num_tokens and the log history continue across a resume
+        perf.num_tokens = resumed.get("num_tokens", 0.0)
+        if self.trainer_state is not None and not self.trainer_state.log_history:
+            self.trainer_state.log_history.extend(
+                record for record in resumed.get("log_history", []) if record.get("step", 0) <= self.start_step
+            )
         return StepLoop(
             self.step_settings(tokens_per_step, samples_per_step), queue=queue, learners=learners, weights=weights,
             fleet=fleet, checkpointer=Checkpointer(config.output_dir, config.save_total_limit), sinks=sinks,
             callbacks=[progress, *self.callbacks], callback_args=config, state=state, tokenizer=self.tokenizer,
-            trainer_state=self.trainer_state, perf=step_perf(self.model, config), log_inbox=self.log_inbox,
+            trainer_state=self.trainer_state, perf=perf, log_inbox=self.log_inbox,
             elastic=elastic,
         )  # fmt: skip
 

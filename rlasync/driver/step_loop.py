@@ -245,7 +245,8 @@ class StepLoop:
         logger.warning("%s", message)
 
     async def _save(self, step: int) -> None:
-        path = await self.checkpointer.save(step, self.run_state, self.queue, self.learners, self.tokenizer)
+        saved = {**self.run_state, "num_tokens": self.perf.num_tokens, "log_history": self.trainer_state.log_history}
+        path = await self.checkpointer.save(step, saved, self.queue, self.learners, self.tokenizer)
         self._last_saved_step = step
         self.control.should_save = False
         self._event("on_save", checkpoint=path)

@@ -122,8 +122,12 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     assert state["global_step"] == 4 and state["policy_version"] == 3 + 1 + 2
     assert alive(ray_cluster, resumed.actor_ids) == []
     # step 3, logged by the first run after checkpoint-2, is logged again by the resumed run: once in the file
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    # num_tokens continues from checkpoint-2's count (saved in its trainer_state.json), and the log history too
+    at_ckpt = json.loads((ckpt / "trainer_state.json").read_text())["num_tokens"]
+    assert at_ckpt == records[1]["num_tokens"] and records[2]["num_tokens"] > at_ckpt
+    assert [e["step"] for e in resumed.state.log_history] == [1, 2, 3, 4]
     assert not list(tmp_path.glob("checkpoint-*.tmp"))  # every checkpoint was completed and renamed
 
 

@@ -243,3 +243,32 @@ def test_no_final_save_when_the_last_step_was_just_saved_or_nothing_was_trained(
     loop, journal, _ = make_loop(tmp_path / "resumed", horizon=2)
     run(loop, start_step=2)  # already at the horizon: nothing trained, nothing saved
     assert "train" not in journal and not any(e.startswith("on_save") for e in journal)
+
+
+def test_a_checkpoint_keeps_num_tokens_and_the_log_history_for_a_resumed_run(tmp_path):
+    """trainer_state.json holds the forwarded-token count and the logged records, so a resumed run's `num_tokens`
+    continues instead of restarting at 0 and its TrainerState.log_history keeps the earlier steps."""
+    import json
+
+    from rlasync.driver.checkpoint import resumed_trainer_state
+    from rlasync.metrics.perf import StepPerf
+
+    async def train_step(refs):
+        return [("loss", 0.5), ("batch/forwarded_tokens_per_step", 64.0)]
+
+    loop, _, sink = make_loop(tmp_path, horizon=2, save_steps=2)
+    loop.learners.train_step = train_step
+    run(loop)
+    logged = [record["num_tokens"] for _, record in sink.records if "num_tokens" in record]
+    assert len(logged) == 2 and logged[1] > logged[0] > 0
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert saved["num_tokens"] == logged[-1] and [r["step"] for r in saved["log_history"]] == [1, 2]
+    resumed = resumed_trainer_state(tmp_path / "checkpoint-2")
+    assert resumed == {"num_tokens": logged[-1], "log_history": saved["log_history"]}
+    assert resumed_trainer_state(None) == {} and resumed_trainer_state(tmp_path / "missing") == {}
+
+    again, _, sink2 = make_loop(tmp_path / "resumed", horizon=3)
+    again.learners.train_step = train_step
+    again.perf = StepPerf(num_tokens=resumed["num_tokens"])
+    run(again, start_step=2, version=3)
+    assert [record["num_tokens"] for _, record in sink2.records if "num_tokens" in record] == [logged[-1] + 64.0]
