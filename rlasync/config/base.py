@@ -44,7 +44,9 @@ class ClusterConfig:
     The defaults fit a 2-core CPU machine: fractional `num_cpus` so every actor schedules at once.
     """
 
-    num_rollout_actors: int = 1
+    num_rollout_actors: int | None = None
+    """None: 1 when the engines run on the CPU, 4 per generation actor when they have GPUs (a GPU engine serves
+    more requests than one rollout actor's event loop makes: on one H200 the system needed four)."""
     num_generation_actors: int = 1
     num_learners: int = 1
     num_reward_actors: int = 0
@@ -101,6 +103,10 @@ class ClusterConfig:
     """With `elastic`: steps between two decisions of the policy (and after each change)."""
 
     def __post_init__(self) -> None:
+        if self.num_rollout_actors is None:
+            gpu_engines = isinstance(self.generation_num_gpus, (int, float)) and self.generation_num_gpus > 0
+            generation = self.num_generation_actors if isinstance(self.num_generation_actors, int) else 1
+            self.num_rollout_actors = 4 * max(1, generation) if gpu_engines else 1
         for name in ("num_rollout_actors", "num_generation_actors", "num_learners"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
