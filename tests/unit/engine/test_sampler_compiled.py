@@ -140,3 +140,19 @@ def test_engine_option_same_tokens_and_logprobs():
             assert list(top_a.values()) == pytest.approx(list(top_b.values()), abs=1e-5)
     with pytest.raises(ValueError, match="compiled_sampler='on'"):
         TorchEngine(model, device="cpu", max_model_len=64, kv_cache_tokens=256, compiled_sampler="on")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_cuda_compiled_equals_eager_at_engine_shape(top_k):
+    """On CUDA (Triton kernels from inductor) at the benchmark's shape: 256 rows (and 77: the dynamic batch), the
+    Qwen3 vocabulary, seeds, 8 top log-probs; the eager side uses the fused Triton Gumbel kernel where it applies."""
+    vocab = 151936
+    logits = (torch.randn(256, vocab, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16).cuda()
+    params = [SamplingParams(temperature=1.0, top_k=top_k, num_logprobs=8) for _ in range(256)]
+    seeds = [random.Random(i).getrandbits(63) for i in range(256)]
+    for rows in (256, 77):
+        batch = BatchSampling.from_params(params[:rows], seeds[:rows], "cuda")
+        steps = (torch.arange(rows) * 7).cuda()
+        assert_same(sample(logits[:rows], batch, steps), sample_compiled(logits[:rows], batch, steps), atol=1e-4)
