@@ -119,12 +119,10 @@ def _core(logits, temperature, top_k, top_p, min_p, penalty, seeds, steps, seen,
 
     if variant.top_p != "off":
         xk = x if k_mask is None else x.masked_fill(~k_mask, _NEG_INF)
-        keys = rank_keys(xk, ids)
         if variant.top_p == "full":
-            ranked = keys.sort(dim=-1, descending=True).values
-        else:
-            ranked = keys.topk(variant.k_width, dim=-1).values
-        sorted_ids = key_ids(ranked)
+            sorted_ids = key_ids(rank_keys(xk, ids).sort(dim=-1, descending=True).values)
+        else:  # every top-p row's top-k set, ranked, leads the top-k window; the rest of it is -inf in xk (q = 0)
+            sorted_ids = key_ids(top)
         q = torch.floor(torch.exp(xk.gather(-1, sorted_ids).to(torch.float64) - x_max) * _TOPP_SCALE)
         q = q.to(torch.int64)
         cum = q.cumsum(dim=-1)
@@ -139,9 +137,10 @@ def _core(logits, temperature, top_k, top_p, min_p, penalty, seeds, steps, seen,
 
     greedy = temperature <= 0
     token_ids = torch.zeros(b, dtype=torch.int64, device=x.device)
-    if variant.random == "window":
-        win_x, win_ids = masked.topk(variant.k_width, dim=-1, sorted=False)
-        token_ids = torch.where(greedy, token_ids, gumbel_argmax_reference(win_x, win_ids, seeds, steps, v))
+    if variant.random == "window":  # every sampled row's candidates lie in its top-k set, inside the window
+        win_ids = key_ids(top)
+        sampled = gumbel_argmax_reference(masked.gather(-1, win_ids), win_ids, seeds, steps, v)
+        token_ids = torch.where(greedy, token_ids, sampled)
     elif variant.random == "full":
         sampled = gumbel_argmax_reference(masked, ids.expand(b, v), seeds, steps, v)
         token_ids = torch.where(greedy, token_ids, sampled)
