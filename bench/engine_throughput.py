@@ -9,6 +9,7 @@ batch = concurrency, the same prompts).
     python bench/engine_throughput.py --out bench/results/engine_throughput_h200.json
     python bench/engine_throughput.py --device cpu --tiny --concurrency 8 --new-tokens 16   # smoke test
     python bench/engine_throughput.py --async-scheduling compare --no-hf   # async scheduling on vs off, same engine
+    python bench/engine_throughput.py --compiled-sampler compare --no-hf   # eager vs torch.compile'd sampler
 """
 
 from __future__ import annotations
@@ -92,9 +93,14 @@ def main() -> None:
     parser.add_argument("--async-scheduling", default="default", choices=["default", "on", "off", "compare"],
                         help="the engine's async_scheduling (default: the engine's, on for CUDA); compare: run the engine suite "
                         "with it off then on, keys suffixed _sync / _async, and async_over_sync_c<N> ratios")
+    parser.add_argument("--compiled-sampler", default="default", choices=["default", "on", "off", "compare"],
+                        help="the engine's compiled_sampler (default: the engine's, off); compare: run the engine suite "
+                        "eager then compiled, keys suffixed _eager / _compiled, and compiled_over_eager_c<N> ratios")
     parser.add_argument("--profile", default=None, help="write torch.profiler tables of a short run to this folder")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.async_scheduling == "compare" and args.compiled_sampler == "compare":
+        parser.error("--async-scheduling compare and --compiled-sampler compare: compare one at a time")
 
     from transformers import AutoModelForCausalLM
 
@@ -123,15 +129,23 @@ def main() -> None:
         model, device=args.device, max_model_len=max_len, kv_cache_tokens=max(levels) * max_len + 4096,
         max_num_seqs=max(levels), cuda_graphs=not args.no_cuda_graphs, attention_backend=args.attention_backend,
         async_scheduling={"on": True, "off": False}.get(args.async_scheduling),
+        compiled_sampler={"on": True, "off": False}.get(args.compiled_sampler),
     )  # fmt: skip
     modes = {"compare": [("_sync", False), ("_async", True)]}.get(args.async_scheduling, [("", None)])
+    sampler_modes = {"compare": [("_eager", False), ("_compiled", True)]}.get(args.compiled_sampler, [("", None)])
     results["attention_backend"] = engine._runner.backend
     results["cuda_graphs"] = engine._runner.graphs is not None
     results["async_scheduling"] = args.async_scheduling if args.async_scheduling == "compare" else engine.async_scheduling
+    results["compiled_sampler"] = (
+        args.compiled_sampler if args.compiled_sampler == "compare" else engine._runner.compiled_sampler
+    )
     print(f"attention backend {results['attention_backend']}, CUDA graphs {results['cuda_graphs']}", flush=True)
 
     async def engine_suite(tag: str) -> None:
         await engine_run(engine, prompts_all[: min(8, len(prompts_all))], 8, 0)  # warm-up (graphs, kernels)
+        if engine._runner.compiled_sampler:  # compile every sampler variant of the suite (a batch of one is its own)
+            for size, logprobs in ((8, 8), (1, 0), (1, 8)):
+                await engine_run(engine, prompts_all[:size], 8, logprobs)
         for level in levels:
             prompts = prompts_all[:level]
             plain = await engine_run(engine, prompts, args.new_tokens, 0)
@@ -157,13 +171,23 @@ def main() -> None:
     for tag, mode in modes:
         if mode is not None:
             engine.async_scheduling = mode  # read by the engine loop at each run of steps; the engine is idle here
-        asyncio.run(engine_suite(tag))
+        for sampler_tag, compiled in sampler_modes:
+            if compiled is not None:
+                engine._runner.compiled_sampler = compiled  # read at each sampler call; the engine is idle here
+            asyncio.run(engine_suite(tag + sampler_tag))
     if args.async_scheduling == "compare":
         for level in levels:
             for extra in ("", "_logprobs8"):
                 sync, overlapped = (results["runs"][f"engine{tag}_c{level}{extra}"]["new_tokens_per_s"]
                                     for tag in ("_sync", "_async"))  # fmt: skip
                 results[f"async_over_sync_c{level}{extra}"] = overlapped / sync
+        _write(args.out, results)
+    if args.compiled_sampler == "compare":
+        for level in levels:
+            for extra in ("", "_logprobs8"):
+                eager, compiled = (results["runs"][f"engine{tag}_c{level}{extra}"]["new_tokens_per_s"]
+                                   for tag in ("_eager", "_compiled"))  # fmt: skip
+                results[f"compiled_over_eager_c{level}{extra}"] = compiled / eager
         _write(args.out, results)
     if args.profile:
         profile_engine(engine, prompts_all[: max(levels)], args.device, Path(args.profile))

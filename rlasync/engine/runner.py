@@ -21,6 +21,7 @@ from rlasync.engine.base import SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import DecodeGraphs
 from rlasync.engine.mixed_graphs import MixedGraphs
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
+from rlasync.engine.sampler_compiled import resolve_compiled_sampler
 from rlasync.engine.slot_sampling import SlotSampling, host_to_device
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class ModelRunner:
     `cuda_graph_sizes` (triton and varlen only): batch sizes whose decode steps are captured as CUDA graphs;
     empty = eager. `mixed_graph_tokens`: token counts whose mixed steps (prefill chunks with decodes, at most
     `max_num_seqs` requests) are captured too (`mixed_graphs.py`). A capture that fails is logged and those steps
-    run eagerly."""
+    run eagerly. `compiled_sampler`: sample through `sampler_compiled` (inductor-fused; same results; None = off)."""
 
     def __init__(
         self,
@@ -97,6 +98,7 @@ class ModelRunner:
         cuda_graph_sizes: Sequence[int] = (),
         mixed_graph_tokens: Sequence[int] = (),
         max_num_seqs: int = 256,
+        compiled_sampler: bool | None = None,
     ) -> None:
         check_engine_support(model)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -114,6 +116,7 @@ class ModelRunner:
             raise ValueError(f"unknown paged attention backend {backend!r}")
         self.backend = backend
         self.slots = SlotSampling(max_num_seqs, device)
+        self.compiled_sampler = resolve_compiled_sampler(compiled_sampler)
         self.graphs = None
         if cuda_graph_sizes and backend in ("varlen", "triton"):
             try:
@@ -246,6 +249,7 @@ class ModelRunner:
     def sample_tensors(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> Any:
         """The sampler's `SampleResult` (device tensors) for `logits` [S, V], one row per spec."""
         from rlasync.engine.sampler import BatchSampling, sample
+        from rlasync.engine.sampler_compiled import sample_compiled
 
         params = [spec.params for spec in specs]
         seeds = [spec.seed for spec in specs]
@@ -261,7 +265,8 @@ class ModelRunner:
             seen = torch.zeros(len(specs), logits.shape[1], dtype=torch.bool, device=self.device)
             seen[torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)] = True
         wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
-        return sample(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
+        sampler = sample_compiled if self.compiled_sampler else sample
+        return sampler(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
 
     # ---- teacher-forced scoring ---------------------------------------------------------------------------------
 

@@ -312,6 +312,21 @@ def _process(logits: Tensor, batch: BatchSampling, seen_tokens: Tensor | None) -
     return _Processed(x=x, mask=mask, masked=x.masked_fill(~mask, _NEG_INF))
 
 
+def candidate_sets(mask: Tensor, batch: BatchSampling) -> tuple[Tensor, Tensor]:
+    """(candidate ids [B, C] ascending, -1 pad; counts [B], 0 for rows that do not filter) from the candidate mask
+    [B, V]. Reads the widest row's count on the host (C): the one synchronising step of a call that asks for it."""
+    b, v = mask.shape
+    filters = (batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0)
+    cand = mask & filters[:, None]
+    num_candidates = cand.sum(dim=-1)
+    width = int(num_candidates.max().item())
+    if width == 0:
+        return torch.full((b, 0), -1, dtype=torch.int64, device=mask.device), num_candidates
+    ids = torch.where(cand, torch.arange(v, device=mask.device), v)
+    smallest = ids.topk(width, dim=-1, largest=False, sorted=True).values
+    return torch.where(smallest < v, smallest, -1), num_candidates
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # public entry points
 
@@ -381,16 +396,7 @@ def sample(
 
     candidate_ids = num_candidates = None
     if return_candidates and plan.any_filters:
-        filters = (batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0)
-        cand = proc.mask & filters[:, None]
-        num_candidates = cand.sum(dim=-1)
-        width = int(num_candidates.max().item())
-        if width > 0:
-            ids = torch.where(cand, torch.arange(v, device=device), v)
-            smallest = ids.topk(width, dim=-1, largest=False, sorted=True).values
-            candidate_ids = torch.where(smallest < v, smallest, -1)
-        else:
-            candidate_ids = torch.full((b, 0), -1, dtype=torch.int64, device=device)
+        candidate_ids, num_candidates = candidate_sets(proc.mask, batch)
 
     return SampleResult(
         token_ids=token_ids,

@@ -83,6 +83,8 @@ class TorchEngine:
     async_scheduling       plan and launch step N+1 while step N runs, its sampled ids fed back on the device
                            (`async_steps.py`; same tokens and log-probs); None (default): on for CUDA, off on CPU
                            (where it overlaps nothing). On one H200 it gives 1.5x new tokens/s at 256 concurrent
+    compiled_sampler       sample through the torch.compile'd sampler (`sampler_compiled.py`: a few fused kernels,
+                           same tokens and log-probs); None (default): off, not yet timed on a GPU
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class TorchEngine:
         enable_prefix_caching: bool = True,
         mixed_cuda_graphs: bool = True,
         async_scheduling: bool | None = None,
+        compiled_sampler: bool | None = None,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -147,6 +150,7 @@ class TorchEngine:
                 mixed_token_counts(max_num_batched_tokens) if graphs and mixed_cuda_graphs else ()
             ),
             max_num_seqs=max_num_seqs,
+            compiled_sampler=compiled_sampler,
         )
         allocator = BlockAllocator(pool.num_blocks, block_size, enable_caching=enable_prefix_caching)
         self._scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens)

@@ -1,0 +1,220 @@
+"""The sampler in a few fused kernels: `sampler.sample`'s rules as one traceable function, `torch.compile`d.
+
+    result = sample_compiled(logits, batch, steps, seen_tokens=seen)   # same SampleResult as sampler.sample
+
+`sampler.sample` runs ~80-140 small torch ops per call (the seeded SplitMix64 hash alone is ~30 elementwise ops,
+then top-k / top-p masks, the top-N window and its canonical re-sorts); on a GPU each is a kernel launch, several
+microseconds of host time, while the decode step before it is one CUDA graph replay. Here the same computation is
+written without host decisions inside (`_core`: no `.item()`, no data-dependent shapes) so inductor fuses the
+elementwise chains (penalty, temperature, masks, hash, Gumbel noise, argmax, log-softmax) into a few kernels around
+the top-k / sort calls it keeps.
+
+Same results as `sampler.sample` (the tests compare both on mixed batches with ties): the same token under the same
+(seed, step), the same top-N ids and candidate sets, the log-probs within float tolerance. The one change of method
+is the ranking: "the k highest tokens by (processed logit descending, token id ascending)" is computed as one
+`topk` over int64 keys `ordered_bits(x) * 2**32 + (2**32 - 1 - id)` (unique per row, ordered exactly as that rule:
+the float32's bits made monotone, -0.0 folded into +0.0 as float comparison ties them), instead of `topk` plus a
+tie count by cumulative sum and a canonical re-sort; a key's low 32 bits give the id back.
+
+The batch's host plan (`BatchSampling.plan`) picks the static variant (`_Variant`: which stages run, window widths
+rounded up to a power of two); the batch dimension is dynamic, so one compiled graph serves every batch size of a
+variant. A run sees a few variants (e.g. with and without top-N log-probs, a greedy evaluation); dynamo's recompile
+limit (8 per function) bounds them, past which it warns and runs `_core` eagerly (same results, more launches).
+The candidate sets (`return_candidates`) read their width on the host, so they run after the compiled part.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlasync.engine.sampler import (
+    _TOPP_SCALE,
+    BatchSampling,
+    SampleResult,
+    _Plan,
+    candidate_sets,
+    gumbel_argmax_reference,
+)
+
+__all__ = ["resolve_compiled_sampler", "sample_compiled"]
+
+_NEG_INF = float("-inf")
+_LOW32 = (1 << 32) - 1
+
+
+def resolve_compiled_sampler(value: bool | None) -> bool:
+    """TorchEngine's `compiled_sampler` option: True/False, or None for the default (off: the compiled sampler has
+    not been timed on a GPU yet; it gives the same tokens either way)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"TorchEngine: compiled_sampler={value!r} must be True, False or None (None: the default, off)"
+        )
+    return value
+
+
+class _Variant(NamedTuple):
+    """The static shape of one sampler call (`_core` is traced once per distinct variant)."""
+
+    penalty: bool  # a repetition penalty applies (seen tokens given)
+    k_width: int  # top-k window (max top_k rounded up to a power of two, clamped to V); 0 = no row uses top-k
+    top_p: str  # "off", "window" (every top-p row sets top_k: sort inside the top-k window) or "full"
+    min_p: bool
+    random: str  # "off" (all greedy), "window" (every sampled row sets top_k < V: noise on the window), "full"
+    greedy: bool  # some row is greedy
+    num_logprobs: int  # N of the top-N
+
+    @classmethod
+    def of(cls, plan: _Plan, vocab: int, penalty: bool, num_logprobs: int) -> _Variant:
+        k_width = min(1 << (plan.max_top_k - 1).bit_length(), vocab) if plan.max_top_k > 0 else 0
+        top_p = "off" if not plan.any_top_p else ("full" if plan.full_sort else "window")
+        if not plan.any_random:
+            random = "off"
+        else:
+            random = "window" if plan.random_all_top_k and 0 < k_width < vocab else "full"
+        return cls(penalty, k_width, top_p, plan.any_min_p, random, plan.any_greedy, num_logprobs)
+
+
+def rank_keys(x: Tensor, ids: Tensor) -> Tensor:
+    """int64 keys [B, V] of float32 `x` [B, V] and token ids `ids` [V]: a larger x, then a lower id, gives the larger
+    key, and keys are unique per row, so `topk` of the keys ranks exactly by (x descending, id ascending)."""
+    x = torch.where(x == 0, 0.0, x)  # -0.0 == +0.0: one key
+    x = torch.where(torch.isnan(x), float("nan"), x)  # one NaN bit pattern (positive: above +inf, as topk ranks it)
+    bits = x.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # monotone in x
+    return ordered * (1 << 32) + (_LOW32 - ids)
+
+
+def key_ids(keys: Tensor) -> Tensor:
+    """The token ids of `rank_keys` keys."""
+    return _LOW32 - (keys & _LOW32)
+
+
+def _core(logits, temperature, top_k, top_p, min_p, penalty, seeds, steps, seen, ids, variant: _Variant):  # noqa: C901
+    """`sampler._process` + `sampler.sample` without host decisions: (token ids, log-probs, top-N ids, top-N
+    log-probs, candidate mask); top-N are None when N = 0. `ids` = arange(V) is an input, not built inside: CPU
+    inductor (torch 2.13) miscompiles the int64 hash of an in-graph arange (wrong tokens, or a crash)."""
+    x = logits.to(torch.float32)
+    b, v = x.shape
+    if variant.penalty:
+        pen = penalty[:, None]
+        x = torch.where(seen & (pen != 1), torch.where(x > 0, x / pen, x * pen), x)
+    x = x / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+
+    mask = torch.isfinite(x)
+    if variant.top_p != "off" or variant.min_p:
+        x_max = x.amax(dim=-1, keepdim=True).to(torch.float64)
+    k_mask = None
+    if variant.k_width:
+        k = top_k.clamp(0, v)
+        keys = rank_keys(x, ids)
+        top = keys.topk(variant.k_width, dim=-1).values  # sorted: rank r at column r
+        kth = top.gather(-1, (k.clamp(1, variant.k_width) - 1)[:, None])
+        k_mask = (keys >= kth) | (k == 0)[:, None]
+        mask = mask & k_mask
+
+    if variant.top_p != "off":
+        xk = x if k_mask is None else x.masked_fill(~k_mask, _NEG_INF)
+        if variant.top_p == "full":
+            sorted_ids = key_ids(rank_keys(xk, ids).sort(dim=-1, descending=True).values)
+        else:  # every top-p row's top-k set, ranked, leads the top-k window; the rest of it is -inf in xk (q = 0)
+            sorted_ids = key_ids(top)
+        q = torch.floor(torch.exp(xk.gather(-1, sorted_ids).to(torch.float64) - x_max) * _TOPP_SCALE)
+        q = q.to(torch.int64)
+        cum = q.cumsum(dim=-1)
+        limit = torch.ceil(top_p.to(torch.float64)[:, None] * cum[:, -1:].to(torch.float64)).to(torch.int64)
+        p_mask = torch.zeros_like(mask).scatter(-1, sorted_ids, (cum - q) < limit) | (top_p >= 1)[:, None]
+        mask = mask & p_mask
+
+    if variant.min_p:
+        ratio = torch.exp(x.to(torch.float64) - x_max)
+        mask = mask & ((ratio >= min_p.to(torch.float64)[:, None]) | (min_p <= 0)[:, None])
+    masked = x.masked_fill(~mask, _NEG_INF)
+
+    greedy = temperature <= 0
+    token_ids = torch.zeros(b, dtype=torch.int64, device=x.device)
+    if variant.random == "window":  # every sampled row's candidates lie in its top-k set, inside the window
+        win_ids = key_ids(top)
+        sampled = gumbel_argmax_reference(masked.gather(-1, win_ids), win_ids, seeds, steps, v)
+        token_ids = torch.where(greedy, token_ids, sampled)
+    elif variant.random == "full":
+        sampled = gumbel_argmax_reference(masked, ids.expand(b, v), seeds, steps, v)
+        token_ids = torch.where(greedy, token_ids, sampled)
+    if variant.greedy:  # the first maximum (lowest id), written out: an argmax's tie rule is not part of its contract
+        best = masked.amax(dim=-1, keepdim=True)
+        token_ids = torch.where(greedy, torch.where(masked == best, ids, v).amin(dim=-1), token_ids)
+
+    log_norm = torch.logsumexp(masked, dim=-1, keepdim=True)
+    logprobs = (masked.gather(-1, token_ids[:, None]) - log_norm).squeeze(-1)
+
+    topn_ids = topn_logprobs = None
+    if variant.num_logprobs > 0:
+        n_eff = min(variant.num_logprobs, v)
+        topn_ids = key_ids(rank_keys(masked, ids).topk(n_eff, dim=-1).values)
+        top_x = masked.gather(-1, topn_ids)
+        finite = torch.isfinite(top_x)
+        topn_logprobs = torch.where(finite, top_x - log_norm, _NEG_INF)
+        topn_ids = torch.where(finite, topn_ids, -1)
+        if n_eff < variant.num_logprobs:  # vocabulary smaller than N
+            topn_ids = torch.nn.functional.pad(topn_ids, (0, variant.num_logprobs - n_eff), value=-1)
+            topn_logprobs = torch.nn.functional.pad(topn_logprobs, (0, variant.num_logprobs - n_eff), value=_NEG_INF)
+    return token_ids, logprobs, topn_ids, topn_logprobs, mask
+
+
+_compiled = None
+_token_ids: dict[tuple[torch.device, int], Tensor] = {}
+
+
+def _compiled_core():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_core, fullgraph=True)
+    return _compiled
+
+
+def sample_compiled(
+    logits: Tensor,
+    batch: BatchSampling,
+    steps: Tensor,
+    *,
+    seen_tokens: Tensor | None = None,
+    return_candidates: bool = True,
+    compile: bool = True,
+) -> SampleResult:
+    """`sampler.sample` (same arguments, same result) through the compiled `_core`; `compile=False` runs `_core`
+    eagerly (the tests check the formulation and the compilation separately)."""
+    if logits.dim() != 2 or logits.shape[0] != batch.batch_size:
+        raise ValueError(f"sampler: logits must be [B={batch.batch_size}, V], got {tuple(logits.shape)}")
+    b, v = logits.shape
+    steps = steps.to(device=logits.device, dtype=torch.int64)
+    if steps.shape != (b,):
+        raise ValueError(f"sampler: steps must be [{b}], got {tuple(steps.shape)}")
+    plan = batch.plan
+    penalty = seen_tokens is not None and plan.any_penalty
+    if penalty:
+        if seen_tokens.shape != logits.shape:
+            raise ValueError(f"sampler: seen_tokens {tuple(seen_tokens.shape)} must match logits {tuple(logits.shape)}")
+        seen = seen_tokens.to(torch.bool)
+    else:
+        seen = None
+    variant = _Variant.of(plan, v, penalty, batch.num_logprobs)
+    fields = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.repetition_penalty, batch.seeds)
+    ids = _token_ids.get((logits.device, v))
+    if ids is None:
+        ids = _token_ids[(logits.device, v)] = torch.arange(v, device=logits.device)
+    args = (logits, *fields, steps, seen, ids)
+    core = _core
+    if compile:
+        core = _compiled_core()
+        for tensor in args:
+            if tensor is not None:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)  # one graph for every batch size
+    token_ids, logprobs, topn_ids, topn_logprobs, mask = core(*args, variant)
+    candidate_ids = num_candidates = None
+    if return_candidates and plan.any_filters:
+        candidate_ids, num_candidates = candidate_sets(mask, batch)
+    return SampleResult(token_ids, logprobs, topn_ids, topn_logprobs, candidate_ids, num_candidates)
