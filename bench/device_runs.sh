@@ -97,6 +97,11 @@ learner_tune)  # carry []: the learner's knobs on the 8K shape (one H200): FlexA
     run tune_graphs 150 $tp --prepare-kwargs '{"compile_mode": "reduce-overhead"}' --out "$out/tune_graphs.json"
     RLASYNC_HEAD_COMPILE=0 run tune_head_eager 120 $tp --out "$out/tune_head_eager.json"
     ;;
+engine_sampler)  # carry []: the compiled sampler (off by default until this runs) against the eager one, and its CUDA tests
+    export PYTHONPATH=$PWD
+    run sampler_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or slow or not slow" tests/unit/engine/test_sampler_compiled.py tests/unit/engine/test_torch_engine_cuda.py
+    run sampler_compare 240 python3 bench/engine_throughput.py --compiled-sampler compare --no-hf --concurrency 64,256 --out "$out/engine_compiled_sampler_h200.json"
+    ;;
 sync_baseline)  # carry [".devicekit"]: async (max_staleness 2 and 4) against the synchronous baseline (0), one shared H200
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
