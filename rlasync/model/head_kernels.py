@@ -19,10 +19,14 @@ Reductions run in float32 (float64 for float64 logits, for exact checks).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,13 +103,34 @@ def sparse_fixup(out, raw, ids, values, lse, mean, coef, grad_entropy, math: Hea
 
 
 _COMPILED: dict[str, Callable] = {}
+COMPILE_FAILURES: list[str] = []  # the first failure to compile a pass: both passes run eagerly from then on
 
 
 def fused(name: str, compile_kernels: bool) -> Callable:
-    """`dense_stats` or `dense_grad`, torch.compile'd (dynamic in the chunk length) when `compile_kernels`."""
+    """`dense_stats` or `dense_grad`, torch.compile'd (dynamic in the chunk length) when `compile_kernels`; a pass
+    that fails to compile (a GPU or torch build inductor cannot serve) warns once and runs eagerly from then on:
+    the same values, more kernels."""
     function = {"dense_stats": dense_stats, "dense_grad": dense_grad}[name]
-    if not compile_kernels:
+    if not compile_kernels or COMPILE_FAILURES:
         return function
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(function, dynamic=True, fullgraph=True)
+        _COMPILED[name] = _falling_back(torch.compile(function, dynamic=True, fullgraph=True), function)
     return _COMPILED[name]
+
+
+def _falling_back(compiled: Callable, eager: Callable) -> Callable:
+    from rlasync.model.attention import _compile_errors
+
+    def run(*args: Any) -> Any:
+        if COMPILE_FAILURES:
+            return eager(*args)
+        try:
+            return compiled(*args)
+        except _compile_errors() as exc:
+            COMPILE_FAILURES.append(f"{type(exc).__name__}: {exc}")
+            logger.warning("the LM head's compiled passes failed to compile (%s); they run eagerly from now on "
+                           "(same values, more kernels; RLASYNC_HEAD_COMPILE=0 skips compiling)",
+                           COMPILE_FAILURES[0][:300])  # fmt: skip
+            return eager(*args)
+
+    return run

@@ -204,3 +204,35 @@ def test_bad_memory_settings_name_the_field(monkeypatch):
     monkeypatch.setenv("RLASYNC_HEAD_COMPILE", "yes")
     with pytest.raises(ValueError, match="RLASYNC_HEAD_COMPILE must be 0 or 1"):
         chunked_token_scores(hidden, weight, targets)
+
+
+def test_passes_that_fail_to_compile_warn_once_and_run_eagerly(monkeypatch, caplog):
+    """A GPU or torch build inductor cannot serve: the compiled passes fall back to the eager ones (same values and
+    gradients), with one warning, and are not tried again."""
+    import torch._dynamo.exc
+
+    from rlasync.model import head_kernels
+
+    attempts = []
+
+    def failing_compile(function, **kwargs):
+        def compiled(*args):
+            attempts.append(function.__name__)
+            raise torch._dynamo.exc.TorchDynamoException("no backend for this device")
+
+        return compiled
+
+    monkeypatch.setattr(head_kernels, "_COMPILED", {})
+    monkeypatch.setattr(head_kernels, "COMPILE_FAILURES", [])
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    eager, eager_grads = _scores_and_grads(torch.float32, chunk_size=5, compile_kernels=False)
+    with caplog.at_level("WARNING"):
+        fallen, fallen_grads = _scores_and_grads(torch.float32, chunk_size=5, compile_kernels=True)
+        again, _ = _scores_and_grads(torch.float32, chunk_size=5, compile_kernels=True)
+    assert attempts == ["dense_stats"]  # the first failure turned both passes eager
+    assert caplog.text.count("failed to compile") == 1 and head_kernels.COMPILE_FAILURES
+    for a, b in zip((eager.logprobs, eager.entropy), (fallen.logprobs, fallen.entropy)):
+        assert torch.equal(a, b)
+    for a, b in zip(eager_grads, fallen_grads):
+        assert torch.equal(a, b)
+    assert torch.equal(again.logprobs, eager.logprobs)
