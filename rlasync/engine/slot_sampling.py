@@ -59,17 +59,9 @@ class SlotSampling:
         floats = self.floats.index_select(1, index)
         ints = self.ints.index_select(1, index)
         rows = [self._rows[slot] for slot in slots]
-        batch = BatchSampling(
-            temperature=floats[0],
-            top_k=ints[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            repetition_penalty=floats[3],
-            seeds=ints[1],
-            num_logprobs=max((self._num_logprobs[slot] for slot in slots), default=0),
-        )
-        object.__setattr__(batch, "_plan", _Plan.of(*zip(*rows)) if rows else _Plan.of([], [], [], [], []))
-        return batch, index_and_steps[1]
+        plan = _Plan.of(*zip(*rows)) if rows else _Plan.of([], [], [], [], [])
+        num_logprobs = max((self._num_logprobs[slot] for slot in slots), default=0)
+        return BatchSampling.from_packed(floats, ints, num_logprobs, plan), index_and_steps[1]
 
     def _stale(self, slot: int, params: SamplingParams, seed: int) -> bool:
         if not 0 <= slot < self.capacity:
