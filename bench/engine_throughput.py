@@ -175,20 +175,10 @@ def main() -> None:
             if compiled is not None:
                 engine._runner.compiled_sampler = compiled  # read at each sampler call; the engine is idle here
             asyncio.run(engine_suite(tag + sampler_tag))
-    if args.async_scheduling == "compare":
-        for level in levels:
-            for extra in ("", "_logprobs8"):
-                sync, overlapped = (results["runs"][f"engine{tag}_c{level}{extra}"]["new_tokens_per_s"]
-                                    for tag in ("_sync", "_async"))  # fmt: skip
-                results[f"async_over_sync_c{level}{extra}"] = overlapped / sync
-        _write(args.out, results)
-    if args.compiled_sampler == "compare":
-        for level in levels:
-            for extra in ("", "_logprobs8"):
-                eager, compiled = (results["runs"][f"engine{tag}_c{level}{extra}"]["new_tokens_per_s"]
-                                   for tag in ("_eager", "_compiled"))  # fmt: skip
-                results[f"compiled_over_eager_c{level}{extra}"] = compiled / eager
-        _write(args.out, results)
+    for option, base, other in (("async_scheduling", "sync", "async"), ("compiled_sampler", "eager", "compiled")):
+        if getattr(args, option) == "compare":
+            _compare(results, levels, base, other)
+            _write(args.out, results)
     if args.profile:
         profile_engine(engine, prompts_all[: max(levels)], args.device, Path(args.profile))
     if hf_model is not None:
@@ -238,6 +228,14 @@ def profile_engine(engine: TorchEngine, prompts: list[list[int]], device: str, f
     finally:
         asyncio.to_thread = to_thread
     print(f"profile written to {folder}: {run}", flush=True)
+
+
+def _compare(results: dict, levels: list[int], base: str, other: str) -> None:
+    """`<other>_over_<base>_c<N>[_logprobs8]`: new tokens/s of the runs tagged `_<other>` over those tagged `_<base>`."""
+    for level in levels:
+        for extra in ("", "_logprobs8"):
+            before, after = (results["runs"][f"engine_{tag}_c{level}{extra}"]["new_tokens_per_s"] for tag in (base, other))
+            results[f"{other}_over_{base}_c{level}{extra}"] = after / before
 
 
 def _write(path: str | None, results: dict) -> None:
