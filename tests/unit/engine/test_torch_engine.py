@@ -264,13 +264,19 @@ def test_weights_loaded_mid_request_are_used_for_the_rest_of_it_and_tied_embeddi
 
     records = asyncio.run(run())
     assert torch.equal(model.get_input_embeddings().weight, new_state["model.embed_tokens.weight"])
-    for record in records:  # every token after the sync is the new model's greedy choice given the whole prefix
+    assert_ends_greedy_under(reference, records)
+
+
+def assert_ends_greedy_under(reference, records, last=10):
+    """Every record's last `last` tokens are `reference`'s greedy choices given the whole prefix (a weight sync
+    reached the engine: the tokens after it come from the new model)."""
+    for record in records:
         ids = record.prompt_ids + record.output_ids
         with torch.no_grad():
             logits = reference(torch.tensor([ids])).logits[0]
         new_choices = logits[len(record.prompt_ids) - 1 : -1].argmax(-1).tolist()
         matches = [a == b for a, b in zip(new_choices, record.output_ids)]
-        assert all(matches[-10:]), matches
+        assert all(matches[-last:]), matches
 
 
 def test_pause_stops_progress_and_resume_finishes_every_request():

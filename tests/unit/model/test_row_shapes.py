@@ -4,11 +4,10 @@
 import pytest
 import torch
 
-from rlasync.model import enable_tree_attention, packed_row_to_tensors, packed_token_scores
+from rlasync.model import enable_tree_attention, packed_token_scores
 from rlasync.model.row_shapes import MAX_BUCKETS, pad_row_tensors, padded_length, row_bucket
 from rlasync.model.tree_mask import dense_tree_mask
-from rlasync.packing import TreeRow, pack
-from rlasync.records import RolloutSample
+from tests.unit.model.test_linear_attention import row_tensors
 
 TOL = 1e-5
 
@@ -24,11 +23,7 @@ def test_buckets_are_block_multiples_and_few():
 
 
 def _row(seqs, prompts, share_prefixes=True):
-    row = TreeRow(share_prefixes=share_prefixes)
-    for seq, prompt in zip(seqs, prompts):
-        mask = [0] * prompt + [1] * (len(seq) - prompt)
-        row.add(RolloutSample(seq, mask, [0.0] * len(seq), advantage=0.0, group_id=0))
-    return packed_row_to_tensors(pack(row))
+    return row_tensors(seqs, prompts, share_prefixes)
 
 
 def test_padding_is_one_invisible_chain():
