@@ -89,13 +89,13 @@ class TokenAllowance:
         self.max_staleness = max_staleness
         self.steps_per_version = steps_per_version
         self.samples_per_step = samples_per_step
-        self._sync_step_tokens = _positive_tokens(tokens_per_step)
         self.taken = 0  # S = 0: tokens (or samples) taken for training under the current policy version
         self.queued_samples = 0
         self.learner_waiting = False  # a take is waiting for samples (set by the queue service)
         self._clock = clock
         self._notifier = notifier or Notifier()
         self.tokens_per_step = _positive_tokens(tokens_per_step)
+        self._sync_step_tokens = self.tokens_per_step  # S = 0: the first step's target, kept (module docstring)
         self.queued_tokens = 0
         self._inflight_groups = 0
         self._inflight_rollouts = 0
