@@ -61,14 +61,6 @@ engine_async)  # no carry: the built-in engine's CUDA tests (async scheduling in
     run engine_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_torch_engine_cuda.py
     run engine_async 240 python3 bench/engine_throughput.py --no-hf --async-scheduling compare --out "$out/engine_async_h200.json"
     ;;
-learner)  # carry [".trlwheel", ".trltp"] (TRL 1.16's wheel; its tree-packing anchor): ours and TRL's, same shapes
-    export PYTHONPATH=$PWD
-    shapes=1088x256x8@4096,544x128x8@8192
-    run tree_ckpt 200 python3 bench/tree_packing.py --compile layers --groups 8 --steps 6 --warmup 2 --modes tree --shapes $shapes --out "$out/tree_ckpt.json"
-    run tree_nockpt 200 python3 bench/tree_packing.py --compile layers --groups 8 --steps 6 --warmup 2 --modes tree --no-grad-ckpt --shapes $shapes --out "$out/tree_nockpt.json"
-    python3 -m pip install -q --no-index --no-deps --target /tmp/trlsite .trlwheel/trl-*.whl
-    (cd .trltp && PYTHONPATH=/tmp/trlsite timeout 200 python3 tree_packing_anchor.py --out "$out/trl" --configs "1088x256x8@4096/8,544x128x8@8192/8" --iters 4 --deadline-s 150 > "$out/trl.log" 2>&1; echo "trl rc $?"; tail -5 "$out/trl.log")
-    ;;
 vllm_speed)  # after a call that ran `bash .vllmkit/unpack.sh`: both engines, 256 x 256 -> 256 in one run; LoRA GRPO with vLLM
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
@@ -84,10 +76,11 @@ final)  # one call, carry [".devicekit", ".whl", ".trlwheel"]: new CUDA paths' t
     run e2e_ipc 150 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
     run lora_sync 50 python3 bench/lora_sync.py --skip-vllm --out "$out/lora_h200.json"
     ;;
-trl_only)  # carry [".trlwheel"]: TRL's tree packing alone (bench/trl_tree_anchor.py), the shapes of `final`
-    export PYTHONPATH=$PWD
+trl_only)  # carry [".devicekit", ".trlwheel"]: TRL's tree packing alone (bench/trl_tree_anchor.py), the shapes of `final`
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     mkdir -p /tmp/trlsite && python3 -m pip install -q --no-index --no-deps --target /tmp/trlsite .trlwheel/trl-*.whl
-    PYTHONPATH=/tmp/trlsite:$PWD timeout 230 python3 bench/trl_tree_anchor.py --out "$out/trl.json" --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps 6 --warmup 2 > "$out/trl.log" 2>&1; echo "trl rc $?"; tail -3 "$out/trl.log"
+    export PYTHONPATH=/tmp/trlsite:$PWD:/tmp/site  # rlasync's imports need pydantic from the kit
+    run trl 230 python3 bench/trl_tree_anchor.py --out "$out/trl.json" --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps 6 --warmup 2
     ;;
 learner_tune)  # carry []: the learner's knobs on the 8K shape (one H200): FlexAttention tiles, CUDA graphs, head passes
     export PYTHONPATH=$PWD
