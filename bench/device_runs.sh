@@ -7,10 +7,10 @@
 #   (or)    carry []:               bash bench/device_runs.sh distill     (~3 min; on-policy distillation e2e)
 #   (or)    carry [".devicekit"]:  bash bench/device_runs.sh onegpu      (~9 min on nvidia-h200: GPU tests, IPC GRPO, 1-GPU distillation)
 #
-# Build the kits first, here: ../shared/device/make-kit.sh with
-#   EXTRA="pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 math-verify==0.9.0
-#          latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"
-# and ../shared/device/vllm/build-kit.sh.
+# The kits are git-ignored folders built on the workstation: .devicekit (wheels of Ray and the pure-Python deps the GPU
+# image lacks, with pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+# math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2), .vllmkit (vLLM 0.25 and its
+# deps, with an unpack.sh), .trlwheel (TRL 1.16's wheel), and the SmolLM2 GGUF in two halves (.smol1, .smol2).
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
 out=${OUT:-/tmp/out}
@@ -44,7 +44,7 @@ distill)  # no carry needed if it follows the torch stage while the machine is w
     export PYTHONPATH=$PWD:/tmp/site
     run e2e_distill 300 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --out "$out/e2e_distill.json"
     ;;
-system_torch)  # one H200, after the SmolLM2 calls (../shared/device/smollm2): GPU engine tests, the system, the engine alone
+system_torch)  # one H200, after the two calls that carry SmolLM2 (.smol1, .smol2): GPU engine tests, the system, the engine alone
     export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
     st="python3 bench/system_throughput.py --out $out/system_throughput_h200.json"
     run engine_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_torch_engine_cuda.py

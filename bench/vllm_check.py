@@ -21,7 +21,7 @@ recorded in the JSON and the next one runs; the JSON is rewritten after every ph
                 startup check, generate/score vs HF, /metrics, pause/resume, weight sync through /collective_rpc
   torch_engine  the built-in TorchEngine on the same throughput shape (same GPU, after vLLM has exited)
 
-On the GPU machine, with the vLLM kit carried (`carry: [".vllmkit"]`, see ../shared/device/vllm/README.md):
+On the GPU machine, with the vLLM kit carried (`carry: [".vllmkit"]`, a git-ignored folder of vLLM 0.25's wheels):
 
     bash .vllmkit/unpack.sh && export PYTHONPATH=/tmp/vsite:$PWD:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 \\
         VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 && python3 bench/vllm_check.py --out $OUT
