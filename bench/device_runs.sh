@@ -82,16 +82,21 @@ trl_only)  # carry [".devicekit", ".trlwheel"]: TRL's tree packing alone (bench/
     export PYTHONPATH=/tmp/trlsite:$PWD:/tmp/site  # rlasync's imports need pydantic from the kit
     run trl 230 python3 bench/trl_tree_anchor.py --out "$out/trl.json" --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps 6 --warmup 2
     ;;
-learner_tune)  # carry []: the learner's knobs on the 8K shape (one H200): FlexAttention tiles, CUDA graphs, head passes
-    export PYTHONPATH=$PWD
-    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --compile layers --grad-ckpt auto --modes tree"
-    run tune_base 120 $tp --out "$out/tune_base.json"
-    RLASYNC_FLEX_KERNEL_OPTIONS='{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}' run tune_flex_bwd 120 $tp --out "$out/tune_flex_bwd.json"
-    run tune_graphs 150 $tp --prepare-kwargs '{"compile_mode": "reduce-overhead"}' --out "$out/tune_graphs.json"
-    RLASYNC_HEAD_COMPILE=0 run tune_head_eager 120 $tp --out "$out/tune_head_eager.json"
+learner_tune)  # carry [".devicekit"] (for pydantic): the learner's knobs on the 8K shape (one H200): a profile and bf16 agreement, autotuned and graphed layers
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto"
+    run tune_base 170 $tp --compile layers --modes tree,padding_free --profile "$out/profiles" --profile-steps 2 --out "$out/tune_base.json"
+    run tune_autotune 230 $tp --compile layers --modes tree --prepare-kwargs '{"compile_mode": "max-autotune-no-cudagraphs"}' --out "$out/tune_autotune.json"
+    run tune_graphs 150 $tp --compile layers --modes tree --prepare-kwargs '{"compile_mode": "reduce-overhead"}' --out "$out/tune_graphs.json"
     ;;
-engine_sampler)  # carry []: the compiled sampler (off by default until this runs) against the eager one, and its CUDA tests
-    export PYTHONPATH=$PWD
+learner_tiles)  # carry [] after learner_tune (warm: /tmp/site): FlexAttention backward tiles on the 8K shape
+    export PYTHONPATH=$PWD:/tmp/site
+    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree"
+    RLASYNC_FLEX_KERNEL_OPTIONS='{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}' run tune_flex_bwd 120 $tp --out "$out/tune_flex_bwd.json"
+    ;;
+engine_sampler)  # carry [] after a stage that installed the kit (warm: /tmp/site): the compiled sampler against the eager one, its CUDA tests
+    export PYTHONPATH=$PWD:/tmp/site
     run sampler_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or slow or not slow" tests/unit/engine/test_sampler_compiled.py tests/unit/engine/test_torch_engine_cuda.py
     run sampler_compare 240 python3 bench/engine_throughput.py --compiled-sampler compare --no-hf --concurrency 64,256 --out "$out/engine_compiled_sampler_h200.json"
     ;;

@@ -85,7 +85,8 @@ class ModelRunner:
     `cuda_graph_sizes` (triton and varlen only): batch sizes whose decode steps are captured as CUDA graphs;
     empty = eager. `mixed_graph_tokens`: token counts whose mixed steps (prefill chunks with decodes, at most
     `max_num_seqs` requests) are captured too (`mixed_graphs.py`). A capture that fails is logged and those steps
-    run eagerly. `compiled_sampler`: sample through `sampler_compiled` (inductor-fused; same results; None = off)."""
+    run eagerly. `compiled_sampler`: sample through `sampler_compiled` (inductor-fused; same results; None = on for
+    CUDA); a compile that fails is logged once and the eager sampler takes over."""
 
     def __init__(
         self,
@@ -116,7 +117,7 @@ class ModelRunner:
             raise ValueError(f"unknown paged attention backend {backend!r}")
         self.backend = backend
         self.slots = SlotSampling(max_num_seqs, device)
-        self.compiled_sampler = resolve_compiled_sampler(compiled_sampler)
+        self.compiled_sampler = resolve_compiled_sampler(compiled_sampler, device)
         self.graphs = None
         if cuda_graph_sizes and backend in ("varlen", "triton"):
             try:
@@ -265,8 +266,15 @@ class ModelRunner:
             seen = torch.zeros(len(specs), logits.shape[1], dtype=torch.bool, device=self.device)
             seen[torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)] = True
         wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
-        sampler = sample_compiled if self.compiled_sampler else sample
-        return sampler(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
+        if self.compiled_sampler:
+            try:
+                return sample_compiled(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
+            except Exception as exc:  # inductor/triton unavailable or failing here: the eager sampler, same results
+                if isinstance(exc, ValueError):  # bad input is the caller's error, not the compiler's
+                    raise
+                logger.warning("compiled sampler failed (%s: %s); sampling eagerly from now on", type(exc).__name__, exc)
+                self.compiled_sampler = False
+        return sample(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
 
     # ---- teacher-forced scoring ---------------------------------------------------------------------------------
 

@@ -84,7 +84,8 @@ class TorchEngine:
                            (`async_steps.py`; same tokens and log-probs); None (default): on for CUDA, off on CPU
                            (where it overlaps nothing). On one H200 it gives 1.5x new tokens/s at 256 concurrent
     compiled_sampler       sample through the torch.compile'd sampler (`sampler_compiled.py`: a few fused kernels,
-                           same tokens and log-probs); None (default): off, not yet timed on a GPU
+                           same tokens and log-probs); None (default): on for CUDA (1.17x new tokens/s at 256
+                           concurrent on one H200, 1.45x with 8 log-probs), off on CPU; a failed compile falls back
     """
 
     def __init__(

@@ -107,7 +107,9 @@ def test_bad_shapes_are_refused():
 
 
 def test_option_values():
-    assert resolve_compiled_sampler(None) is False
+    assert resolve_compiled_sampler(None) is False  # the default: off on the CPU ...
+    assert resolve_compiled_sampler(None, "cuda") is True  # ... on for CUDA
+    assert resolve_compiled_sampler(False, torch.device("cuda", 0)) is False
     assert resolve_compiled_sampler(True) is True
     assert resolve_compiled_sampler(False) is False
     for bad in ("yes", 1, 0.0):
@@ -140,6 +142,42 @@ def test_engine_option_same_tokens_and_logprobs():
             assert list(top_a.values()) == pytest.approx(list(top_b.values()), abs=1e-5)
     with pytest.raises(ValueError, match="compiled_sampler='on'"):
         TorchEngine(model, device="cpu", max_model_len=64, kv_cache_tokens=256, compiled_sampler="on")
+
+
+def test_engine_falls_back_to_eager_when_the_compile_fails(monkeypatch, caplog):
+    """A compiled sampler that raises (no triton, an inductor bug) is logged once and the eager sampler takes over:
+    the requests finish with the eager engine's tokens; a ValueError (bad input) is not swallowed."""
+    import rlasync.engine.sampler_compiled as compiled_module
+    from rlasync.engine.base import EngineError
+    from tests.unit.engine.test_torch_engine import PROMPTS, make_engine, tiny_model
+
+    model = tiny_model("qwen3", init=0.05)
+    params = [SamplingParams(max_tokens=5, temperature=1.0, seed=3 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+    async def run(engine):
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(PROMPTS, params)))
+
+    eager = asyncio.run(run(make_engine(model)))
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("inductor: no working C++ compiler")
+
+    monkeypatch.setattr(compiled_module, "sample_compiled", broken)
+    engine = make_engine(model, compiled_sampler=True)
+    with caplog.at_level("WARNING", logger="rlasync.engine.runner"):
+        fallback = asyncio.run(run(engine))
+    assert [r.output_ids for r in fallback] == [r.output_ids for r in eager]
+    assert len(calls) == 1 and engine._runner.compiled_sampler is False
+    assert sum("compiled sampler failed" in r.getMessage() for r in caplog.records) == 1
+
+    def bad_input(*args, **kwargs):
+        raise ValueError("sample_compiled: logits must be [B, V]")
+
+    monkeypatch.setattr(compiled_module, "sample_compiled", bad_input)
+    with pytest.raises(EngineError, match="step failed: ValueError.*logits must be"):  # the step fails, loudly
+        asyncio.run(run(make_engine(model, compiled_sampler=True)))
 
 
 @pytest.mark.gpu
