@@ -187,7 +187,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
                 "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}  # fmt: skip
     return {"max_model_len": args.max_model_len, "kv_cache_tokens": args.kv_cache_tokens,
-            "max_num_seqs": args.max_num_seqs}  # fmt: skip
+            "max_num_seqs": args.max_num_seqs, **json.loads(args.engine_kwargs or "{}")}  # fmt: skip
 
 
 class _BackendLog(logging.Handler):
@@ -286,6 +286,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="the generation engine")
+    parser.add_argument("--engine-kwargs", default=None,
+                        help='torch engine: JSON of extra TorchEngine arguments, e.g. \'{"compiled_sampler": false}\'')  # fmt: skip
     parser.add_argument("--trainer", choices=["grpo", "distill"], default="grpo",
                         help="distill: on-policy distillation from a second random model (a TeacherScorer actor on "
                              "the engine's GPU) instead of GRPO")  # fmt: skip

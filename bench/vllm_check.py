@@ -544,14 +544,22 @@ async def vllm_nccl_sync(engine: Any, model: Any) -> dict[str, Any]:
     return {"rounds_ms (pause+transfer+load+resume)": rounds, "median_ms": statistics.median(rounds)}
 
 
+async def warm_up(engine, prompts) -> None:
+    """Short seeded runs with and without 8 log-probs, at two batch sizes, before anything is timed: the engine's
+    compiled pieces (the TorchEngine's sampler compiles once per variant, then once more for a dynamic batch size)
+    are built here, as vLLM's are at its start-up."""
+    for logprobs in (0, 8):
+        for count in (32, 7):
+            params = [SamplingParams(max_tokens=16, ignore_eos=True, seed=i, num_logprobs=logprobs) for i in range(count)]
+            await generate_all(engine, prompts[:count], params)
+
+
 async def phase_throughput(ctx: dict[str, Any]) -> dict[str, Any]:
     args, engine = ctx["args"], ctx["engine"]
     vocab = ctx["model"]["vocab_size"]
     n, plen, new = args.concurrency, args.prompt_len, args.new_tokens
     prompts = random_prompts(n, plen, vocab, seed=11)
-    await generate_all(
-        engine, prompts[:32], [SamplingParams(max_tokens=16, ignore_eos=True, seed=i) for i in range(32)]
-    )
+    await warm_up(engine, prompts)
     result: dict[str, Any] = {"requests": n, "prompt_len": plen, "new_tokens": new}
     for label, logprobs, seeds in (("seeded", 0, True), ("seeded_logprobs8", 8, True), ("unseeded", 0, False)):
         engine.use_request_seeds = seeds
@@ -706,9 +714,7 @@ async def phase_torch_engine(ctx: dict[str, Any]) -> dict[str, Any]:
     n, plen, new = args.concurrency, args.prompt_len, args.new_tokens
     prompts = random_prompts(n, plen, vocab, seed=11)
     try:
-        await generate_all(
-            engine, prompts[:32], [SamplingParams(max_tokens=16, ignore_eos=True, seed=i) for i in range(32)]
-        )
+        await warm_up(engine, prompts)
         for label, logprobs in (("seeded", 0), ("seeded_logprobs8", 8)):
             params = [SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, num_logprobs=logprobs, seed=i)
                       for i in range(n)]  # fmt: skip
