@@ -18,7 +18,7 @@ tie count by cumulative sum and a canonical re-sort; a key's low 32 bits give th
 
 The batch's host plan (`BatchSampling.plan`) picks the static variant (`_Variant`: which stages run, window widths
 rounded up to a power of two); the batch dimension is dynamic, so one compiled graph serves every batch size of a
-variant. A run sees a few variants (e.g. with and without top-N log-probs, a greedy evaluation); dynamo's recompile
+variant (a single row is run as two: dynamo would specialise size 1 and compile a second graph mid-run). A run sees a few variants (e.g. with and without top-N log-probs, a greedy evaluation); dynamo's recompile
 limit (8 per function) bounds them, past which it warns and runs `_core` eagerly (same results, more launches).
 The candidate sets (`return_candidates`) read their width on the host, so they run after the compiled part.
 """
@@ -207,14 +207,20 @@ def sample_compiled(
     ids = _token_ids.get((logits.device, v))
     if ids is None:
         ids = _token_ids[(logits.device, v)] = torch.arange(v, device=logits.device)
-    args = (logits, *fields, steps, seen, ids)
+    rows = (logits, *fields, steps, seen)  # the [B, ...] inputs
     core = _core
     if compile:
         core = _compiled_core()
-        for tensor in args:
+        # dynamo specialises sizes and storage offsets of 0 and 1 (another compile, seconds, mid-run): a single row
+        # runs as two, and views into a packed tensor (the batch's fields) are copied to offset 0
+        if b == 1:
+            rows = tuple(None if t is None else torch.cat([t, t]) for t in rows)
+        rows = tuple(t.clone() if t is not None and t.storage_offset() else t for t in rows)
+        for tensor in rows:
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)  # one graph for every batch size
-    token_ids, logprobs, topn_ids, topn_logprobs, mask = core(*args, variant)
+    outputs = core(*rows, ids, variant)
+    token_ids, logprobs, topn_ids, topn_logprobs, mask = (None if t is None else t[:b] for t in outputs)
     candidate_ids = num_candidates = None
     if return_candidates and plan.any_filters:
         candidate_ids, num_candidates = candidate_sets(mask, batch)

@@ -56,17 +56,26 @@ def test_formulation_equals_eager_sampler(windowed):
 
 def test_compiled_common_path_equals_eager_sampler():
     """The inductor-compiled graph (CPU) on the engine's common path (temperature, per-request seeds, 8 top
-    log-probs, ties in some rows) at two batch sizes (one graph, a dynamic batch dimension), with a vocabulary that
-    is not a multiple of the vector width."""
+    log-probs, ties in some rows) at several batch sizes, one row included, with a vocabulary that is not a multiple
+    of the vector width, logits at several storage offsets: one graph for all of them (a dynamic batch dimension;
+    dynamo specialises sizes and offsets 0 and 1, so a single row runs as two and views are copied to offset 0,
+    else a second compile would stall the engine for seconds in the middle of a run)."""
+    from torch._dynamo.utils import counters
+
     rng = random.Random(0)
     vocab = 999
     params = [SamplingParams(temperature=1.0, num_logprobs=8, seed=i) for i in range(32)]
     logits = torch.randn(32, vocab, generator=torch.Generator().manual_seed(1)) * 4
     logits[::4] = (logits[::4] * 2).round() / 2
-    for rows in (32, 19):
+    graphs = []
+    for rows, first in ((32, 0), (19, 0), (1, 0), (2, 0), (3, 5), (1, 7)):  # logits views at offsets 0, 5V, 7V
         batch = BatchSampling.from_params(params[:rows], [rng.getrandbits(63) for _ in range(rows)])
         steps = torch.arange(rows) * 3
-        assert_same(sample(logits[:rows], batch, steps), sample_compiled(logits[:rows], batch, steps))
+        got = sample_compiled(logits[first : first + rows], batch, steps)
+        assert got.token_ids.shape == (rows,) and got.topn_ids.shape == (rows, 8)
+        assert_same(sample(logits[first : first + rows], batch, steps), got)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[0], f"recompiled for another batch size: unique graphs {graphs}"
 
 
 @pytest.mark.slow
