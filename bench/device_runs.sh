@@ -95,6 +95,26 @@ learner_tiles)  # carry [] after learner_tune (warm: /tmp/site): FlexAttention b
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree"
     RLASYNC_FLEX_KERNEL_OPTIONS='{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}' run tune_flex_bwd 120 $tp --out "$out/tune_flex_bwd.json"
     ;;
+learner_attention)  # carry [".devicekit"]: FlexAttention kernel configurations on a real 8K row, then the learner with 64-token mask blocks
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run flex_tiles 300 python3 bench/flex_tiles.py --out "$out/flex_tiles_h200.json"
+    run tune_block64 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree --block-size 64 --out "$out/tune_block64.json"
+    ;;
+sampler_system)  # carry [".devicekit"]: GRPO on one shared H200, the compiled sampler (default, after the one-graph fix) vs eager
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    for m in false true; do
+        run e2e_sampler_$m 115 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --weight-sync-backend ipc --engine-kwargs "{\"compiled_sampler\": $m}" --out "$out/e2e_ipc_sampler_$m.json"
+    done
+    ;;
+vllm_recheck)  # carry [".vllmkit"] after a stage that installed .devicekit (warm): both engines 256x256 (warm-ups fixed), vLLM's IPC sync in GRPO
+    [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
+    run e2e_vllm_ipc 200 python3 bench/e2e_grpo.py --steps 10 --runs async --engine vllm --share-gpu --vllm-gpu-memory-utilization 0.4 --weight-sync-backend ipc --out "$out/e2e_vllm_ipc_h200.json"
+    ;;
 engine_sampler)  # carry [] after a stage that installed the kit (warm: /tmp/site): the compiled sampler against the eager one, its CUDA tests
     export PYTHONPATH=$PWD:/tmp/site
     run sampler_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or slow or not slow" tests/unit/engine/test_sampler_compiled.py tests/unit/engine/test_torch_engine_cuda.py

@@ -191,17 +191,18 @@ def flops_of(row, config) -> float:
 class TreeMode:
     """Packed rows (tree or padding-free) scored by rlasync's tree forward."""
 
-    def __init__(self, rows, device):
+    def __init__(self, rows, device, block_size: int | None = None):
         self.rows = rows
         self.packed = [pack(r) for r in rows]
         self.tensors = [packed_row_to_tensors(p, device) for p in self.packed]
+        self.kwargs = {"block_size": block_size} if block_size else {}  # the BlockMask's blocks (default 128)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def scores(self, model, i: int):
         tensors = self.tensors[i]
-        return packed_token_scores(model, tensors), tensors.advantages
+        return packed_token_scores(model, tensors, **self.kwargs), tensors.advantages
 
     def per_sample(self, i: int, logprobs: np.ndarray):
         return [(s, logprobs[self.packed[i].sample_index == k]) for k, s in enumerate(self.rows[i].samples)]
@@ -270,8 +271,8 @@ def per_sample_logprobs(model, mode, num_rows: int) -> dict[int, np.ndarray]:
 def bench_shape(model, config, shape: Shape, args) -> dict:
     samples = make_samples(shape, args.groups, config.vocab_size, args.seed)
     builders = {
-        "tree": lambda: TreeMode(plan_rows(samples, shape.row_tokens, share=True), args.device),
-        "padding_free": lambda: TreeMode(plan_rows(samples, shape.row_tokens, share=False), args.device),
+        "tree": lambda: TreeMode(plan_rows(samples, shape.row_tokens, share=True), args.device, args.block_size),
+        "padding_free": lambda: TreeMode(plan_rows(samples, shape.row_tokens, share=False), args.device, args.block_size),
         "padded": lambda: PaddedMode(padded_batches(samples, shape.row_tokens, args.device)),
     }
     modes = {name: builders[name]() for name in args.modes.split(",")}
@@ -377,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="torch.profiler over a few tree-mode rows per shape: kernel table and split into DIR",
     )
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per FlexAttention mask block (default: the learner's, 128; see bench/flex_tiles.py)")  # fmt: skip
     parser.add_argument("--profile-steps", type=int, default=3, help="tree-mode rows profiled per shape")
     return parser
 
@@ -427,6 +430,7 @@ def main(argv=None) -> None:
         "gradient_checkpointing": args.grad_ckpt or ("none" if args.no_grad_ckpt else "all"),
         "checkpointed_layers": None if plan is None else len(plan.layers),
         "compile": args.compile,
+        "block_size": args.block_size or 128,
         "prepare_for_training": {k: v for k, v in options.items()},
         "peak_flops_assumed": PEAK_BF16_FLOPS,
         "shapes": {},

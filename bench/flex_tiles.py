@@ -1,0 +1,206 @@
+"""FlexAttention on one real tree-packed row: forward and forward+backward time per kernel configuration.
+
+The learner's attention is FlexAttention under the tree rule (key k visible to query q iff k <= q < subtree_end[k]),
+with a BlockMask built from subtree_end (rlasync.model.block_mask). On the 8K-token rows of the Qwen3-0.6B shape it
+is ~40% of the learner's GPU time (bench/results/profiles/tree_p544_c128_g8_row8192.txt). This bench takes the first
+row `bench/tree_packing.py` plans for a shape, random bf16 q/k/v of one layer (16 query heads, 8 KV heads, head dim
+128), and times compiled `flex_attention` fwd and fwd+bwd under each kernel configuration:
+
+  default            torch's heuristic tiles
+  <name>             a `kernel_options` dict (tiles, warps, stages, ROWS_GUARANTEED_SAFE, ...) from the sweep below
+  autotune           `torch.compile(mode="max-autotune-no-cudagraphs")` of flex alone: inductor picks the tiles
+  block64            the default tiles over a BlockMask of 64-token blocks instead of 128 (fewer wasted pairs)
+
+Each configuration's output and gradients are compared with the default's; a configuration the kernel refuses is
+recorded with its error. Reported per configuration: ms, TFLOP/s over the attended pairs (4 x heads x head_dim per
+pair forward, x3 forward+backward: the learner bench's MFU convention), and the block mask's waste (pairs computed
+by the kernel's blocks / pairs attended).
+
+    python3 bench/flex_tiles.py --out $OUT/flex_tiles_h200.json            (one GPU; ~3 min)
+    python3 bench/flex_tiles.py --tiny --device cpu --configs default      (the harness on a CPU)
+
+Set the winner for the learner with RLASYNC_FLEX_KERNEL_OPTIONS='<its JSON>' (rlasync.model.attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tree_packing import make_samples, parse_shapes, plan_rows  # noqa: E402
+
+from rlasync.model import packed_row_to_tensors  # noqa: E402
+from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity  # noqa: E402
+from rlasync.packing import pack  # noqa: E402
+
+SWEEP: dict[str, dict] = {
+    "rows_safe": {"ROWS_GUARANTEED_SAFE": True},  # every query sees itself under the tree rule: no empty rows
+    "fwd_128x64_w8_s3": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    "fwd_64x64_w4_s3": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "bwd_32_64_64_32": {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
+    "bwd_64_128_128_64_w8_s2": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps": 8,
+                                "num_stages": 2},  # fmt: skip
+    "bwd_32_128_128_32_w4_s3": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4,
+                                "num_stages": 3},  # fmt: skip
+}
+SPECIAL = ("default", "autotune", "block64")
+
+
+def attended_pairs(subtree_end: torch.Tensor) -> int:
+    """Pairs (q, k) the tree rule makes visible: key k is seen by queries k .. subtree_end[k] - 1."""
+    keys = torch.arange(subtree_end.shape[0], device=subtree_end.device)
+    return int((subtree_end - keys).sum())
+
+
+def computed_pairs(subtree_end: torch.Tensor, position_ids: torch.Tensor, block_size: int) -> int:
+    """Pairs the kernel computes: every partial or full block of the mask, block_size^2 each."""
+    partial, full = tree_block_sparsity(subtree_end, position_ids, None, block_size)
+    return int((partial | full).sum()) * block_size * block_size
+
+
+def first_row(shape, device):
+    samples = make_samples(shape, max(1, shape.row_tokens // (shape.prompt + shape.group * shape.completion)), 1000, 0)
+    row = plan_rows(samples, shape.row_tokens, share=True)[0]
+    return packed_row_to_tensors(pack(row), device)
+
+
+def time_ms(fn, iters: int, device) -> float:
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def run_config(name, options, q, k, v, grad, masks, iters, device):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()  # each configuration compiles afresh (kernel_options are baked into the graph)
+    mode = "max-autotune-no-cudagraphs" if name == "autotune" else None
+    attention = torch.compile(flex_attention, dynamic=False, mode=mode)
+    mask = masks[64 if name == "block64" else 128]
+    kwargs = {"block_mask": mask, "enable_gqa": q.shape[1] != k.shape[1]}
+    if options:
+        kwargs["kernel_options"] = options
+
+    def forward():
+        with torch.no_grad():
+            return attention(q.detach(), k.detach(), v.detach(), **kwargs)
+
+    def forward_backward():
+        q.grad = k.grad = v.grad = None
+        out = attention(q, k, v, **kwargs)
+        out.backward(grad)
+        return out
+
+    backward = device.type != "cpu"  # FlexAttention has no CPU backward: the harness runs forward only there
+    t0 = time.perf_counter()
+    out = forward_backward() if backward else forward()  # compiles
+    result = {"options": options, "compile_s": time.perf_counter() - t0}
+    result["fwd_ms"] = time_ms(forward, iters, device)
+    if not backward:
+        return result, out.detach(), []
+    result["fwd_bwd_ms"] = time_ms(forward_backward, iters, device)
+    out = forward_backward()
+    return result, out.detach(), [t.grad.detach().clone() for t in (q, k, v)]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="544x128x8@8192", help="PROMPTxCOMPLETIONxGROUP@ROW_TOKENS")
+    parser.add_argument("--configs", default="all", help=f"comma-separated names of {[*SPECIAL, *SWEEP]} or 'all'")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="2 query heads, 1 KV head, head dim 16, a 64x16x4@512 row")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    shape = parse_shapes("64x16x4@512" if args.tiny else args.shape)[0]
+    heads, kv_heads, head_dim = (2, 1, 16) if args.tiny else (16, 8, 128)
+    names = [*SPECIAL, *SWEEP] if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c]
+    unknown = [n for n in names if n not in SPECIAL and n not in SWEEP]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; choose from {[*SPECIAL, *SWEEP]}")
+    if "default" in names:
+        names.remove("default")
+    names.insert(0, "default")  # the reference the others are checked against
+
+    row = first_row(shape, device)
+    n = row.num_tokens
+    masks = {b: tree_block_mask(row.subtree_end, row.position_ids, None, b) for b in (64, 128)}
+    pairs = attended_pairs(row.subtree_end)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(h):
+        return torch.randn(1, h, n, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+
+    q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
+    grad = torch.randn(1, heads, n, head_dim, device=device, dtype=dtype, generator=gen)
+    fwd_flops = 4 * heads * head_dim * pairs
+    results = {
+        "benchmark": "flex_tiles",
+        "command": " ".join(["python3", "bench/flex_tiles.py", *(argv if argv is not None else sys.argv[1:])]),
+        "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "row": {"shape": shape.name, "tokens": n, "attended_pairs": pairs, "heads": heads, "kv_heads": kv_heads,
+                "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),
+                "computed_over_attended": {str(b): computed_pairs(row.subtree_end, row.position_ids, b) / pairs
+                                           for b in (64, 128)}},  # fmt: skip
+        "configs": {},
+    }
+    reference = None
+    for name in names:
+        options = SWEEP.get(name)
+        try:
+            entry, out, grads = run_config(name, options, q, k, v, grad, masks, args.iters, device)
+        except Exception as exc:  # a tile the kernel refuses (shared memory, divisibility): recorded, next one
+            results["configs"][name] = {"options": options, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            print(f"{name}: {results['configs'][name]['error']}", flush=True)
+            continue
+        entry["fwd_tflops"] = fwd_flops / entry["fwd_ms"] / 1e9
+        if "fwd_bwd_ms" in entry:
+            entry["fwd_bwd_tflops"] = 3 * fwd_flops / entry["fwd_bwd_ms"] / 1e9
+        if reference is None:
+            reference = (out, grads)
+        else:
+            entry["max_abs_diff_vs_default"] = max(
+                float((a.float() - b.float()).abs().max()) for a, b in zip([reference[0], *reference[1]], [out, *grads])
+            )
+        results["configs"][name] = entry
+        both = f", fwd+bwd {entry['fwd_bwd_ms']:.2f} ms ({entry['fwd_bwd_tflops']:.0f} TFLOP/s)" if grads else ""
+        print(f"{name}: fwd {entry['fwd_ms']:.2f} ms ({entry['fwd_tflops']:.0f} TFLOP/s){both}", flush=True)
+    key = "fwd_bwd_ms" if device.type != "cpu" else "fwd_ms"
+    timed = {name: e[key] for name, e in results["configs"].items() if key in e}
+    if timed:
+        best = min(timed, key=timed.get)
+        results["best"] = {"name": best, key: timed[best], "over_default": timed.get("default", 0) / timed[best],
+                           "options": results["configs"][best]["options"]}  # fmt: skip
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

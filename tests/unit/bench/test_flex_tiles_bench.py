@@ -1,0 +1,53 @@
+"""bench/flex_tiles.py: its pair counts against a brute-force count of the tree rule, and the harness on a CPU."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "bench"))
+
+import flex_tiles  # noqa: E402
+from tree_packing import parse_shapes  # noqa: E402
+
+
+def brute_force(subtree_end: torch.Tensor, block: int) -> tuple[int, int]:
+    n = subtree_end.shape[0]
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = (k <= q) & (q < subtree_end[None, :])
+    nb = -(-n // block)
+    padded = torch.zeros(nb * block, nb * block, dtype=torch.bool)
+    padded[:n, :n] = visible
+    blocks = padded.view(nb, block, nb, block).any(3).any(1)
+    return int(visible.sum()), int(blocks.sum()) * block * block
+
+
+def test_pair_counts_match_the_tree_rule():
+    row = flex_tiles.first_row(parse_shapes("40x9x3@300")[0], torch.device("cpu"))
+    for block in (16, 32, 64):
+        attended, computed = brute_force(row.subtree_end, block)
+        assert flex_tiles.attended_pairs(row.subtree_end) == attended
+        assert flex_tiles.computed_pairs(row.subtree_end, row.position_ids, block) == computed
+    assert computed > attended  # completions straddle blocks: the kernel computes masked pairs too
+
+
+def test_the_harness_runs_forward_on_cpu_and_records_refused_options(tmp_path, monkeypatch):
+    monkeypatch.setitem(flex_tiles.SWEEP, "bad", {"BLOCK_M": 48})
+    real = flex_tiles.run_config
+
+    def refuse_bad(name, options, *args):  # the CPU kernel ignores tile options; a GPU refuses such a tile
+        if name == "bad":
+            raise ValueError("BLOCK_M must divide the sparse block size")
+        return real(name, options, *args)
+
+    monkeypatch.setattr(flex_tiles, "run_config", refuse_bad)
+    out = tmp_path / "flex.json"
+    flex_tiles.main(["--tiny", "--device", "cpu", "--configs", "default,block64,bad", "--iters", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["row"]["attended_pairs"] > 0 and result["row"]["computed_over_attended"]["128"] >= 1
+    assert result["configs"]["default"]["fwd_ms"] > 0 and "fwd_bwd_ms" not in result["configs"]["default"]
+    assert result["configs"]["block64"]["max_abs_diff_vs_default"] < 1e-4  # same attention, other blocks
+    assert result["configs"]["bad"] == {"options": {"BLOCK_M": 48}, "error": "ValueError: BLOCK_M must divide the sparse block size"}
+    assert result["best"]["name"] in result["configs"]
