@@ -11,7 +11,9 @@ and returns `G` rewards, each an `int`, a `float` or `None` (not scored by this 
 accept `**kwargs` so that unused dataset columns do not break them. Sync functions run in a worker thread
 (`asyncio.to_thread`), coroutine functions are awaited, and all of them run concurrently. With `timeout_s`
 (`reward_timeout_s`), a function that has not returned in time fails the group with a `RewardTimeoutError`
-naming it (a sync function's thread cannot be killed: it finishes in the background, its result unused).
+naming it (a sync function's thread cannot be killed: it finishes in the background, its result unused; the error
+says how many calls of that function are still running so, since a hung function keeps its thread and the pool's
+threads are few, later calls that only waited for a thread are not mistaken for slow ones).
 
 `bool` is not accepted as a reward (convert with `float(...)`): a list of booleans usually means a check
 was returned where a score was meant. Infinite values are rejected; NaN counts as `None`. A function that
@@ -26,10 +28,12 @@ columns ignoring NaN; a rollout that no column scored gets NaN (unscorable), not
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import inspect
 import math
 import numbers
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +131,9 @@ async def call_reward_funcs(
     extra = reward_column_items(extra_columns)
     names = unique_names([reward_func_name(func) for func in reward_funcs] + [name for name, _ in extra])
     func_names, extra_names = names[: len(reward_funcs)], names[len(reward_funcs) :]
-    calls = (_timed(_call_reward_func(func, kwargs), name, timeout_s) for func, name in zip(reward_funcs, func_names))
+    calls = (
+        _timed(_call_reward_func(func, kwargs, name), name, timeout_s) for func, name in zip(reward_funcs, func_names)
+    )
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
     for outcome in outcomes:
         if isinstance(outcome, RewardTimeoutError):
@@ -166,23 +172,51 @@ def _reward_call_kwargs(
     return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **reward_kwargs}
 
 
+_threads_lock = threading.Lock()
+_in_threads: collections.Counter[str] = collections.Counter()  # reward function name -> calls running in threads
+
+
+def calls_in_threads(name: str) -> int:
+    """How many calls of the sync reward function `name` are running in worker threads now (timed-out ones too)."""
+    with _threads_lock:
+        return _in_threads[name]
+
+
+def _counted(func: RewardFunc, name: str, kwargs: dict[str, Any]) -> Any:
+    with _threads_lock:
+        _in_threads[name] += 1
+    try:
+        return func(**kwargs)
+    finally:
+        with _threads_lock:
+            _in_threads[name] -= 1
+
+
 async def _timed(call: Any, name: str, timeout_s: float | None) -> Any:
     try:
         async with asyncio.timeout(timeout_s):
             return await call
     except TimeoutError:
+        running = calls_in_threads(name)
+        background = (
+            f"; {running} call(s) of it are still running in worker threads (a thread cannot be stopped: a hung "
+            "function keeps its thread, and once the pool's min(32, CPUs + 4) threads are taken every later call "
+            "only waits for one)"
+            if running
+            else ""
+        )
         raise RewardTimeoutError(
             f"reward function '{name}' did not return within reward_timeout_s={timeout_s:g} s; its group is "
-            "dropped as failed (make it faster, or raise reward_timeout_s)"
+            f"dropped as failed (make it faster, or raise reward_timeout_s){background}"
         ) from None
 
 
-async def _call_reward_func(func: RewardFunc, kwargs: dict[str, Any]) -> Any:
-    """Await a coroutine function; run anything else in a thread, awaiting its result if that is awaitable
-    (an object with an `async def __call__`, say)."""
+async def _call_reward_func(func: RewardFunc, kwargs: dict[str, Any], name: str = "") -> Any:
+    """Await a coroutine function; run anything else in a thread (counted under `name` while it runs), awaiting
+    its result if that is awaitable (an object with an `async def __call__`, say)."""
     if inspect.iscoroutinefunction(func):
         return await func(**kwargs)
-    result = await asyncio.to_thread(func, **kwargs)
+    result = await asyncio.to_thread(_counted, func, name, kwargs)
     return await result if inspect.isawaitable(result) else result
 
 

@@ -6,6 +6,7 @@ report names the oldest tool call and request. Fakes only, each case well under 
 import asyncio
 import logging
 import random
+import threading
 import time
 
 import numpy as np
@@ -234,6 +235,43 @@ def test_a_reward_function_past_its_timeout_is_named(func):
     message, elapsed = run(timed())
     assert f"reward function '{func.__name__}' did not return within reward_timeout_s=0.1 s" in message
     assert elapsed < 1.0
+
+
+def test_a_timed_out_sync_reward_is_counted_while_its_thread_runs_on():
+    """A sync function's thread cannot be stopped: the timeout error says how many of its calls still run (so a
+    later call that only waited for a free thread is not mistaken for a slow one), and the count falls back to
+    zero when the threads return."""
+    from rlasync.rewards.calling import calls_in_threads
+
+    release = threading.Event()
+
+    def stuck_reward(completion_ids, **kwargs):
+        release.wait(10)
+        return [0.0] * len(completion_ids)
+
+    async def twice():
+        messages = []
+        for _ in range(2):
+            try:
+                await call_reward_funcs([stuck_reward], prompts=["p"], completions=["a"], completion_ids=[[1]],
+                                        reward_kwargs={}, timeout_s=0.05)  # fmt: skip
+            except RewardTimeoutError as exc:
+                messages.append(str(exc))
+        return messages
+
+    loop = asyncio.new_event_loop()  # not asyncio.run: it would join the stuck threads before returning
+    try:
+        messages = loop.run_until_complete(asyncio.wait_for(twice(), 5))
+        assert "1 call(s) of it are still running in worker threads" in messages[0]
+        assert "2 call(s) of it are still running" in messages[1]  # the first one's thread is still held
+        assert calls_in_threads("stuck_reward") == 2
+    finally:
+        release.set()
+        loop.close()
+    deadline = time.monotonic() + 5
+    while calls_in_threads("stuck_reward") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls_in_threads("stuck_reward") == 0
 
 
 def test_a_reward_timeout_fails_only_its_group_and_the_loop_goes_on():
