@@ -10,10 +10,11 @@ step trains (random weights never answer correctly).
 
 The same training runs twice: with `--max-staleness` (async, default 4) and with `max_staleness=0` (synchronous
 without waste: each weight version generates its step's samples, then the learner trains on them; nothing is
-generated while it trains and nothing is dropped as stale, docs/algorithms.md §2.3.4). Per run the JSON holds the means over steps after `--warmup` of
-`perf/step_s`, `perf/weight_sync_s` (+ `_pause_s`, `_transfer_s`, `_resume_s`), `perf/rollout_wait_s`,
-`rollout/backpressure_s`, trained tokens/s (Σ `batch/trained_tokens_per_step` / Σ `perf/step_s`), read from the
-run's `<output_dir>/metrics.jsonl`; and the ratio async / sync of trained tokens/s.
+generated while it trains and nothing is dropped as stale, docs/algorithms.md §2.3.4). Per run the JSON holds the
+means over steps after `--warmup` of `perf/step_s`, `perf/weight_sync_s` (+ `_pause_s`, `_transfer_s`,
+`_resume_s`), `perf/rollout_wait_s`, `rollout/backpressure_s`, trained tokens/s (Σ `batch/trained_tokens_per_step` /
+Σ `perf/step_s`), read from the run's `<output_dir>/metrics.jsonl`, for the step and sync times also the medians and
+the per-step values (one slow sync shows there); and the ratio async / sync of trained tokens/s.
 
     python bench/e2e_grpo.py --out bench/results/e2e_grpo_h200x2.json                 # 2 GPUs, ~5 min
     python bench/e2e_grpo.py --share-gpu --out bench/results/e2e_grpo_h200x1.json     # 1 GPU
@@ -29,6 +30,7 @@ import logging
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -203,6 +205,10 @@ class _BackendLog(logging.Handler):
             self.lines.append(message)
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def summarize(metrics_path: Path, warmup: int) -> dict[str, Any]:
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     measured = [r for r in records if r["step"] > warmup]
@@ -214,10 +220,14 @@ def summarize(metrics_path: Path, warmup: int) -> dict[str, Any]:
     seconds = sum(r["perf/step_s"] for r in timed)
     trained = sum(r["batch/trained_tokens_per_step"] for r in timed)
     dropped = [r.get("sample/dropped_stale_count", r.get("sample/dropped_stale_total")) for r in records]
+    per_step = ("perf/step_s", "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_dispatch_s",
+                "perf/generation_loop_lag_max_s", "perf/rollout_wait_s")  # fmt: skip
     return {
         "steps_logged": len(records),
         "steps_measured": [r["step"] for r in timed],
         "means": means,
+        "medians": {key: _median([r[key] for r in measured if r.get(key) is not None]) for key in per_step},
+        "per_step": {key: [r.get(key) for r in measured] for key in per_step},  # one slow sync shows here
         "trained_tok_s": trained / seconds if seconds > 0 else None,
         "dropped_stale_samples": sum(d for d in dropped if d is not None),
     }
