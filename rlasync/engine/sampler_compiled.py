@@ -18,8 +18,10 @@ tie count by cumulative sum and a canonical re-sort; a key's low 32 bits give th
 
 The batch's host plan (`BatchSampling.plan`) picks the static variant (`_Variant`: which stages run, window widths
 rounded up to a power of two); the batch dimension is dynamic, so one compiled graph serves every batch size of a
-variant (a single row is run as two: dynamo would specialise size 1 and compile a second graph mid-run). A run sees a few variants (e.g. with and without top-N log-probs, a greedy evaluation); dynamo's recompile
-limit (8 per function) bounds them, past which it warns and runs `_core` eagerly (same results, more launches).
+variant (dynamo specialises sizes and storage offsets 0 and 1, so a single row runs as two and views are copied to
+offset 0: else a second graph would compile mid-run, seconds in which the engine cannot pause). A run sees a few
+variants (e.g. with and without top-N log-probs, a greedy evaluation); dynamo's recompile limit (8 per function)
+bounds them, past which it warns and runs `_core` eagerly (same results, more launches).
 The candidate sets (`return_candidates`) read their width on the host, so they run after the compiled part.
 """
 

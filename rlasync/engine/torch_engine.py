@@ -85,7 +85,8 @@ class TorchEngine:
                            (where it overlaps nothing). On one H200 it gives 1.5x new tokens/s at 256 concurrent
     compiled_sampler       sample through the torch.compile'd sampler (`sampler_compiled.py`: a few fused kernels,
                            same tokens and log-probs); None (default): on for CUDA (1.17x new tokens/s at 256
-                           concurrent on one H200, 1.45x with 8 log-probs), off on CPU; a failed compile falls back
+                           concurrent on one H200, 1.45x with 8 log-probs), off on CPU; a failed compile falls
+                           back to the eager sampler, logged once
     """
 
     def __init__(
