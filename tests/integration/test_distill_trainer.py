@@ -78,12 +78,15 @@ def alive(actor_ids):
     return [i for i in actor_ids if states.get(i, "DEAD") != "DEAD"]
 
 
+STEPS = 12  # with 8, one loaded CI run ended at 0.95 of the starting held-out JSD (0.81-0.87 otherwise)
+
+
 def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
     from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
     from rlasync.data import arithmetic_dataset
 
     args = AsyncDistillationConfig(
-        output_dir=str(tmp_path), max_steps=8, max_completion_length=8, token_budget=192, learning_rate=5e-2,
+        output_dir=str(tmp_path), max_steps=STEPS, max_completion_length=8, token_budget=192, learning_rate=5e-2,
         logging_steps=1, save_steps=100, max_staleness=2, gradient_checkpointing=False, teacher_top_k=K, seed=0,
         cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
                  "collective_timeout_s": 60.0},
@@ -93,18 +96,18 @@ def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_
         model=tiny_model_dir, args=args, train_dataset=dataset, teacher_model=teacher_dir
     )
     state = trainer.train()
-    assert state["global_step"] == 8 and state["policy_version"] == 9  # cold sync + one per step
+    assert state["global_step"] == STEPS and state["policy_version"] == STEPS + 1  # cold sync + one per step
     assert alive(trainer.actor_ids) == []
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     jsd = [r["jsd"] for r in records if "jsd" in r]
-    assert len(jsd) == 8 and all(math.isfinite(v) and v > 0 for v in jsd)
+    assert len(jsd) == STEPS and all(math.isfinite(v) and v > 0 for v in jsd)
     keys = set().union(*records)
     for key in ("entropy", "teacher_entropy", "grad_norm", "rollout/score_s", "completions/mean_length",
                 "batch/row_imbalance", "sample/staleness_mean", "perf/step_s"):  # fmt: skip
         assert key in keys, f"missing {key}; have {sorted(keys)}"
 
-    final = tmp_path / "checkpoint-8"
+    final = tmp_path / f"checkpoint-{STEPS}"
     assert (final / "rollout_state.json").is_file() and (final / "optimizer.pt").is_file()
     import torch
     from safetensors.torch import load_file
@@ -114,7 +117,10 @@ def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_
 
     rows = fixed_rows(teacher_dir, [dataset[i]["prompt"] for i in range(8)])
     jsd_before, jsd_after = jsd_of(tiny_model_dir, rows), jsd_of(str(final), rows)
-    assert jsd_after < 0.92 * jsd_before, (jsd_before, jsd_after, jsd)  # observed: about 0.85
+    # the on-policy JSD the learner trained on falls (observed: the last three steps ~0.55 of the first three) and so
+    # does the JSD on fixed teacher-scored rows (observed 0.80-0.87 locally; one loaded CI run of 8 steps: 0.95)
+    assert np.mean(jsd[-3:]) < 0.85 * np.mean(jsd[:3]), jsd
+    assert jsd_after < 0.95 * jsd_before, (jsd_before, jsd_after, jsd)
 
 
 def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
