@@ -83,10 +83,9 @@ class TorchEngine:
     async_scheduling       plan and launch step N+1 while step N runs, its sampled ids fed back on the device
                            (`async_steps.py`; same tokens and log-probs); None (default): on for CUDA, off on CPU
                            (where it overlaps nothing). On one H200 it gives 1.5x new tokens/s at 256 concurrent
-    compiled_sampler       sample through the torch.compile'd sampler (`sampler_compiled.py`: a few fused kernels,
-                           same tokens and log-probs); None (default): on for CUDA (1.17x new tokens/s at 256
-                           concurrent on one H200, 1.45x with 8 log-probs), off on CPU; a failed compile falls
-                           back to the eager sampler, logged once
+    compiled_sampler       sample through the torch.compile'd sampler (`sampler_compiled.py`: same tokens and
+                           log-probs); None (default): on for CUDA (1.17x new tokens/s at 256 concurrent on one
+                           H200, 1.45x with 8 log-probs), off on CPU; a failed compile falls back to eager, logged
     """
 
     def __init__(
