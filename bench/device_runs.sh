@@ -108,12 +108,18 @@ sampler_system)  # carry [".devicekit"]: GRPO on one shared H200, the compiled s
         run e2e_sampler_$m 115 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --weight-sync-backend ipc --engine-kwargs "{\"compiled_sampler\": $m}" --out "$out/e2e_ipc_sampler_$m.json"
     done
     ;;
-vllm_recheck)  # carry [".vllmkit"] after a stage that installed .devicekit (warm): both engines 256x256 (warm-ups fixed), vLLM's IPC sync in GRPO
+vllm_recheck)  # carry [".vllmkit", ".whl"] after a stage that installed .devicekit (warm): both engines 256x256 (warm-ups
+    # fixed), vLLM's IPC sync in GRPO with py-spy on its GenerationActor (what holds the event loop the sync waits for)
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
+    [ -x /tmp/site/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy-*.whl
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
-        TRANSFORMERS_OFFLINE=1
+        TRANSFORMERS_OFFLINE=1 PATH=/tmp/site/bin:$PATH
     run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
+    (sleep 90; p=$(pgrep -f "ray::GenerationActor" | head -1); [ -n "$p" ] && \
+        py-spy record -d 15 -r 100 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" >/dev/null 2>&1) &
     run e2e_vllm_ipc 200 python3 bench/e2e_grpo.py --steps 10 --runs async --engine vllm --share-gpu --vllm-gpu-memory-utilization 0.4 --weight-sync-backend ipc --out "$out/e2e_vllm_ipc_h200.json"
+    wait
+    python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_vllm.txt" 2>&1
     ;;
 engine_sampler)  # carry [] after a stage that installed the kit (warm: /tmp/site): the compiled sampler against the eager one, its CUDA tests
     export PYTHONPATH=$PWD:/tmp/site
