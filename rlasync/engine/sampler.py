@@ -267,18 +267,35 @@ class _Processed(NamedTuple):
     masked: Tensor  # [B, V] float32: x on the candidate set, -inf elsewhere
 
 
-def _process(logits: Tensor, batch: BatchSampling, seen_tokens: Tensor | None) -> _Processed:
+def checked_seen(logits: Tensor, batch: BatchSampling, seen_tokens: Tensor | None) -> Tensor | None:
+    """Checks `logits` [B, V] against the batch; returns `seen_tokens` as bool [B, V], or None when no repetition
+    penalty applies (the check shared by `sample` and `sampler_compiled.sample_compiled`)."""
     if logits.dim() != 2 or logits.shape[0] != batch.batch_size:
         raise ValueError(f"sampler: logits must be [B={batch.batch_size}, V], got {tuple(logits.shape)}")
+    if seen_tokens is None or not batch.plan.any_penalty:
+        return None
+    if seen_tokens.shape != logits.shape:
+        raise ValueError(f"sampler: seen_tokens {tuple(seen_tokens.shape)} must match logits {tuple(logits.shape)}")
+    return seen_tokens.to(torch.bool)
+
+
+def checked_steps(steps: Tensor, batch_size: int, device: torch.device) -> Tensor:
+    """`steps` as int64 [B] on `device`, or a ValueError naming its shape."""
+    steps = steps.to(device=device, dtype=torch.int64)
+    if steps.shape != (batch_size,):
+        raise ValueError(f"sampler: steps must be [{batch_size}], got {tuple(steps.shape)}")
+    return steps
+
+
+def _process(logits: Tensor, batch: BatchSampling, seen_tokens: Tensor | None) -> _Processed:
+    seen = checked_seen(logits, batch, seen_tokens)
     plan = batch.plan
     x = logits.to(torch.float32)
     v = x.shape[-1]
 
-    if seen_tokens is not None and plan.any_penalty:
-        if seen_tokens.shape != x.shape:
-            raise ValueError(f"sampler: seen_tokens {tuple(seen_tokens.shape)} must match logits {tuple(x.shape)}")
+    if seen is not None:
         pen = batch.repetition_penalty[:, None]
-        x = torch.where(seen_tokens.to(torch.bool) & (pen != 1), torch.where(x > 0, x / pen, x * pen), x)
+        x = torch.where(seen & (pen != 1), torch.where(x > 0, x / pen, x * pen), x)
 
     temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     x = x / temperature[:, None]
@@ -358,9 +375,7 @@ def sample(
     masked = proc.masked
     b, v = masked.shape
     device = masked.device
-    steps = steps.to(device=device, dtype=torch.int64)
-    if steps.shape != (b,):
-        raise ValueError(f"sampler: steps must be [{b}], got {tuple(steps.shape)}")
+    steps = checked_steps(steps, b, device)
 
     greedy = batch.temperature <= 0
     token_ids = torch.zeros(b, dtype=torch.int64, device=device)

@@ -38,6 +38,8 @@ from rlasync.engine.sampler import (
     SampleResult,
     _Plan,
     candidate_sets,
+    checked_seen,
+    checked_steps,
     gumbel_argmax_reference,
 )
 
@@ -190,21 +192,11 @@ def sample_compiled(
 ) -> SampleResult:
     """`sampler.sample` (same arguments, same result) through the compiled `_core`; `compile=False` runs `_core`
     eagerly (the tests check the formulation and the compilation separately)."""
-    if logits.dim() != 2 or logits.shape[0] != batch.batch_size:
-        raise ValueError(f"sampler: logits must be [B={batch.batch_size}, V], got {tuple(logits.shape)}")
+    seen = checked_seen(logits, batch, seen_tokens)
     b, v = logits.shape
-    steps = steps.to(device=logits.device, dtype=torch.int64)
-    if steps.shape != (b,):
-        raise ValueError(f"sampler: steps must be [{b}], got {tuple(steps.shape)}")
+    steps = checked_steps(steps, b, logits.device)
     plan = batch.plan
-    penalty = seen_tokens is not None and plan.any_penalty
-    if penalty:
-        if seen_tokens.shape != logits.shape:
-            raise ValueError(f"sampler: seen_tokens {tuple(seen_tokens.shape)} must match logits {tuple(logits.shape)}")
-        seen = seen_tokens.to(torch.bool)
-    else:
-        seen = None
-    variant = _Variant.of(plan, v, penalty, batch.num_logprobs)
+    variant = _Variant.of(plan, v, seen is not None, batch.num_logprobs)
     fields = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.repetition_penalty, batch.seeds)
     ids = _token_ids.get((logits.device, v))
     if ids is None:
