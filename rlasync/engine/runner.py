@@ -251,6 +251,7 @@ class ModelRunner:
         """The sampler's `SampleResult` (device tensors) for `logits` [S, V], one row per spec."""
         from rlasync.engine.sampler import BatchSampling, sample
         from rlasync.engine.sampler_compiled import sample_compiled
+        from rlasync.model.attention import _compile_errors  # what the learner's compiled paths fall back on
 
         params = [spec.params for spec in specs]
         seeds = [spec.seed for spec in specs]
@@ -269,9 +270,7 @@ class ModelRunner:
         if self.compiled_sampler:
             try:
                 return sample_compiled(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
-            except Exception as exc:  # inductor/triton unavailable or failing here: the eager sampler, same results
-                if isinstance(exc, ValueError):  # bad input is the caller's error, not the compiler's
-                    raise
+            except _compile_errors() as exc:  # inductor cannot serve this GPU or build: the eager sampler, same results
                 logger.warning("compiled sampler failed (%s: %s); sampling eagerly from now on", type(exc).__name__, exc)
                 self.compiled_sampler = False
         return sample(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)

@@ -154,8 +154,9 @@ def test_engine_option_same_tokens_and_logprobs():
 
 
 def test_engine_falls_back_to_eager_when_the_compile_fails(monkeypatch, caplog):
-    """A compiled sampler that raises (no triton, an inductor bug) is logged once and the eager sampler takes over:
-    the requests finish with the eager engine's tokens; a ValueError (bad input) is not swallowed."""
+    """A compiled sampler that fails to compile (no triton, an inductor bug) is logged once and the eager sampler
+    takes over: the requests finish with the eager engine's tokens; a ValueError (bad input) and an error that is
+    not the compiler's are not swallowed."""
     import rlasync.engine.sampler_compiled as compiled_module
     from rlasync.engine.base import EngineError
     from tests.unit.engine.test_torch_engine import PROMPTS, make_engine, tiny_model
@@ -171,7 +172,7 @@ def test_engine_falls_back_to_eager_when_the_compile_fails(monkeypatch, caplog):
 
     def broken(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("inductor: no working C++ compiler")
+        raise torch._dynamo.exc.TorchDynamoException("inductor: no working C++ compiler")
 
     monkeypatch.setattr(compiled_module, "sample_compiled", broken)
     engine = make_engine(model, compiled_sampler=True)
@@ -186,6 +187,13 @@ def test_engine_falls_back_to_eager_when_the_compile_fails(monkeypatch, caplog):
 
     monkeypatch.setattr(compiled_module, "sample_compiled", bad_input)
     with pytest.raises(EngineError, match="step failed: ValueError.*logits must be"):  # the step fails, loudly
+        asyncio.run(run(make_engine(model, compiled_sampler=True)))
+
+    def device_fault(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(compiled_module, "sample_compiled", device_fault)
+    with pytest.raises(EngineError, match="step failed: RuntimeError.*illegal memory access"):
         asyncio.run(run(make_engine(model, compiled_sampler=True)))
 
 
