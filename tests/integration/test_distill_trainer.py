@@ -78,7 +78,9 @@ def alive(actor_ids):
     return [i for i in actor_ids if states.get(i, "DEAD") != "DEAD"]
 
 
-STEPS = 12  # with 8, one loaded CI run ended at 0.95 of the starting held-out JSD (0.81-0.87 otherwise)
+STEPS = 12
+# At learning_rate 5e-2 the on-policy JSD oscillated step to step and one loaded CI run ended with the held-out JSD
+# at 0.99 of its start; at 1e-2 eight runs (one with both cores busy) ended at 0.63-0.68 of it, on-policy 0.66-0.73.
 
 
 def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
@@ -86,7 +88,7 @@ def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_
     from rlasync.data import arithmetic_dataset
 
     args = AsyncDistillationConfig(
-        output_dir=str(tmp_path), max_steps=STEPS, max_completion_length=8, token_budget=192, learning_rate=5e-2,
+        output_dir=str(tmp_path), max_steps=STEPS, max_completion_length=8, token_budget=192, learning_rate=1e-2,
         logging_steps=1, save_steps=100, max_staleness=2, gradient_checkpointing=False, teacher_top_k=K, seed=0,
         cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
                  "collective_timeout_s": 60.0},
@@ -117,10 +119,9 @@ def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_
 
     rows = fixed_rows(teacher_dir, [dataset[i]["prompt"] for i in range(8)])
     jsd_before, jsd_after = jsd_of(tiny_model_dir, rows), jsd_of(str(final), rows)
-    # the on-policy JSD the learner trained on falls (observed: the last three steps ~0.55 of the first three) and so
-    # does the JSD on fixed teacher-scored rows (observed 0.80-0.87 locally; one loaded CI run of 8 steps: 0.95)
+    # both the on-policy JSD the learner trained on and the JSD on fixed teacher-scored rows fall (see STEPS)
     assert np.mean(jsd[-3:]) < 0.85 * np.mean(jsd[:3]), jsd
-    assert jsd_after < 0.95 * jsd_before, (jsd_before, jsd_after, jsd)
+    assert jsd_after < 0.85 * jsd_before, (jsd_before, jsd_after, jsd)
 
 
 def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
