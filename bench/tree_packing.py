@@ -7,6 +7,8 @@ The model has the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 heads, 8 KV heads
   tree          rows of `--row-tokens` unique tokens, shared prompts forwarded once (rlasync.packing, seed planner)
   padding_free  the same planner with nothing shared (each sample its own chain in the row)
   padded        [B, prompt + completion] batches, B = row_tokens // (prompt + completion), a causal mask
+  tree_varlen   (when asked for in --modes) the tree rows on the varlen tree attention (FlashAttention varlen over
+                root-path segments), next to --attention's backend (default flex on CUDA) in the same call
 
 Every mode uses the same model code (tree attention, chunked LM head on trained positions only), gradient
 checkpointing on, and a loss that touches every trained token. Reported: trained (completion) tokens/s,
@@ -191,11 +193,14 @@ def flops_of(row, config) -> float:
 class TreeMode:
     """Packed rows (tree or padding-free) scored by rlasync's tree forward."""
 
-    def __init__(self, rows, device, block_size: int | None = None):
+    def __init__(self, rows, device, block_size: int | None = None, backend: str = "auto"):
         self.rows = rows
         self.packed = [pack(r) for r in rows]
-        self.tensors = [packed_row_to_tensors(p, device) for p in self.packed]
+        started = time.perf_counter()  # varlen: the segment plan, made on the host as the learner does per row
+        self.tensors = [packed_row_to_tensors(p, device, segments=backend == "varlen") for p in self.packed]
+        self.to_device_ms = 1e3 * (time.perf_counter() - started) / max(1, len(rows))
         self.kwargs = {"block_size": block_size} if block_size else {}  # the BlockMask's blocks (default 128)
+        self.kwargs["backend"] = backend
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -270,9 +275,14 @@ def per_sample_logprobs(model, mode, num_rows: int) -> dict[int, np.ndarray]:
 
 def bench_shape(model, config, shape: Shape, args) -> dict:
     samples = make_samples(shape, args.groups, config.vocab_size, args.seed)
+
+    def tree_mode(share: bool, backend: str):
+        return TreeMode(plan_rows(samples, shape.row_tokens, share=share), args.device, args.block_size, backend)
+
     builders = {
-        "tree": lambda: TreeMode(plan_rows(samples, shape.row_tokens, share=True), args.device, args.block_size),
-        "padding_free": lambda: TreeMode(plan_rows(samples, shape.row_tokens, share=False), args.device, args.block_size),
+        "tree": lambda: tree_mode(True, args.attention),
+        "tree_varlen": lambda: tree_mode(True, "varlen"),  # the varlen backend next to --attention's, same call
+        "padding_free": lambda: tree_mode(False, args.attention),
         "padded": lambda: PaddedMode(padded_batches(samples, shape.row_tokens, args.device)),
     }
     modes = {name: builders[name]() for name in args.modes.split(",")}
@@ -282,6 +292,8 @@ def bench_shape(model, config, shape: Shape, args) -> dict:
         if str(args.device).startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         results[name] = run_mode(model, mode, config, args.steps, args.warmup, args.device)
+        if isinstance(mode, TreeMode):
+            results[name]["row_to_device_ms"] = mode.to_device_ms
         model.zero_grad(set_to_none=True)
         logprobs[name] = per_sample_logprobs(model, mode, args.check_rows)
         print(name, json.dumps(results[name]), flush=True)
@@ -306,6 +318,13 @@ def bench_shape(model, config, shape: Shape, args) -> dict:
     tree = results["tree"]["trained_tokens_per_s"]
     for other in others:
         results[f"speedup_vs_{other}"] = tree / results[other]["trained_tokens_per_s"]
+    if "tree_varlen" in modes:
+        varlen = logprobs["tree_varlen"]
+        results["tree_varlen_logprob_max_abs_diff"] = {
+            other: max(float(np.abs(varlen[k] - logprobs[other][k]).max()) for k in common if k in varlen)
+            for other in ("tree", *others)
+        }  # fmt: skip
+        results["tree_varlen_over_tree"] = results["tree_varlen"]["trained_tokens_per_s"] / tree
     return results
 
 
@@ -361,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON object of extra prepare_for_training arguments (they override the flags above)",
     )
     parser.add_argument("--shapes", default="1088x256x8@4096,544x128x8@8192,2048x512x8@6144")
-    parser.add_argument("--modes", default="tree,padding_free,padded", help="comma-separated subset to time")
+    parser.add_argument(
+        "--modes", default="tree,padding_free,padded", help="comma-separated subset to time (also tree_varlen)"
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 4k-vocab model: a CPU smoke test")
@@ -381,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per FlexAttention mask block (default: the learner's, 128; see bench/flex_tiles.py)")  # fmt: skip
     parser.add_argument("--profile-steps", type=int, default=3, help="tree-mode rows profiled per shape")
+    parser.add_argument("--attention", choices=["auto", "flex", "varlen", "dense"], default="auto",
+                        help="tree attention backend of the tree and padding_free modes (auto: flex on CUDA; "
+                             "mode tree_varlen always runs varlen)")  # fmt: skip
     return parser
 
 
@@ -388,9 +412,11 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     shapes = parse_shapes(args.shapes)
     options = training_options(args)
-    unknown_modes = set(args.modes.split(",")) - {"tree", "padding_free", "padded"}
+    unknown_modes = set(args.modes.split(",")) - {"tree", "tree_varlen", "padding_free", "padded"}
     if unknown_modes:
-        raise SystemExit(f"--modes: unknown {sorted(unknown_modes)}; choose from tree, padding_free, padded")
+        raise SystemExit(
+            f"--modes: unknown {sorted(unknown_modes)}; choose from tree, tree_varlen, padding_free, padded"
+        )
     if args.trl_wheel and not Path(args.trl_wheel).is_file():
         raise SystemExit(
             f"--trl-wheel: no file {args.trl_wheel} (the TRL 1.16 wheel, e.g. .trlwheel/trl-1.16.0-py3-none-any.whl)"
@@ -431,6 +457,7 @@ def main(argv=None) -> None:
         "checkpointed_layers": None if plan is None else len(plan.layers),
         "compile": args.compile,
         "block_size": args.block_size or 128,
+        "attention": args.attention,
         "prepare_for_training": {k: v for k, v in options.items()},
         "peak_flops_assumed": PEAK_BF16_FLOPS,
         "shapes": {},
@@ -449,7 +476,7 @@ def main(argv=None) -> None:
         ours_logprobs = measured.pop("_tree_logprobs", {})
         results["shapes"][shape.name] = measured
         results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
-        results["mfu"] = {name: {m: r[m]["mfu"] for m in ("tree", "padding_free", "padded") if m in r}
+        results["mfu"] = {name: {m: r[m]["mfu"] for m in ("tree", "tree_varlen", "padding_free", "padded") if m in r}
                           for name, r in results["shapes"].items()}  # fmt: skip
         if anchor is not None:
             from trl_tree_anchor import merge_anchor

@@ -29,6 +29,7 @@ from rlasync.losses import LossConfig, grpo_loss
 from rlasync.metrics import MetricSink, MetricValue, reduce_values
 from rlasync.model import packed_row_to_tensors, packed_token_scores
 from rlasync.model.row_shapes import pad_row_tensors, padded_length
+from rlasync.model.tree_mask import resolve_backend
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}  # one place for the defaults
 
@@ -197,7 +198,8 @@ class LearnerStep:
         return out
 
     def _loss(self, row: Any, global_terms: float, grad_accum_steps: int) -> tuple[torch.Tensor, dict]:
-        tensors = packed_row_to_tensors(row, self.device)
+        backend = resolve_backend(getattr(self.model, "backend", "auto"), self.device)
+        tensors = packed_row_to_tensors(row, self.device, segments=backend == "varlen")  # planned on the host
         if self.row_bucket > 0:  # compiled layers see few shapes; the padding is invisible (docs/algorithms.md §5.5)
             tensors = pad_row_tensors(tensors, padded_length(tensors.num_tokens, self.row_bucket))
         dtype = self.autocast_dtype

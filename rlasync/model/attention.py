@@ -17,8 +17,9 @@ How it plugs into transformers (no module class is patched):
     so it builds no mask of its own; the attention function ignores it and reads `tree_attention=TreeAttention`,
     a keyword argument the decoder forwards to every attention call, to pick the mask of the layer's window.
 
-Backends (`TreeAttention.backend`): dense (a bool mask through SDPA) or flex (`torch.compile(flex_attention)` over a
-`BlockMask`, CUDA); a flex compile failure falls back to the dense masks for the rest of the process.
+Backends (`TreeAttention.backend`): dense (a bool mask through SDPA), flex (`torch.compile(flex_attention)` over a
+`BlockMask`, CUDA; a compile failure falls back to the dense masks for the rest of the process) or varlen
+(FlashAttention varlen over root-path segments, `rlasync.model.segment_attention`; softcapped scores go dense).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rlasync.model.block_mask import (  # noqa: F401 - re-exported: these lived 
     tree_block_sparsity,
     tree_mask_mod,
 )
+from rlasync.model.segment_attention import segment_attention
 from rlasync.model.tree_mask import (  # noqa: F401 - re-exported: these lived here first
     Backend,
     TreeAttention,
@@ -247,13 +249,17 @@ def tree_attention_forward(
             f"tree attention masks were built for {tree_attention.num_tokens} tokens but the layer got "
             f"{query.shape[2]} queries and {key.shape[2]} keys (is a KV cache in use? pass use_cache=False)"
         )
-    mask = tree_attention.mask_for(sliding_window)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: q/k (fp32 after RoPE) and v in one dtype
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     elif not query.dtype == key.dtype == value.dtype:  # e.g. a norm upcast q/k: attend in v's (the compute) dtype
         query, key = query.to(value.dtype), key.to(value.dtype)
+    if tree_attention.backend == "varlen" and softcap is None:
+        if dropout:
+            raise ValueError("tree attention on the varlen backend does not support attention dropout")
+        return segment_attention(query, key, value, tree_attention.segments, scaling, sliding_window), None
+    mask = tree_attention.mask_for(sliding_window) if tree_attention.backend != "varlen" else None
     if tree_attention.backend == "flex" and not (tree_attention.compile and _FLEX_COMPILE_FAILED):
         if dropout:
             raise ValueError("tree attention on the flex backend does not support attention dropout")
@@ -261,7 +267,7 @@ def tree_attention_forward(
             output = _flex_attention(query, key, value, mask, scaling, softcap, tree_attention.compile)
         else:
             output = _flex_or_dense(query, key, value, mask, scaling, softcap, tree_attention, sliding_window)
-    elif tree_attention.backend == "flex":
+    elif tree_attention.backend != "dense":  # flex that failed to compile; varlen with softcapped scores
         output = _masked_attention(query, key, value, tree_attention.dense_mask_for(sliding_window), scaling, dropout,
                                    softcap)  # fmt: skip
     else:

@@ -29,6 +29,7 @@ from rlasync.model.attention import (
     uses_tree_attention,
 )
 from rlasync.model.head import LogitTransform, TokenScores, chunked_token_scores
+from rlasync.model.segment_attention import SegmentPlan, segment_plan
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class PackedRowTensors:
     sampler_topk_logprobs: torch.Tensor | None = None  # [M, K] float32, -inf padded
     sampling_mask: torch.Tensor | None = None  # [M, C] int64 candidate ids, -1 padded
     has_sampling_mask: torch.Tensor | None = None  # [M] bool
+    segments: SegmentPlan | None = None  # the varlen tree attention's plan, made on the host
 
     @property
     def num_tokens(self) -> int:
@@ -57,12 +59,15 @@ class PackedRowTensors:
         return int(self.token_index.shape[0])
 
 
-def packed_row_to_tensors(row: Any, device: torch.device | str = "cpu") -> PackedRowTensors:
-    """Convert a `rlasync.packing.PackedRow` (or anything with its fields) to `PackedRowTensors` on `device`."""
-    values: dict[str, torch.Tensor | None] = {}
+def packed_row_to_tensors(row: Any, device: torch.device | str = "cpu", *, segments: bool = False) -> PackedRowTensors:
+    """Convert a `rlasync.packing.PackedRow` (or anything with its fields) to `PackedRowTensors` on `device`;
+    `segments=True` also plans the varlen tree attention from the row's host arrays (`segment_plan`)."""
+    values: dict[str, Any] = {}
     for field in fields(PackedRowTensors):
-        array = getattr(row, field.name, None)
+        array = getattr(row, field.name, None) if field.name != "segments" else None
         values[field.name] = None if array is None else torch.as_tensor(np.asarray(array)).to(device)
+    if segments:
+        values["segments"] = segment_plan(row.subtree_end, row.position_ids).to(device)
     return PackedRowTensors(**values)
 
 
@@ -101,7 +106,8 @@ def packed_token_scores(
 
     `model` is a causal LM with tree attention enabled, or a `TreeScorer` (then its own forward runs, which is
     what FSDP2 needs). Terms with a sampling mask are renormalised over their candidate set. `backend`: "auto"
-    (flex on CUDA, dense otherwise), "dense" or "flex"; `compile_flex=False` runs flex eagerly (CPU checks only).
+    (`rlasync.model.tree_mask.resolve_backend`), "dense", "flex" or "varlen"; `compile_flex=False` runs flex
+    eagerly (CPU checks only).
     """
     if isinstance(model, TreeScorer):
         if (backend, block_size, compile_flex) == ("auto", DEFAULT_BLOCK_SIZE, True):
@@ -125,7 +131,7 @@ def _packed_token_scores(
     compile_flex: bool,
 ) -> TokenScores:
     tree = build_tree_attention(
-        row.subtree_end, row.position_ids, backend, sliding_windows(model), block_size, compile_flex
+        row.subtree_end, row.position_ids, backend, sliding_windows(model), block_size, compile_flex, row.segments
     )
     outputs = model.get_decoder()(
         input_ids=row.input_ids[None],

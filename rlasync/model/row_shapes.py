@@ -60,6 +60,7 @@ def pad_row_tensors(row: PackedRowTensors, length: int, pad_token_id: int = 0) -
         input_ids=torch.cat([row.input_ids, ids]),
         position_ids=torch.cat([row.position_ids, positions]),
         subtree_end=torch.cat([row.subtree_end, ends]),
+        segments=None if row.segments is None else row.segments.with_chain(pad),
     )
 
 

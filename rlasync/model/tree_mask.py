@@ -13,7 +13,11 @@ the sample, so windows are exact too.
 Backends (`TreeAttention.backend`):
   dense  a bool [N, N] mask through `scaled_dot_product_attention` (CPU, tests, reference);
   flex   one `BlockMask` per window built once per row directly from subtree_end (O(N) work, no [N, N] tensor),
-         shared by all layers, through `torch.compile(flex_attention)` (CUDA); built in `rlasync.model.block_mask`.
+         shared by all layers, through `torch.compile(flex_attention)` (CUDA); built in `rlasync.model.block_mask`;
+  varlen the row cut into root-path segments, each one causal problem for FlashAttention's varlen kernel (CUDA;
+         a reference loop on CPU): `rlasync.model.segment_attention`, planned on the host.
+
+"auto" is dense on CPU and flex on CUDA, or what `$RLASYNC_TREE_ATTENTION` names (flex, varlen or dense).
 
 Separate from `rlasync.model.attention` (the attention function transformers calls) because building masks is
 pure tensor code, run once per row, that the learner and the tests use without a model.
@@ -21,6 +25,7 @@ pure tensor code, run once per row, that the learner and the tests use without a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,8 +33,11 @@ from typing import Any, Literal
 import torch
 
 from rlasync.model.block_mask import DEFAULT_BLOCK_SIZE, tree_block_mask
+from rlasync.model.segment_attention import SegmentPlan, segment_plan
 
-Backend = Literal["dense", "flex"]
+Backend = Literal["dense", "flex", "varlen"]
+BACKENDS = ("dense", "flex", "varlen")
+TREE_ATTENTION_ENV = "RLASYNC_TREE_ATTENTION"  # what "auto" means on CUDA (default flex)
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,7 +45,8 @@ class TreeAttention:
     """The attention masks of one packed row, built once and shared by every layer.
 
     `masks` maps a sliding window (None = full attention) to a bool [1, 1, N, N] tensor (dense) or a `BlockMask`
-    (flex). `position_ids` ([N] depth) and `subtree_end` ([N]) are kept to build a window nobody announced.
+    (flex); varlen keeps its `segments` (every window uses them) and a placeholder full mask. `position_ids` ([N]
+    depth) and `subtree_end` ([N]) are kept to build a window nobody announced.
     """
 
     backend: Backend
@@ -46,6 +55,7 @@ class TreeAttention:
     masks: dict[Any, Any]  # window -> mask; ("dense", window) -> the flex backend's dense fallback
     block_size: int = DEFAULT_BLOCK_SIZE
     compile: bool = True
+    segments: SegmentPlan | None = None  # varlen
 
     @property
     def num_tokens(self) -> int:
@@ -81,27 +91,45 @@ def build_tree_attention(
     windows: Iterable[int] = (),
     block_size: int = DEFAULT_BLOCK_SIZE,
     compile: bool = True,
+    segments: SegmentPlan | None = None,
 ) -> TreeAttention:
     """Build the masks of one row for full attention and each sliding window in `windows`.
 
-    `backend="auto"` picks flex on CUDA and dense elsewhere. `compile=False` runs flex_attention eagerly (only
-    meant for checking the flex path on CPU: eager FlexAttention materialises the scores).
+    `backend="auto"`: see `resolve_backend`. `compile=False` runs flex_attention eagerly (only meant for checking
+    the flex path on CPU: eager FlexAttention materialises the scores). `segments`: the varlen backend's plan,
+    made on the host (`segment_plan`); without it the plan is made here from a copy of the row on the CPU.
     """
     if subtree_end.ndim != 1 or position_ids.shape != subtree_end.shape:
         raise ValueError(
             f"subtree_end and position_ids must both be [N], got {tuple(subtree_end.shape)} and "
             f"{tuple(position_ids.shape)}"
         )
-    if backend == "auto":
-        backend = "flex" if subtree_end.device.type == "cuda" else "dense"
-    if backend not in ("dense", "flex"):
-        raise ValueError(f"unknown tree attention backend {backend!r}: use 'auto', 'dense' or 'flex'")
+    backend = resolve_backend(backend, subtree_end.device)
     subtree_end = subtree_end.long()
     position_ids = position_ids.long()
+    if backend == "varlen":
+        if segments is None:
+            segments = segment_plan(subtree_end.cpu(), position_ids.cpu()).to(subtree_end.device)
+        n = subtree_end.shape[0]  # the model is handed a 4D mask so it builds none; the attention reads `segments`
+        placeholder = torch.ones((), dtype=torch.bool, device=subtree_end.device).expand(1, 1, n, n)
+        return TreeAttention(backend, subtree_end, position_ids, {None: placeholder}, block_size, compile, segments)
     masks: dict[int | None, Any] = {}
     for window in (None, *sorted({int(w) for w in windows if w})):
         masks[window] = build_mask(backend, subtree_end, position_ids, window, block_size)
     return TreeAttention(backend, subtree_end, position_ids, masks, block_size, compile)
+
+
+def resolve_backend(backend: str, device: torch.device) -> Backend:
+    """`backend`, or for "auto": dense off CUDA; on CUDA `$RLASYNC_TREE_ATTENTION` when set, else flex."""
+    if backend == "auto":
+        if device.type != "cuda":
+            return "dense"
+        backend = os.environ.get(TREE_ATTENTION_ENV, "").strip() or "flex"
+        if backend not in BACKENDS:
+            raise ValueError(f"${TREE_ATTENTION_ENV}={backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown tree attention backend {backend!r}: use 'auto', {', '.join(map(repr, BACKENDS))}")
+    return backend  # type: ignore[return-value]
 
 
 def build_mask(

@@ -65,7 +65,7 @@ def random_row(seed: int, vocab: int = 256):
     return seqs, prompts
 
 
-def packed(seqs, prompts):
+def packed(seqs, prompts, segments=False):
     from rlasync.model import packed_row_to_tensors
     from rlasync.packing import TreeRow, pack
     from rlasync.records import RolloutSample
@@ -73,7 +73,7 @@ def packed(seqs, prompts):
     row = TreeRow()
     for seq, prompt in zip(seqs, prompts):
         row.add(RolloutSample(seq, [0] * prompt + [1] * (len(seq) - prompt), [0.0] * len(seq), 0.0, group_id=0))
-    return packed_row_to_tensors(pack(row), "cuda")
+    return packed_row_to_tensors(pack(row), "cuda", segments=segments)
 
 
 def scores_and_grads(model, row, backend):
@@ -101,6 +101,48 @@ def test_flex_attention_equals_dense_sdpa_path(family, dtype):
         for name in dense_grads:
             scale = max(1.0, dense_grads[name].abs().max().item())
             assert (dense_grads[name] - flex_grads[name]).abs().max().item() <= tolerance * scale, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_sliding"])
+def test_varlen_segments_equal_dense_sdpa_path(family, dtype):
+    """The FlashAttention varlen kernel over root-path segments (bf16; fp32 takes the reference loop), with the
+    plan made on the host as the learner does, and without (made from the row on the device)."""
+    _, model = tiny_model(family, dtype)
+    for seed in range(2):
+        row = packed(*random_row(seed), segments=seed == 0)
+        dense, dense_grads = scores_and_grads(model, row, "dense")
+        varlen, varlen_grads = scores_and_grads(model, row, "varlen")
+        tolerance = TOLERANCE[dtype]
+        assert (dense - varlen).abs().max().item() <= tolerance
+        for name in dense_grads:
+            scale = max(1.0, dense_grads[name].abs().max().item())
+            assert (dense_grads[name] - varlen_grads[name]).abs().max().item() <= tolerance * scale, name
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_varlen_kernel_aligns_each_segment_to_the_end_of_its_keys(window):
+    """One attention call at the real head shape (16 query heads over 8 KV heads, head_dim 128) against SDPA in
+    fp32 under the dense tree mask: values and the gradients of q, k and v."""
+    from rlasync.model.segment_attention import segment_attention, segment_plan
+    from rlasync.model.tree_mask import dense_tree_mask
+
+    row = packed(*random_row(3))
+    n, gen = row.num_tokens, torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+               for h in (16, 8, 8))  # fmt: skip
+    plan = segment_plan(row.subtree_end.cpu(), row.position_ids.cpu()).to("cuda")
+    out = segment_attention(q, k, v, plan, None, window)
+    mask = dense_tree_mask(row.subtree_end, row.position_ids, window)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    expected = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask, enable_gqa=True)
+    expected = expected.transpose(1, 2)
+    assert (out.float() - expected).abs().max().item() <= 2e-2
+    weights = torch.randn(out.shape, device="cuda", generator=gen)
+    grads = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q32, k32, v32))
+    for got, want in zip(grads, expected_grads):
+        assert (got.float() - want).abs().max().item() <= 5e-2 * max(1.0, want.abs().max().item())
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_sliding"])

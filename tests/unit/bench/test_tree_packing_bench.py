@@ -168,3 +168,21 @@ def test_trl_runs_in_the_same_call_on_the_same_samples_and_model(tmp_path):
     )
     assert shape["logprob_samples_compared_vs_trl"] >= 2 and shape["logprob_max_abs_diff_vs_trl"] < 1e-4
     assert (tmp_path / "prof" / "tree_p12_c6_g4_row96.txt").is_file()
+
+
+def test_tree_varlen_runs_next_to_the_flex_tree_and_agrees_with_it(tmp_path):
+    """The A/B mode of the varlen tree attention on CPU (its reference loop): timed, planned on the host, and its
+    log-probs equal the tree mode's and the padding-free mode's (float32)."""
+    out = tmp_path / "tp.json"
+    tree_packing.main(["--tiny", "--device", "cpu", "--compile", "none", "--shapes", "12x6x4@96", "--groups", "2",
+                       "--steps", "1", "--warmup", "0", "--modes", "tree,tree_varlen,padding_free",
+                       "--out", str(out)])  # fmt: skip
+    results = json.loads(out.read_text())
+    shape = results["shapes"]["p12_c6_g4_row96"]
+    assert shape["tree_varlen"]["trained_tokens_per_s"] > 0 and shape["tree_varlen"]["row_to_device_ms"] > 0
+    assert shape["tree_varlen_over_tree"] == pytest.approx(
+        shape["tree_varlen"]["trained_tokens_per_s"] / shape["tree"]["trained_tokens_per_s"]
+    )
+    assert max(shape["tree_varlen_logprob_max_abs_diff"].values()) < 1e-4
+    assert set(shape["tree_varlen_logprob_max_abs_diff"]) == {"tree", "padding_free"}
+    assert "tree_varlen" in results["mfu"]["p12_c6_g4_row96"]
