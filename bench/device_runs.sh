@@ -101,6 +101,20 @@ learner_attention)  # carry [".devicekit"]: FlexAttention kernel configurations 
     run flex_tiles 300 python3 bench/flex_tiles.py --out "$out/flex_tiles_h200.json"
     run tune_block64 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree --block-size 64 --out "$out/tune_block64.json"
     ;;
+learner_varlen)  # carry [".devicekit"]: the varlen tree attention (FlashAttention over root-path segments): its GPU
+    # tests, then an A/B against the flex tree in one process at 8K rows (MFU, bf16 log-prob agreement), then its profile
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run varlen_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu/test_model_gpu.py
+    run varlen_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_ab_8k.json"
+    run varlen_profile 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 4 --warmup 2 --grad-ckpt auto --compile layers --modes tree --attention varlen --profile "$out/profiles_varlen" --out "$out/varlen_profile.json"
+    ;;
+learner_varlen_e2e)  # carry [".devicekit"] (or [] when warm): GRPO on one shared H200 with the learner on the varlen tree attention
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run varlen_ab_4k 200 python3 bench/tree_packing.py --shapes 1088x256x8@4096 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen --out "$out/varlen_ab_4k.json"
+    run e2e_varlen 170 env RLASYNC_TREE_ATTENTION=varlen python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_varlen.json"
+    ;;
 sampler_system)  # carry [".devicekit"]: GRPO on one shared H200, the compiled sampler (default, after the one-graph fix) vs eager
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
