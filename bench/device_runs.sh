@@ -105,7 +105,7 @@ learner_varlen)  # carry [".devicekit"]: the varlen tree attention (FlashAttenti
     # tests, then an A/B against the flex tree in one process at 8K rows (MFU, bf16 log-prob agreement), then its profile
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
-    run varlen_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu/test_model_gpu.py
+    run varlen_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu/test_model_gpu.py tests/gpu/test_learner_rows_gpu.py
     run varlen_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_ab_8k.json"
     run varlen_profile 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 4 --warmup 2 --grad-ckpt auto --compile layers --modes tree --attention varlen --profile "$out/profiles_varlen" --out "$out/varlen_profile.json"
     ;;

@@ -16,7 +16,6 @@ embedding, final norm and head weight the loss reads). No Ray.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlasync.learner.step import _partials, apply_update, step_metrics
+from rlasync.learner.step import RowTimer, _partials, apply_update, step_metrics
 from rlasync.losses.distill import DistillLossConfig, distillation_metrics, distillation_row_loss, num_stats
 from rlasync.metrics import MetricSink, MetricValue
 from rlasync.model.attention import build_tree_attention, sliding_windows
+from rlasync.model.devices import to_device
 from rlasync.model.forward import TreeScorer
 from rlasync.model.head import LogitTransform
 
@@ -73,13 +73,13 @@ def distill_row_tensors(
 
     def tensor(name: str, dtype: Any = None) -> torch.Tensor:
         value = np.asarray(batch[name][rank][:length])
-        return torch.as_tensor(value if dtype is None else value.astype(dtype)).to(device)
+        return to_device(torch.as_tensor(value if dtype is None else value.astype(dtype)), device)
 
     teacher_id_idx = tensor("teacher_id_idx") if "teacher_id_idx" in batch else None
     return DistillRowTensors(
         input_ids=tensor("input_ids", np.int64),
-        position_ids=torch.as_tensor(positions).to(device),
-        subtree_end=torch.as_tensor(subtree_end).to(device),
+        position_ids=to_device(torch.as_tensor(positions), device),
+        subtree_end=to_device(torch.as_tensor(subtree_end), device),
         completion_mask=tensor("completion_mask"),
         teacher_topk_ids=tensor("teacher_topk_ids", np.int64),
         teacher_topk_logprobs=tensor("teacher_topk_logprobs", np.float32),
@@ -177,19 +177,20 @@ class DistillLearnerStep:
         if not rows:
             raise ValueError("step needs at least one row (one per micro-batch)")
         self.model.train()
-        stats = torch.zeros(num_stats(max(len(self.teacher_ids), 1)), dtype=torch.float64)
-        fwd_s = fwd_bwd_s = 0.0
-        total_loss = 0.0
-        for row in rows:
-            start = time.perf_counter()
+        stats = torch.zeros(num_stats(max(len(self.teacher_ids), 1)), dtype=torch.float64, device=self.device)
+        timer = RowTimer(self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for row in rows:  # nothing here waits for the device: rows queue back to back
+            timer.start()
             loss, row_stats = self.loss(row, len(rows))
-            forward_done = time.perf_counter()
+            timer.forward_done()
             loss.backward()
-            self._sync()
-            fwd_s += forward_done - start
-            fwd_bwd_s += time.perf_counter() - start
-            total_loss += float(loss.detach())
-            stats += row_stats.detach().to("cpu", torch.float64)
+            timer.backward_done()
+            total += loss.detach().to(total.device, torch.float64)
+            stats += row_stats.detach().to(stats.device, torch.float64)
+        values = torch.cat([total[None], stats]).tolist()  # the step's one read of its statistics
+        total_loss, stats = values[0], torch.tensor(values[1:], dtype=torch.float64)
+        fwd_s, fwd_bwd_s = timer.totals()
         grad_norm, optimizer_s = apply_update(self)
         if self.reduce_stats is not None:
             stats = self.reduce_stats(stats).to("cpu", torch.float64)

@@ -21,11 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlasync.config import AsyncGRPOConfig
 from rlasync.config.base import TrainerConfig
 from rlasync.losses import LossConfig, grpo_loss
+from rlasync.losses.grpo_metrics import resolve_metrics
 from rlasync.metrics import MetricSink, MetricValue, reduce_values
 from rlasync.model import packed_row_to_tensors, packed_token_scores
 from rlasync.model.row_shapes import pad_row_tensors, padded_length
@@ -175,20 +177,21 @@ class LearnerStep:
             raise ValueError(f"step needs one global_terms entry per row, got {len(rows)} rows, {len(global_terms)}")
         self.model.train()
         sink = MetricSink()
-        records: list[dict[str, MetricValue]] = []
-        fwd_s = fwd_bwd_s = 0.0
-        total_loss = 0.0
-        for row, terms in zip(rows, global_terms):
-            start = time.perf_counter()
+        timer = RowTimer(self.device)
+        pending, losses = [], []
+        for row, terms in zip(rows, global_terms):  # nothing here waits for the device: rows queue back to back
+            timer.start()
             loss, metrics = self._loss(row, terms, len(rows))
-            forward_done = time.perf_counter()
+            timer.forward_done()
             loss.backward()
-            self._sync()
-            fwd_s += forward_done - start
-            fwd_bwd_s += time.perf_counter() - start
-            total_loss += float(loss.detach())
+            timer.backward_done()
+            pending.append(metrics)
+            losses.append(loss.detach())
+        records, loss_values = resolve_metrics(pending, *losses)  # the step's one read of its metrics
+        fwd_s, fwd_bwd_s = timer.totals()
+        total_loss = float(sum(loss_values))
+        for metrics in records:
             sink.update(metrics)
-            records.append(metrics)
         grad_norm, optimizer_s = apply_update(self)
         if rate_pairs:
             out = _partials(records)
@@ -200,6 +203,7 @@ class LearnerStep:
     def _loss(self, row: Any, global_terms: float, grad_accum_steps: int) -> tuple[torch.Tensor, dict]:
         backend = resolve_backend(getattr(self.model, "backend", "auto"), self.device)
         tensors = packed_row_to_tensors(row, self.device, segments=backend == "varlen")  # planned on the host
+        num_samples = int(np.max(row.sample_index)) + 1 if len(row.sample_index) else 0  # host: no device read
         if self.row_bucket > 0:  # compiled layers see few shapes; the padding is invisible (docs/algorithms.md §5.5)
             tensors = pad_row_tensors(tensors, padded_length(tensors.num_tokens, self.row_bucket))
         dtype = self.autocast_dtype
@@ -217,11 +221,45 @@ class LearnerStep:
             entropy=scores.entropy.detach(),
             head_trainer_logprobs=scores.extra_logprobs,
             head_sampler_logprobs=tensors.sampler_topk_logprobs,
+            num_samples=num_samples,
+            defer_metrics=True,
         )
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class RowTimer:
+    """The rows' forward and forward+backward seconds without waiting for the device between rows: CUDA events
+    on a GPU (read in `totals()`, after the step's metrics were read), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[Any, Any, Any]] = []
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.marks.append((self._now(), None, None))
+
+    def forward_done(self) -> None:
+        self.marks[-1] = (self.marks[-1][0], self._now(), None)
+
+    def backward_done(self) -> None:
+        self.marks[-1] = (*self.marks[-1][:2], self._now())
+
+    def totals(self) -> tuple[float, float]:
+        if self.cuda and self.marks:
+            self.marks[-1][2].synchronize()
+            return (sum(a.elapsed_time(f) for a, f, _ in self.marks) / 1e3,
+                    sum(a.elapsed_time(b) for a, _, b in self.marks) / 1e3)  # fmt: skip
+        return sum(f - a for a, f, _ in self.marks), sum(b - a for a, _, b in self.marks)
 
 
 def apply_update(step: Any) -> tuple[float, float]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rlasync.losses.grpo_config import TAIL_MASS_FLOOR, LossConfig, MaskedTokenCentering
-from rlasync.losses.grpo_metrics import Metrics, grpo_metrics
+from rlasync.losses.grpo_metrics import Metrics, PendingMetrics, grpo_metrics
 
 __all__ = ["TAIL_MASS_FLOOR", "LossConfig", "MaskedTokenCentering", "grpo_loss", "masked_is_weight", "normalize_loss"]
 
@@ -46,11 +46,15 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     head_trainer_logprobs: torch.Tensor | None = None,
     head_sampler_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, Metrics]:
+    num_samples: int | None = None,
+    defer_metrics: bool = False,
+) -> tuple[torch.Tensor, Metrics | PendingMetrics]:
     """This rank's share of the GRPO loss of one micro-batch, and its metric statistics.
 
     `num_tokens_global` is the number of loss terms of the micro-batch summed over all ranks (counted regardless
     of the IS mask). Returns (0-d loss tensor, metrics); see the module docstring for shapes and formulas.
+    `num_samples` and `defer_metrics`: see `rlasync.losses.grpo_metrics.grpo_metrics` (a learner step passes
+    both, so nothing in the micro-batch waits for the device).
     """
     dtype = torch.promote_types(trainer_logprobs.dtype, torch.float32)
     trainer_logprobs = trainer_logprobs.to(dtype)
@@ -69,8 +73,9 @@ def grpo_loss(
         terms = clipped_surrogate_terms(trainer_logprobs, sampler_logprobs, advantages, config)
     loss = normalize_loss(terms.sum(), num_tokens_global, num_ranks, grad_accum_steps)
     metrics = grpo_metrics(
-        trainer_logprobs.detach(), sampler_logprobs, advantages, sample_index, config, entropy, sampler_mass
-    )
+        trainer_logprobs.detach(), sampler_logprobs, advantages, sample_index, config, entropy, sampler_mass,
+        num_samples=num_samples, defer=defer_metrics,
+    )  # fmt: skip
     return loss, metrics
 
 

@@ -21,11 +21,45 @@ r ∉ [C_min, C_max]; logp difference = |log μ − log π̃_θ|.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from rlasync.losses.grpo_config import LossConfig
 
 Metrics = dict[str, float | tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class PendingMetrics:
+    """A micro-batch's statistics still on the device (`grpo_metrics(..., defer=True)`): `resolve_metrics` copies
+    many of them to the host at once, so a learner step reads its metrics once, after its last backward, instead of
+    waiting for every row's forward to finish before it can queue that row's backward."""
+
+    sum_keys: tuple[str, ...]
+    extrema_keys: tuple[str, ...]
+    values: torch.Tensor  # [len(sum_keys) + len(extrema_keys)] float64
+    count: float
+
+    def as_metrics(self, values: Sequence[float]) -> Metrics:
+        metrics: Metrics = {k: (s, self.count) for k, s in zip(self.sum_keys, values)}
+        metrics.update(zip(self.extrema_keys, values[len(self.sum_keys) :]))
+        return metrics
+
+
+def resolve_metrics(pending: Sequence[PendingMetrics], *extra: torch.Tensor) -> tuple[list[Metrics], list[float]]:
+    """The host values of `pending` and of the 0-d tensors `extra` (e.g. the losses), in one device-to-host copy."""
+    parts = [p.values for p in pending] + [t.detach().reshape(1).to(torch.float64) for t in extra]
+    if not parts:
+        return [], []
+    flat = torch.cat([part.to(parts[0].device) for part in parts]).tolist()
+    out, offset = [], 0
+    for p in pending:
+        size = p.values.numel()
+        out.append(p.as_metrics(flat[offset : offset + size]))
+        offset += size
+    return out, flat[offset:]
 
 
 @torch.no_grad()
@@ -37,8 +71,13 @@ def grpo_metrics(
     config: LossConfig,
     entropy: torch.Tensor | None = None,
     sampler_mass: torch.Tensor | None = None,
-) -> Metrics:
-    """The loss metrics of one micro-batch on one rank (see the module docstring)."""
+    *,
+    num_samples: int | None = None,
+    defer: bool = False,
+) -> Metrics | PendingMetrics:
+    """The loss metrics of one micro-batch on one rank (see the module docstring). `num_samples` (the row's
+    samples, `sample_index` < it) lets the per-sample extrema be computed without a device sync; `defer=True`
+    returns them still on the device (`PendingMetrics`)."""
     log_ratio = trainer_logprobs.detach() - sampler_logprobs
     ratio = log_ratio.exp()
     low, high = clip_flags(ratio, advantages, config)
@@ -56,14 +95,23 @@ def grpo_metrics(
         sums["entropy"] = entropy
     if sampler_mass is not None:
         sums["sampling/sampler_mass"] = sampler_mass
+    if num_samples is None:
+        low_min, high_max = _min(per_sample_fraction(low, sample_index)), _max(per_sample_fraction(high, sample_index))
+    else:
+        low_min = _present_extremum(*sample_fractions(low, sample_index, num_samples), "min")
+        high_max = _present_extremum(*sample_fractions(high, sample_index, num_samples), "max")
     extrema = {
-        "clip_ratio/low_min": _min(per_sample_fraction(low, sample_index)),
-        "clip_ratio/high_max": _max(per_sample_fraction(high, sample_index)),
+        "clip_ratio/low_min": low_min,
+        "clip_ratio/high_max": high_max,
         "sampling/sampling_logp_difference/max": _max(log_ratio.abs()),
         "sampling/importance_sampling_ratio/min": _min(ratio),
         "sampling/importance_sampling_ratio/max": _max(ratio),
     }
-    return _to_python(sums, extrema, float(trainer_logprobs.shape[0]))
+    values = torch.stack(
+        [v.to(torch.float64).sum() for v in sums.values()] + [v.to(torch.float64) for v in extrema.values()]
+    )
+    pending = PendingMetrics(tuple(sums), tuple(extrema), values, float(trainer_logprobs.shape[0]))
+    return pending if defer else pending.as_metrics(values.tolist())
 
 
 def clip_flags(ratio: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,19 +128,28 @@ def per_sample_fraction(flags: torch.Tensor, sample_index: torch.Tensor) -> torc
     return hits / counts
 
 
+def sample_fractions(flags: torch.Tensor, sample_index: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([num_samples] share of each sample's terms whose flag is set, [num_samples] whether the sample has terms),
+    without reading anything back from the device (`per_sample_fraction` with a known number of samples)."""
+    counts = torch.zeros(num_samples, dtype=torch.float64, device=flags.device)
+    counts.index_add_(0, sample_index, torch.ones_like(sample_index, dtype=torch.float64))
+    hits = torch.zeros_like(counts).index_add_(0, sample_index, flags.to(torch.float64))
+    return hits / counts.clamp_min(1.0), counts > 0
+
+
+def _present_extremum(values: torch.Tensor, present: torch.Tensor, kind: str) -> torch.Tensor:
+    """min or max of `values` where `present`; NaN when nothing is (as `_min` / `_max` of an empty tensor)."""
+    if values.numel() == 0:
+        return values.new_full((), float("nan"), dtype=torch.float64)
+    fill = float("inf") if kind == "min" else float("-inf")
+    masked = torch.where(present, values, torch.full_like(values, fill))
+    reduced = masked.min() if kind == "min" else masked.max()
+    return torch.where(present.any(), reduced, torch.full_like(reduced, float("nan")))
+
+
 def _min(values: torch.Tensor) -> torch.Tensor:
     return values.min() if values.numel() else values.new_full((), float("nan"), dtype=torch.float64)
 
 
 def _max(values: torch.Tensor) -> torch.Tensor:
     return values.max() if values.numel() else values.new_full((), float("nan"), dtype=torch.float64)
-
-
-def _to_python(sums: dict[str, torch.Tensor], extrema: dict[str, torch.Tensor], count: float) -> Metrics:
-    """One device-to-host copy for every statistic: sums become (Σ, count) pairs, extrema floats."""
-    stacked = torch.stack(
-        [v.to(torch.float64).sum() for v in sums.values()] + [v.to(torch.float64) for v in extrema.values()]
-    ).tolist()
-    metrics: Metrics = {k: (s, count) for k, s in zip(sums, stacked)}
-    metrics.update(zip(extrema, stacked[len(sums) :]))
-    return metrics

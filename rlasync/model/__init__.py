@@ -3,6 +3,8 @@
 attention  tree attention (FlexAttention BlockMask on CUDA, dense bool mask + SDPA elsewhere), registered with
            transformers as attn_implementation="rlasync_tree"; architecture checks (docs/algorithms.md §4.3, §11)
 tree_mask  the tree rule, a row's dense masks and `TreeAttention`; block_mask: its FlexAttention BlockMasks
+segment_attention  the varlen backend: a row as root-path segments for FlashAttention varlen (planned on the host)
+devices    non-blocking host-to-device copies of a row's arrays
 head       chunked LM head: log-probs, entropy, top-K and candidate-set renormalisation without [M, V] logits
 forward    PackedRow -> tensors -> TokenScores; TreeScorer (the FSDP2 root); sequence_logprobs
 loading    load_model

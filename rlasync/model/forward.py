@@ -28,6 +28,7 @@ from rlasync.model.attention import (
     sliding_windows,
     uses_tree_attention,
 )
+from rlasync.model.devices import to_device
 from rlasync.model.head import LogitTransform, TokenScores, chunked_token_scores
 from rlasync.model.segment_attention import SegmentPlan, segment_plan
 
@@ -60,12 +61,13 @@ class PackedRowTensors:
 
 
 def packed_row_to_tensors(row: Any, device: torch.device | str = "cpu", *, segments: bool = False) -> PackedRowTensors:
-    """Convert a `rlasync.packing.PackedRow` (or anything with its fields) to `PackedRowTensors` on `device`;
-    `segments=True` also plans the varlen tree attention from the row's host arrays (`segment_plan`)."""
+    """Convert a `rlasync.packing.PackedRow` (or anything with its fields) to `PackedRowTensors` on `device` (to
+    a GPU from pinned memory, without waiting for the work queued there); `segments=True` also plans the varlen
+    tree attention from the row's host arrays (`segment_plan`)."""
     values: dict[str, Any] = {}
     for field in fields(PackedRowTensors):
         array = getattr(row, field.name, None) if field.name != "segments" else None
-        values[field.name] = None if array is None else torch.as_tensor(np.asarray(array)).to(device)
+        values[field.name] = None if array is None else to_device(torch.as_tensor(np.asarray(array)), device)
     if segments:
         values["segments"] = segment_plan(row.subtree_end, row.position_ids).to(device)
     return PackedRowTensors(**values)

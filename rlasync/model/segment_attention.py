@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rlasync.model.devices import to_device
+
 LENGTH_QUANTUM = 128  # max_q / max_k are rounded up to this: few distinct values for compiled callers
 
 
@@ -56,7 +58,7 @@ class SegmentPlan:
         return int(self.query_start.shape[0]) - 1
 
     def to(self, device: torch.device | str) -> SegmentPlan:
-        move = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
+        move = functools.partial(to_device, device=device)
         return SegmentPlan(move(self.query_start), move(self.key_start), move(self.key_index), self.num_tokens,
                            self.num_keys, self.max_query, self.max_key)  # fmt: skip
 
@@ -65,12 +67,11 @@ class SegmentPlan:
         as `rlasync.model.row_shapes.pad_row_tensors` pads a row. No device-to-host read."""
         if length <= 0:
             return self
-        device = self.key_index.device
         n, keys = self.num_tokens, self.num_keys
-        chain = torch.arange(n, n + length, dtype=self.key_index.dtype, device=device)
+        chain = torch.arange(n, n + length, dtype=self.key_index.dtype, device=self.key_index.device)
         return SegmentPlan(
-            torch.cat([self.query_start, torch.tensor([n + length], dtype=torch.int32).to(device)]),
-            torch.cat([self.key_start, torch.tensor([keys + length], dtype=torch.int32).to(device)]),
+            torch.cat([self.query_start, self.query_start[-1:] + length]),  # on the device: no copy to wait for
+            torch.cat([self.key_start, self.key_start[-1:] + length]),
             torch.cat([self.key_index, chain]),
             n + length, keys + length, max(self.max_query, _rounded(length)), max(self.max_key, _rounded(length)),
         )  # fmt: skip

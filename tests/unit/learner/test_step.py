@@ -213,3 +213,36 @@ def test_mixed_precision_step_keeps_float32_master_weights_and_follows_the_float
     moved = model_mp.model.norm.weight.detach()
     assert not torch.equal(moved, norm)
     assert torch.equal(moved.to(torch.bfloat16), norm.to(torch.bfloat16))  # invisible at bf16 resolution
+
+
+def test_the_step_reads_its_losses_and_timings_once_and_they_add_up():
+    """The rows queue without waiting for the device (metrics and losses are read after the last backward): the
+    logged loss is still the sum of the rows' losses as computed before the update, and each row's forward time
+    lies inside its forward+backward time."""
+    from rlasync.learner.step import RowTimer
+    from rlasync.losses import grpo_loss
+    from rlasync.model import packed_row_to_tensors, packed_token_scores
+
+    model = tiny_model(4)
+    rng = np.random.default_rng(4)
+    samples = sum((on_policy_group(model, g, [1.0, -1.0, 0.5], rng) for g in range(3)), [])
+    rows = rows_of(samples, budget=40)
+    assert len(rows) >= 2
+    terms = [r.num_trained_tokens for r in rows]
+    config = LossConfig(score_centering=False)
+    expected = 0.0
+    with torch.no_grad():
+        for row, n in zip(rows, terms):
+            t = packed_row_to_tensors(row)
+            scores = packed_token_scores(model, t)
+            loss, _ = grpo_loss(scores.logprobs, t.sampler_logprobs, t.advantages, t.sample_index, config=config,
+                                num_tokens_global=n, grad_accum_steps=len(rows))  # fmt: skip
+            expected += float(loss)
+    metrics = make_step(model, config).step(rows, terms)
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert 0 < metrics["perf/fwd_s"] <= metrics["perf/fwd_bwd_s"]
+    timer = RowTimer(torch.device("cpu"))
+    for _ in range(2):
+        timer.start(), timer.forward_done(), timer.backward_done()
+    forward, both = timer.totals()
+    assert 0 <= forward <= both

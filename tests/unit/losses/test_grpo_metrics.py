@@ -22,7 +22,7 @@ def _metrics(config: LossConfig, ratios=RATIOS, advantages=ADVANTAGES, samples=S
         trainer,
         sampler,
         torch.tensor(advantages, dtype=torch.float64),
-        torch.tensor(samples),
+        torch.tensor(samples, dtype=torch.long),
         config=config,
         num_tokens_global=len(ratios),
         **kwargs,
@@ -129,3 +129,26 @@ def test_per_sample_clip_fractions():
     assert m["clip_ratio/low_min"] == pytest.approx(1 / 3)
     assert m["clip_ratio/high_max"] == pytest.approx(2 / 3)
     assert m["clip_ratio/low_mean"] == (3.0, 7.0)
+
+
+@pytest.mark.parametrize(
+    "samples, num_samples",
+    [(SAMPLES, 2), ([3, 3, 0, 0, 5, 5], 7), ([0, 0, 0, 0, 0, 0], 1)],  # samples 1, 2, 4 and 6 have no terms
+)
+def test_metrics_with_a_known_sample_count_equal_the_unique_based_ones(samples, num_samples):
+    """`num_samples` (the learner passes it, so nothing waits for the device) gives the same per-sample extrema as
+    `torch.unique`, samples without terms ignored; deferred metrics resolve to the same values."""
+    from rlasync.losses.grpo_metrics import resolve_metrics
+
+    config = LossConfig(score_centering=False, epsilon_high=0.28)
+    plain = _metrics(config, samples=samples)
+    known = _metrics(config, samples=samples, num_samples=num_samples)
+    deferred = _metrics(config, samples=samples, num_samples=num_samples, defer_metrics=True)
+    (resolved,), extra = resolve_metrics([deferred], torch.tensor(2.5), torch.tensor([1.5]))
+    assert known == pytest.approx(plain) and resolved == pytest.approx(plain) and extra == [2.5, 1.5]
+
+
+def test_known_sample_count_of_an_empty_micro_batch_gives_nan_extrema():
+    m = _metrics(LossConfig(score_centering=False), ratios=[], advantages=[], samples=[], num_samples=0)
+    assert math.isnan(m["clip_ratio/low_min"]) and math.isnan(m["clip_ratio/high_max"])
+    assert m["ratio"] == (0.0, 0.0)
