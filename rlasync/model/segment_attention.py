@@ -132,11 +132,9 @@ def segment_attention(
     q = query[0].transpose(0, 1).contiguous()  # [N, Hq, D]
     k = key[0].transpose(0, 1).index_select(0, plan.key_index)  # [num_keys, Hkv, D]
     v = value[0].transpose(0, 1).index_select(0, plan.key_index)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # the kernel's dtypes; fp32 takes the loop
-        out = _varlen(q, k, v, plan, scaling, sliding_window)
-    else:
-        out = reference_segment_attention(q, k, v, plan, scaling, sliding_window)
-    return out[None]
+    use_kernel = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)  # the kernel's dtypes; fp32: the loop
+    kernel = _varlen if use_kernel else reference_segment_attention
+    return kernel(q, k, v, plan, scaling, sliding_window)[None]
 
 
 def varlen_available() -> bool:

@@ -134,3 +134,44 @@ def test_a_varlen_tree_hands_the_model_a_placeholder_mask_of_the_row(packed_tens
     tree = build_tree_attention(row.subtree_end, row.position_ids, "varlen")
     assert tree.backend == "varlen" and tree.segments is not None
     assert tree.full_mask.shape == (1, 1, row.num_tokens, row.num_tokens) and tree.full_mask.stride() == (0,) * 4
+
+
+@torch.library.custom_op("rlasync_test::segments", mutates_args=())
+def _opaque_segments(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, subtree_end: torch.Tensor,
+    position_ids: torch.Tensor, window: int,
+) -> torch.Tensor:  # fmt: skip
+    plan = segment_plan(subtree_end, position_ids)
+    return reference_segment_attention(q, k, v, plan, None, window or None)
+
+
+@_opaque_segments.register_fake
+def _(q, k, v, key_index, subtree_end, position_ids, window):
+    return torch.empty_like(q)
+
+
+def test_a_decoder_layer_on_the_varlen_backend_compiles_without_graph_breaks(make_model, packed_tensors, monkeypatch):
+    """As the FlashAttention kernel is one opaque op to the compiler, so is a stand-in here: the gather, the plan's
+    fields and the layer around them trace into one graph (fullgraph), and the result is the eager one."""
+    import rlasync.model.segment_attention as segments
+
+    model = enable_tree_attention(make_model("qwen3_sliding"))
+    row = packed_tensors([[1, 2, 3, 4, 5], [1, 2, 3, 9], [7, 8]], [2, 2, 1])
+    tree = build_tree_attention(row.subtree_end, row.position_ids, "varlen", windows=(4,))
+
+    def kernel(q, k, v, plan, scaling, window):
+        return _opaque_segments(q, k, v, plan.key_index, row.subtree_end, row.position_ids, window or 0)
+
+    monkeypatch.setattr(segments, "reference_segment_attention", kernel)
+    decoder = model.get_decoder()
+    hidden = decoder.embed_tokens(row.input_ids[None])
+    rotary = decoder.rotary_emb(hidden, row.position_ids[None])
+
+    def layers(hidden):
+        for layer in decoder.layers:
+            hidden = layer(hidden, attention_mask=tree.full_mask, position_embeddings=rotary, tree_attention=tree)
+        return hidden
+
+    compiled = torch.compile(layers, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(hidden), layers(hidden))
