@@ -27,7 +27,7 @@ import torch
 from rlasync.config import AsyncGRPOConfig
 from rlasync.config.base import TrainerConfig
 from rlasync.losses import LossConfig, grpo_loss
-from rlasync.losses.grpo_metrics import resolve_metrics
+from rlasync.losses.grpo_metrics import PendingMetrics, resolve_metrics
 from rlasync.metrics import MetricSink, MetricValue, reduce_values
 from rlasync.model import packed_row_to_tensors, packed_token_scores
 from rlasync.model.row_shapes import pad_row_tensors, padded_length
@@ -200,7 +200,7 @@ class LearnerStep:
         out.update(step_metrics(self, total_loss, grad_norm, fwd_s, fwd_bwd_s, optimizer_s, len(rows)))
         return out
 
-    def _loss(self, row: Any, global_terms: float, grad_accum_steps: int) -> tuple[torch.Tensor, dict]:
+    def _loss(self, row: Any, global_terms: float, grad_accum_steps: int) -> tuple[torch.Tensor, PendingMetrics]:
         backend = resolve_backend(getattr(self.model, "backend", "auto"), self.device)
         tensors = packed_row_to_tensors(row, self.device, segments=backend == "varlen")  # planned on the host
         num_samples = int(np.max(row.sample_index)) + 1 if len(row.sample_index) else 0  # host: no device read
