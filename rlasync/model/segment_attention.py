@@ -156,10 +156,7 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan
             sliding_window: int | None) -> torch.Tensor:  # fmt: skip
     from torch.nn.attention.varlen import varlen_attn
 
-    parameters = _varlen_parameters()
-    if parameters is None:
-        raise RuntimeError("tree attention backend 'varlen' needs torch.nn.attention.varlen.varlen_attn with "
-                           "window_size (torch >= 2.10): use backend 'flex'")  # fmt: skip
+    parameters = _varlen_parameters() or frozenset()  # resolve_backend refused 'varlen' where it is missing
     extra = {"enable_gqa": True} if "enable_gqa" in parameters and q.shape[1] != k.shape[1] else {}
     return varlen_attn(
         q, k, v, plan.query_start, plan.key_start, plan.max_query, plan.max_key, scale=scaling,

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from rlasync.model.block_mask import DEFAULT_BLOCK_SIZE, tree_block_mask
-from rlasync.model.segment_attention import SegmentPlan, segment_plan
+from rlasync.model.segment_attention import SegmentPlan, segment_plan, varlen_available
 
 Backend = Literal["dense", "flex", "varlen"]
 BACKENDS = ("dense", "flex", "varlen")
@@ -129,6 +129,9 @@ def resolve_backend(backend: str, device: torch.device) -> Backend:
             raise ValueError(f"${TREE_ATTENTION_ENV}={backend!r}: use one of {', '.join(BACKENDS)}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown tree attention backend {backend!r}: use 'auto', {', '.join(map(repr, BACKENDS))}")
+    if backend == "varlen" and device.type == "cuda" and not varlen_available():
+        raise ValueError(f"tree attention 'varlen' needs torch.nn.attention.varlen.varlen_attn with window_size "
+                         f"(torch >= 2.10; this is {torch.__version__}): use 'flex'")  # fmt: skip
     return backend  # type: ignore[return-value]
 
 

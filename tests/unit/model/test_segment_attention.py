@@ -175,3 +175,12 @@ def test_a_decoder_layer_on_the_varlen_backend_compiles_without_graph_breaks(mak
     compiled = torch.compile(layers, backend="eager", fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(hidden), layers(hidden))
+
+
+def test_varlen_on_a_torch_without_the_kernel_is_refused_naming_flex(monkeypatch):
+    import rlasync.model.tree_mask as tree_mask
+
+    monkeypatch.setattr(tree_mask, "varlen_available", lambda: False)
+    with pytest.raises(ValueError, match="use 'flex'"):
+        resolve_backend("varlen", torch.device("cuda"))
+    assert resolve_backend("varlen", torch.device("cpu")) == "varlen"  # the reference loop runs anywhere
