@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-length", type=int, default=48, help="upper bound on prompt and completion lengths")
+    parser.add_argument("--attention", choices=["auto", "dense", "flex", "varlen"], default="auto",
+                        help="the tree attention backend checked (auto: flex on CUDA, dense on the CPU)")  # fmt: skip
     return parser
 
 
@@ -95,14 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     reference, reference_grads = _logprobs_and_grads(model, seqs, prompts, weights, "none")
     enable_tree_attention(model)  # same weights, now tree attention
-    tree, tree_grads = _logprobs_and_grads(model, seqs, prompts, weights, "tree")
+    tree, tree_grads = _logprobs_and_grads(model, seqs, prompts, weights, "tree", args.attention)
 
     logprob_diff = (reference - tree).abs().max().item()
     grad_diff = max((reference_grads[name] - tree_grads[name]).abs().max().item() for name in reference_grads)
     max_diff = max(logprob_diff, grad_diff)
     raw = sum(len(s) for s in seqs)
     unique = _unique_tokens(seqs)
-    print(f"model: {args.model_path} ({type(model).__name__}, {args.dtype}, {device}), vocab {vocab_size}")
+    print(f"model: {args.model_path} ({type(model).__name__}, {args.dtype}, {device}), vocab {vocab_size}, "
+          f"tree attention {args.attention}")  # fmt: skip
     print(
         f"samples: {len(seqs)} ({raw} tokens, {len(weights)} completion tokens) in one tree-packed row of {unique} "
         f"tokens (packing ratio {raw / unique:.2f})"
@@ -139,13 +142,14 @@ def _load_reference(path: str, dtype: Any, device: str) -> Any:
     return model.to(device).eval()
 
 
-def _logprobs_and_grads(model: Any, seqs: list[list[int]], prompts: list[int], weights: Any, packing: str) -> Any:
+def _logprobs_and_grads(model: Any, seqs: list[list[int]], prompts: list[int], weights: Any, packing: str,
+                        backend: str = "auto") -> Any:  # fmt: skip
     import torch
 
     from rlasync.model.forward import sequence_logprobs
 
     model.zero_grad(set_to_none=True)
-    logprobs = torch.cat(sequence_logprobs(model, seqs, prompts, packing=packing))
+    logprobs = torch.cat(sequence_logprobs(model, seqs, prompts, packing=packing, backend=backend))
     (weights.to(logprobs.device) * logprobs).sum().div(max(1, logprobs.numel())).backward()
     grads = {name: p.grad.float().cpu() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

@@ -26,6 +26,14 @@ def test_check_model_passes_on_tiny_models(make_model, tmp_path, capsys, family)
     assert "packing ratio" in output
 
 
+def test_check_model_checks_the_backend_it_is_given(make_model, tmp_path, capsys):
+    make_model("qwen3_sliding").save_pretrained(tmp_path / "m")
+    code = main([str(tmp_path / "m"), "--device", "cpu", "--seed", "2", "--max-length", "24", "--attention", "varlen"])
+    output = capsys.readouterr().out
+    assert code == EXIT_OK, output
+    assert "tree attention varlen" in output and _last_value(output) <= 1e-5
+
+
 def test_check_model_fails_above_the_tolerance(make_model, tmp_path, capsys):
     make_model("qwen3").save_pretrained(tmp_path / "m")
     code = main([str(tmp_path / "m"), "--device", "cpu", "--tolerance", "0", "--max-length", "24"])
