@@ -74,6 +74,20 @@ def ray_head(tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def _execute(client, cell, index) -> None:
+    """Run one cell. The connect cell gets a second try: Ray's client proxier, starting the server for a new
+    client, at times hits a `psutil.ZombieProcess` of its own and drops that connection (a Ray flake, seen once in
+    CI); the cell is written to be re-run (`ray.is_initialized()`), and a failure of any other cell stands."""
+    try:
+        client.execute_cell(cell, index)
+    except nbclient.exceptions.CellExecutionError:
+        if cell.cell_type != "code" or "ray.init(" not in cell.source:
+            raise
+        time.sleep(5.0)
+        cell.outputs = []
+        client.execute_cell(cell, index)
+
+
 def test_the_notebook_runs_end_to_end_through_ray_client(ray_head, tmp_path, monkeypatch):
     gcs, client = ray_head
     model = tmp_path / "tiny"
@@ -88,7 +102,10 @@ def test_the_notebook_runs_end_to_end_through_ray_client(ray_head, tmp_path, mon
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     executed = nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    executed.execute()
+    executed.reset_execution_trackers()
+    with executed.setup_kernel():  # NotebookClient.execute, one cell at a time (see `_execute`)
+        for index, cell in enumerate(notebook.cells):
+            _execute(executed, cell, index)
     text = "\n".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "connected: ray://127.0.0.1:" in text and "resumed from step" in text
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
