@@ -30,6 +30,8 @@ from rlasync.model.attention import build_tree_attention, sliding_windows
 from rlasync.model.devices import to_device
 from rlasync.model.forward import TreeScorer
 from rlasync.model.head import LogitTransform
+from rlasync.model.segment_attention import SegmentPlan, segment_plan
+from rlasync.model.tree_mask import resolve_backend
 
 ReduceStats = Callable[[torch.Tensor], torch.Tensor]
 """`stats -> stats summed over ranks` (float64, any device in, same shape out)."""
@@ -47,6 +49,7 @@ class DistillRowTensors:
     teacher_topk_logprobs: torch.Tensor  # [L, W] float32, -inf padded
     global_n_tokens: float  # Σ completion tokens of the micro-batch over every rank
     teacher_id_idx: torch.Tensor | None = None  # [L] int64 (MOPD only)
+    segments: SegmentPlan | None = None  # the varlen tree attention's plan, made on the host
 
     @property
     def num_tokens(self) -> int:
@@ -58,9 +61,10 @@ class DistillRowTensors:
 
 
 def distill_row_tensors(
-    batch: Mapping[str, np.ndarray], rank: int = 0, device: torch.device | str = "cpu"
+    batch: Mapping[str, np.ndarray], rank: int = 0, device: torch.device | str = "cpu", *, segments: bool | None = None
 ) -> DistillRowTensors:
-    """Row `rank` of `collate_rows`' output as tensors on `device`, padding (attention_mask 0, at the end) removed."""
+    """Row `rank` of `collate_rows`' output as tensors on `device`, padding (attention_mask 0, at the end) removed.
+    `segments`: plan the varlen tree attention on the host (None: when "auto" means varlen on `device`)."""
     length = int(np.asarray(batch["attention_mask"][rank]).sum())
     if length == 0:
         raise ValueError(f"row {rank} of the micro-batch is empty: every rank needs at least one sample")
@@ -76,6 +80,9 @@ def distill_row_tensors(
         return to_device(torch.as_tensor(value if dtype is None else value.astype(dtype)), device)
 
     teacher_id_idx = tensor("teacher_id_idx") if "teacher_id_idx" in batch else None
+    if segments is None:
+        segments = resolve_backend("auto", torch.device(device)) == "varlen"
+    plan = segment_plan(subtree_end, positions).to(device) if segments else None
     return DistillRowTensors(
         input_ids=tensor("input_ids", np.int64),
         position_ids=to_device(torch.as_tensor(positions), device),
@@ -85,6 +92,7 @@ def distill_row_tensors(
         teacher_topk_logprobs=tensor("teacher_topk_logprobs", np.float32),
         global_n_tokens=float(np.asarray(batch["global_n_tokens"][rank])),
         teacher_id_idx=teacher_id_idx,
+        segments=plan,
     )
 
 
@@ -117,7 +125,8 @@ def row_hidden_states(
     model: torch.nn.Module, row: DistillRowTensors, backend: Any = "auto", autocast_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """The decoder's last hidden states [L, H] of a packed row, each sample attending only to itself."""
-    tree = build_tree_attention(row.subtree_end, row.position_ids, backend, sliding_windows(model))
+    tree = build_tree_attention(row.subtree_end, row.position_ids, backend, sliding_windows(model),
+                                segments=row.segments)  # fmt: skip
     device_type = row.input_ids.device.type
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         outputs = model.get_decoder()(

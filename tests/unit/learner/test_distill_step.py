@@ -190,3 +190,24 @@ def test_multi_teacher_stats_are_reduced_and_named():
     assert len(seen) == 1 and seen[0].shape == (4 + 3 * 2,)
     assert metrics["teacher_token_frac/math"] == (8.0, 12.0) and metrics["teacher_token_frac/code"] == (4.0, 12.0)
     assert math.isfinite(metrics["teacher_jsd/math"]) and math.isfinite(metrics["teacher_jsd/code"])
+
+
+def test_a_row_planned_for_the_varlen_backend_gives_the_reference_loss(monkeypatch):
+    """The distillation row's segment plan is made on the host (`segments=True`) and the varlen tree attention
+    (its reference loop on the CPU) gives the per-sample reference loss."""
+    import rlasync.model.segment_attention as segments
+
+    plans = []
+    loop = segments.reference_segment_attention
+    monkeypatch.setattr(segments, "reference_segment_attention", lambda q, k, v, plan, *a: plans.append(plan) or loop(q, k, v, plan, *a))
+    rng = np.random.default_rng(1)
+    model = tiny_model()
+    samples = [make_sample(rng, 0, 5, 6), make_sample(rng, 1, 3, 4), make_sample(rng, 2, 7, 1)]
+    batch = collate_rows([samples], pad_token_id=0)
+    row = distill_row_tensors(batch, 0, torch.device("cpu"), segments=True)
+    assert row.segments is not None and row.segments.num_segments == 3
+    assert distill_row_tensors(batch, 0, torch.device("cpu")).segments is None  # auto on the CPU: dense
+    loss, _ = DistillScorer(model, backend="varlen")(row, DistillLossConfig(chunk_size=4))
+    expected, _ = reference_loss(model, samples, float(batch["global_n_tokens"][0]))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    assert plans and all(plan is row.segments for plan in plans)  # every layer used the host-made plan
