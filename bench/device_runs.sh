@@ -11,6 +11,12 @@
 # image lacks, with pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
 # math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2), .vllmkit (vLLM 0.25 and its
 # deps, with an unpack.sh), .trlwheel (TRL 1.16's wheel), and the SmolLM2 GGUF in two halves (.smol1, .smol2).
+#
+# Owed on one H200, in this order (each within 30 s of the one before, so /tmp/site stays):
+#   carry [".devicekit"]           learner_varlen       (~8 min: varlen GPU tests, varlen vs flex at 8K rows, profile)
+#   carry []                       learner_varlen_e2e   (~6 min: 4K A/B, GRPO with the learner on varlen)
+#   carry []                       sampler_system       (~4 min: compiled vs eager sampler inside GRPO)
+#   carry [".vllmkit", ".whl"]     vllm_recheck         (~8 min: both engines 256x256, py-spy of vLLM's sync)
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
 out=${OUT:-/tmp/out}
