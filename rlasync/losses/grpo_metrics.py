@@ -75,8 +75,8 @@ def grpo_metrics(
     num_samples: int | None = None,
     defer: bool = False,
 ) -> Metrics | PendingMetrics:
-    """The loss metrics of one micro-batch on one rank (see the module docstring). `num_samples` (the row's
-    samples, `sample_index` < it) lets the per-sample extrema be computed without a device sync; `defer=True`
+    """The loss metrics of one micro-batch on one rank (see the module docstring). `num_samples` (a bound on
+    `sample_index`, e.g. the row's sample count) spares a device read for the per-sample extrema; `defer=True`
     returns them still on the device (`PendingMetrics`)."""
     log_ratio = trainer_logprobs.detach() - sampler_logprobs
     ratio = log_ratio.exp()
@@ -95,14 +95,11 @@ def grpo_metrics(
         sums["entropy"] = entropy
     if sampler_mass is not None:
         sums["sampling/sampler_mass"] = sampler_mass
-    if num_samples is None:
-        low_min, high_max = _min(per_sample_fraction(low, sample_index)), _max(per_sample_fraction(high, sample_index))
-    else:
-        low_min = _present_extremum(*sample_fractions(low, sample_index, num_samples), "min")
-        high_max = _present_extremum(*sample_fractions(high, sample_index, num_samples), "max")
+    if num_samples is None:  # reads the largest sample index back from the device
+        num_samples = int(sample_index.max()) + 1 if sample_index.numel() else 0
     extrema = {
-        "clip_ratio/low_min": low_min,
-        "clip_ratio/high_max": high_max,
+        "clip_ratio/low_min": _present_extremum(*sample_fractions(low, sample_index, num_samples), "min"),
+        "clip_ratio/high_max": _present_extremum(*sample_fractions(high, sample_index, num_samples), "max"),
         "sampling/sampling_logp_difference/max": _max(log_ratio.abs()),
         "sampling/importance_sampling_ratio/min": _min(ratio),
         "sampling/importance_sampling_ratio/max": _max(ratio),
@@ -120,17 +117,9 @@ def clip_flags(ratio: torch.Tensor, advantages: torch.Tensor, config: LossConfig
     return (ratio < 1 - eps_low) & (advantages < 0), (ratio > 1 + eps_high) & (advantages > 0)
 
 
-def per_sample_fraction(flags: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-    """[S] share of each present sample's terms whose flag is set (S = distinct values of `sample_index`)."""
-    _, inverse = torch.unique(sample_index, return_inverse=True)
-    counts = torch.bincount(inverse)
-    hits = torch.bincount(inverse, weights=flags.to(torch.float64))
-    return hits / counts
-
-
 def sample_fractions(flags: torch.Tensor, sample_index: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     """([num_samples] share of each sample's terms whose flag is set, [num_samples] whether the sample has terms),
-    without reading anything back from the device (`per_sample_fraction` with a known number of samples)."""
+    without reading anything back from the device (samples are `sample_index` values below `num_samples`)."""
     counts = torch.zeros(num_samples, dtype=torch.float64, device=flags.device)
     counts.index_add_(0, sample_index, torch.ones_like(sample_index, dtype=torch.float64))
     hits = torch.zeros_like(counts).index_add_(0, sample_index, flags.to(torch.float64))

@@ -133,19 +133,33 @@ def test_per_sample_clip_fractions():
 
 @pytest.mark.parametrize(
     "samples, num_samples",
-    [(SAMPLES, 2), ([3, 3, 0, 0, 5, 5], 7), ([0, 0, 0, 0, 0, 0], 1)],  # samples 1, 2, 4 and 6 have no terms
+    # absent samples (1, 2, 4, 6; then 2, 3) must not count: with [0, 1, 0, 1, 0, 1] each present sample has a
+    # third of its terms low-clipped, an absent one would bring the minimum to 0
+    [(SAMPLES, 2), ([3, 3, 0, 0, 5, 5], 7), ([0, 0, 0, 0, 0, 0], 1), ([0, 1, 0, 1, 0, 1], 4)],
 )
-def test_metrics_with_a_known_sample_count_equal_the_unique_based_ones(samples, num_samples):
-    """`num_samples` (the learner passes it, so nothing waits for the device) gives the same per-sample extrema as
-    `torch.unique`, samples without terms ignored; deferred metrics resolve to the same values."""
+def test_metrics_with_a_known_sample_count_equal_the_reference(samples, num_samples):
+    """`num_samples` (the learner passes it, so nothing waits for the device) and without it (the largest index
+    is read back) give the plain-Python reference's per-sample extrema, samples without terms ignored; deferred
+    metrics resolve to the same values."""
     from rlasync.losses.grpo_metrics import resolve_metrics
+    from rlasync.losses.reference import grpo_metrics_reference
 
     config = LossConfig(score_centering=False, epsilon_high=0.28)
+    sampler = torch.linspace(-2.0, -0.5, len(RATIOS), dtype=torch.float64)
+    trainer = sampler + torch.tensor(RATIOS, dtype=torch.float64).log()
+    advantages, index = torch.tensor(ADVANTAGES, dtype=torch.float64), torch.tensor(samples)
+    reference = grpo_metrics_reference(trainer, sampler, advantages, index, config)
     plain = _metrics(config, samples=samples)
     known = _metrics(config, samples=samples, num_samples=num_samples)
     deferred = _metrics(config, samples=samples, num_samples=num_samples, defer_metrics=True)
     (resolved,), extra = resolve_metrics([deferred], torch.tensor(2.5), torch.tensor([1.5]))
-    assert known == pytest.approx(plain) and resolved == pytest.approx(plain) and extra == [2.5, 1.5]
+    for got in (plain, known, resolved):
+        assert got.keys() == reference.keys()
+        for key, want in reference.items():
+            assert pytest.approx(want if isinstance(want, tuple) else (want,)) == (
+                got[key] if isinstance(got[key], tuple) else (got[key],)
+            ), key
+    assert extra == [2.5, 1.5]
 
 
 def test_known_sample_count_of_an_empty_micro_batch_gives_nan_extrema():
