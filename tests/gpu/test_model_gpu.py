@@ -87,37 +87,23 @@ def scores_and_grads(model, row, backend):
     return scores.logprobs.detach().float(), grads
 
 
+@pytest.mark.parametrize("backend", ["flex", "varlen"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_sliding"])
-def test_flex_attention_equals_dense_sdpa_path(family, dtype):
+def test_tree_backends_equal_dense_sdpa_path(family, dtype, backend):
+    """Compiled FlexAttention, and the FlashAttention varlen kernel over root-path segments (bf16; fp32 takes its
+    reference loop) with the plan made on the host as the learner does (first row) and from the row on the device."""
     _, model = tiny_model(family, dtype)
     for seed in range(2):  # two rows of different lengths: the compiled kernel handles a new N
-        row = packed(*random_row(seed))
+        row = packed(*random_row(seed), segments=backend == "varlen" and seed == 0)
         assert row.num_tokens > 3 * 128  # several 128-token blocks (and, almost surely, a partial last one)
         dense, dense_grads = scores_and_grads(model, row, "dense")
-        flex, flex_grads = scores_and_grads(model, row, "flex")
+        tree, tree_grads = scores_and_grads(model, row, backend)
         tolerance = TOLERANCE[dtype]
-        assert (dense - flex).abs().max().item() <= tolerance
+        assert (dense - tree).abs().max().item() <= tolerance
         for name in dense_grads:
             scale = max(1.0, dense_grads[name].abs().max().item())
-            assert (dense_grads[name] - flex_grads[name]).abs().max().item() <= tolerance * scale, name
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_sliding"])
-def test_varlen_segments_equal_dense_sdpa_path(family, dtype):
-    """The FlashAttention varlen kernel over root-path segments (bf16; fp32 takes the reference loop), with the
-    plan made on the host as the learner does, and without (made from the row on the device)."""
-    _, model = tiny_model(family, dtype)
-    for seed in range(2):
-        row = packed(*random_row(seed), segments=seed == 0)
-        dense, dense_grads = scores_and_grads(model, row, "dense")
-        varlen, varlen_grads = scores_and_grads(model, row, "varlen")
-        tolerance = TOLERANCE[dtype]
-        assert (dense - varlen).abs().max().item() <= tolerance
-        for name in dense_grads:
-            scale = max(1.0, dense_grads[name].abs().max().item())
-            assert (dense_grads[name] - varlen_grads[name]).abs().max().item() <= tolerance * scale, name
+            assert (dense_grads[name] - tree_grads[name]).abs().max().item() <= tolerance * scale, name
 
 
 @pytest.mark.parametrize("window", [None, 40])
