@@ -12,7 +12,7 @@ from rlasync.model import enable_tree_attention, packed_token_scores
 from rlasync.model.row_shapes import pad_row_tensors
 from rlasync.model.segment_attention import reference_segment_attention, segment_attention, segment_plan
 from rlasync.model.tree_mask import TREE_ATTENTION_ENV, build_tree_attention, dense_tree_mask, resolve_backend
-from tests.unit.model.test_tree_forward import TOL, _compare
+from tests.unit.model.test_tree_forward import TOL, _compare, decoder_layers_over
 
 SHAPES = ["grpo", "chain", "disjoint", "ragged", "mixed"]
 
@@ -163,15 +163,7 @@ def test_a_decoder_layer_on_the_varlen_backend_compiles_without_graph_breaks(mak
         return _opaque_segments(q, k, v, plan.key_index, row.subtree_end, row.position_ids, window or 0)
 
     monkeypatch.setattr(segments, "reference_segment_attention", kernel)
-    decoder = model.get_decoder()
-    hidden = decoder.embed_tokens(row.input_ids[None])
-    rotary = decoder.rotary_emb(hidden, row.position_ids[None])
-
-    def layers(hidden):
-        for layer in decoder.layers:
-            hidden = layer(hidden, attention_mask=tree.full_mask, position_embeddings=rotary, tree_attention=tree)
-        return hidden
-
+    layers, hidden = decoder_layers_over(model, row, tree)
     compiled = torch.compile(layers, backend="eager", fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(hidden), layers(hidden))

@@ -219,12 +219,8 @@ def test_fsdp2_wrapped_tree_scorer_gives_the_same_scores_and_gradients(make_mode
         assert (grads[name] - p.grad).abs().max() <= TOL, name
 
 
-@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
-@pytest.mark.parametrize("backend", ["dense", "flex"])
-def test_a_decoder_layer_with_tree_attention_compiles_without_graph_breaks(make_model, packed_tensors, backend):
-    model = enable_tree_attention(make_model("qwen3_sliding"))
-    row = packed_tensors([[1, 2, 3, 4, 5], [1, 2, 3, 9]], [2, 2])
-    tree = build_tree_attention(row.subtree_end, row.position_ids, backend, windows=(4,), block_size=16)
+def decoder_layers_over(model, row, tree):
+    """(a function running the decoder layers of `model` over `row` with `tree`, the embedded row it takes)."""
     decoder = model.get_decoder()
     hidden = decoder.embed_tokens(row.input_ids[None])
     rotary = decoder.rotary_emb(hidden, row.position_ids[None])
@@ -234,6 +230,16 @@ def test_a_decoder_layer_with_tree_attention_compiles_without_graph_breaks(make_
             hidden = layer(hidden, attention_mask=tree.full_mask, position_embeddings=rotary, tree_attention=tree)
         return hidden
 
+    return layers, hidden
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_a_decoder_layer_with_tree_attention_compiles_without_graph_breaks(make_model, packed_tensors, backend):
+    model = enable_tree_attention(make_model("qwen3_sliding"))
+    row = packed_tensors([[1, 2, 3, 4, 5], [1, 2, 3, 9]], [2, 2])
+    tree = build_tree_attention(row.subtree_end, row.position_ids, backend, windows=(4,), block_size=16)
+    layers, hidden = decoder_layers_over(model, row, tree)
     compiled = torch.compile(layers, backend="eager", fullgraph=True)
     with torch.no_grad():
         out = compiled(hidden)
