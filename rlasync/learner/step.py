@@ -236,7 +236,9 @@ class RowTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.marks: list[tuple[Any, Any, Any]] = []
+        self.starts: list[Any] = []
+        self.forwards: list[Any] = []
+        self.backwards: list[Any] = []
 
     def _now(self) -> Any:
         if not self.cuda:
@@ -246,20 +248,23 @@ class RowTimer:
         return event
 
     def start(self) -> None:
-        self.marks.append((self._now(), None, None))
+        self.starts.append(self._now())
 
     def forward_done(self) -> None:
-        self.marks[-1] = (self.marks[-1][0], self._now(), None)
+        self.forwards.append(self._now())
 
     def backward_done(self) -> None:
-        self.marks[-1] = (*self.marks[-1][:2], self._now())
+        self.backwards.append(self._now())
 
     def totals(self) -> tuple[float, float]:
-        if self.cuda and self.marks:
-            self.marks[-1][2].synchronize()
-            return (sum(a.elapsed_time(f) for a, f, _ in self.marks) / 1e3,
-                    sum(a.elapsed_time(b) for a, _, b in self.marks) / 1e3)  # fmt: skip
-        return sum(f - a for a, f, _ in self.marks), sum(b - a for a, _, b in self.marks)
+        if self.cuda and self.backwards:
+            self.backwards[-1].synchronize()
+        return self._seconds(self.forwards), self._seconds(self.backwards)
+
+    def _seconds(self, ends: list[Any]) -> float:
+        if self.cuda:
+            return sum(start.elapsed_time(end) for start, end in zip(self.starts, ends)) / 1e3
+        return sum(end - start for start, end in zip(self.starts, ends))
 
 
 def apply_update(step: Any) -> tuple[float, float]:
