@@ -17,6 +17,8 @@
 #   carry []                       learner_varlen_e2e   (~6 min: 4K A/B, GRPO with the learner on varlen)
 #   carry []                       sampler_system       (~4 min: compiled vs eager sampler inside GRPO)
 #   carry [".vllmkit", ".whl"]     vllm_recheck         (~8 min: both engines 256x256, py-spy of vLLM's sync)
+#   (all four ran on 2026-12-02; bench/results.) Next:
+#   carry [".devicekit"]           learner_tiles        (~8 min: FlexAttention tiles on a real row, the learner with the best)
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
 out=${OUT:-/tmp/out}
@@ -96,10 +98,20 @@ learner_tune)  # carry [".devicekit"] (for pydantic): the learner's knobs on the
     run tune_autotune 230 $tp --compile layers --modes tree --prepare-kwargs '{"compile_mode": "max-autotune-no-cudagraphs"}' --out "$out/tune_autotune.json"
     run tune_graphs 150 $tp --compile layers --modes tree --prepare-kwargs '{"compile_mode": "reduce-overhead"}' --out "$out/tune_graphs.json"
     ;;
-learner_tiles)  # carry [] after learner_tune (warm: /tmp/site): FlexAttention backward tiles on the 8K shape
+learner_tiles)  # carry [".devicekit"]: FlexAttention tile configurations on a real 8K tree row (bench/flex_tiles.py), then
+    # the learner bench at 8K rows with torch's tiles and with the sweep's fastest fwd+bwd configuration, same lease
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree"
-    RLASYNC_FLEX_KERNEL_OPTIONS='{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}' run tune_flex_bwd 120 $tp --out "$out/tune_flex_bwd.json"
+    run flex_tiles 270 python3 bench/flex_tiles.py --configs default,block64,rows_safe,fwd_128x64_w8_s3,fwd_64x64_w4_s3,bwd_32_64_64_32,bwd_64_128_128_64_w8_s2,bwd_32_128_128_32_w4_s3,autotune --out "$out/flex_tiles_h200.json"
+    best=$(python3 -c "import json,sys; b=json.load(open(sys.argv[1])).get('best',{}); print(json.dumps(b.get('options')), b.get('name'))" "$out/flex_tiles_h200.json" 2>/dev/null)
+    echo "   best: $best"
+    run tiles_default 110 $tp --out "$out/tiles_default.json"
+    case $best in
+    *block64) run tiles_best 110 $tp --block-size 64 --out "$out/tiles_best.json" ;;
+    null*|"") echo "   no best configuration other than torch's" ;;
+    *) RLASYNC_FLEX_KERNEL_OPTIONS="${best% *}" run tiles_best 110 $tp --out "$out/tiles_best.json" ;;
+    esac
     ;;
 learner_attention)  # carry [".devicekit"]: FlexAttention kernel configurations on a real 8K row, then the learner with 64-token mask blocks
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

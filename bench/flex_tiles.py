@@ -187,19 +187,24 @@ def main(argv=None) -> None:
                 float((a.float() - b.float()).abs().max()) for a, b in zip([reference[0], *reference[1]], [out, *grads])
             )
         results["configs"][name] = entry
+        write(results, args.out)  # after each configuration: a sweep stopped at its time limit keeps what it timed
         both = f", fwd+bwd {entry['fwd_bwd_ms']:.2f} ms ({entry['fwd_bwd_tflops']:.0f} TFLOP/s)" if grads else ""
         print(f"{name}: fwd {entry['fwd_ms']:.2f} ms ({entry['fwd_tflops']:.0f} TFLOP/s){both}", flush=True)
-    key = "fwd_bwd_ms" if device.type != "cpu" else "fwd_ms"
+    print(json.dumps(write(results, args.out), indent=1))
+
+
+def write(results: dict, out: str | None) -> dict:
+    """`results` with its `best` configuration (by fwd+bwd time on a GPU, forward on a CPU), written to `out`."""
+    key = "fwd_bwd_ms" if any("fwd_bwd_ms" in e for e in results["configs"].values()) else "fwd_ms"
     timed = {name: e[key] for name, e in results["configs"].items() if key in e}
     if timed:
         best = min(timed, key=timed.get)
         results["best"] = {"name": best, key: timed[best], "over_default": timed.get("default", 0) / timed[best],
                            "options": results["configs"][best]["options"]}  # fmt: skip
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=1))
+    return results
 
 
 if __name__ == "__main__":
