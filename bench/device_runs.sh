@@ -147,8 +147,11 @@ vllm_recheck)  # carry [".vllmkit", ".whl"] after a stage that installed .device
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1 PATH=/tmp/site/bin:$PATH
     run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
-    (sleep 90; p=$(pgrep -f "ray::GenerationActor" | head -1); [ -n "$p" ] && \
-        py-spy record -d 15 -r 100 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" >/dev/null 2>&1) &
+    # the actor's pid from Ray's log prefix (on 2026-12-02 no process matched `pgrep -f ray::GenerationActor`), once
+    # the run has reached step 3 (vLLM started, syncs under way)
+    (for _ in $(seq 150); do grep -q "^step 3/" "$out/e2e_vllm_ipc.log" 2>/dev/null && break; sleep 1; done
+     p=$(grep -o "GenerationActor pid=[0-9]*" "$out/e2e_vllm_ipc.log" | head -1 | cut -d= -f2); [ -n "$p" ] && \
+        py-spy record -d 15 -r 100 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" > "$out/pyspy_vllm.log" 2>&1) &
     run e2e_vllm_ipc 200 python3 bench/e2e_grpo.py --steps 10 --runs async --engine vllm --share-gpu --vllm-gpu-memory-utilization 0.4 --weight-sync-backend ipc --out "$out/e2e_vllm_ipc_h200.json"
     wait
     python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_vllm.txt" 2>&1

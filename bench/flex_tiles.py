@@ -43,7 +43,7 @@ from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity  # noq
 from rlasync.packing import pack  # noqa: E402
 
 SWEEP: dict[str, dict] = {
-    "rows_safe": {"ROWS_GUARANTEED_SAFE": True},  # every query sees itself under the tree rule: no empty rows
+    "rows_safe": {"ROWS_GUARANTEED_SAFE": True},  # NaN on an H200: the last block's padding queries see no key
     "fwd_128x64_w8_s3": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
     "fwd_64x64_w4_s3": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     "bwd_32_64_64_32": {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
