@@ -17,8 +17,8 @@
 #   carry []                       learner_varlen_e2e   (~6 min: 4K A/B, GRPO with the learner on varlen)
 #   carry []                       sampler_system       (~4 min: compiled vs eager sampler inside GRPO)
 #   carry [".vllmkit", ".whl"]     vllm_recheck         (~8 min: both engines 256x256, py-spy of vLLM's sync)
-#   (all four ran on 2026-12-02; bench/results.) Next:
 #   carry [".devicekit"]           learner_tiles        (~8 min: FlexAttention tiles on a real row, the learner with the best)
+#   (all five ran on 2026-12-02; bench/results.)
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
 out=${OUT:-/tmp/out}
@@ -103,7 +103,7 @@ learner_tiles)  # carry [".devicekit"]: FlexAttention tile configurations on a r
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree"
-    run flex_tiles 270 python3 bench/flex_tiles.py --configs default,block64,rows_safe,fwd_128x64_w8_s3,fwd_64x64_w4_s3,bwd_32_64_64_32,bwd_64_128_128_64_w8_s2,bwd_32_128_128_32_w4_s3,autotune --out "$out/flex_tiles_h200.json"
+    run flex_tiles 270 python3 bench/flex_tiles.py --out "$out/flex_tiles_h200.json"
     best=$(python3 -c "import json,sys; b=json.load(open(sys.argv[1])).get('best',{}); print(json.dumps(b.get('options')), b.get('name'))" "$out/flex_tiles_h200.json" 2>/dev/null)
     echo "   best: $best"
     run tiles_default 110 $tp --out "$out/tiles_default.json"
@@ -112,12 +112,6 @@ learner_tiles)  # carry [".devicekit"]: FlexAttention tile configurations on a r
     null*|"") echo "   no best configuration other than torch's" ;;
     *) RLASYNC_FLEX_KERNEL_OPTIONS="${best% *}" run tiles_best 110 $tp --out "$out/tiles_best.json" ;;
     esac
-    ;;
-learner_attention)  # carry [".devicekit"]: FlexAttention kernel configurations on a real 8K row, then the learner with 64-token mask blocks
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
-    run flex_tiles 300 python3 bench/flex_tiles.py --out "$out/flex_tiles_h200.json"
-    run tune_block64 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree --block-size 64 --out "$out/tune_block64.json"
     ;;
 learner_varlen)  # carry [".devicekit"]: the varlen tree attention (FlashAttention over root-path segments): its GPU
     # tests, then an A/B against the flex tree in one process at 8K rows (MFU, bf16 log-prob agreement), then its profile

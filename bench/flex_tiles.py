@@ -136,7 +136,8 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     shape = parse_shapes("64x16x4@512" if args.tiny else args.shape)[0]
     heads, kv_heads, head_dim = (2, 1, 16) if args.tiny else (16, 8, 128)
-    names = [*SPECIAL, *SWEEP] if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c]
+    # "all": autotune, the slowest to compile, last (a sweep stopped at its time limit keeps the others)
+    names = ["default", "block64", *SWEEP, "autotune"] if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c]
     unknown = [n for n in names if n not in SPECIAL and n not in SWEEP]
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; choose from {[*SPECIAL, *SWEEP]}")
