@@ -338,4 +338,7 @@ def sync_timings(total_s: float, started_at: float, sent: list[float], phases: l
         "perf/generation_loop_lag_max_s": max(p.get("loop_lag_max_s", 0.0) for p in phases),
         "perf/weight_sync_send_s": max(sent),
         "perf/weight_sync_stage_s": max(p.get("stage_s", 0.0) for p in phases),
+        # of the transfer, the engine's own part (vLLM's workers: copies and the wait for them), where it says
+        **({"perf/weight_sync_engine_load_s": max(p.get("engine_load_s", 0.0) for p in phases)}
+           if any("engine_load_s" in p for p in phases) else {}),
     }

@@ -150,6 +150,21 @@ vllm_recheck)  # carry [".vllmkit", ".whl"] after a stage that installed .device
     wait
     python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_vllm.txt" 2>&1
     ;;
+vllm_sync)  # carry [".vllmkit", ".whl"] after a stage that installed .devicekit (warm): vLLM's flat IPC sync alone
+    # (the collective_rpc round trip against the worker's own copy time, idle and generating), both engines 256x256,
+    # then GRPO with py-spy over the GenerationActor and its EngineCore child (--subprocesses)
+    [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
+    [ -x /tmp/site/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy-*.whl
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1 PATH=/tmp/site/bin:$PATH
+    run vllm_sync 320 python3 bench/vllm_check.py --out "$out/vllm_sync" --budget-s 280 --skip-server --engine-mode default --skip-phases correctness
+    (for _ in $(seq 150); do grep -q "^step 3/" "$out/e2e_vllm_ipc.log" 2>/dev/null && break; sleep 1; done
+     p=$(grep -o "GenerationActor pid=[0-9]*" "$out/e2e_vllm_ipc.log" | head -1 | cut -d= -f2); [ -n "$p" ] && \
+        py-spy record --subprocesses -d 12 -r 200 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" > "$out/pyspy_vllm.log" 2>&1) &
+    run e2e_vllm_ipc 200 python3 bench/e2e_grpo.py --steps 10 --runs async --engine vllm --share-gpu --vllm-gpu-memory-utilization 0.4 --weight-sync-backend ipc --out "$out/e2e_vllm_ipc_h200.json"
+    wait
+    python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_vllm.txt" 2>&1
+    ;;
 engine_sampler)  # carry [] after a stage that installed the kit (warm: /tmp/site): the compiled sampler against the eager one, its CUDA tests
     export PYTHONPATH=$PWD:/tmp/site
     run sampler_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or slow or not slow" tests/unit/engine/test_sampler_compiled.py tests/unit/engine/test_torch_engine_cuda.py

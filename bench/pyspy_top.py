@@ -1,5 +1,6 @@
 """Summarise py-spy's collapsed stacks (`py-spy record -f raw`): per file, the functions with the most samples,
-self (the frame on top) and total (anywhere on the stack), as percentages of that process's samples.
+self (the frame on top) and total (anywhere on the stack), as percentages of that process's samples. A file
+recorded with `--subprocesses` (each stack rooted at `process PID:"command"`) is summarised per process.
 
     python bench/pyspy_top.py pyspy_torch_RolloutActor.txt [...] [--top 25]
 """
@@ -21,22 +22,30 @@ def frame_name(frame: str) -> str:
 
 
 def summarise(path: Path, top: int) -> str:
-    own: collections.Counter[str] = collections.Counter()
-    anywhere: collections.Counter[str] = collections.Counter()
-    total = 0
+    per_process: dict[str, list[tuple[list[str], int]]] = collections.defaultdict(list)
     for line in path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        n = int(count)
+        frames = stack.split(";")
+        process = frames.pop(0) if frames[0].startswith("process ") and len(frames) > 1 else ""
+        per_process[process].append(([frame_name(f) for f in frames], int(count)))
+    if not per_process:
+        return f"== {path.name}: no samples\n"
+    return "".join(summarise_stacks(f"{path.name} {process}".strip(), stacks, top)
+                   for process, stacks in sorted(per_process.items()))  # fmt: skip
+
+
+def summarise_stacks(title: str, stacks: list[tuple[list[str], int]], top: int) -> str:
+    own: collections.Counter[str] = collections.Counter()
+    anywhere: collections.Counter[str] = collections.Counter()
+    total = 0
+    for frames, n in stacks:
         total += n
-        frames = [frame_name(f) for f in stack.split(";")]
         own[frames[-1]] += n
         for name in set(frames):
             anywhere[name] += n
-    if not total:
-        return f"== {path.name}: no samples\n"
-    lines = [f"== {path.name}: {total} samples"]
+    lines = [f"== {title}: {total} samples"]
     lines += ["  self   total  function"]
     for name, n in own.most_common(top):
         lines.append(f"  {100 * n / total:5.1f}% {100 * anywhere[name] / total:5.1f}%  {name}")

@@ -445,6 +445,12 @@ async def phase_weight_sync(ctx: dict[str, Any]) -> dict[str, Any]:
     total = statistics.median(r["total_ms"] for r in rounds)
     result["cuda_ipc_median_total_ms"] = total
     run.result["summary"]["weight_sync_ms (0.6B, pause+load+resume, CUDA IPC, one GPU, median)"] = total
+    # 1b. persistent buckets, as an IPC sync in GRPO sends them (same weights): the call's round trip split from
+    # the worker's own time, with the engine idle and with it generating
+    result["flat_ipc"] = await flat_ipc_sync(engine, named, vocab, args.sync_rounds)
+    run.result["summary"]["flat IPC sync ms (pause+load+resume, median; worker's own part)"] = {
+        label: [part["median_total_ms"], part["median_worker_ms"]] for label, part in result["flat_ipc"].items()
+        if isinstance(part, dict) and "median_total_ms" in part}  # fmt: skip
     # the engine's weights now are the perturbed model's
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     fingerprint = await engine.weight_fingerprint(names)
@@ -477,6 +483,65 @@ async def phase_weight_sync(ctx: dict[str, Any]) -> dict[str, Any]:
     else:
         result["vllm_nccl"] = {"skipped": "needs two GPUs (NCCL cannot put two ranks on one GPU)"}
     return result
+
+
+async def flat_ipc_sync(engine: Any, named: list[tuple[str, torch.Tensor]], vocab: int, rounds: int, *,
+                        device: str = "cuda", requests: int = 256, new_tokens: int = 192) -> dict[str, Any]:  # fmt: skip
+    """Weight syncs from persistent CUDA buckets (`SharedWeights`, what the learner's IPC transport fills): per
+    round the pause, the load (one `load_flat_ipc` collective_rpc: the first records the copies, later ones replay
+    them) and the resume, with the worker's own part of the load (mapping, queueing the copies, waiting for them);
+    also a no-op `collective_rpc`, the round trip alone. Rounds with the engine idle, then with `requests` requests
+    generating."""
+    from rlasync.weights.ipc import MappedWeights, SharedWeights
+    from rlasync.weights.plan import ManifestEntry
+
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
+    shared = SharedWeights.allocate(manifest, device, 1 << 30)
+    shared.fill(named, manifest)
+    shared.synchronize()
+    mapped = MappedWeights(shared.key, shared.handles())
+    out: dict[str, Any] = {"buckets": len(shared.buffers)}
+    trips = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        await engine.weight_fingerprint([])
+        trips.append((time.perf_counter() - t0) * 1e3)
+    out["noop_rpc_ms"] = trips
+    prompts = random_prompts(requests, 64, vocab, seed=11)
+    try:
+        for label in ("idle", "generating"):
+            busy = []
+            if label == "generating":
+                params = [SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=i)
+                          for i in range(requests)]  # fmt: skip
+                busy = [asyncio.ensure_future(engine.generate(p, sp)) for p, sp in zip(prompts, params)]
+                await asyncio.sleep(1.0)
+            rows = []
+            for _ in range(rounds + 1):
+                t0 = time.perf_counter()
+                await engine.pause()
+                t1 = time.perf_counter()
+                loaded = await engine.load_weights(mapped)
+                t2 = time.perf_counter()
+                await engine.resume()
+                t3 = time.perf_counter()
+                rows.append({"how": loaded.get("how"), "pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
+                             "resume_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3,
+                             "worker_ms": float(loaded.get("engine_s", float("nan"))) * 1e3,
+                             **{k.replace("_s", "_ms"): float(loaded[k]) * 1e3 for k in ("map_s", "queue_s", "gpu_wait_s")
+                                if k in loaded}})  # fmt: skip
+                if busy:
+                    await asyncio.sleep(0.3)  # let the engine run a few steps between syncs
+            done = await asyncio.wait_for(asyncio.gather(*busy, return_exceptions=True), 180.0)
+            later = [r for r in rows if r["how"] != "recorded"] or rows
+            out[label] = {"rounds": rows, "median_total_ms": statistics.median(r["total_ms"] for r in later),
+                          "median_load_ms": statistics.median(r["load_ms"] for r in later),
+                          "median_worker_ms": statistics.median(r["worker_ms"] for r in later),
+                          "median_pause_ms": statistics.median(r["pause_ms"] for r in later),
+                          "request_errors": sum(isinstance(d, BaseException) for d in done)}  # fmt: skip
+    finally:
+        shared.release()
+    return out
 
 
 async def gloo_group_sync(engine: Any, model: Any, timeout_s: float) -> dict[str, Any]:

@@ -230,11 +230,17 @@ class WorkerExtension:
         cached = getattr(self, "_rlasync_flat", None)
         if cached is None or cached.key != key:
             cached = self._rlasync_flat = _Mapped(key, self._rlasync_open(buckets), PlannedLoader())
+        mapped = time.perf_counter()
         with torch.no_grad():
             how = cached.loader.load(self._rlasync_model(), cached, lambda pairs: self._rlasync_load(pairs))
+        queued = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the sender refills its buckets once this returns
-        return {"how": how, "num_tensors": len(cached.pairs), "seconds": time.perf_counter() - started,
+        ended = time.perf_counter()
+        # the phases inside the worker: mapping the buckets (first sync only), queueing the copies (host), waiting
+        # for them on the GPU (a GPU shared with a learner's kernels waits for its time slices)
+        return {"how": how, "num_tensors": len(cached.pairs), "seconds": ended - started, "map_s": mapped - started,
+                "queue_s": queued - mapped, "gpu_wait_s": ended - queued,
                 "bytes": sum(t.numel() * t.element_size() for _, t in cached.pairs)}  # fmt: skip
 
     def _rlasync_open(self, buckets: Sequence[Any]) -> list[tuple[str, Any]]:

@@ -33,7 +33,9 @@ def take_bytes(stream: Iterator[tuple[str, Any]], limit: int) -> list[tuple[str,
 async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], staging_bytes: int, *,
                              load: Any = None, pausing: asyncio.Future | None = None) -> dict[str, float]:  # fmt: skip
     """Receive up to `staging_bytes` of `stream` while `engine` pauses, then load everything and resume; returns
-    the phases' seconds: `pause_s` (until paused), `load_s` (paused until loaded), `resume_s`, `total_s`.
+    the phases' seconds: `pause_s` (until paused), `load_s` (paused until loaded), `resume_s`, `total_s`, and
+    `engine_load_s` where the engine reports its own part of `load_s` (`engine_s`: vLLM's workers; the rest is the
+    call's round trip).
 
     `load`: what `engine.load_weights` gets instead of the stream (an IPC sync's `MappedWeights`, on which an engine
     may replay a cached copy plan). `pausing`: a pause already under way (`begin_pause`, started before the ticket
@@ -47,7 +49,7 @@ async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], sta
         staged = await asyncio.to_thread(take_bytes, stream, staging_bytes) if staging_bytes > 0 else []
         await pausing
         paused = getattr(pausing, "paused_at", None) or time.perf_counter()
-        await engine.load_weights(itertools.chain(staged, stream) if load is None else load)
+        result = await engine.load_weights(itertools.chain(staged, stream) if load is None else load)
         loaded = time.perf_counter()
     finally:
         if not pausing.done():
@@ -55,7 +57,10 @@ async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], sta
         await asyncio.gather(pausing, return_exceptions=True)
         await engine.resume()
     end = time.perf_counter()
-    return {"pause_s": paused - start, "load_s": loaded - paused, "resume_s": end - loaded, "total_s": end - start}
+    phases = {"pause_s": paused - start, "load_s": loaded - paused, "resume_s": end - loaded, "total_s": end - start}
+    if isinstance(result, dict) and "engine_s" in result:  # an engine in another process (vLLM's workers)
+        phases["engine_load_s"] = float(result["engine_s"])
+    return phases
 
 
 def begin_pause(engine: Any) -> asyncio.Task:

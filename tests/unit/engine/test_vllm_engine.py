@@ -357,16 +357,20 @@ def test_an_ipc_sync_is_one_rpc_the_worker_maps_once_and_replays():
     versions = [WEIGHTS, {"a": -WEIGHTS["a"], "b": WEIGHTS["b"] * 2}, {"a": WEIGHTS["a"] + 1, "b": -WEIGHTS["b"]}]
 
     async def go():
-        hows = []
+        results = []
         for weights in versions:
             shared.fill(weights.items(), manifest)
             await engine.pause()
-            hows.append((await engine.load_weights(MappedWeights(shared.key, shared.handles())))["how"])
+            results.append(await engine.load_weights(MappedWeights(shared.key, shared.handles())))
             await engine.resume()
             assert torch.equal(model.a, weights["a"]) and torch.equal(model.b, weights["b"])
-        return hows
+        return results
 
-    assert run(go()) == ["recorded", "replayed", "replayed"]
+    results = run(go())
+    assert [r["how"] for r in results] == ["recorded", "replayed", "replayed"]
+    for r in results:  # the worker's own time, split, within the call's round trip
+        assert 0 <= r["map_s"] + r["queue_s"] + r["gpu_wait_s"] <= r["engine_s"] + 1e-6
+        assert r["engine_s"] <= r["seconds"]
     assert [c[1] for c in llm.calls if c[0] == "rpc"] == ["load_flat_ipc"] * 3
     assert len(model.seen) == 2  # the model's own loader ran once (the recorded sync)
     worker_pairs = llm.worker._rlasync_flat.pairs

@@ -97,3 +97,33 @@ def test_take_bytes_stops_at_the_limit_and_leaves_the_rest():
     assert [n for n, _ in take_bytes(stream, 17)] == ["a", "b"]
     assert [n for n, _ in stream] == ["c"]
     assert take_bytes(iter([("a", torch.zeros(4))]), 0) == []
+
+
+class OutOfProcessEngine:
+    """An engine whose `load_weights` reports its own part of the load (as vLLM's workers do) after a round trip."""
+
+    def __init__(self, engine_s, round_trip_s):
+        self.engine_s, self.round_trip_s, self.is_paused = engine_s, round_trip_s, False
+
+    async def pause(self):
+        self.is_paused = True
+
+    async def resume(self):
+        self.is_paused = False
+
+    async def load_weights(self, named_tensors):
+        await asyncio.sleep(self.engine_s + self.round_trip_s)
+        return {"how": "replayed", "engine_s": self.engine_s}
+
+
+def test_an_engine_reporting_its_own_load_time_gets_it_into_the_phases_and_the_metric():
+    from actors.cluster_weights import sync_timings
+
+    phases = asyncio.run(load_while_pausing(OutOfProcessEngine(0.01, 0.05), iter([]), 0, load=[]))
+    assert phases["engine_load_s"] == 0.01 and phases["load_s"] >= 0.06
+    plain = asyncio.run(load_while_pausing(OutOfProcessEngine(0.0, 0.0), iter([]), 0, load=[]))
+    timings = sync_timings(1.0, time.time(), [0.1], [{**plain, "engine_load_s": 0.02}, phases])
+    assert timings["perf/weight_sync_engine_load_s"] == 0.02  # the slowest engine's
+    assert timings["perf/weight_sync_transfer_s"] == phases["load_s"]
+    del plain["engine_load_s"]
+    assert "perf/weight_sync_engine_load_s" not in sync_timings(1.0, time.time(), [0.1], [plain])  # none says

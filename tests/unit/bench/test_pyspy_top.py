@@ -1,0 +1,30 @@
+"""bench/pyspy_top.py: per-process summaries of py-spy's collapsed stacks."""
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "bench"))
+
+import pyspy_top  # noqa: E402
+
+
+def test_stacks_recorded_with_subprocesses_are_summarised_per_process(tmp_path):
+    path = tmp_path / "spy.txt"
+    path.write_text('process 11:"ray::GenerationActor";run (/x/a.py:1);step (/x/b.py:2) 30\n'
+                    'process 11:"ray::GenerationActor";run (/x/a.py:9) 10\n'
+                    'process 12:"VLLM::EngineCore";busy (/y/c.py:3);copy (/y/d.py:4) 60\n')  # fmt: skip
+    text = pyspy_top.summarise(path, top=5)
+    actor, core = text.split("== ")[1:]
+    assert actor.startswith('spy.txt process 11:"ray::GenerationActor": 40 samples')
+    assert "75.0%  75.0%  step (b.py)" in actor and "25.0% 100.0%  run (a.py)" in actor
+    assert core.startswith('spy.txt process 12:"VLLM::EngineCore": 60 samples') and "copy (d.py)" in core
+    assert "copy" not in actor
+
+
+def test_plain_stacks_are_one_summary(tmp_path):
+    path = tmp_path / "spy.txt"
+    path.write_text("main (/a.py:1);work (/b.py:2) 3\nmain (/a.py:1) 1\nnot a stack line\n")
+    text = pyspy_top.summarise(path, top=5)
+    assert text.startswith("== spy.txt: 4 samples") and "75.0%  75.0%  work (b.py)" in text
+    assert pyspy_top.summarise(tmp_path / "spy.txt", 5).count("== ") == 1

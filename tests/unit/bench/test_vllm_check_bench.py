@@ -1,0 +1,65 @@
+"""bench/vllm_check.py's flat-bucket sync rounds on a CPU, over an engine that copies from the mapped buckets."""
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "bench"))
+
+import vllm_check  # noqa: E402
+
+
+class BucketEngine:
+    """Pause/resume, a `load_weights` that copies the mapped buckets into its parameters and reports its own part
+    (as vLLM's worker does), a slow `generate` that fails while paused (a request the bench must count)."""
+
+    def __init__(self, params):
+        self.params, self.paused, self.loads, self.round_trip_s = params, False, 0, 0.01
+
+    async def pause(self):
+        self.paused = True
+
+    async def resume(self):
+        self.paused = False
+
+    async def weight_fingerprint(self, names):
+        await asyncio.sleep(0.001)
+        return {}
+
+    async def load_weights(self, mapped):
+        assert self.paused
+        started = time.perf_counter()
+        for name, view in mapped:
+            self.params[name].copy_(view)
+        self.loads += 1
+        engine_s = time.perf_counter() - started
+        await asyncio.sleep(self.round_trip_s)
+        return {"how": "recorded" if self.loads == 1 else "replayed", "engine_s": engine_s, "map_s": 0.0,
+                "queue_s": engine_s, "gpu_wait_s": 0.0}  # fmt: skip
+
+    async def generate(self, prompt, params):
+        await asyncio.sleep(0.05)
+        if prompt[0] % 2:
+            raise RuntimeError("a failed request")
+        return prompt
+
+
+def test_flat_sync_rounds_load_the_weights_and_split_the_round_trip():
+    named = [("w", torch.randn(4, 3)), ("v", torch.randn(5))]
+    engine = BucketEngine({name: torch.zeros_like(t) for name, t in named})
+    out = asyncio.run(vllm_check.flat_ipc_sync(engine, named, vocab=50, rounds=3, device="cpu", requests=8,
+                                               new_tokens=4))  # fmt: skip
+    assert all(torch.equal(engine.params[name], t) for name, t in named)
+    assert len(out["noop_rpc_ms"]) == 7
+    for label in ("idle", "generating"):
+        part = out[label]
+        assert [r["how"] for r in part["rounds"]] == (["recorded"] if label == "idle" else ["replayed"]) + ["replayed"] * 3
+        assert part["median_load_ms"] >= 10 > part["median_worker_ms"]  # the round trip is outside the worker
+        assert part["median_total_ms"] >= part["median_load_ms"]
+    prompts = vllm_check.random_prompts(8, 64, 50, seed=11)
+    assert out["generating"]["request_errors"] == sum(p[0] % 2 for p in prompts)
+    assert out["idle"]["request_errors"] == 0
