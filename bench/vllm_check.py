@@ -491,7 +491,7 @@ async def flat_ipc_sync(engine: Any, named: list[tuple[str, torch.Tensor]], voca
     round the pause, the load (one `load_flat_ipc` collective_rpc: the first records the copies, later ones replay
     them) and the resume, with the worker's own part of the load (mapping, queueing the copies, waiting for them);
     also a no-op `collective_rpc`, the round trip alone. Rounds with the engine idle, then with `requests` requests
-    generating."""
+    generating, then (a VLLMEngine) generating again with vLLM's own `pause_generation` instead of `engine.pause`."""
     from rlasync.weights.ipc import MappedWeights, SharedWeights
     from rlasync.weights.plan import ManifestEntry
 
@@ -509,9 +509,20 @@ async def flat_ipc_sync(engine: Any, named: list[tuple[str, torch.Tensor]], voca
     out["noop_rpc_ms"] = trips
     prompts = random_prompts(requests, 64, vocab, seed=11)
     try:
-        for label in ("idle", "generating"):
+        labels = ["idle", "generating"]
+        if hasattr(getattr(engine, "_llm", None), "pause_generation"):
+            labels.append("generating_pause_generation")  # vLLM's own pause (it sleeps 20 ms after), for the A/B
+
+        async def pause(label: str) -> None:
+            if label == "generating_pause_generation":
+                await engine._llm.pause_generation(mode="keep", clear_cache=engine.clear_cache_on_pause)
+                engine._paused = True
+            else:
+                await engine.pause()
+
+        for label in labels:
             busy = []
-            if label == "generating":
+            if label.startswith("generating"):
                 params = [SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=i)
                           for i in range(requests)]  # fmt: skip
                 busy = [asyncio.ensure_future(engine.generate(p, sp)) for p, sp in zip(prompts, params)]
@@ -519,7 +530,7 @@ async def flat_ipc_sync(engine: Any, named: list[tuple[str, torch.Tensor]], voca
             rows = []
             for _ in range(rounds + 1):
                 t0 = time.perf_counter()
-                await engine.pause()
+                await pause(label)
                 t1 = time.perf_counter()
                 loaded = await engine.load_weights(mapped)
                 t2 = time.perf_counter()

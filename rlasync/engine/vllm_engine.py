@@ -17,7 +17,8 @@ they are in 0.25's source:
   score          `SamplingParams(max_tokens=1, prompt_logprobs=k)`: `RequestOutput.prompt_logprobs[i]` scores
                  `token_ids[i]` given the tokens before it (top-k plus the realised token; entry 0 is None). Prompt
                  log-probs are always raw `log_softmax(logits)` (temperature 1), whatever `logprobs_mode` says
-  pause/resume   `pause_generation(mode="keep", clear_cache=True)` / `resume_generation()`: "keep" freezes
+  pause/resume   `engine_core.pause_scheduler_async(mode="keep", clear_cache=True)` (what `pause_generation`
+                 awaits, without its 20 ms settling sleep) / `resume_generation()`: "keep" freezes
                  in-flight requests; clearing the cache (once the engine is idle) preempts the running ones, so they
                  recompute their KV under the new weights after a sync (what `TorchEngine` does by default, and what
                  docs/algorithms.md §2.3.2 describes: "each weight sync ... preempts all running requests")
@@ -305,12 +306,27 @@ class VLLMEngine(VLLMWeightLoading):
 
     async def pause(self) -> None:
         """Freeze scheduling (in-flight requests are kept) and, by default, drop the prefix cache so running requests
-        recompute under the weights loaded next. Returns when no forward runs."""
-        await bounded(
-            self._llm.pause_generation(mode="keep", clear_cache=self.clear_cache_on_pause),
-            self.control_timeout_s, "pause",
-        )  # fmt: skip
+        recompute under the weights loaded next. Returns when no forward runs.
+
+        Asks the EngineCore directly (`engine_core.pause_scheduler_async`, what `AsyncLLM.pause_generation` awaits):
+        0.25's `pause_generation` then sleeps 20 ms so that the last step's outputs reach their requests first, which
+        it says correctness does not need, and which is 20 ms of every weight sync. Those outputs still arrive; a
+        request's policy version is its group's at the start, so nothing is mislabelled. A vLLM without that method
+        gets `pause_generation`."""
+        llm = self._llm
+        core = getattr(llm, "engine_core", None)
+        if core is None or not hasattr(core, "pause_scheduler_async"):
+            paused = llm.pause_generation(mode="keep", clear_cache=self.clear_cache_on_pause)
+        else:
+            paused = self._pause_scheduler(llm, core)
+        await bounded(paused, self.control_timeout_s, "pause")
         self._paused = True
+
+    async def _pause_scheduler(self, llm: Any, core: Any) -> None:
+        renderer = getattr(llm, "renderer", None)
+        if self.clear_cache_on_pause and getattr(renderer, "mm_processor_cache", None) is not None:
+            await renderer.clear_mm_cache_async()  # multimodal inputs cached on this side (vLLM does the same)
+        await core.pause_scheduler_async(mode="keep", clear_cache=self.clear_cache_on_pause)
 
     async def resume(self) -> None:
         await bounded(self._llm.resume_generation(), self.control_timeout_s, "resume")

@@ -344,6 +344,46 @@ def test_cluster_config_engine_fields():
         ClusterConfig(vllm_server_url="http://10.0.0.5:8000")
 
 
+class FakeEngineCore:
+    """The AsyncLLM's EngineCore client: the scheduler pause `pause_generation` awaits before its 20 ms sleep."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    async def pause_scheduler_async(self, mode, clear_cache):
+        self.calls.append(("pause_scheduler", mode, clear_cache))
+
+
+class FakeRenderer:
+    def __init__(self, calls, multimodal):
+        self.calls, self.mm_processor_cache = calls, object() if multimodal else None
+
+    async def clear_mm_cache_async(self):
+        self.calls.append(("clear_mm_cache",))
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_pause_asks_the_engine_core_without_pause_generations_sleep(multimodal, monkeypatch):
+    """With an EngineCore client that pauses the scheduler, `pause` awaits that alone (0.25's `pause_generation`
+    would sleep 20 ms after it); a multimodal model's input cache is cleared first, as `pause_generation` does."""
+    engine = FakeVLLMEngine("m", dtype=None, max_model_len=96, gpu_memory_utilization=0.3)
+    llm = engine._llm
+    llm.engine_core, llm.renderer = FakeEngineCore(llm.calls), FakeRenderer(llm.calls, multimodal)
+
+    async def slept(delay, *args):  # any sleep inside pause would be vLLM's settle time
+        raise AssertionError(f"pause slept {delay} s")
+
+    monkeypatch.setattr(asyncio, "sleep", slept)
+    run(engine.pause())
+    assert engine.is_paused
+    expected = [("clear_mm_cache",)] if multimodal else []
+    assert llm.calls == [*expected, ("pause_scheduler", "keep", True)]  # not pause_generation
+    engine.clear_cache_on_pause = False
+    llm.calls.clear()
+    run(engine.pause())
+    assert llm.calls == [("pause_scheduler", "keep", False)]
+
+
 def test_an_ipc_sync_is_one_rpc_the_worker_maps_once_and_replays():
     """Persistent buckets (`MappedWeights`): one `load_flat_ipc` rpc per sync carrying the handles; the worker maps
     them once, records its model's `load_weights` copies at the first sync and replays them after (same weights)."""
