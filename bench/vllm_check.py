@@ -536,7 +536,7 @@ async def flat_ipc_sync(engine: Any, named: list[tuple[str, torch.Tensor]], voca
                 t2 = time.perf_counter()
                 await engine.resume()
                 t3 = time.perf_counter()
-                rows.append({"how": loaded.get("how"), "pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
+                rows.append({"how": loaded.get("how"), "not_replayed": loaded.get("not_replayed"), "pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
                              "resume_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3,
                              "worker_ms": float(loaded.get("engine_s", float("nan"))) * 1e3,
                              **{k.replace("_s", "_ms"): float(loaded[k]) * 1e3 for k in ("map_s", "queue_s", "gpu_wait_s")

@@ -239,7 +239,8 @@ class WorkerExtension:
         ended = time.perf_counter()
         # the phases inside the worker: mapping the buckets (first sync only), queueing the copies (host), waiting
         # for them on the GPU (a GPU shared with a learner's kernels waits for its time slices)
-        return {"how": how, "num_tensors": len(cached.pairs), "seconds": ended - started, "map_s": mapped - started,
+        return {"how": how, "not_replayed": cached.loader.reason(key), "num_tensors": len(cached.pairs),
+                "seconds": ended - started, "map_s": mapped - started,
                 "queue_s": queued - mapped, "gpu_wait_s": ended - queued,
                 "bytes": sum(t.numel() * t.element_size() for _, t in cached.pairs)}  # fmt: skip
 

@@ -81,10 +81,15 @@ class CopyPlan:
     `copy_` whose source aliases a source view and whose target aliases a parameter. The plan is replayable only if
     that was all the loader did to the parameters: a source transformed first (a cast, a concatenation) or any other
     write into a parameter makes `replayable` False (the caller keeps calling its loader; `reason` says why), and
-    so does a source that was never copied."""
+    so does a source that was never copied. Two writes are harmless and allowed: one of no elements (vLLM's
+    embedding loader zeroes the padded vocabulary rows, `param[vocab:].fill_(0)`, an empty slice when nothing is
+    padded), and a constant fill of a part of a parameter that no copy writes (those padded rows): it is replayed
+    too, before the copies, so the plan does what the loader did."""
 
-    def __init__(self, targets: list[torch.Tensor], sources: list[torch.Tensor], reason: str | None) -> None:
+    def __init__(self, targets: list[torch.Tensor], sources: list[torch.Tensor], reason: str | None,
+                 fills: list[tuple[torch.Tensor, Any]] | None = None) -> None:  # fmt: skip
         self.targets, self.sources, self.reason = targets, sources, reason
+        self.fills = fills or []
 
     @property
     def replayable(self) -> bool:
@@ -95,6 +100,8 @@ class CopyPlan:
 
         if self.reason is not None:
             raise RuntimeError(f"this copy plan cannot be replayed: {self.reason}")
+        for target, value in self.fills:
+            target.fill_(value)
         foreach_copy(self.targets, self.sources)
         return len(self.targets)
 
@@ -106,29 +113,35 @@ class CopyPlan:
         owners = {_storage(p) for p in params}
         targets: list[torch.Tensor] = []
         copied: list[torch.Tensor] = []
+        fills: list[tuple[torch.Tensor, Any]] = []
         problems: list[str] = []
 
         class Recorder(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args: tuple = (), kwargs=None):  # noqa: ANN001
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
-                written = [a for a in _mutated(func, args, kwargs) if _storage(a) in owners]
+                written = [a for a in _mutated(func, args, kwargs) if _storage(a) in owners and a.numel() > 0]
                 if not written:
                     return out
                 if func is torch.ops.aten.copy_.default and _storage(args[1]) in sources:
                     targets.append(args[0].detach())
                     copied.append(args[1].detach())
+                elif func in (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default):
+                    fills.append((args[0].detach(), args[1] if func is torch.ops.aten.fill_.Scalar else 0))
                 elif len(problems) < 3:
                     problems.append(f"{func} writes a parameter from something other than a source view")
                 return out
 
         with torch.no_grad(), Recorder():
             load(pairs)
+        overwritten = [f for f, _ in fills if any(_overlaps(f, t) for t in targets)]
+        if overwritten and len(problems) < 3:
+            problems.append("a constant fill of a parameter overlaps a copy into it (their order would matter)")
         reason = "; ".join(problems) or None
         missing = [name for name, t in pairs if not any(_overlaps(t, c) for c in copied)]
         if reason is None and missing:
             reason = f"the loader copied nothing from {missing[:3]}"
-        return cls(targets, copied, reason)
+        return cls(targets, copied, reason, fills)
 
 
 def _storage(tensor: Any) -> int:
@@ -187,7 +200,15 @@ class PlannedLoader:
             self.plans = {key: plan}
             return "loaded"
         self.plans = {key: plan}  # one bucket set at a time
+        if not plan.replayable:
+            logger.warning("weight sync: the loader's copies cannot be replayed (%s); loading through it on every "
+                           "sync instead", plan.reason)  # fmt: skip
         return "recorded"
+
+    def reason(self, key: str) -> str | None:
+        """Why the plan for `key` is not replayed (None: it is, or there is none yet)."""
+        plan = self.plans.get(key)
+        return None if plan is None else plan.reason
 
 
 def load_sync(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]], adapter: Any, loader: PlannedLoader,

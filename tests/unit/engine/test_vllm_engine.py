@@ -408,6 +408,7 @@ def test_an_ipc_sync_is_one_rpc_the_worker_maps_once_and_replays():
 
     results = run(go())
     assert [r["how"] for r in results] == ["recorded", "replayed", "replayed"]
+    assert all(r["not_replayed"] is None for r in results)
     for r in results:  # the worker's own time, split, within the call's round trip
         assert 0 <= r["map_s"] + r["queue_s"] + r["gpu_wait_s"] <= r["engine_s"] + 1e-6
         assert r["engine_s"] <= r["seconds"]

@@ -110,7 +110,62 @@ def test_fused_shards_replay_equal_to_the_models_own_loader():
     shared.release()
 
 
-def test_a_loader_that_transforms_its_sources_is_not_replayed_but_still_loads():
+class PaddedEmbedding(torch.nn.Module):
+    """vLLM's VocabParallelEmbedding loader: the rows it has are copied in, the padded rows zeroed, an empty slice
+    when the vocabulary needs no padding (`param[vocab:].fill_(0)`)."""
+
+    def __init__(self, vocab, padded):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((padded, 4), 7.0))
+
+    def load_weights(self, pairs):
+        for _, tensor in pairs:
+            self.weight[: tensor.shape[0]].data.copy_(tensor)
+            self.weight[tensor.shape[0] :].data.fill_(0)
+
+
+@pytest.mark.parametrize("padded", [6, 8], ids=["unpadded", "padded"])
+def test_the_embedding_loaders_zeroed_padding_rows_replay(padded):
+    from rlasync.weights.plan import ManifestEntry
+
+    def rows(seed):
+        return {"embed.weight": torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))}
+
+    manifest = [ManifestEntry("embed.weight", "float32", (6, 4))]
+    shared = SharedWeights.pack(rows(0).items(), manifest, "cpu")
+    pairs = list(MappedWeights(shared.key, shared.handles()))
+    model = PaddedEmbedding(6, padded)
+    plan = CopyPlan.record(model.load_weights, pairs, model.parameters())
+    assert plan.replayable, plan.reason
+    assert len(plan.fills) == (padded > 6)  # the empty slice's fill writes nothing: not even recorded
+    shared.fill(rows(1).items(), manifest)
+    model.weight.data.fill_(5.0)  # anything the replay must overwrite, padding included
+    plan.replay()
+    reference = PaddedEmbedding(6, padded)
+    reference.load_weights(rows(1).items())
+    assert torch.equal(model.weight, reference.weight)
+    shared.release()
+
+
+def test_a_constant_fill_over_copied_rows_is_not_replayed():
+    """A fill after a copy into the same rows: replaying fills first would leave the copy's values; refused."""
+    from rlasync.weights.plan import ManifestEntry
+
+    manifest = [ManifestEntry("embed.weight", "float32", (6, 4))]
+    shared = SharedWeights.pack([("embed.weight", torch.randn(6, 4))], manifest, "cpu")
+    model = PaddedEmbedding(6, 6)
+
+    def load(pairs):
+        for _, tensor in pairs:
+            model.weight.data.copy_(tensor)
+            model.weight[:2].data.zero_()
+
+    plan = CopyPlan.record(load, list(MappedWeights(shared.key, shared.handles())), model.parameters())
+    assert not plan.replayable and "overlaps a copy" in plan.reason
+    shared.release()
+
+
+def test_a_loader_that_transforms_its_sources_is_not_replayed_but_still_loads(caplog):
     learner, engine = tiny(0), tiny(1)
     manifest = build_manifest(learner)
     shared = SharedWeights.pack(stream_parameters(learner), manifest, "cpu")
@@ -120,9 +175,12 @@ def test_a_loader_that_transforms_its_sources_is_not_replayed_but_still_loads():
         load_named_weights(engine, ((name, tensor * 1.0) for name, tensor in stream))
 
     loader = PlannedLoader()
-    assert loader.load(engine, mapped, scaled_load) == "recorded"
+    with caplog.at_level("WARNING"):
+        assert loader.load(engine, mapped, scaled_load) == "recorded"
     plan = loader.plans[shared.key]
     assert not plan.replayable and "other than a source view" in plan.reason
+    assert loader.reason(shared.key) == plan.reason and loader.reason("other buckets") is None
+    assert "cannot be replayed" in caplog.text and plan.reason in caplog.text  # said once, not silently slow
     with pytest.raises(RuntimeError, match="cannot be replayed"):
         plan.replay()
     perturb(learner, 3)
