@@ -157,7 +157,8 @@ vllm_sync)  # carry [".vllmkit", ".whl"] after a stage that installed .devicekit
     [ -x /tmp/site/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy-*.whl
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1 PATH=/tmp/site/bin:$PATH
-    run vllm_sync 320 python3 bench/vllm_check.py --out "$out/vllm_sync" --budget-s 280 --skip-server --engine-mode default --skip-phases correctness
+    run vllm_unit 90 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_vllm_engine.py tests/unit/engine/test_weight_plans.py
+    run vllm_sync 270 python3 bench/vllm_check.py --out "$out/vllm_sync" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,throughput --skip-torch-engine
     (for _ in $(seq 150); do grep -q "^step 3/" "$out/e2e_vllm_ipc.log" 2>/dev/null && break; sleep 1; done
      p=$(grep -o "GenerationActor pid=[0-9]*" "$out/e2e_vllm_ipc.log" | head -1 | cut -d= -f2); [ -n "$p" ] && \
         py-spy record --subprocesses -d 12 -r 200 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" > "$out/pyspy_vllm.log" 2>&1) &
