@@ -18,6 +18,7 @@ restarted (docs/design.md §4); any other failure of the call propagates as it i
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,20 +105,55 @@ def _fail(futures: Sequence[asyncio.Future[Any]], error: BaseException) -> None:
             future.set_exception(error)
 
 
-async def stream_results(engine: Any, requests: Sequence[tuple[list[int], Any]]) -> Any:
-    """The generation actor's side: run `requests` on `engine` at once and yield, as they finish, lists of
-    `(index, ok, TurnRecord or the exception)`; closing the generator (the caller went away) cancels the rest."""
-    tasks = [
-        asyncio.ensure_future(_one(engine, index, ids, sampling)) for index, (ids, sampling) in enumerate(requests)
-    ]
-    pending: set[asyncio.Future[Any]] = set(tasks)
+ADMIT_SLICE = 16
+
+
+async def stream_results(engine: Any, requests: Sequence[tuple[list[int], Any]], admit_slice: int = ADMIT_SLICE) -> Any:
+    """The generation actor's side: run `requests` on `engine` and yield, as they finish, lists of
+    `(index, ok, TurnRecord or the exception)`; closing the generator (the caller went away) cancels the rest.
+
+    Requests start `admit_slice` at a time, with a turn of the event loop between slices: starting one runs its
+    engine's synchronous admission (vLLM's input processing), so a batch of hundreds started at once would hold
+    the loop for all of them, and a weight sync arriving meanwhile would wait. Finished requests are collected
+    through a queue (each result once), not by waiting on every pending one again after each finish."""
+    finished: asyncio.Queue[tuple[int, bool, Any]] = asyncio.Queue()
+    tasks: list[asyncio.Task[Any]] = []
+
+    def deliver(index: int, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():  # not by us (we cancel only on the way out): still an answer for its caller
+            finished.put_nowait((index, False, EngineError("the generation request was cancelled in the engine")))
+        else:
+            finished.put_nowait(task.result())
+
+    delivered = 0
     try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            yield [task.result() for task in done]
+        for start in range(0, len(requests), admit_slice):
+            if start:
+                await asyncio.sleep(0)
+            for index in range(start, min(start + admit_slice, len(requests))):
+                ids, sampling = requests[index]
+                task = asyncio.ensure_future(_one(engine, index, ids, sampling))
+                task.add_done_callback(functools.partial(deliver, index))
+                tasks.append(task)
+            if not finished.empty():  # what finished meanwhile goes out now
+                ready = _drain(finished)
+                delivered += len(ready)
+                yield ready
+        while delivered < len(requests):
+            ready = [await finished.get(), *_drain(finished)]
+            delivered += len(ready)
+            yield ready
     finally:
-        for task in pending:
-            task.cancel()
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+
+
+def _drain(queue: asyncio.Queue[Any]) -> list[Any]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 async def _one(engine: Any, index: int, prompt_ids: list[int], sampling: Any) -> tuple[int, bool, Any]:

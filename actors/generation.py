@@ -41,9 +41,12 @@ class GenerationActor:
 
         if num_threads and not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
+        from rlasync.metrics.gc_pauses import GcPauseMonitor, freeze_heap
         from rlasync.metrics.loop_lag import LoopLagMonitor
 
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
+        freeze_heap()  # the engine's start-up heap is never walked again by a full collection
+        self.gc_pauses = GcPauseMonitor()  # and the collections that still happen are timed
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
         self.loop_lag = LoopLagMonitor()  # how late this actor's event loop runs (a late loop delays every call)
@@ -145,8 +148,8 @@ class GenerationActor:
     async def sync_weights(self, ticket: Any = None, version: int | None = None) -> dict[str, float]:
         """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and
         load it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until
-        loaded, `resume_s`, `total_s`), `started_at` (wall clock) and `loop_lag_max_s` (this actor's worst
-        event-loop lag since the previous sync)."""
+        loaded, `resume_s`, `total_s`), `started_at` (wall clock), `loop_lag_max_s` (this actor's worst
+        event-loop lag since the previous sync) and `gc_max_s` (its longest garbage collection since then)."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:
             raise RuntimeError(NOT_OPENED)
@@ -157,7 +160,8 @@ class GenerationActor:
             phases = await self.receiver.load_into(self.engine, ticket)
         self.version = version
         self.synced.set()
-        return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max()}
+        return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max(),
+                "gc_max_s": self.gc_pauses.take()["gc_max_s"]}  # fmt: skip
 
     async def close(self) -> None:
         if self.receiver is not None:

@@ -1,0 +1,106 @@
+"""The generation actor's side of the batched channel (`actors.engine_channel.stream_results`): every request
+answered once, in slices that leave the event loop to other calls, cancelled when the caller goes away."""
+
+import asyncio
+import random
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+
+from actors.engine_channel import stream_results  # noqa: E402
+from rlasync.engine.base import EngineError  # noqa: E402
+
+
+class SlowAdmission:
+    """`generate` blocks the loop for `admit_s` (an engine's synchronous admission), then finishes after a random
+    delay; prompts starting with -1 fail, with 0 are cancelled inside the engine."""
+
+    def __init__(self, admit_s=0.0, seed=0):
+        self.admit_s, self.started, self.random = admit_s, 0, random.Random(seed)
+
+    async def generate(self, prompt_ids, sampling):
+        self.started += 1
+        if self.admit_s:
+            time.sleep(self.admit_s)
+        await asyncio.sleep(self.random.uniform(0, 0.02))
+        if prompt_ids[0] == -1:
+            raise ValueError("bad request")
+        if prompt_ids[0] == 0:
+            raise asyncio.CancelledError
+        return ("record", prompt_ids[0])
+
+
+async def collect(engine, requests, **kwargs):
+    batches = []
+    async for ready in stream_results(engine, requests, **kwargs):
+        assert ready  # never an empty list
+        batches.append(ready)
+    return batches
+
+
+def test_every_request_is_answered_once_with_its_own_outcome():
+    requests = [([i if i % 7 else -1], None) for i in range(1, 101)] + [([0], None)]
+    batches = asyncio.run(collect(SlowAdmission(), requests, admit_slice=8))
+    results = [item for batch in batches for item in batch]
+    assert sorted(index for index, _, _ in results) == list(range(len(requests)))
+    for index, ok, value in results:
+        first = requests[index][0][0]
+        if first == -1:
+            assert not ok and isinstance(value, ValueError)
+        elif first == 0:
+            assert not ok and isinstance(value, EngineError) and "cancelled" in str(value)
+        else:
+            assert ok and value == ("record", first)
+    assert len(batches) < len(requests)  # results that finish together go out together
+
+
+def test_a_call_arriving_during_a_large_batch_runs_after_one_slice():
+    """The batch's requests each block the loop while being admitted; another coroutine (a weight sync) made
+    ready meanwhile runs once the current slice is in, not after all 256."""
+    engine = SlowAdmission(admit_s=0.0005)
+    started_before_probe = []
+
+    async def main():
+        stream = asyncio.ensure_future(collect(engine, [([i + 1], None) for i in range(256)], admit_slice=16))
+        await asyncio.sleep(0)  # the stream starts its first slice
+
+        async def probe():
+            started_before_probe.append(engine.started)
+
+        await asyncio.ensure_future(probe())
+        await stream
+
+    asyncio.run(main())
+    assert started_before_probe[0] <= 2 * 16
+
+
+def test_closing_the_stream_cancels_the_requests_still_running():
+    class Forever:
+        def __init__(self):
+            self.cancelled = self.started = 0
+
+        async def generate(self, prompt_ids, sampling):
+            self.started += 1
+            if prompt_ids[0] == 1:
+                return "quick"
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    engine = Forever()
+
+    async def main():
+        stream = stream_results(engine, [([1], None)] + [([2], None)] * 40, admit_slice=8)
+        first = await stream.__anext__()
+        await stream.aclose()
+        started = engine.started
+        await asyncio.sleep(0.05)
+        assert engine.started == started  # no slice is admitted after the caller left
+        return first
+
+    assert asyncio.run(main()) == [(0, True, "quick")]
+    assert 8 <= engine.started < 41 and engine.cancelled == engine.started - 1  # each one still running, cancelled
