@@ -151,18 +151,20 @@ vllm_recheck)  # carry [".vllmkit", ".whl"] after a stage that installed .device
     python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_vllm.txt" 2>&1
     ;;
 vllm_sync)  # carry [".vllmkit", ".whl"] after a stage that installed .devicekit (warm): vLLM's flat IPC sync alone
-    # (the collective_rpc round trip against the worker's own copy time, idle and generating), both engines 256x256,
-    # then GRPO with py-spy over the GenerationActor and its EngineCore child (--subprocesses)
+    # (the collective_rpc round trip against the worker's own copy time, idle and generating), then GRPO
+    # (STEPS, default 10) with py-spy over the GenerationActor and its EngineCore child (--subprocesses);
+    # GRPO_ONLY=1: the GRPO run alone
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
-    [ -x /tmp/site/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy-*.whl
+    # its own folder: into /tmp/site (which has a bin/ from the kit) pip would leave the py-spy binary out
+    [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
-        TRANSFORMERS_OFFLINE=1 PATH=/tmp/site/bin:$PATH
-    run vllm_unit 90 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_vllm_engine.py tests/unit/engine/test_weight_plans.py
-    run vllm_sync 270 python3 bench/vllm_check.py --out "$out/vllm_sync" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,throughput --skip-torch-engine
+        TRANSFORMERS_OFFLINE=1 PATH=/tmp/pyspy/bin:$PATH
+    [ -n "${GRPO_ONLY:-}" ] || run vllm_unit 90 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_vllm_engine.py tests/unit/engine/test_weight_plans.py
+    [ -n "${GRPO_ONLY:-}" ] || run vllm_sync 270 python3 bench/vllm_check.py --out "$out/vllm_sync" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,throughput --skip-torch-engine
     (for _ in $(seq 150); do grep -q "^step 3/" "$out/e2e_vllm_ipc.log" 2>/dev/null && break; sleep 1; done
      p=$(grep -o "GenerationActor pid=[0-9]*" "$out/e2e_vllm_ipc.log" | head -1 | cut -d= -f2); [ -n "$p" ] && \
         py-spy record --subprocesses -d 12 -r 200 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" > "$out/pyspy_vllm.log" 2>&1) &
-    run e2e_vllm_ipc 200 python3 bench/e2e_grpo.py --steps 10 --runs async --engine vllm --share-gpu --vllm-gpu-memory-utilization 0.4 --weight-sync-backend ipc --out "$out/e2e_vllm_ipc_h200.json"
+    run e2e_vllm_ipc 240 python3 bench/e2e_grpo.py --steps ${STEPS:-10} --runs async --engine vllm --share-gpu --vllm-gpu-memory-utilization 0.4 --weight-sync-backend ipc --out "$out/e2e_vllm_ipc_h200.json"
     wait
     python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_vllm.txt" 2>&1
     ;;
