@@ -50,7 +50,8 @@ CHAT_TEMPLATE = (
 KEYS = (
     "perf/step_s", "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s",
     "perf/weight_sync_resume_s", "perf/weight_sync_dispatch_s", "perf/weight_sync_send_s",
-    "perf/weight_sync_engine_load_s", "perf/generation_loop_lag_max_s", "perf/rollout_wait_s", "rollout/backpressure_s", "perf/fwd_bwd_s",
+    "perf/weight_sync_engine_load_s", "perf/generation_loop_lag_max_s", "perf/generation_gc_max_s", "perf/rollout_wait_s",
+    "rollout/backpressure_s", "perf/fwd_bwd_s",
     "perf/fwd_s", "perf/optimizer_s", "perf/fetch_samples_s", "perf/pack_s",
     "batch/trained_tokens_per_step", "batch/forwarded_tokens_per_step", "batch/samples_per_step",
     "sample/staleness_mean", "sample/staleness_max", "rollout/generated_tokens_per_s", "reward", "jsd", "entropy",
@@ -222,7 +223,7 @@ def summarize(metrics_path: Path, warmup: int) -> dict[str, Any]:
     dropped = [r.get("sample/dropped_stale_count", r.get("sample/dropped_stale_total")) for r in records]
     per_step = ("perf/step_s", "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s",
                 "perf/weight_sync_engine_load_s", "perf/weight_sync_dispatch_s", "perf/generation_loop_lag_max_s",
-                "perf/rollout_wait_s")  # fmt: skip
+                "perf/generation_gc_max_s", "perf/rollout_wait_s")  # fmt: skip
     return {
         "steps_logged": len(records),
         "steps_measured": [r["step"] for r in timed],
