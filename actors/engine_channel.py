@@ -122,6 +122,8 @@ async def stream_results(engine: Any, requests: Sequence[tuple[list[int], Any]],
     def deliver(index: int, task: asyncio.Task[Any]) -> None:
         if task.cancelled():  # not by us (we cancel only on the way out): still an answer for its caller
             finished.put_nowait((index, False, EngineError("the generation request was cancelled in the engine")))
+        elif task.exception() is not None:  # a BaseException `_one` does not catch: still this request's answer
+            finished.put_nowait((index, False, task.exception()))
         else:
             finished.put_nowait(task.result())
 

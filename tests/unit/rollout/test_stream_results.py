@@ -104,3 +104,24 @@ def test_closing_the_stream_cancels_the_requests_still_running():
 
     assert asyncio.run(main()) == [(0, True, "quick")]
     assert 8 <= engine.started < 41 and engine.cancelled == engine.started - 1  # each one still running, cancelled
+
+
+def test_a_base_exception_from_the_engine_is_that_requests_answer_not_a_hang():
+    """`_one` catches Exception only; a request ending in another BaseException is still answered (the stream
+    would otherwise wait for it forever)."""
+
+    class Interrupted(BaseException):
+        pass
+
+    class Engine:
+        async def generate(self, prompt_ids, sampling):
+            if prompt_ids[0] == 2:
+                raise Interrupted()
+            return prompt_ids[0]
+
+    async def main():
+        return await asyncio.wait_for(collect(Engine(), [([i], None) for i in range(1, 5)], admit_slice=2), 5)
+
+    results = sorted(item for batch in asyncio.run(main()) for item in batch)
+    assert [(index, ok) for index, ok, _ in results] == [(0, True), (1, False), (2, True), (3, True)]
+    assert isinstance(results[1][2], Interrupted)
