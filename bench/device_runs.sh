@@ -19,6 +19,12 @@
 #   carry [".vllmkit", ".whl"]     vllm_recheck         (~8 min: both engines 256x256, py-spy of vLLM's sync)
 #   carry [".devicekit"]           learner_tiles        (~8 min: FlexAttention tiles on a real row, the learner with the best)
 #   (all five ran on 2026-12-02; bench/results.)
+# Ran on 2026-12-03 (one H200, 15 min of device time): carry [".devicekit"] e2e_grpo --steps 20 (TorchEngine, IPC),
+#   then carry [".vllmkit", ".whl"] STEPS=20 GRPO_ONLY=1 vllm_sync, then [".smol1"], then [".smol2"] with STEPS=200
+#   system_torch's system and engine runs (bench/results/system_throughput_h200.json, e2e/*_gcfreeze_*).
+#   .devicekit must hold the pydantic and math-verify wheels listed above: a kit without them fails at import.
+# Still owed: the SmolLM2 system with vLLM after the sync fixes (vllm_sums), and the TorchEngine's one slow pause
+#   early in GRPO (450 ms at step 4) profiled.
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
 out=${OUT:-/tmp/out}
