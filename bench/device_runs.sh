@@ -23,8 +23,8 @@
 #   then carry [".vllmkit", ".whl"] STEPS=20 GRPO_ONLY=1 vllm_sync, then [".smol1"], then [".smol2"] with STEPS=200
 #   system_torch's system and engine runs (bench/results/system_throughput_h200.json, e2e/*_gcfreeze_*).
 #   .devicekit must hold the pydantic and math-verify wheels listed above: a kit without them fails at import.
-# Still owed: the SmolLM2 system with vLLM after the sync fixes (vllm_sums), and the TorchEngine's one slow pause
-#   early in GRPO (450 ms at step 4) profiled.
+#   Then [".devicekit"], [".vllmkit"] (unpack.sh), [".smol1"], [".smol2"] with vllm_sums (08:03 UTC).
+# Still owed: the TorchEngine's one slow pause early in GRPO (450 ms at step 4) profiled.
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
 out=${OUT:-/tmp/out}
