@@ -127,6 +127,14 @@ learner_varlen)  # carry [".devicekit"]: the varlen tree attention (FlashAttenti
     run varlen_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_ab_8k.json"
     run varlen_profile 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 4 --warmup 2 --grad-ckpt auto --compile layers --modes tree --attention varlen --profile "$out/profiles_varlen" --out "$out/varlen_profile.json"
     ;;
+learner_cascade)  # carry [".devicekit"]: the varlen backend's cascade (self + cross merged by log-sum-exp): its GPU
+    # tests, the three attentions on one real 8K row (flex, gathered varlen, cascade), then the learner A/B at 8K rows
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run cascade_tests 170 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu/test_model_gpu.py tests/gpu/test_learner_rows_gpu.py
+    run cascade_kernels 120 python3 bench/flex_tiles.py --configs default,varlen_gather,varlen_cascade --out "$out/cascade_kernels_h200.json"
+    run cascade_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/cascade_ab_8k.json"
+    ;;
 learner_varlen_e2e)  # carry [".devicekit"] (or [] when warm): GRPO on one shared H200 with the learner on the varlen tree attention
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site

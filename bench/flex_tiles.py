@@ -10,6 +10,9 @@ row `bench/tree_packing.py` plans for a shape, random bf16 q/k/v of one layer (1
   <name>             a `kernel_options` dict (tiles, warps, stages, ROWS_GUARANTEED_SAFE, ...) from the sweep below
   autotune           `torch.compile(mode="max-autotune-no-cudagraphs")` of flex alone: inductor picks the tiles
   block64            the default tiles over a BlockMask of 64-token blocks instead of 128 (fewer wasted pairs)
+  varlen_gather      not flex: FlashAttention varlen, each root-path segment against its gathered ancestors
+  varlen_cascade     not flex: FlashAttention varlen, self and cross parts merged by log-sum-exp (the varlen
+                     backend's full-attention path, rlasync.model.cascade_attention)
 
 Each configuration's output and gradients are compared with the default's; a configuration the kernel refuses is
 recorded with its error. Reported per configuration: ms, TFLOP/s over the attended pairs (4 x heads x head_dim per
@@ -40,6 +43,7 @@ from tree_packing import make_samples, parse_shapes, plan_rows  # noqa: E402
 
 from rlasync.model import packed_row_to_tensors  # noqa: E402
 from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity  # noqa: E402
+from rlasync.model.segment_attention import segment_plan  # noqa: E402
 from rlasync.packing import pack  # noqa: E402
 
 SWEEP: dict[str, dict] = {
@@ -52,7 +56,7 @@ SWEEP: dict[str, dict] = {
     "bwd_32_128_128_32_w4_s3": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4,
                                 "num_stages": 3},  # fmt: skip
 }
-SPECIAL = ("default", "autotune", "block64")
+SPECIAL = ("default", "autotune", "block64", "varlen_gather", "varlen_cascade")
 
 
 def attended_pairs(subtree_end: torch.Tensor) -> int:
@@ -95,12 +99,23 @@ def run_config(name, options, q, k, v, grad, masks, iters, device):
     from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.reset()  # each configuration compiles afresh (kernel_options are baked into the graph)
-    mode = "max-autotune-no-cudagraphs" if name == "autotune" else None
-    attention = torch.compile(flex_attention, dynamic=False, mode=mode)
-    mask = masks[64 if name == "block64" else 128]
-    kwargs = {"block_mask": mask, "enable_gqa": q.shape[1] != k.shape[1]}
-    if options:
-        kwargs["kernel_options"] = options
+    if name.startswith("varlen_"):  # FlashAttention over the row's segment plan, eager (one opaque op per call)
+        from rlasync.model import segment_attention as segments
+
+        function = segments.cascade_segment_attention if name == "varlen_cascade" else segments.gathered_segment_attention
+        plan, extra = masks["segments"], () if name == "varlen_cascade" else (None,)
+
+        def attention(q, k, v, **_):
+            return function(q, k, v, plan, None, *extra).transpose(1, 2)  # [1, Hq, N, D] as flex returns it
+
+        kwargs = {}
+    else:
+        mode = "max-autotune-no-cudagraphs" if name == "autotune" else None
+        attention = torch.compile(flex_attention, dynamic=False, mode=mode)
+        mask = masks[64 if name == "block64" else 128]
+        kwargs = {"block_mask": mask, "enable_gqa": q.shape[1] != k.shape[1]}
+        if options:
+            kwargs["kernel_options"] = options
 
     def forward():
         with torch.no_grad():
@@ -148,6 +163,7 @@ def main(argv=None) -> None:
     row = first_row(shape, device)
     n = row.num_tokens
     masks = {b: tree_block_mask(row.subtree_end, row.position_ids, None, b) for b in (64, 128)}
+    masks["segments"] = segment_plan(row.subtree_end.cpu(), row.position_ids.cpu()).to(device)
     pairs = attended_pairs(row.subtree_end)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)

@@ -176,3 +176,97 @@ def test_varlen_on_a_torch_without_the_kernel_is_refused_naming_flex(monkeypatch
     with pytest.raises(ValueError, match="use 'flex'"):
         resolve_backend("varlen", torch.device("cuda"))
     assert resolve_backend("varlen", torch.device("cpu")) == "varlen"  # the reference loop runs anywhere
+
+
+def test_the_cascade_plan_has_one_cross_entry_per_branch_point():
+    # prompt 0-2, completion A 3-4 continues it, B 5-6 branches from token 2: B's queries against keys 0-2
+    plan = segment_plan([7, 7, 7, 5, 5, 7, 7], [0, 1, 2, 3, 4, 3, 4])
+    assert plan.cross_query_index.tolist() == [5, 6] and plan.cross_query_start.tolist() == [0, 2]
+    assert plan.cross_key_index.tolist() == [0, 1, 2] and plan.cross_key_start.tolist() == [0, 3]
+    # 1 2 3 4 5 | 6 under 4 | 7 under 2: two branch points, the shared keys 0-1 are in both entries
+    plan = segment_plan([7, 7, 6, 6, 5, 6, 7], [0, 1, 2, 3, 4, 4, 2])
+    assert plan.query_start.tolist() == [0, 5, 6, 7]
+    assert plan.cross_query_index.tolist() == [5, 6] and plan.cross_query_start.tolist() == [0, 1, 2]
+    assert plan.cross_key_index.tolist() == [0, 1, 2, 3, 0, 1] and plan.cross_key_start.tolist() == [0, 4, 6]
+    assert plan.max_cross_query % 128 == 0 and plan.max_cross_key >= 4
+
+
+def _cascade_visibility(plan) -> torch.Tensor:
+    """The [N, N] mask the cascade implies: each segment causally on itself, each cross entry's queries on all of
+    its keys."""
+    n = plan.num_tokens
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    bounds = plan.query_start.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        mask[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    qs, ks = plan.cross_query_start.tolist(), plan.cross_key_start.tolist()
+    rows, cols = plan.cross_query_index.tolist(), plan.cross_key_index.tolist()
+    for e in range(len(qs) - 1):
+        for r in rows[qs[e] : qs[e + 1]]:
+            for c in cols[ks[e] : ks[e + 1]]:
+                assert not mask[r, c], "a pair is counted twice"
+                mask[r, c] = True
+    return mask
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_cascade_sees_exactly_what_the_tree_rule_shows(packed_tensors, scenarios, shape):
+    row = _row(packed_tensors, scenarios, shape, seed=5)
+    plan = segment_plan(row.subtree_end, row.position_ids)
+    assert torch.equal(_cascade_visibility(plan), dense_tree_mask(row.subtree_end))
+    assert len(set(plan.cross_query_index.tolist())) == plan.cross_query_index.numel()
+
+
+DEEP_TRIE = ([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9], [1, 2, 7, 7], [1, 2, 3, 8], [5, 5, 5]], [2, 2, 2, 2, 1])
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("rows", ["grpo", "ragged", "deep"])
+def test_the_cascade_equals_masked_sdpa_with_gradients(packed_tensors, scenarios, heads, rows):
+    """Self and cross parts merged by log-sum-exp, the backward of each part run with the merged output and lse:
+    values and q/k/v gradients equal attention under the dense tree mask (float64, the reference kernels). The
+    deep trie puts the same keys in two cross entries, so their gradients are summed."""
+    row = packed_tensors(*DEEP_TRIE) if rows == "deep" else _row(packed_tensors, scenarios, rows, seed=3)
+    n, (hq, hkv), d = row.num_tokens, heads, 8
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv))
+    plan = segment_plan(row.subtree_end, row.position_ids)
+    assert plan.cross_query_index.numel() > 0
+    if rows == "deep":
+        assert len(set(plan.cross_key_index.tolist())) < plan.cross_key_index.numel()
+    out = segment_attention(q, k, v, plan, None, None)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense_tree_mask(row.subtree_end), enable_gqa=hq != hkv
+    ).transpose(1, 2)
+    assert (out - expected).abs().max() < 1e-10
+    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        assert (got - want).abs().max() < 1e-10
+
+
+def test_the_reference_kernel_returns_the_log_sum_exp_of_each_entry():
+    from rlasync.model.cascade_attention import attention_with_lse
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(5, 2, 4, generator=gen), torch.randn(7, 1, 4, generator=gen), torch.randn(7, 1, 4, generator=gen)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32)
+    out, lse = attention_with_lse(q, k, v, cu_q, cu_k, 128, 128, True, 0.5)
+    assert lse.shape == (2, 5)
+    # entry 1, query 0 (row 2) sees keys 3..4 (causal, aligned to the end of its 4 keys: 4 - 3 + 0 = 1 -> j <= 1)
+    scores = (q[2] @ k[3:5, 0].t()) * 0.5  # [2 heads, 2 keys]
+    torch.testing.assert_close(lse[:, 2], torch.logsumexp(scores, -1))
+    torch.testing.assert_close(out[2], torch.softmax(scores, -1) @ v[3:5, 0])
+
+
+def test_the_cascade_op_passes_torch_library_opcheck(packed_tensors):
+    from rlasync.model.cascade_attention import cascade_tree_attention_op
+
+    row = packed_tensors(*DEEP_TRIE)
+    plan = segment_plan(row.subtree_end, row.position_ids)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(row.num_tokens, h, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    args = (q, k, v, plan.query_start, plan.cross_query_index, plan.cross_query_start, plan.cross_key_index,
+            plan.cross_key_start, plan.max_query, plan.max_cross_query, plan.max_cross_key, 0.35)  # fmt: skip
+    torch.library.opcheck(cascade_tree_attention_op, args)
