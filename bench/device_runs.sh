@@ -135,6 +135,19 @@ learner_cascade)  # carry [".devicekit"]: the varlen backend's cascade (self + c
     run cascade_kernels 120 python3 bench/flex_tiles.py --configs default,varlen_gather,varlen_cascade --out "$out/cascade_kernels_h200.json"
     run cascade_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/cascade_ab_8k.json"
     ;;
+learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
+    # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    [ -x /tmp/site/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy-*.whl
+    export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+    python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-300} --warmup 3 --grad-ckpt auto --compile layers --modes tree --check-rows 0 --out "$out/host_tree.json" > "$out/host_tree.log" 2>&1 &
+    bench=$!
+    for _ in $(seq 200); do grep -q "^timing" "$out/host_tree.log" && break; sleep 1; done
+    sleep 1
+    py-spy record -d ${SPY_S:-12} -r 200 -f raw --nonblocking -p $bench -o "$out/pyspy_learner_tree.txt" > "$out/pyspy_learner.log" 2>&1
+    wait $bench; tail -n 3 "$out/host_tree.log"
+    python3 bench/pyspy_top.py "$out/pyspy_learner_tree.txt" > "$out/top_learner.txt" 2>&1; head -n 45 "$out/top_learner.txt"
+    ;;
 learner_varlen_e2e)  # carry [".devicekit"] (or [] when warm): GRPO on one shared H200 with the learner on the varlen tree attention
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site

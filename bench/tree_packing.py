@@ -238,6 +238,7 @@ def run_mode(model, mode, config, steps: int, warmup: int, device):
         step(i)
     _sync(device)
     n = max(steps, len(mode))
+    print(f"timing {n} rows", flush=True)  # a profiler attached from outside starts here (bench/device_runs.sh)
     start = time.perf_counter()
     for i in range(n):
         step(i)
