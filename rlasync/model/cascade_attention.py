@@ -226,9 +226,9 @@ def cascade_tree_attention_backward_op(
         out.index_select(0, cross_query_index), lse.index_select(1, cross_query_index).contiguous(),
         cross_query_start, cross_key_start, max_cross_query, max_cross_key, False, scale,
     )  # fmt: skip
-    dq = dq.index_add(0, cross_query_index, dq_cross)
-    dk = dk.index_add(0, cross_key_index, dk_cross)
-    dv = dv.index_add(0, cross_key_index, dv_cross)
+    dq.index_add_(0, cross_query_index, dq_cross)  # the self part's gradients are this op's own buffers
+    dk.index_add_(0, cross_key_index, dk_cross)
+    dv.index_add_(0, cross_key_index, dv_cross)
     return dq, dk, dv
 
 
