@@ -94,13 +94,20 @@ def test_tree_backends_equal_dense_sdpa_path(family, dtype, backend):
     """Compiled FlexAttention, and the FlashAttention varlen kernel over root-path segments (bf16; fp32 takes its
     reference loop) with the plan made on the host as the learner does (first row) and from the row on the device."""
     _, model = tiny_model(family, dtype)
+    exact = copy.deepcopy(model).float() if dtype != torch.float32 else None  # the same (rounded) weights in fp32
     for seed in range(2):  # two rows of different lengths: the compiled kernel handles a new N
         row = packed(*random_row(seed), segments=backend == "varlen" and seed == 0)
         assert row.num_tokens > 3 * 128  # several 128-token blocks (and, almost surely, a partial last one)
         dense, dense_grads = scores_and_grads(model, row, "dense")
         tree, tree_grads = scores_and_grads(model, row, backend)
         tolerance = TOLERANCE[dtype]
-        assert (dense - tree).abs().max().item() <= tolerance
+        gap = (dense - tree).abs().max().item()
+        if gap > tolerance and exact is not None:  # two 16-bit paths round differently: then the tree path must be
+            reference, _ = scores_and_grads(exact, row, "dense")  # about as close to fp32 as the dense one is
+            tree_error, dense_error = ((x - reference).abs().max().item() for x in (tree, dense))
+            assert tree_error <= 1.5 * dense_error, (gap, tree_error, dense_error)
+        else:
+            assert gap <= tolerance
         for name in dense_grads:
             scale = max(1.0, dense_grads[name].abs().max().item())
             assert (dense_grads[name] - tree_grads[name]).abs().max().item() <= tolerance * scale, name
