@@ -1,13 +1,16 @@
 """Which attention kernel is fast on the parts of one real tree row: a probe for the learner's attention backend.
 
-The cascade (rlasync.model.cascade_attention) splits a tree row's attention into a *self* part (every root-path
-segment causally on itself) and a *cross* part (the segments of a branch point against its root path, dense).
+A cascade would split a tree row's attention into a *self* part (every root-path segment of
+rlasync.model.segment_attention causally on itself) and a *cross* part (the segments that branch from one token,
+stacked, against its root path, with no mask), merged by their log-sum-exp, so that no key is copied per completion.
+It was built and measured on the learner (docs/algorithms.md §4.3) and lost to both flex and the gathered varlen path;
+this probe shows why, kernel by kernel.
 This probe takes the first row `bench/tree_packing.py` plans for a shape, random bf16 q/k/v of one layer (16 query
 heads, 8 KV heads, head dim 128), and times each part (forward, forward+backward, CUDA events, after warm-up)
 with each kernel torch offers here:
 
   flex_full        compiled FlexAttention over the whole row's tree BlockMask (the learner's default)
-  fa2_self/cross   FlashAttention-2 varlen (`aten._flash_attention_forward`), as the cascade calls it
+  fa2_self/cross   FlashAttention-2 varlen (`aten._flash_attention_forward` / `_backward`)
   cudnn_self/cross cuDNN varlen (`aten._cudnn_attention_forward`, K/V heads repeated: no GQA there), if present
   sdpa_cross_*     the cross blocks as one dense batch through SDPA with one backend forced (when all branch points
                    have the same shape, as in this bench)
@@ -35,6 +38,27 @@ from tree_packing import parse_shapes  # noqa: E402
 
 from rlasync.model.block_mask import tree_block_mask  # noqa: E402
 from rlasync.model.segment_attention import segment_plan  # noqa: E402
+
+
+def cascade_parts(plan) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """(segment bounds, per branch point the query rows of its segments, per branch point its root path) from a
+    `SegmentPlan`: a segment's ancestors are the first keys - queries entries of its gathered keys."""
+    bounds, key_start, key_index = plan.query_start.tolist(), plan.key_start.tolist(), plan.key_index.tolist()
+    branches: dict[int, tuple[list[int], list[int]]] = {}
+    for s in range(len(bounds) - 1):
+        a, b = bounds[s], bounds[s + 1]
+        ancestors = key_index[key_start[s] : key_start[s + 1] - (b - a)]
+        if ancestors:
+            branches.setdefault(ancestors[-1], (ancestors, []))[1].extend(range(a, b))
+    return bounds, [rows for _, rows in branches.values()], [path for path, _ in branches.values()]
+
+
+def starts(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def rounded(length: int) -> int:
+    return 128 * -(-length // 128)
 
 
 def timed(name, fn, inputs, grad, pairs, iters, results, heads, head_dim):
@@ -88,19 +112,19 @@ def main(argv=None) -> None:
     timed("flex_full", lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=True), (q4, k4, v4),
           torch.randn_like(q4), attended_pairs(row.subtree_end), args.iters, results, heads, head_dim)  # fmt: skip
 
-    # the self part: the row's segments, causal
-    bounds = plan.query_start.tolist()
+    # the self part: the row's segments, causal; the cross part: one dense entry per branch point
+    bounds, cross_rows, cross_keys = cascade_parts(plan)
     self_pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(bounds[:-1], bounds[1:]))
-    cq, ck = plan.cross_query_start.tolist(), plan.cross_key_start.tolist()
+    cross_q, cross_k = starts([len(r) for r in cross_rows]), starts([len(k) for k in cross_keys])
+    max_cq, max_ck = rounded(max(map(len, cross_rows))), rounded(max(map(len, cross_keys)))
+    cq, ck = cross_q.tolist(), cross_k.tolist()
     cross_pairs = sum((cq[e + 1] - cq[e]) * (ck[e + 1] - ck[e]) for e in range(len(cq) - 1))
-    nc, kc = int(plan.cross_query_index.numel()), int(plan.cross_key_index.numel())
+    nc, kc = cq[-1], ck[-1]
     results["parts"] = {"segments": len(bounds) - 1, "self_pairs": self_pairs, "cross_entries": len(cq) - 1,
                         "cross_queries": nc, "cross_keys": kc, "cross_pairs": cross_pairs}  # fmt: skip
     print(results["parts"], flush=True)
 
     def fa2(cu_q, cu_k, max_q, max_k, causal):
-        from rlasync.model.cascade_attention import attention_with_lse_backward
-
         class Fa2(torch.autograd.Function):
             @staticmethod
             def forward(ctx, q, k, v):
@@ -111,7 +135,9 @@ def main(argv=None) -> None:
             @staticmethod
             def backward(ctx, grad):
                 q, k, v, out, lse = ctx.saved_tensors
-                return attention_with_lse_backward(grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+                rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+                return torch.ops.aten._flash_attention_backward(
+                    grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale)
 
         return Fa2.apply
 
@@ -142,9 +168,8 @@ def main(argv=None) -> None:
     for name, make in (("fa2", fa2), ("cudnn", cudnn)):
         timed(f"{name}_self", make(cu, cu, plan.max_query, plan.max_query, True), (q3, k3, v3), torch.randn_like(q3),
               self_pairs, args.iters, results, heads, head_dim)  # fmt: skip
-        timed(f"{name}_cross", make(plan.cross_query_start, plan.cross_key_start, plan.max_cross_query,
-              plan.max_cross_key, False), (qc, kc3, vc3), torch.randn_like(qc), cross_pairs, args.iters, results,
-              heads, head_dim)  # fmt: skip
+        timed(f"{name}_cross", make(cross_q, cross_k, max_cq, max_ck, False), (qc, kc3, vc3), torch.randn_like(qc),
+              cross_pairs, args.iters, results, heads, head_dim)  # fmt: skip
     lengths = {(cq[e + 1] - cq[e], ck[e + 1] - ck[e]) for e in range(len(cq) - 1)}
     if len(lengths) == 1:  # one dense batch [E, H, Lq, D] x [E, Hkv, Lk, D]
         (lq, lk), entries = lengths.pop(), len(cq) - 1

@@ -24,6 +24,10 @@
 #   system_torch's system and engine runs (bench/results/system_throughput_h200.json, e2e/*_gcfreeze_*).
 #   .devicekit must hold the pydantic and math-verify wheels listed above: a kit without them fails at import.
 #   Then [".devicekit"], [".vllmkit"] (unpack.sh), [".smol1"], [".smol2"] with vllm_sums (08:03 UTC).
+# Ran on 2026-12-03 11:56-12:28 UTC (one H200, ~19 min): the cascade attention's GPU tests, kernels and learner A/B
+#   (a stage since removed with the cascade, commit f4c6708), `python3 bench/attention_parts.py`, then
+#   AB=1 learner_host and learner_host again (carry [".devicekit", ".whl"]): bench/results/attention_parts_h200.json,
+#   tree_packing_h200.json (learner_2026_12_03_utc), profiles/learner_pyspy_tree_p544_c128_g8_row8192.txt.
 # Still owed: the TorchEngine's one slow pause early in GRPO (450 ms at step 4) profiled.
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
@@ -127,19 +131,11 @@ learner_varlen)  # carry [".devicekit"]: the varlen tree attention (FlashAttenti
     run varlen_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_ab_8k.json"
     run varlen_profile 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 4 --warmup 2 --grad-ckpt auto --compile layers --modes tree --attention varlen --profile "$out/profiles_varlen" --out "$out/varlen_profile.json"
     ;;
-learner_cascade)  # carry [".devicekit"]: the varlen backend's cascade (self + cross merged by log-sum-exp): its GPU
-    # tests, the three attentions on one real 8K row (flex, gathered varlen, cascade), then the learner A/B at 8K rows
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
-    run cascade_tests 170 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu/test_model_gpu.py tests/gpu/test_learner_rows_gpu.py
-    run cascade_kernels 120 python3 bench/flex_tiles.py --configs default,varlen_gather,varlen_cascade --out "$out/cascade_kernels_h200.json"
-    run cascade_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/cascade_ab_8k.json"
-    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
-    [ -x /tmp/site/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy-*.whl
-    export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+    [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
+    export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/pyspy/bin:$PATH  # its own target: /tmp/site/bin exists (the kit's)
     python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-300} --warmup 3 --grad-ckpt auto --compile layers --modes tree --check-rows 0 --out "$out/host_tree.json" > "$out/host_tree.log" 2>&1 &
     bench=$!
     for _ in $(seq 200); do grep -q "^timing" "$out/host_tree.log" && break; sleep 1; done
@@ -147,8 +143,8 @@ learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goe
     py-spy record -d ${SPY_S:-12} -r 200 -f raw --nonblocking -p $bench -o "$out/pyspy_learner_tree.txt" > "$out/pyspy_learner.log" 2>&1
     wait $bench; tail -n 3 "$out/host_tree.log"
     python3 bench/pyspy_top.py "$out/pyspy_learner_tree.txt" > "$out/top_learner.txt" 2>&1; head -n 45 "$out/top_learner.txt"
-    # the varlen backend's two full-attention paths in one process: the cascade (default) and gathered keys
-    [ -n "${AB:-}" ] && run varlen_paths_8k 240 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,tree_varlen_gather,padding_free --out "$out/varlen_paths_8k.json"
+    # flex against the varlen backend in one process (AB=1)
+    [ -n "${AB:-}" ] && run varlen_paths_8k 240 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_paths_8k.json"
     ;;
 learner_varlen_e2e)  # carry [".devicekit"] (or [] when warm): GRPO on one shared H200 with the learner on the varlen tree attention
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

@@ -10,9 +10,8 @@ row `bench/tree_packing.py` plans for a shape, random bf16 q/k/v of one layer (1
   <name>             a `kernel_options` dict (tiles, warps, stages, ROWS_GUARANTEED_SAFE, ...) from the sweep below
   autotune           `torch.compile(mode="max-autotune-no-cudagraphs")` of flex alone: inductor picks the tiles
   block64            the default tiles over a BlockMask of 64-token blocks instead of 128 (fewer wasted pairs)
-  varlen_gather      not flex: FlashAttention varlen, each root-path segment against its gathered ancestors
-  varlen_cascade     not flex: FlashAttention varlen, self and cross parts merged by log-sum-exp (the varlen
-                     backend's full-attention path, rlasync.model.cascade_attention)
+  varlen             not flex: the varlen backend (FlashAttention varlen, each root-path segment against its
+                     gathered ancestors; rlasync.model.segment_attention)
 
 Each configuration's output and gradients are compared with the default's; a configuration the kernel refuses is
 recorded with its error. Reported per configuration: ms, TFLOP/s over the attended pairs (4 x heads x head_dim per
@@ -56,7 +55,7 @@ SWEEP: dict[str, dict] = {
     "bwd_32_128_128_32_w4_s3": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4,
                                 "num_stages": 3},  # fmt: skip
 }
-SPECIAL = ("default", "autotune", "block64", "varlen_gather", "varlen_cascade")
+SPECIAL = ("default", "autotune", "block64", "varlen")
 
 
 def attended_pairs(subtree_end: torch.Tensor) -> int:
@@ -99,14 +98,11 @@ def run_config(name, options, q, k, v, grad, masks, iters, device):
     from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.reset()  # each configuration compiles afresh (kernel_options are baked into the graph)
-    if name.startswith("varlen_"):  # FlashAttention over the row's segment plan, eager (one opaque op per call)
-        from rlasync.model import segment_attention as segments
-
-        function = segments.cascade_segment_attention if name == "varlen_cascade" else segments.gathered_segment_attention
-        plan, extra = masks["segments"], () if name == "varlen_cascade" else (None,)
+    if name == "varlen":  # FlashAttention over the row's segment plan, eager
+        from rlasync.model.segment_attention import segment_attention
 
         def attention(q, k, v, **_):
-            return function(q, k, v, plan, None, *extra).transpose(1, 2)  # [1, Hq, N, D] as flex returns it
+            return segment_attention(q, k, v, masks["segments"], None, None).transpose(1, 2)  # as flex returns it
 
         kwargs = {}
     else:

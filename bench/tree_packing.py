@@ -9,8 +9,6 @@ The model has the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 heads, 8 KV heads
   padded        [B, prompt + completion] batches, B = row_tokens // (prompt + completion), a causal mask
   tree_varlen   (when asked for in --modes) the tree rows on the varlen tree attention (FlashAttention varlen over
                 root-path segments), next to --attention's backend (default flex on CUDA) in the same call
-  tree_varlen_gather  (when asked for) the same with each segment against its gathered root path in every layer
-                (the windowed path; full-attention layers otherwise run the cascade of self + cross parts)
 
 Every mode uses the same model code (tree attention, chunked LM head on trained positions only), gradient
 checkpointing on, and a loss that touches every trained token. Reported: trained (completion) tokens/s,
@@ -24,7 +22,6 @@ and the max |Δ| between the modes' per-token log-probs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import sys
@@ -196,9 +193,7 @@ def flops_of(row, config) -> float:
 class TreeMode:
     """Packed rows (tree or padding-free) scored by rlasync's tree forward."""
 
-    def __init__(self, rows, device, block_size: int | None = None, backend: str = "auto",
-                 gather_full_attention: bool = False):  # fmt: skip
-        self.gather_full_attention = gather_full_attention
+    def __init__(self, rows, device, block_size: int | None = None, backend: str = "auto"):
         self.rows = rows
         self.packed = [pack(r) for r in rows]
         started = time.perf_counter()  # varlen: the segment plan, made on the host as the learner does per row
@@ -213,24 +208,6 @@ class TreeMode:
     def scores(self, model, i: int):
         tensors = self.tensors[i]
         return packed_token_scores(model, tensors, **self.kwargs), tensors.advantages
-
-    @contextlib.contextmanager
-    def active(self):
-        """While the mode runs (forward, backward, recomputation): with `gather_full_attention`, the varlen
-        backend's windowed path (each segment against its gathered root path) in every layer, for an A/B."""
-        if not self.gather_full_attention:
-            yield
-            return
-        import rlasync.model.segment_attention as segments
-
-        cascade = segments.cascade_segment_attention
-        segments.cascade_segment_attention = lambda q, k, v, plan, scaling: segments.gathered_segment_attention(
-            q, k, v, plan, scaling, None
-        )
-        try:
-            yield
-        finally:
-            segments.cascade_segment_attention = cascade
 
     def per_sample(self, i: int, logprobs: np.ndarray):
         return [(s, logprobs[self.packed[i].sample_index == k]) for k, s in enumerate(self.rows[i].samples)]
@@ -300,14 +277,12 @@ def per_sample_logprobs(model, mode, num_rows: int) -> dict[int, np.ndarray]:
 def bench_shape(model, config, shape: Shape, args) -> dict:
     samples = make_samples(shape, args.groups, config.vocab_size, args.seed)
 
-    def tree_mode(share: bool, backend: str, gather: bool = False):
-        return TreeMode(plan_rows(samples, shape.row_tokens, share=share), args.device, args.block_size, backend,
-                        gather)  # fmt: skip
+    def tree_mode(share: bool, backend: str):
+        return TreeMode(plan_rows(samples, shape.row_tokens, share=share), args.device, args.block_size, backend)
 
     builders = {
         "tree": lambda: tree_mode(True, args.attention),
         "tree_varlen": lambda: tree_mode(True, "varlen"),  # the varlen backend next to --attention's, same call
-        "tree_varlen_gather": lambda: tree_mode(True, "varlen", gather=True),  # its gathered-keys path everywhere
         "padding_free": lambda: tree_mode(False, args.attention),
         "padded": lambda: PaddedMode(padded_batches(samples, shape.row_tokens, args.device)),
     }
@@ -317,12 +292,11 @@ def bench_shape(model, config, shape: Shape, args) -> dict:
     for name, mode in modes.items():
         if str(args.device).startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        with mode.active() if isinstance(mode, TreeMode) else contextlib.nullcontext():
-            results[name] = run_mode(model, mode, config, args.steps, args.warmup, args.device)
-            if isinstance(mode, TreeMode):
-                results[name]["row_to_device_ms"] = mode.to_device_ms
-            model.zero_grad(set_to_none=True)
-            logprobs[name] = per_sample_logprobs(model, mode, args.check_rows)
+        results[name] = run_mode(model, mode, config, args.steps, args.warmup, args.device)
+        if isinstance(mode, TreeMode):
+            results[name]["row_to_device_ms"] = mode.to_device_ms
+        model.zero_grad(set_to_none=True)
+        logprobs[name] = per_sample_logprobs(model, mode, args.check_rows)
         print(name, json.dumps(results[name]), flush=True)
     if "tree" in logprobs:  # by sample index, for the TRL anchor's cross-check (popped before the JSON is written)
         results["_tree_logprobs"] = {
@@ -345,7 +319,7 @@ def bench_shape(model, config, shape: Shape, args) -> dict:
     tree = results["tree"]["trained_tokens_per_s"]
     for other in others:
         results[f"speedup_vs_{other}"] = tree / results[other]["trained_tokens_per_s"]
-    for name in ("tree_varlen", "tree_varlen_gather"):
+    for name in ("tree_varlen",):
         if name not in modes:
             continue
         varlen = logprobs[name]
@@ -410,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--shapes", default="1088x256x8@4096,544x128x8@8192,2048x512x8@6144")
     parser.add_argument(
-        "--modes", default="tree,padding_free,padded", help="comma-separated subset to time (also tree_varlen, tree_varlen_gather)"
+        "--modes", default="tree,padding_free,padded", help="comma-separated subset to time (also tree_varlen)"
     )
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
@@ -441,11 +415,10 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     shapes = parse_shapes(args.shapes)
     options = training_options(args)
-    unknown_modes = set(args.modes.split(",")) - {"tree", "tree_varlen", "tree_varlen_gather", "padding_free", "padded"}
+    unknown_modes = set(args.modes.split(",")) - {"tree", "tree_varlen", "padding_free", "padded"}
     if unknown_modes:
         raise SystemExit(
-            f"--modes: unknown {sorted(unknown_modes)}; choose from tree, tree_varlen, tree_varlen_gather, padding_free, "
-            "padded"
+            f"--modes: unknown {sorted(unknown_modes)}; choose from tree, tree_varlen, padding_free, padded"
         )
     if args.trl_wheel and not Path(args.trl_wheel).is_file():
         raise SystemExit(
@@ -506,8 +479,7 @@ def main(argv=None) -> None:
         ours_logprobs = measured.pop("_tree_logprobs", {})
         results["shapes"][shape.name] = measured
         results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
-        results["mfu"] = {name: {m: r[m]["mfu"] for m in ("tree", "tree_varlen", "tree_varlen_gather", "padding_free", "padded")
-                                  if m in r}
+        results["mfu"] = {name: {m: r[m]["mfu"] for m in ("tree", "tree_varlen", "padding_free", "padded") if m in r}
                           for name, r in results["shapes"].items()}  # fmt: skip
         if anchor is not None:
             from trl_tree_anchor import merge_anchor

@@ -25,7 +25,6 @@ row goes to the device, so the forward needs no device-to-host read. On CUDA in 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import math
@@ -36,12 +35,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rlasync.model.cascade_attention import cascade_tree_attention_op
 from rlasync.model.devices import to_device
 
 LENGTH_QUANTUM = 128  # max_q / max_k are rounded up to this: few distinct values for compiled callers
-_EMPTY_INDEX = torch.zeros(0, dtype=torch.int64)
-_EMPTY_START = torch.zeros(1, dtype=torch.int32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,15 +52,6 @@ class SegmentPlan:
     num_keys: int
     max_query: int
     max_key: int
-    # the cascade (`rlasync.model.cascade_attention`): one entry per branch point p, its queries the segments that
-    # branch from p (`cross_query_index[cross_query_start[e]:cross_query_start[e+1]]`), its keys the root path up
-    # to p (`cross_key_index[cross_key_start[e]:...]`); self attention runs over `query_start` alone
-    cross_query_index: torch.Tensor = _EMPTY_INDEX  # [Nc] int64, each row position at most once
-    cross_query_start: torch.Tensor = _EMPTY_START  # [E + 1] int32
-    cross_key_index: torch.Tensor = _EMPTY_INDEX  # [Kc] int64
-    cross_key_start: torch.Tensor = _EMPTY_START  # [E + 1] int32
-    max_cross_query: int = 0
-    max_cross_key: int = 0
 
     @property
     def num_segments(self) -> int:
@@ -73,9 +60,7 @@ class SegmentPlan:
     def to(self, device: torch.device | str) -> SegmentPlan:
         move = functools.partial(to_device, device=device)
         return SegmentPlan(move(self.query_start), move(self.key_start), move(self.key_index), self.num_tokens,
-                           self.num_keys, self.max_query, self.max_key, move(self.cross_query_index),
-                           move(self.cross_query_start), move(self.cross_key_index), move(self.cross_key_start),
-                           self.max_cross_query, self.max_cross_key)  # fmt: skip
+                           self.num_keys, self.max_query, self.max_key)  # fmt: skip
 
     def with_chain(self, length: int) -> SegmentPlan:
         """This plan plus one chain of `length` tokens after the row (a new root: its own segment, its own keys),
@@ -84,14 +69,12 @@ class SegmentPlan:
             return self
         n, keys = self.num_tokens, self.num_keys
         chain = torch.arange(n, n + length, dtype=self.key_index.dtype, device=self.key_index.device)
-        return dataclasses.replace(
-            self,
-            query_start=torch.cat([self.query_start, self.query_start[-1:] + length]),  # on the device: no wait
-            key_start=torch.cat([self.key_start, self.key_start[-1:] + length]),
-            key_index=torch.cat([self.key_index, chain]),
-            num_tokens=n + length, num_keys=keys + length, max_query=max(self.max_query, _rounded(length)),
-            max_key=max(self.max_key, _rounded(length)),
-        )  # fmt: skip  (a root has no ancestors: the cascade's cross entries stay as they are)
+        return SegmentPlan(
+            torch.cat([self.query_start, self.query_start[-1:] + length]),  # on the device: no copy to wait for
+            torch.cat([self.key_start, self.key_start[-1:] + length]),
+            torch.cat([self.key_index, chain]),
+            n + length, keys + length, max(self.max_query, _rounded(length)), max(self.max_key, _rounded(length)),
+        )  # fmt: skip
 
 
 def segment_plan(subtree_end: Any, position_ids: Any) -> SegmentPlan:
@@ -112,7 +95,6 @@ def segment_plan(subtree_end: Any, position_ids: Any) -> SegmentPlan:
     roots = np.maximum.accumulate(np.where(depth == 0, index, 0))  # the root of each token's trie
     pieces: list[np.ndarray] = []
     key_lengths = np.empty(len(starts), dtype=np.int64)
-    branches: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}  # branch point -> (its root path, segments)
     for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         root = roots[a]
         ancestors = root + np.flatnonzero(end[root:a] > a)
@@ -123,33 +105,11 @@ def segment_plan(subtree_end: Any, position_ids: Any) -> SegmentPlan:
             )
         pieces += [ancestors, np.arange(a, b)]
         key_lengths[s] = len(ancestors) + (b - a)
-        if len(ancestors):
-            branches.setdefault(int(ancestors[-1]), (ancestors, []))[1].append(np.arange(a, b))
     key_index = np.concatenate(pieces)
     query_start = torch.from_numpy(bounds.astype(np.int32))
     key_start = torch.from_numpy(np.r_[0, np.cumsum(key_lengths)].astype(np.int32))
-    cross = _cross_entries(list(branches.values()))
     return SegmentPlan(query_start, key_start, torch.from_numpy(key_index), n, int(key_index.shape[0]),
-                       _rounded(int(np.diff(bounds).max())), _rounded(int(key_lengths.max())), *cross)  # fmt: skip
-
-
-def _cross_entries(branches: list[tuple[np.ndarray, list[np.ndarray]]]) -> tuple:
-    """The cascade's cross entries: per branch point, the queries of the segments branching there and the keys of
-    its root path (`SegmentPlan.cross_*`)."""
-    if not branches:
-        return _EMPTY_INDEX, _EMPTY_START, _EMPTY_INDEX, _EMPTY_START, 0, 0
-    queries = [np.concatenate(segments) for _, segments in branches]
-    keys = [path for path, _ in branches]
-    query_lengths = np.array([len(q) for q in queries])
-    key_lengths = np.array([len(k) for k in keys])
-    return (
-        torch.from_numpy(np.concatenate(queries).astype(np.int64)),
-        torch.from_numpy(np.r_[0, np.cumsum(query_lengths)].astype(np.int32)),
-        torch.from_numpy(np.concatenate(keys).astype(np.int64)),
-        torch.from_numpy(np.r_[0, np.cumsum(key_lengths)].astype(np.int32)),
-        _rounded(int(query_lengths.max())),
-        _rounded(int(key_lengths.max())),
-    )
+                       _rounded(int(np.diff(bounds).max())), _rounded(int(key_lengths.max())))  # fmt: skip
 
 
 def _rounded(length: int) -> int:
@@ -169,34 +129,6 @@ def segment_attention(
         raise ValueError(
             f"segment attention: the plan has {plan.num_tokens} tokens, the layer got {tuple(query.shape)}"
         )
-    if not sliding_window:  # self + cross merged by log-sum-exp: no key is copied per completion
-        return cascade_segment_attention(query, key, value, plan, scaling)
-    return gathered_segment_attention(query, key, value, plan, scaling, sliding_window)
-
-
-def cascade_segment_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan, scaling: float | None
-) -> torch.Tensor:
-    """Full attention as the cascade (`rlasync.model.cascade_attention`): [1, Hq, N, D] -> [1, N, Hq, D]."""
-    q = query[0].transpose(0, 1).contiguous()  # [N, Hq, D]
-    k, v = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out, _ = cascade_tree_attention_op(
-        q, k, v, plan.query_start, plan.cross_query_index, plan.cross_query_start, plan.cross_key_index,
-        plan.cross_key_start, plan.max_query, plan.max_cross_query, plan.max_cross_key, float(scale),
-    )  # fmt: skip
-    return out[None]
-
-
-def gathered_segment_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    plan: SegmentPlan,
-    scaling: float | None,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Each segment against its gathered root path (`ancestors ++ segment`), one varlen call: the windowed path."""
     q = query[0].transpose(0, 1).contiguous()  # [N, Hq, D]
     k = key[0].transpose(0, 1).index_select(0, plan.key_index)  # [num_keys, Hkv, D]
     v = value[0].transpose(0, 1).index_select(0, plan.key_index)

@@ -94,20 +94,13 @@ def test_tree_backends_equal_dense_sdpa_path(family, dtype, backend):
     """Compiled FlexAttention, and the FlashAttention varlen kernel over root-path segments (bf16; fp32 takes its
     reference loop) with the plan made on the host as the learner does (first row) and from the row on the device."""
     _, model = tiny_model(family, dtype)
-    exact = copy.deepcopy(model).float() if dtype != torch.float32 else None  # the same (rounded) weights in fp32
     for seed in range(2):  # two rows of different lengths: the compiled kernel handles a new N
         row = packed(*random_row(seed), segments=backend == "varlen" and seed == 0)
         assert row.num_tokens > 3 * 128  # several 128-token blocks (and, almost surely, a partial last one)
         dense, dense_grads = scores_and_grads(model, row, "dense")
         tree, tree_grads = scores_and_grads(model, row, backend)
         tolerance = TOLERANCE[dtype]
-        gap = (dense - tree).abs().max().item()
-        if gap > tolerance and exact is not None:  # two 16-bit paths round differently: then the tree path must be
-            reference, _ = scores_and_grads(exact, row, "dense")  # about as close to fp32 as the dense one is
-            tree_error, dense_error = ((x - reference).abs().max().item() for x in (tree, dense))
-            assert tree_error <= 1.5 * dense_error, (gap, tree_error, dense_error)
-        else:
-            assert gap <= tolerance
+        assert (dense - tree).abs().max().item() <= tolerance
         for name in dense_grads:
             scale = max(1.0, dense_grads[name].abs().max().item())
             assert (dense_grads[name] - tree_grads[name]).abs().max().item() <= tolerance * scale, name
@@ -158,28 +151,3 @@ def test_check_model_cli_passes_on_cuda(tmp_path, capsys):
     output = capsys.readouterr().out
     assert code == 0, output
     assert output.strip().splitlines()[-1].startswith("max_abs_diff=")
-
-
-def test_the_flash_kernel_returns_out_and_lse_as_the_reference_loop():
-    """The cascade merges FlashAttention's lse per query row: its layout ([Hq, total_q], natural log) and the
-    backward called with a given (out, lse) are checked against the reference kernels in float32."""
-    from rlasync.model.cascade_attention import attention_with_lse, attention_with_lse_backward
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    lengths_q, lengths_k = [130, 7, 300], [200, 7, 300]
-    cu_q = torch.tensor([0, *np.cumsum(lengths_q)], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, *np.cumsum(lengths_k)], dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(lengths_q), 16, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
-    k, v = (torch.randn(sum(lengths_k), 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in "kv")
-    grad = torch.randn(q.shape, device="cuda", generator=gen, dtype=torch.bfloat16)
-    for causal in (True, False):
-        out, lse = attention_with_lse(q, k, v, cu_q, cu_k, 384, 384, causal, 0.09)
-        ref_out, ref_lse = attention_with_lse(q.float(), k.float(), v.float(), cu_q, cu_k, 384, 384, causal, 0.09)
-        assert lse.shape == (16, q.shape[0]) and lse.dtype == torch.float32
-        assert (lse - ref_lse).abs().max().item() <= 2e-2
-        assert (out.float() - ref_out).abs().max().item() <= 2e-2
-        grads = attention_with_lse_backward(grad, q, k, v, out, lse, cu_q, cu_k, 384, 384, causal, 0.09)
-        ref = attention_with_lse_backward(grad.float(), q.float(), k.float(), v.float(), out.float(), lse, cu_q,
-                                          cu_k, 384, 384, causal, 0.09)  # fmt: skip
-        for got, want in zip(grads, ref):
-            assert (got.float() - want).abs().max().item() <= 5e-2 * max(1.0, want.abs().max().item())

@@ -194,12 +194,12 @@ def test_multi_teacher_stats_are_reduced_and_named():
 
 def test_a_row_planned_for_the_varlen_backend_gives_the_reference_loss(monkeypatch):
     """The distillation row's segment plan is made on the host (`segments=True`) and the varlen tree attention
-    (its reference kernels on the CPU) gives the per-sample reference loss."""
+    (its reference loop on the CPU) gives the per-sample reference loss."""
     import rlasync.model.segment_attention as segments
 
     plans = []
-    cascade = segments.cascade_segment_attention
-    monkeypatch.setattr(segments, "cascade_segment_attention", lambda q, k, v, plan, *a: plans.append(plan) or cascade(q, k, v, plan, *a))
+    loop = segments.reference_segment_attention
+    monkeypatch.setattr(segments, "reference_segment_attention", lambda q, k, v, plan, *a: plans.append(plan) or loop(q, k, v, plan, *a))
     rng = np.random.default_rng(1)
     model = tiny_model()
     samples = [make_sample(rng, 0, 5, 6), make_sample(rng, 1, 3, 4), make_sample(rng, 2, 7, 1)]
