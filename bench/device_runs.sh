@@ -131,6 +131,11 @@ learner_varlen)  # carry [".devicekit"]: the varlen tree attention (FlashAttenti
     run varlen_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_ab_8k.json"
     run varlen_profile 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 4 --warmup 2 --grad-ckpt auto --compile layers --modes tree --attention varlen --profile "$out/profiles_varlen" --out "$out/varlen_profile.json"
     ;;
+learner_final)  # carry [".devicekit", ".trlwheel"]: the learner against TRL 1.16's own tree packing in one call, both shapes
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run tree_trl 420 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 200 --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_packing_final.json"
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
