@@ -63,7 +63,8 @@ distill)  # no carry needed if it follows the torch stage while the machine is w
     run e2e_distill 300 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --out "$out/e2e_distill.json"
     ;;
 system_torch)  # one H200, after the two calls that carry SmolLM2 (.smol1, .smol2): GPU engine tests, the system, the engine alone
-    export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+    [ -x /tmp/pyspy/bin/py-spy ] || ! ls .whl/py_spy-*.whl >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
+    export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/pyspy/bin:$PATH  # py-spy in its own folder (/tmp/site/bin is the kit's)
     st="python3 bench/system_throughput.py --out $out/system_throughput_h200.json"
     run engine_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_torch_engine_cuda.py
     (sleep 75; for a in RolloutActor GenerationActor; do p=$(pgrep -f "ray::$a" | head -1); [ -n "$p" ] && \
@@ -167,9 +168,9 @@ sampler_system)  # carry [".devicekit"]: GRPO on one shared H200, the compiled s
 vllm_recheck)  # carry [".vllmkit", ".whl"] after a stage that installed .devicekit (warm): both engines 256x256 (warm-ups
     # fixed), vLLM's IPC sync in GRPO with py-spy on its GenerationActor (what holds the event loop the sync waits for)
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
-    [ -x /tmp/site/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py_spy-*.whl
+    [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
-        TRANSFORMERS_OFFLINE=1 PATH=/tmp/site/bin:$PATH
+        TRANSFORMERS_OFFLINE=1 PATH=/tmp/pyspy/bin:$PATH
     run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
     # the actor's pid from Ray's log prefix (on 2026-12-02 no process matched `pgrep -f ray::GenerationActor`), once
     # the run has reached step 3 (vLLM started, syncs under way)
