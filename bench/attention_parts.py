@@ -3,9 +3,8 @@
 A cascade would split a tree row's attention into a *self* part (every root-path segment of
 rlasync.model.segment_attention causally on itself) and a *cross* part (the segments that branch from one token,
 stacked, against its root path, with no mask), merged by their log-sum-exp, so that no key is copied per completion.
-It was built and measured on the learner (docs/algorithms.md §4.3) and lost to both flex and the gathered varlen path;
-this probe shows why, kernel by kernel.
-This probe takes the first row `bench/tree_packing.py` plans for a shape, random bf16 q/k/v of one layer (16 query
+It was built and measured on the learner (docs/algorithms.md §4.3) and lost to both flex and the gathered varlen path.
+This probe shows why, kernel by kernel: it takes the first row `bench/tree_packing.py` plans for a shape, random bf16 q/k/v of one layer (16 query
 heads, 8 KV heads, head dim 128), and times each part (forward, forward+backward, CUDA events, after warm-up)
 with each kernel torch offers here:
 
@@ -24,6 +23,7 @@ plus, per part, TFLOP/s over the pairs it attends (4 x heads x head_dim a pair f
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -37,7 +37,7 @@ from flex_tiles import attended_pairs, first_row, time_ms  # noqa: E402
 from tree_packing import parse_shapes  # noqa: E402
 
 from rlasync.model.block_mask import tree_block_mask  # noqa: E402
-from rlasync.model.segment_attention import segment_plan  # noqa: E402
+from rlasync.model.segment_attention import LENGTH_QUANTUM, segment_plan  # noqa: E402
 
 
 def cascade_parts(plan) -> tuple[list[int], list[list[int]], list[list[int]]]:
@@ -53,12 +53,13 @@ def cascade_parts(plan) -> tuple[list[int], list[list[int]], list[list[int]]]:
     return bounds, [rows for _, rows in branches.values()], [path for path, _ in branches.values()]
 
 
-def starts(lengths) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+def starts(lengths: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(lengths)]
 
 
 def rounded(length: int) -> int:
-    return 128 * -(-length // 128)
+    """A varlen call's max length, rounded as the segment plan rounds its own."""
+    return LENGTH_QUANTUM * -(-length // LENGTH_QUANTUM)
 
 
 def timed(name, fn, inputs, grad, pairs, iters, results, heads, head_dim):
@@ -115,9 +116,9 @@ def main(argv=None) -> None:
     # the self part: the row's segments, causal; the cross part: one dense entry per branch point
     bounds, cross_rows, cross_keys = cascade_parts(plan)
     self_pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(bounds[:-1], bounds[1:]))
-    cross_q, cross_k = starts([len(r) for r in cross_rows]), starts([len(k) for k in cross_keys])
+    cq, ck = starts([len(r) for r in cross_rows]), starts([len(k) for k in cross_keys])
+    cross_q, cross_k = (torch.tensor(x, dtype=torch.int32, device=device) for x in (cq, ck))
     max_cq, max_ck = rounded(max(map(len, cross_rows))), rounded(max(map(len, cross_keys)))
-    cq, ck = cross_q.tolist(), cross_k.tolist()
     cross_pairs = sum((cq[e + 1] - cq[e]) * (ck[e + 1] - ck[e]) for e in range(len(cq) - 1))
     nc, kc = cq[-1], ck[-1]
     results["parts"] = {"segments": len(bounds) - 1, "self_pairs": self_pairs, "cross_entries": len(cq) - 1,

@@ -150,7 +150,7 @@ learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goe
     wait $bench; tail -n 3 "$out/host_tree.log"
     python3 bench/pyspy_top.py "$out/pyspy_learner_tree.txt" > "$out/top_learner.txt" 2>&1; head -n 45 "$out/top_learner.txt"
     # flex against the varlen backend in one process (AB=1)
-    [ -n "${AB:-}" ] && run varlen_paths_8k 240 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_paths_8k.json"
+    [ -z "${AB:-}" ] || run varlen_paths_8k 240 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_paths_8k.json"
     ;;
 learner_varlen_e2e)  # carry [".devicekit"] (or [] when warm): GRPO on one shared H200 with the learner on the varlen tree attention
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

@@ -319,15 +319,13 @@ def bench_shape(model, config, shape: Shape, args) -> dict:
     tree = results["tree"]["trained_tokens_per_s"]
     for other in others:
         results[f"speedup_vs_{other}"] = tree / results[other]["trained_tokens_per_s"]
-    for name in ("tree_varlen",):
-        if name not in modes:
-            continue
-        varlen = logprobs[name]
-        results[f"{name}_logprob_max_abs_diff"] = {
+    if "tree_varlen" in modes:
+        varlen = logprobs["tree_varlen"]
+        results["tree_varlen_logprob_max_abs_diff"] = {
             other: max(float(np.abs(varlen[k] - logprobs[other][k]).max()) for k in common if k in varlen)
             for other in ("tree", *others)
         }  # fmt: skip
-        results[f"{name}_over_tree"] = results[name]["trained_tokens_per_s"] / tree
+        results["tree_varlen_over_tree"] = results["tree_varlen"]["trained_tokens_per_s"] / tree
     return results
 
 
