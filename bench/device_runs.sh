@@ -137,6 +137,12 @@ learner_final)  # carry [".devicekit", ".trlwheel"]: the learner against TRL 1.1
     export PYTHONPATH=$PWD:/tmp/site
     run tree_trl 420 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 200 --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_packing_final.json"
     ;;
+learner_parts)  # carry [".devicekit"]: bench/learner_parts.py's three probes, then the 8K tree row in the same lease
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run learner_parts 300 python3 bench/learner_parts.py --out "$out/learner_parts_h200.json"
+    run tree_8k 200 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k.json"
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
