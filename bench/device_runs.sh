@@ -143,6 +143,15 @@ learner_parts)  # carry [".devicekit"]: bench/learner_parts.py's three probes, t
     run learner_parts 300 python3 bench/learner_parts.py --out "$out/learner_parts_h200.json"
     run tree_8k 200 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k.json"
     ;;
+learner_knobs)  # carry [".devicekit"] (or [] when warm): FlexAttention's TMA / prescale / dQ options on a real row, then
+    # the 8K tree row with inductor's coordinate-descent tuning and with TMA flex, same lease
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    python3 -m pip list 2>/dev/null | grep -i -E "cutlass|flash|triton" || true
+    run flex_knobs 240 python3 bench/flex_tiles.py --configs default,tma,prescale,dq_in_dk_loop,tma_prescale --out "$out/flex_knobs_h200.json"
+    run tree_8k_cdt 200 env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_cdt.json"
+    run tree_8k_tma 150 env RLASYNC_FLEX_KERNEL_OPTIONS='{"USE_TMA": true}' python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_tma.json"
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

@@ -54,6 +54,10 @@ SWEEP: dict[str, dict] = {
                                 "num_stages": 2},  # fmt: skip
     "bwd_32_128_128_32_w4_s3": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4,
                                 "num_stages": 3},  # fmt: skip
+    "tma": {"USE_TMA": True},  # Hopper's tensor memory accelerator for the tile loads
+    "prescale": {"PRESCALE_QK": True},  # q scaled by 1/sqrt(d) and log2(e) once, not every score
+    "dq_in_dk_loop": {"WRITE_DQ": False},  # dQ scattered from the dK/dV loop instead of its own
+    "tma_prescale": {"USE_TMA": True, "PRESCALE_QK": True},
 }
 SPECIAL = ("default", "autotune", "block64", "varlen")
 
