@@ -152,6 +152,20 @@ learner_knobs)  # carry [".devicekit"] (or [] when warm): FlexAttention's TMA / 
     run tree_8k_cdt 200 env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_cdt.json"
     run tree_8k_tma 150 env RLASYNC_FLEX_KERNEL_OPTIONS='{"USE_TMA": true}' python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_tma.json"
     ;;
+learner_dq)  # carry [".devicekit"] (or [] when warm): the 8K tree row with FlexAttention's WRITE_DQ off and on, same lease
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    # ORDER=2 runs the default first, then WRITE_DQ off, then an option equal to the default (PRESCALE_QK false)
+    if [ "${ORDER:-1}" = 2 ]; then
+        run tree_8k_default 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_default.json"
+    fi
+    run tree_8k_nodq 150 env RLASYNC_FLEX_KERNEL_OPTIONS='{"WRITE_DQ": false}' python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_nodq.json"
+    if [ "${ORDER:-1}" = 2 ]; then
+        run tree_8k_noop 150 env RLASYNC_FLEX_KERNEL_OPTIONS='{"PRESCALE_QK": false}' python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_noop.json"
+    else
+        run tree_8k_default 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_default.json"
+    fi
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

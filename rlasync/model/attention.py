@@ -25,9 +25,7 @@ Backends (`TreeAttention.backend`): dense (a bool mask through SDPA), flex (`tor
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +34,9 @@ import torch.nn.functional as F
 
 from rlasync.model.block_mask import (  # noqa: F401 - re-exported: these lived here first
     DEFAULT_BLOCK_SIZE,
+    FLEX_KERNEL_OPTIONS_ENV,
+    flex_kernel_options,
+    reset_flex_kernel_options,
     tree_block_mask,
     tree_block_sparsity,
     tree_mask_mod,
@@ -332,26 +333,6 @@ def _flex_attention(
         enable_gqa=query.shape[1] != key.shape[1],
         **({"kernel_options": options} if options else {}),
     )
-
-
-FLEX_KERNEL_OPTIONS_ENV = "RLASYNC_FLEX_KERNEL_OPTIONS"
-
-
-@functools.cache
-def flex_kernel_options() -> dict[str, Any] | None:
-    """FlexAttention `kernel_options` from `$RLASYNC_FLEX_KERNEL_OPTIONS` (a JSON object, e.g.
-    '{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}' for the backward's tiles): a tuning knob for
-    benchmarks on a GPU; unset, torch chooses. Read once per process."""
-    text = os.environ.get(FLEX_KERNEL_OPTIONS_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"${FLEX_KERNEL_OPTIONS_ENV}: not JSON ({exc}); e.g. '{{\"BLOCK_M\": 64}}'") from None
-    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
-        raise ValueError(f"${FLEX_KERNEL_OPTIONS_ENV}: expected a JSON object of kernel options, got {text!r}")
-    return options
 
 
 def _flex_or_dense(

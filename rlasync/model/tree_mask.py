@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlasync.model.block_mask import DEFAULT_BLOCK_SIZE, tree_block_mask
+from rlasync.model.block_mask import DEFAULT_BLOCK_SIZE, flex_kernel_options, tree_block_mask
 from rlasync.model.segment_attention import SegmentPlan, segment_plan, varlen_available
 
 Backend = Literal["dense", "flex", "varlen"]
@@ -113,6 +113,8 @@ def build_tree_attention(
         n = subtree_end.shape[0]  # the model is handed a 4D mask so it builds none; the attention reads `segments`
         placeholder = torch.ones((), dtype=torch.bool, device=subtree_end.device).expand(1, 1, n, n)
         return TreeAttention(backend, subtree_end, position_ids, {None: placeholder}, block_size, compile, segments)
+    if backend == "flex":
+        flex_kernel_options()  # parsed here, eagerly: compiled layers then read a constant (see its docstring)
     masks: dict[int | None, Any] = {}
     for window in (None, *sorted({int(w) for w in windows if w})):
         masks[window] = build_mask(backend, subtree_end, position_ids, window, block_size)
