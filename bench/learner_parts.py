@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flex_tiles import attended_pairs, computed_pairs, time_ms  # noqa: E402
-from tree_packing import make_samples, plan_rows  # noqa: E402
+from tree_packing import plan_rows  # noqa: E402
 
 from rlasync.model import packed_row_to_tensors  # noqa: E402
 from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity  # noqa: E402
@@ -74,57 +74,62 @@ def aligned_layout(subtree_end: torch.Tensor, block: int):
             torch.as_tensor(aligned_end, device=subtree_end.device))  # fmt: skip
 
 
+def attention_entry(args, device, flex, rows):
+    """One row's layouts compared: block counts, agreement, and fwd+bwd time of each."""
+    tensors = packed_row_to_tensors(pack(rows[0]), device)
+    end, pos = tensors.subtree_end, tensors.position_ids
+    n = end.shape[0]
+    hq, hkv, d = (4, 2, 32) if args.tiny else (16, 8, 128)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    grads = device.type == "cuda"  # FlexAttention has no CPU backward: the CPU harness times the forward
+    q = torch.randn(1, hq, n, d, generator=g).to(device, dtype).requires_grad_(grads)
+    k = torch.randn(1, hkv, n, d, generator=g).to(device, dtype).requires_grad_(grads)
+    v = torch.randn(1, hkv, n, d, generator=g).to(device, dtype).requires_grad_(grads)
+    grad = torch.randn(1, hq, n, d, generator=g).to(device, dtype)
+    mask = tree_block_mask(end, pos)
+    index, inverse, aligned_end = aligned_layout(end, 128)
+    aligned_pos = torch.zeros_like(aligned_end)
+    aligned_pos[inverse] = pos
+    aligned_mask = tree_block_mask(aligned_end, aligned_pos)
+    safe = index.clamp(min=0)
+
+    def plain():
+        out = flex(q, k, v, block_mask=mask, enable_gqa=True)
+        if grads:
+            out.backward(grad)
+
+    def aligned_only():
+        qa, ka, va = q.index_select(2, safe), k.index_select(2, safe), v.index_select(2, safe)
+        out = flex(qa, ka, va, block_mask=aligned_mask, enable_gqa=True)
+        out = out.index_select(2, inverse)
+        if grads:
+            out.backward(grad)
+
+    entry = {"tokens": n, "aligned_tokens": int(index.shape[0]), "attended_pairs": attended_pairs(end)}
+    for label, e, p in (("plain", end, pos), ("aligned", aligned_end, aligned_pos)):
+        partial, full = tree_block_sparsity(e, p, None, 128)
+        entry[f"{label}_partial_blocks"], entry[f"{label}_full_blocks"] = int(partial.sum()), int(full.sum())
+        entry[f"{label}_computed_over_attended"] = computed_pairs(e, p, 128) / max(1, attended_pairs(end))
+    # the two layouts agree: outputs and gradients
+    out_plain = flex(q, k, v, block_mask=mask, enable_gqa=True)
+    out_al = flex(q.index_select(2, safe), k.index_select(2, safe), v.index_select(2, safe),
+                  block_mask=aligned_mask, enable_gqa=True).index_select(2, inverse)  # fmt: skip
+    entry["max_abs_diff_out"] = float((out_plain.float() - out_al.float()).abs().max())
+    for label, fn in (("plain", plain), ("aligned_with_gathers", aligned_only)):
+        entry[f"{label}_fwd_bwd_ms"] = time_ms(fn, args.iters, device)
+        q.grad = k.grad = v.grad = None
+    entry["aligned_over_plain_time"] = entry["aligned_with_gathers_fwd_bwd_ms"] / entry["plain_fwd_bwd_ms"]
+    return entry
+
+
 def attention_part(args, device, rows_spec):
     from torch.nn.attention.flex_attention import flex_attention
 
     results = {}
     flex = torch.compile(flex_attention) if device.type == "cuda" else flex_attention
     for name, rows in rows_spec.items():
-        tensors = packed_row_to_tensors(pack(rows[0]), device)
-        end, pos = tensors.subtree_end, tensors.position_ids
-        n = end.shape[0]
-        hq, hkv, d = (4, 2, 32) if args.tiny else (16, 8, 128)
-        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-        g = torch.Generator(device="cpu").manual_seed(0)
-        grads = device.type == "cuda"  # FlexAttention has no CPU backward: the CPU harness times the forward
-        q = torch.randn(1, hq, n, d, generator=g).to(device, dtype).requires_grad_(grads)
-        k = torch.randn(1, hkv, n, d, generator=g).to(device, dtype).requires_grad_(grads)
-        v = torch.randn(1, hkv, n, d, generator=g).to(device, dtype).requires_grad_(grads)
-        grad = torch.randn(1, hq, n, d, generator=g).to(device, dtype)
-        mask = tree_block_mask(end, pos)
-        index, inverse, aligned_end = aligned_layout(end, 128)
-        aligned_pos = torch.zeros_like(aligned_end)
-        aligned_pos[inverse] = pos
-        aligned_mask = tree_block_mask(aligned_end, aligned_pos)
-        safe = index.clamp(min=0)
-
-        def plain():
-            out = flex(q, k, v, block_mask=mask, enable_gqa=True)
-            if grads:
-                out.backward(grad)
-
-        def aligned_only():
-            qa, ka, va = q.index_select(2, safe), k.index_select(2, safe), v.index_select(2, safe)
-            out = flex(qa, ka, va, block_mask=aligned_mask, enable_gqa=True)
-            out = out.index_select(2, inverse)
-            if grads:
-                out.backward(grad)
-
-        entry = {"tokens": n, "aligned_tokens": int(index.shape[0]), "attended_pairs": attended_pairs(end)}
-        for label, e, p in (("plain", end, pos), ("aligned", aligned_end, aligned_pos)):
-            partial, full = tree_block_sparsity(e, p, None, 128)
-            entry[f"{label}_partial_blocks"], entry[f"{label}_full_blocks"] = int(partial.sum()), int(full.sum())
-            entry[f"{label}_computed_over_attended"] = computed_pairs(e, p, 128) / max(1, attended_pairs(end))
-        # the two layouts agree: outputs and gradients
-        out_plain = flex(q, k, v, block_mask=mask, enable_gqa=True)
-        out_al = flex(q.index_select(2, safe), k.index_select(2, safe), v.index_select(2, safe),
-                      block_mask=aligned_mask, enable_gqa=True).index_select(2, inverse)  # fmt: skip
-        entry["max_abs_diff_out"] = float((out_plain.float() - out_al.float()).abs().max())
-        for label, fn in (("plain", plain), ("aligned_with_gathers", aligned_only)):
-            entry[f"{label}_fwd_bwd_ms"] = time_ms(fn, args.iters, device)
-            q.grad = k.grad = v.grad = None
-        entry["aligned_over_plain_time"] = entry["aligned_with_gathers_fwd_bwd_ms"] / entry["plain_fwd_bwd_ms"]
-        results[name] = entry
+        results[name] = entry = attention_entry(args, device, flex, rows)
         print("attention", name, json.dumps(entry), flush=True)
     return results
 
