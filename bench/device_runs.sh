@@ -166,6 +166,17 @@ learner_dq)  # carry [".devicekit"] (or [] when warm): the 8K tree row with Flex
         run tree_8k_default 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_default.json"
     fi
     ;;
+learner_head)  # carry [".devicekit"]: the LM head keeping probabilities (RLASYNC_HEAD_KEEP=probs: no dense backward pass
+    # over the logits) against kept logits on the 8K tree row, same lease, alternating; the GPU head tests first; a
+    # kernel profile of two probs rows
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run head_tests 120 python3 -m pytest -q tests/unit/model/test_head_devices.py tests/unit/model/test_head_probs.py
+    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree"
+    run tree_8k_probs 150 env RLASYNC_HEAD_KEEP=probs $tp --out "$out/tree_8k_probs.json"
+    run tree_8k_logits 150 env RLASYNC_HEAD_KEEP=logits $tp --out "$out/tree_8k_logits.json"
+    run tree_8k_probs2 150 env RLASYNC_HEAD_KEEP=probs $tp --profile "$out/profiles" --profile-steps 2 --out "$out/tree_8k_probs2.json"
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

@@ -18,7 +18,12 @@ once; a term whose list is empty is not renormalised. Entropy stays over the ful
 
 Memory and passes: a custom autograd.Function keeps the inputs, three [M] statistics and, within
 `keep_logits_bytes`, the raw logits of the first chunks; backward recomputes the others, so gradients w.r.t. the
-hidden states, the weight (and bias) are exact and one chunk's [m, V] working buffers exist at a time. Per chunk
+hidden states, the weight (and bias) are exact and one chunk's [m, V] working buffers exist at a time.
+With `keep_as="probs"` a kept chunk holds π = softmax(z) instead (same size): then d loss / d raw logits is
+(s/T)·(c_r·π + S) with c_r a per-term scale and S sparse at the target and extra ids, so backward folds c_r into
+the two matmuls (grad_hidden = c ⊙ (π·W) + S·W, grad_weight = πᵀ·(c ⊙ h) + Sᵀ·h) and makes no dense pass over
+[m, V] unless the entropy has a gradient. It applies where the logit transform is a constant factor (no softcap),
+without candidate sets and without a head bias; other heads keep logits. Per chunk
 one dense pass forward and one backward (rlasync/model/head_kernels.py, torch.compile'd on CUDA); chunks are sized
 by `chunk_bytes`; the weight gradient is one matmul when one chunk holds every term, else addmm accumulations into
 a float32 buffer (docs/algorithms.md §5.1). Logits are computed in the weight's dtype (autocast's when it is on,
@@ -36,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlasync.model.head_kernels import HeadMath, fused, reduce_dtype, sparse_fixup, transform
+from rlasync.model.head_kernels import HeadMath, fused, reduce_dtype, sparse_exact, sparse_fixup, transform
 
 CHUNK_ELEMENTS = 1 << 27  # the CPU default chunk: about 2^27 logits per [m, V] buffer
 WORKSPACE_BYTES_PER_LOGIT = 16  # working memory of a chunk per logit (raw logits, grad-logits, float32 temporaries)
@@ -99,6 +104,7 @@ def chunked_token_scores(
     chunk_size: int | None = None,
     chunk_bytes: int | None = None,
     keep_logits_bytes: int | None = None,
+    keep_as: str | None = None,
     compile_kernels: bool | None = None,
 ) -> TokenScores:
     """Score M terms: hidden [M, H], weight [V, H], target_ids [M]; extra_ids [M, K] and candidate_ids [M, C]
@@ -107,6 +113,8 @@ def chunked_token_scores(
     chunk_size: terms per chunk; None sizes chunks by `chunk_bytes`, the working memory of one chunk (default: an
     eighth of the free CUDA memory, about CHUNK_ELEMENTS logits on CPU). keep_logits_bytes: how much memory the raw
     logits kept from forward to backward may take (default: a quarter of the free CUDA memory, 0 on CPU).
+    keep_as: what a kept chunk holds, "logits" or "probs" (see the module docstring; default $RLASYNC_HEAD_KEEP,
+    else "logits").
     compile_kernels: torch.compile the two dense passes (default: on CUDA, unless RLASYNC_HEAD_COMPILE=0)."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -133,7 +141,8 @@ def chunked_token_scores(
         keep = _default_keep_bytes(device) if keep_logits_bytes is None else int(keep_logits_bytes)
     keep_chunks = plan_kept_chunks(num_terms, chunk, weight.shape[0], mm_dtype, keep)
     math = HeadMath(float(temperature), float(transform.scale), transform.softcap)
-    config = _HeadConfig(math, chunk, keep_chunks, mm_dtype, _compile_default(device, compile_kernels))
+    keep_probs = _keep_as(keep_as) == "probs" and math.softcap is None and candidates.shape[1] == 0 and bias is None
+    config = _HeadConfig(math, chunk, keep_chunks, mm_dtype, _compile_default(device, compile_kernels), keep_probs)
     logprobs, entropy, extra_logprobs = _ChunkedHead.apply(
         hidden, weight, bias, target_ids.long(), extra, candidates, has, config
     )
@@ -192,6 +201,17 @@ def _compile_default(device: torch.device, compile_kernels: bool | None) -> bool
     return device.type == "cuda" and setting == "1"
 
 
+KEEP_AS_ENV = "RLASYNC_HEAD_KEEP"
+
+
+def _keep_as(keep_as: str | None) -> str:
+    value = os.environ.get(KEEP_AS_ENV, "logits") if keep_as is None else keep_as
+    if value not in ("logits", "probs"):
+        origin = f"${KEEP_AS_ENV}" if keep_as is None else "keep_as"
+        raise ValueError(f"{origin} must be 'logits' or 'probs', got {value!r}")
+    return value
+
+
 def _matmul_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype the logits are computed in: autocast's where it is on (float64 stays float64), else the weight's."""
     device_type = weight.device.type
@@ -207,6 +227,7 @@ class _HeadConfig:
     keep_chunks: int  # the first `keep_chunks` chunks keep their raw logits from forward to backward
     mm_dtype: torch.dtype
     compile_kernels: bool
+    keep_probs: bool = False  # kept chunks hold softmax probabilities (and z at the sparse ids), not raw logits
 
 
 def _ids_or_empty(ids: torch.Tensor | None, num_terms: int, device: torch.device, name: str) -> torch.Tensor:
@@ -253,29 +274,40 @@ class _ChunkedHead(torch.autograd.Function):
         log_norm_target = torch.empty_like(logprobs)  # ... or over S_t where the term renormalises
         mean_logit = torch.empty_like(logprobs)  # E_π[z], for the entropy's gradient
         stats = fused("dense_stats", config.compile_kernels)
+        stats_probs = fused("dense_stats_probs", config.compile_kernels)
         math = config.math
-        kept = []
+        kept, kept_z = [], []  # per kept chunk: raw logits, or probabilities and z at [target, extra ids]
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             w, b = _cast(weight, bias, config.mm_dtype)
             for index, start in enumerate(range(0, num_terms, config.chunk_size)):
                 rows = slice(start, min(start + config.chunk_size, num_terms))
                 raw = _raw_logits(hidden[rows].to(config.mm_dtype), w, b)
-                lse, mean = stats(raw, math)
+                as_probs = config.keep_probs and index < config.keep_chunks
+                if as_probs:
+                    lse, mean, probs = stats_probs(raw, math)
+                else:
+                    lse, mean = stats(raw, math)
                 entropy[rows] = lse - mean
                 norm = _renormaliser(raw, lse, candidates[rows], has[rows], math)
-                values = transform(raw.gather(1, targets[rows, None]), math).squeeze(1) - norm
+                z_at = transform(raw.gather(1, targets[rows, None]), math)
+                values = z_at.squeeze(1) - norm
                 outside = _outside(targets[rows, None], candidates[rows], has[rows]).squeeze(1)
                 logprobs[rows] = values.masked_fill(outside, float("-inf"))
                 if extra.shape[1]:
-                    values = transform(raw.gather(1, extra[rows].clamp(min=0)), math) - norm[:, None]
+                    z_extra = transform(raw.gather(1, extra[rows].clamp(min=0)), math)
+                    z_at = torch.cat([z_at, z_extra], 1)
                     invalid = _invalid_extra(extra[rows], candidates[rows], has[rows])
-                    extra_logprobs[rows] = values.masked_fill(invalid, float("-inf"))
+                    extra_logprobs[rows] = (z_extra - norm[:, None]).masked_fill(invalid, float("-inf"))
                 log_norm[rows], log_norm_target[rows], mean_logit[rows] = lse, norm, mean
-                if index < config.keep_chunks:
+                if as_probs:
+                    kept.append(probs)
+                    kept_z.append(z_at)
+                elif index < config.keep_chunks:
                     kept.append(raw)
         ctx.save_for_backward(
-            hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, *kept
-        )
+            hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, *kept,
+            *kept_z,
+        )  # fmt: skip
         ctx.config = config
         ctx.set_materialize_grads(False)
         return logprobs, entropy, extra_logprobs
@@ -286,13 +318,16 @@ class _ChunkedHead(torch.autograd.Function):
             ctx.saved_tensors
         )
         config: _HeadConfig = ctx.config
+        kept_z = []
+        if config.keep_probs:
+            kept, kept_z = kept[: len(kept) // 2], kept[len(kept) // 2 :]
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         if grad_extra is not None and extra.shape[1] == 0:
             grad_extra = None
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             grads = _head_backward(
                 hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, kept,
-                config, grad_logprobs, grad_entropy, grad_extra, needs_hidden, needs_weight, needs_bias,
+                kept_z, config, grad_logprobs, grad_entropy, grad_extra, needs_hidden, needs_weight, needs_bias,
             )  # fmt: skip
         return (*grads, None, None, None, None, None)
 
@@ -302,9 +337,11 @@ def _cast(weight, bias, dtype):
 
 
 def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, kept,
-                   config, grad_logprobs, grad_entropy, grad_extra, needs_hidden, needs_weight, needs_bias):  # fmt: skip
+                   kept_z, config, grad_logprobs, grad_entropy, grad_extra, needs_hidden, needs_weight,
+                   needs_bias):  # fmt: skip
     """Chunk by chunk: the grad-logits of a chunk (kept or recomputed logits), then its grad_hidden rows and its
-    addition to grad_weight / grad_bias (float32 accumulators when there are several chunks)."""
+    addition to grad_weight / grad_bias (float32 accumulators when there are several chunks). A chunk kept as
+    probabilities without an entropy gradient goes through `_factored_chunk_grads` instead: no grad-logits."""
     num_terms = hidden.shape[0]
     w, b = _cast(weight, bias, config.mm_dtype)
     single = num_terms <= config.chunk_size
@@ -317,13 +354,32 @@ def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_no
     for index, start in enumerate(range(0, num_terms, config.chunk_size)):
         rows = slice(start, min(start + config.chunk_size, num_terms))
         h = hidden[rows].to(config.mm_dtype)
-        raw = kept[index] if index < len(kept) else _raw_logits(h, w, b)
-        grad_raw = _chunk_grad_logits(
-            raw, config.math, config.compile_kernels, targets[rows], extra[rows], candidates[rows], has[rows], log_norm[rows],
-            log_norm_target[rows], mean_logit[rows], _rows_of(grad_logprobs, rows, num_terms),
-            _rows_of(grad_entropy, rows, num_terms), _rows_of(grad_extra, rows, num_terms),
-        )  # fmt: skip
-        del raw
+        incoming = [_rows_of(g, rows, num_terms) for g in (grad_logprobs, grad_entropy, grad_extra)]
+        if index < len(kept_z):
+            probs = kept[index]
+            grad_raw, factored = _probs_chunk_grad(
+                probs, kept_z[index], config.math, config.compile_kernels, targets[rows], extra[rows], log_norm[rows],
+                mean_logit[rows], *incoming,
+            )  # fmt: skip
+            if factored is not None:
+                part = _factored_chunk_grads(probs, h, w, factored, needs_hidden, needs_weight)
+                if needs_hidden:
+                    if single:
+                        grad_hidden = part[0].to(hidden.dtype)
+                    else:
+                        grad_hidden[rows] = part[0]
+                if needs_weight:
+                    grad_weight = _add_factored_weight_grad(
+                        grad_weight, probs, h, part[1], factored, single, weight.dtype
+                    )
+                continue
+        else:
+            raw = kept[index] if index < len(kept) else _raw_logits(h, w, b)
+            grad_raw = _chunk_grad_logits(
+                raw, config.math, config.compile_kernels, targets[rows], extra[rows], candidates[rows], has[rows],
+                log_norm[rows], log_norm_target[rows], mean_logit[rows], *incoming,
+            )  # fmt: skip
+            del raw
         if needs_hidden:
             if single:
                 grad_hidden = (grad_raw @ w).to(hidden.dtype)
@@ -343,6 +399,72 @@ def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_no
         None if grad_weight is None else grad_weight.to(weight.dtype),
         None if grad_bias is None else grad_bias.to(bias.dtype),
     )
+
+
+def _probs_chunk_grad(probs, z_at, math, compile_kernels, targets, extra, log_norm, mean_logit, grad_logprobs,
+                      grad_entropy, grad_extra):  # fmt: skip
+    """A chunk kept as probabilities (no softcap, no candidate sets): (dense grad-logits, None) when the entropy has
+    a gradient, else (None, (row_scale [m], ids [m, L], corr [m, L])) with d loss / d raw = row_scale ⊙ π + S and
+    S[r, ids[r, j]] = corr[r, j] (each id once per row): the exact value at an id minus row_scale·π there."""
+    dtype = log_norm.dtype
+    weight_of_norm = torch.zeros_like(log_norm)
+    ids, values, zs = [], [], []
+    if grad_logprobs is not None:
+        weight_of_norm += grad_logprobs.to(dtype)
+        ids.append(targets[:, None])
+        values.append(grad_logprobs.to(dtype)[:, None])
+        zs.append(z_at[:, :1])
+    if grad_extra is not None:
+        grad_extra = grad_extra.to(dtype).masked_fill(extra < 0, 0.0)
+        weight_of_norm += grad_extra.sum(-1)
+        ids.append(extra.clamp(min=0))
+        values.append(grad_extra)
+        zs.append(z_at[:, 1:])
+    coef = -weight_of_norm
+    ids = torch.cat(ids, 1) if ids else targets[:, None][:, :0]
+    values = torch.cat(values, 1) if values else log_norm[:, None][:, :0]
+    zs = torch.cat(zs, 1) if zs else log_norm[:, None][:, :0]
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.to(dtype)
+        dense = fused("dense_grad_probs", compile_kernels)(probs, log_norm, mean_logit, coef, grad_entropy, math)
+        if ids.shape[1]:
+            sparse_fixup(dense, None, ids, values, log_norm, mean_logit, coef, grad_entropy, math, z_at=zs)
+        return dense, None
+    row_scale = coef * (math.scale / math.temperature)
+    ids, first, exact = sparse_exact(None, ids, values, log_norm, mean_logit, coef, None, math, z_at=zs)
+    corr = torch.where(first, exact - probs.gather(1, ids).to(dtype) * row_scale[:, None], 0.0)
+    return None, (row_scale, ids, corr)
+
+
+def _factored_chunk_grads(probs, h, w, factored, needs_hidden, needs_weight):
+    """(grad_hidden rows in the reduction dtype, the row-scaled hidden states for the weight's matmul)."""
+    row_scale, ids, corr = factored
+    m, num_ids = ids.shape
+    dtype = row_scale.dtype
+    grad_hidden = scaled = None
+    if needs_hidden:
+        grad_hidden = (probs @ w).to(dtype) * row_scale[:, None]
+        if num_ids:
+            rows_of_w = w.index_select(0, ids.reshape(-1)).view(m, num_ids, -1).to(dtype)
+            grad_hidden += torch.bmm(corr[:, None, :], rows_of_w).squeeze(1)
+    if needs_weight:
+        scaled = (h.to(dtype) * row_scale[:, None]).to(h.dtype)
+    return grad_hidden, scaled
+
+
+def _add_factored_weight_grad(grad_weight, probs, h, scaled, factored, single, weight_dtype):
+    """grad_weight (+)= πᵀ·(c ⊙ h) + Sᵀ·h: one matmul into the accumulator (or the result), then an index_add of
+    the sparse rows."""
+    _, ids, corr = factored
+    if single:
+        grad_weight = matmul_to(probs.t(), scaled, weight_dtype)
+    else:
+        accumulate_matmul(grad_weight, probs.t(), scaled)
+    if ids.shape[1]:
+        m, num_ids = ids.shape
+        rows = (corr[:, :, None] * h.to(corr.dtype)[:, None, :]).reshape(m * num_ids, -1)
+        grad_weight.index_add_(0, ids.reshape(-1), rows.to(grad_weight.dtype))
+    return grad_weight
 
 
 def _rows_of(grad: torch.Tensor | None, rows: slice, num_terms: int) -> torch.Tensor | None:

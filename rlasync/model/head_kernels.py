@@ -8,6 +8,11 @@ reductions, no [m, V] temporaries kept between ops):
   dense_grad    backward: the dense part of d loss / d raw logits, −π(v)·(w_norm + g_H·(z[v] − E_π[z])) times the
                 chain factor of the logit transform, written in the logits' dtype; reads the raw logits once
 
+When the head keeps probabilities instead of logits from forward to backward (no softcap: the chain factor is a
+constant), `dense_stats_probs` also writes π = softmax(z) in the logits' dtype, and the backward needs no dense pass
+unless the entropy has a gradient, when `dense_grad_probs` forms the same dense value from π, using
+z − E_π[z] = log π + lse − E_π[z] (π = 0 contributes 0).
+
 Everything sparse (the target, the K extra ids, the C candidate ids) is a gather at [m, L] ids: `sparse_fixup`
 adds those ids' contributions (onehot terms, the candidate-set softmax of renormalising terms) to the dense value at
 the same ids, recomputed in float32, and writes each listed id once (repeated ids are summed first, so every write
@@ -73,6 +78,24 @@ def dense_stats(raw: torch.Tensor, math: HeadMath) -> tuple[torch.Tensor, torch.
     return peak.squeeze(-1) + torch.log(total), mean
 
 
+def dense_stats_probs(raw: torch.Tensor, math: HeadMath) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`dense_stats` and π = softmax(z) [m, V] in raw's dtype (no softcap: backward then needs no logits)."""
+    z = transform(raw, math)
+    peak = z.amax(dim=-1, keepdim=True)
+    e = torch.exp(z - peak)
+    total = e.sum(dim=-1, keepdim=True)
+    mean = (e * z).sum(dim=-1) / total.squeeze(-1)
+    return peak.squeeze(-1) + torch.log(total.squeeze(-1)), mean, (e / total).to(raw.dtype)
+
+
+def dense_grad_probs(probs, lse, mean, coef, grad_entropy, math: HeadMath) -> torch.Tensor:
+    """`dense_grad` from kept probabilities π [m, V] (no softcap): π·(coef − g_H·(log π + lse − E_π[z]))·s/T."""
+    p = probs.to(reduce_dtype(probs.dtype))
+    centred = torch.where(p > 0, torch.log(p) + (lse - mean)[:, None], 0.0)
+    scale = coef[:, None] - grad_entropy[:, None] * centred
+    return (p * scale * (math.scale / math.temperature)).to(probs.dtype)
+
+
 def _pre_chain(z, lse, mean, coef, grad_entropy):  # elementwise, broadcast over [m, V] or [m, L]
     probs = torch.exp(z - lse[:, None])
     scale = coef[:, None]
@@ -88,18 +111,27 @@ def dense_grad(raw, lse, mean, coef, grad_entropy, math: HeadMath) -> torch.Tens
     return (_pre_chain(z, lse, mean, coef, grad_entropy) * chain(raw, math)).to(raw.dtype)
 
 
-def sparse_fixup(out, raw, ids, values, lse, mean, coef, grad_entropy, math: HeadMath) -> None:
-    """out[r, ids[r, j]] = round((dense pre-chain value + Σ values at that id) · dz/draw) for every listed id."""
+def sparse_fixup(out, raw, ids, values, lse, mean, coef, grad_entropy, math: HeadMath, z_at=None) -> None:
+    """out[r, ids[r, j]] = round((dense pre-chain value + Σ values at that id) · dz/draw) for every listed id.
+    z_at: the post-processed logits at `ids` when `raw` is not at hand (kept probabilities; no softcap)."""
+    ids, starts, exact = sparse_exact(raw, ids, values, lse, mean, coef, grad_entropy, math, z_at)
+    out.scatter_(1, ids, exact.to(out.dtype))
+
+
+def sparse_exact(raw, ids, values, lse, mean, coef, grad_entropy, math: HeadMath, z_at=None):
+    """(ids sorted per row, first-occurrence mask, the exact d loss / d raw at each of them in float32)."""
     ids, order = torch.sort(ids, dim=1)
     values = values.gather(1, order)
     starts = torch.ones_like(ids, dtype=torch.bool)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
     segment = starts.long().cumsum(dim=1) - 1
     summed = torch.zeros_like(values).scatter_add_(1, segment, values).gather(1, segment)
-    raw_at = raw.gather(1, ids)
-    z = transform(raw_at, math)
-    exact = (_pre_chain(z, lse, mean, coef, grad_entropy) + summed) * chain(raw_at, math)
-    out.scatter_(1, ids, exact.to(out.dtype))
+    if z_at is None:
+        raw_at = raw.gather(1, ids)
+        z, factor = transform(raw_at, math), chain(raw_at, math)
+    else:
+        z, factor = z_at.gather(1, order), chain(z_at, math)  # a constant: z_at is only given without softcap
+    return ids, starts, (_pre_chain(z, lse, mean, coef, grad_entropy) + summed) * factor
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -107,10 +139,13 @@ COMPILE_FAILURES: list[str] = []  # the first failure to compile a pass: both pa
 
 
 def fused(name: str, compile_kernels: bool) -> Callable:
-    """`dense_stats` or `dense_grad`, torch.compile'd (dynamic in the chunk length) when `compile_kernels`; a pass
+    """`dense_stats`, `dense_grad`, `dense_stats_probs` or `dense_grad_probs`, torch.compile'd (dynamic in the chunk length) when `compile_kernels`; a pass
     that fails to compile (a GPU or torch build inductor cannot serve) warns once and runs eagerly from then on:
     the same values, more kernels."""
-    function = {"dense_stats": dense_stats, "dense_grad": dense_grad}[name]
+    function = {
+        "dense_stats": dense_stats, "dense_grad": dense_grad, "dense_stats_probs": dense_stats_probs,
+        "dense_grad_probs": dense_grad_probs,
+    }[name]  # fmt: skip
     if not compile_kernels or COMPILE_FAILURES:
         return function
     if name not in _COMPILED:
