@@ -41,7 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlasync.model.head_kernels import HeadMath, fused, reduce_dtype, sparse_exact, sparse_fixup, transform
+from rlasync.model.head_kernels import HeadMath, fused, reduce_dtype, sparse_fixup, transform
+from rlasync.model.head_matmul import accumulate_matmul, matmul_to
+from rlasync.model.head_probs import _add_factored_weight_grad, _factored_chunk_grads, _probs_chunk_grad
 
 CHUNK_ELEMENTS = 1 << 27  # the CPU default chunk: about 2^27 logits per [m, V] buffer
 WORKSPACE_BYTES_PER_LOGIT = 16  # working memory of a chunk per logit (raw logits, grad-logits, float32 temporaries)
@@ -401,113 +403,8 @@ def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_no
     )
 
 
-def _probs_chunk_grad(probs, z_at, math, compile_kernels, targets, extra, log_norm, mean_logit, grad_logprobs,
-                      grad_entropy, grad_extra):  # fmt: skip
-    """A chunk kept as probabilities (no softcap, no candidate sets): (dense grad-logits, None) when the entropy has
-    a gradient, else (None, (row_scale [m], ids [m, L], corr [m, L])) with d loss / d raw = row_scale ⊙ π + S and
-    S[r, ids[r, j]] = corr[r, j] (each id once per row): the exact value at an id minus row_scale·π there."""
-    dtype = log_norm.dtype
-    weight_of_norm = torch.zeros_like(log_norm)
-    ids, values, zs = [], [], []
-    if grad_logprobs is not None:
-        weight_of_norm += grad_logprobs.to(dtype)
-        ids.append(targets[:, None])
-        values.append(grad_logprobs.to(dtype)[:, None])
-        zs.append(z_at[:, :1])
-    if grad_extra is not None:
-        grad_extra = grad_extra.to(dtype).masked_fill(extra < 0, 0.0)
-        weight_of_norm += grad_extra.sum(-1)
-        ids.append(extra.clamp(min=0))
-        values.append(grad_extra)
-        zs.append(z_at[:, 1:])
-    coef = -weight_of_norm
-    ids = torch.cat(ids, 1) if ids else targets[:, None][:, :0]
-    values = torch.cat(values, 1) if values else log_norm[:, None][:, :0]
-    zs = torch.cat(zs, 1) if zs else log_norm[:, None][:, :0]
-    if grad_entropy is not None:
-        grad_entropy = grad_entropy.to(dtype)
-        dense = fused("dense_grad_probs", compile_kernels)(probs, log_norm, mean_logit, coef, grad_entropy, math)
-        if ids.shape[1]:
-            sparse_fixup(dense, None, ids, values, log_norm, mean_logit, coef, grad_entropy, math, z_at=zs)
-        return dense, None
-    row_scale = coef * (math.scale / math.temperature)
-    ids, first, exact = sparse_exact(None, ids, values, log_norm, mean_logit, coef, None, math, z_at=zs)
-    corr = torch.where(first, exact - probs.gather(1, ids).to(dtype) * row_scale[:, None], 0.0)
-    return None, (row_scale, ids, corr)
-
-
-def _factored_chunk_grads(probs, h, w, factored, needs_hidden, needs_weight):
-    """(grad_hidden rows in the reduction dtype, the row-scaled hidden states for the weight's matmul)."""
-    row_scale, ids, corr = factored
-    m, num_ids = ids.shape
-    dtype = row_scale.dtype
-    grad_hidden = scaled = None
-    if needs_hidden:
-        grad_hidden = (probs @ w).to(dtype) * row_scale[:, None]
-        if num_ids:
-            rows_of_w = w.index_select(0, ids.reshape(-1)).view(m, num_ids, -1).to(dtype)
-            grad_hidden += torch.bmm(corr[:, None, :], rows_of_w).squeeze(1)
-    if needs_weight:
-        scaled = (h.to(dtype) * row_scale[:, None]).to(h.dtype)
-    return grad_hidden, scaled
-
-
-def _add_factored_weight_grad(grad_weight, probs, h, scaled, factored, single, weight_dtype):
-    """grad_weight (+)= πᵀ·(c ⊙ h) + Sᵀ·h: one matmul into the accumulator (or the result), then an index_add of
-    the sparse rows."""
-    _, ids, corr = factored
-    if single:
-        grad_weight = matmul_to(probs.t(), scaled, weight_dtype)
-    else:
-        accumulate_matmul(grad_weight, probs.t(), scaled)
-    if ids.shape[1]:
-        m, num_ids = ids.shape
-        rows = (corr[:, :, None] * h.to(corr.dtype)[:, None, :]).reshape(m * num_ids, -1)
-        grad_weight.index_add_(0, ids.reshape(-1), rows.to(grad_weight.dtype))
-    return grad_weight
-
-
 def _rows_of(grad: torch.Tensor | None, rows: slice, num_terms: int) -> torch.Tensor | None:
     return None if grad is None else grad[rows]
-
-
-def _out_dtype_matmul(device: torch.device) -> bool:
-    """Whether torch.mm / torch.addmm take bfloat16 inputs with a float32 output (out_dtype) on this device, and
-    addmm accumulates in place into that output (CUDA builds); probed once per device type."""
-    if device.type not in _OUT_DTYPE:
-        try:
-            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-            acc = torch.ones(2, 2, dtype=torch.float32, device=device)
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-            _OUT_DTYPE[device.type] = bool((acc == 3.0).all())
-        except (RuntimeError, NotImplementedError, TypeError):
-            _OUT_DTYPE[device.type] = False  # no out_dtype kernel on this backend: that is the probe's answer
-    return _OUT_DTYPE[device.type]
-
-
-_OUT_DTYPE: dict[str, bool] = {}
-
-
-def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """a @ b returned in `dtype`, straight from the matmul's float32 accumulator where the backend can."""
-    if a.dtype == dtype:
-        return a @ b
-    if dtype == torch.float32 and a.dtype in _HALF and _out_dtype_matmul(a.device):
-        return torch.mm(a, b, out_dtype=dtype)
-    return (a @ b).to(dtype)
-
-
-def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b in one pass over acc (addmm into it), also for bfloat16 a, b into a float32 acc on CUDA."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif acc.dtype == torch.float32 and a.dtype in _HALF and _out_dtype_matmul(a.device):
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc += (a @ b).to(acc.dtype)
-
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def _renormaliser(

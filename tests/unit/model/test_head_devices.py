@@ -4,7 +4,8 @@ against the float64 reference on CPU."""
 import pytest
 import torch
 
-from rlasync.model.head import LogitTransform, _out_dtype_matmul, accumulate_matmul, chunked_token_scores
+from rlasync.model.head import LogitTransform, chunked_token_scores
+from rlasync.model.head_matmul import _out_dtype_matmul, accumulate_matmul
 from tests.unit.model.test_head import dense_reference, make_inputs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]

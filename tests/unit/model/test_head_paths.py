@@ -7,13 +7,12 @@ from rlasync.model.head import (
     CHUNK_ELEMENTS,
     WORKSPACE_BYTES_PER_LOGIT,
     LogitTransform,
-    accumulate_matmul,
     chunked_token_scores,
-    matmul_to,
     plan_chunk_size,
     plan_kept_chunks,
 )
 from rlasync.model.head_kernels import HeadMath, dense_grad, dense_stats, sparse_fixup, transform
+from rlasync.model.head_matmul import accumulate_matmul, matmul_to
 from tests.unit.model.test_head import dense_reference, make_inputs
 
 CPU = torch.device("cpu")
