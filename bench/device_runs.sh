@@ -177,6 +177,32 @@ learner_head)  # carry [".devicekit"]: the LM head keeping probabilities (RLASYN
     run tree_8k_logits 150 env RLASYNC_HEAD_KEEP=logits $tp --out "$out/tree_8k_logits.json"
     run tree_8k_probs2 150 env RLASYNC_HEAD_KEEP=probs $tp --profile "$out/profiles" --profile-steps 2 --out "$out/tree_8k_probs2.json"
     ;;
+flash_kit)  # carry [".fa4a"]: the first half of FlashAttention-4's CuTe DSL runtime (nvidia-cutlass-dsl-libs-cu13, xz),
+    # left in /tmp/kit for learner_flash, which must follow within 30 s (warm). Kits: .fa4a holds cu13.tar.xz.part00,
+    # .fa4b part01 and the wheels flash-attn-4 (+ old/ for an earlier one), nvidia-cutlass-dsl(-libs-base, -libs-core),
+    # apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels, pydantic (+ its three)
+    mkdir -p /tmp/kit && cp .fa4a/* /tmp/kit/ && ls -la /tmp/kit
+    ;;
+learner_flash)  # carry [".fa4b"] right after flash_kit: FlexAttention's FLASH backend (FlashAttention-4, CuTe DSL)
+    # against its Triton kernels on a real 8K tree row, then the learner's 8K tree rows with each, same lease
+    rm -rf /tmp/fa && mkdir -p /tmp/fa
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa .fa4b/*.whl || exit 1
+    cat /tmp/kit/cu13.tar.xz.part00 .fa4b/cu13.tar.xz.part01 | xz -d | tar x -C /tmp/fa || exit 1
+    export PYTHONPATH=$PWD:/tmp/fa:/tmp/fa/nvidia_cutlass_dsl/dsl_packages  # a --target install skips the kit's .pth
+    python3 -c "import cutlass, flash_attn.cute, torch; print('flash-attn-4 importable', torch.__version__)" || exit 1
+    run flex_flash 200 python3 bench/flex_tiles.py --configs default,flash,flash_block64 --out "$out/flex_flash_h200.json"
+    grep -E "^(default|flash)" "$out/flex_flash.log"
+    if ! grep -q "^flash:" "$out/flex_flash.log"; then  # the newest flash-attn-4 refused: an earlier one (old/)
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa_old .fa4b/old/*.whl
+        export PYTHONPATH=/tmp/fa_old:$PYTHONPATH
+        run flex_flash_old 200 python3 bench/flex_tiles.py --configs default,flash --out "$out/flex_flash_old_h200.json"
+    fi
+    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree"
+    run tree_8k_flash 170 env RLASYNC_FLEX_KERNEL_OPTIONS='{"BACKEND": "FLASH"}' $tp --out "$out/tree_8k_flash.json"
+    run tree_8k_triton 150 $tp --out "$out/tree_8k_triton.json"
+    run tree_8k_flash_probs 150 env RLASYNC_HEAD_KEEP=probs RLASYNC_FLEX_KERNEL_OPTIONS='{"BACKEND": "FLASH"}' $tp --out "$out/tree_8k_flash_probs.json"
+    (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)  # at most 8 files come back
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

@@ -58,6 +58,9 @@ SWEEP: dict[str, dict] = {
     "prescale": {"PRESCALE_QK": True},  # q scaled by 1/sqrt(d) and log2(e) once, not every score
     "dq_in_dk_loop": {"WRITE_DQ": False},  # dQ scattered from the dK/dV loop instead of its own
     "tma_prescale": {"USE_TMA": True, "PRESCALE_QK": True},
+    # FlashAttention-4's CuTe DSL kernels behind FlexAttention (needs the flash-attn-4 package; Hopper or later)
+    "flash": {"BACKEND": "FLASH"},
+    "flash_block64": {"BACKEND": "FLASH"},  # the same over 64-token mask blocks
 }
 SPECIAL = ("default", "autotune", "block64", "varlen")
 
@@ -112,7 +115,7 @@ def run_config(name, options, q, k, v, grad, masks, iters, device):
     else:
         mode = "max-autotune-no-cudagraphs" if name == "autotune" else None
         attention = torch.compile(flex_attention, dynamic=False, mode=mode)
-        mask = masks[64 if name == "block64" else 128]
+        mask = masks[64 if name.endswith("block64") else 128]
         kwargs = {"block_mask": mask, "enable_gqa": q.shape[1] != k.shape[1]}
         if options:
             kwargs["kernel_options"] = options
