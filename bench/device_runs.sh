@@ -203,6 +203,19 @@ learner_flash)  # carry [".fa4b"] right after flash_kit: FlexAttention's FLASH b
     run tree_8k_flash_probs 150 env RLASYNC_HEAD_KEEP=probs RLASYNC_FLEX_KERNEL_OPTIONS='{"BACKEND": "FLASH"}' $tp --out "$out/tree_8k_flash_probs.json"
     (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)  # at most 8 files come back
     ;;
+learner_rows)  # carry [".pydkit"] (pydantic and its three wheels): the 8K shape on full rows (40 groups: every row 7,875
+    # tokens) and on the 8-group mix (7,875 + 4,725), each with the head keeping logits and probabilities in one
+    # process (logits, probs, logits again); a kernel profile of the full rows; GPU clocks and power sampled throughout
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active --format=csv -lms 1000 > "$out/smi.csv" 2>&1 &
+    smi=$!
+    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --warmup 2 --compile layers --grad-ckpt auto --check-rows 0 --modes tree_logits,tree_probs,tree"
+    run tree_8k_full 240 $tp --groups 40 --steps ${ROWS:-24} --profile "$out/profiles" --profile-steps 2 --out "$out/tree_8k_full.json"
+    run tree_8k_mix 180 $tp --groups 8 --steps ${ROWS:-24} --out "$out/tree_8k_mix.json"
+    kill $smi
+    (cd "$out" && tar czf logs.tgz *.log profiles && rm -rf *.log profiles)  # at most 8 files come back
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

@@ -9,6 +9,8 @@ The model has the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 heads, 8 KV heads
   padded        [B, prompt + completion] batches, B = row_tokens // (prompt + completion), a causal mask
   tree_varlen   (when asked for in --modes) the tree rows on the varlen tree attention (FlashAttention varlen over
                 root-path segments), next to --attention's backend (default flex on CUDA) in the same call
+  tree_probs    (when asked for) the tree rows with the LM head keeping probabilities (keep_as="probs"), and
+  tree_logits   with it keeping logits, whatever $RLASYNC_HEAD_KEEP says: the head's A/B in one process
 
 Every mode uses the same model code (tree attention, chunked LM head on trained positions only), gradient
 checkpointing on, and a loss that touches every trained token. Reported: trained (completion) tokens/s,
@@ -22,7 +24,9 @@ and the max |Δ| between the modes' per-token log-probs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import sys
 import time
@@ -41,9 +45,11 @@ from rlasync.model import (  # noqa: E402
     packed_token_scores,
     prepare_for_training,
 )
+from rlasync.model.head import KEEP_AS_ENV  # noqa: E402
 from rlasync.packing import TokenBudgetBatcher, pack  # noqa: E402
 from rlasync.rollout import RolloutSample  # noqa: E402
 
+MODES = ("tree", "tree_varlen", "tree_probs", "tree_logits", "padding_free", "padded")
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet figure
 
 
@@ -190,11 +196,43 @@ def flops_of(row, config) -> float:
     return float(dense + head + attention)
 
 
+@contextlib.contextmanager
+def _head_keep(value: str | None):
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(KEEP_AS_ENV)
+    os.environ[KEEP_AS_ENV] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(KEEP_AS_ENV)
+        else:
+            os.environ[KEEP_AS_ENV] = saved
+
+
+def gpu_state(device) -> dict | None:
+    """SM clock (MHz) and power draw (W) through NVML where torch can read them: the context of a timing (leases of
+    the same GPU kind have differed by ~15% on this bench)."""
+    if not str(device).startswith("cuda"):
+        return None
+    state = {}
+    for key, read in (("sm_clock_mhz", torch.cuda.clock_rate), ("power_w", torch.cuda.power_draw)):
+        try:
+            value = read(torch.device(device))
+        except Exception:  # no NVML (pynvml) here: the timing stands without its context
+            continue
+        state[key] = value / 1000 if key == "power_w" else value  # power_draw reports milliwatts
+    return state or None
+
+
 class TreeMode:
     """Packed rows (tree or padding-free) scored by rlasync's tree forward."""
 
-    def __init__(self, rows, device, block_size: int | None = None, backend: str = "auto"):
+    def __init__(self, rows, device, block_size: int | None = None, backend: str = "auto", head_keep: str | None = None):
         self.rows = rows
+        self.head_keep = head_keep  # the LM head's kept chunks ("logits" / "probs"); None: $RLASYNC_HEAD_KEEP
         self.packed = [pack(r) for r in rows]
         started = time.perf_counter()  # varlen: the segment plan, made on the host as the learner does per row
         self.tensors = [packed_row_to_tensors(p, device, segments=backend == "varlen") for p in self.packed]
@@ -207,7 +245,8 @@ class TreeMode:
 
     def scores(self, model, i: int):
         tensors = self.tensors[i]
-        return packed_token_scores(model, tensors, **self.kwargs), tensors.advantages
+        with _head_keep(self.head_keep):  # read by the head's forward; its backward keeps what the forward chose
+            return packed_token_scores(model, tensors, **self.kwargs), tensors.advantages
 
     def per_sample(self, i: int, logprobs: np.ndarray):
         return [(s, logprobs[self.packed[i].sample_index == k]) for k, s in enumerate(self.rows[i].samples)]
@@ -242,6 +281,8 @@ def run_mode(model, mode, config, steps: int, warmup: int, device):
     start = time.perf_counter()
     for i in range(n):
         step(i)
+        if i == n // 2:
+            state = gpu_state(device)  # mid-run, the GPU busy
     _sync(device)
     elapsed = time.perf_counter() - start
     used = [mode.rows[i % len(mode)] for i in range(n)]
@@ -257,6 +298,8 @@ def run_mode(model, mode, config, steps: int, warmup: int, device):
         "tokens_per_row": float(np.mean([r.num_tokens for r in rows])),
         "packing_ratio": float(sum(r.num_raw_tokens for r in rows) / sum(r.num_tokens for r in rows)),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if str(device).startswith("cuda") else None,
+        "rows_tokens": sorted({int(r.num_tokens) for r in rows}),
+        "gpu_mid_run": state,
     }
 
 
@@ -277,12 +320,15 @@ def per_sample_logprobs(model, mode, num_rows: int) -> dict[int, np.ndarray]:
 def bench_shape(model, config, shape: Shape, args) -> dict:
     samples = make_samples(shape, args.groups, config.vocab_size, args.seed)
 
-    def tree_mode(share: bool, backend: str):
-        return TreeMode(plan_rows(samples, shape.row_tokens, share=share), args.device, args.block_size, backend)
+    def tree_mode(share: bool, backend: str, head_keep: str | None = None):
+        rows = plan_rows(samples, shape.row_tokens, share=share)
+        return TreeMode(rows, args.device, args.block_size, backend, head_keep)
 
     builders = {
         "tree": lambda: tree_mode(True, args.attention),
         "tree_varlen": lambda: tree_mode(True, "varlen"),  # the varlen backend next to --attention's, same call
+        "tree_probs": lambda: tree_mode(True, args.attention, "probs"),  # the head keeping probabilities, same call
+        "tree_logits": lambda: tree_mode(True, args.attention, "logits"),
         "padding_free": lambda: tree_mode(False, args.attention),
         "padded": lambda: PaddedMode(padded_batches(samples, shape.row_tokens, args.device)),
     }
@@ -413,10 +459,10 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     shapes = parse_shapes(args.shapes)
     options = training_options(args)
-    unknown_modes = set(args.modes.split(",")) - {"tree", "tree_varlen", "padding_free", "padded"}
+    unknown_modes = set(args.modes.split(",")) - set(MODES)
     if unknown_modes:
         raise SystemExit(
-            f"--modes: unknown {sorted(unknown_modes)}; choose from tree, tree_varlen, padding_free, padded"
+            f"--modes: unknown {sorted(unknown_modes)}; choose from {', '.join(MODES)}"
         )
     if args.trl_wheel and not Path(args.trl_wheel).is_file():
         raise SystemExit(
@@ -477,7 +523,7 @@ def main(argv=None) -> None:
         ours_logprobs = measured.pop("_tree_logprobs", {})
         results["shapes"][shape.name] = measured
         results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
-        results["mfu"] = {name: {m: r[m]["mfu"] for m in ("tree", "tree_varlen", "padding_free", "padded") if m in r}
+        results["mfu"] = {name: {m: r[m]["mfu"] for m in MODES if m in r}
                           for name, r in results["shapes"].items()}  # fmt: skip
         if anchor is not None:
             from trl_tree_anchor import merge_anchor
