@@ -216,6 +216,18 @@ learner_rows)  # carry [".pydkit"] (pydantic and its three wheels): the 8K shape
     kill $smi
     (cd "$out" && tar czf logs.tgz *.log profiles && rm -rf *.log profiles)  # at most 8 files come back
     ;;
+learner_static)  # carry [".pydkit"] (or [] when warm): the 8-group mix (rows of 7,875 and 4,725 tokens) with the
+    # compiled layers static per row length (--static-shapes) and dynamic (Dynamo's default after a second length),
+    # alternating, same lease
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --check-rows 0 --modes tree"
+    run mix_static 150 $tp --static-shapes --out "$out/mix_static.json"
+    run mix_dynamic 150 $tp --out "$out/mix_dynamic.json"
+    run mix_static2 150 $tp --static-shapes --out "$out/mix_static2.json"
+    grep -h '"mfu"' "$out"/mix_*.log
+    (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

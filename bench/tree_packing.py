@@ -448,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per FlexAttention mask block (default: the learner's, 128; see bench/flex_tiles.py)")  # fmt: skip
+    parser.add_argument("--static-shapes", action="store_true",
+                        help="compile each row length as its own static graph instead of one dynamic-length graph")
     parser.add_argument("--profile-steps", type=int, default=3, help="tree-mode rows profiled per shape")
     parser.add_argument("--attention", choices=["auto", "flex", "varlen", "dense"], default="auto",
                         help="tree attention backend of the tree and padding_free modes (auto: flex on CUDA; "
@@ -479,6 +481,8 @@ def main(argv=None) -> None:
 
     torch.manual_seed(args.seed)
     torch._dynamo.config.recompile_limit = 64
+    if args.static_shapes:  # every row length its own static graph (Dynamo's default turns a second length dynamic)
+        torch._dynamo.config.automatic_dynamic_shapes = False
     config = model_config(args.layers, args.tiny)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device)
@@ -501,6 +505,7 @@ def main(argv=None) -> None:
         "python": platform.python_version(),
         "model_shape": "Qwen3-0.6B (random bf16 weights)",
         "gradient_checkpointing": args.grad_ckpt or ("none" if args.no_grad_ckpt else "all"),
+        "static_shapes": args.static_shapes,
         "checkpointed_layers": None if plan is None else len(plan.layers),
         "compile": args.compile,
         "block_size": args.block_size or 128,
