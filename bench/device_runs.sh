@@ -228,6 +228,15 @@ learner_static)  # carry [".pydkit"] (or [] when warm): the 8-group mix (rows of
     grep -h '"mfu"' "$out"/mix_*.log
     (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)
     ;;
+learner_full)  # carry [".pydkit", ".trlwheel"]: the 8-group mix of the 8K shape (rows of 7,875 and 4,725 tokens, 96 rows
+    # after 6 of warm-up), then ours and TRL 1.16's own tree packing in one call on full rows (40 groups: the 8K shape's
+    # rows all 7,875 tokens, the 4K shape's 3,143), both shapes
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run tree_8k_mix 130 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 96 --warmup 6 --compile layers --grad-ckpt auto --check-rows 0 --modes tree --out "$out/tree_8k_mix.json"
+    run tree_trl_full 440 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 240 --shapes 1088x256x8@4096,544x128x8@8192 --groups 40 --steps ${ROWS:-48} --warmup 4 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_packing_full.json"
+    (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
