@@ -237,6 +237,19 @@ learner_full)  # carry [".pydkit", ".trlwheel"]: the 8-group mix of the 8K shape
     run tree_trl_full 440 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 240 --shapes 1088x256x8@4096,544x128x8@8192 --groups 40 --steps ${ROWS:-48} --warmup 4 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_packing_full.json"
     (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)
     ;;
+learner_headdyn)  # carry [".pydkit"]: the LM head's compiled passes with only the chunk length dynamic (the default now)
+    # against every size dynamic (RLASYNC_HEAD_DYNAMIC=all, as before), full 8K rows, alternating; the GPU head tests;
+    # a kernel profile of the default
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 40 --steps 96 --warmup 6 --compile layers --grad-ckpt auto --check-rows 0 --modes tree"
+    run head_rows 130 env RLASYNC_HEAD_DYNAMIC=rows $tp --out "$out/head_rows.json"
+    run head_all 130 env RLASYNC_HEAD_DYNAMIC=all $tp --out "$out/head_all.json"
+    run head_rows2 150 env RLASYNC_HEAD_DYNAMIC=rows $tp --profile "$out/profiles" --profile-steps 2 --out "$out/head_rows2.json"
+    grep -h '^tree {' "$out"/head_*.log
+    run head_tests 90 python3 -m pytest -q -p no:cacheprovider tests/unit/model/test_head_devices.py tests/unit/model/test_head_dynamic.py
+    (cd "$out" && tar czf logs.tgz *.log profiles && rm -rf *.log profiles)
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

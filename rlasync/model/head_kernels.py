@@ -134,23 +134,57 @@ def sparse_exact(raw, ids, values, lse, mean, coef, grad_entropy, math: HeadMath
     return ids, starts, (_pre_chain(z, lse, mean, coef, grad_entropy) + summed) * factor
 
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, str], Callable] = {}
 COMPILE_FAILURES: list[str] = []  # the first failure to compile a pass: both passes run eagerly from then on
+DYNAMIC_ENV = "RLASYNC_HEAD_DYNAMIC"
 
 
 def fused(name: str, compile_kernels: bool) -> Callable:
-    """`dense_stats`, `dense_grad`, `dense_stats_probs` or `dense_grad_probs`, torch.compile'd (dynamic in the chunk length) when `compile_kernels`; a pass
-    that fails to compile (a GPU or torch build inductor cannot serve) warns once and runs eagerly from then on:
-    the same values, more kernels."""
+    """`dense_stats`, `dense_grad`, `dense_stats_probs` or `dense_grad_probs`, torch.compile'd when
+    `compile_kernels`; a pass that fails to compile (a GPU or torch build inductor cannot serve) warns once and runs
+    eagerly from then on: the same values, more kernels.
+
+    Only the chunk's length (dim 0 of every tensor argument) is dynamic: the vocabulary is a constant of the graph,
+    so the [m, V] passes index rows by a constant divisor and size their reduction loops for V, not for a symbol.
+    `$RLASYNC_HEAD_DYNAMIC=all` compiles every size dynamic instead (how the passes were compiled before; kept for
+    the A/B on a GPU)."""
     function = {
         "dense_stats": dense_stats, "dense_grad": dense_grad, "dense_stats_probs": dense_stats_probs,
         "dense_grad_probs": dense_grad_probs,
     }[name]  # fmt: skip
     if not compile_kernels or COMPILE_FAILURES:
         return function
-    if name not in _COMPILED:
-        _COMPILED[name] = _falling_back(torch.compile(function, dynamic=True, fullgraph=True), function)
-    return _COMPILED[name]
+    mode = _dynamic_mode()
+    if (name, mode) not in _COMPILED:
+        if mode == "all":
+            compiled = torch.compile(function, dynamic=True, fullgraph=True)
+        else:
+            compiled = _rows_dynamic(torch.compile(function, fullgraph=True))
+        _COMPILED[name, mode] = _falling_back(compiled, function)
+    return _COMPILED[name, mode]
+
+
+def _dynamic_mode() -> str:
+    import os
+
+    mode = os.environ.get(DYNAMIC_ENV, "rows").strip() or "rows"
+    if mode not in ("rows", "all"):
+        raise ValueError(f"${DYNAMIC_ENV} must be 'rows' (the default: only the chunk length is dynamic) or 'all', "
+                         f"got {mode!r}")  # fmt: skip
+    return mode
+
+
+def _rows_dynamic(compiled: Callable) -> Callable:
+    """`compiled` with dim 0 (the chunk's rows) of each tensor argument marked dynamic before the call, every other
+    size static: one graph serves every chunk length of a vocabulary."""
+
+    def run(*args: Any) -> Any:
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(*args)
+
+    return run
 
 
 def _falling_back(compiled: Callable, eager: Callable) -> Callable:
