@@ -28,6 +28,11 @@
 #   (a stage since removed with the cascade, commit f4c6708), `python3 bench/attention_parts.py`, then
 #   AB=1 learner_host and learner_host again (carry [".devicekit", ".whl"]): bench/results/attention_parts_h200.json,
 #   tree_packing_h200.json (learner_2026_12_03_utc), profiles/learner_pyspy_tree_p544_c128_g8_row8192.txt.
+# Ran on 2026-12-04 11:49-12:21 UTC (one H200, 29 of 30 device minutes): flash_kit + learner_flash, learner_rows,
+#   learner_static, learner_full, learner_headdyn, learner_trl8k (bench/results/tree_packing_h200.json, key
+#   learner_2026_12_04_utc and the headline; flex_flash_h200.json; profiles/tree_p544_c128_g8_row8192_full_2026_12_04*).
+#   .pydkit holds pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 (all the
+#   learner benches need besides the GPU image).
 # Still owed: the TorchEngine's one slow pause early in GRPO (450 ms at step 4) profiled.
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
@@ -249,6 +254,12 @@ learner_headdyn)  # carry [".pydkit"]: the LM head's compiled passes with only t
     grep -h '^tree {' "$out"/head_*.log
     run head_tests 90 python3 -m pytest -q -p no:cacheprovider tests/unit/model/test_head_devices.py tests/unit/model/test_head_dynamic.py
     (cd "$out" && tar czf logs.tgz *.log profiles && rm -rf *.log profiles)
+    ;;
+learner_trl8k)  # carry [".pydkit", ".trlwheel"]: ours and TRL 1.16 on full 8K rows only, one call (~3 min with the start)
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 110 --shapes 544x128x8@8192 --groups 40 --steps 64 --warmup 6 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_trl_8k_full.json" > "$out/tree_trl_8k_full.log" 2>&1
+    grep -E "^tree|trl anchor|speedup" "$out/tree_trl_8k_full.log"
     ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
