@@ -25,6 +25,7 @@ Reductions run in float32 (float64 for float64 logits, for exact checks).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -165,8 +166,6 @@ def fused(name: str, compile_kernels: bool) -> Callable:
 
 
 def _dynamic_mode() -> str:
-    import os
-
     mode = os.environ.get(DYNAMIC_ENV, "rows").strip() or "rows"
     if mode not in ("rows", "all"):
         raise ValueError(f"${DYNAMIC_ENV} must be 'rows' (the default: only the chunk length is dynamic) or 'all', "
