@@ -261,6 +261,13 @@ learner_trl8k)  # carry [".pydkit", ".trlwheel"]: ours and TRL 1.16 on full 8K r
     python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 110 --shapes 544x128x8@8192 --groups 40 --steps 64 --warmup 6 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_trl_8k_full.json" > "$out/tree_trl_8k_full.log" 2>&1
     grep -E "^tree|trl anchor|speedup" "$out/tree_trl_8k_full.log"
     ;;
+learner_agree)  # carry [".pydkit"]: the bf16 log-prob gap of tree rows against padding-free rows of the same samples
+    # (issue 12's bound: max |delta| <= 0.023), the 8K shape, 8 rows of each checked (~3 min with the start)
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run agree_8k 240 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 12 --warmup 2 --compile layers --grad-ckpt auto --check-rows 8 --modes tree,padding_free --out "$out/agree_8k.json"
+    grep -h -A3 '"logprob_max_abs_diff"' "$out/agree_8k.json"
+    ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
