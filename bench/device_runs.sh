@@ -265,8 +265,9 @@ learner_agree)  # carry [".pydkit"]: the bf16 log-prob gap of tree rows against 
     # (issue 12's bound: max |delta| <= 0.023), the 8K shape, 8 rows of each checked (~3 min with the start)
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
-    run agree_8k 240 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 12 --warmup 2 --compile layers --grad-ckpt auto --check-rows 8 --modes tree,padding_free --out "$out/agree_8k.json"
-    grep -h -A3 '"logprob_max_abs_diff"' "$out/agree_8k.json"
+    # --fp32-reference: each mode's error against an fp32 forward of each sample alone (padded: a third bf16 layout)
+    run agree_8k 300 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 12 --warmup 2 --compile layers --grad-ckpt auto --check-rows 8 --modes tree,padding_free,padded --fp32-reference --out "$out/agree_8k.json"
+    grep -h -A16 '"logprob_max_abs_diff"' "$out/agree_8k.json"
     ;;
 learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
     # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples

@@ -317,7 +317,24 @@ def per_sample_logprobs(model, mode, num_rows: int) -> dict[int, np.ndarray]:
     return out
 
 
-def bench_shape(model, config, shape: Shape, args) -> dict:
+def fp32_reference_logprobs(reference, samples, keys: set[int], device) -> dict[int, np.ndarray]:
+    """The trained tokens' log-probs of each sample in `keys`, from a plain fp32 forward of the sample alone."""
+    out: dict[int, np.ndarray] = {}
+    reference.to(device)
+    with torch.no_grad():
+        for sample in samples:
+            if id(sample) not in keys:
+                continue
+            ids = torch.as_tensor(np.asarray(sample.input_ids), device=device).long()[None]
+            logits = reference(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            lps = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            trained = torch.as_tensor(np.asarray(sample.completion_mask)[1:] == 1, device=device)
+            out[id(sample)] = lps[trained].cpu().numpy()
+    reference.to("cpu")
+    return out
+
+
+def bench_shape(model, config, shape: Shape, args, reference=None) -> dict:
     samples = make_samples(shape, args.groups, config.vocab_size, args.seed)
 
     def tree_mode(share: bool, backend: str, head_keep: str | None = None):
@@ -362,6 +379,15 @@ def bench_shape(model, config, shape: Shape, args) -> dict:
         other: max(float(np.abs(logprobs["tree"][k] - logprobs[other][k]).max()) for k in common) for other in others
     }
     results["logprob_samples_compared"] = len(common)
+    if reference is not None:  # each mode's rounding error against fp32: does the tree add any beyond bf16's?
+        exact = fp32_reference_logprobs(reference, samples, common, args.device)
+        results["logprob_vs_fp32"] = {
+            name: {
+                "max_abs": max(float(np.abs(logprobs[name][k] - exact[k]).max()) for k in common),
+                "mean_abs": float(np.mean(np.concatenate([np.abs(logprobs[name][k] - exact[k]) for k in common]))),
+            }
+            for name in ("tree", *others)
+        }  # fmt: skip
     tree = results["tree"]["trained_tokens_per_s"]
     for other in others:
         results[f"speedup_vs_{other}"] = tree / results[other]["trained_tokens_per_s"]
@@ -450,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens per FlexAttention mask block (default: the learner's, 128; see bench/flex_tiles.py)")  # fmt: skip
     parser.add_argument("--static-shapes", action="store_true",
                         help="compile each row length as its own static graph instead of one dynamic-length graph")
+    parser.add_argument("--fp32-reference", action="store_true",
+                        help="also score the compared samples with an fp32 copy of the model, one sample at a time "
+                             "(plain forward), and report each mode's max and mean |delta| against it")
     parser.add_argument("--profile-steps", type=int, default=3, help="tree-mode rows profiled per shape")
     parser.add_argument("--attention", choices=["auto", "flex", "varlen", "dense"], default="auto",
                         help="tree attention backend of the tree and padding_free modes (auto: flex on CUDA; "
@@ -494,6 +523,11 @@ def main(argv=None) -> None:
                               tokens=max(shape.row_tokens for shape in shapes))  # fmt: skip
         options["checkpoint_layers"] = plan.layers
         print(plan.describe(), flush=True)
+    reference = None
+    if args.fp32_reference:  # the same weights before any wrapping; kept on the host between shapes
+        import copy
+
+        reference = copy.deepcopy(model).to("cpu", torch.float32).eval()
     model = prepare_for_training(model, **options)
     model.train()
 
@@ -524,7 +558,7 @@ def main(argv=None) -> None:
             Path(args.out).write_text(json.dumps(results, indent=2))
 
     for shape in shapes:
-        measured = bench_shape(model, config, shape, args)
+        measured = bench_shape(model, config, shape, args, reference)
         ours_logprobs = measured.pop("_tree_logprobs", {})
         results["shapes"][shape.name] = measured
         results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
