@@ -33,6 +33,8 @@
 #   learner_2026_12_04_utc and the headline; flex_flash_h200.json; profiles/tree_p544_c128_g8_row8192_full_2026_12_04*).
 #   .pydkit holds pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 (all the
 #   learner benches need besides the GPU image).
+# Ran on 2026-12-04 14:55-15:01 UTC (one H200, ~6 device minutes): learner_agree plus the model and learner-rows GPU
+#   tests (19 passed), then the 24-sample agreement command at seeds 0-2 (key bf16_logprob_agreement).
 # Still owed: the TorchEngine's one slow pause early in GRPO (450 ms at step 4) profiled.
 set -uo pipefail
 stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
