@@ -186,3 +186,34 @@ def test_tree_varlen_runs_next_to_the_flex_tree_and_agrees_with_it(tmp_path):
     assert max(shape["tree_varlen_logprob_max_abs_diff"].values()) < 1e-4
     assert set(shape["tree_varlen_logprob_max_abs_diff"]) == {"tree", "padding_free"}
     assert "tree_varlen" in results["mfu"]["p12_c6_g4_row96"]
+
+
+def test_the_fp32_reference_scores_each_trained_token_from_its_prefix_alone():
+    """fp32_reference_logprobs against the obvious loop: one forward per trained token over the tokens before it."""
+    model, mode = tiny_tree_mode()
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_config(model.config).eval()
+    samples = mode.rows[0].samples[:2]
+    got = tree_packing.fp32_reference_logprobs(reference, samples, {id(s) for s in samples[:1]}, "cpu")
+    assert list(got) == [id(samples[0])]  # only the samples asked for
+    ids, mask = torch.as_tensor(samples[0].input_ids).long(), samples[0].completion_mask
+    with torch.no_grad():
+        want = [
+            torch.log_softmax(reference(input_ids=ids[None, :t]).logits[0, -1], -1)[ids[t]].item()
+            for t in range(1, len(ids))
+            if mask[t] == 1
+        ]
+    assert len(want) == int(mask.sum())
+    np.testing.assert_allclose(got[id(samples[0])], want, atol=1e-5)
+
+
+def test_fp32_reference_reports_every_modes_error_and_fp32_modes_have_none(tmp_path):
+    out = tmp_path / "tp.json"
+    tree_packing.main(["--tiny", "--device", "cpu", "--compile", "none", "--shapes", "12x6x4@96", "--groups", "2",
+                       "--steps", "1", "--warmup", "0", "--modes", "tree,padding_free,padded", "--fp32-reference",
+                       "--out", str(out)])  # fmt: skip
+    shape = json.loads(out.read_text())["shapes"]["p12_c6_g4_row96"]
+    assert set(shape["logprob_vs_fp32"]) == {"tree", "padding_free", "padded"}
+    for error in shape["logprob_vs_fp32"].values():
+        assert 0 <= error["mean_abs"] <= error["max_abs"] < 1e-4
