@@ -49,6 +49,10 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on fail
     echo "   rc $? ($(date +%T))"
     tail -n 4 "$out/$name.log"
 }
+use_pydkit() {  # pydantic and its three wheels (.pydkit) into /tmp/site, once per warm machine; the repo and it on PYTHONPATH
+    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || return 1
+    export PYTHONPATH=$PWD:/tmp/site
+}
 case $stage in
 torch)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
@@ -213,8 +217,7 @@ learner_flash)  # carry [".fa4b"] right after flash_kit: FlexAttention's FLASH b
 learner_rows)  # carry [".pydkit"] (pydantic and its three wheels): the 8K shape on full rows (40 groups: every row 7,875
     # tokens) and on the 8-group mix (7,875 + 4,725), each with the head keeping logits and probabilities in one
     # process (logits, probs, logits again); a kernel profile of the full rows; GPU clocks and power sampled throughout
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
+    use_pydkit || exit 1
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active --format=csv -lms 1000 > "$out/smi.csv" 2>&1 &
     smi=$!
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --warmup 2 --compile layers --grad-ckpt auto --check-rows 0 --modes tree_logits,tree_probs,tree"
@@ -226,8 +229,7 @@ learner_rows)  # carry [".pydkit"] (pydantic and its three wheels): the 8K shape
 learner_static)  # carry [".pydkit"] (or [] when warm): the 8-group mix (rows of 7,875 and 4,725 tokens) with the
     # compiled layers static per row length (--static-shapes) and dynamic (Dynamo's default after a second length),
     # alternating, same lease
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
+    use_pydkit || exit 1
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --check-rows 0 --modes tree"
     run mix_static 150 $tp --static-shapes --out "$out/mix_static.json"
     run mix_dynamic 150 $tp --out "$out/mix_dynamic.json"
@@ -238,8 +240,7 @@ learner_static)  # carry [".pydkit"] (or [] when warm): the 8-group mix (rows of
 learner_full)  # carry [".pydkit", ".trlwheel"]: the 8-group mix of the 8K shape (rows of 7,875 and 4,725 tokens, 96 rows
     # after 6 of warm-up), then ours and TRL 1.16's own tree packing in one call on full rows (40 groups: the 8K shape's
     # rows all 7,875 tokens, the 4K shape's 3,143), both shapes
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
+    use_pydkit || exit 1
     run tree_8k_mix 130 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 96 --warmup 6 --compile layers --grad-ckpt auto --check-rows 0 --modes tree --out "$out/tree_8k_mix.json"
     run tree_trl_full 440 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 240 --shapes 1088x256x8@4096,544x128x8@8192 --groups 40 --steps ${ROWS:-48} --warmup 4 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_packing_full.json"
     (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)
@@ -247,8 +248,7 @@ learner_full)  # carry [".pydkit", ".trlwheel"]: the 8-group mix of the 8K shape
 learner_headdyn)  # carry [".pydkit"]: the LM head's compiled passes with only the chunk length dynamic (the default now)
     # against every size dynamic (RLASYNC_HEAD_DYNAMIC=all, as before), full 8K rows, alternating; the GPU head tests;
     # a kernel profile of the default
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
+    use_pydkit || exit 1
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 40 --steps 96 --warmup 6 --compile layers --grad-ckpt auto --check-rows 0 --modes tree"
     run head_rows 130 env RLASYNC_HEAD_DYNAMIC=rows $tp --out "$out/head_rows.json"
     run head_all 130 env RLASYNC_HEAD_DYNAMIC=all $tp --out "$out/head_all.json"
@@ -258,15 +258,13 @@ learner_headdyn)  # carry [".pydkit"]: the LM head's compiled passes with only t
     (cd "$out" && tar czf logs.tgz *.log profiles && rm -rf *.log profiles)
     ;;
 learner_trl8k)  # carry [".pydkit", ".trlwheel"]: ours and TRL 1.16 on full 8K rows only, one call (~3 min with the start)
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
+    use_pydkit || exit 1
     python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 110 --shapes 544x128x8@8192 --groups 40 --steps 64 --warmup 6 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_trl_8k_full.json" > "$out/tree_trl_8k_full.log" 2>&1
     grep -E "^tree|trl anchor|speedup" "$out/tree_trl_8k_full.log"
     ;;
 learner_agree)  # carry [".pydkit"]: the bf16 log-prob gap of tree rows against padding-free rows of the same samples
     # (issue 12's bound: max |delta| <= 0.023), the 8K shape, 8 rows of each checked (~3 min with the start)
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
+    use_pydkit || exit 1
     # --fp32-reference: each mode's error against an fp32 forward of each sample alone (padded: a third bf16 layout)
     run agree_8k 300 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 12 --warmup 2 --compile layers --grad-ckpt auto --check-rows 8 --modes tree,padding_free,padded --fp32-reference --out "$out/agree_8k.json"
     grep -h -A16 '"logprob_max_abs_diff"' "$out/agree_8k.json"

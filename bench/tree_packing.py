@@ -198,6 +198,8 @@ def flops_of(row, config) -> float:
 
 @contextlib.contextmanager
 def _head_keep(value: str | None):
+    """$RLASYNC_HEAD_KEEP set to `value` for the block (None: left alone), only that key restored after it
+    (mock.patch.dict would also undo whatever compiling inside the block put into os.environ)."""
     if value is None:
         yield
         return
@@ -381,13 +383,10 @@ def bench_shape(model, config, shape: Shape, args, reference=None) -> dict:
     results["logprob_samples_compared"] = len(common)
     if reference is not None:  # each mode's rounding error against fp32: does the tree add any beyond bf16's?
         exact = fp32_reference_logprobs(reference, samples, common, args.device)
-        results["logprob_vs_fp32"] = {
-            name: {
-                "max_abs": max(float(np.abs(logprobs[name][k] - exact[k]).max()) for k in common),
-                "mean_abs": float(np.mean(np.concatenate([np.abs(logprobs[name][k] - exact[k]) for k in common]))),
-            }
-            for name in ("tree", *others)
-        }  # fmt: skip
+        results["logprob_vs_fp32"] = {}
+        for name in ("tree", *others):
+            errors = np.concatenate([np.abs(logprobs[name][k] - exact[k]) for k in common])
+            results["logprob_vs_fp32"][name] = {"max_abs": float(errors.max()), "mean_abs": float(errors.mean())}
     tree = results["tree"]["trained_tokens_per_s"]
     for other in others:
         results[f"speedup_vs_{other}"] = tree / results[other]["trained_tokens_per_s"]
