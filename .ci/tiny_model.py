@@ -23,14 +23,24 @@ def main(folder: str) -> None:
         "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
         "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
     )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                        chat_template=template)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", chat_template=template
+    )
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"],
-                         bos_token_id=None)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=vocab["<eos>"],
+        pad_token_id=vocab["<pad>"],
+        bos_token_id=None,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     (path / "vocab_words.json").write_text(json.dumps(WORDS))
     print(path)

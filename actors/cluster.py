@@ -128,21 +128,41 @@ class Cluster:
         learners = self.spawn_learners(budget)
         connect_weights(learners, engines, cluster)
         queue = self.spawn_queue(tokens_per_step, samples_per_step)
-        weights = RayWeightSync(learners, engines, queue, cluster.collective_timeout_s, cluster=cluster, names=self.names,
-                                output_dir=self.config.output_dir)  # fmt: skip
+        weights = RayWeightSync(
+            learners,
+            engines,
+            queue,
+            cluster.collective_timeout_s,
+            cluster=cluster,
+            names=self.names,
+            output_dir=self.config.output_dir,
+        )
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
         state["policy_version"] = self.version
         rewards = self.spawn_rewards()
         self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
-        fleet = RayFleet(self.rollouts, spec.rollout.name, spec.hang_setting, cluster.collective_timeout_s,
-                         engines=engines, names=self.names, output_dir=self.config.output_dir, heal=weights.heal)  # fmt: skip
+        fleet = RayFleet(
+            self.rollouts,
+            spec.rollout.name,
+            spec.hang_setting,
+            cluster.collective_timeout_s,
+            engines=engines,
+            names=self.names,
+            output_dir=self.config.output_dir,
+            heal=weights.heal,
+        )
         from actors.cluster_elastic import RayPools
 
         return spec.step_loop(
-            queue=RayQueue(queue, cluster.collective_timeout_s), learners=RayLearners(learners, cluster.collective_timeout_s),
-            weights=weights, fleet=fleet, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, state=state,
+            queue=RayQueue(queue, cluster.collective_timeout_s),
+            learners=RayLearners(learners, cluster.collective_timeout_s),
+            weights=weights,
+            fleet=fleet,
+            tokens_per_step=tokens_per_step,
+            samples_per_step=samples_per_step,
+            state=state,
             pools=RayPools(self, weights, fleet, queue, state),
-        )  # fmt: skip
+        )
 
     def spawn(self, actor_cls: Any, label: str, kind: str, name: str | None = None, **options: Any) -> Any:
         """One actor: `num_cpus` / `num_gpus` (and `name`) are Ray options, the rest its constructor's keywords;
@@ -167,12 +187,24 @@ class Cluster:
         if cluster.engine == "vllm_server":
             engine_kwargs = server_engine_kwargs(config, engine_kwargs)
         if self.spec.learner.peft_config is not None and cluster.lora_sync == "adapter":  # runtime adapters
-            engine_kwargs = {**lora_engine_kwargs(self.spec.learner.peft_config, cluster.engine, max_loras=cluster.max_loras,
-                                                  lora_dir=cluster.lora_dir or f"{config.output_dir}/lora_adapters"),
-                             **(engine_kwargs or {})}  # fmt: skip
-        self.engine_options = dict(model=self.spec.model, dtype=engine_dtype(config), engine_kwargs=engine_kwargs,
-                                   engine=cluster.engine, vllm_server_url=server_url, num_cpus=cluster.generation_num_cpus,
-                                   num_gpus=cluster.generation_num_gpus)  # fmt: skip
+            engine_kwargs = {
+                **lora_engine_kwargs(
+                    self.spec.learner.peft_config,
+                    cluster.engine,
+                    max_loras=cluster.max_loras,
+                    lora_dir=cluster.lora_dir or f"{config.output_dir}/lora_adapters",
+                ),
+                **(engine_kwargs or {}),
+            }
+        self.engine_options = dict(
+            model=self.spec.model,
+            dtype=engine_dtype(config),
+            engine_kwargs=engine_kwargs,
+            engine=cluster.engine,
+            vllm_server_url=server_url,
+            num_cpus=cluster.generation_num_cpus,
+            num_gpus=cluster.generation_num_gpus,
+        )
         return [self.spawn_engine() for _ in range(cluster.num_generation_actors)]
 
     def spawn_engine(self) -> Any:
@@ -195,13 +227,19 @@ class Cluster:
         cluster = self.config.cluster
         teachers = {
             teacher_id: self.spawn(
-                TeacherScorer, f"teacher {teacher_id!r}", "teacher", teacher_id=teacher_id, model=t.model, engine=t.engine, base_url=t.base_url,
+                TeacherScorer,
+                f"teacher {teacher_id!r}",
+                "teacher",
+                teacher_id=teacher_id,
+                model=t.model,
+                engine=t.engine,
+                base_url=t.base_url,
                 engine_kwargs=cluster.engine_kwargs if t.is_local else server_engine_kwargs(self.config, None),
                 num_cpus=cluster.generation_num_cpus,
                 num_gpus=cluster.generation_num_gpus if t.is_local else 0.0,
             )
             for teacher_id, t in self.spec.teachers.items()
-        }  # fmt: skip
+        }
         ray.get([t.stats.remote() for t in teachers.values()], timeout=cluster.collective_timeout_s + 600)
         return teachers
 
@@ -213,15 +251,28 @@ class Cluster:
         spec, cluster = self.spec, self.config.cluster
         timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
         settings = LearnerSettings.from_config(
-            self.config, objective=spec.learner.objective, token_budget=budget, max_steps=spec.learner.max_steps,
-            teacher_ids=spec.learner.teacher_ids, peft_config=spec.learner.peft_config,
+            self.config,
+            objective=spec.learner.objective,
+            token_budget=budget,
+            max_steps=spec.learner.max_steps,
+            teacher_ids=spec.learner.teacher_ids,
+            peft_config=spec.learner.peft_config,
             optimizer_overrides=spec.learner.optimizer_overrides,
-        )  # fmt: skip
+        )
         learners = [
-            self.spawn(LearnerActor, f"learner rank {rank}", "learner", rank=rank, world_size=num_learners, model=spec.model, settings=settings,
-                       num_cpus=cluster.learner_num_cpus, num_gpus=cluster.learner_num_gpus)
+            self.spawn(
+                LearnerActor,
+                f"learner rank {rank}",
+                "learner",
+                rank=rank,
+                world_size=num_learners,
+                model=spec.model,
+                settings=settings,
+                num_cpus=cluster.learner_num_cpus,
+                num_gpus=cluster.learner_num_gpus,
+            )
             for rank in range(num_learners)
-        ]  # fmt: skip
+        ]
         master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
         ray.get([learner.setup.remote(master, timeout, spec.resume_dir) for learner in learners], timeout=timeout + 600)
         return learners
@@ -232,10 +283,14 @@ class Cluster:
 
         spec = self.spec
         return self.spawn(
-            QueueActor, "the queue actor (StalenessQueue)", "queue", name=f"{spec.queue_name}-{uuid.uuid4().hex[:8]}",
+            QueueActor,
+            "the queue actor (StalenessQueue)",
+            "queue",
+            name=f"{spec.queue_name}-{uuid.uuid4().hex[:8]}",
             settings=spec.queue.with_tokens_per_step(tokens_per_step, samples_per_step),
-            resume=spec.resume_state.to_dict() if spec.resume_state else None, num_cpus=self.config.cluster.queue_num_cpus,
-        )  # fmt: skip
+            resume=spec.resume_state.to_dict() if spec.resume_state else None,
+            num_cpus=self.config.cluster.queue_num_cpus,
+        )
 
     def spawn_rewards(self) -> list[Any]:
         """The RewardActor pool (GRPO with `cluster.num_reward_actors` > 0)."""
@@ -245,8 +300,13 @@ class Cluster:
 
         cluster = self.config.cluster
         return [
-            self.spawn(RewardActor, f"reward actor {i}", "reward", reward_funcs=self.spec.rollout.reward_funcs,
-                       num_cpus=cluster.reward_num_cpus)
+            self.spawn(
+                RewardActor,
+                f"reward actor {i}",
+                "reward",
+                reward_funcs=self.spec.rollout.reward_funcs,
+                num_cpus=cluster.reward_num_cpus,
+            )
             for i in range(cluster.num_reward_actors)
         ]
 
@@ -269,17 +329,42 @@ class Cluster:
         if rollout.kind == "distill":
             from actors.distill_rollout import DistillRolloutActor
 
-            return self.spawn(DistillRolloutActor, f"{rollout.name} {i}", "rollout", index=i, config=config, tokenizer=spec.tokenizer,
-                              dataset=dataset, queue=queue, students=engines, teachers=teachers, seed=config.seed,
-                              loop_cls=rollout.loop_cls, max_inflight_tasks=rollout.max_inflight_tasks,
-                              num_cpus=cluster.rollout_num_cpus)  # fmt: skip
+            return self.spawn(
+                DistillRolloutActor,
+                f"{rollout.name} {i}",
+                "rollout",
+                index=i,
+                config=config,
+                tokenizer=spec.tokenizer,
+                dataset=dataset,
+                queue=queue,
+                students=engines,
+                teachers=teachers,
+                seed=config.seed,
+                loop_cls=rollout.loop_cls,
+                max_inflight_tasks=rollout.max_inflight_tasks,
+                num_cpus=cluster.rollout_num_cpus,
+            )
         from actors.rollout import RolloutActor
 
-        return self.spawn(RolloutActor, f"{rollout.name} {i}", "rollout", index=i, config=config, tokenizer=spec.tokenizer,
-                          dataset=dataset, reward_funcs=rollout.reward_funcs, queue=queue, engines=engines,
-                          loop_cls=rollout.loop_cls, seed=config.seed, reward_actors=rewards,
-                          num_cpus=cluster.rollout_num_cpus, tools=rollout.tools,
-                          environment_factory=rollout.environment_factory)  # fmt: skip
+        return self.spawn(
+            RolloutActor,
+            f"{rollout.name} {i}",
+            "rollout",
+            index=i,
+            config=config,
+            tokenizer=spec.tokenizer,
+            dataset=dataset,
+            reward_funcs=rollout.reward_funcs,
+            queue=queue,
+            engines=engines,
+            loop_cls=rollout.loop_cls,
+            seed=config.seed,
+            reward_actors=rewards,
+            num_cpus=cluster.rollout_num_cpus,
+            tools=rollout.tools,
+            environment_factory=rollout.environment_factory,
+        )
 
 
 def connect(address: str | None) -> bool:
@@ -294,8 +379,9 @@ def connect(address: str | None) -> bool:
     return True
 
 
-def wait_until_dead(handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S,
-                    names: dict[str, str] | None = None) -> None:  # fmt: skip
+def wait_until_dead(
+    handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S, names: dict[str, str] | None = None
+) -> None:
     """Return once every killed actor is reported dead (ray.kill is asynchronous), or warn after `timeout_s`. A
     ping (the built-in `__ray_ready__`) on a dead actor fails with `RayActorError`; one that still answers (the
     kill has not landed yet) is asked again. This works on a Ray Client (`ray://`) driver too (no state API)."""
@@ -315,8 +401,12 @@ def wait_until_dead(handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S,
         time.sleep(0.1)
     if alive:
         ids = [h._actor_id.hex() for h in alive]
-        logger.warning("%d actors still alive %.0f s after ray.kill: %s", len(alive), timeout_s,
-                       [(names or {}).get(i, i) for i in ids])  # fmt: skip
+        logger.warning(
+            "%d actors still alive %.0f s after ray.kill: %s",
+            len(alive),
+            timeout_s,
+            [(names or {}).get(i, i) for i in ids],
+        )
 
 
 # ---- the core's protocols over actor handles ----------------------------------------------------------------------
@@ -367,9 +457,18 @@ class RayFleet:
     death is reported as that actor's ("generation actor 0 died (seen by rollout actor 0: ...)"); a hung rollout
     loop first probes the generation actors, so a frozen one is named instead of the loop waiting for it."""
 
-    def __init__(self, handles: list[Any], name: str, setting: str, timeout: float, *, engines: Sequence[Any] = (),
-                 names: dict[str, str] | None = None, output_dir: str = ".",
-                 heal: Callable[[], Awaitable[Any]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        handles: list[Any],
+        name: str,
+        setting: str,
+        timeout: float,
+        *,
+        engines: Sequence[Any] = (),
+        names: dict[str, str] | None = None,
+        output_dir: str = ".",
+        heal: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self.handles, self.name, self.setting, self.timeout = handles, name, setting, timeout
         self.engines, self.names, self.output_dir = list(engines), names or {}, output_dir
         self.heal = heal  # brings back generation actors Ray restarted (RayWeightSync.heal)
@@ -389,8 +488,12 @@ class RayFleet:
             if released is not None:  # Ray restarted it with its first engines: give it the current ones
                 await self._call(index, rollout.set_engines.remote(self.engines, self.labels()), self.timeout)
                 self.restarts += 1
-                logger.warning("%s %d was restarted after it died: %d of its leases released and generated again",
-                               self.name, index, released)  # fmt: skip
+                logger.warning(
+                    "%s %d was restarted after it died: %d of its leases released and generated again",
+                    self.name,
+                    index,
+                    released,
+                )
 
     def labels(self) -> list[str]:
         """The engines' names ("generation actor 2"), as the rollout actors' channels call them."""

@@ -92,8 +92,13 @@ class RayPools:
         self._set_engines()
         self._kill(gone)
         for engine, key, version in zip(gone, ids, held, strict=True):
-            self._event("remove_engine", engine, policy_version=self.weights.version, requests=served.get(key, 0),
-                        weights_version=version)  # fmt: skip
+            self._event(
+                "remove_engine",
+                engine,
+                policy_version=self.weights.version,
+                requests=served.get(key, 0),
+                weights_version=version,
+            )
         return gone
 
     def _set_engines(self, engines: list[Any] | None = None) -> None:
@@ -116,8 +121,12 @@ class RayPools:
                 break
             time.sleep(0.2)
         if inflight:
-            logger.warning("elastic: %d requests still in flight on the leaving engines after %.0f s: they are retried "
-                           "on the others", inflight, DRAIN_TIMEOUT_S)  # fmt: skip
+            logger.warning(
+                "elastic: %d requests still in flight on the leaving engines after %.0f s: they are retried "
+                "on the others",
+                inflight,
+                DRAIN_TIMEOUT_S,
+            )
         return {key: sum(report.get(key, (0, 0))[0] for report in reports) for key in ids}
 
     # ---- rollout actors -------------------------------------------------------------------------------------------
@@ -166,8 +175,9 @@ class RayPools:
         for handle, ping in zip(handles, pings, strict=True):
             try:
                 if ping not in ready:
-                    raise TimeoutError(f"not started within cluster.collective_timeout_s={self.timeout:.0f} s (no room "
-                                       "on any node?)")  # fmt: skip
+                    raise TimeoutError(
+                        f"not started within cluster.collective_timeout_s={self.timeout:.0f} s (no room on any node?)"
+                    )
                 ray.get(ping, timeout=0)
                 built.append(handle)
             except Exception as exc:

@@ -42,7 +42,9 @@ def resume_hint(output_dir: str | Path) -> str:
     return f"no complete checkpoint in {output_dir} yet: a rerun starts from step 0"
 
 
-def died_error(name: str, cause: BaseException | str, output_dir: str | Path, seen_by: str | None = None) -> RuntimeError:
+def died_error(
+    name: str, cause: BaseException | str, output_dir: str | Path, seen_by: str | None = None
+) -> RuntimeError:
     """`"<name> died (<cause, first line>); resume with --resume: newest complete checkpoint <path>"`; `seen_by`:
     the actor whose call found it dead."""
     text = str(cause).strip().splitlines()
@@ -90,5 +92,13 @@ def probe_engines(engines: list[Any], names: dict[str, str], seen_by: str, outpu
             raise died_error(name, exc, output_dir, seen_by=seen_by) from exc
 
 
-__all__ = ["MAX_RESTARTS", "PROBE_TIMEOUT_S", "dead_actor_name", "died_error", "frozen_error", "probe_engines", "restart_options",
-           "resume_hint"]  # fmt: skip
+__all__ = [
+    "MAX_RESTARTS",
+    "PROBE_TIMEOUT_S",
+    "dead_actor_name",
+    "died_error",
+    "frozen_error",
+    "probe_engines",
+    "restart_options",
+    "resume_hint",
+]

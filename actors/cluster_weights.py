@@ -46,7 +46,9 @@ def get_all(refs: Any, timeout: float) -> Any:
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=max(loop_deadline - time.monotonic(), 0.0))
         if not done:
-            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls unfinished after {timeout:.0f} s")
+            raise ray.exceptions.GetTimeoutError(
+                f"{len(pending)} of {len(refs)} calls unfinished after {timeout:.0f} s"
+            )
         ray.get(done)  # raises its failure now
     return ray.get(refs)
 
@@ -58,33 +60,47 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def connect_weights(learners: list[Any], engines: list[Any], cluster: Any, *,
-                    only: Sequence[int] | None = None) -> TransportPlan:  # fmt: skip
+def connect_weights(
+    learners: list[Any], engines: list[Any], cluster: Any, *, only: Sequence[int] | None = None
+) -> TransportPlan:
     """Choose the weight transport once from the layout (device identities of learner rank 0 and every engine) and
     open it on every learner rank and every engine at once (NCCL and gloo rendezvous need every member). `only`
     (engine indices; a restart): over IPC only those engines open a receiver (there is no group); a broadcast
     group is always re-opened on every member, learner rank 0 included."""
     timeout = cluster.collective_timeout_s
     host, port = ray.get(learners[0].address.remote(), timeout=timeout)
-    infos = ray.get([learners[0].weight_endpoint.remote()] + [e.weight_endpoint.remote() for e in engines],
-                    timeout=timeout)  # fmt: skip
+    infos = ray.get(
+        [learners[0].weight_endpoint.remote()] + [e.weight_endpoint.remote() for e in engines], timeout=timeout
+    )
     plan, why_not_nccl = choose_transport(
-        infos[0], infos[1:], cluster.weight_sync_backend, host=host, port=port, timeout_s=timeout,
+        infos[0],
+        infos[1:],
+        cluster.weight_sync_backend,
+        host=host,
+        port=port,
+        timeout_s=timeout,
         bucket_bytes=max(1, int(cluster.weight_sync_bucket_mb * (1 << 20))),
         staging_bytes=int(cluster.weight_sync_staging_mb * (1 << 20)),
-    )  # fmt: skip
+    )
     if why_not_nccl:
         _warn_once(f"weight sync: {why_not_nccl}")
     manifest = ray.get(learners[0].weight_manifest.remote(), timeout=timeout)
     opened = range(len(engines)) if only is None or plan.kind != "ipc" else sorted(set(only))
     ray.get(
-        ([learner.open_weight_transport.remote(plan) for learner in learners] if len(opened) == len(engines) or
-         plan.kind != "ipc" else [])
+        (
+            [learner.open_weight_transport.remote(plan) for learner in learners]
+            if len(opened) == len(engines) or plan.kind != "ipc"
+            else []
+        )
         + [engines[i].open_weight_transport.remote(plan, i + 1, manifest) for i in opened],
         timeout=timeout + 30,
-    )  # fmt: skip
-    logger.info("weight-sync transport: %d engines over %s%s", len(engines), plan.kind,
-                "" if only is None else f" (re-opened for engine(s) {sorted(set(only))})")  # fmt: skip
+    )
+    logger.info(
+        "weight-sync transport: %d engines over %s%s",
+        len(engines),
+        plan.kind,
+        "" if only is None else f" (re-opened for engine(s) {sorted(set(only))})",
+    )
     return plan
 
 
@@ -117,7 +133,9 @@ def _gone_or_fresh(result: Any) -> bool:
     """A sync call's outcome that means its engine died: Ray's actor error, or a restarted one's NOT_OPENED."""
     from actors.generation import NOT_OPENED
 
-    return isinstance(result, ray.exceptions.RayActorError) or (isinstance(result, Exception) and NOT_OPENED in str(result))
+    return isinstance(result, ray.exceptions.RayActorError) or (
+        isinstance(result, Exception) and NOT_OPENED in str(result)
+    )
 
 
 class RayWeightSync:
@@ -144,8 +162,17 @@ class RayWeightSync:
     publishing a new version; the next `sync(version)` continues from the newest published one. An engine whose restarts are used up
     stops the run (`died_error`). `restarts` counts the engines brought back (`faults/generation_restarts`)."""
 
-    def __init__(self, learners: list[Any], engines: list[Any], queue: Any, timeout: float, *, cluster: Any = None,
-                 names: dict[str, str] | None = None, output_dir: str = ".") -> None:  # fmt: skip
+    def __init__(
+        self,
+        learners: list[Any],
+        engines: list[Any],
+        queue: Any,
+        timeout: float,
+        *,
+        cluster: Any = None,
+        names: dict[str, str] | None = None,
+        output_dir: str = ".",
+    ) -> None:
         self.learners, self.engines, self.queue, self.timeout = learners, engines, queue, timeout
         self.cluster, self.names, self.output_dir = cluster, names or {}, output_dir
         self.version = -1  # the newest version this transport published
@@ -171,8 +198,9 @@ class RayWeightSync:
                 version, timings = self._sync_once(version)
             except EngineRestarted as restarted:
                 if attempt == MAX_RESTARTS:
-                    raise RuntimeError(f"the weight sync failed {attempt + 1} times: {restarted}; "
-                                       f"{resume_hint(self.output_dir)}") from restarted.cause  # fmt: skip
+                    raise RuntimeError(
+                        f"the weight sync failed {attempt + 1} times: {restarted}; {resume_hint(self.output_dir)}"
+                    ) from restarted.cause
                 logger.warning("%s; waiting for the restart, then the weight sync runs again", restarted)
                 self._reconnect(restarted.indices)
                 continue
@@ -208,7 +236,9 @@ class RayWeightSync:
         """Elastic pools: these engines leave the transport before they are killed (their watch calls are
         dropped first, so their deaths are not restarts); a broadcast group is re-opened without them."""
         ids = {engine._actor_id.hex() for engine in gone}
-        kept = [(engine, self._watches[i]) for i, engine in enumerate(self.engines) if engine._actor_id.hex() not in ids]
+        kept = [
+            (engine, self._watches[i]) for i, engine in enumerate(self.engines) if engine._actor_id.hex() not in ids
+        ]
         if not kept:
             raise ValueError("the weight transport needs at least one generation engine")
         self.engines[:] = [engine for engine, _ in kept]
@@ -247,8 +277,10 @@ class RayWeightSync:
             except ray.exceptions.GetTimeoutError:
                 pass
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"{self._name(index)} died and did not come back within {RESTART_TIMEOUT_S:.0f} "
-                                   f"s; {resume_hint(self.output_dir)}")  # fmt: skip
+                raise RuntimeError(
+                    f"{self._name(index)} died and did not come back within {RESTART_TIMEOUT_S:.0f} "
+                    f"s; {resume_hint(self.output_dir)}"
+                )
             time.sleep(1.0)
 
     def _reconnect(self, indices: Sequence[int]) -> None:
@@ -257,8 +289,12 @@ class RayWeightSync:
         self._arm(sorted(set(indices)))
         for index in restarted:
             self.restarts += 1
-            logger.warning("%s was restarted: the weight transport is re-opened and the current policy sent before "
-                           "it serves (generation restarts so far: %d)", self._name(index), self.restarts)  # fmt: skip
+            logger.warning(
+                "%s was restarted: the weight transport is re-opened and the current policy sent before "
+                "it serves (generation restarts so far: %d)",
+                self._name(index),
+                self.restarts,
+            )
         connect_weights(self.learners, self.engines, self._cluster(), only=restarted)
 
     def _sync_once(self, version: int) -> tuple[int, dict[str, float]]:
@@ -298,11 +334,13 @@ class RayWeightSync:
         ray.get(finished + [self.queue.set_policy_version.remote(version + 1)], timeout=self.timeout)  # together
         ended = time.perf_counter()
         timings = sync_timings(ended - started, started_at, sent, phases)
-        return version + 1, {**timings, "perf/weight_sync_barrier_s": barrier_s,
-                             "perf/weight_sync_pack_s": float(getattr(ticket, "pack_s", 0.0)),
-                             "perf/weight_sync_calls_s": (loaded - started - barrier_s)
-                             - max(p["total_s"] for p in phases),
-                             "perf/weight_sync_finish_s": ended - loaded}  # fmt: skip
+        return version + 1, {
+            **timings,
+            "perf/weight_sync_barrier_s": barrier_s,
+            "perf/weight_sync_pack_s": float(getattr(ticket, "pack_s", 0.0)),
+            "perf/weight_sync_calls_s": (loaded - started - barrier_s) - max(p["total_s"] for p in phases),
+            "perf/weight_sync_finish_s": ended - loaded,
+        }
 
     def _dead_engines(self, exc: BaseException, sends: list[Any], loads: list[Any]) -> list[int]:
         """After a failed sync: the engines that died (empty: not an engine death, e.g. a frozen engine or a dead
@@ -326,7 +364,9 @@ class RayWeightSync:
         return sorted(dead)
 
 
-def sync_timings(total_s: float, started_at: float, sent: list[float], phases: list[dict[str, float]]) -> dict[str, float]:
+def sync_timings(
+    total_s: float, started_at: float, sent: list[float], phases: list[dict[str, float]]
+) -> dict[str, float]:
     """The `perf/weight_sync_*` metrics of one sync from the learners' send times and the engines' phases."""
     return {
         "perf/weight_sync_s": total_s,
@@ -340,6 +380,9 @@ def sync_timings(total_s: float, started_at: float, sent: list[float], phases: l
         "perf/weight_sync_send_s": max(sent),
         "perf/weight_sync_stage_s": max(p.get("stage_s", 0.0) for p in phases),
         # of the transfer, the engine's own part (vLLM's workers: copies and the wait for them), where it says
-        **({"perf/weight_sync_engine_load_s": max(p.get("engine_load_s", 0.0) for p in phases)}
-           if any("engine_load_s" in p for p in phases) else {}),
+        **(
+            {"perf/weight_sync_engine_load_s": max(p.get("engine_load_s", 0.0) for p in phases)}
+            if any("engine_load_s" in p for p in phases)
+            else {}
+        ),
     }

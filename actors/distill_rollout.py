@@ -41,14 +41,28 @@ class DistillRolloutActor(RestartableLoop, LoopHost):
     kind = "distillation rollout actor"
 
     def __init__(
-        self, *, index: int, config: Any, tokenizer: Any, dataset: Any, queue: Any, students: list[Any],
-        teachers: dict[str, Any], loop_cls: type[AsyncDistillationLoop] = AsyncDistillationLoop, seed: int = 0,
+        self,
+        *,
+        index: int,
+        config: Any,
+        tokenizer: Any,
+        dataset: Any,
+        queue: Any,
+        students: list[Any],
+        teachers: dict[str, Any],
+        loop_cls: type[AsyncDistillationLoop] = AsyncDistillationLoop,
+        seed: int = 0,
         max_inflight_tasks: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=1)  # a "group" is one sample
         self.loop = loop_cls(
-            config=config, tokenizer=tokenizer, student=[EngineChannel(h, f"student engine {i}") for i, h in enumerate(students)],
+            config=config,
+            tokenizer=tokenizer,
+            student=[EngineChannel(h, f"student engine {i}") for i, h in enumerate(students)],
             teachers={teacher_id: _RemoteTeacher(handle) for teacher_id, handle in teachers.items()},
-            prompt_source=self.source, sink=QueueSampleSink(queue, self.source), metrics_callback=self.items.extend,
-            rng=random.Random(seed * 1_000_003 + index), max_inflight_tasks=max_inflight_tasks,
-        )  # fmt: skip
+            prompt_source=self.source,
+            sink=QueueSampleSink(queue, self.source),
+            metrics_callback=self.items.extend,
+            rng=random.Random(seed * 1_000_003 + index),
+            max_inflight_tasks=max_inflight_tasks,
+        )

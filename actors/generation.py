@@ -25,14 +25,24 @@ from typing import Any
 import ray
 
 NOT_OPENED = "sync_weights before open_weight_transport"  # also how the driver recognises a restarted engine
-SYNC_GATE_S = 30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
+SYNC_GATE_S = (
+    30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
+)
 
 
 @ray.remote
 class GenerationActor:
-    def __init__(self, *, model: str, dtype: str | None = None, num_threads: int | None = 1,
-                 engine_kwargs: dict[str, Any] | None = None, engine: str = "torch",
-                 vllm_server_url: str | None = None, serve_initial_weights: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        model: str,
+        dtype: str | None = None,
+        num_threads: int | None = 1,
+        engine_kwargs: dict[str, Any] | None = None,
+        engine: str = "torch",
+        vllm_server_url: str | None = None,
+        serve_initial_weights: bool = False,
+    ) -> None:
         """`serve_initial_weights`: serve the weights loaded here at once (an engine outside a training run); a
         training run's engines wait for their first sync (the first-sync gate, kept across Ray restarts)."""
         import torch
@@ -160,8 +170,12 @@ class GenerationActor:
             phases = await self.receiver.load_into(self.engine, ticket)
         self.version = version
         self.synced.set()
-        return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max(),
-                "gc_max_s": self.gc_pauses.take()["gc_max_s"]}  # fmt: skip
+        return {
+            **phases,
+            "started_at": started_at,
+            "loop_lag_max_s": self.loop_lag.take_max(),
+            "gc_max_s": self.gc_pauses.take()["gc_max_s"],
+        }
 
     async def close(self) -> None:
         if self.receiver is not None:

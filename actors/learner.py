@@ -68,8 +68,15 @@ class LearnerActor:
             torch.cuda.set_device(self.device)
         init_training_group(self.rank, self.world_size, master, timeout_s, self.device)
         reducer = GroupReducer(self.rank, self.device, timeout_s) if self.world_size > 1 else None
-        self.learner = Learner(self.model_path, self.settings, rank=self.rank, world_size=self.world_size,
-                               device=self.device, reducer=reducer, resume_dir=resume_dir)  # fmt: skip
+        self.learner = Learner(
+            self.model_path,
+            self.settings,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            reducer=reducer,
+            resume_dir=resume_dir,
+        )
         return self.learner.info()
 
     def train_step(self, refs: list[Any]) -> list[tuple[str, Any]]:

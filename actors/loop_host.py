@@ -99,8 +99,13 @@ class QueueGroupSink:
         self.source.taken(result.group_id)
         if result.dropped:
             scored = result.scored
-            await self.queue.drop_group.remote(result.group_id, str(GroupOutcome.ZERO_STD), result.num_rollout_tokens,
-                                               scored.drop_cause, scored.drop_detail())  # fmt: skip
+            await self.queue.drop_group.remote(
+                result.group_id,
+                str(GroupOutcome.ZERO_STD),
+                result.num_rollout_tokens,
+                scored.drop_cause,
+                scored.drop_detail(),
+            )
             return
         # by value: the queue actor ray.puts them, so it owns them and they outlive this actor
         await self.queue.put_group.remote([QueueEntry.for_sample(s, payload=s) for s in result.scored.samples])
@@ -196,8 +201,13 @@ class LoopHost:
         pool.remove_engines(removed)
         self.channels = {**getattr(self, "channels", {}), **known, **{actor_id(c): c for c in added}}
         if added or removed:
-            logger.info("%s %d: engines %s joined, %s left", self.kind, self.index, [c.name for c in added],
-                        [c.name for c in removed])  # fmt: skip
+            logger.info(
+                "%s %d: engines %s joined, %s left",
+                self.kind,
+                self.index,
+                [c.name for c in added],
+                [c.name for c in removed],
+            )
 
     def engine_report(self, ids: list[str]) -> dict[str, tuple[int, int]]:
         """`{actor id: (requests answered, requests in flight)}` of these engines in this loop's pool (also of

@@ -30,8 +30,11 @@ class RestartableLoop:
         """Release the leases a dead predecessor of this actor held (none on the first start), then run the loop."""
         self.released_at_start = await self.queue.release_owner.remote(self.source.owner)
         if self.released_at_start:
-            logger.warning("%s restarted: %d leases of its previous incarnation released", self.source.owner,
-                           self.released_at_start)  # fmt: skip
+            logger.warning(
+                "%s restarted: %d leases of its previous incarnation released",
+                self.source.owner,
+                self.released_at_start,
+            )
         await super().start()  # type: ignore[misc]
 
     async def ensure_running(self) -> int | None:

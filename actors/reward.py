@@ -31,9 +31,12 @@ class RewardActor:
     ) -> RewardTable:
         self.num_groups += 1
         return await call_reward_funcs(
-            self.reward_funcs, prompts=prompts, completions=completions, completion_ids=completion_ids,
+            self.reward_funcs,
+            prompts=prompts,
+            completions=completions,
+            completion_ids=completion_ids,
             reward_kwargs=reward_kwargs,
-        )  # fmt: skip
+        )
 
     def stats(self) -> dict[str, int]:
         return {"groups_scored": self.num_groups}

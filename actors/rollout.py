@@ -41,10 +41,21 @@ class _RewardPool:
 @ray.remote
 class RolloutActor(RestartableLoop, LoopHost):
     def __init__(
-        self, *, index: int, config: Any, tokenizer: Any, dataset: Any, queue: Any, engines: list[Any],
-        reward_funcs: list[Any], reward_actors: list[Any] | None = None, loop_cls: type, seed: int = 0,
-        tools: list[Any] | None = None, environment_factory: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        index: int,
+        config: Any,
+        tokenizer: Any,
+        dataset: Any,
+        queue: Any,
+        engines: list[Any],
+        reward_funcs: list[Any],
+        reward_actors: list[Any] | None = None,
+        loop_cls: type,
+        seed: int = 0,
+        tools: list[Any] | None = None,
+        environment_factory: Any = None,
+    ) -> None:
         tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=config.num_generations)
         extra: dict[str, Any] = {}  # only when set: a loop_cls with a narrower __init__ keeps working without them
         if tools:
@@ -52,8 +63,14 @@ class RolloutActor(RestartableLoop, LoopHost):
         if environment_factory is not None:
             extra["environment_factory"] = environment_factory
         self.loop = loop_cls(
-            config=config, tokenizer=tokenizer, engine=[EngineChannel(h, f"generation actor {i}") for i, h in enumerate(engines)], prompt_source=self.source,
-            sink=QueueGroupSink(queue, self.source), reward_funcs=reward_funcs, metrics_callback=self.items.extend,
+            config=config,
+            tokenizer=tokenizer,
+            engine=[EngineChannel(h, f"generation actor {i}") for i, h in enumerate(engines)],
+            prompt_source=self.source,
+            sink=QueueGroupSink(queue, self.source),
+            reward_funcs=reward_funcs,
+            metrics_callback=self.items.extend,
             rng=random.Random(seed * 1_000_003 + index),
-            reward_scorer=_RewardPool(reward_actors) if reward_actors else None, **extra,
-        )  # fmt: skip
+            reward_scorer=_RewardPool(reward_actors) if reward_actors else None,
+            **extra,
+        )

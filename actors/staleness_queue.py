@@ -28,10 +28,15 @@ class QueueActor:
     def __init__(self, *, settings: QueueSettings, resume: dict[str, int] | None = None) -> None:
         state = RolloutState.from_dict(resume) if resume else None
         self.service = QueueService.create(
-            num_rows=settings.num_rows, num_epochs=settings.num_epochs, max_staleness=settings.max_staleness,
-            tokens_per_step=settings.tokens_per_step, resume=state, stream=settings.stream,
-            steps_per_version=settings.steps_per_version, samples_per_step=settings.samples_per_step,
-        )  # fmt: skip
+            num_rows=settings.num_rows,
+            num_epochs=settings.num_epochs,
+            max_staleness=settings.max_staleness,
+            tokens_per_step=settings.tokens_per_step,
+            resume=state,
+            stream=settings.stream,
+            steps_per_version=settings.steps_per_version,
+            samples_per_step=settings.samples_per_step,
+        )
 
     # rollout side
     async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> Any:
@@ -41,8 +46,9 @@ class QueueActor:
         owned = [e if isinstance(e.payload, ray.ObjectRef) else replace(e, payload=ray.put(e.payload)) for e in entries]
         self.service.put_group(owned)
 
-    def drop_group(self, group_id: int, reason: str, num_tokens: int = 0, cause: str | None = None,
-                   detail: str | None = None) -> None:  # fmt: skip
+    def drop_group(
+        self, group_id: int, reason: str, num_tokens: int = 0, cause: str | None = None, detail: str | None = None
+    ) -> None:
         self.service.drop_group(group_id, reason, num_tokens, cause, detail)  # type: ignore[arg-type]
 
     def release(self, lease: Any) -> None:

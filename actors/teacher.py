@@ -19,9 +19,17 @@ import ray
 
 @ray.remote
 class TeacherScorer:
-    def __init__(self, *, teacher_id: str, model: Any, engine: str = "torch", base_url: str | None = None,
-                 dtype: str | None = None, engine_kwargs: dict[str, Any] | None = None,
-                 num_threads: int | None = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        teacher_id: str,
+        model: Any,
+        engine: str = "torch",
+        base_url: str | None = None,
+        dtype: str | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        num_threads: int | None = 1,
+    ) -> None:
         import torch
 
         from rlasync.engine.factory import make_engine

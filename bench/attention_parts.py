@@ -75,13 +75,18 @@ def timed(name, fn, inputs, grad, pairs, iters, results, heads, head_dim):
 
     try:
         forward_backward()
-        entry = {"fwd_ms": time_ms(forward, iters, grad.device), "fwd_bwd_ms": time_ms(forward_backward, iters, grad.device)}
+        entry = {
+            "fwd_ms": time_ms(forward, iters, grad.device),
+            "fwd_bwd_ms": time_ms(forward_backward, iters, grad.device),
+        }
     except Exception as exc:  # a kernel this torch or GPU refuses: recorded
         results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         print(name, results[name], flush=True)
         return
     flops = 4 * heads * head_dim * pairs
-    entry.update(pairs=pairs, fwd_tflops=flops / entry["fwd_ms"] / 1e9, fwd_bwd_tflops=3 * flops / entry["fwd_bwd_ms"] / 1e9)
+    entry.update(
+        pairs=pairs, fwd_tflops=flops / entry["fwd_ms"] / 1e9, fwd_bwd_tflops=3 * flops / entry["fwd_bwd_ms"] / 1e9
+    )
     results[name] = entry
     print(name, json.dumps({k: round(v, 3) for k, v in entry.items()}), flush=True)
 
@@ -105,13 +110,27 @@ def main(argv=None) -> None:
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen).requires_grad_()
 
     scale = head_dim**-0.5
-    results: dict = {"benchmark": "attention_parts", "command": " ".join(["python3", "bench/attention_parts.py", *(argv or sys.argv[1:])]),
-                     "hardware": torch.cuda.get_device_name(device), "torch": torch.__version__, "tokens": n}  # fmt: skip
+    results: dict = {
+        "benchmark": "attention_parts",
+        "command": " ".join(["python3", "bench/attention_parts.py", *(argv or sys.argv[1:])]),
+        "hardware": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "tokens": n,
+    }
     flex = torch.compile(flex_attention, dynamic=False)
     mask = tree_block_mask(row.subtree_end, row.position_ids, None, 128)
     q4, k4, v4 = rand(1, heads, n, head_dim), rand(1, kv_heads, n, head_dim), rand(1, kv_heads, n, head_dim)
-    timed("flex_full", lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=True), (q4, k4, v4),
-          torch.randn_like(q4), attended_pairs(row.subtree_end), args.iters, results, heads, head_dim)  # fmt: skip
+    timed(
+        "flex_full",
+        lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=True),
+        (q4, k4, v4),
+        torch.randn_like(q4),
+        attended_pairs(row.subtree_end),
+        args.iters,
+        results,
+        heads,
+        head_dim,
+    )
 
     # the self part: the row's segments, causal; the cross part: one dense entry per branch point
     bounds, cross_rows, cross_keys = cascade_parts(plan)
@@ -121,15 +140,23 @@ def main(argv=None) -> None:
     max_cq, max_ck = rounded(max(map(len, cross_rows))), rounded(max(map(len, cross_keys)))
     cross_pairs = sum((cq[e + 1] - cq[e]) * (ck[e + 1] - ck[e]) for e in range(len(cq) - 1))
     nc, kc = cq[-1], ck[-1]
-    results["parts"] = {"segments": len(bounds) - 1, "self_pairs": self_pairs, "cross_entries": len(cq) - 1,
-                        "cross_queries": nc, "cross_keys": kc, "cross_pairs": cross_pairs}  # fmt: skip
+    results["parts"] = {
+        "segments": len(bounds) - 1,
+        "self_pairs": self_pairs,
+        "cross_entries": len(cq) - 1,
+        "cross_queries": nc,
+        "cross_keys": kc,
+        "cross_pairs": cross_pairs,
+    }
     print(results["parts"], flush=True)
 
     def fa2(cu_q, cu_k, max_q, max_k, causal):
         class Fa2(torch.autograd.Function):
             @staticmethod
             def forward(ctx, q, k, v):
-                out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+                out, lse, *_ = torch.ops.aten._flash_attention_forward(
+                    q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+                )
                 ctx.save_for_backward(q, k, v, out, lse)
                 return out
 
@@ -138,7 +165,22 @@ def main(argv=None) -> None:
                 q, k, v, out, lse = ctx.saved_tensors
                 rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
                 return torch.ops.aten._flash_attention_backward(
-                    grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale)
+                    grad.contiguous(),
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    cu_q,
+                    cu_k,
+                    max_q,
+                    max_k,
+                    0.0,
+                    causal,
+                    rng,
+                    unused,
+                    scale=scale,
+                )
 
         return Fa2.apply
 
@@ -149,7 +191,9 @@ def main(argv=None) -> None:
             @staticmethod
             def forward(ctx, q, k, v):
                 k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-                res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False, scale=scale)
+                res = torch.ops.aten._cudnn_attention_forward(
+                    q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False, scale=scale
+                )
                 ctx.save_for_backward(q, k, v, res[0], res[1], res[6], res[7])
                 return res[0]
 
@@ -157,7 +201,23 @@ def main(argv=None) -> None:
             def backward(ctx, grad):
                 q, k, v, out, lse, seed, offset = ctx.saved_tensors
                 dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-                    grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, causal, scale=scale)
+                    grad.contiguous(),
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    seed,
+                    offset,
+                    None,
+                    cu_q,
+                    cu_k,
+                    max_q,
+                    max_k,
+                    0.0,
+                    causal,
+                    scale=scale,
+                )
                 shape = (dk.shape[0], kv_heads, groups, head_dim)
                 return dq, dk.view(shape).sum(2), dv.view(shape).sum(2)
 
@@ -167,22 +227,65 @@ def main(argv=None) -> None:
     qc, kc3, vc3 = rand(nc, heads, head_dim), rand(kc, kv_heads, head_dim), rand(kc, kv_heads, head_dim)
     cu = plan.query_start
     for name, make in (("fa2", fa2), ("cudnn", cudnn)):
-        timed(f"{name}_self", make(cu, cu, plan.max_query, plan.max_query, True), (q3, k3, v3), torch.randn_like(q3),
-              self_pairs, args.iters, results, heads, head_dim)  # fmt: skip
-        timed(f"{name}_cross", make(cross_q, cross_k, max_cq, max_ck, False), (qc, kc3, vc3), torch.randn_like(qc),
-              cross_pairs, args.iters, results, heads, head_dim)  # fmt: skip
+        timed(
+            f"{name}_self",
+            make(cu, cu, plan.max_query, plan.max_query, True),
+            (q3, k3, v3),
+            torch.randn_like(q3),
+            self_pairs,
+            args.iters,
+            results,
+            heads,
+            head_dim,
+        )
+        timed(
+            f"{name}_cross",
+            make(cross_q, cross_k, max_cq, max_ck, False),
+            (qc, kc3, vc3),
+            torch.randn_like(qc),
+            cross_pairs,
+            args.iters,
+            results,
+            heads,
+            head_dim,
+        )
     lengths = {(cq[e + 1] - cq[e], ck[e + 1] - ck[e]) for e in range(len(cq) - 1)}
     if len(lengths) == 1:  # one dense batch [E, H, Lq, D] x [E, Hkv, Lk, D]
         (lq, lk), entries = lengths.pop(), len(cq) - 1
-        qb, kb, vb = rand(entries, heads, lq, head_dim), rand(entries, kv_heads, lk, head_dim), rand(entries, kv_heads, lk, head_dim)
+        qb, kb, vb = (
+            rand(entries, heads, lq, head_dim),
+            rand(entries, kv_heads, lk, head_dim),
+            rand(entries, kv_heads, lk, head_dim),
+        )
         grad = torch.randn_like(qb)
         for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+
             def sdpa(q, k, v, backend=backend):
                 with sdpa_kernel(getattr(SDPBackend, backend)):
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-            timed(f"sdpa_cross_{backend.lower()}", sdpa, (qb, kb, vb), grad, cross_pairs, args.iters, results, heads, head_dim)
-        timed("flex_cross", lambda q, k, v: flex(q, k, v, enable_gqa=True), (qb, kb, vb), grad, cross_pairs,
-              args.iters, results, heads, head_dim)  # fmt: skip
+
+            timed(
+                f"sdpa_cross_{backend.lower()}",
+                sdpa,
+                (qb, kb, vb),
+                grad,
+                cross_pairs,
+                args.iters,
+                results,
+                heads,
+                head_dim,
+            )
+        timed(
+            "flex_cross",
+            lambda q, k, v: flex(q, k, v, enable_gqa=True),
+            (qb, kb, vb),
+            grad,
+            cross_pairs,
+            args.iters,
+            results,
+            heads,
+            head_dim,
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1))

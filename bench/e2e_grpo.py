@@ -48,14 +48,33 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
 KEYS = (
-    "perf/step_s", "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s",
-    "perf/weight_sync_resume_s", "perf/weight_sync_dispatch_s", "perf/weight_sync_send_s",
-    "perf/weight_sync_engine_load_s", "perf/generation_loop_lag_max_s", "perf/generation_gc_max_s", "perf/rollout_wait_s",
-    "rollout/backpressure_s", "perf/fwd_bwd_s",
-    "perf/fwd_s", "perf/optimizer_s", "perf/fetch_samples_s", "perf/pack_s",
-    "batch/trained_tokens_per_step", "batch/forwarded_tokens_per_step", "batch/samples_per_step",
-    "sample/staleness_mean", "sample/staleness_max", "rollout/generated_tokens_per_s", "reward", "jsd", "entropy",
-)  # fmt: skip
+    "perf/step_s",
+    "perf/weight_sync_s",
+    "perf/weight_sync_pause_s",
+    "perf/weight_sync_transfer_s",
+    "perf/weight_sync_resume_s",
+    "perf/weight_sync_dispatch_s",
+    "perf/weight_sync_send_s",
+    "perf/weight_sync_engine_load_s",
+    "perf/generation_loop_lag_max_s",
+    "perf/generation_gc_max_s",
+    "perf/rollout_wait_s",
+    "rollout/backpressure_s",
+    "perf/fwd_bwd_s",
+    "perf/fwd_s",
+    "perf/optimizer_s",
+    "perf/fetch_samples_s",
+    "perf/pack_s",
+    "batch/trained_tokens_per_step",
+    "batch/forwarded_tokens_per_step",
+    "batch/samples_per_step",
+    "sample/staleness_mean",
+    "sample/staleness_max",
+    "rollout/generated_tokens_per_s",
+    "reward",
+    "jsd",
+    "entropy",
+)
 
 
 def bench_reward(completions: list[Any], answer: list[Any] | None = None, **kwargs: Any) -> list[float]:
@@ -83,9 +102,13 @@ def build_tokenizer(vocab_size: int) -> Any:
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", chat_template=CHAT_TEMPLATE,
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )  # fmt: skip
+    )
 
 
 def model_config(tiny: bool) -> Any:
@@ -93,14 +116,31 @@ def model_config(tiny: bool) -> Any:
 
     ids = dict(eos_token_id=SPECIALS.index("<eos>"), pad_token_id=SPECIALS.index("<pad>"), bos_token_id=None)
     if tiny:
-        return Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
-                           max_position_embeddings=1024, **ids)  # fmt: skip
+        return Qwen3Config(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=512,
+            tie_word_embeddings=True,
+            max_position_embeddings=1024,
+            **ids,
+        )
     return Qwen3Config(
-        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
-        rope_theta=1_000_000.0, **ids,
-    )  # fmt: skip
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        **ids,
+    )
 
 
 def build_random_model(folder: Path, tiny: bool, dtype: str, device: str, seed: int = 0) -> str:
@@ -150,20 +190,37 @@ def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, 
     gpu = args.device == "cuda"
     learner_gpus, generation_gpus = {"two_gpus": (1.0, 1.0), "shared_gpu": (0.5, 0.5), "cpu": (0.0, 0.0)}[placement]
     return AsyncGRPOConfig(
-        output_dir=str(output_dir), max_steps=args.steps, logging_steps=1, save_steps=10**9, seed=0,
-        num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
-        learning_rate=1e-6, token_budget=args.token_budget, gradient_accumulation_steps=1,
-        max_staleness=max_staleness, weight_sync_steps=1, gradient_checkpointing=gpu,
-        dtype=args.learner_dtype, report_to="none",
+        output_dir=str(output_dir),
+        max_steps=args.steps,
+        logging_steps=1,
+        save_steps=10**9,
+        seed=0,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        temperature=1.0,
+        learning_rate=1e-6,
+        token_budget=args.token_budget,
+        gradient_accumulation_steps=1,
+        max_staleness=max_staleness,
+        weight_sync_steps=1,
+        gradient_checkpointing=gpu,
+        dtype=args.learner_dtype,
+        report_to="none",
         cluster={
-            "num_rollout_actors": 1, "num_generation_actors": 1, "num_learners": 1,
-            "rollout_num_cpus": 1.0 if gpu else 0.25, "generation_num_cpus": 1.0 if gpu else 0.5,
-            "learner_num_cpus": 1.0 if gpu else 0.5, "learner_num_gpus": learner_gpus,
-            "generation_num_gpus": generation_gpus, "collective_timeout_s": 600.0,
-            "engine": args.engine, "engine_kwargs": engine_kwargs(args),
+            "num_rollout_actors": 1,
+            "num_generation_actors": 1,
+            "num_learners": 1,
+            "rollout_num_cpus": 1.0 if gpu else 0.25,
+            "generation_num_cpus": 1.0 if gpu else 0.5,
+            "learner_num_cpus": 1.0 if gpu else 0.5,
+            "learner_num_gpus": learner_gpus,
+            "generation_num_gpus": generation_gpus,
+            "collective_timeout_s": 600.0,
+            "engine": args.engine,
+            "engine_kwargs": engine_kwargs(args),
             "weight_sync_backend": args.weight_sync_backend,
         },
-    )  # fmt: skip
+    )
 
 
 def make_distill_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, placement: str) -> Any:
@@ -172,10 +229,26 @@ def make_distill_config(args: argparse.Namespace, output_dir: Path, max_stalenes
     from rlasync.config import AsyncDistillationConfig
 
     grpo = make_config(args, output_dir, max_staleness, placement)
-    shared = {name: getattr(grpo, name) for name in (
-        "output_dir", "max_steps", "logging_steps", "save_steps", "seed", "max_completion_length", "temperature",
-        "learning_rate", "token_budget", "gradient_accumulation_steps", "max_staleness", "weight_sync_steps",
-        "gradient_checkpointing", "dtype", "report_to")}  # fmt: skip
+    shared = {
+        name: getattr(grpo, name)
+        for name in (
+            "output_dir",
+            "max_steps",
+            "logging_steps",
+            "save_steps",
+            "seed",
+            "max_completion_length",
+            "temperature",
+            "learning_rate",
+            "token_budget",
+            "gradient_accumulation_steps",
+            "max_staleness",
+            "weight_sync_steps",
+            "gradient_checkpointing",
+            "dtype",
+            "report_to",
+        )
+    }
     cluster = {**grpo.to_dict()["cluster"]}
     if placement == "two_gpus":  # the student's engine and the teacher share the second GPU
         cluster["generation_num_gpus"] = 0.5
@@ -186,11 +259,18 @@ def make_distill_config(args: argparse.Namespace, output_dir: Path, max_stalenes
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "vllm":  # in-process AsyncLLM: decode-only CUDA graphs, no torch.compile (starts in ~20 s)
-        return {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs or 256,
-                "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
-                "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}  # fmt: skip
-    return {"max_model_len": args.max_model_len, "kv_cache_tokens": args.kv_cache_tokens,
-            "max_num_seqs": args.max_num_seqs, **json.loads(args.engine_kwargs or "{}")}  # fmt: skip
+        return {
+            "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs or 256,
+            "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+            "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        }
+    return {
+        "max_model_len": args.max_model_len,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        **json.loads(args.engine_kwargs or "{}"),
+    }
 
 
 class _BackendLog(logging.Handler):
@@ -221,9 +301,17 @@ def summarize(metrics_path: Path, warmup: int) -> dict[str, Any]:
     seconds = sum(r["perf/step_s"] for r in timed)
     trained = sum(r["batch/trained_tokens_per_step"] for r in timed)
     dropped = [r.get("sample/dropped_stale_count", r.get("sample/dropped_stale_total")) for r in records]
-    per_step = ("perf/step_s", "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s",
-                "perf/weight_sync_engine_load_s", "perf/weight_sync_dispatch_s", "perf/generation_loop_lag_max_s",
-                "perf/generation_gc_max_s", "perf/rollout_wait_s")  # fmt: skip
+    per_step = (
+        "perf/step_s",
+        "perf/weight_sync_s",
+        "perf/weight_sync_pause_s",
+        "perf/weight_sync_transfer_s",
+        "perf/weight_sync_engine_load_s",
+        "perf/weight_sync_dispatch_s",
+        "perf/generation_loop_lag_max_s",
+        "perf/generation_gc_max_s",
+        "perf/rollout_wait_s",
+    )
     return {
         "steps_logged": len(records),
         "steps_measured": [r["step"] for r in timed],
@@ -235,8 +323,9 @@ def summarize(metrics_path: Path, warmup: int) -> dict[str, Any]:
     }
 
 
-def run_training(args: argparse.Namespace, model_dir: str, name: str, max_staleness: int, placement: str,
-                 work: Path, warmup: int) -> dict[str, Any]:  # fmt: skip
+def run_training(
+    args: argparse.Namespace, model_dir: str, name: str, max_staleness: int, placement: str, work: Path, warmup: int
+) -> dict[str, Any]:
     from rlasync import AsyncGRPOTrainer
     from rlasync.data import arithmetic_dataset
 
@@ -253,8 +342,12 @@ def run_training(args: argparse.Namespace, model_dir: str, name: str, max_stalen
         if distill:
             from rlasync import AsyncDistillationTrainer
 
-            trainer = AsyncDistillationTrainer(model=model_dir, args=config, train_dataset=arithmetic_dataset(20000, seed=0),
-                                               teacher_model=args.teacher_dir)  # fmt: skip
+            trainer = AsyncDistillationTrainer(
+                model=model_dir,
+                args=config,
+                train_dataset=arithmetic_dataset(20000, seed=0),
+                teacher_model=args.teacher_dir,
+            )
         else:
             peft = None
             if args.lora_rank:
@@ -262,7 +355,10 @@ def run_training(args: argparse.Namespace, model_dir: str, name: str, max_stalen
 
                 peft = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
             trainer = AsyncGRPOTrainer(
-                model=model_dir, reward_funcs=bench_reward, args=config, train_dataset=arithmetic_dataset(20000, seed=0),
+                model=model_dir,
+                reward_funcs=bench_reward,
+                args=config,
+                train_dataset=arithmetic_dataset(20000, seed=0),
                 peft_config=peft,
             )
         state = trainer.train()
@@ -284,8 +380,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 (smoke test)")
-    parser.add_argument("--model", default="random-qwen3-0.6b",
-                        help="random-qwen3-0.6b (built here), smollm2-135m-instruct, or an HF folder")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default="random-qwen3-0.6b",
+        help="random-qwen3-0.6b (built here), smollm2-135m-instruct, or an HF folder",
+    )
     parser.add_argument("--share-gpu", action="store_true", help="learner and engine on one GPU (0.5 each)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the means")
@@ -298,18 +397,36 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="the generation engine")
-    parser.add_argument("--engine-kwargs", default=None,
-                        help='torch engine: JSON of extra TorchEngine arguments, e.g. \'{"compiled_sampler": false}\'')  # fmt: skip
-    parser.add_argument("--trainer", choices=["grpo", "distill"], default="grpo",
-                        help="distill: on-policy distillation from a second random model (a TeacherScorer actor on "
-                             "the engine's GPU) instead of GRPO")  # fmt: skip
-    parser.add_argument("--weight-sync-backend", choices=["auto", "nccl", "gloo", "ipc"], default="auto",
-                        help="ipc: learner and engine share one GPU (with --share-gpu)")
-    parser.add_argument("--learner-dtype", default="auto",
-                        help="the config's dtype: auto = float32 master weights with bf16 compute on GPU (bf16=True), "
-                             "engines in bf16; bfloat16 = pure bf16 training")
-    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5,
-                        help="vLLM's share of its GPU (lower it with --share-gpu)")
+    parser.add_argument(
+        "--engine-kwargs",
+        default=None,
+        help="torch engine: JSON of extra TorchEngine arguments, e.g. '{\"compiled_sampler\": false}'",
+    )
+    parser.add_argument(
+        "--trainer",
+        choices=["grpo", "distill"],
+        default="grpo",
+        help="distill: on-policy distillation from a second random model (a TeacherScorer actor on "
+        "the engine's GPU) instead of GRPO",
+    )
+    parser.add_argument(
+        "--weight-sync-backend",
+        choices=["auto", "nccl", "gloo", "ipc"],
+        default="auto",
+        help="ipc: learner and engine share one GPU (with --share-gpu)",
+    )
+    parser.add_argument(
+        "--learner-dtype",
+        default="auto",
+        help="the config's dtype: auto = float32 master weights with bf16 compute on GPU (bf16=True), "
+        "engines in bf16; bfloat16 = pure bf16 training",
+    )
+    parser.add_argument(
+        "--vllm-gpu-memory-utilization",
+        type=float,
+        default=0.5,
+        help="vLLM's share of its GPU (lower it with --share-gpu)",
+    )
     parser.add_argument("--dtype", default=None, help="dtype of the random checkpoint (default bfloat16 on GPU)")
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (all-linear; peft)")
     parser.add_argument("--keep-outputs", action="store_true", help="keep each run's output_dir (metrics.jsonl)")
@@ -353,8 +470,9 @@ def main() -> None:
         model_dir = build_random_model(work / "model", args.tiny, args.dtype, "cuda" if gpu else "cpu")
         print(f"built the random model in {time.perf_counter() - started:.1f} s: {model_dir}", flush=True)
         if args.trainer == "distill":
-            args.teacher_dir = build_random_model(work / "teacher", args.tiny, args.dtype, "cuda" if gpu else "cpu",
-                                                  seed=1)  # fmt: skip
+            args.teacher_dir = build_random_model(
+                work / "teacher", args.tiny, args.dtype, "cuda" if gpu else "cpu", seed=1
+            )
     else:
         from rlasync.model.registry import resolve_model
 

@@ -33,13 +33,28 @@ def qwen3_06b_config(tiny: bool):
     from transformers import Qwen3Config
 
     if tiny:
-        return Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True)  # fmt: skip
+        return Qwen3Config(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=512,
+            tie_word_embeddings=True,
+        )
     return Qwen3Config(
-        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
         rope_theta=1_000_000.0,
-    )  # fmt: skip
+    )
 
 
 def _sync(device: str) -> None:
@@ -87,15 +102,27 @@ def main() -> None:
     parser.add_argument("--concurrency", default="64,256")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-cuda-graphs", action="store_true")
-    parser.add_argument("--group-size", type=int, default=8,
-                        help="also run the top concurrency as groups of this many requests per prompt (1 = skip)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=8,
+        help="also run the top concurrency as groups of this many requests per prompt (1 = skip)",
+    )
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "varlen", "reference"])
-    parser.add_argument("--async-scheduling", default="default", choices=["default", "on", "off", "compare"],
-                        help="the engine's async_scheduling (default: the engine's, on for CUDA); compare: run the engine suite "
-                        "with it off then on, keys suffixed _sync / _async, and async_over_sync_c<N> ratios")
-    parser.add_argument("--compiled-sampler", default="default", choices=["default", "on", "off", "compare"],
-                        help="the engine's compiled_sampler (default: the engine's, on for CUDA); compare: run the engine suite "
-                        "eager then compiled, keys suffixed _eager / _compiled, and compiled_over_eager_c<N> ratios")
+    parser.add_argument(
+        "--async-scheduling",
+        default="default",
+        choices=["default", "on", "off", "compare"],
+        help="the engine's async_scheduling (default: the engine's, on for CUDA); compare: run the engine suite "
+        "with it off then on, keys suffixed _sync / _async, and async_over_sync_c<N> ratios",
+    )
+    parser.add_argument(
+        "--compiled-sampler",
+        default="default",
+        choices=["default", "on", "off", "compare"],
+        help="the engine's compiled_sampler (default: the engine's, on for CUDA); compare: run the engine suite "
+        "eager then compiled, keys suffixed _eager / _compiled, and compiled_over_eager_c<N> ratios",
+    )
     parser.add_argument("--profile", default=None, help="write torch.profiler tables of a short run to this folder")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -126,16 +153,23 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).eval()
     hf_model = None if args.no_hf else AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).eval()
     engine = TorchEngine(
-        model, device=args.device, max_model_len=max_len, kv_cache_tokens=max(levels) * max_len + 4096,
-        max_num_seqs=max(levels), cuda_graphs=not args.no_cuda_graphs, attention_backend=args.attention_backend,
+        model,
+        device=args.device,
+        max_model_len=max_len,
+        kv_cache_tokens=max(levels) * max_len + 4096,
+        max_num_seqs=max(levels),
+        cuda_graphs=not args.no_cuda_graphs,
+        attention_backend=args.attention_backend,
         async_scheduling={"on": True, "off": False}.get(args.async_scheduling),
         compiled_sampler={"on": True, "off": False}.get(args.compiled_sampler),
-    )  # fmt: skip
+    )
     modes = {"compare": [("_sync", False), ("_async", True)]}.get(args.async_scheduling, [("", None)])
     sampler_modes = {"compare": [("_eager", False), ("_compiled", True)]}.get(args.compiled_sampler, [("", None)])
     results["attention_backend"] = engine._runner.backend
     results["cuda_graphs"] = engine._runner.graphs is not None
-    results["async_scheduling"] = args.async_scheduling if args.async_scheduling == "compare" else engine.async_scheduling
+    results["async_scheduling"] = (
+        args.async_scheduling if args.async_scheduling == "compare" else engine.async_scheduling
+    )
     results["compiled_sampler"] = (
         args.compiled_sampler if args.compiled_sampler == "compare" else engine._runner.compiled_sampler
     )
@@ -152,9 +186,14 @@ def main() -> None:
             results["runs"][f"engine{tag}_c{level}"] = plain
             results["runs"][f"engine{tag}_c{level}_logprobs8"] = topn
             results[f"engine{tag}_c{level}_new_tokens_per_s"] = plain["new_tokens_per_s"]
-            results[f"engine{tag}_c{level}_logprobs8_cost_frac"] = 1 - topn["new_tokens_per_s"] / plain["new_tokens_per_s"]
-            print(f"engine{tag} c={level}: {plain['new_tokens_per_s']:.0f} new tok/s; with 8 logprobs "
-                  f"{topn['new_tokens_per_s']:.0f}", flush=True)  # fmt: skip
+            results[f"engine{tag}_c{level}_logprobs8_cost_frac"] = (
+                1 - topn["new_tokens_per_s"] / plain["new_tokens_per_s"]
+            )
+            print(
+                f"engine{tag} c={level}: {plain['new_tokens_per_s']:.0f} new tok/s; with 8 logprobs "
+                f"{topn['new_tokens_per_s']:.0f}",
+                flush=True,
+            )
             _write(args.out, results)
         if args.group_size > 1:  # GRPO-shaped: groups of requests on one prompt (prefix caching shares its prefill)
             level = max(levels)
@@ -233,7 +272,9 @@ def _compare(results: dict, levels: list[int], base: str, other: str) -> None:
     """`<other>_over_<base>_c<N>[_logprobs8]`: new tokens/s of the runs tagged `_<other>` over those tagged `_<base>`."""
     for level in levels:
         for extra in ("", "_logprobs8"):
-            before, after = (results["runs"][f"engine_{tag}_c{level}{extra}"]["new_tokens_per_s"] for tag in (base, other))
+            before, after = (
+                results["runs"][f"engine_{tag}_c{level}{extra}"]["new_tokens_per_s"] for tag in (base, other)
+            )
             results[f"{other}_over_{base}_c{level}{extra}"] = after / before
 
 

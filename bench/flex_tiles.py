@@ -50,10 +50,22 @@ SWEEP: dict[str, dict] = {
     "fwd_128x64_w8_s3": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
     "fwd_64x64_w4_s3": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     "bwd_32_64_64_32": {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
-    "bwd_64_128_128_64_w8_s2": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps": 8,
-                                "num_stages": 2},  # fmt: skip
-    "bwd_32_128_128_32_w4_s3": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4,
-                                "num_stages": 3},  # fmt: skip
+    "bwd_64_128_128_64_w8_s2": {
+        "BLOCK_M1": 64,
+        "BLOCK_N1": 128,
+        "BLOCK_M2": 128,
+        "BLOCK_N2": 64,
+        "num_warps": 8,
+        "num_stages": 2,
+    },
+    "bwd_32_128_128_32_w4_s3": {
+        "BLOCK_M1": 32,
+        "BLOCK_N1": 128,
+        "BLOCK_M2": 128,
+        "BLOCK_N2": 32,
+        "num_warps": 4,
+        "num_stages": 3,
+    },
     "tma": {"USE_TMA": True},  # Hopper's tensor memory accelerator for the tile loads
     "prescale": {"PRESCALE_QK": True},  # q scaled by 1/sqrt(d) and log2(e) once, not every score
     "dq_in_dk_loop": {"WRITE_DQ": False},  # dQ scattered from the dK/dV loop instead of its own
@@ -155,7 +167,11 @@ def main(argv=None) -> None:
     shape = parse_shapes("64x16x4@512" if args.tiny else args.shape)[0]
     heads, kv_heads, head_dim = (2, 1, 16) if args.tiny else (16, 8, 128)
     # "all": autotune, the slowest to compile, last (a sweep stopped at its time limit keeps the others)
-    names = ["default", "block64", *SWEEP, "autotune"] if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c]
+    names = (
+        ["default", "block64", *SWEEP, "autotune"]
+        if args.configs == "all"
+        else [c.strip() for c in args.configs.split(",") if c]
+    )
     unknown = [n for n in names if n not in SPECIAL and n not in SWEEP]
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; choose from {[*SPECIAL, *SWEEP]}")
@@ -182,10 +198,18 @@ def main(argv=None) -> None:
         "command": " ".join(["python3", "bench/flex_tiles.py", *(argv if argv is not None else sys.argv[1:])]),
         "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "row": {"shape": shape.name, "tokens": n, "attended_pairs": pairs, "heads": heads, "kv_heads": kv_heads,
-                "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),
-                "computed_over_attended": {str(b): computed_pairs(row.subtree_end, row.position_ids, b) / pairs
-                                           for b in (64, 128)}},  # fmt: skip
+        "row": {
+            "shape": shape.name,
+            "tokens": n,
+            "attended_pairs": pairs,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "dtype": str(dtype).replace("torch.", ""),
+            "computed_over_attended": {
+                str(b): computed_pairs(row.subtree_end, row.position_ids, b) / pairs for b in (64, 128)
+            },
+        },
         "configs": {},
     }
     reference = None
@@ -219,8 +243,12 @@ def write(results: dict, out: str | None) -> dict:
     timed = {name: e[key] for name, e in results["configs"].items() if key in e}
     if timed:
         best = min(timed, key=timed.get)
-        results["best"] = {"name": best, key: timed[best], "over_default": timed.get("default", 0) / timed[best],
-                           "options": results["configs"][best]["options"]}  # fmt: skip
+        results["best"] = {
+            "name": best,
+            key: timed[best],
+            "over_default": timed.get("default", 0) / timed[best],
+            "options": results["configs"][best]["options"],
+        }
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(results, indent=1))

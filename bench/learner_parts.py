@@ -70,8 +70,11 @@ def aligned_layout(subtree_end: torch.Tensor, block: int):
     index[new] = np.arange(n)
     aligned_end = np.arange(total, dtype=np.int64) + 1  # gaps: visible to themselves only
     aligned_end[new] = new[end - 1] + 1
-    return (torch.as_tensor(index, device=subtree_end.device), torch.as_tensor(new, device=subtree_end.device),
-            torch.as_tensor(aligned_end, device=subtree_end.device))  # fmt: skip
+    return (
+        torch.as_tensor(index, device=subtree_end.device),
+        torch.as_tensor(new, device=subtree_end.device),
+        torch.as_tensor(aligned_end, device=subtree_end.device),
+    )
 
 
 def attention_entry(args, device, flex, rows):
@@ -113,8 +116,13 @@ def attention_entry(args, device, flex, rows):
         entry[f"{label}_computed_over_attended"] = computed_pairs(e, p, 128) / max(1, attended_pairs(end))
     # the two layouts agree: outputs and gradients
     out_plain = flex(q, k, v, block_mask=mask, enable_gqa=True)
-    out_al = flex(q.index_select(2, safe), k.index_select(2, safe), v.index_select(2, safe),
-                  block_mask=aligned_mask, enable_gqa=True).index_select(2, inverse)  # fmt: skip
+    out_al = flex(
+        q.index_select(2, safe),
+        k.index_select(2, safe),
+        v.index_select(2, safe),
+        block_mask=aligned_mask,
+        enable_gqa=True,
+    ).index_select(2, inverse)
     entry["max_abs_diff_out"] = float((out_plain.float() - out_al.float()).abs().max())
     for label, fn in (("plain", plain), ("aligned_with_gathers", aligned_only)):
         entry[f"{label}_fwd_bwd_ms"] = time_ms(fn, args.iters, device)
@@ -155,8 +163,9 @@ def matmul_part(args, device, m):
         o = F.linear(a, wo)
         gate, up = F.linear(x, wg), F.linear(x, wu)
         down = F.linear(gate * up, wd)
-        torch.autograd.backward([q, k, v, o, gate, up, down], [gq[:, :qd], gq[:, qd:qd + kvd], gq[:, qd + kvd:], gh,
-                                                              gi, gi, gh])  # fmt: skip
+        torch.autograd.backward(
+            [q, k, v, o, gate, up, down], [gq[:, :qd], gq[:, qd : qd + kvd], gq[:, qd + kvd :], gh, gi, gi, gh]
+        )
 
     def fused():
         qkv = F.linear(x, wqkv)
@@ -219,8 +228,11 @@ class VocabChunkedHead(torch.autograd.Function):
         lse = top + torch.log(total)
         mean = (torch.stack(dots) * scale).sum(0) / total
         chunk_of, col = targets // vocab_chunk, targets % vocab_chunk
-        target_logit = torch.stack([raws[c][i, col[i]] for i, c in enumerate(chunk_of.tolist())]).float() \
-            if hidden.shape[0] <= 64 else _gather_chunks(raws, chunk_of, col)  # fmt: skip
+        target_logit = (
+            torch.stack([raws[c][i, col[i]] for i, c in enumerate(chunk_of.tolist())]).float()
+            if hidden.shape[0] <= 64
+            else _gather_chunks(raws, chunk_of, col)
+        )
         ctx.save_for_backward(hidden, weight, targets, lse, mean, *raws)
         ctx.vocab_chunk = vocab_chunk
         return target_logit - lse, lse - mean
@@ -311,14 +323,23 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     tokens, terms = (6272, 4064) if not args.tiny else (512, 96)
-    result = {"benchmark": "learner_parts", "torch": torch.__version__, "python": platform.python_version(),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}  # fmt: skip
+    result = {
+        "benchmark": "learner_parts",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
     parts = args.parts.split(",")
     if "attention" in parts:
-        spec = {"544x128x8_in_8k": rows_of(544, 128, 8, 8, 8192),
-                "544x(32..512)x8_in_8k": rows_of(544, 0, 8, 8, 8192, random_lengths=(32, 512))}
+        spec = {
+            "544x128x8_in_8k": rows_of(544, 128, 8, 8, 8192),
+            "544x(32..512)x8_in_8k": rows_of(544, 0, 8, 8, 8192, random_lengths=(32, 512)),
+        }
         if args.tiny:
-            spec = {"tiny": rows_of(40, 16, 4, 4, 256), "tiny_random": rows_of(40, 0, 4, 4, 256, random_lengths=(4, 40))}
+            spec = {
+                "tiny": rows_of(40, 16, 4, 4, 256),
+                "tiny_random": rows_of(40, 0, 4, 4, 256, random_lengths=(4, 40)),
+            }
         result["attention"] = attention_part(args, device, spec)
     if "matmuls" in parts:
         result["matmuls"] = matmul_part(args, device, tokens)

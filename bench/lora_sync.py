@@ -23,9 +23,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                 tie_word_embeddings=True)  # fmt: skip
+QWEN3_06B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype):
@@ -80,10 +88,15 @@ def main() -> None:
     inner = peft_model.base_model.model
     manifest = adapter_manifest(inner, dtype=engine_dtype)
     result: dict = {
-        "model": args.model, "device": str(device), "rank": args.rank, "engine_dtype": str(engine_dtype),
-        "num_lora_modules": len(manifest) // 2, "adapter_bytes": sum(e.num_bytes for e in manifest),
-        "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-    }  # fmt: skip
+        "model": args.model,
+        "device": str(device),
+        "rank": args.rank,
+        "engine_dtype": str(engine_dtype),
+        "num_lora_modules": len(manifest) // 2,
+        "adapter_bytes": sum(e.num_bytes for e in manifest),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
     payload: list = []
 
     def stream() -> None:
@@ -93,8 +106,9 @@ def main() -> None:
     from rlasync.weights.ipc import SharedWeights
 
     shared = SharedWeights.allocate(manifest, device)  # what an IPC sync fills: persistent buckets, one batched copy
-    result["learner_adapter_fill"] = summary(timed(lambda: shared.fill(adapter_stream(inner, dtype=engine_dtype),
-                                                                       manifest), args.repeats, sync))  # fmt: skip
+    result["learner_adapter_fill"] = summary(
+        timed(lambda: shared.fill(adapter_stream(inner, dtype=engine_dtype), manifest), args.repeats, sync)
+    )
     shared.release()
     engine_model, _ = build_model(args.model, device, engine_dtype)
     merger = AdapterMerger()
@@ -103,8 +117,13 @@ def main() -> None:
     result["adapter_sync_s"] = result["learner_adapter_fill"]["median_s"] + result["torch_engine_merge"]["median_s"]
     result["torch_engine_kept_base_bytes"] = sum(t.numel() * t.element_size() for t in merger.base.values())
     full: list = []
-    result["learner_merged_stream"] = summary(timed(lambda: full.__setitem__(slice(None), list(merged_stream(
-        inner, dtype=engine_dtype))), max(2, args.repeats // 5), sync))  # fmt: skip
+    result["learner_merged_stream"] = summary(
+        timed(
+            lambda: full.__setitem__(slice(None), list(merged_stream(inner, dtype=engine_dtype))),
+            max(2, args.repeats // 5),
+            sync,
+        )
+    )
     result["merged_bytes"] = sum(t.numel() * t.element_size() for _, t in full)
     if not args.skip_vllm and device.type == "cuda":
         result["vllm"] = bench_vllm(config, payload, args)
@@ -128,8 +147,9 @@ def bench_vllm(config, payload, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model_dir)
-    kwargs = lora_engine_kwargs(LoraConfig(r=args.rank, target_modules="all-linear"), "vllm", max_loras=2,
-                                lora_dir=str(folder / "adapters"))  # fmt: skip
+    kwargs = lora_engine_kwargs(
+        LoraConfig(r=args.rank, target_modules="all-linear"), "vllm", max_loras=2, lora_dir=str(folder / "adapters")
+    )
     engine = VLLMEngine(str(model_dir), gpu_memory_utilization=0.3, enforce_eager=True, **kwargs)
 
     async def run() -> dict:

@@ -56,13 +56,21 @@ def main() -> None:
     config = qwen3_06b_config(28)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
     choice = "none" if args.no_grad_ckpt else args.grad_ckpt
-    plan = plan_for_model(model, int(choice) if choice.isdigit() else choice, device=torch.device("cuda"),
-                          tokens=int(budget), enabled=choice != "none")  # fmt: skip
+    plan = plan_for_model(
+        model,
+        int(choice) if choice.isdigit() else choice,
+        device=torch.device("cuda"),
+        tokens=int(budget),
+        enabled=choice != "none",
+    )
     print(plan.describe(), flush=True)
     model = prepare_for_training(
-        model, gradient_checkpointing=bool(plan.layers), checkpoint_layers=plan.layers,
-        compile=args.variant == "regional", compile_mode=args.compile_mode,
-    )  # fmt: skip
+        model,
+        gradient_checkpointing=bool(plan.layers),
+        checkpoint_layers=plan.layers,
+        compile=args.variant == "regional",
+        compile_mode=args.compile_mode,
+    )
     if args.variant == "decoder":
         model.get_decoder().compile()
     model.train()

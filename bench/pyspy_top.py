@@ -32,8 +32,10 @@ def summarise(path: Path, top: int) -> str:
         per_process[process].append(([frame_name(f) for f in frames], int(count)))
     if not per_process:
         return f"== {path.name}: no samples\n"
-    return "".join(summarise_stacks(f"{path.name} {process}".strip(), stacks, top)
-                   for process, stacks in sorted(per_process.items()))  # fmt: skip
+    return "".join(
+        summarise_stacks(f"{path.name} {process}".strip(), stacks, top)
+        for process, stacks in sorted(per_process.items())
+    )
 
 
 def summarise_stacks(title: str, stacks: list[tuple[list[str], int]], top: int) -> str:

@@ -78,8 +78,9 @@ def _request_mix(tokenizer: Any, count: int, group_size: int, seed: int) -> list
     return prompts[:count]
 
 
-async def _closed_loop(engine: Any, prompts: list[list[int]], sampling: Any, concurrency: int, seconds: float,
-                       warmup_s: float) -> dict[str, float]:  # fmt: skip
+async def _closed_loop(
+    engine: Any, prompts: list[list[int]], sampling: Any, concurrency: int, seconds: float, warmup_s: float
+) -> dict[str, float]:
     rng = random.Random(0)
     counted = {"tokens": 0, "requests": 0}
     started = time.perf_counter()
@@ -97,8 +98,12 @@ async def _closed_loop(engine: Any, prompts: list[list[int]], sampling: Any, con
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - window_start
-    return {"new_tokens_per_s": counted["tokens"] / elapsed, "completions_per_s": counted["requests"] / elapsed,
-            "mean_new_tokens": counted["tokens"] / max(1, counted["requests"]), "seconds": elapsed}  # fmt: skip
+    return {
+        "new_tokens_per_s": counted["tokens"] / elapsed,
+        "completions_per_s": counted["requests"] / elapsed,
+        "mean_new_tokens": counted["tokens"] / max(1, counted["requests"]),
+        "seconds": elapsed,
+    }
 
 
 def stage_engine(args: argparse.Namespace) -> None:
@@ -143,10 +148,21 @@ def _summary(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         values = [r[key] for r in warm if isinstance(r.get(key), (int, float))]
         return sum(values) / len(values) if values else None
 
-    keys = ("perf/step_s", "perf/rollout_wait_s", "perf/fwd_bwd_s", "perf/weight_sync_s", "perf/weight_sync_pause_s",
-            "perf/weight_sync_transfer_s", "perf/weight_sync_resume_s", "rollout/generated_tokens_per_s",
-            "rollout/concurrency", "rollout/vllm_running_requests", "batch/trained_tokens_per_step",
-            "completions/mean_length", "sample/staleness_mean")  # fmt: skip
+    keys = (
+        "perf/step_s",
+        "perf/rollout_wait_s",
+        "perf/fwd_bwd_s",
+        "perf/weight_sync_s",
+        "perf/weight_sync_pause_s",
+        "perf/weight_sync_transfer_s",
+        "perf/weight_sync_resume_s",
+        "rollout/generated_tokens_per_s",
+        "rollout/concurrency",
+        "rollout/vllm_running_requests",
+        "batch/trained_tokens_per_step",
+        "completions/mean_length",
+        "sample/staleness_mean",
+    )
     return {
         "system_generated_tokens_per_s": tokens / seconds if seconds > 0 else None,
         "steps_per_s": (warm[-1]["step"] - warm[0]["step"]) / seconds if seconds > 0 else None,
@@ -157,8 +173,13 @@ def _summary(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 
 def stage_system(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir or f"/tmp/system_throughput_{args.engine}")
-    sets = [f"max_steps={args.steps}", f"output_dir={run_dir}", f"cluster.engine={args.engine}",
-            f"logging_steps={args.logging_steps}", f"cluster.num_rollout_actors={args.rollout_actors}"]  # fmt: skip
+    sets = [
+        f"max_steps={args.steps}",
+        f"output_dir={run_dir}",
+        f"cluster.engine={args.engine}",
+        f"logging_steps={args.logging_steps}",
+        f"cluster.num_rollout_actors={args.rollout_actors}",
+    ]
     if args.engine == "vllm":
         sets.append("cluster.engine_kwargs=" + json.dumps(VLLM_ENGINE_KWARGS))
     sets += args.set or []
@@ -198,7 +219,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--warmup-s", type=float, default=10.0)
-    parser.add_argument("--model", default=None, help="engine: a checkpoint (e.g. the system run's last) instead of the run file's model")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="engine: a checkpoint (e.g. the system run's last) instead of the run file's model",
+    )
     parser.add_argument("--engine-kwargs", default=None, help="engine: JSON overriding the engine's keyword arguments")
     parser.add_argument("--no-mixed-graphs", action="store_true", help="built-in engine: decode-only CUDA graphs")
     parser.add_argument("--steps", type=int, default=60)

@@ -163,13 +163,20 @@ def padded_batches(samples, row_tokens: int, device) -> list[PaddedBatch]:
                 owner.append(b)
         batches.append(
             PaddedBatch(
-                chunk, torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device),
-                torch.as_tensor(index, device=device), torch.as_tensor(np.array(targets), device=device),
-                torch.as_tensor(advantages, dtype=torch.float32, device=device), np.array(owner),
-                ids.size, len(chunk) * length * (length + 1) // 2, len(targets), len(chunk),
+                chunk,
+                torch.as_tensor(ids, device=device),
+                torch.as_tensor(mask, device=device),
+                torch.as_tensor(index, device=device),
+                torch.as_tensor(np.array(targets), device=device),
+                torch.as_tensor(advantages, dtype=torch.float32, device=device),
+                np.array(owner),
+                ids.size,
+                len(chunk) * length * (length + 1) // 2,
+                len(targets),
+                len(chunk),
                 sum(len(s) for s in chunk),
             )
-        )  # fmt: skip
+        )
     return batches
 
 
@@ -232,7 +239,9 @@ def gpu_state(device) -> dict | None:
 class TreeMode:
     """Packed rows (tree or padding-free) scored by rlasync's tree forward."""
 
-    def __init__(self, rows, device, block_size: int | None = None, backend: str = "auto", head_keep: str | None = None):
+    def __init__(
+        self, rows, device, block_size: int | None = None, backend: str = "auto", head_keep: str | None = None
+    ):
         self.rows = rows
         self.head_keep = head_keep  # the LM head's kept chunks ("logits" / "probs"); None: $RLASYNC_HEAD_KEEP
         self.packed = [pack(r) for r in rows]
@@ -395,7 +404,7 @@ def bench_shape(model, config, shape: Shape, args, reference=None) -> dict:
         results["tree_varlen_logprob_max_abs_diff"] = {
             other: max(float(np.abs(varlen[k] - logprobs[other][k]).max()) for k in common if k in varlen)
             for other in ("tree", *others)
-        }  # fmt: skip
+        }
         results["tree_varlen_over_tree"] = results["tree_varlen"]["trained_tokens_per_s"] / tree
     return results
 
@@ -471,17 +480,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="torch.profiler over a few tree-mode rows per shape: kernel table and split into DIR",
     )
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="tokens per FlexAttention mask block (default: the learner's, 128; see bench/flex_tiles.py)")  # fmt: skip
-    parser.add_argument("--static-shapes", action="store_true",
-                        help="compile each row length as its own static graph instead of one dynamic-length graph")
-    parser.add_argument("--fp32-reference", action="store_true",
-                        help="also score the compared samples with an fp32 copy of the model, one sample at a time "
-                             "(plain forward), and report each mode's max and mean |delta| against it")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per FlexAttention mask block (default: the learner's, 128; see bench/flex_tiles.py)",
+    )
+    parser.add_argument(
+        "--static-shapes",
+        action="store_true",
+        help="compile each row length as its own static graph instead of one dynamic-length graph",
+    )
+    parser.add_argument(
+        "--fp32-reference",
+        action="store_true",
+        help="also score the compared samples with an fp32 copy of the model, one sample at a time "
+        "(plain forward), and report each mode's max and mean |delta| against it",
+    )
     parser.add_argument("--profile-steps", type=int, default=3, help="tree-mode rows profiled per shape")
-    parser.add_argument("--attention", choices=["auto", "flex", "varlen", "dense"], default="auto",
-                        help="tree attention backend of the tree and padding_free modes (auto: flex on CUDA; "
-                             "mode tree_varlen always runs varlen)")  # fmt: skip
+    parser.add_argument(
+        "--attention",
+        choices=["auto", "flex", "varlen", "dense"],
+        default="auto",
+        help="tree attention backend of the tree and padding_free modes (auto: flex on CUDA; "
+        "mode tree_varlen always runs varlen)",
+    )
     return parser
 
 
@@ -491,9 +514,7 @@ def main(argv=None) -> None:
     options = training_options(args)
     unknown_modes = set(args.modes.split(",")) - set(MODES)
     if unknown_modes:
-        raise SystemExit(
-            f"--modes: unknown {sorted(unknown_modes)}; choose from {', '.join(MODES)}"
-        )
+        raise SystemExit(f"--modes: unknown {sorted(unknown_modes)}; choose from {', '.join(MODES)}")
     if args.trl_wheel and not Path(args.trl_wheel).is_file():
         raise SystemExit(
             f"--trl-wheel: no file {args.trl_wheel} (the TRL 1.16 wheel, e.g. .trlwheel/trl-1.16.0-py3-none-any.whl)"
@@ -518,8 +539,9 @@ def main(argv=None) -> None:
     if options.get("checkpoint_layers") == "auto":
         from rlasync.model.checkpointing import plan_for_model
 
-        plan = plan_for_model(model, "auto", device=torch.device(args.device),
-                              tokens=max(shape.row_tokens for shape in shapes))  # fmt: skip
+        plan = plan_for_model(
+            model, "auto", device=torch.device(args.device), tokens=max(shape.row_tokens for shape in shapes)
+        )
         options["checkpoint_layers"] = plan.layers
         print(plan.describe(), flush=True)
     reference = None
@@ -561,15 +583,20 @@ def main(argv=None) -> None:
         ours_logprobs = measured.pop("_tree_logprobs", {})
         results["shapes"][shape.name] = measured
         results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
-        results["mfu"] = {name: {m: r[m]["mfu"] for m in MODES if m in r}
-                          for name, r in results["shapes"].items()}  # fmt: skip
+        results["mfu"] = {name: {m: r[m]["mfu"] for m in MODES if m in r} for name, r in results["shapes"].items()}
         if anchor is not None:
             from trl_tree_anchor import merge_anchor
 
             merge_anchor(results, anchor, shape.name, ours_logprobs)
         write()
-        print(shape.name, "speedup_vs_padding_free", measured.get("speedup_vs_padding_free"),
-              "speedup_vs_trl", measured.get("speedup_vs_trl"), flush=True)  # fmt: skip
+        print(
+            shape.name,
+            "speedup_vs_padding_free",
+            measured.get("speedup_vs_padding_free"),
+            "speedup_vs_trl",
+            measured.get("speedup_vs_trl"),
+            flush=True,
+        )
     write()
     print(json.dumps({k: v for k, v in results.items() if k != "shapes"}, indent=2))
 

@@ -112,7 +112,7 @@ def _plain(model, mode, steps: int, device: torch.device) -> dict:
         "attention_share_by_name": sum(t for n, (t, _) in table.items() if ATTENTION.search(n)) / total_us,
         "top": [
             {"name": n, "total_ms": t / 1e3, "share": t / total_us, "count_per_row": c / steps} for n, (t, c) in top
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -140,8 +140,10 @@ def _split(model, mode, device: torch.device) -> dict:
         enter("head_forward")
         return output
 
-    handles = [decoder.register_forward_pre_hook(pre_hook, with_kwargs=True),
-               decoder.register_forward_hook(post_hook, with_kwargs=True)]  # fmt: skip
+    handles = [
+        decoder.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        decoder.register_forward_hook(post_hook, with_kwargs=True),
+    ]
     try:
         with _profiler(device) as prof:
             enter("mask")
@@ -158,8 +160,11 @@ def _split(model, mode, device: torch.device) -> dict:
             handle.remove()
         model.zero_grad(set_to_none=True)
     events = _trace_events(prof)
-    ranges = {e["name"][len("phase/") :]: (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-              for e in events if str(e.get("name", "")).startswith("phase/") and e.get("ph") == "X"}  # fmt: skip
+    ranges = {
+        e["name"][len("phase/") :]: (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if str(e.get("name", "")).startswith("phase/") and e.get("ph") == "X"
+    }
     missing = [p for p in PHASES if p not in ranges]
     if missing:
         raise RuntimeError(f"the profile has no range for phases {missing}")
@@ -195,15 +200,19 @@ def _text(shape_name: str, plain: dict, split: dict) -> str:
     lines = [f"tree mode, {shape_name}: {plain['rows_profiled']} rows in {plain['wall_s'] * 1e3:.1f} ms"]
     if plain["gpu_busy_fraction"] is not None:
         lines.append(f"GPU busy {plain['gpu_busy_fraction']:.1%} of wall ({plain['device_busy_s'] * 1e3:.1f} ms)")
-    lines.append(f"launches per row {plain['launches_per_row']:.0f}; attention by name "
-                 f"{plain['attention_share_by_name']:.1%} of the table")  # fmt: skip
+    lines.append(
+        f"launches per row {plain['launches_per_row']:.0f}; attention by name "
+        f"{plain['attention_share_by_name']:.1%} of the table"
+    )
     if "error" in split:
         lines.append(f"split: failed: {split['error']}")
     else:
         lines.append(f"split of one row ({split['measure']}):")
         for name, phase in split["phases"].items():
-            lines.append(f"  {name:18s} " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                                    for k, v in phase.items()))  # fmt: skip
+            lines.append(
+                f"  {name:18s} "
+                + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in phase.items())
+            )
         lines.append("  shares: " + ", ".join(f"{k} {v:.1%}" for k, v in split["shares"].items() if v is not None))
     lines.append(f"top by {plain['table_unit']}:")
     lines.append(f"  {'total ms':>9} {'share':>6} {'per row':>8}  name")

@@ -115,13 +115,35 @@ def run_anchor(wheel: str, args, *, timeout_s: float) -> dict:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site), wheel]
         installed = subprocess.run(pip, capture_output=True, text=True)
         if installed.returncode != 0:
-            return {"status": "failed", "stage": "install", "error": f"pip exited {installed.returncode}",
-                    "log_tail": (installed.stdout + installed.stderr)[-3000:]}  # fmt: skip
+            return {
+                "status": "failed",
+                "stage": "install",
+                "error": f"pip exited {installed.returncode}",
+                "log_tail": (installed.stdout + installed.stderr)[-3000:],
+            }
         ckpt = getattr(args, "grad_ckpt", None) or ("none" if args.no_grad_ckpt else "all")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--device", args.device,
-               "--layers", str(args.layers), "--shapes", args.shapes, "--groups", str(args.groups),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-               *(["--tiny"] if args.tiny else []), *(["--no-grad-ckpt"] if ckpt == "none" else [])]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--out",
+            str(out),
+            "--device",
+            args.device,
+            "--layers",
+            str(args.layers),
+            "--shapes",
+            args.shapes,
+            "--groups",
+            str(args.groups),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--seed",
+            str(args.seed),
+            *(["--tiny"] if args.tiny else []),
+            *(["--no-grad-ckpt"] if ckpt == "none" else []),
+        ]
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join([str(site), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
         )
@@ -158,8 +180,13 @@ def merge_anchor(results: dict, anchor: dict, shape_name: str, ours_logprobs: di
         ours["trl"], ours["speedup_vs_trl"] = {"error": why}, None
         return
     tree = theirs["tree"]
-    ours["trl"] = {"trained_tokens_per_s": tree["trained_tokens_per_s"], "mfu": tree["mfu"], "tree": tree,
-                   "padding_free": theirs.get("padding_free"), "error": theirs.get("error")}  # fmt: skip
+    ours["trl"] = {
+        "trained_tokens_per_s": tree["trained_tokens_per_s"],
+        "mfu": tree["mfu"],
+        "tree": tree,
+        "padding_free": theirs.get("padding_free"),
+        "error": theirs.get("error"),
+    }
     mine = ours.get("tree", {}).get("trained_tokens_per_s")
     ours["speedup_vs_trl"] = mine / tree["trained_tokens_per_s"] if mine else None
     if mine and theirs.get("padding_free"):
@@ -199,8 +226,10 @@ def segments_varlen(
     out = []
     for s in range(cu_seqlens_q.numel() - 1):
         qs = q[int(cu_seqlens_q[s]) : int(cu_seqlens_q[s + 1])].transpose(0, 1)
-        ks, vs = (x[int(cu_seqlens_k[s]) : int(cu_seqlens_k[s + 1])].repeat_interleave(groups, 1).transpose(0, 1)
-                  for x in (k, v))  # fmt: skip
+        ks, vs = (
+            x[int(cu_seqlens_k[s]) : int(cu_seqlens_k[s + 1])].repeat_interleave(groups, 1).transpose(0, 1)
+            for x in (k, v)
+        )
         offset = ks.shape[1] - qs.shape[1]  # the path above the segment: visible to all its queries
         visible = torch.ones(qs.shape[1], ks.shape[1], dtype=torch.bool, device=q.device).tril(offset)
         out.append(
@@ -233,9 +262,20 @@ def flash_varlen(
     left, right = (None if int(w) < 0 else int(w) for w in window_size)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out = torch.ops.aten._flash_attention_forward(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-        int(max_seqlen_k), 0.0, bool(causal), False, scale=scale, window_size_left=left, window_size_right=right,
-    )  # fmt: skip
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        0.0,
+        bool(causal),
+        False,
+        scale=scale,
+        window_size_left=left,
+        window_size_right=right,
+    )
     return out[0]
 
 
@@ -277,9 +317,18 @@ def check_kernel(kernel, device, TreeRow) -> dict:
 # ---------------------------------------------------------------------------------------------- rows
 def trl_samples(samples) -> list[dict]:
     """bench/tree_packing.py's RolloutSamples as the dicts TRL's rollout queue yields."""
-    return [{"input_ids": s.input_ids, "completion_mask": s.completion_mask.astype("int64"),
-             "old_log_probs": s.sampler_logprobs, "advantage": float(s.advantage), "group_id": s.group_id,
-             "metrics": {}, "index": i} for i, s in enumerate(samples)]  # fmt: skip
+    return [
+        {
+            "input_ids": s.input_ids,
+            "completion_mask": s.completion_mask.astype("int64"),
+            "old_log_probs": s.sampler_logprobs,
+            "advantage": float(s.advantage),
+            "group_id": s.group_id,
+            "metrics": {},
+            "index": i,
+        }
+        for i, s in enumerate(samples)
+    ]
 
 
 def plan(samples, budget: int, row_cls, Batcher) -> list:
@@ -331,11 +380,18 @@ class _SingleProcess:
 def trainer_view(micro_batches: int) -> SimpleNamespace:
     """What `AsyncGRPOTrainer.compute_loss` reads and writes on `self` (AsyncGRPOConfig defaults)."""
     return SimpleNamespace(
-        epsilon_low=0.2, epsilon_high=0.2, aux_loss_enabled=False, accelerator=_SingleProcess(),
-        current_gradient_accumulation_steps=micro_batches, _metrics={"train": defaultdict(list)},
-        _step_forward_tokens=0.0, _step_trained_tokens=0.0, _step_seq_len_weighted=0.0, _step_samples=0.0,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        aux_loss_enabled=False,
+        accelerator=_SingleProcess(),
+        current_gradient_accumulation_steps=micro_batches,
+        _metrics={"train": defaultdict(list)},
+        _step_forward_tokens=0.0,
+        _step_trained_tokens=0.0,
+        _step_seq_len_weighted=0.0,
+        _step_samples=0.0,
         _step_forward_s=0.0,
-    )  # fmt: skip
+    )
 
 
 def build_model(config, args, trl_packing, add_fused_lm_head):
@@ -416,8 +472,12 @@ def tree_logprobs(model, batches, rows, compute_loss, count: int) -> dict[int, l
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result: dict = {"anchor": "TRL AsyncGRPOTrainer.compute_loss + backward", "argv": sys.argv[1:],
-                    "status": "starting", "shapes": {}}  # fmt: skip
+    result: dict = {
+        "anchor": "TRL AsyncGRPOTrainer.compute_loss + backward",
+        "argv": sys.argv[1:],
+        "status": "starting",
+        "shapes": {},
+    }
 
     def write(status: str | None = None) -> None:
         if status:
@@ -454,8 +514,13 @@ def run(args, result: dict, write) -> int:
     device = torch.device(args.device)
     kernel_name = args.kernel if args.kernel != "auto" else ("flash" if device.type == "cuda" else "segments")
     kernel = {"flash": flash_varlen, "segments": segments_varlen}[kernel_name]
-    result.update(trl=trl.__version__, torch=torch.__version__, transformers=transformers.__version__,
-                  python=platform.python_version(), attention_kernel=kernel_name)  # fmt: skip
+    result.update(
+        trl=trl.__version__,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        attention_kernel=kernel_name,
+    )
     result["kernel_check"] = check_kernel(kernel, device, trl_packing.TreeRow)
     if not result["kernel_check"]["passed"]:
         write("kernel check failed: the timings would not be of a correct attention")
@@ -479,8 +544,9 @@ def run(args, result: dict, write) -> int:
             for name, row_cls in layouts.items():
                 rows = [r[0] for r in plan(samples, shape.row_tokens, row_cls, TokenBudgetBatcher)]
                 collate = DataCollatorForRollout(pad_token_id=0, num_processes=1, token_budget=shape.row_tokens)
-                batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in collate([[r]]).items()}
-                           for r in rows]  # fmt: skip
+                batches = [
+                    {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate([[r]]).items()} for r in rows
+                ]
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 entry[name] = time_layout(model, batches, rows, config, args, compute_loss, flops_of, sync)

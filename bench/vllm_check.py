@@ -71,15 +71,36 @@ PAD_ID = 151643
 def qwen3_config(tiny: bool) -> Any:
     from transformers import Qwen3Config
 
-    common = dict(tie_word_embeddings=True, eos_token_id=EOS_ID if not tiny else 3, pad_token_id=PAD_ID if not tiny else 0,
-                  bos_token_id=None, rope_theta=1_000_000.0)  # fmt: skip
+    common = dict(
+        tie_word_embeddings=True,
+        eos_token_id=EOS_ID if not tiny else 3,
+        pad_token_id=PAD_ID if not tiny else 0,
+        bos_token_id=None,
+        rope_theta=1_000_000.0,
+    )
     if tiny:
-        return Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=16, intermediate_size=128, vocab_size=512, max_position_embeddings=2048,
-                           **common)  # fmt: skip
-    return Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
-                       **common)  # fmt: skip
+        return Qwen3Config(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=2048,
+            **common,
+        )
+    return Qwen3Config(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        **common,
+    )
 
 
 def build_tokenizer(vocab_size: int, eos_id: int, pad_id: int) -> Any:
@@ -94,8 +115,9 @@ def build_tokenizer(vocab_size: int, eos_id: int, pad_id: int) -> Any:
         vocab[text] = token_id
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[pad_id]))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=specials[eos_id], pad_token=specials[pad_id],
-                                   unk_token=specials[pad_id])  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=specials[eos_id], pad_token=specials[pad_id], unk_token=specials[pad_id]
+    )
 
 
 def build_model_dir(path: Path, tiny: bool, seed: int, device: str, embed_scale: float) -> dict[str, Any]:
@@ -111,8 +133,15 @@ def build_model_dir(path: Path, tiny: bool, seed: int, device: str, embed_scale:
     build_tokenizer(config.vocab_size, config.eos_token_id, config.pad_token_id).save_pretrained(path)
     params = sum(p.numel() for p in model.parameters())
     del model
-    return {"path": str(path), "parameters": params, "vocab_size": config.vocab_size, "layers": config.num_hidden_layers,
-            "hidden": config.hidden_size, "embed_scale": embed_scale, "dtype": "bfloat16"}  # fmt: skip
+    return {
+        "path": str(path),
+        "parameters": params,
+        "vocab_size": config.vocab_size,
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "embed_scale": embed_scale,
+        "dtype": "bfloat16",
+    }
 
 
 def load_hf(path: Path, dtype: torch.dtype, device: str) -> Any:
@@ -159,8 +188,16 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0,
 
 
 @torch.no_grad()
-def reference_logprobs(model: Any, prompts: list[list[int]], outputs: list[list[int]], temperature: float,
-                       top_k: int = 0, top_p: float = 1.0, batch: int = 8, top_n: int = 0) -> dict[str, Any]:  # fmt: skip
+def reference_logprobs(
+    model: Any,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    batch: int = 8,
+    top_n: int = 0,
+) -> dict[str, Any]:
     """Per sequence: log-probs of the output tokens under the processed distribution (plain HF forward), the
     full-vocabulary log-probs at the same temperature, and the reference top-N ids."""
     device = next(model.parameters()).device
@@ -218,8 +255,11 @@ def compare_greedy(engine_tokens: list[list[int]], hf_tokens: list[list[int]], g
         diverge = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if diverge is None and len(got) != len(want):
             diverge = min(len(got), len(want))
-        first.append(None if diverge is None else {"position": diverge, "hf_top2_logit_gap": gap[diverge]
-                                                   if diverge < len(gap) else None})  # fmt: skip
+        first.append(
+            None
+            if diverge is None
+            else {"position": diverge, "hf_top2_logit_gap": gap[diverge] if diverge < len(gap) else None}
+        )
     return {
         "sequences": len(first),
         "exact_match_frac": sum(f is None for f in first) / max(len(first), 1),
@@ -246,8 +286,13 @@ def learner_logprobs(model: Any, prompts, outputs, temperature: float, packing: 
     from rlasync.model import sequence_logprobs
 
     with torch.no_grad():
-        scores = sequence_logprobs(model, [p + o for p, o in zip(prompts, outputs)], [len(p) for p in prompts],
-                                   packing=packing, temperature=temperature)  # fmt: skip
+        scores = sequence_logprobs(
+            model,
+            [p + o for p, o in zip(prompts, outputs)],
+            [len(p) for p in prompts],
+            packing=packing,
+            temperature=temperature,
+        )
     return [s.float().cpu() for s in scores]
 
 
@@ -313,12 +358,21 @@ class Run:
 
 
 def hardware() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                            "host": socket.gethostname()}  # fmt: skip
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "host": socket.gethostname(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}")  # fmt: skip
+        info.update(
+            gpu=props.name,
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            capability=f"{props.major}.{props.minor}",
+        )
     try:
         import vllm
 
@@ -335,9 +389,15 @@ def hardware() -> dict[str, Any]:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"dtype": "bfloat16", "max_model_len": args.max_model_len,
-                               "gpu_memory_utilization": args.gpu_memory_utilization, "max_num_seqs": 256, "seed": 0,
-                               "rpc_timeout_s": args.collective_timeout_s, "control_timeout_s": 60.0}  # fmt: skip
+    options: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "max_model_len": args.max_model_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_seqs": 256,
+        "seed": 0,
+        "rpc_timeout_s": args.collective_timeout_s,
+        "control_timeout_s": 60.0,
+    }
     if args.engine_mode == "eager":
         options["enforce_eager"] = True
     elif args.engine_mode == "graphs":
@@ -345,8 +405,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-async def generate_all(engine: Any, prompts: list[list[int]], params: list[SamplingParams],
-                       timeout_s: float = 180.0) -> list[Any]:  # fmt: skip
+async def generate_all(
+    engine: Any, prompts: list[list[int]], params: list[SamplingParams], timeout_s: float = 180.0
+) -> list[Any]:
     """All requests at once; a stall is a TimeoutError, not a hung run."""
     return await asyncio.wait_for(asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params))), timeout_s)
 
@@ -364,8 +425,12 @@ async def phase_correctness(ctx: dict[str, Any]) -> dict[str, Any]:
     engine_lp = [t.output_log_probs for t in turns]
     bf16 = ctx["hf_bf16"]
     refs: dict[str, Any] = {}
-    for label, model, packing in (("learner_tree_bf16", "learner_bf16", "tree"), ("learner_tree_fp32", "learner_fp32", "tree"),
-                                  ("plain_hf_bf16", "hf_bf16", "none"), ("plain_hf_fp32", "hf_fp32", "none")):  # fmt: skip
+    for label, model, packing in (
+        ("learner_tree_bf16", "learner_bf16", "tree"),
+        ("learner_tree_fp32", "learner_fp32", "tree"),
+        ("plain_hf_bf16", "hf_bf16", "none"),
+        ("plain_hf_fp32", "hf_fp32", "none"),
+    ):
         try:
             model = ctx[model] if isinstance(ctx[model], torch.nn.Module) else ctx[model]()
             refs[label] = diff_stats(engine_lp, learner_logprobs(model, prompts, outputs, 1.0, packing))
@@ -374,8 +439,12 @@ async def phase_correctness(ctx: dict[str, Any]) -> dict[str, Any]:
     result["temperature_1"] = refs
     result["finish_reasons"] = sorted({t.finish_reason for t in turns})
     # T = 0.8, top-k 20, top-p 0.95: vs the filtered distribution (exact target) and the full one (no-mask fallback)
-    params = [SamplingParams(max_tokens=new, temperature=0.8, top_k=20, top_p=0.95, ignore_eos=True, seed=2000 + i,
-                             num_logprobs=8) for i in range(n)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=new, temperature=0.8, top_k=20, top_p=0.95, ignore_eos=True, seed=2000 + i, num_logprobs=8
+        )
+        for i in range(n)
+    ]
     turns = await generate_all(engine, prompts, params)
     outputs = [t.output_ids for t in turns]
     ref = reference_logprobs(bf16, prompts, outputs, 0.8, top_k=20, top_p=0.95, top_n=8)
@@ -396,19 +465,29 @@ async def phase_correctness(ctx: dict[str, Any]) -> dict[str, Any]:
     seqs = [p + o for p, o in zip(prompts[:8], outputs[:8])]
     scores = await asyncio.gather(*(engine.score(s, plen, 5) for s in seqs))
     ref = reference_logprobs(bf16, prompts[:8], outputs[:8], 1.0, top_n=5)
-    agree = [sum(a == b for a, b in zip(row, want.tolist())) / 5 for sc, top in zip(scores, ref["top_ids"])
-             for row, want in zip(sc.topk_ids, top)]  # fmt: skip
-    result["score_top5"] = {"vs_plain_hf_bf16": diff_stats([s.token_logprobs for s in scores], ref["full"]),
-                            "top5_id_agreement": statistics.mean(agree) if agree else None}  # fmt: skip
+    agree = [
+        sum(a == b for a, b in zip(row, want.tolist())) / 5
+        for sc, top in zip(scores, ref["top_ids"])
+        for row, want in zip(sc.topk_ids, top)
+    ]
+    result["score_top5"] = {
+        "vs_plain_hf_bf16": diff_stats([s.token_logprobs for s in scores], ref["full"]),
+        "top5_id_agreement": statistics.mean(agree) if agree else None,
+    }
     stats = engine.stats()
-    result["stats_after"] = {"kv_capacity_tokens": stats.kv_capacity_tokens, "max_model_len": stats.max_model_len,
-                             "num_preemptions": stats.num_preemptions, "kv_cache_usage_frac": stats.kv_cache_usage_frac}  # fmt: skip
+    result["stats_after"] = {
+        "kv_capacity_tokens": stats.kv_capacity_tokens,
+        "max_model_len": stats.max_model_len,
+        "num_preemptions": stats.num_preemptions,
+        "kv_cache_usage_frac": stats.kv_cache_usage_frac,
+    }
     main = refs.get("learner_tree_bf16", {})
     ctx["run"].result["summary"]["sampling/sampling_logp_difference/mean (bf16 learner, tree-packed)"] = main.get(
         "mean"
     )
     ctx["run"].result["summary"]["sampling/sampling_logp_difference/mean (fp32 learner)"] = refs.get(
-        "learner_tree_fp32", {}).get("mean")  # fmt: skip
+        "learner_tree_fp32", {}
+    ).get("mean")
     return result
 
 
@@ -416,8 +495,10 @@ async def phase_weight_sync(ctx: dict[str, Any]) -> dict[str, Any]:
     args, engine, run = ctx["args"], ctx["engine"], ctx["run"]
     model = ctx["hf_bf16"]
     vocab = ctx["model"]["vocab_size"]
-    result: dict[str, Any] = {"note": "one GPU: learner tensors reach the vLLM worker by CUDA IPC through collective_rpc "
-                                      "(no copy over a wire); NCCL broadcast needs the learner on a second GPU"}  # fmt: skip
+    result: dict[str, Any] = {
+        "note": "one GPU: learner tensors reach the vLLM worker by CUDA IPC through collective_rpc "
+        "(no copy over a wire); NCCL broadcast needs the learner on a second GPU"
+    }
     prompts = random_prompts(16, 32, vocab, seed=3)
     greedy = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True) for _ in prompts]
     before = [t.output_ids for t in await generate_all(engine, prompts, greedy)]
@@ -439,8 +520,15 @@ async def phase_weight_sync(ctx: dict[str, Any]) -> dict[str, Any]:
         t2 = time.perf_counter()
         await engine.resume()
         t3 = time.perf_counter()
-        rounds.append({"pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3, "resume_ms": (t3 - t2) * 1e3,
-                       "total_ms": (t3 - t0) * 1e3, "num_tensors": loaded["num_tensors"]})  # fmt: skip
+        rounds.append(
+            {
+                "pause_ms": (t1 - t0) * 1e3,
+                "load_ms": (t2 - t1) * 1e3,
+                "resume_ms": (t3 - t2) * 1e3,
+                "total_ms": (t3 - t0) * 1e3,
+                "num_tensors": loaded["num_tensors"],
+            }
+        )
     result["cuda_ipc_rounds"] = rounds
     total = statistics.median(r["total_ms"] for r in rounds)
     result["cuda_ipc_median_total_ms"] = total
@@ -449,20 +537,24 @@ async def phase_weight_sync(ctx: dict[str, Any]) -> dict[str, Any]:
     # the worker's own time, with the engine idle and with it generating
     result["flat_ipc"] = await flat_ipc_sync(engine, named, vocab, args.sync_rounds)
     run.result["summary"]["flat IPC sync ms (pause+load+resume, median; worker's own part)"] = {
-        label: [part["median_total_ms"], part["median_worker_ms"]] for label, part in result["flat_ipc"].items()
-        if isinstance(part, dict) and "median_total_ms" in part}  # fmt: skip
+        label: [part["median_total_ms"], part["median_worker_ms"]]
+        for label, part in result["flat_ipc"].items()
+        if isinstance(part, dict) and "median_total_ms" in part
+    }
     # the engine's weights now are the perturbed model's
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     fingerprint = await engine.weight_fingerprint(names)
     params = dict(model.named_parameters())
-    result["fingerprint_abs_diff"] = {n: abs(fingerprint.get(n, float("nan")) - params[n].double().sum().item())
-                                      for n in names}  # fmt: skip
+    result["fingerprint_abs_diff"] = {
+        n: abs(fingerprint.get(n, float("nan")) - params[n].double().sum().item()) for n in names
+    }
     after = [t.output_ids for t in await generate_all(engine, prompts, greedy)]
     new_tokens, new_gaps = hf_greedy(model, prompts, 32)
     result["greedy_after_update_vs_hf_perturbed"] = compare_greedy(after, new_tokens, new_gaps)
     result["greedy_after_update_vs_hf_original (should differ)"] = compare_greedy(after, old_tokens, old_gaps)
     run.result["summary"]["greedy_after_sync_exact_match_frac"] = result["greedy_after_update_vs_hf_perturbed"][
-        "exact_match_frac"]  # fmt: skip
+        "exact_match_frac"
+    ]
     sample = [SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=5000 + i) for i in range(16)]
     turns = await generate_all(engine, prompts, sample)
     ref = learner_logprobs(model, prompts, [t.output_ids for t in turns], 1.0, "none")
@@ -485,8 +577,16 @@ async def phase_weight_sync(ctx: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-async def flat_ipc_sync(engine: Any, named: list[tuple[str, torch.Tensor]], vocab: int, rounds: int, *,
-                        device: str = "cuda", requests: int = 256, new_tokens: int = 192) -> dict[str, Any]:  # fmt: skip
+async def flat_ipc_sync(
+    engine: Any,
+    named: list[tuple[str, torch.Tensor]],
+    vocab: int,
+    rounds: int,
+    *,
+    device: str = "cuda",
+    requests: int = 256,
+    new_tokens: int = 192,
+) -> dict[str, Any]:
     """Weight syncs from persistent CUDA buckets (`SharedWeights`, what the learner's IPC transport fills): per
     round the pause, the load (one `load_flat_ipc` collective_rpc: the first records the copies, later ones replay
     them) and the resume, with the worker's own part of the load (mapping, queueing the copies, waiting for them);
@@ -523,8 +623,10 @@ async def flat_ipc_sync(engine: Any, named: list[tuple[str, torch.Tensor]], voca
         for label in labels:
             busy = []
             if label.startswith("generating"):
-                params = [SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=i)
-                          for i in range(requests)]  # fmt: skip
+                params = [
+                    SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=i)
+                    for i in range(requests)
+                ]
                 busy = [asyncio.ensure_future(engine.generate(p, sp)) for p, sp in zip(prompts, params)]
                 await asyncio.sleep(1.0)
             rows = []
@@ -536,20 +638,34 @@ async def flat_ipc_sync(engine: Any, named: list[tuple[str, torch.Tensor]], voca
                 t2 = time.perf_counter()
                 await engine.resume()
                 t3 = time.perf_counter()
-                rows.append({"how": loaded.get("how"), "not_replayed": loaded.get("not_replayed"), "pause_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3,
-                             "resume_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3,
-                             "worker_ms": float(loaded.get("engine_s", float("nan"))) * 1e3,
-                             **{k.replace("_s", "_ms"): float(loaded[k]) * 1e3 for k in ("map_s", "queue_s", "gpu_wait_s")
-                                if k in loaded}})  # fmt: skip
+                rows.append(
+                    {
+                        "how": loaded.get("how"),
+                        "not_replayed": loaded.get("not_replayed"),
+                        "pause_ms": (t1 - t0) * 1e3,
+                        "load_ms": (t2 - t1) * 1e3,
+                        "resume_ms": (t3 - t2) * 1e3,
+                        "total_ms": (t3 - t0) * 1e3,
+                        "worker_ms": float(loaded.get("engine_s", float("nan"))) * 1e3,
+                        **{
+                            k.replace("_s", "_ms"): float(loaded[k]) * 1e3
+                            for k in ("map_s", "queue_s", "gpu_wait_s")
+                            if k in loaded
+                        },
+                    }
+                )
                 if busy:
                     await asyncio.sleep(0.3)  # let the engine run a few steps between syncs
             done = await asyncio.wait_for(asyncio.gather(*busy, return_exceptions=True), 180.0)
             later = [r for r in rows if r["how"] != "recorded"] or rows
-            out[label] = {"rounds": rows, "median_total_ms": statistics.median(r["total_ms"] for r in later),
-                          "median_load_ms": statistics.median(r["load_ms"] for r in later),
-                          "median_worker_ms": statistics.median(r["worker_ms"] for r in later),
-                          "median_pause_ms": statistics.median(r["pause_ms"] for r in later),
-                          "request_errors": sum(isinstance(d, BaseException) for d in done)}  # fmt: skip
+            out[label] = {
+                "rounds": rows,
+                "median_total_ms": statistics.median(r["total_ms"] for r in later),
+                "median_load_ms": statistics.median(r["load_ms"] for r in later),
+                "median_worker_ms": statistics.median(r["worker_ms"] for r in later),
+                "median_pause_ms": statistics.median(r["pause_ms"] for r in later),
+                "request_errors": sum(isinstance(d, BaseException) for d in done),
+            }
     finally:
         shared.release()
     return out
@@ -584,8 +700,7 @@ async def gloo_group_sync(engine: Any, model: Any, timeout_s: float) -> dict[str
     received, _ = await asyncio.gather(engine.receive_weights(manifest), asyncio.to_thread(send))
     total = time.perf_counter() - t1
     group.close()
-    return {"join_s": joined, "pause_receive_load_resume_s": total, "worker_side": received,
-            "tensors": len(manifest)}  # fmt: skip
+    return {"join_s": joined, "pause_receive_load_resume_s": total, "worker_side": received, "tensors": len(manifest)}
 
 
 async def vllm_nccl_sync(engine: Any, model: Any) -> dict[str, Any]:
@@ -626,7 +741,9 @@ async def warm_up(engine, prompts) -> None:
     are built here, as vLLM's are at its start-up."""
     for logprobs in (0, 8):
         for count in (32, 7):
-            params = [SamplingParams(max_tokens=16, ignore_eos=True, seed=i, num_logprobs=logprobs) for i in range(count)]
+            params = [
+                SamplingParams(max_tokens=16, ignore_eos=True, seed=i, num_logprobs=logprobs) for i in range(count)
+            ]
             await generate_all(engine, prompts[:count], params)
 
 
@@ -639,18 +756,27 @@ async def phase_throughput(ctx: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"requests": n, "prompt_len": plen, "new_tokens": new}
     for label, logprobs, seeds in (("seeded", 0, True), ("seeded_logprobs8", 8, True), ("unseeded", 0, False)):
         engine.use_request_seeds = seeds
-        params = [SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, num_logprobs=logprobs,
-                                 seed=i if seeds else None) for i in range(n)]  # fmt: skip
+        params = [
+            SamplingParams(
+                max_tokens=new, temperature=1.0, ignore_eos=True, num_logprobs=logprobs, seed=i if seeds else None
+            )
+            for i in range(n)
+        ]
         before = engine.stats().num_preemptions
         t0 = time.perf_counter()
         turns = await generate_all(engine, prompts, params)
         elapsed = time.perf_counter() - t0
         generated = sum(len(t.output_ids) for t in turns)
-        result[label] = {"seconds": elapsed, "new_tokens": generated, "new_tokens_per_s": generated / elapsed,
-                         "preemptions": engine.stats().num_preemptions - before}  # fmt: skip
+        result[label] = {
+            "seconds": elapsed,
+            "new_tokens": generated,
+            "new_tokens_per_s": generated / elapsed,
+            "preemptions": engine.stats().num_preemptions - before,
+        }
     engine.use_request_seeds = True
     ctx["run"].result["summary"]["vllm_new_tokens_per_s (256x256, seeded / +logprobs8 / unseeded)"] = [
-        round(result[k]["new_tokens_per_s"]) for k in ("seeded", "seeded_logprobs8", "unseeded")]  # fmt: skip
+        round(result[k]["new_tokens_per_s"]) for k in ("seeded", "seeded_logprobs8", "unseeded")
+    ]
     return result
 
 
@@ -679,8 +805,9 @@ def record(fixtures: Path, name: str, method: str, url: str, body: Any = None) -
         response: Any = json.loads(text)
     except ValueError:
         response = text
-    (fixtures / f"{name}.json").write_text(json.dumps({"request": body, "status": status, "response": response},
-                                                      indent=1) + "\n")  # fmt: skip
+    (fixtures / f"{name}.json").write_text(
+        json.dumps({"request": body, "status": status, "response": response}, indent=1) + "\n"
+    )
     return status, response
 
 
@@ -692,11 +819,33 @@ async def phase_server(ctx: dict[str, Any]) -> dict[str, Any]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
-               "--port", str(port), "--served-model-name", "qwen3-0.6b-shape", "--dtype", "bfloat16",
-               "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.server_gpu_memory),
-               "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20", "--seed", "0",
-               "--worker-extension-cls", "rlasync.engine.vllm_worker.WorkerExtension"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "qwen3-0.6b-shape",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--gpu-memory-utilization",
+        str(args.server_gpu_memory),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "20",
+        "--seed",
+        "0",
+        "--worker-extension-cls",
+        "rlasync.engine.vllm_worker.WorkerExtension",
+    ]
     if args.server_mode == "eager":
         command.append("--enforce-eager")
     result: dict[str, Any] = {"command": " ".join(command), "env": "VLLM_SERVER_DEV_MODE=1"}
@@ -707,39 +856,104 @@ async def phase_server(ctx: dict[str, Any]) -> dict[str, Any]:
     try:
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(
-            VLLMServerEngine, base, "qwen3-0.6b-shape", startup_timeout_s=args.server_start_timeout_s,
-            metrics_interval_s=0, request_timeout_s=120, control_timeout_s=120)  # fmt: skip
+            VLLMServerEngine,
+            base,
+            "qwen3-0.6b-shape",
+            startup_timeout_s=args.server_start_timeout_s,
+            metrics_interval_s=0,
+            request_timeout_s=120,
+            control_timeout_s=120,
+        )
         result["startup_s"] = time.perf_counter() - t0
         info = engine.info
-        result["startup_check"] = {k: getattr(info, k) for k in ("version", "model_id", "max_model_len", "dev_mode",
-                                   "logprobs_mode", "logprobs_mode_source", "max_logprobs", "dtype",
-                                   "worker_extension_cls", "weight_transfer_backend", "kv_capacity_tokens", "warnings")}  # fmt: skip
+        result["startup_check"] = {
+            k: getattr(info, k)
+            for k in (
+                "version",
+                "model_id",
+                "max_model_len",
+                "dev_mode",
+                "logprobs_mode",
+                "logprobs_mode_source",
+                "max_logprobs",
+                "dtype",
+                "worker_extension_cls",
+                "weight_transfer_backend",
+                "kv_capacity_tokens",
+                "warnings",
+            )
+        }
         # raw wire format, recorded for the CPU tests' fixtures
         model_id = info.model_id
         record(fixtures, "models", "GET", f"{base}/v1/models")
         record(fixtures, "version", "GET", f"{base}/version")
         record(fixtures, "server_info", "GET", f"{base}/server_info?config_format=json")
         prompt = random_prompts(1, 4, vocab, seed=21)[0]
-        record(fixtures, "completions_logprobs", "POST", f"{base}/v1/completions", {
-            "model": model_id, "prompt": prompt[:3], "max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-            "repetition_penalty": 1.0, "n": 1, "seed": 1234, "stop_token_ids": [], "ignore_eos": True, "logprobs": 2,
-            "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
-            "stream": False})  # fmt: skip
-        record(fixtures, "completions_prompt_logprobs", "POST", f"{base}/v1/completions", {
-            "model": model_id, "prompt": prompt, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 2, "seed": 0,
-            "return_tokens_as_token_ids": True, "skip_special_tokens": False, "stream": False})  # fmt: skip
+        record(
+            fixtures,
+            "completions_logprobs",
+            "POST",
+            f"{base}/v1/completions",
+            {
+                "model": model_id,
+                "prompt": prompt[:3],
+                "max_tokens": 4,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "repetition_penalty": 1.0,
+                "n": 1,
+                "seed": 1234,
+                "stop_token_ids": [],
+                "ignore_eos": True,
+                "logprobs": 2,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+                "skip_special_tokens": False,
+                "stream": False,
+            },
+        )
+        record(
+            fixtures,
+            "completions_prompt_logprobs",
+            "POST",
+            f"{base}/v1/completions",
+            {
+                "model": model_id,
+                "prompt": prompt,
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": 2,
+                "seed": 0,
+                "return_tokens_as_token_ids": True,
+                "skip_special_tokens": False,
+                "stream": False,
+            },
+        )
         long_prompt = random_prompts(1, args.max_model_len - 10, vocab, seed=22)[0]
-        record(fixtures, "error_400", "POST", f"{base}/v1/completions",
-               {"model": model_id, "prompt": long_prompt, "max_tokens": 30})  # fmt: skip
+        record(
+            fixtures,
+            "error_400",
+            "POST",
+            f"{base}/v1/completions",
+            {"model": model_id, "prompt": long_prompt, "max_tokens": 30},
+        )
         record(fixtures, "is_paused", "GET", f"{base}/is_paused")
         record(fixtures, "get_world_size", "GET", f"{base}/get_world_size")
-        record(fixtures, "collective_rpc_fingerprint", "POST", f"{base}/collective_rpc",
-               {"method": "weight_fingerprint", "args": [["model.norm.weight"]]})  # fmt: skip
+        record(
+            fixtures,
+            "collective_rpc_fingerprint",
+            "POST",
+            f"{base}/collective_rpc",
+            {"method": "weight_fingerprint", "args": [["model.norm.weight"]]},
+        )
         # the client: generate / score vs HF (original weights: the server loaded the folder)
         hf = ctx["hf_original"]
         prompts = random_prompts(16, 64, vocab, seed=23)
-        params = [SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=300 + i, num_logprobs=8)
-                  for i in range(16)]  # fmt: skip
+        params = [
+            SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=300 + i, num_logprobs=8)
+            for i in range(16)
+        ]
         turns = await generate_all(engine, prompts, params)
         ref = learner_logprobs(hf, prompts, [t.output_ids for t in turns], 1.0, "none")
         result["logp_difference_vs_hf_bf16"] = diff_stats([t.output_log_probs for t in turns], ref)
@@ -751,8 +965,12 @@ async def phase_server(ctx: dict[str, Any]) -> dict[str, Any]:
         result["score_vs_hf_bf16"] = diff_stats([s.token_logprobs for s in scores], ref["full"])
         (fixtures / "metrics.txt").write_text(http("GET", f"{base}/metrics")[1])
         stats = await engine.refresh_stats()
-        result["stats"] = {"kv_capacity_tokens": stats.kv_capacity_tokens, "num_preemptions": stats.num_preemptions,
-                           "num_running": stats.num_running, "kv_cache_usage_frac": stats.kv_cache_usage_frac}  # fmt: skip
+        result["stats"] = {
+            "kv_capacity_tokens": stats.kv_capacity_tokens,
+            "num_preemptions": stats.num_preemptions,
+            "num_running": stats.num_running,
+            "kv_cache_usage_frac": stats.kv_cache_usage_frac,
+        }
         t0 = time.perf_counter()
         await engine.pause()
         record(fixtures, "is_paused_while_paused", "GET", f"{base}/is_paused")
@@ -784,16 +1002,23 @@ async def phase_torch_engine(ctx: dict[str, Any]) -> dict[str, Any]:
     args = ctx["args"]
     vocab = ctx["model"]["vocab_size"]
     t0 = time.perf_counter()
-    engine = TorchEngine(ctx["model"]["path"], dtype="bfloat16", max_model_len=args.max_model_len,
-                         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=256)  # fmt: skip
+    engine = TorchEngine(
+        ctx["model"]["path"],
+        dtype="bfloat16",
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=256,
+    )
     result: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
     n, plen, new = args.concurrency, args.prompt_len, args.new_tokens
     prompts = random_prompts(n, plen, vocab, seed=11)
     try:
         await warm_up(engine, prompts)
         for label, logprobs in (("seeded", 0), ("seeded_logprobs8", 8)):
-            params = [SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, num_logprobs=logprobs, seed=i)
-                      for i in range(n)]  # fmt: skip
+            params = [
+                SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, num_logprobs=logprobs, seed=i)
+                for i in range(n)
+            ]
             t1 = time.perf_counter()
             turns = await generate_all(engine, prompts, params)
             elapsed = time.perf_counter() - t1
@@ -802,7 +1027,8 @@ async def phase_torch_engine(ctx: dict[str, Any]) -> dict[str, Any]:
     finally:
         await engine.close()
     ctx["run"].result["summary"]["torch_engine_new_tokens_per_s (256x256, seeded / +logprobs8)"] = [
-        round(result[k]["new_tokens_per_s"]) for k in ("seeded", "seeded_logprobs8") if k in result]  # fmt: skip
+        round(result[k]["new_tokens_per_s"]) for k in ("seeded", "seeded_logprobs8") if k in result
+    ]
     return result
 
 
@@ -816,8 +1042,9 @@ async def main_gpu(run: Run) -> None:
     args = run.args
     ctx: dict[str, Any] = {"args": args, "run": run}
     workdir = Path(tempfile.mkdtemp(prefix="vllm_check_"))
-    ctx["model"] = await run.phase("model", build_model_dir, workdir / "qwen3-0.6b-shape", False, 0, "cuda",
-                                   args.embed_scale)  # fmt: skip
+    ctx["model"] = await run.phase(
+        "model", build_model_dir, workdir / "qwen3-0.6b-shape", False, 0, "cuda", args.embed_scale
+    )
     if ctx["model"] is None:
         return
     path = Path(ctx["model"]["path"])
@@ -845,8 +1072,13 @@ async def main_gpu(run: Run) -> None:
         ctx["engine"] = VLLMEngine(str(path), **options)
         ctx["startup_s"] = time.perf_counter() - t0
         engine = ctx["engine"]
-        return {"startup_s": ctx["startup_s"], "vllm": engine.vllm_version, "options": options,
-                "max_model_len": engine.max_model_len, "kv_capacity_tokens": engine.stats().kv_capacity_tokens}  # fmt: skip
+        return {
+            "startup_s": ctx["startup_s"],
+            "vllm": engine.vllm_version,
+            "options": options,
+            "max_model_len": engine.max_model_len,
+            "kv_capacity_tokens": engine.stats().kv_capacity_tokens,
+        }
 
     await run.phase("engine_start", start_engine)
     if "engine" in ctx:
@@ -892,9 +1124,14 @@ async def main_smoke(run: Run) -> None:
         assert all(torch.isfinite(t).all() for t in filtered["processed"])  # greedy tokens survive any filter
         tree = learner_logprobs(load_learner(path, "float32", "cpu"), prompts, outputs, 1.0, "tree")
         perturb(bf16, 0.5, seed=7)
-        return {"tokenizer_vocab": len(tokenizer), "eos": tokenizer.eos_token_id, "plain_vs_reference": same,
-                "tree_vs_plain": diff_stats(tree, plain), "filtered_mean_logprob":
-                torch.cat(filtered["processed"]).mean().item(), "greedy": greedy}  # fmt: skip
+        return {
+            "tokenizer_vocab": len(tokenizer),
+            "eos": tokenizer.eos_token_id,
+            "plain_vs_reference": same,
+            "tree_vs_plain": diff_stats(tree, plain),
+            "filtered_mean_logprob": torch.cat(filtered["processed"]).mean().item(),
+            "greedy": greedy,
+        }
 
     await run.phase("helpers", helpers)
 
@@ -933,7 +1170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout-s", type=float, default=120.0)
     parser.add_argument("--server-start-timeout-s", type=float, default=240.0)
     parser.add_argument("--skip-server", action="store_true")
-    parser.add_argument("--skip-phases", default="", help="comma-separated phases not to run (e.g. correctness,weight_sync)")
+    parser.add_argument(
+        "--skip-phases", default="", help="comma-separated phases not to run (e.g. correctness,weight_sync)"
+    )
     parser.add_argument("--skip-torch-engine", action="store_true")
     return parser.parse_args(argv)
 
@@ -947,8 +1186,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         run.save()
         print(json.dumps(run.result["summary"], indent=1), flush=True)
-        print(f"[vllm_check] wrote {run.out / args.json_name} ({len(run.result['errors'])} phase errors) "
-              f"in {run.elapsed():.0f} s", flush=True)  # fmt: skip
+        print(
+            f"[vllm_check] wrote {run.out / args.json_name} ({len(run.result['errors'])} phase errors) "
+            f"in {run.elapsed():.0f} s",
+            flush=True,
+        )
     return 0
 
 

@@ -72,14 +72,23 @@ def _worker(rank: int, args: argparse.Namespace, port: int, result_path: str) ->
 
         engine = TorchEngine(
             _model(args.tiny, torch.bfloat16 if args.device == "cuda" else torch.float32, device, seed=1),
-            device=device, max_model_len=1024, max_num_seqs=256, kv_cache_tokens=256 * 1024,
-        )  # fmt: skip
+            device=device,
+            max_model_len=1024,
+            max_num_seqs=256,
+            kv_cache_tokens=256 * 1024,
+        )
         manifest = None
     for bucket_mb, staging_mb in [(b, st) for b in args.bucket_mb for st in args.staging_mb]:
         group = WeightGroup.open(
-            "127.0.0.1", port, rank, 2, 120.0, backend=backend, device=device if backend == "nccl" else "cpu",
+            "127.0.0.1",
+            port,
+            rank,
+            2,
+            120.0,
+            backend=backend,
+            device=device if backend == "nccl" else "cpu",
             bucket_bytes=int(bucket_mb * (1 << 20)),
-        )  # fmt: skip
+        )
         port += 1
         rounds = []
         if rank == 0:
@@ -97,9 +106,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, result_path: str) ->
             )
         group.close()
         setting = f"bucket{bucket_mb:g}MB_staging{staging_mb:g}MB"
-        results["buckets"][setting] = {
-            key: statistics.median(r[key] for r in rounds) for key in rounds[0]
-        } | {"rounds": rounds}
+        results["buckets"][setting] = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]} | {
+            "rounds": rounds
+        }
         medians = {k: round(v * 1e3, 1) for k, v in results["buckets"][setting].items() if k != "rounds"}
         print(f"[rank {rank}] {setting}: {medians} ms", flush=True)  # progress, should a time limit cut the run
     if backend == "nccl":  # the floor: one flat broadcast of the same bytes
@@ -107,7 +116,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, result_path: str) ->
 
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
         pg = dist.ProcessGroupNCCL(dist.PrefixStore("raw", store), rank, 2)
-        numel = (sum(e.num_bytes for e in build_manifest(_model(args.tiny, torch.float32, "cpu"), dtype=wire)))
+        numel = sum(e.num_bytes for e in build_manifest(_model(args.tiny, torch.float32, "cpu"), dtype=wire))
         flat = torch.empty(numel, dtype=torch.uint8, device=device)
         times = []
         for _ in range(args.rounds + 1):
@@ -176,10 +185,12 @@ def ipc_copy(args: argparse.Namespace) -> dict:
         return statistics.median(times[1:])
 
     out = {"bytes": sum(e.num_bytes for e in manifest), "tensors": len(manifest)}
-    out["learner_fill_batched_s"] = timed(lambda: (shared.fill(stream_parameters(learner, dtype=wire), manifest),
-                                                   shared.synchronize()))  # fmt: skip
-    out["learner_fill_per_tensor_s"] = timed(lambda: shared.fill(list(stream_parameters(learner, dtype=wire)),
-                                                                 manifest))  # fmt: skip
+    out["learner_fill_batched_s"] = timed(
+        lambda: (shared.fill(stream_parameters(learner, dtype=wire), manifest), shared.synchronize())
+    )
+    out["learner_fill_per_tensor_s"] = timed(
+        lambda: shared.fill(list(stream_parameters(learner, dtype=wire)), manifest)
+    )
     load = lambda stream: load_named_weights(engine, stream)  # noqa: E731
     out["engine_first_load_recorded_s"] = timed(lambda: (loader.plans.clear(), loader.load(engine, mapped, load)))
     loader.load(engine, mapped, load)
@@ -195,18 +206,26 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--staging-mb", type=float, nargs="+", default=[0, 2048],
-                        help="received before the pause completes (0 = pause first)")
+    parser.add_argument(
+        "--staging-mb",
+        type=float,
+        nargs="+",
+        default=[0, 2048],
+        help="received before the pause completes (0 = pause first)",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--port", type=int, default=29611)
     parser.add_argument("--out", default=None)
     parser.add_argument("--ipc-copy", action="store_true", help="one device: time the IPC pack and copy only")
     args = parser.parse_args()
     if args.ipc_copy:
-        result = {"benchmark": "weight_sync_ipc_copy", "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                  "hardware": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                  "model_shape": "tiny Qwen3" if args.tiny else "Qwen3-0.6B (random; float32 master, bf16 engine)",
-                  **ipc_copy(args)}  # fmt: skip
+        result = {
+            "benchmark": "weight_sync_ipc_copy",
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "hardware": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "model_shape": "tiny Qwen3" if args.tiny else "Qwen3-0.6B (random; float32 master, bf16 engine)",
+            **ipc_copy(args),
+        }
         print(json.dumps(result, indent=2))
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -233,9 +252,11 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "per_setting"}, indent=2))
     for setting, sides in result["per_setting"].items():
         engine = sides["engine"]
-        print(f"{setting}: pause {engine['pause_s'] * 1e3:.1f} ms, paused->loaded "
-              f"{engine['load_s'] * 1e3:.1f} ms, resume {engine['resume_s'] * 1e3:.1f} ms, send "
-              f"{sides['sender']['send_s'] * 1e3:.1f} ms")  # fmt: skip
+        print(
+            f"{setting}: pause {engine['pause_s'] * 1e3:.1f} ms, paused->loaded "
+            f"{engine['load_s'] * 1e3:.1f} ms, resume {engine['resume_s'] * 1e3:.1f} ms, send "
+            f"{sides['sender']['send_s'] * 1e3:.1f} ms"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -41,8 +41,13 @@ def _config(argv: Sequence[str]) -> int:
     try:
         if args.path is not None and any(key in (read_yaml(args.path) or {}) for key in RUN_KEYS):
             run = load_run(args.path, args.overrides)  # a run file: config plus model, dataset, reward_funcs
-            resolved = {**run.config.to_dict(), "model": run.model, "dataset": run.dataset,
-                        "reward_funcs": run.reward_funcs, "trainer": run.trainer}  # fmt: skip
+            resolved = {
+                **run.config.to_dict(),
+                "model": run.model,
+                "dataset": run.dataset,
+                "reward_funcs": run.reward_funcs,
+                "trainer": run.trainer,
+            }
             if run.teacher_model is not None:
                 resolved["teacher_model"] = run.teacher_model
         else:
@@ -78,7 +83,9 @@ def _models(argv: Sequence[str]) -> int:
 def _plot(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlasync plot", description="Draw a run's diagnostic panels into a PNG.")
     parser.add_argument("run_dir", help="a run's output_dir (or its metrics.jsonl)")
-    parser.add_argument("--out", default=None, metavar="FILE.png", help="where the PNG goes (default RUN_DIR/metrics.png)")
+    parser.add_argument(
+        "--out", default=None, metavar="FILE.png", help="where the PNG goes (default RUN_DIR/metrics.png)"
+    )
     parser.add_argument("--title", default=None, help="the figure's title (default: the run folder and its steps)")
     args = parser.parse_args(argv)
     from rlasync.plot import plot_run
@@ -102,11 +109,18 @@ def _train(argv: Sequence[str]) -> int:
     parser.add_argument("path", help="run file, e.g. configs/quickstart.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
-        "--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="CHECKPOINT",
         help="resume from a checkpoint folder (default: the latest checkpoint-* in output_dir)",
-    )  # fmt: skip
-    parser.add_argument("--verbose", action="store_true",
-                        help="print the traceback of an error, INFO logs and the actors' start-up output")  # fmt: skip
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the traceback of an error, INFO logs and the actors' start-up output",
+    )
     parser.add_argument("--json", action="store_true", help="end with the final state as one JSON line, not a summary")
     args = parser.parse_args(argv)
     import logging
@@ -115,8 +129,10 @@ def _train(argv: Sequence[str]) -> int:
     from rlasync.console import quiet_actors, run_summary
 
     quiet_actors(args.verbose)  # before Ray starts: local workers inherit the environment
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     started = time.monotonic()
     try:  # bad input: everything known before the first actor exists (exit 2)
         run, trainer = _build_trainer(args.path, args.overrides)

@@ -96,8 +96,9 @@ def metrics_text(logs: Mapping[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def progress_line(step: int, max_steps: int | None, logs: Mapping[str, Any], *, elapsed_s: float,
-                  start_step: int = 0) -> str:  # fmt: skip
+def progress_line(
+    step: int, max_steps: int | None, logs: Mapping[str, Any], *, elapsed_s: float, start_step: int = 0
+) -> str:
     """One plain line: `step 10/15 (67%) | ETA 45s | reward 0.870 | queue 4 | stale 0.38 | step 9.7s`."""
     head = f"step {step}"
     if max_steps and max_steps > 0:
@@ -114,7 +115,9 @@ class ProgressCallback:
     when `stream` is a terminal and `disable_tqdm` is off, with the latest window's numbers after it; otherwise one
     `progress_line` per logging step. `clock` is injectable for tests."""
 
-    def __init__(self, stream: TextIO | None = None, *, disable_tqdm: bool = False, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, stream: TextIO | None = None, *, disable_tqdm: bool = False, clock: Any = time.monotonic
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.use_bar = not disable_tqdm and bool(getattr(self.stream, "isatty", lambda: False)())
         self.clock = clock
@@ -135,8 +138,14 @@ class ProgressCallback:
         if self.use_bar:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.max_steps, initial=self.start_step, file=self.stream, unit="step",
-                            dynamic_ncols=True, desc="train")  # fmt: skip
+            self.bar = tqdm(
+                total=self.max_steps,
+                initial=self.start_step,
+                file=self.stream,
+                unit="step",
+                dynamic_ncols=True,
+                desc="train",
+            )
 
     def on_train_begin(self, args: TrainerConfig, state: Any, control: Any, **kwargs: Any) -> None:
         self._begin(args, state)
@@ -150,15 +159,22 @@ class ProgressCallback:
             step = int(_value(state, "global_step") or 0)
             self.bar.update(max(0, step - self.bar.n))
 
-    def on_log(self, args: TrainerConfig, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self, args: TrainerConfig, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         self._begin(args, state)
         self.last_logs = dict(logs or {})
         step = int(_value(state, "global_step") or 0)
         if self.bar is not None:
             self.bar.set_postfix_str(metrics_text(self.last_logs), refresh=True)
             return
-        line = progress_line(step, self.max_steps, self.last_logs, elapsed_s=self.clock() - (self.started or 0.0),
-                             start_step=self.start_step or 0)  # fmt: skip
+        line = progress_line(
+            step,
+            self.max_steps,
+            self.last_logs,
+            elapsed_s=self.clock() - (self.started or 0.0),
+            start_step=self.start_step or 0,
+        )
         self.lines.append(line)
         print(line, file=self.stream, flush=True)
 
@@ -192,8 +208,10 @@ def run_summary(output_dir: str | Path, state: Mapping[str, Any], wall_s: float)
     metrics_file = out / "metrics.jsonl"
     last = _last_record(metrics_file)
     step = _value(state, "global_step") or last.get("step") or 0
-    checkpoints = sorted((p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                         key=lambda p: int(p.name.split("-")[-1]))  # fmt: skip
+    checkpoints = sorted(
+        (p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+        key=lambda p: int(p.name.split("-")[-1]),
+    )
     reward = last.get("reward")
     lines = [
         f"done: {step} steps in {format_duration(wall_s)}"
@@ -206,6 +224,13 @@ def run_summary(output_dir: str | Path, state: Mapping[str, Any], wall_s: float)
 
 
 __all__ = [
-    "PROGRESS_KEYS", "QUIET_ENV", "ProgressCallback", "eta_s", "format_duration", "metrics_text", "progress_line",
-    "quiet_actors", "run_summary",
-]  # fmt: skip
+    "PROGRESS_KEYS",
+    "QUIET_ENV",
+    "ProgressCallback",
+    "eta_s",
+    "format_duration",
+    "metrics_text",
+    "progress_line",
+    "quiet_actors",
+    "run_summary",
+]

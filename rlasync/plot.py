@@ -38,24 +38,59 @@ class Panel:
 
 
 PANELS = (
-    Panel("reward", (Series("reward", "reward"), Series("frac_zero_std_groups", "frac zero-std groups", right=True)),
-          "reward", "fraction"),
-    Panel("step time", (Series("perf/rollout_wait_s", "rollout wait"), Series("perf/fwd_bwd_s", "fwd/bwd"),
-                        Series("perf/weight_sync_s", "weight sync"), Series("perf/step_s", "step")),
-          "seconds", stacked=3),
-    Panel("queue and staleness", (Series("rollout/queue_size", "queue size"),
-                                  Series("sample/staleness_mean", "staleness (mean)"),
-                                  Series("rollout/backpressure_s", "backpressure s", right=True)),
-          "samples / versions", "seconds"),
-    Panel("packing", (Series("batch/packing_ratio", "packing ratio"),
-                      Series("batch/row_fill_frac", "row fill", right=True)), "ratio", "fraction"),
-    Panel("sampler vs learner log-probs", (Series("sampling/sampling_logp_difference/mean", "|Δ log p| mean"),
-                                           Series("sampling/sampling_logp_difference/max", "|Δ log p| max", right=True),
-                                           Series("kl", "kl")), "nats", "nats (max)"),
-    Panel("throughput", (Series("perf/forwarded_tok_s_fwd_bwd", "learner fwd/bwd tok/s"),
-                         Series("rollout/generated_tokens_per_s", "generated tok/s (GRPO)"),
-                         Series("rollout/generated_tok_s", "generated tok/s (distillation)")), "tokens / s"),
-)  # fmt: skip
+    Panel(
+        "reward",
+        (Series("reward", "reward"), Series("frac_zero_std_groups", "frac zero-std groups", right=True)),
+        "reward",
+        "fraction",
+    ),
+    Panel(
+        "step time",
+        (
+            Series("perf/rollout_wait_s", "rollout wait"),
+            Series("perf/fwd_bwd_s", "fwd/bwd"),
+            Series("perf/weight_sync_s", "weight sync"),
+            Series("perf/step_s", "step"),
+        ),
+        "seconds",
+        stacked=3,
+    ),
+    Panel(
+        "queue and staleness",
+        (
+            Series("rollout/queue_size", "queue size"),
+            Series("sample/staleness_mean", "staleness (mean)"),
+            Series("rollout/backpressure_s", "backpressure s", right=True),
+        ),
+        "samples / versions",
+        "seconds",
+    ),
+    Panel(
+        "packing",
+        (Series("batch/packing_ratio", "packing ratio"), Series("batch/row_fill_frac", "row fill", right=True)),
+        "ratio",
+        "fraction",
+    ),
+    Panel(
+        "sampler vs learner log-probs",
+        (
+            Series("sampling/sampling_logp_difference/mean", "|Δ log p| mean"),
+            Series("sampling/sampling_logp_difference/max", "|Δ log p| max", right=True),
+            Series("kl", "kl"),
+        ),
+        "nats",
+        "nats (max)",
+    ),
+    Panel(
+        "throughput",
+        (
+            Series("perf/forwarded_tok_s_fwd_bwd", "learner fwd/bwd tok/s"),
+            Series("rollout/generated_tokens_per_s", "generated tok/s (GRPO)"),
+            Series("rollout/generated_tok_s", "generated tok/s (distillation)"),
+        ),
+        "tokens / s",
+    ),
+)
 
 
 def _number(value: Any) -> float | None:
@@ -127,15 +162,23 @@ def _draw(ax: Any, records: list[dict[str, Any]], panel: Panel) -> str | None:
         for s in stack:
             known = dict(zip(*series_points(records, s.key)))
             layers.append([known.get(step, 0.0) for step in steps])
-        handles += ax.stackplot(steps, *layers, labels=[s.label for s in stack], alpha=0.6,
-                                colors=[next(colors) for _ in stack])  # fmt: skip
+        handles += ax.stackplot(
+            steps, *layers, labels=[s.label for s in stack], alpha=0.6, colors=[next(colors) for _ in stack]
+        )
     for s in present:
         if s in stack:
             continue
         target = right if s.right and right is not None else ax
         steps, values = series_points(records, s.key)
-        (line,) = target.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=s.label,
-                              color=next(colors), linestyle="--" if s.right else "-")  # fmt: skip
+        (line,) = target.plot(
+            steps,
+            values,
+            marker="o" if len(steps) < 30 else None,
+            markersize=3,
+            label=s.label,
+            color=next(colors),
+            linestyle="--" if s.right else "-",
+        )
         handles.append(line)
     ax.legend(handles=handles, labels=[h.get_label() for h in handles], fontsize=7, loc="best")
     if missing:

@@ -63,6 +63,7 @@ DROP_REASONS: tuple[GroupOutcome, ...] = (GroupOutcome.ZERO_STD, GroupOutcome.FI
 RELEASE_REASONS: tuple[GroupOutcome, ...] = (GroupOutcome.FILTERED, GroupOutcome.FAILED, GroupOutcome.CANCELLED)
 """Outcomes a rollout loop reports when it hands a lease back without a scored group (`PromptSource.release`)."""
 
+
 class _NoRow(Mapping[str, Any]):
     """The empty, immutable row of a lease as the dispatcher hands it out (the rollout side fills the row in);
     picklable (it travels with the lease between actors)."""

@@ -30,7 +30,14 @@ LR_SCHEDULERS = (
 )
 WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "ipc")
 ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
-REPORT_TO = ("tensorboard", "wandb", "trackio", "mlflow", "all", "none")  # rlasync.metrics.sinks.REPORT_TO: the sinks rlasync has
+REPORT_TO = (
+    "tensorboard",
+    "wandb",
+    "trackio",
+    "mlflow",
+    "all",
+    "none",
+)  # rlasync.metrics.sinks.REPORT_TO: the sinks rlasync has
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adagrad", "rmsprop")
 """`optim` names the learner builds (transformers' names; torch optimizers, `adafactor` is transformers')."""
 GRADIENT_CHECKPOINTING_KWARGS = ("use_reentrant",)
@@ -115,8 +122,15 @@ class ClusterConfig:
         reward_actors = self.num_reward_actors
         if isinstance(reward_actors, bool) or not isinstance(reward_actors, int) or reward_actors < 0:
             raise ValueError(f"cluster.num_reward_actors={self.num_reward_actors!r}: must be an integer >= 0")
-        for name in ("rollout_num_cpus", "generation_num_cpus", "generation_num_gpus", "learner_num_cpus",
-                     "learner_num_gpus", "queue_num_cpus", "reward_num_cpus"):
+        for name in (
+            "rollout_num_cpus",
+            "generation_num_cpus",
+            "generation_num_gpus",
+            "learner_num_cpus",
+            "learner_num_gpus",
+            "queue_num_cpus",
+            "reward_num_cpus",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.collective_timeout_s > 0:
@@ -143,7 +157,9 @@ class ClusterConfig:
                     "cluster.vllm_server_url is required with cluster.engine='vllm_server' (e.g. http://host:8000)"
                 )
             if not str(self.vllm_server_url).startswith(("http://", "https://")):
-                raise ValueError(f"cluster.vllm_server_url={self.vllm_server_url!r}: must start with http:// or https://")
+                raise ValueError(
+                    f"cluster.vllm_server_url={self.vllm_server_url!r}: must start with http:// or https://"
+                )
         elif self.vllm_server_url is not None:
             raise ValueError(
                 f"cluster.vllm_server_url is set but cluster.engine={self.engine!r}: set cluster.engine='vllm_server'"
@@ -159,21 +175,30 @@ class ClusterConfig:
             if isinstance(low, bool) or not isinstance(low, int) or low < 1:
                 raise ValueError(f"cluster.min_{pool}_actors={low!r}: must be a positive integer")
             if high is not None and (isinstance(high, bool) or not isinstance(high, int) or high < 1):
-                raise ValueError(f"cluster.max_{pool}_actors={high!r}: must be a positive integer (or null: "
-                                 f"num_{pool}_actors)")  # fmt: skip
+                raise ValueError(
+                    f"cluster.max_{pool}_actors={high!r}: must be a positive integer (or null: num_{pool}_actors)"
+                )
             if low > num:
-                raise ValueError(f"cluster.min_{pool}_actors={low} > cluster.num_{pool}_actors={num}: the run starts "
-                                 f"with num_{pool}_actors; set min_{pool}_actors <= {num}")  # fmt: skip
+                raise ValueError(
+                    f"cluster.min_{pool}_actors={low} > cluster.num_{pool}_actors={num}: the run starts "
+                    f"with num_{pool}_actors; set min_{pool}_actors <= {num}"
+                )
             if high is not None and high < num:
-                raise ValueError(f"cluster.max_{pool}_actors={high} < cluster.num_{pool}_actors={num}: set "
-                                 f"max_{pool}_actors >= {num} (or null)")  # fmt: skip
+                raise ValueError(
+                    f"cluster.max_{pool}_actors={high} < cluster.num_{pool}_actors={num}: set "
+                    f"max_{pool}_actors >= {num} (or null)"
+                )
         interval = self.elastic_interval_steps
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"cluster.elastic_interval_steps={interval!r}: must be a positive integer")
-        if self.elastic and all(self.pool_bounds(pool) == (n, n) for pool, n in
-                                (("generation", self.num_generation_actors), ("rollout", self.num_rollout_actors))):
-            raise ValueError("cluster.elastic=True but neither pool can change size: set cluster.max_generation_actors "
-                             "or cluster.max_rollout_actors above num_*_actors (or min_*_actors below it)")  # fmt: skip
+        if self.elastic and all(
+            self.pool_bounds(pool) == (n, n)
+            for pool, n in (("generation", self.num_generation_actors), ("rollout", self.num_rollout_actors))
+        ):
+            raise ValueError(
+                "cluster.elastic=True but neither pool can change size: set cluster.max_generation_actors "
+                "or cluster.max_rollout_actors above num_*_actors (or min_*_actors below it)"
+            )
 
     def pool_bounds(self, pool: str) -> tuple[int, int]:
         """`(min, max)` actors of the "generation" or "rollout" pool (max None: the starting count)."""
@@ -365,7 +390,9 @@ class TrainerConfig(TrainingArgumentsFields):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.use_liger_kernel:
-            raise NotImplementedError("use_liger_kernel=True: Liger kernels are not supported; set use_liger_kernel=False")
+            raise NotImplementedError(
+                "use_liger_kernel=True: Liger kernels are not supported; set use_liger_kernel=False"
+            )
         if not self.ignore_data_skip:
             logger.warning("ignore_data_skip=False is ignored: resume continues at the first untrained prompt")
             self.ignore_data_skip = True
@@ -381,7 +408,9 @@ class TrainerConfig(TrainingArgumentsFields):
             )
         _positive_int(self, "max_completion_length")
         if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0 (use a small value such as 1e-3 for near-greedy)")
+            raise ValueError(
+                f"temperature={self.temperature}: must be > 0 (use a small value such as 1e-3 for near-greedy)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
@@ -414,7 +443,9 @@ class TrainerConfig(TrainingArgumentsFields):
         if value >= 1:
             return int(value)
         if horizon is None:
-            raise ValueError(f"{name}={value} is a fraction of max_steps, but the run has no step horizon: set max_steps")
+            raise ValueError(
+                f"{name}={value} is a fraction of max_steps, but the run has no step horizon: set max_steps"
+            )
         return max(1, math.ceil(value * horizon))
 
     def optimizer_kwargs(self) -> dict[str, Any]:
@@ -487,5 +518,14 @@ def _at_least(config: Any, name: str, low: float) -> None:
         raise ValueError(f"{name}={value!r}: must be a number >= {low}")
 
 
-__all__ = ["DTYPES", "ENGINES", "GRADIENT_CHECKPOINTING_KWARGS", "JSON_DICT_FIELDS", "LR_SCHEDULERS", "OPTIMIZERS",
-           "WEIGHT_SYNC_BACKENDS", "ClusterConfig", "TrainerConfig"]
+__all__ = [
+    "DTYPES",
+    "ENGINES",
+    "GRADIENT_CHECKPOINTING_KWARGS",
+    "JSON_DICT_FIELDS",
+    "LR_SCHEDULERS",
+    "OPTIMIZERS",
+    "WEIGHT_SYNC_BACKENDS",
+    "ClusterConfig",
+    "TrainerConfig",
+]

@@ -93,7 +93,9 @@ class AsyncDistillationConfig(TrainerConfig):
     def _check_async(self) -> None:
         super()._check_async()
         if self.max_inflight_tasks == 0:
-            raise ValueError("max_inflight_tasks=0: use a positive task count, or -1 for max(max_staleness, 1) × B × GA × P")
+            raise ValueError(
+                "max_inflight_tasks=0: use a positive task count, or -1 for max(max_staleness, 1) × B × GA × P"
+            )
         _positive_int(self, "log_completions_steps")
         if not self.heartbeat_stale_after_s > 0:
             raise ValueError(f"heartbeat_stale_after_s={self.heartbeat_stale_after_s}: must be > 0 seconds")

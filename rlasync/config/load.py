@@ -78,7 +78,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist (check the path, e.g. configs/quickstart.yaml)") from None
+        raise ValueError(
+            f"config file {str(path)!r} does not exist (check the path, e.g. configs/quickstart.yaml)"
+        ) from None
     except OSError as exc:
         raise ValueError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
     try:

@@ -237,8 +237,10 @@ def _enum_value(value: Any) -> Any:
 
 def check_training_arguments(config: Any) -> None:
     """Refuse a non-default value of every `UNSUPPORTED` field, check the honoured ones, apply `log_level`."""
-    defaults = {name: f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-                for name, f in TrainingArgumentsFields.__dataclass_fields__.items()}  # fmt: skip
+    defaults = {
+        name: f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        for name, f in TrainingArgumentsFields.__dataclass_fields__.items()
+    }
     for name, fix in UNSUPPORTED.items():
         value = _enum_value(getattr(config, name))
         if value == defaults[name] or _unset(value, defaults[name]):
@@ -289,5 +291,11 @@ def _literal(raw: str) -> Any:
     return raw
 
 
-__all__ = ["LOG_LEVELS", "SAVE_STRATEGIES", "UNSUPPORTED", "TrainingArgumentsFields", "check_training_arguments",
-           "parse_optim_args"]  # fmt: skip
+__all__ = [
+    "LOG_LEVELS",
+    "SAVE_STRATEGIES",
+    "UNSUPPORTED",
+    "TrainingArgumentsFields",
+    "check_training_arguments",
+    "parse_optim_args",
+]

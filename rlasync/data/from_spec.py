@@ -25,7 +25,9 @@ def build_dataset(spec: Mapping[str, Any]) -> Any:
         build = arithmetic_dataset if name == "arithmetic" else countdown_dataset
         return build(int(size), int(seed), **spec)
     if name in ("json", "hub") and not spec.get("path"):
-        raise ValueError(f"dataset.path is missing: dataset.name={name!r} needs a `path` (a .json/.jsonl file or hub id)")
+        raise ValueError(
+            f"dataset.path is missing: dataset.name={name!r} needs a `path` (a .json/.jsonl file or hub id)"
+        )
     import datasets
 
     if name == "json":
@@ -35,7 +37,9 @@ def build_dataset(spec: Mapping[str, Any]) -> Any:
         try:
             return datasets.load_dataset("json", data_files=str(path), split="train")
         except Exception as exc:
-            raise ValueError(f"dataset.path={str(path)!r} cannot be read as JSON rows: {type(exc).__name__}: {exc}") from None
+            raise ValueError(
+                f"dataset.path={str(path)!r} cannot be read as JSON rows: {type(exc).__name__}: {exc}"
+            ) from None
     if name == "hub":
         try:
             return datasets.load_dataset(spec["path"], split=spec.get("split", "train"))

@@ -64,7 +64,9 @@ class RowStream:
                 row = next(self._iterator)
             except StopIteration:
                 if self._rows_this_pass == 0:
-                    raise ValueError("the streaming train_dataset yielded no row: GRPO needs at least one prompt") from None
+                    raise ValueError(
+                        "the streaming train_dataset yielded no row: GRPO needs at least one prompt"
+                    ) from None
                 if self.pass_length is None:
                     self.pass_length = self._rows_this_pass
                 if not self.repeat:

@@ -157,8 +157,10 @@ class TokenBudgetBatcher:
             self._dropped_since_emit += 1
             logger.warning(
                 "dropping a distillation sample of %d tokens (prompt %d): longer than token_budget=%d",
-                len(sample), sample.prompt_id, self.token_budget,
-            )  # fmt: skip
+                len(sample),
+                sample.prompt_id,
+                self.token_budget,
+            )
             return []
         closed: list[DistillMicroBatch] = []
         rank = self._place(sample)

@@ -101,20 +101,42 @@ class AsyncDistillationLoop(ScheduledLoop, DistillationPolicy):
         self.metrics = MetricSink()
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
         self.engine_pool = EnginePool(
-            student, max_concurrent=settings.max_concurrent, emit=self.emit, counters=self.counters,
+            student,
+            max_concurrent=settings.max_concurrent,
+            emit=self.emit,
+            counters=self.counters,
             max_attempts=class_override(self, "max_request_attempts", settings.max_request_attempts),
-            retryable_exceptions=self.retryable_exceptions, stats_interval_s=None, clock=clock, sleep=sleep,
-        )  # fmt: skip
+            retryable_exceptions=self.retryable_exceptions,
+            stats_interval_s=None,
+            clock=clock,
+            sleep=sleep,
+        )
         self._init_policy(
-            config=config, tokenizer=tokenizer, settings=settings, engine_pool=self.engine_pool, teachers=teachers,
-            eos_token_ids=eos_token_ids, clock=clock, wall_clock=wall_clock, rng=rng,
-        )  # fmt: skip
+            config=config,
+            tokenizer=tokenizer,
+            settings=settings,
+            engine_pool=self.engine_pool,
+            teachers=teachers,
+            eos_token_ids=eos_token_ids,
+            clock=clock,
+            wall_clock=wall_clock,
+            rng=rng,
+        )
         self.scheduler = TaskScheduler(
-            self, prompt_source=prompt_source, sink=sink, group_size=1, max_concurrent=settings.max_concurrent,
-            heartbeat_timeout_s=settings.heartbeat_timeout_s, heartbeat_interval_s=self.heartbeat_interval_s,
-            max_pending_groups=settings.max_concurrent, policy_version=policy_version, loop_name=self.loop_name,
-            counters=self.counters, clock=clock, wall_clock=wall_clock,
-        )  # fmt: skip
+            self,
+            prompt_source=prompt_source,
+            sink=sink,
+            group_size=1,
+            max_concurrent=settings.max_concurrent,
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            max_pending_groups=settings.max_concurrent,
+            policy_version=policy_version,
+            loop_name=self.loop_name,
+            counters=self.counters,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
 
     @property
     def max_inflight_tasks(self) -> int:

@@ -60,10 +60,18 @@ class DistillationPolicy(PolicyBase):
     policy_version: int  # the scheduler's (`ScheduledLoop.policy_version`)
 
     def _init_policy(
-        self, *, config: Any, tokenizer: Any, settings: RolloutSettings, engine_pool: EnginePool,
-        teachers: Engine | Mapping[str, Engine], eos_token_ids: Iterable[int] | None, clock: Callable[[], float],
-        wall_clock: Callable[[], float], rng: random.Random | None,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        config: Any,
+        tokenizer: Any,
+        settings: RolloutSettings,
+        engine_pool: EnginePool,
+        teachers: Engine | Mapping[str, Engine],
+        eos_token_ids: Iterable[int] | None,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        rng: random.Random | None,
+    ) -> None:
         self.config = self.args = config
         self.tokenizer, self.settings, self.engine_pool = tokenizer, settings, engine_pool
         self.router: TeacherRouter[Engine] = TeacherRouter(
@@ -81,8 +89,9 @@ class DistillationPolicy(PolicyBase):
                     logger.warning(
                         "teacher %r: Engine.score takes no temperature, so its log-probs are at temperature 1 while "
                         "teacher_temperature=%s (only the student side of the loss is tempered)",
-                        teacher_id, self.teacher_temperature,
-                    )  # fmt: skip
+                        teacher_id,
+                        self.teacher_temperature,
+                    )
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else tokenizer_eos_ids(tokenizer)
         self._clock, self._wall_clock = clock, wall_clock
         self._rng = rng if rng is not None else random.Random()
@@ -109,7 +118,9 @@ class DistillationPolicy(PolicyBase):
         started = self._clock()
         if policy_version is None:
             policy_version = self.policy_version
-        teacher_id, teacher = self.router.route(lease.row)  # an unknown teacher_id stops the loop (docs/algorithms.md §9.4)
+        teacher_id, teacher = self.router.route(
+            lease.row
+        )  # an unknown teacher_id stops the loop (docs/algorithms.md §9.4)
         prompt = row_prompt(lease.row, lease.row_index)
         prompt_ids = self.render(prompt)
         turn = await self.engine_pool.generate(prompt_ids, self.sampling_params(), what="student")
@@ -129,10 +140,18 @@ class DistillationPolicy(PolicyBase):
                 raise TeacherRejectedError(f"teacher {teacher_id!r} rejected the scoring request: {exc}") from exc
             score_s = self._clock() - score_started
         sample = build_distillation_sample(
-            prompt_ids, completion_ids, scores, self.teacher_top_k,
-            prompt_id=lease.group_id, teacher_id=teacher_id, policy_version=policy_version, row_index=lease.row_index,
-            prompt=prompt, completion=completion, enqueued_at=self._wall_clock(),
-        )  # fmt: skip
+            prompt_ids,
+            completion_ids,
+            scores,
+            self.teacher_top_k,
+            prompt_id=lease.group_id,
+            teacher_id=teacher_id,
+            policy_version=policy_version,
+            row_index=lease.row_index,
+            prompt=prompt,
+            completion=completion,
+            enqueued_at=self._wall_clock(),
+        )
         return sample, self._task_metrics(turn, completion_ids, teacher_id, score_s, self._clock() - started)
 
     # ---- the scheduler's calls (TaskPolicy) ----------------------------------------------------------------

@@ -112,8 +112,10 @@ def read_step(checkpoint_dir: str | Path) -> int:
     if path.is_file():
         state = read_json(path)
         if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
-            raise CorruptCheckpointError(f"{path} has no integer 'global_step': not a trainer state; resume from an "
-                                         "earlier checkpoint-* or delete this one")  # fmt: skip
+            raise CorruptCheckpointError(
+                f"{path} has no integer 'global_step': not a trainer state; resume from an "
+                "earlier checkpoint-* or delete this one"
+            )
         return state["global_step"]
     step = checkpoint_step(Path(checkpoint_dir))
     return step if step is not None else 0
@@ -178,8 +180,10 @@ class Checkpointer:
                     continue
                 logger.info("resuming from %s", candidate)
                 return str(candidate)
-            raise CorruptCheckpointError(f"resume_from_checkpoint=True: every complete checkpoint in {self.output_dir} "
-                                         f"is corrupt; the newest: {corrupt[0]}")  # fmt: skip
+            raise CorruptCheckpointError(
+                f"resume_from_checkpoint=True: every complete checkpoint in {self.output_dir} "
+                f"is corrupt; the newest: {corrupt[0]}"
+            )
         if not Path(resume).is_dir():
             raise ValueError(f"resume_from_checkpoint={resume!r} is not a directory")
         verify_checkpoint(resume)
@@ -198,8 +202,9 @@ class Checkpointer:
     def path(self, step: int) -> Path:
         return self.output_dir / f"{CHECKPOINT_PREFIX}{step}"
 
-    async def save(self, step: int, state: dict[str, Any], queue: SampleQueue, learners: LearnerGroup,
-                   tokenizer: Any) -> str:  # fmt: skip
+    async def save(
+        self, step: int, state: dict[str, Any], queue: SampleQueue, learners: LearnerGroup, tokenizer: Any
+    ) -> str:
         """Write checkpoint-<step> (through a `.tmp` folder renamed when complete); returns its path."""
         final = self.path(step)
         tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -237,6 +242,15 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CHECKPOINT_PREFIX", "TRAINER_STATE", "Checkpointer", "CorruptCheckpointError", "checkpoint_step",
-           "resumed_trainer_state",
-           "is_complete", "read_json", "read_step", "verify_checkpoint"]
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "TRAINER_STATE",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "checkpoint_step",
+    "resumed_trainer_state",
+    "is_complete",
+    "read_json",
+    "read_step",
+    "verify_checkpoint",
+]

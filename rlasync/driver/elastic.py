@@ -53,8 +53,10 @@ class ElasticBounds:
         """`count` if it is within the pool's bounds, else a ValueError naming the fields to change."""
         low, high = getattr(self, pool)
         if isinstance(count, bool) or not isinstance(count, int) or not low <= count <= high:
-            raise ValueError(f"resize({pool}={count!r}): the {pool} pool takes {low}..{high} actors "
-                             f"(cluster.min_{pool}_actors / cluster.max_{pool}_actors)")  # fmt: skip
+            raise ValueError(
+                f"resize({pool}={count!r}): the {pool} pool takes {low}..{high} actors "
+                f"(cluster.min_{pool}_actors / cluster.max_{pool}_actors)"
+            )
         return count
 
     def clamp(self, sizes: Sizes) -> Sizes:
@@ -89,8 +91,10 @@ class ElasticPolicy:
         if not isinstance(wait, (int, float)) or not isinstance(step_s, (int, float)) or step_s <= 0:
             return None  # no full step measured yet
         frac = wait / step_s
-        saturated = (float(metrics.get("rollout/vllm_kv_cache_usage_frac") or 0.0) > s.saturated_kv_frac
-                     or float(metrics.get("rollout/vllm_queued_requests") or 0.0) > 0)  # fmt: skip
+        saturated = (
+            float(metrics.get("rollout/vllm_kv_cache_usage_frac") or 0.0) > s.saturated_kv_frac
+            or float(metrics.get("rollout/vllm_queued_requests") or 0.0) > 0
+        )
         (_, ghigh), (_, rhigh) = self.bounds.generation, self.bounds.rollout
         (glow, _), (rlow, _) = self.bounds.generation, self.bounds.rollout
         target = None
@@ -109,8 +113,13 @@ class ElasticPolicy:
         if target is None:
             return None
         self._quiet_until = step + s.interval_steps + 1  # the next decision sees a window at the new size
-        logger.info("elastic: learner waited %.0f%% of a step (engines %s): %s -> %s", 100 * frac,
-                    "saturated" if saturated else "with room", sizes, target)  # fmt: skip
+        logger.info(
+            "elastic: learner waited %.0f%% of a step (engines %s): %s -> %s",
+            100 * frac,
+            "saturated" if saturated else "with room",
+            sizes,
+            target,
+        )
         return target
 
 
@@ -136,8 +145,11 @@ class ResizeRequests:
         """Ask for pool sizes (None: unchanged); ValueError when out of the bounds."""
         if generation is None and rollout is None:
             raise ValueError("resize(): give generation=N and/or rollout=N")
-        asked = {pool: self.bounds.check(pool, n) for pool, n in zip(POOLS, (generation, rollout), strict=True)
-                 if n is not None}  # fmt: skip
+        asked = {
+            pool: self.bounds.check(pool, n)
+            for pool, n in zip(POOLS, (generation, rollout), strict=True)
+            if n is not None
+        }
         with self._lock:
             self._pending.update(asked)
 
@@ -164,9 +176,20 @@ class ElasticController:
         if target is not None and target != sizes:
             items = list(await self.pools.resize(self.requests.bounds.clamp(target)))
             sizes = self.pools.sizes()
-        return [*items, ("elastic/generation_actors", float(sizes.generation)),
-                ("elastic/rollout_actors", float(sizes.rollout))]  # fmt: skip
+        return [
+            *items,
+            ("elastic/generation_actors", float(sizes.generation)),
+            ("elastic/rollout_actors", float(sizes.rollout)),
+        ]
 
 
-__all__ = ["ElasticBounds", "ElasticController", "ElasticPolicy", "ElasticPolicySettings", "POOLS", "Resizable",
-           "ResizeRequests", "Sizes"]  # fmt: skip
+__all__ = [
+    "ElasticBounds",
+    "ElasticController",
+    "ElasticPolicy",
+    "ElasticPolicySettings",
+    "POOLS",
+    "Resizable",
+    "ResizeRequests",
+    "Sizes",
+]

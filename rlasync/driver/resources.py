@@ -24,8 +24,12 @@ def actor_requests(cluster: Any) -> ActorRequests:
     }
 
 
-def check_resources(requests: Mapping[str, tuple[int, float, float]], available: Mapping[str, float],
-                    autoscaling: bool, nodes: Sequence[Mapping[str, float]] | None = None) -> None:  # fmt: skip
+def check_resources(
+    requests: Mapping[str, tuple[int, float, float]],
+    available: Mapping[str, float],
+    autoscaling: bool,
+    nodes: Sequence[Mapping[str, float]] | None = None,
+) -> None:
     """Compare what the actors ask for with what the Ray cluster has, before any actor starts. A cluster that cannot
     grow (a local one this process started, or an existing one without an autoscaler) that falls short, in total
     or because some actor fits on no node (`nodes`: each node's CPU/GPU), is a `ValueError` naming the `cluster.*`
@@ -34,7 +38,11 @@ def check_resources(requests: Mapping[str, tuple[int, float, float]], available:
         "CPU": sum(count * cpus for count, cpus, _ in requests.values()),
         "GPU": sum(count * gpus for count, _, gpus in requests.values()),
     }
-    short = {kind: (need[kind], float(available.get(kind, 0.0))) for kind in need if need[kind] > available.get(kind, 0.0) + 1e-9}
+    short = {
+        kind: (need[kind], float(available.get(kind, 0.0)))
+        for kind in need
+        if need[kind] > available.get(kind, 0.0) + 1e-9
+    }
     field = {"CPU": "num_cpus", "GPU": "num_gpus"}
     parts = []
     for kind, (wanted, have) in short.items():
@@ -52,9 +60,11 @@ def check_resources(requests: Mapping[str, tuple[int, float, float]], available:
         unplaced = first_fit(requests, nodes)
         if unplaced is None:
             return
-        message = (f"{unplaced} fits on no node of the Ray cluster (nodes have "
-                   + ", ".join(f"{n.get('CPU', 0):g} CPUs/{n.get('GPU', 0):g} GPUs" for n in nodes)
-                   + "): an actor's cluster.*_num_cpus / *_num_gpus must fit on one node")  # fmt: skip
+        message = (
+            f"{unplaced} fits on no node of the Ray cluster (nodes have "
+            + ", ".join(f"{n.get('CPU', 0):g} CPUs/{n.get('GPU', 0):g} GPUs" for n in nodes)
+            + "): an actor's cluster.*_num_cpus / *_num_gpus must fit on one node"
+        )
     else:
         return
     if autoscaling:

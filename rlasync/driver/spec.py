@@ -111,13 +111,26 @@ class RunSpec:
 
     def step_settings(self, tokens_per_step: int, samples_per_step: int | None) -> StepSettings:
         return StepSettings.from_config(
-            self.config, horizon=self.horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
-            hang_timeout_s=self.hang_timeout_s, hang_setting=self.hang_setting,
-        )  # fmt: skip
+            self.config,
+            horizon=self.horizon,
+            tokens_per_step=tokens_per_step,
+            samples_per_step=samples_per_step,
+            hang_timeout_s=self.hang_timeout_s,
+            hang_setting=self.hang_setting,
+        )
 
-    def step_loop(self, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport, fleet: Fleet,
-                  tokens_per_step: int, samples_per_step: int | None, state: dict[str, Any],
-                  pools: Resizable | None = None) -> StepLoop:  # fmt: skip
+    def step_loop(
+        self,
+        *,
+        queue: SampleQueue,
+        learners: LearnerGroup,
+        weights: WeightTransport,
+        fleet: Fleet,
+        tokens_per_step: int,
+        samples_per_step: int | None,
+        state: dict[str, Any],
+        pools: Resizable | None = None,
+    ) -> StepLoop:
         """The run's StepLoop over the Cluster's adapters: the config's sinks (the records after the starting step,
         of an interrupted or an earlier run, are replaced: one record per step), its checkpointer, the callbacks (called with the config as TRL's `args`);
         with `pools` (the Cluster's resizable pools) the elastic hook: `resize_requests`, and the policy when
@@ -127,11 +140,18 @@ class RunSpec:
         if pools is not None:
             bounds = ElasticBounds.from_cluster(config.cluster)
             policy = ElasticPolicy(bounds, ElasticPolicySettings(interval_steps=config.cluster.elastic_interval_steps))
-            elastic = ElasticController(pools, self.resize_requests or ResizeRequests(bounds),
-                                        policy if config.cluster.elastic else None)  # fmt: skip
-        sinks = build_sinks(config.output_dir, config.report_to, max_steps=config.max_steps, run_name=config.run_name,
-                            config=config.to_dict(), resume_step=self.start_step,
-                            console=False)  # fmt: skip
+            elastic = ElasticController(
+                pools, self.resize_requests or ResizeRequests(bounds), policy if config.cluster.elastic else None
+            )
+        sinks = build_sinks(
+            config.output_dir,
+            config.report_to,
+            max_steps=config.max_steps,
+            run_name=config.run_name,
+            config=config.to_dict(),
+            resume_step=self.start_step,
+            console=False,
+        )
         progress = ProgressCallback(disable_tqdm=bool(config.disable_tqdm))  # the console: a bar, or a line per window
         perf = step_perf(self.model, config)
         resumed = resumed_trainer_state(self.resume_dir)  # num_tokens and the log history continue across a resume
@@ -141,12 +161,22 @@ class RunSpec:
                 record for record in resumed.get("log_history", []) if record.get("step", 0) <= self.start_step
             )
         return StepLoop(
-            self.step_settings(tokens_per_step, samples_per_step), queue=queue, learners=learners, weights=weights,
-            fleet=fleet, checkpointer=Checkpointer(config.output_dir, config.save_total_limit), sinks=sinks,
-            callbacks=[progress, *self.callbacks], callback_args=config, state=state, tokenizer=self.tokenizer,
-            trainer_state=self.trainer_state, perf=perf, log_inbox=self.log_inbox,
+            self.step_settings(tokens_per_step, samples_per_step),
+            queue=queue,
+            learners=learners,
+            weights=weights,
+            fleet=fleet,
+            checkpointer=Checkpointer(config.output_dir, config.save_total_limit),
+            sinks=sinks,
+            callbacks=[progress, *self.callbacks],
+            callback_args=config,
+            state=state,
+            tokenizer=self.tokenizer,
+            trainer_state=self.trainer_state,
+            perf=perf,
+            log_inbox=self.log_inbox,
             elastic=elastic,
-        )  # fmt: skip
+        )
 
 
 def step_perf(model_path: str, config: TrainerConfig) -> StepPerf:
@@ -164,7 +194,9 @@ def step_perf(model_path: str, config: TrainerConfig) -> StepPerf:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code))
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
+        )
     num_params = sum(p.numel() for p in model.parameters())
     return StepPerf(num_params=num_params, peak_flops_per_device=peak, num_devices=cluster.num_learners)
 
@@ -196,9 +228,20 @@ def server_engine_kwargs(config: TrainerConfig, engine_kwargs: dict[str, Any] | 
     each request / weight call, GRPO's `vllm_server_timeout` both), under what `cluster.engine_kwargs` sets."""
     request_s = getattr(config, "request_timeout", config.vllm_server_timeout)
     weight_s = getattr(config, "weight_sync_timeout", config.vllm_server_timeout)
-    timeouts = {"startup_timeout_s": float(config.vllm_server_timeout), "request_timeout_s": float(request_s),
-                "weight_sync_timeout_s": float(weight_s)}  # fmt: skip
+    timeouts = {
+        "startup_timeout_s": float(config.vllm_server_timeout),
+        "request_timeout_s": float(request_s),
+        "weight_sync_timeout_s": float(weight_s),
+    }
     return {**timeouts, **(engine_kwargs or {})}
 
 
-__all__ = ["LearnerSpec", "RolloutSpec", "RunSpec", "TeacherSpec", "engine_dtype", "server_engine_kwargs", "step_budget"]
+__all__ = [
+    "LearnerSpec",
+    "RolloutSpec",
+    "RunSpec",
+    "TeacherSpec",
+    "engine_dtype",
+    "server_engine_kwargs",
+    "step_budget",
+]

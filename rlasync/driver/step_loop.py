@@ -42,8 +42,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TAKE_POLL_S = 5.0
-EVENTS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_log", "on_save", "on_epoch_end",
-          "on_train_end")  # on_init_end is the trainer's; no evaluation events (rlasync has no evaluation loop)
+EVENTS = (
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_step_begin",
+    "on_step_end",
+    "on_log",
+    "on_save",
+    "on_epoch_end",
+    "on_train_end",
+)  # on_init_end is the trainer's; no evaluation events (rlasync has no evaluation loop)
 
 
 @dataclass(frozen=True)
@@ -65,28 +73,44 @@ class StepSettings:
     watchdog: WatchdogSettings | None = None
 
     @classmethod
-    def from_config(cls, config: TrainerConfig, *, horizon: int | None, tokens_per_step: int, samples_per_step: int | None,
-                    hang_timeout_s: float, hang_setting: str = "rollout_worker_timeout") -> StepSettings:  # fmt: skip
+    def from_config(
+        cls,
+        config: TrainerConfig,
+        *,
+        horizon: int | None,
+        tokens_per_step: int,
+        samples_per_step: int | None,
+        hang_timeout_s: float,
+        hang_setting: str = "rollout_worker_timeout",
+    ) -> StepSettings:
         """`hang_timeout_s` and `hang_setting` (the config field it comes from, named in messages): the trainer's
         heartbeat limit, also the watchdog's floor."""
         watchdog = WatchdogSettings(
-            timeout_s=config.watchdog_timeout_s, floor_s=hang_timeout_s, floor_setting=hang_setting,
+            timeout_s=config.watchdog_timeout_s,
+            floor_s=hang_timeout_s,
+            floor_setting=hang_setting,
             action=config.watchdog_action,
-        )  # fmt: skip
+        )
         save_steps = config.steps_of("save_steps", horizon) if config.save_strategy == "steps" else None
         return cls(
-            horizon=horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
-            weight_sync_steps=config.weight_sync_steps, logging_steps=config.steps_of("logging_steps", horizon),
-            save_steps=save_steps, logging_first_step=config.logging_first_step, hang_timeout_s=hang_timeout_s,
+            horizon=horizon,
+            tokens_per_step=tokens_per_step,
+            samples_per_step=samples_per_step,
+            weight_sync_steps=config.weight_sync_steps,
+            logging_steps=config.steps_of("logging_steps", horizon),
+            save_steps=save_steps,
+            logging_first_step=config.logging_first_step,
+            hang_timeout_s=hang_timeout_s,
             watchdog=watchdog,
-        )  # fmt: skip
+        )
 
     def watchdog_settings(self) -> WatchdogSettings:
         return self.watchdog if self.watchdog is not None else WatchdogSettings(floor_s=self.hang_timeout_s)
 
 
-def check_actor_health(name: str, health: dict[str, Any], stale_after_s: float,
-                       setting: str = "rollout_worker_timeout") -> None:  # fmt: skip
+def check_actor_health(
+    name: str, health: dict[str, Any], stale_after_s: float, setting: str = "rollout_worker_timeout"
+) -> None:
     """Raise `RuntimeError` when the actor `name` reports an error, or runs with a heartbeat older than
     `stale_after_s` (a hung loop; `setting` names the config field in the message). `health` is
     `{"error", "running", "heartbeat_age_s"}`, as the rollout actors' `health()` returns it."""
@@ -102,11 +126,25 @@ def check_actor_health(name: str, health: dict[str, Any], stale_after_s: float,
 class StepLoop:
     """Runs the steps of one training run over a queue, a learner group, a weight transport and a fleet."""
 
-    def __init__(self, settings: StepSettings, *, queue: SampleQueue, learners: LearnerGroup, weights: WeightTransport,
-                 fleet: Fleet, checkpointer: Checkpointer, sinks: Sequence[Any] = (), callbacks: Sequence[Any] = (),
-                 callback_args: Any = None, state: dict[str, Any] | None = None, tokenizer: Any = None,
-                 trainer_state: Any = None, perf: StepPerf | None = None,
-                 log_inbox: list[dict[str, float]] | None = None, elastic: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: StepSettings,
+        *,
+        queue: SampleQueue,
+        learners: LearnerGroup,
+        weights: WeightTransport,
+        fleet: Fleet,
+        checkpointer: Checkpointer,
+        sinks: Sequence[Any] = (),
+        callbacks: Sequence[Any] = (),
+        callback_args: Any = None,
+        state: dict[str, Any] | None = None,
+        tokenizer: Any = None,
+        trainer_state: Any = None,
+        perf: StepPerf | None = None,
+        log_inbox: list[dict[str, float]] | None = None,
+        elastic: Any = None,
+    ) -> None:
         """`state`: the run's dict (updated in place, returned by `run`); `trainer_state`: the transformers
         `TrainerState` the callbacks get (a new one when None); `perf`: the throughput / MFU estimator; `elastic`:
         an `rlasync.driver.elastic.ElasticController` (`after_step(step, window) -> metric items`: resizes pools)."""
@@ -264,8 +302,15 @@ class StepLoop:
         on_step_end, on_log, on_save, on_epoch_end, on_train_end) on every callback that defines it, as
         `callback.name(args, state, control, model=..., processing_class=..., ..., **kwargs)`; a returned
         `TrainerControl` replaces the loop's (transformers' CallbackHandler rule)."""
-        full = {"model": None, "processing_class": self.tokenizer, "optimizer": None, "lr_scheduler": None,
-                "train_dataloader": None, "eval_dataloader": None, **kwargs}  # fmt: skip
+        full = {
+            "model": None,
+            "processing_class": self.tokenizer,
+            "optimizer": None,
+            "lr_scheduler": None,
+            "train_dataloader": None,
+            "eval_dataloader": None,
+            **kwargs,
+        }
         for callback in self.callbacks:
             method = getattr(callback, name, None)
             if method is None:

@@ -105,8 +105,12 @@ class Watchdog:
         logger.warning("%s", message)
         self._last_progress = self._clock()  # one warning per bound
 
-    def reason(self, queue_state: Mapping[str, Any], healths: Sequence[tuple[str, Mapping[str, Any]]] = (),
-               bound_s: float | None = None) -> str:  # fmt: skip
+    def reason(
+        self,
+        queue_state: Mapping[str, Any],
+        healths: Sequence[tuple[str, Mapping[str, Any]]] = (),
+        bound_s: float | None = None,
+    ) -> str:
         """Why nothing trains, from the counts since the baseline and the actors' health (see `explain`)."""
         baseline = self._baseline or {"outcomes": Counter(), "causes": Counter()}
         now = _counts(queue_state)
@@ -127,8 +131,13 @@ def _counts(queue_state: Mapping[str, Any]) -> dict[str, Counter[str]]:
     }
 
 
-def explain(outcomes: Mapping[str, int], causes: Mapping[str, int], queue_state: Mapping[str, Any],
-            healths: Sequence[tuple[str, Mapping[str, Any]]], bound_s: float) -> str:  # fmt: skip
+def explain(
+    outcomes: Mapping[str, int],
+    causes: Mapping[str, int],
+    queue_state: Mapping[str, Any],
+    healths: Sequence[tuple[str, Mapping[str, Any]]],
+    bound_s: float,
+) -> str:
     """The reasons, most telling first, joined by "; ". `outcomes` / `causes` are the groups counted since the
     last step; `queue_state["last_failures"]` holds the last message per cause."""
     last = dict(queue_state.get("last_failures") or {})
@@ -186,12 +195,16 @@ def _health_reasons(healths: Sequence[tuple[str, Mapping[str, Any]]], bound_s: f
     for name, health in healths:
         tool = health.get("oldest_tool_call") or None
         if tool and float(tool.get("age_s", 0.0)) > slow:
-            reasons.append(f"{name}: tool `{tool.get('name')}` has not returned in {float(tool['age_s']):.0f} s "
-                           "(set tool_timeout_s to bound every tool call)")  # fmt: skip
+            reasons.append(
+                f"{name}: tool `{tool.get('name')}` has not returned in {float(tool['age_s']):.0f} s "
+                "(set tool_timeout_s to bound every tool call)"
+            )
         request = health.get("oldest_request") or None
         if request and float(request.get("age_s", 0.0)) > slow:
-            reasons.append(f"{name}: generation engine {request.get('engine')} has not answered a request in "
-                           f"{float(request['age_s']):.0f} s (the generation actor may be frozen or overloaded)")  # fmt: skip
+            reasons.append(
+                f"{name}: generation engine {request.get('engine')} has not answered a request in "
+                f"{float(request['age_s']):.0f} s (the generation actor may be frozen or overloaded)"
+            )
     return reasons
 
 

@@ -59,8 +59,13 @@ def _inputs(engine: TorchEngine, output: SchedulerOutput, previous: InFlight | N
                     f"request {request.request_id}: a step covers {request.num_pending} token(s) still in flight "
                     f"(chunk {chunk.start}:{chunk.end} of {request.num_tokens})"
                 )
-            chunk_input = ChunkInput(chunk_input.token_ids, chunk_input.start, chunk_input.block_ids,
-                                     chunk_input.sample, previous.rows[request])  # fmt: skip
+            chunk_input = ChunkInput(
+                chunk_input.token_ids,
+                chunk_input.start,
+                chunk_input.block_ids,
+                chunk_input.sample,
+                previous.rows[request],
+            )
         inputs.append(chunk_input)
     return inputs
 

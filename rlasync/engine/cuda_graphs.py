@@ -49,8 +49,17 @@ class DecodeGraphs:
         # the graphs' inputs live in two flat device buffers, filled from two pinned host buffers per step (`stage`)
         self.host64 = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
         self.host32 = torch.zeros(size * (2 + self.max_blocks) + 1, dtype=torch.int32, pin_memory=True)
-        stage_decode(self.host64.numpy(), self.host32.numpy(), [], [], [], size, pool.block_size, pool.null_block,
-                     self.max_blocks)  # fmt: skip
+        stage_decode(
+            self.host64.numpy(),
+            self.host32.numpy(),
+            [],
+            [],
+            [],
+            size,
+            pool.block_size,
+            pool.null_block,
+            self.max_blocks,
+        )
         self.dev64 = self.host64.to(device)
         self.dev32 = self.host32.to(device)
         self.input_ids, self.positions, self.slot_mapping = self.dev64
@@ -99,8 +108,13 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         self._graphs = capture_graphs(self._forward, self.batch_sizes, warmup=[self.max_batch_size] * 2)
 
-    def run_decode(self, token_ids: Sequence[int], positions: Sequence[int], block_ids: Sequence[Sequence[int]],
-                   feedback: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    def run_decode(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Replay the graph of the smallest captured size holding this decode step (request i feeds `token_ids[i]` at
         `positions[i]`, its KV in blocks `block_ids[i]`); returns that graph's logits [size, V] (rows past the step's
         requests are padding). Host inputs are staged in pinned memory and sent in two copies. `feedback`
@@ -111,8 +125,17 @@ class DecodeGraphs:
         size = self.padded_size(len(token_ids))
         if self._copied is not None:  # asynchronous scheduling: the last step's copies may still read the host buffers
             self._copied.synchronize()
-        stage_decode(self.host64.numpy(), self.host32.numpy(), token_ids, positions, block_ids, size,
-                     self.pool.block_size, self.pool.null_block, self.max_blocks)  # fmt: skip
+        stage_decode(
+            self.host64.numpy(),
+            self.host32.numpy(),
+            token_ids,
+            positions,
+            block_ids,
+            size,
+            self.pool.block_size,
+            self.pool.null_block,
+            self.max_blocks,
+        )
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self._copied = torch.cuda.Event()
@@ -124,8 +147,9 @@ class DecodeGraphs:
         return logits
 
 
-def capture_graphs(forward: Callable[[int], torch.Tensor], sizes: Sequence[int], warmup: Sequence[int]
-                   ) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:  # fmt: skip
+def capture_graphs(
+    forward: Callable[[int], torch.Tensor], sizes: Sequence[int], warmup: Sequence[int]
+) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
     """One CUDA graph of `forward(size)` per size, sharing one memory pool: `forward` runs first for each size of
     `warmup` on a side stream (lazy kernel and library init outside any capture), then the sizes are captured
     largest first (later graphs reuse its memory). Returns {size: (graph, its output tensor)}."""

@@ -193,9 +193,14 @@ class MixedGraphs:
                 self._stage_empty(tokens)
         self._graphs = capture_graphs(self._forward, self.token_counts, warmup=self.token_counts)
 
-    def run(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int], block_ids: Sequence[Sequence[int]],
-            sample_rows: Sequence[int], feedback: tuple[torch.Tensor, torch.Tensor] | None = None
-            ) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        sample_rows: Sequence[int],
+        feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Replay the graph for this step; returns its logits buffer (rows past `len(sample_rows)` are padding).
         As for the decode graphs, read the logits before the next call (the buffers are reused); `feedback` (flat
         token indices, ids, on the device) overwrites those input ids after the copies."""

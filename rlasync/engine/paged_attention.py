@@ -360,10 +360,17 @@ def paged_attention_forward(
         from rlasync.engine.triton_attention import triton_paged_attention
 
         output = triton_paged_attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            block_size=meta.pool.block_size, max_query_len=meta.max_query_len, scale=scaling,
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            block_size=meta.pool.block_size,
+            max_query_len=meta.max_query_len,
+            scale=scaling,
             sliding_window=sliding_window,
-        ).to(q.dtype)  # fmt: skip
+        ).to(q.dtype)
     else:
         output = _reference_attention(q, k_cache, v_cache, meta.reference, scaling, sliding_window)
     return output[None], None

@@ -225,8 +225,9 @@ class ModelRunner:
         ).last_hidden_state[0]
         return self._logits(hidden.index_select(0, rows))
 
-    def _feedback(self, chunks: Sequence[ChunkInput], lengths: list[int], feedback_ids: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    def _feedback(
+        self, chunks: Sequence[ChunkInput], lengths: list[int], feedback_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(flat input positions, their ids on the device) for the chunks whose last token is fed back."""
         pairs = []
         end = 0
@@ -271,7 +272,9 @@ class ModelRunner:
             try:
                 return sample_compiled(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
             except _compile_errors() as exc:  # inductor cannot serve this GPU or build: the eager sampler, same results
-                logger.warning("compiled sampler failed (%s: %s); sampling eagerly from now on", type(exc).__name__, exc)
+                logger.warning(
+                    "compiled sampler failed (%s: %s); sampling eagerly from now on", type(exc).__name__, exc
+                )
                 self.compiled_sampler = False
         return sample(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
 

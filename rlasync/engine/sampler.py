@@ -202,16 +202,27 @@ class BatchSampling:
         # two host-to-device copies for the whole batch (one per dtype), not one per field: this runs every step
         floats = torch.tensor([temperature, top_p, min_p, penalty], dtype=torch.float32).to(device)
         ints = torch.tensor([top_k, [_i64(int(s)) for s in seeds]], dtype=torch.int64).to(device)
-        return cls.from_packed(floats, ints, max((int(p.num_logprobs) for p in params), default=0),
-                               _Plan.of(temperature, top_k, top_p, min_p, penalty))  # fmt: skip
+        return cls.from_packed(
+            floats,
+            ints,
+            max((int(p.num_logprobs) for p in params), default=0),
+            _Plan.of(temperature, top_k, top_p, min_p, penalty),
+        )
 
     @classmethod
     def from_packed(cls, floats: Tensor, ints: Tensor, num_logprobs: int, plan: _Plan | None = None) -> BatchSampling:
         """A batch from its two packed device tensors: `floats` [4, B] float32 (temperature, top_p, min_p,
         repetition_penalty) and `ints` [2, B] int64 (top_k, seed), as `from_params` and the engine's per-slot
         sampling tensors (`rlasync.engine.slot_sampling`) lay them out; `plan` the host switches when known."""
-        batch = cls(temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2],
-                    repetition_penalty=floats[3], seeds=ints[1], num_logprobs=num_logprobs)  # fmt: skip
+        batch = cls(
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            seeds=ints[1],
+            num_logprobs=num_logprobs,
+        )
         if plan is not None:
             object.__setattr__(batch, "_plan", plan)
         return batch

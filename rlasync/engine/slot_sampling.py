@@ -43,8 +43,9 @@ class SlotSampling:
         self._num_logprobs = [0] * capacity
         self.num_writes = 0  # slot rows written (for tests: only when a slot changes owner)
 
-    def batch(self, slots: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int],
-              steps: Sequence[int]) -> tuple[BatchSampling, torch.Tensor]:  # fmt: skip
+    def batch(
+        self, slots: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
+    ) -> tuple[BatchSampling, torch.Tensor]:
         """The step's `BatchSampling` (rows in the order of `slots`) and its `steps` [B] int64 tensor; rows whose
         slot holds other params or another seed are written first."""
         if not len(slots) == len(params) == len(seeds) == len(steps):
@@ -74,13 +75,21 @@ class SlotSampling:
             raise ValueError(f"SlotSampling: a step holds slot(s) twice with different params: {slots}")
         for slot, p, seed in zip(slots, params, seeds):
             self._owner[slot] = (p, seed)
-            self._rows[slot] = (float(p.temperature), max(int(p.top_k), 0), float(p.top_p), float(p.min_p or 0.0),
-                                float(p.repetition_penalty))  # fmt: skip
+            self._rows[slot] = (
+                float(p.temperature),
+                max(int(p.top_k), 0),
+                float(p.top_p),
+                float(p.min_p or 0.0),
+                float(p.repetition_penalty),
+            )
             self._num_logprobs[slot] = int(p.num_logprobs)
         rows = [self._rows[slot] for slot in slots]
         index = host_to_device(slots, torch.int64, self.device)
-        floats = host_to_device([[r[0] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows]],
-                                torch.float32, self.device)  # fmt: skip
+        floats = host_to_device(
+            [[r[0] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows]],
+            torch.float32,
+            self.device,
+        )
         ints = host_to_device([[r[1] for r in rows], [_i64(int(s)) for s in seeds]], torch.int64, self.device)
         self.floats.index_copy_(1, index, floats)
         self.ints.index_copy_(1, index, ints)

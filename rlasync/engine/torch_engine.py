@@ -147,9 +147,7 @@ class TorchEngine:
             max_model_len=self.max_model_len,
             backend=backend,
             cuda_graph_sizes=decode_batch_sizes(max_num_seqs) if graphs else (),
-            mixed_graph_tokens=(
-                mixed_token_counts(max_num_batched_tokens) if graphs and mixed_cuda_graphs else ()
-            ),
+            mixed_graph_tokens=(mixed_token_counts(max_num_batched_tokens) if graphs and mixed_cuda_graphs else ()),
             max_num_seqs=max_num_seqs,
             compiled_sampler=compiled_sampler,
         )

@@ -34,17 +34,32 @@ __all__ = ["available"]
 
 
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,  # q/out [N, Hq, D]; k/v [slots, Hkv, D]
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,  # q/out [N, Hq, D]; k/v [slots, Hkv, D]
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
     scale,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-    stride_kv_slot, stride_kv_head, stride_bt,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_bt,
     window,  # 0: none; else keys with position > query position - window are visible
     q_tiles,  # query tiles per request (runtime: a constexpr would compile a kernel per prefill length)
-    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     request = pid // q_tiles
@@ -138,14 +153,30 @@ def triton_paged_attention(
     q_tiles = -(-max_query_len // block_q)
     grid = (num_requests * q_tiles, num_kv_heads)
     jit(_paged_attention_kernel)[grid](
-        q, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_tables,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
         float(scale if scale is not None else head_dim**-0.5),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        int(sliding_window or 0), q_tiles,
-        G=groups, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(min_rows, _next_pow2(head_dim)), TILE=TILE_N, PAGE=block_size,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_tables.stride(0),
+        int(sliding_window or 0),
+        q_tiles,
+        G=groups,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(min_rows, _next_pow2(head_dim)),
+        TILE=TILE_N,
+        PAGE=block_size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    )
     return out

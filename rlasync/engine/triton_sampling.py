@@ -30,10 +30,15 @@ __all__ = ["available"]
 
 
 def _gumbel_argmax_kernel(
-    x_ptr, key_ptr, best_score_ptr, best_id_ptr,
-    vocab, stride_x, num_chunks,
+    x_ptr,
+    key_ptr,
+    best_score_ptr,
+    best_id_ptr,
+    vocab,
+    stride_x,
+    num_chunks,
     CHUNK_SIZE: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     ids = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
@@ -64,8 +69,14 @@ def gumbel_argmax(masked: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     best_score = torch.empty(rows, num_chunks, dtype=torch.float64, device=masked.device)
     best_id = torch.empty(rows, num_chunks, dtype=torch.int64, device=masked.device)
     jit(_gumbel_argmax_kernel)[(rows, num_chunks)](
-        masked, keys.to(torch.int64).contiguous(), best_score, best_id, vocab, masked.stride(0), num_chunks,
+        masked,
+        keys.to(torch.int64).contiguous(),
+        best_score,
+        best_id,
+        vocab,
+        masked.stride(0),
+        num_chunks,
         CHUNK_SIZE=CHUNK,
-    )  # fmt: skip
+    )
     winner = best_score.argmax(dim=-1, keepdim=True)  # first maximum: chunks are in id order
     return best_id.gather(1, winner)[:, 0]

@@ -178,8 +178,10 @@ class VLLMEngine(VLLMWeightLoading):
         self._adapters: RuntimeAdapters | None = None  # LoRA syncs: runtime adapters (rlasync.engine.vllm_engine_lora)
         if lora_dir is not None:
             if not engine_args.get("enable_lora"):
-                raise ValueError("VLLMEngine(lora_dir=...) receives LoRA adapters: start it with enable_lora=True, "
-                                 "max_loras and max_lora_rank (rlasync.weights.adapter.lora_engine_kwargs)")  # fmt: skip
+                raise ValueError(
+                    "VLLMEngine(lora_dir=...) receives LoRA adapters: start it with enable_lora=True, "
+                    "max_loras and max_lora_rank (rlasync.weights.adapter.lora_engine_kwargs)"
+                )
             self._adapters = RuntimeAdapters(lora_dir, int(engine_args.get("max_loras", 1)), base_model=model)
         self.use_request_seeds = bool(use_request_seeds)
         self.clear_cache_on_pause = bool(clear_cache_on_pause)
@@ -298,9 +300,13 @@ class VLLMEngine(VLLMWeightLoading):
                 f"score: {len(ids)} tokens leave no room under max_model_len={self.max_model_len}"
             )
         params = VllmSamplingParams(
-            max_tokens=1, temperature=float(temperature), prompt_logprobs=top_k, detokenize=False, seed=0,
+            max_tokens=1,
+            temperature=float(temperature),
+            prompt_logprobs=top_k,
+            detokenize=False,
+            seed=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
-        )  # fmt: skip
+        )
         output = await self._run(ids, params)
         return score_from_prompt_logprobs(ids, prompt_length, top_k, output.prompt_logprobs or [])
 
@@ -379,8 +385,9 @@ class VLLMEngine(VLLMWeightLoading):
         holding = self._adapters.using() if self._adapters is not None else contextlib.nullcontext()
         try:
             with holding as adapter:  # the adapter stays loaded (and its folder kept) until this request ends
-                async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id,
-                                                       lora_request=lora_request(adapter)):  # fmt: skip
+                async for output in self._llm.generate(
+                    TokensPrompt(prompt_token_ids=prompt), params, request_id, lora_request=lora_request(adapter)
+                ):
                     final = output
         except ValueError as exc:  # vLLM's request validation
             raise RequestRejectedError(f"vLLM rejected the request: {exc}") from exc

@@ -53,15 +53,21 @@ class RuntimeAdapters:
     def current(self) -> Adapter | None:
         return self.live[-1] if self.live else None
 
-    async def publish(self, named_tensors: Iterable[tuple[str, Any]], *, load: Callable[[Adapter], Awaitable[Any]],
-                      unload: Callable[[Adapter], Awaitable[Any]]) -> dict[str, Any]:  # fmt: skip
+    async def publish(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        *,
+        load: Callable[[Adapter], Awaitable[Any]],
+        unload: Callable[[Adapter], Awaitable[Any]],
+    ) -> dict[str, Any]:
         """Write the adapter of one sync, load it (`load(adapter)`), then retire the oldest ones beyond
         `max_loras` (`unload(adapter)`); returns {"adapter", "write_s", "load_s", "retired"}."""
         started = time.perf_counter()
         self.version += 1
         name = f"{ADAPTER_NAME_PREFIX}{self.version}"
-        path = await asyncio.to_thread(write_adapter, self.lora_dir / name, adapter_pairs(named_tensors),
-                                       self.base_model)  # fmt: skip
+        path = await asyncio.to_thread(
+            write_adapter, self.lora_dir / name, adapter_pairs(named_tensors), self.base_model
+        )
         written = time.perf_counter()
         adapter = (name, self.version, str(path))
         await load(adapter)
@@ -75,9 +81,12 @@ class RuntimeAdapters:
                 continue
             await self._retire(old)
             retired.append(old[0])
-        return {"adapter": name, "write_s": written - started, "load_s": time.perf_counter() - written,
-                "retired": retired}  # fmt: skip
-
+        return {
+            "adapter": name,
+            "write_s": written - started,
+            "load_s": time.perf_counter() - written,
+            "retired": retired,
+        }
 
     @contextlib.contextmanager
     def using(self) -> Iterator[Adapter | None]:

@@ -64,8 +64,10 @@ class VLLMWeightLoading:
                 return await self.load_flat(named_tensors.key, handles)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - a worker that cannot map or replay: the per-tensor path
                 self._flat_failed = f"{type(exc).__name__}: {exc}"
-                logger.warning("vLLM weight sync from persistent buckets failed (%s); syncing tensor by tensor from "
-                               "now on", self._flat_failed)  # fmt: skip
+                logger.warning(
+                    "vLLM weight sync from persistent buckets failed (%s); syncing tensor by tensor from now on",
+                    self._flat_failed,
+                )
         named_tensors, is_adapter = peek_adapter(named_tensors)
         if is_adapter:
             return await self.load_adapter(named_tensors)
@@ -75,8 +77,9 @@ class VLLMWeightLoading:
         total = {"num_tensors": 0, "bytes": 0}
         keepalive: list[Any] = []
         try:
-            for payload in encode_weights(named_tensors, chunk_bytes=self.chunk_bytes, cuda_ipc=True,
-                                          keepalive=keepalive):  # fmt: skip
+            for payload in encode_weights(
+                named_tensors, chunk_bytes=self.chunk_bytes, cuda_ipc=True, keepalive=keepalive
+            ):
                 if keepalive:
                     torch.cuda.synchronize()  # the sender's writes land before the worker reads the handles
                 results = await self._rpc("load_weights_payload", payload)
@@ -100,8 +103,11 @@ class VLLMWeightLoading:
         worker = results[0]
         # `engine_s`: the slowest worker's own time (mapping, copies, the wait for them); the rest of `seconds` is
         # vLLM's collective_rpc round trip (this process -> EngineCore -> its workers and back)
-        return {**worker, "engine_s": max(float(r.get("seconds", 0.0)) for r in results),
-                "seconds": time.perf_counter() - started}  # fmt: skip
+        return {
+            **worker,
+            "engine_s": max(float(r.get("seconds", 0.0)) for r in results),
+            "seconds": time.perf_counter() - started,
+        }
 
     async def load_adapter(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         """One LoRA sync: write the adapter, `add_lora` it as `rlasync-v{k}` (new requests use it), `remove_lora`
@@ -110,8 +116,10 @@ class VLLMWeightLoading:
 
         adapters = getattr(self, "_adapters", None)
         if adapters is None:
-            raise RuntimeError("a LoRA adapter sync reached a VLLMEngine started without lora_dir / enable_lora: "
-                               "start it with rlasync.weights.adapter.lora_engine_kwargs(...)")  # fmt: skip
+            raise RuntimeError(
+                "a LoRA adapter sync reached a VLLMEngine started without lora_dir / enable_lora: "
+                "start it with rlasync.weights.adapter.lora_engine_kwargs(...)"
+            )
 
         async def load(adapter: Any) -> None:
             if not await bounded(self._llm.add_lora(lora_request(adapter)), self.rpc_timeout_s, "add_lora"):
@@ -122,13 +130,30 @@ class VLLMWeightLoading:
 
         return await adapters.publish(named_tensors, load=load, unload=unload)
 
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                                backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
+    async def join_weight_group(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        bucket_bytes: int | None = None,
+    ) -> None:
         """The workers join rlasync's weight-sync group (`rlasync.weights.broadcast`, learner rank 0 sends) as ranks
         `rank, rank + 1, ...` (one per worker), over `backend` ("gloo": through the CPU; "nccl": into the workers'
         GPUs, the sender on another GPU). Returns when every rank has joined."""
-        await self._rpc("init_weight_group", host, int(port), int(rank), int(world_size), float(timeout_s), backend,
-                        bucket_bytes, timeout_s=float(timeout_s) + 30.0)  # fmt: skip
+        await self._rpc(
+            "init_weight_group",
+            host,
+            int(port),
+            int(rank),
+            int(world_size),
+            float(timeout_s),
+            backend,
+            bucket_bytes,
+            timeout_s=float(timeout_s) + 30.0,
+        )
 
     async def receive_weights(self, manifest: Iterable[Any]) -> dict[str, Any]:
         """Receive one broadcast per manifest entry in the workers and load it (pausing first unless already
@@ -138,18 +163,26 @@ class VLLMWeightLoading:
             results = await self._rpc("receive_weights", rows)
         return results[0] if results else {}
 
-    async def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int,
-                                   world_size: int) -> None:  # fmt: skip
+    async def init_weight_transfer(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None:
         """vLLM's own NCCL path: the workers join a NCCL group with the learner (rank 0), as ranks from `rank_offset`.
         The learner calls `NCCLWeightTransferEngine.trainer_init({...})` at the same time. Needs
         `weight_transfer_backend="nccl"`."""
         self._need_backend("nccl")
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        info = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-                "world_size": int(world_size)}  # fmt: skip
-        await bounded(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
-                            self.rpc_timeout_s, "init_weight_transfer_engine")  # fmt: skip
+        info = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+        }
+        await bounded(
+            self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+            self.rpc_timeout_s,
+            "init_weight_transfer_engine",
+        )
 
     async def update_weights_nccl(self, manifest: Iterable[Any], packed: bool = True) -> float:
         """Receive a NCCL broadcast of the manifest's tensors from the learner (vLLM's `update_weights`), pausing
@@ -163,8 +196,11 @@ class VLLMWeightLoading:
         async with paused_for_update(self):
             await bounded(self._llm.start_weight_update(), self.control_timeout_s, "start_weight_update")
             try:
-                await bounded(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)),
-                                    self.rpc_timeout_s, "update_weights")  # fmt: skip
+                await bounded(
+                    self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)),
+                    self.rpc_timeout_s,
+                    "update_weights",
+                )
             finally:
                 await bounded(self._llm.finish_weight_update(), self.control_timeout_s, "finish_weight_update")
         return time.perf_counter() - started

@@ -114,9 +114,14 @@ class VLLMServerEngine:
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"vllm_server_url={base_url!r}: must start with http:// or https://")
-        self.http = ServerConnection(base_url, connect_timeout_s=connect_timeout_s, max_attempts=max_attempts,
-                                     backoff_base_s=backoff_base_s, backoff_max_s=backoff_max_s,
-                                     max_connections=max_connections)  # fmt: skip
+        self.http = ServerConnection(
+            base_url,
+            connect_timeout_s=connect_timeout_s,
+            max_attempts=max_attempts,
+            backoff_base_s=backoff_base_s,
+            backoff_max_s=backoff_max_s,
+            max_connections=max_connections,
+        )
         self.base_url = self.http.base_url
         self.requested_model = model
         self.dtype = dtype
@@ -155,9 +160,15 @@ class VLLMServerEngine:
         and /metrics, and confirm the logprobs mode (from /server_info, else by a one-token probe). Logs every
         finding that limits what the trainer can do; raises when the server is known to return unprocessed
         log-probs (unless strict=False)."""
-        check = StartupCheck(self.http, requested_model=self.requested_model, dtype=self.dtype, strict=self.strict,
-                             startup_timeout_s=self.startup_timeout_s, control_timeout_s=self.control_timeout_s,
-                             request_timeout_s=self.request_timeout_s)  # fmt: skip
+        check = StartupCheck(
+            self.http,
+            requested_model=self.requested_model,
+            dtype=self.dtype,
+            strict=self.strict,
+            startup_timeout_s=self.startup_timeout_s,
+            control_timeout_s=self.control_timeout_s,
+            request_timeout_s=self.request_timeout_s,
+        )
         info = check.read()
         self.info = info
         self.model_id = info.model_id
@@ -207,8 +218,9 @@ class VLLMServerEngine:
     async def pause(self) -> None:
         """POST /pause?mode=keep&clear_cache=true: in-flight requests are frozen; the prefix cache is dropped and
         running requests recompute under the next weights."""
-        await self._request("POST", "/pause?mode=keep&clear_cache=true", None, timeout_s=self.control_timeout_s,
-                            control=True)  # fmt: skip
+        await self._request(
+            "POST", "/pause?mode=keep&clear_cache=true", None, timeout_s=self.control_timeout_s, control=True
+        )
         self._paused = True
 
     async def resume(self) -> None:
@@ -231,8 +243,9 @@ class VLLMServerEngine:
         started = time.perf_counter()
         total = {"num_tensors": 0, "bytes": 0}
         for payload in encode_weights(named_tensors, chunk_bytes=self.chunk_bytes, text=True):
-            results = await self._collective_rpc("load_weights_payload", [json.dumps(payload)],
-                                                 self.weight_sync_timeout_s)  # fmt: skip
+            results = await self._collective_rpc(
+                "load_weights_payload", [json.dumps(payload)], self.weight_sync_timeout_s
+            )
             total["num_tensors"] += int(results[0]["num_tensors"])
             total["bytes"] += int(results[0]["bytes"])
         total["seconds"] = time.perf_counter() - started
@@ -255,12 +268,19 @@ class VLLMServerEngine:
 
         async def load(adapter: Any) -> None:
             body = {"lora_name": adapter[0], "lora_path": adapter[2]}
-            await self._request("POST", "/v1/load_lora_adapter", body, timeout_s=self.weight_sync_timeout_s,
-                                control=True, text=True)  # fmt: skip
+            await self._request(
+                "POST", "/v1/load_lora_adapter", body, timeout_s=self.weight_sync_timeout_s, control=True, text=True
+            )
 
         async def unload(adapter: Any) -> None:
-            await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter[0]},
-                                timeout_s=self.control_timeout_s, control=True, text=True)  # fmt: skip
+            await self._request(
+                "POST",
+                "/v1/unload_lora_adapter",
+                {"lora_name": adapter[0]},
+                timeout_s=self.control_timeout_s,
+                control=True,
+                text=True,
+            )
 
         return await self._adapters.publish(named_tensors, load=load, unload=unload)
 
@@ -268,9 +288,13 @@ class VLLMServerEngine:
         """The last /metrics snapshot (refreshed every metrics_interval_s in the background once requests flow)."""
         self._ensure_poller()
         base = self._stats or EngineStats(
-            kv_cache_usage_frac=0.0, num_running=0, num_waiting=0, num_preemptions=0,
-            kv_capacity_tokens=self.info.kv_capacity_tokens if self.info else 0, max_model_len=self.max_model_len,
-        )  # fmt: skip
+            kv_cache_usage_frac=0.0,
+            num_running=0,
+            num_waiting=0,
+            num_preemptions=0,
+            kv_capacity_tokens=self.info.kv_capacity_tokens if self.info else 0,
+            max_model_len=self.max_model_len,
+        )
         age = time.monotonic() - self._stats_at if self._stats is not None else math.inf
         return EngineStats(
             kv_cache_usage_frac=base.kv_cache_usage_frac,
@@ -279,9 +303,13 @@ class VLLMServerEngine:
             num_preemptions=base.num_preemptions,
             kv_capacity_tokens=base.kv_capacity_tokens,
             max_model_len=self.max_model_len,
-            extra={"retries": float(self.num_retries), "metrics_errors": float(self.num_metrics_errors),
-                   "metrics_age_s": age, "num_generated_tokens": float(self._num_generated_tokens)},
-        )  # fmt: skip
+            extra={
+                "retries": float(self.num_retries),
+                "metrics_errors": float(self.num_metrics_errors),
+                "metrics_age_s": age,
+                "num_generated_tokens": float(self._num_generated_tokens),
+            },
+        )
 
     async def refresh_stats(self) -> EngineStats:
         """Read /metrics now (one attempt, control_timeout_s)."""
@@ -301,8 +329,16 @@ class VLLMServerEngine:
 
     # ---- weight sync --------------------------------------------------------------------------------------------
 
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                                backend: str = "gloo", bucket_bytes: int | None = None) -> None:  # fmt: skip
+    async def join_weight_group(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        bucket_bytes: int | None = None,
+    ) -> None:
         """The server's workers join rlasync's weight-sync group (learner rank 0 sends) as ranks `rank, rank+1, ...`
         (needs --worker-extension-cls rlasync.engine.vllm_worker.WorkerExtension and dev mode)."""
         args = [host, str(port), str(rank), str(world_size), str(timeout_s), backend, str(bucket_bytes)]
@@ -321,10 +357,20 @@ class VLLMServerEngine:
         learner joins as rank 0 (`NCCLWeightTransferEngine.trainer_init`) at the same time. Returns W."""
         data = await self._request("GET", "/get_world_size", None, timeout_s=self.control_timeout_s, control=True)
         world = int(data["world_size"])
-        info = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-                "world_size": world + int(rank_offset)}  # fmt: skip
-        await self._request("POST", "/init_weight_transfer_engine", {"init_info": info},
-                            timeout_s=self.weight_sync_timeout_s, control=True, attempts=1)  # fmt: skip
+        info = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": world + int(rank_offset),
+        }
+        await self._request(
+            "POST",
+            "/init_weight_transfer_engine",
+            {"init_info": info},
+            timeout_s=self.weight_sync_timeout_s,
+            control=True,
+            attempts=1,
+        )
         return world
 
     async def update_weights_nccl(self, manifest: Iterable[Any], packed: bool = True) -> float:
@@ -334,14 +380,22 @@ class VLLMServerEngine:
         info = nccl_update_info(manifest, packed)
         started = time.perf_counter()
         async with paused_for_update(self):
-            await self._request("POST", "/start_weight_update", None, timeout_s=self.control_timeout_s, control=True,
-                                attempts=1)  # fmt: skip
+            await self._request(
+                "POST", "/start_weight_update", None, timeout_s=self.control_timeout_s, control=True, attempts=1
+            )
             try:
-                await self._request("POST", "/update_weights", {"update_info": info},
-                                    timeout_s=self.weight_sync_timeout_s, control=True, attempts=1)  # fmt: skip
+                await self._request(
+                    "POST",
+                    "/update_weights",
+                    {"update_info": info},
+                    timeout_s=self.weight_sync_timeout_s,
+                    control=True,
+                    attempts=1,
+                )
             finally:
-                await self._request("POST", "/finish_weight_update", None, timeout_s=self.control_timeout_s,
-                                    control=True, attempts=1)  # fmt: skip
+                await self._request(
+                    "POST", "/finish_weight_update", None, timeout_s=self.control_timeout_s, control=True, attempts=1
+                )
         return time.perf_counter() - started
 
     async def weight_fingerprint(self, names: Sequence[str] | None = None) -> dict[str, float]:
@@ -365,8 +419,9 @@ class VLLMServerEngine:
 
     async def _collective_rpc(self, method: str, args: list[Any], timeout_s: float) -> list[Any]:
         body = {"method": method, "args": args, "timeout": timeout_s}
-        data = await self._request("POST", "/collective_rpc", body, timeout_s=timeout_s + 30.0, control=True,
-                                   attempts=1)  # fmt: skip
+        data = await self._request(
+            "POST", "/collective_rpc", body, timeout_s=timeout_s + 30.0, control=True, attempts=1
+        )
         return list((data or {}).get("results") or []) if isinstance(data, dict) else []
 
     def _ensure_poller(self) -> None:
@@ -391,12 +446,22 @@ class VLLMServerEngine:
                 logger.debug("vLLM server %s: /metrics failed: %s", self.base_url, exc)
             await asyncio.sleep(self.metrics_interval_s)
 
-    async def _request(self, method: str, path: str, body: Any, *, timeout_s: float, control: bool = False,
-                       attempts: int | None = None, text: bool = False) -> Any:  # fmt: skip
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        *,
+        timeout_s: float,
+        control: bool = False,
+        attempts: int | None = None,
+        text: bool = False,
+    ) -> Any:
         """One call through the connection (retries of transient failures: `ServerConnection.request`); starts
         the metrics poller on the caller's loop."""
         if self._closed:
             raise EngineError("VLLMServerEngine is closed")
         self._ensure_poller()
-        return await self.http.request(method, path, body, timeout_s=timeout_s, control=control, attempts=attempts,
-                                       text=text)  # fmt: skip
+        return await self.http.request(
+            method, path, body, timeout_s=timeout_s, control=control, attempts=attempts, text=text
+        )

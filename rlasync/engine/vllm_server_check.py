@@ -48,8 +48,17 @@ class StartupCheck:
     startup_timeout_s the readiness wait; control_timeout_s / request_timeout_s: of the reads and of the probe
     """
 
-    def __init__(self, conn: ServerConnection, *, requested_model: str | None, dtype: str | None, strict: bool,
-                 startup_timeout_s: float, control_timeout_s: float, request_timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        conn: ServerConnection,
+        *,
+        requested_model: str | None,
+        dtype: str | None,
+        strict: bool,
+        startup_timeout_s: float,
+        control_timeout_s: float,
+        request_timeout_s: float,
+    ) -> None:
         self.conn = conn
         self.base_url = conn.base_url
         self.requested_model = requested_model
@@ -131,12 +140,21 @@ class StartupCheck:
     def _probe_logprobs_mode(self, model_id: str | None) -> str | None:
         """One greedy-by-top-k token: with top_k=1 a processed log-prob is exactly 0 (the only candidate), a raw one
         is below 0 (unless the model is certain, then inconclusive)."""
-        body = {"model": model_id, "prompt": [0], "max_tokens": 1, "temperature": 1.0, "top_k": 1, "logprobs": 0,
-                "seed": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+        body = {
+            "model": model_id,
+            "prompt": [0],
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "top_k": 1,
+            "logprobs": 0,
+            "seed": 0,
+            "return_tokens_as_token_ids": True,
+        }
         status, text = self._sync("POST", "/v1/completions", body, timeout_s=self.request_timeout_s)
         if status != 200:
-            logger.warning("vLLM server %s: the logprobs-mode probe failed (%s: %s)", self.base_url, status,
-                           error_message(text))  # fmt: skip
+            logger.warning(
+                "vLLM server %s: the logprobs-mode probe failed (%s: %s)", self.base_url, status, error_message(text)
+            )
             return None
         try:
             value = float(json.loads(text)["choices"][0]["logprobs"]["token_logprobs"][0])
@@ -152,8 +170,9 @@ class StartupCheck:
             logger.warning(
                 "vLLM server %s: could not confirm that it returns processed log-probs (the log-probs of the "
                 "distribution it samples from). Start it with `%s`, or the importance ratios are wrong.",
-                self.base_url, LOGPROBS_MODE_FLAG,
-            )  # fmt: skip
+                self.base_url,
+                LOGPROBS_MODE_FLAG,
+            )
             return
         message = (
             f"vLLM server {self.base_url} returns {mode} log-probs ({info.logprobs_mode_source}), not the sampler's "

@@ -68,8 +68,17 @@ class ServerConnection:
         self._session: Any = None
         self._session_loop: Any = None
 
-    async def request(self, method: str, path: str, body: Any, *, timeout_s: float, control: bool = False,
-                      attempts: int | None = None, text: bool = False) -> Any:  # fmt: skip
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        *,
+        timeout_s: float,
+        control: bool = False,
+        attempts: int | None = None,
+        text: bool = False,
+    ) -> Any:
         """One call with retries of transient failures; JSON (or text) of a 2xx answer."""
         attempts = self.max_attempts if attempts is None else attempts
         for attempt in range(attempts):
@@ -86,18 +95,27 @@ class ServerConnection:
                     raise VLLMServerError(message, exc.status) from exc
                 self.num_retries += 1
                 delay = min(self.backoff_base_s * 2**attempt, self.backoff_max_s)
-                logger.info("vLLM server %s: %s %s failed (%s); retry %d in %.1f s", self.base_url, method, path, exc,
-                            attempt + 1, delay)  # fmt: skip
+                logger.info(
+                    "vLLM server %s: %s %s failed (%s); retry %d in %.1f s",
+                    self.base_url,
+                    method,
+                    path,
+                    exc,
+                    attempt + 1,
+                    delay,
+                )
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    def sync(self, method: str, path: str, body: Any = None, *, timeout_s: float,
-             raise_errors: bool = False) -> tuple[int, str]:  # fmt: skip
+    def sync(
+        self, method: str, path: str, body: Any = None, *, timeout_s: float, raise_errors: bool = False
+    ) -> tuple[int, str]:
         """A blocking call (the startup check): `(status, body)`; status 0 and the error text when no answer came,
         unless `raise_errors`."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 return response.status, response.read().decode("utf-8", "replace")

@@ -66,8 +66,9 @@ def turn_from_completion(prompt_ids: list[int], choice: dict[str, Any], num_logp
     if num_logprobs > 0:
         top = []
         for entry in logprobs.get("top_logprobs") or [None] * len(output_ids):
-            ranked = sorted(((parse_token_id(k), float(v)) for k, v in (entry or {}).items()),
-                            key=lambda item: (-item[1], item[0]))  # fmt: skip
+            ranked = sorted(
+                ((parse_token_id(k), float(v)) for k, v in (entry or {}).items()), key=lambda item: (-item[1], item[0])
+            )
             top.append(dict(ranked[:num_logprobs]))
         if len(top) != len(output_ids):
             raise EngineError(f"the server returned top log-probs for {len(top)} of {len(output_ids)} tokens")
@@ -87,8 +88,11 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     def samples_of(chunk: str) -> list[tuple[str, dict[str, str], float]]:
-        return [(s.name, dict(s.labels), float(s.value)) for family in text_string_to_metric_families(chunk)
-                for s in family.samples]  # fmt: skip
+        return [
+            (s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(chunk)
+            for s in family.samples
+        ]
 
     try:
         return samples_of(text)
@@ -163,9 +167,17 @@ def completion_body(
 
 def score_body(model_id: str | None, token_ids: list[int], top_k: int, temperature: float) -> dict[str, Any]:
     """The /v1/completions body of one teacher-forced scoring request (`prompt_logprobs=top_k`, one token)."""
-    return {"model": model_id, "prompt": token_ids, "max_tokens": 1, "temperature": float(temperature),
-            "prompt_logprobs": top_k, "seed": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
-            "stream": False}  # fmt: skip
+    return {
+        "model": model_id,
+        "prompt": token_ids,
+        "max_tokens": 1,
+        "temperature": float(temperature),
+        "prompt_logprobs": top_k,
+        "seed": 0,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "stream": False,
+    }
 
 
 def first_choice(data: Any) -> dict[str, Any]:

@@ -52,8 +52,12 @@ EXTENSION_QUALNAME = "rlasync.engine.vllm_worker.WorkerExtension"
 def nccl_update_info(manifest: Iterable[Any], packed: bool = True) -> dict[str, Any]:
     """vLLM's `update_weights` request body for a manifest (names, dtype names, shapes, packed)."""
     rows = manifest_rows(manifest)
-    return {"names": [r[0] for r in rows], "dtype_names": [r[1] for r in rows], "shapes": [r[2] for r in rows],
-            "packed": bool(packed)}  # fmt: skip
+    return {
+        "names": [r[0] for r in rows],
+        "dtype_names": [r[1] for r in rows],
+        "shapes": [r[2] for r in rows],
+        "packed": bool(packed),
+    }
 
 
 def manifest_rows(manifest: Iterable[Any]) -> list[list[Any]]:
@@ -111,8 +115,11 @@ def encode_weights(
             flat = tensor.to("cpu").contiguous().reshape(-1)
             data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
             nbytes = len(data)
-            items.append([name, dtype, shape, "b64", base64.b64encode(data).decode("ascii")] if text
-                         else [name, dtype, shape, "raw", data])  # fmt: skip
+            items.append(
+                [name, dtype, shape, "b64", base64.b64encode(data).decode("ascii")]
+                if text
+                else [name, dtype, shape, "raw", data]
+            )
         size += nbytes
         if size >= chunk_bytes:
             yield {"format": PAYLOAD_FORMAT, "items": items}
@@ -239,10 +246,16 @@ class WorkerExtension:
         ended = time.perf_counter()
         # the phases inside the worker: mapping the buckets (first sync only), queueing the copies (host), waiting
         # for them on the GPU (a GPU shared with a learner's kernels waits for its time slices)
-        return {"how": how, "not_replayed": cached.loader.reason(key), "num_tensors": len(cached.pairs),
-                "seconds": ended - started, "map_s": mapped - started,
-                "queue_s": queued - mapped, "gpu_wait_s": ended - queued,
-                "bytes": sum(t.numel() * t.element_size() for _, t in cached.pairs)}  # fmt: skip
+        return {
+            "how": how,
+            "not_replayed": cached.loader.reason(key),
+            "num_tensors": len(cached.pairs),
+            "seconds": ended - started,
+            "map_s": mapped - started,
+            "queue_s": queued - mapped,
+            "gpu_wait_s": ended - queued,
+            "bytes": sum(t.numel() * t.element_size() for _, t in cached.pairs),
+        }
 
     def _rlasync_open(self, buckets: Sequence[Any]) -> list[tuple[str, Any]]:
         from pathlib import Path
@@ -261,8 +274,16 @@ class WorkerExtension:
                 pairs.append((name, flat[offset : offset + num_bytes].view(getattr(torch, dtype)).view(tuple(shape))))
         return pairs
 
-    def init_weight_group(self, host: str, port: Any, rank: Any, world_size: Any, timeout_s: Any = 300.0,
-                          backend: str = "gloo", bucket_bytes: Any = None) -> dict:  # fmt: skip
+    def init_weight_group(
+        self,
+        host: str,
+        port: Any,
+        rank: Any,
+        world_size: Any,
+        timeout_s: Any = 300.0,
+        backend: str = "gloo",
+        bucket_bytes: Any = None,
+    ) -> dict:
         """Join rlasync's weight-sync group as rank `rank + self.rank` (one rank per worker of this engine: with
         tensor parallelism the sender's group counts every worker). Returns when every rank has joined.
 
@@ -278,8 +299,9 @@ class WorkerExtension:
         if bucket_bytes not in (None, "", "None"):
             options["bucket_bytes"] = int(bucket_bytes)
         started = time.perf_counter()
-        self._rlasync_group = WeightGroup.open(str(host), int(port), my_rank, int(world_size), float(timeout_s),
-                                               **options)  # fmt: skip
+        self._rlasync_group = WeightGroup.open(
+            str(host), int(port), my_rank, int(world_size), float(timeout_s), **options
+        )
         return {"rank": my_rank, "world_size": int(world_size), "seconds": time.perf_counter() - started}
 
     def receive_weights(self, manifest: Sequence[Any] | str) -> dict[str, Any]:

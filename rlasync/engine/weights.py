@@ -86,8 +86,13 @@ class CopyPlan:
     padded), and a constant fill of a part of a parameter that no copy writes (those padded rows): it is replayed
     too, before the copies, so the plan does what the loader did."""
 
-    def __init__(self, targets: list[torch.Tensor], sources: list[torch.Tensor], reason: str | None,
-                 fills: list[tuple[torch.Tensor, Any]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        targets: list[torch.Tensor],
+        sources: list[torch.Tensor],
+        reason: str | None,
+        fills: list[tuple[torch.Tensor, Any]] | None = None,
+    ) -> None:
         self.targets, self.sources, self.reason = targets, sources, reason
         self.fills = fills or []
 
@@ -193,16 +198,22 @@ class PlannedLoader:
         try:
             plan = CopyPlan.record(load, pairs, model.parameters())
         except Exception as exc:  # noqa: BLE001 - an engine's loader the recorder cannot follow: load it plainly
-            logger.warning("weight sync: recording the loader's copies failed (%s: %s); loading tensor by tensor "
-                           "on every sync instead", type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "weight sync: recording the loader's copies failed (%s: %s); loading tensor by tensor "
+                "on every sync instead",
+                type(exc).__name__,
+                exc,
+            )
             load(pairs)
             plan = CopyPlan([], [], f"recording failed: {type(exc).__name__}: {exc}")
             self.plans = {key: plan}
             return "loaded"
         self.plans = {key: plan}  # one bucket set at a time
         if not plan.replayable:
-            logger.warning("weight sync: the loader's copies cannot be replayed (%s); loading through it on every "
-                           "sync instead", plan.reason)  # fmt: skip
+            logger.warning(
+                "weight sync: the loader's copies cannot be replayed (%s); loading through it on every sync instead",
+                plan.reason,
+            )
         return "recorded"
 
     def reason(self, key: str) -> str | None:
@@ -211,8 +222,13 @@ class PlannedLoader:
         return None if plan is None else plan.reason
 
 
-def load_sync(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]], adapter: Any, loader: PlannedLoader,
-              device: torch.device) -> str:  # fmt: skip
+def load_sync(
+    model: torch.nn.Module,
+    named_tensors: Iterable[tuple[str, Any]],
+    adapter: Any,
+    loader: PlannedLoader,
+    device: torch.device,
+) -> str:
     """One weight sync into a built-in engine's model: a LoRA adapter stream (A, s*B pairs) through `adapter`
     (`rlasync.weights.adapter.AdapterMerger`), full weights through `loader` (replaying a copy plan for persistent
     buckets); on CUDA, returns once the copies are done (the sender may then overwrite its buckets). How it loaded."""

@@ -67,9 +67,13 @@ def save_checkpoint(
 
 
 def load_optimizer_state(
-    directory: str | Path, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
+    directory: str | Path,
+    scorer: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
     world_size: int = 1,
-) -> bool:  # fmt: skip
+) -> bool:
     """Every rank reads the full optimizer state and keeps its shard (FSDP2) or all of it; the scheduler's state
     too. Returns False when the directory has no `optimizer.pt` (a model-only checkpoint: nothing loaded).
 

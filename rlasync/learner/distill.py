@@ -113,20 +113,31 @@ class DistillScorer(TreeScorer):
         head = self.model.get_output_embeddings()
         transform = LogitTransform.from_config(self.model.config)
         return distillation_row_loss(
-            hidden.to(head.weight.dtype), head.weight, getattr(head, "bias", None), row.input_ids,
-            row.completion_mask, row.teacher_topk_ids, row.teacher_topk_logprobs, config=config,
-            global_n_tokens=row.global_n_tokens, num_processes=num_processes, grad_accum_steps=grad_accum_steps,
-            teacher_id_idx=row.teacher_id_idx, num_teachers=num_teachers, logit_scale=transform.scale,
+            hidden.to(head.weight.dtype),
+            head.weight,
+            getattr(head, "bias", None),
+            row.input_ids,
+            row.completion_mask,
+            row.teacher_topk_ids,
+            row.teacher_topk_logprobs,
+            config=config,
+            global_n_tokens=row.global_n_tokens,
+            num_processes=num_processes,
+            grad_accum_steps=grad_accum_steps,
+            teacher_id_idx=row.teacher_id_idx,
+            num_teachers=num_teachers,
+            logit_scale=transform.scale,
             softcap=transform.softcap,
-        )  # fmt: skip
+        )
 
 
 def row_hidden_states(
     model: torch.nn.Module, row: DistillRowTensors, backend: Any = "auto", autocast_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """The decoder's last hidden states [L, H] of a packed row, each sample attending only to itself."""
-    tree = build_tree_attention(row.subtree_end, row.position_ids, backend, sliding_windows(model),
-                                segments=row.segments)  # fmt: skip
+    tree = build_tree_attention(
+        row.subtree_end, row.position_ids, backend, sliding_windows(model), segments=row.segments
+    )
     device_type = row.input_ids.device.type
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         outputs = model.get_decoder()(
@@ -176,9 +187,13 @@ class DistillLearnerStep:
     def loss(self, row: DistillRowTensors, grad_accum_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's normalised loss of one row and its statistics (no backward)."""
         return self.model(
-            row, self.loss_config, num_processes=self.num_ranks, grad_accum_steps=grad_accum_steps,
-            num_teachers=max(len(self.teacher_ids), 1), autocast_dtype=self.autocast_dtype,
-        )  # fmt: skip
+            row,
+            self.loss_config,
+            num_processes=self.num_ranks,
+            grad_accum_steps=grad_accum_steps,
+            num_teachers=max(len(self.teacher_ids), 1),
+            autocast_dtype=self.autocast_dtype,
+        )
 
     def step(self, rows: Sequence[DistillRowTensors], *, rate_pairs: bool = False) -> dict[str, MetricValue]:
         """One optimizer step over this rank's rows. `rate_pairs=True`: rates stay `(num, den)` pairs and NaN stays

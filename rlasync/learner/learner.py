@@ -53,9 +53,17 @@ class LocalReducer:
 class Learner:
     """One rank's model, optimizer and step (`train_step(samples) -> metric items`)."""
 
-    def __init__(self, model_path: str, settings: LearnerSettings, *, rank: int = 0, world_size: int = 1,
-                 device: torch.device | str = "cpu", reducer: Reducer | None = None,
-                 resume_dir: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_path: str,
+        settings: LearnerSettings,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str = "cpu",
+        reducer: Reducer | None = None,
+        resume_dir: str | None = None,
+    ) -> None:
         from rlasync.model import load_model, prepare_for_training
         from rlasync.model.checkpointing import plan_for_model
         from rlasync.model.loading import model_init_options
@@ -71,21 +79,31 @@ class Learner:
         dtype, init_kwargs = model_init_options(settings.model_init_kwargs, settings.dtype, settings.trust_remote_code)  # type: ignore[arg-type]
         self.peft_model: Any = None  # with settings.peft_config: the PeftModel; self.model is the HF model inside it
         path = resume_dir or model_path
-        self.model = load_model(adapter_base(path) if settings.peft_config else path, dtype=dtype,
-                                device=self.device, **init_kwargs)  # fmt: skip
+        self.model = load_model(
+            adapter_base(path) if settings.peft_config else path, dtype=dtype, device=self.device, **init_kwargs
+        )
         self.mixed = on_gpu and settings.bf16 and dtype == "float32"
         self.checkpoint_plan = plan_for_model(
-            self.model, settings.gradient_checkpointing_layers, device=self.device,
+            self.model,
+            settings.gradient_checkpointing_layers,
+            device=self.device,
             tokens=padded_length(settings.token_budget, settings.row_bucket) if settings.token_budget > 0 else 0,
-            enabled=settings.gradient_checkpointing, autocast=self.mixed and world_size == 1, world_size=world_size,
+            enabled=settings.gradient_checkpointing,
+            autocast=self.mixed and world_size == 1,
+            world_size=world_size,
             gpu_share=settings.gpu_share,
-        )  # fmt: skip
+        )
         if rank == 0:
             logger.info("%s", self.checkpoint_plan.describe())
-        prepare_for_training(self.model, gradient_checkpointing=settings.gradient_checkpointing,
-                             use_reentrant=settings.use_reentrant, checkpoint_layers=self.checkpoint_plan.layers,
-                             compile="layers" if settings.torch_compile else False,
-                             compile_backend=settings.torch_compile_backend, compile_mode=settings.torch_compile_mode)  # fmt: skip
+        prepare_for_training(
+            self.model,
+            gradient_checkpointing=settings.gradient_checkpointing,
+            use_reentrant=settings.use_reentrant,
+            checkpoint_layers=self.checkpoint_plan.layers,
+            compile="layers" if settings.torch_compile else False,
+            compile_backend=settings.torch_compile_backend,
+            compile_mode=settings.torch_compile_mode,
+        )
         if settings.peft_config is not None:
             self.peft_model = wrap_with_lora(self.model, settings.peft_config, adapter_dir=path)
             self.model = self.peft_model.base_model.model  # LoRA layers in place: tree attention and FSDP2 unchanged
@@ -99,12 +117,19 @@ class Learner:
             load_optimizer_state(resume_dir, self.scorer, self.optimizer, self.scheduler, world_size=world_size)
         pad_id = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = 0 if pad_id is None else int(pad_id)  # distillation rows are collated with it
-        self.objective.build(StepParts(
-            scorer=self.scorer, optimizer=self.optimizer, scheduler=self.scheduler, rank=rank, world_size=world_size,
-            device=self.device, clip_grad_norm=self._clip,
-            autocast_dtype=torch.bfloat16 if self.mixed and world_size == 1 else None,
-            sum_across_ranks=self.reducer.sum if world_size > 1 else None,
-        ))  # fmt: skip
+        self.objective.build(
+            StepParts(
+                scorer=self.scorer,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                rank=rank,
+                world_size=world_size,
+                device=self.device,
+                clip_grad_norm=self._clip,
+                autocast_dtype=torch.bfloat16 if self.mixed and world_size == 1 else None,
+                sum_across_ranks=self.reducer.sum if world_size > 1 else None,
+            )
+        )
 
     def _wrap(self, scorer_cls: Any) -> torch.nn.Module:
         """FSDP2 over the training group when there is one; the scorer root either way, so optimizer and
@@ -174,8 +199,11 @@ class Learner:
                 raise
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             first_line = " ".join(lines[:2])[:300]  # e.g. "backend='inductor' raised: RuntimeError: ..."
-            logger.warning("torch_compile: compiling the decoder layers failed (%s: %s); training with eager "
-                           "layers from now on", type(exc).__name__, first_line)  # fmt: skip
+            logger.warning(
+                "torch_compile: compiling the decoder layers failed (%s: %s); training with eager layers from now on",
+                type(exc).__name__,
+                first_line,
+            )
             self.optimizer.zero_grad(set_to_none=True)
             return self.objective.step(rows)
 
@@ -212,8 +240,16 @@ class Learner:
 
     def save(self, directory: str | Path, tokenizer: Any = None) -> None:
         """Every rank (a collective under FSDP2); rank 0 writes the checkpoint (`rlasync.learner.checkpoint`)."""
-        save_checkpoint(directory, self.scorer, self.model, self.optimizer, self.scheduler, rank=self.rank,
-                        tokenizer=tokenizer, peft_model=self.peft_model)  # fmt: skip
+        save_checkpoint(
+            directory,
+            self.scorer,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            rank=self.rank,
+            tokenizer=tokenizer,
+            peft_model=self.peft_model,
+        )
 
 
 __all__ = ["Learner", "LocalReducer", "Reducer"]

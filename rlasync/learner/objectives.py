@@ -100,10 +100,18 @@ class GrpoObjective(Objective):
         # linear-attention (gated DeltaNet) layers cannot share a prefix: such models train padding-free
         self.share_prefixes = not has_linear_attention(getattr(parts.scorer, "model", parts.scorer))
         self.step_core = LearnerStep(
-            parts.scorer, parts.optimizer, parts.scheduler, settings.loss, temperature=settings.temperature,
-            max_grad_norm=settings.max_grad_norm, num_ranks=self.world_size, device=parts.device,
-            clip_grad_norm=parts.clip_grad_norm, autocast_dtype=parts.autocast_dtype, row_bucket=settings.row_bucket,
-        )  # fmt: skip
+            parts.scorer,
+            parts.optimizer,
+            parts.scheduler,
+            settings.loss,
+            temperature=settings.temperature,
+            max_grad_norm=settings.max_grad_norm,
+            num_ranks=self.world_size,
+            device=parts.device,
+            clip_grad_norm=parts.clip_grad_norm,
+            autocast_dtype=parts.autocast_dtype,
+            row_bucket=settings.row_bucket,
+        )
 
     def plan(self, samples: Sequence[Any]) -> list[Any]:
         from rlasync.packing import FixedCountBatcher, TokenBudgetBatcher
@@ -158,11 +166,18 @@ class DistillationObjective(Objective):
         from rlasync.learner.distill import DistillLearnerStep
 
         self.step_core = DistillLearnerStep(
-            parts.scorer, parts.optimizer, parts.scheduler, self.settings.loss,  # type: ignore[arg-type]
-            max_grad_norm=self.settings.max_grad_norm, num_ranks=self.world_size, device=parts.device,
-            teacher_ids=self.teacher_ids, clip_grad_norm=parts.clip_grad_norm, autocast_dtype=parts.autocast_dtype,
+            parts.scorer,
+            parts.optimizer,
+            parts.scheduler,
+            self.settings.loss,  # type: ignore[arg-type]
+            max_grad_norm=self.settings.max_grad_norm,
+            num_ranks=self.world_size,
+            device=parts.device,
+            teacher_ids=self.teacher_ids,
+            clip_grad_norm=parts.clip_grad_norm,
+            autocast_dtype=parts.autocast_dtype,
             reduce_stats=parts.sum_across_ranks,
-        )  # fmt: skip
+        )
 
     def plan(self, samples: Sequence[Any]) -> list[Any]:
         from rlasync.distill import FixedCountBatcher, TokenBudgetBatcher
@@ -207,4 +222,12 @@ def make_objective(settings: LearnerSettings, rank: int, world_size: int) -> Obj
     return OBJECTIVES[settings.objective](settings, rank, world_size)
 
 
-__all__ = ["OBJECTIVES", "DistillationObjective", "GrpoObjective", "Objective", "StepParts", "StepRows", "make_objective"]
+__all__ = [
+    "OBJECTIVES",
+    "DistillationObjective",
+    "GrpoObjective",
+    "Objective",
+    "StepParts",
+    "StepRows",
+    "make_objective",
+]

@@ -59,9 +59,13 @@ def init_training_group(
     host, port = master
     on_gpu = device.type == "cuda"
     dist.init_process_group(
-        "nccl" if on_gpu else "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s), **({"device_id": device} if on_gpu else {}),
-    )  # fmt: skip
+        "nccl" if on_gpu else "gloo",
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **({"device_id": device} if on_gpu else {}),
+    )
 
 
 def close_training_group() -> None:

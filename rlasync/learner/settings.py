@@ -59,8 +59,11 @@ class LearnerSettings:
 
         check_peft_config(self.peft_config)
         check_lora_sync(self.lora_sync)
-        object.__setattr__(self, "gradient_checkpointing_layers", check_checkpointing_layers(
-            self.gradient_checkpointing_layers, self.gradient_checkpointing))  # fmt: skip
+        object.__setattr__(
+            self,
+            "gradient_checkpointing_layers",
+            check_checkpointing_layers(self.gradient_checkpointing_layers, self.gradient_checkpointing),
+        )
         if self.row_bucket < 0:
             raise ValueError(f"row_bucket={self.row_bucket}: use 0 (no padding) or a positive multiple of tokens")
 
@@ -91,19 +94,31 @@ class LearnerSettings:
         from rlasync.model.row_shapes import row_bucket  # compiled layers see few row shapes (docs/algorithms.md §5.5)
 
         return cls(
-            objective=objective, token_budget=int(token_budget), optimizer=optimizer, loss=loss,
-            teacher_ids=tuple(teacher_ids or ["default"]), dtype=config.dtype,
-            model_init_kwargs=config.model_init_kwargs, trust_remote_code=config.trust_remote_code,
-            gradient_checkpointing=config.gradient_checkpointing, use_reentrant=config.use_reentrant,
-            gradient_checkpointing_layers=config.gradient_checkpointing_layers, torch_compile=compiled,
-            torch_compile_backend=config.torch_compile_backend, torch_compile_mode=config.torch_compile_mode,
+            objective=objective,
+            token_budget=int(token_budget),
+            optimizer=optimizer,
+            loss=loss,
+            teacher_ids=tuple(teacher_ids or ["default"]),
+            dtype=config.dtype,
+            model_init_kwargs=config.model_init_kwargs,
+            trust_remote_code=config.trust_remote_code,
+            gradient_checkpointing=config.gradient_checkpointing,
+            use_reentrant=config.use_reentrant,
+            gradient_checkpointing_layers=config.gradient_checkpointing_layers,
+            torch_compile=compiled,
+            torch_compile_backend=config.torch_compile_backend,
+            torch_compile_mode=config.torch_compile_mode,
             row_bucket=row_bucket(int(token_budget)) if compiled and objective == "grpo" else 0,
-            bf16=bool(config.bf16), fp16=bool(config.fp16),
-            seed=config.seed, per_device_train_batch_size=config.per_device_train_batch_size,
-            temperature=config.temperature, max_grad_norm=config.max_grad_norm, peft_config=peft_config,
+            bf16=bool(config.bf16),
+            fp16=bool(config.fp16),
+            seed=config.seed,
+            per_device_train_batch_size=config.per_device_train_batch_size,
+            temperature=config.temperature,
+            max_grad_norm=config.max_grad_norm,
+            peft_config=peft_config,
             lora_sync=getattr(config.cluster, "lora_sync", "adapter"),
             gpu_share=_gpu_share(getattr(config.cluster, "learner_num_gpus", 0.0)),
-        )  # fmt: skip
+        )
 
 
 def _gpu_share(learner_num_gpus: float) -> float:

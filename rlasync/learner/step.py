@@ -65,12 +65,19 @@ class OptimizerSettings:
         """The optimizer fields of an `AsyncGRPOConfig` / `AsyncDistillationConfig` (same names; the config has
         already parsed `lr_scheduler_kwargs` from JSON)."""
         return cls(
-            learning_rate=config.learning_rate, weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
-            adam_beta2=config.adam_beta2, adam_epsilon=config.adam_epsilon, max_grad_norm=config.max_grad_norm,
-            lr_scheduler_type=config.lr_scheduler_type, lr_scheduler_kwargs=config.lr_scheduler_kwargs,  # type: ignore[arg-type]
-            warmup_steps=config.warmup_steps, max_steps=config.max_steps, optim=config.optim,
+            learning_rate=config.learning_rate,
+            weight_decay=config.weight_decay,
+            adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2,
+            adam_epsilon=config.adam_epsilon,
+            max_grad_norm=config.max_grad_norm,
+            lr_scheduler_type=config.lr_scheduler_type,
+            lr_scheduler_kwargs=config.lr_scheduler_kwargs,  # type: ignore[arg-type]
+            warmup_steps=config.warmup_steps,
+            max_steps=config.max_steps,
+            optim=config.optim,
             optim_args=config.optimizer_kwargs() or None,
-        )  # fmt: skip
+        )
 
 
 def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> tuple[torch.optim.Optimizer, Any]:
@@ -106,13 +113,20 @@ def _make_optimizer(params: list[torch.nn.Parameter], settings: OptimizerSetting
     """The trainer's optimizer class, else transformers' `optim` name as TrainingArguments builds it."""
     extra = dict(settings.optim_args or {})
     if settings.optimizer_cls is not None:
-        kwargs = settings.optimizer_kwargs if settings.optimizer_kwargs is not None else {
-            "lr": settings.learning_rate, "weight_decay": settings.weight_decay}  # fmt: skip
+        kwargs = (
+            settings.optimizer_kwargs
+            if settings.optimizer_kwargs is not None
+            else {"lr": settings.learning_rate, "weight_decay": settings.weight_decay}
+        )
         return settings.optimizer_cls(params, **{**kwargs, **extra})
     lr, wd = settings.learning_rate, settings.weight_decay
     if settings.optim in ("adamw_torch", "adamw_torch_fused"):
-        adam = {"lr": lr, "betas": (settings.adam_beta1, settings.adam_beta2), "eps": settings.adam_epsilon,
-                "weight_decay": wd}  # fmt: skip
+        adam = {
+            "lr": lr,
+            "betas": (settings.adam_beta1, settings.adam_beta2),
+            "eps": settings.adam_epsilon,
+            "weight_decay": wd,
+        }
         if settings.optim == "adamw_torch_fused":
             adam["fused"] = True
         return torch.optim.AdamW(params, **{**adam, **extra})
@@ -282,8 +296,9 @@ def apply_update(step: Any) -> tuple[float, float]:
     return grad_norm, optimizer_s
 
 
-def step_metrics(step: Any, total_loss: float, grad_norm: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float,
-                 num_rows: int) -> dict[str, MetricValue]:  # fmt: skip
+def step_metrics(
+    step: Any, total_loss: float, grad_norm: float, fwd_s: float, fwd_bwd_s: float, optimizer_s: float, num_rows: int
+) -> dict[str, MetricValue]:
     """The per-step scalars every learner step logs (TRL's names and docs/algorithms.md §8's perf keys)."""
     return {
         "loss": total_loss,

@@ -315,8 +315,14 @@ def distillation_loss(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if num_teachers < 1:
         raise ValueError(f"num_teachers must be >= 1, got {num_teachers}")
-    spec = _ChunkSpec(float(beta), float(teacher_temperature), bool(add_tail_bucket), float(logit_scale),
-                      None if softcap is None else float(softcap), int(num_teachers))  # fmt: skip
+    spec = _ChunkSpec(
+        float(beta),
+        float(teacher_temperature),
+        bool(add_tail_bucket),
+        float(logit_scale),
+        None if softcap is None else float(softcap),
+        int(num_teachers),
+    )
     support_ids, valid = support_ids.long(), valid.bool()
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     loss = torch.zeros((), dtype=dtype, device=hidden.device)
@@ -325,9 +331,17 @@ def distillation_loss(
         rows = slice(start, min(start + chunk_size, n))
         chunk_teacher = None if teacher_index is None else teacher_index[rows].long()
         chunk_loss, chunk_stats = checkpoint(
-            _chunk_loss, hidden[rows], head_weight, head_bias, support_ids[rows], teacher_lp[rows], valid[rows],
-            chunk_teacher, spec, use_reentrant=False,
-        )  # fmt: skip
+            _chunk_loss,
+            hidden[rows],
+            head_weight,
+            head_bias,
+            support_ids[rows],
+            teacher_lp[rows],
+            valid[rows],
+            chunk_teacher,
+            spec,
+            use_reentrant=False,
+        )
         loss = loss + chunk_loss
         stats += chunk_stats
     return loss, stats
@@ -387,11 +401,21 @@ def distillation_row_loss(
     if teacher_id_idx is not None and num_teachers > 1:
         tid = teacher_id_idx[1:][use]
     loss_sum, stats = distillation_loss(
-        hidden[:-1][use], head_weight, head_bias, ids[use], lps[use], valid[use],
-        beta=config.beta, teacher_temperature=config.teacher_temperature, add_tail_bucket=config.add_tail_bucket,
-        chunk_size=config.chunk_size, teacher_index=tid, num_teachers=num_teachers, logit_scale=logit_scale,
+        hidden[:-1][use],
+        head_weight,
+        head_bias,
+        ids[use],
+        lps[use],
+        valid[use],
+        beta=config.beta,
+        teacher_temperature=config.teacher_temperature,
+        add_tail_bucket=config.add_tail_bucket,
+        chunk_size=config.chunk_size,
+        teacher_index=tid,
+        num_teachers=num_teachers,
+        logit_scale=logit_scale,
         softcap=softcap,
-    )  # fmt: skip
+    )
     return normalize_loss(loss_sum, global_n_tokens, num_processes, grad_accum_steps), stats
 
 

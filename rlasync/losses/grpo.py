@@ -33,6 +33,7 @@ from rlasync.losses.grpo_metrics import Metrics, PendingMetrics, grpo_metrics
 
 __all__ = ["TAIL_MASS_FLOOR", "LossConfig", "MaskedTokenCentering", "grpo_loss", "masked_is_weight", "normalize_loss"]
 
+
 def grpo_loss(
     trainer_logprobs: torch.Tensor,
     sampler_logprobs: torch.Tensor,
@@ -73,9 +74,16 @@ def grpo_loss(
         terms = clipped_surrogate_terms(trainer_logprobs, sampler_logprobs, advantages, config)
     loss = normalize_loss(terms.sum(), num_tokens_global, num_ranks, grad_accum_steps)
     metrics = grpo_metrics(
-        trainer_logprobs.detach(), sampler_logprobs, advantages, sample_index, config, entropy, sampler_mass,
-        num_samples=num_samples, defer=defer_metrics,
-    )  # fmt: skip
+        trainer_logprobs.detach(),
+        sampler_logprobs,
+        advantages,
+        sample_index,
+        config,
+        entropy,
+        sampler_mass,
+        num_samples=num_samples,
+        defer=defer_metrics,
+    )
     return loss, metrics
 
 

@@ -117,7 +117,9 @@ def clip_flags(ratio: torch.Tensor, advantages: torch.Tensor, config: LossConfig
     return (ratio < 1 - eps_low) & (advantages < 0), (ratio > 1 + eps_high) & (advantages > 0)
 
 
-def sample_fractions(flags: torch.Tensor, sample_index: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_fractions(
+    flags: torch.Tensor, sample_index: torch.Tensor, num_samples: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([num_samples] share of each sample's terms whose flag is set, [num_samples] whether the sample has terms),
     without reading anything back from the device (samples are `sample_index` values below `num_samples`)."""
     counts = torch.zeros(num_samples, dtype=torch.float64, device=flags.device)

@@ -24,12 +24,28 @@ from rlasync.records import MetricValue
 
 # Dense peak FLOPs per device in bf16 (TRL's table; the first name that matches the device name wins).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("GB300", 2.5e15), ("GB200", 2.5e15), ("B300", 2.25e15), ("B200", 2.25e15), ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H20", 148e12),
-    ("RTX PRO 6000", 500e12), ("A100", 312e12), ("A6000", 154.85e12), ("A10G", 125e12), ("A10", 125e12),
-    ("L40S", 362e12), ("L4", 121e12), ("MI355X", 2500e12), ("MI325X", 1300e12), ("MI300X", 1300e12),
+    ("GB300", 2.5e15),
+    ("GB200", 2.5e15),
+    ("B300", 2.25e15),
+    ("B200", 2.25e15),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("H20", 148e12),
+    ("RTX PRO 6000", 500e12),
+    ("A100", 312e12),
+    ("A6000", 154.85e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("MI355X", 2500e12),
+    ("MI325X", 1300e12),
+    ("MI300X", 1300e12),
     ("MI250X", 191.5e12),
-)  # fmt: skip
+)
 
 
 def peak_flops(device_name: str | None) -> float | None:
@@ -86,8 +102,6 @@ class StepPerf:
         return items
 
 
-
-
 GENERATED_RATE = "rollout/generated_tokens_per_s"
 GENERATED_TOTAL = "rollout/generated_tokens_total"
 
@@ -104,5 +118,6 @@ def system_generation_rate(items: list[tuple[str, MetricValue]], step_s: float |
     if not tokens:
         return kept
     return [*kept, (GENERATED_RATE, (sum(tokens), float(step_s)))]
+
 
 __all__ = ["GENERATED_RATE", "GENERATED_TOTAL", "PEAK_FLOPS", "StepPerf", "peak_flops", "system_generation_rate"]

@@ -54,7 +54,9 @@ def check_report_to(report_to: str | list[str] | None) -> list[str]:
     for name in names:
         module, install = SINK_MODULES[name]
         if not _importable(module):
-            raise ValueError(f"report_to includes {name!r} but {module} is not installed: {install} (or drop it from report_to)")
+            raise ValueError(
+                f"report_to includes {name!r} but {module} is not installed: {install} (or drop it from report_to)"
+            )
     return list(dict.fromkeys(names))
 
 
@@ -100,8 +102,14 @@ class JsonlSink:
             return
         replaced = self.path.with_name(self.path.name + ".replaced")
         replaced.write_text("".join(dropped))
-        logger.warning("%s: %d records of steps after %d (an earlier run in this output_dir) are replaced by this "
-                       "run's; the old lines are in %s", self.path, len(dropped), step, replaced)  # fmt: skip
+        logger.warning(
+            "%s: %d records of steps after %d (an earlier run in this output_dir) are replaced by this "
+            "run's; the old lines are in %s",
+            self.path,
+            len(dropped),
+            step,
+            replaced,
+        )
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(self.path)
@@ -143,7 +151,9 @@ class WandbSink:
         try:
             import wandb
         except ImportError as exc:
-            raise ValueError("report_to includes 'wandb' but wandb is not installed: pip install 'rlasync[wandb]'") from exc
+            raise ValueError(
+                "report_to includes 'wandb' but wandb is not installed: pip install 'rlasync[wandb]'"
+            ) from exc
         self._wandb = wandb
         self._run = wandb.init(name=run_name, config=config) if wandb.run is None else wandb.run
 
@@ -183,7 +193,9 @@ class MlflowSink:
     <output_dir>/mlruns`; MLflow 3 keeps that file store in maintenance mode behind `MLFLOW_ALLOW_FILE_STORE`, set
     here; a database store needs the full `mlflow`, not `mlflow-skinny`)."""
 
-    def __init__(self, output_dir: str | Path, run_name: str | None = None, config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, output_dir: str | Path, run_name: str | None = None, config: dict[str, Any] | None = None
+    ) -> None:
         import os
 
         import mlflow

@@ -269,8 +269,9 @@ def tree_attention_forward(
         else:
             output = _flex_or_dense(query, key, value, mask, scaling, softcap, tree_attention, sliding_window)
     elif tree_attention.backend != "dense":  # flex that failed to compile; varlen with softcapped scores
-        output = _masked_attention(query, key, value, tree_attention.dense_mask_for(sliding_window), scaling, dropout,
-                                   softcap)  # fmt: skip
+        output = _masked_attention(
+            query, key, value, tree_attention.dense_mask_for(sliding_window), scaling, dropout, softcap
+        )
     else:
         output = _masked_attention(query, key, value, mask, scaling, dropout, softcap)
     return output.transpose(1, 2).contiguous(), None
@@ -379,8 +380,9 @@ def _flex_compile_failed(exc: BaseException) -> None:
         logger.warning(
             "compiled FlexAttention failed (%s: %s); tree attention uses dense masks with SDPA from now on "
             "(memory grows with the square of the row length: lower token_budget if it runs out)",
-            type(exc).__name__, first_line,
-        )  # fmt: skip
+            type(exc).__name__,
+            first_line,
+        )
 
 
 @functools.cache

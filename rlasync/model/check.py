@@ -38,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-length", type=int, default=48, help="upper bound on prompt and completion lengths")
-    parser.add_argument("--attention", choices=["auto", "dense", "flex", "varlen"], default="auto",
-                        help="the tree attention backend checked (auto: flex on CUDA, dense on the CPU)")  # fmt: skip
+    parser.add_argument(
+        "--attention",
+        choices=["auto", "dense", "flex", "varlen"],
+        default="auto",
+        help="the tree attention backend checked (auto: flex on CUDA, dense on the CPU)",
+    )
     return parser
 
 
@@ -104,8 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_diff = max(logprob_diff, grad_diff)
     raw = sum(len(s) for s in seqs)
     unique = _unique_tokens(seqs)
-    print(f"model: {args.model_path} ({type(model).__name__}, {args.dtype}, {device}), vocab {vocab_size}, "
-          f"tree attention {args.attention}")  # fmt: skip
+    print(
+        f"model: {args.model_path} ({type(model).__name__}, {args.dtype}, {device}), vocab {vocab_size}, "
+        f"tree attention {args.attention}"
+    )
     print(
         f"samples: {len(seqs)} ({raw} tokens, {len(weights)} completion tokens) in one tree-packed row of {unique} "
         f"tokens (packing ratio {raw / unique:.2f})"
@@ -142,8 +148,9 @@ def _load_reference(path: str, dtype: Any, device: str) -> Any:
     return model.to(device).eval()
 
 
-def _logprobs_and_grads(model: Any, seqs: list[list[int]], prompts: list[int], weights: Any, packing: str,
-                        backend: str = "auto") -> Any:  # fmt: skip
+def _logprobs_and_grads(
+    model: Any, seqs: list[list[int]], prompts: list[int], weights: Any, packing: str, backend: str = "auto"
+) -> Any:
     import torch
 
     from rlasync.model.forward import sequence_logprobs

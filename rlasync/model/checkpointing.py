@@ -52,8 +52,10 @@ class CheckpointPlan:
     def describe(self) -> str:
         text = f"activation checkpointing on {len(self.layers)} of {self.num_layers} decoder layers ({self.reason})"
         if self.reason == "memory":
-            text += (f": {self.tokens}-token rows need ~{self.estimate_bytes / 2**30:.1f} GiB of activations, "
-                     f"{self.available_bytes / 2**30:.1f} GiB available")  # fmt: skip
+            text += (
+                f": {self.tokens}-token rows need ~{self.estimate_bytes / 2**30:.1f} GiB of activations, "
+                f"{self.available_bytes / 2**30:.1f} GiB available"
+            )
             if not self.fits:
                 text += " (does not fit even with every layer checkpointed: lower token_budget if it runs out)"
         return text
@@ -96,7 +98,9 @@ def plan_checkpointing(
     else:  # estimate(k) = L*full - k*(full - saved) + full for k >= 1
         count = math.ceil((num_layers * full + full - available_bytes) / (full - saved))
         count = max(1, min(num_layers, count))
-    return CheckpointPlan(num_layers, spread(count, num_layers), "memory", tokens, int(estimate(count)), int(available_bytes))
+    return CheckpointPlan(
+        num_layers, spread(count, num_layers), "memory", tokens, int(estimate(count)), int(available_bytes)
+    )
 
 
 def activation_bytes_per_token(
@@ -229,6 +233,13 @@ def checkpointed_layers(model: torch.nn.Module) -> tuple[int, ...]:
 
 
 __all__ = [
-    "CheckpointPlan", "activation_bytes_per_token", "activation_memory_budget", "apply_checkpoint_plan",
-    "checkpointed_layers", "plan_checkpointing", "plan_for_model", "spread", "training_state_bytes",
-]  # fmt: skip
+    "CheckpointPlan",
+    "activation_bytes_per_token",
+    "activation_memory_budget",
+    "apply_checkpoint_plan",
+    "checkpointed_layers",
+    "plan_checkpointing",
+    "plan_for_model",
+    "spread",
+    "training_state_bytes",
+]

@@ -152,9 +152,13 @@ def chunked_token_scores(
 
 
 def plan_chunk_size(
-    num_terms: int, vocab_size: int, device: torch.device, *, chunk_size: int | None = None,
+    num_terms: int,
+    vocab_size: int,
+    device: torch.device,
+    *,
+    chunk_size: int | None = None,
     chunk_bytes: int | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Terms per chunk: `chunk_size`, else as many as `chunk_bytes` of working memory hold (WORKSPACE_BYTES_PER_LOGIT
     per logit), then evened out so that the chunks of `num_terms` differ by at most one term."""
     if chunk_size is not None:
@@ -307,9 +311,19 @@ class _ChunkedHead(torch.autograd.Function):
                 elif index < config.keep_chunks:
                     kept.append(raw)
         ctx.save_for_backward(
-            hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, *kept,
+            hidden,
+            weight,
+            bias,
+            targets,
+            extra,
+            candidates,
+            has,
+            log_norm,
+            log_norm_target,
+            mean_logit,
+            *kept,
             *kept_z,
-        )  # fmt: skip
+        )
         ctx.config = config
         ctx.set_materialize_grads(False)
         return logprobs, entropy, extra_logprobs
@@ -328,9 +342,26 @@ class _ChunkedHead(torch.autograd.Function):
             grad_extra = None
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             grads = _head_backward(
-                hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, kept,
-                kept_z, config, grad_logprobs, grad_entropy, grad_extra, needs_hidden, needs_weight, needs_bias,
-            )  # fmt: skip
+                hidden,
+                weight,
+                bias,
+                targets,
+                extra,
+                candidates,
+                has,
+                log_norm,
+                log_norm_target,
+                mean_logit,
+                kept,
+                kept_z,
+                config,
+                grad_logprobs,
+                grad_entropy,
+                grad_extra,
+                needs_hidden,
+                needs_weight,
+                needs_bias,
+            )
         return (*grads, None, None, None, None, None)
 
 
@@ -338,9 +369,27 @@ def _cast(weight, bias, dtype):
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_norm, log_norm_target, mean_logit, kept,
-                   kept_z, config, grad_logprobs, grad_entropy, grad_extra, needs_hidden, needs_weight,
-                   needs_bias):  # fmt: skip
+def _head_backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    extra,
+    candidates,
+    has,
+    log_norm,
+    log_norm_target,
+    mean_logit,
+    kept,
+    kept_z,
+    config,
+    grad_logprobs,
+    grad_entropy,
+    grad_extra,
+    needs_hidden,
+    needs_weight,
+    needs_bias,
+):
     """Chunk by chunk: the grad-logits of a chunk (kept or recomputed logits), then its grad_hidden rows and its
     addition to grad_weight / grad_bias (float32 accumulators when there are several chunks). A chunk kept as
     probabilities without an entropy gradient goes through `_factored_chunk_grads` instead: no grad-logits."""
@@ -360,9 +409,16 @@ def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_no
         if index < len(kept_z):
             probs = kept[index]
             grad_raw, factored = _probs_chunk_grad(
-                probs, kept_z[index], config.math, config.compile_kernels, targets[rows], extra[rows], log_norm[rows],
-                mean_logit[rows], *incoming,
-            )  # fmt: skip
+                probs,
+                kept_z[index],
+                config.math,
+                config.compile_kernels,
+                targets[rows],
+                extra[rows],
+                log_norm[rows],
+                mean_logit[rows],
+                *incoming,
+            )
             if factored is not None:
                 part = _factored_chunk_grads(probs, h, w, factored, needs_hidden, needs_weight)
                 if needs_hidden:
@@ -378,9 +434,18 @@ def _head_backward(hidden, weight, bias, targets, extra, candidates, has, log_no
         else:
             raw = kept[index] if index < len(kept) else _raw_logits(h, w, b)
             grad_raw = _chunk_grad_logits(
-                raw, config.math, config.compile_kernels, targets[rows], extra[rows], candidates[rows], has[rows],
-                log_norm[rows], log_norm_target[rows], mean_logit[rows], *incoming,
-            )  # fmt: skip
+                raw,
+                config.math,
+                config.compile_kernels,
+                targets[rows],
+                extra[rows],
+                candidates[rows],
+                has[rows],
+                log_norm[rows],
+                log_norm_target[rows],
+                mean_logit[rows],
+                *incoming,
+            )
             del raw
         if needs_hidden:
             if single:
@@ -433,8 +498,21 @@ def _invalid_extra(extra: torch.Tensor, candidates: torch.Tensor, has: torch.Ten
     return (extra < 0) | _outside(extra, candidates, has)
 
 
-def _chunk_grad_logits(raw, math, compile_kernels, targets, extra, candidates, has, log_norm, log_norm_target,
-                       mean_logit, grad_logprobs, grad_entropy, grad_extra) -> torch.Tensor:  # fmt: skip
+def _chunk_grad_logits(
+    raw,
+    math,
+    compile_kernels,
+    targets,
+    extra,
+    candidates,
+    has,
+    log_norm,
+    log_norm_target,
+    mean_logit,
+    grad_logprobs,
+    grad_entropy,
+    grad_extra,
+) -> torch.Tensor:
     """d loss / d raw logits ([m, V], in the logits' dtype) for one chunk: one dense pass, then the sparse ids."""
     dtype = log_norm.dtype
     weight_of_norm = torch.zeros_like(log_norm)  # Σ of the incoming grads of the terms normalised by `norm`

@@ -150,9 +150,11 @@ def fused(name: str, compile_kernels: bool) -> Callable:
     `$RLASYNC_HEAD_DYNAMIC=all` compiles every size dynamic instead (how the passes were compiled before; kept for
     the A/B on a GPU)."""
     function = {
-        "dense_stats": dense_stats, "dense_grad": dense_grad, "dense_stats_probs": dense_stats_probs,
+        "dense_stats": dense_stats,
+        "dense_grad": dense_grad,
+        "dense_stats_probs": dense_stats_probs,
         "dense_grad_probs": dense_grad_probs,
-    }[name]  # fmt: skip
+    }[name]
     if not compile_kernels or COMPILE_FAILURES:
         return function
     mode = _dynamic_mode()
@@ -168,8 +170,9 @@ def fused(name: str, compile_kernels: bool) -> Callable:
 def _dynamic_mode() -> str:
     mode = os.environ.get(DYNAMIC_ENV, "rows").strip() or "rows"
     if mode not in ("rows", "all"):
-        raise ValueError(f"${DYNAMIC_ENV} must be 'rows' (the default: only the chunk length is dynamic) or 'all', "
-                         f"got {mode!r}")  # fmt: skip
+        raise ValueError(
+            f"${DYNAMIC_ENV} must be 'rows' (the default: only the chunk length is dynamic) or 'all', got {mode!r}"
+        )
     return mode
 
 
@@ -196,9 +199,11 @@ def _falling_back(compiled: Callable, eager: Callable) -> Callable:
             return compiled(*args)
         except _compile_errors() as exc:
             COMPILE_FAILURES.append(f"{type(exc).__name__}: {exc}")
-            logger.warning("the LM head's compiled passes failed to compile (%s); they run eagerly from now on "
-                           "(same values, more kernels; RLASYNC_HEAD_COMPILE=0 skips compiling)",
-                           COMPILE_FAILURES[0][:300])  # fmt: skip
+            logger.warning(
+                "the LM head's compiled passes failed to compile (%s); they run eagerly from now on "
+                "(same values, more kernels; RLASYNC_HEAD_COMPILE=0 skips compiling)",
+                COMPILE_FAILURES[0][:300],
+            )
             return eager(*args)
 
     return run

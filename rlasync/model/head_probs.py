@@ -13,8 +13,9 @@ from rlasync.model.head_kernels import fused, sparse_exact, sparse_fixup
 from rlasync.model.head_matmul import accumulate_matmul, matmul_to
 
 
-def _probs_chunk_grad(probs, z_at, math, compile_kernels, targets, extra, log_norm, mean_logit, grad_logprobs,
-                      grad_entropy, grad_extra):  # fmt: skip
+def _probs_chunk_grad(
+    probs, z_at, math, compile_kernels, targets, extra, log_norm, mean_logit, grad_logprobs, grad_entropy, grad_extra
+):
     """A chunk kept as probabilities (no softcap, no candidate sets): (dense grad-logits, None) when the entropy has
     a gradient, else (None, (row_scale [m], ids [m, L], corr [m, L])) with d loss / d raw = row_scale ⊙ π + S and
     S[r, ids[r, j]] = corr[r, j] (each id once per row): the exact value at an id minus row_scale·π there."""

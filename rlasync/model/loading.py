@@ -45,8 +45,10 @@ def model_init_options(
     if chosen not in DTYPES:
         raise ValueError(f"model_init_kwargs dtype={chosen!r}: use one of {sorted(DTYPES)} or 'auto'")
     if "attn_implementation" in kwargs:
-        logger.warning("model_init_kwargs attn_implementation=%r is ignored: the learner uses tree attention",
-                       kwargs.pop("attn_implementation"))  # fmt: skip
+        logger.warning(
+            "model_init_kwargs attn_implementation=%r is ignored: the learner uses tree attention",
+            kwargs.pop("attn_implementation"),
+        )
     if trust_remote_code:
         kwargs.setdefault("trust_remote_code", True)
     return chosen, kwargs

@@ -64,7 +64,9 @@ def prepare_model(alias: str, force: bool = False) -> Path:
         return target
     gguf_path = _gguf_path(spec)
     if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files with it: the [demo] extra
-        raise ValueError(f"converting {alias!r} needs the gguf package: pip install 'rlasync[demo]' (or pip install gguf)")
+        raise ValueError(
+            f"converting {alias!r} needs the gguf package: pip install 'rlasync[demo]' (or pip install gguf)"
+        )
     logger.info("converting %s to an HF folder at %s (once)", gguf_path, target)
     _convert(gguf_path, target)
     return target

@@ -59,8 +59,15 @@ class SegmentPlan:
 
     def to(self, device: torch.device | str) -> SegmentPlan:
         move = functools.partial(to_device, device=device)
-        return SegmentPlan(move(self.query_start), move(self.key_start), move(self.key_index), self.num_tokens,
-                           self.num_keys, self.max_query, self.max_key)  # fmt: skip
+        return SegmentPlan(
+            move(self.query_start),
+            move(self.key_start),
+            move(self.key_index),
+            self.num_tokens,
+            self.num_keys,
+            self.max_query,
+            self.max_key,
+        )
 
     def with_chain(self, length: int) -> SegmentPlan:
         """This plan plus one chain of `length` tokens after the row (a new root: its own segment, its own keys),
@@ -73,8 +80,11 @@ class SegmentPlan:
             torch.cat([self.query_start, self.query_start[-1:] + length]),  # on the device: no copy to wait for
             torch.cat([self.key_start, self.key_start[-1:] + length]),
             torch.cat([self.key_index, chain]),
-            n + length, keys + length, max(self.max_query, _rounded(length)), max(self.max_key, _rounded(length)),
-        )  # fmt: skip
+            n + length,
+            keys + length,
+            max(self.max_query, _rounded(length)),
+            max(self.max_key, _rounded(length)),
+        )
 
 
 def segment_plan(subtree_end: Any, position_ids: Any) -> SegmentPlan:
@@ -108,8 +118,15 @@ def segment_plan(subtree_end: Any, position_ids: Any) -> SegmentPlan:
     key_index = np.concatenate(pieces)
     query_start = torch.from_numpy(bounds.astype(np.int32))
     key_start = torch.from_numpy(np.r_[0, np.cumsum(key_lengths)].astype(np.int32))
-    return SegmentPlan(query_start, key_start, torch.from_numpy(key_index), n, int(key_index.shape[0]),
-                       _rounded(int(np.diff(bounds).max())), _rounded(int(key_lengths.max())))  # fmt: skip
+    return SegmentPlan(
+        query_start,
+        key_start,
+        torch.from_numpy(key_index),
+        n,
+        int(key_index.shape[0]),
+        _rounded(int(np.diff(bounds).max())),
+        _rounded(int(key_lengths.max())),
+    )
 
 
 def _rounded(length: int) -> int:
@@ -152,16 +169,30 @@ def _varlen_parameters() -> frozenset[str] | None:
     return parameters if "window_size" in parameters else None
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan, scaling: float | None,
-            sliding_window: int | None) -> torch.Tensor:  # fmt: skip
+def _varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: SegmentPlan,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     parameters = _varlen_parameters() or frozenset()  # resolve_backend refused 'varlen' where it is missing
     extra = {"enable_gqa": True} if "enable_gqa" in parameters and q.shape[1] != k.shape[1] else {}
     return varlen_attn(
-        q, k, v, plan.query_start, plan.key_start, plan.max_query, plan.max_key, scale=scaling,
-        window_size=(sliding_window - 1, 0) if sliding_window else (-1, 0), **extra,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        plan.query_start,
+        plan.key_start,
+        plan.max_query,
+        plan.max_key,
+        scale=scaling,
+        window_size=(sliding_window - 1, 0) if sliding_window else (-1, 0),
+        **extra,
+    )
 
 
 def reference_segment_attention(

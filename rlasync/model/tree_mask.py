@@ -132,8 +132,10 @@ def resolve_backend(backend: str, device: torch.device) -> Backend:
     if backend not in BACKENDS:
         raise ValueError(f"unknown tree attention backend {backend!r}: use 'auto', {', '.join(map(repr, BACKENDS))}")
     if backend == "varlen" and device.type == "cuda" and not varlen_available():
-        raise ValueError(f"tree attention 'varlen' needs torch.nn.attention.varlen.varlen_attn with window_size "
-                         f"(torch >= 2.10; this is {torch.__version__}): use 'flex'")  # fmt: skip
+        raise ValueError(
+            f"tree attention 'varlen' needs torch.nn.attention.varlen.varlen_attn with window_size "
+            f"(torch >= 2.10; this is {torch.__version__}): use 'flex'"
+        )
     return backend  # type: ignore[return-value]
 
 

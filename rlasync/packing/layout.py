@@ -195,7 +195,9 @@ def _segments(parents: np.ndarray) -> _Segments:
 # ---- loss terms ------------------------------------------------------------------------------------------------
 
 
-def _loss_terms(samples: list[PackableSample], sample_nodes: list[np.ndarray], packed_of_node: np.ndarray) -> _LossTerms:
+def _loss_terms(
+    samples: list[PackableSample], sample_nodes: list[np.ndarray], packed_of_node: np.ndarray
+) -> _LossTerms:
     """One term per sample and position p >= 1 with completion_mask[p] = 1, predicted from node(p - 1)."""
     positions = [np.flatnonzero(sample.completion_mask[1:]) + 1 for sample in samples]
     token_index = [packed_of_node[nodes[p - 1]] for nodes, p in zip(sample_nodes, positions)]

@@ -245,9 +245,7 @@ class FixedCountBatcher:
         return batches if last is None else [*batches, last]
 
 
-def balance_groups(
-    samples: Sequence[PackableSample], num_ranks: int, share_prefixes: bool = True
-) -> list[TreeRow]:
+def balance_groups(samples: Sequence[PackableSample], num_ranks: int, share_prefixes: bool = True) -> list[TreeRow]:
     """Partition `samples` (at least `num_ranks`) into `num_ranks` non-empty rows, whole groups, LPT by load."""
     if len(samples) < num_ranks:
         raise ValueError(f"balance_groups: {len(samples)} samples cannot fill {num_ranks} rows")

@@ -204,8 +204,9 @@ class TokenAllowance:
 
     # ---- what moves tokens ---------------------------------------------------------------------------------
 
-    def finish_group(self, num_rollouts: int, num_tokens: int, queued: bool = True, num_samples: int | None = None
-                     ) -> None:  # fmt: skip
+    def finish_group(
+        self, num_rollouts: int, num_tokens: int, queued: bool = True, num_samples: int | None = None
+    ) -> None:
         """A group of `num_rollouts` completed with `num_tokens` raw tokens of samples in all.
 
         `queued=False` for a group dropped after scoring (zero std): its tokens update the per-rollout estimate

@@ -63,6 +63,6 @@ def read_rollout_state(checkpoint_dir: str | Path) -> RolloutState | None:
         return RolloutState.from_dict(data)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as exc:
         raise ValueError(
-            f"{path} is corrupt ({type(exc).__name__}: {exc}): expected {{\"prompt_index\": <int>, \"model_version\": "
+            f'{path} is corrupt ({type(exc).__name__}: {exc}): expected {{"prompt_index": <int>, "model_version": '
             "<int>}; resume from an earlier checkpoint-* or delete this one"
         ) from exc

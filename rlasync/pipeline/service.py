@@ -101,9 +101,14 @@ class QueueService:
         self._clock = clock
         self._notifier = Notifier()
         self.queue = StalenessQueue(clock=clock, notifier=self._notifier)
-        self.allowance = TokenAllowance(max_staleness, tokens_per_step, clock=clock, notifier=self._notifier,
-                                        steps_per_version=steps_per_version,
-                                        samples_per_step=samples_per_step)  # fmt: skip
+        self.allowance = TokenAllowance(
+            max_staleness,
+            tokens_per_step,
+            clock=clock,
+            notifier=self._notifier,
+            steps_per_version=steps_per_version,
+            samples_per_step=samples_per_step,
+        )
         self._generating: dict[int, int] = {}  # group_id -> rollouts, for groups admitted and not yet back
         self.causes: Counter[str] = Counter()
         self.last_failures: dict[str, str] = {}
@@ -159,7 +164,9 @@ class QueueService:
         self._generating[lease.group_id] = num_rollouts
         return lease
 
-    async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> NextGroup:
+    async def next_group(
+        self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None
+    ) -> NextGroup:
         """Wait (up to `timeout_s`, None = forever) for the allowance and a prompt; see `NextGroup`."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
@@ -190,8 +197,14 @@ class QueueService:
         self.queue.put(entries, now=now)
         self.allowance.finish_group(num_rollouts, sum(entry.num_tokens for entry in entries), num_samples=len(entries))
 
-    def drop_group(self, group_id: int, reason: DropReason, num_tokens: int = 0, cause: str | None = None,
-                   detail: str | None = None) -> None:  # fmt: skip
+    def drop_group(
+        self,
+        group_id: int,
+        reason: DropReason,
+        num_tokens: int = 0,
+        cause: str | None = None,
+        detail: str | None = None,
+    ) -> None:
         """The group produced nothing to train (zero reward std, `filter_prompt` rejected its prompt, or its prompt
         can never be generated: "failed", counted as consumed instead of being leased again forever).
 
@@ -333,9 +346,12 @@ class QueueService:
             self.dispatcher.mark_stale(group_id, count)
         left = result.num_tokens + sum(entry.num_tokens for entry in result.dropped_stale)
         if result.entries or result.dropped_stale:
-            self.allowance.consumed(left, taken_tokens=result.num_tokens,
-                                    num_samples=len(result.entries) + len(result.dropped_stale),
-                                    taken_samples=len(result.entries))  # fmt: skip
+            self.allowance.consumed(
+                left,
+                taken_tokens=result.num_tokens,
+                num_samples=len(result.entries) + len(result.dropped_stale),
+                taken_samples=len(result.entries),
+            )
 
 
 def _with_drops(result: TakeResult, dropped: list[QueueEntry]) -> TakeResult:

@@ -28,8 +28,13 @@ class QueueSettings:
         """With `max_steps > 0` the stream is endless (the step count ends the run); else it holds
         `num_train_epochs` epochs over distinct prompts."""
         num_epochs = None if config.max_steps > 0 else config.num_train_epochs
-        return cls(num_rows=num_rows, num_epochs=num_epochs, max_staleness=config.max_staleness,
-                   tokens_per_step=tokens_per_step, steps_per_version=_steps_per_version(config))  # fmt: skip
+        return cls(
+            num_rows=num_rows,
+            num_epochs=num_epochs,
+            max_staleness=config.max_staleness,
+            tokens_per_step=tokens_per_step,
+            steps_per_version=_steps_per_version(config),
+        )
 
     @classmethod
     def for_dataset(cls, config: Any, dataset: Any) -> QueueSettings:
@@ -40,8 +45,13 @@ class QueueSettings:
         if not is_streaming(dataset):
             return cls.from_config(config, num_rows=len(dataset))
         num_epochs = None if config.max_steps > 0 else 1.0
-        return cls(num_rows=0, num_epochs=num_epochs, max_staleness=config.max_staleness, stream=dataset,
-                   steps_per_version=_steps_per_version(config))  # fmt: skip
+        return cls(
+            num_rows=0,
+            num_epochs=num_epochs,
+            max_staleness=config.max_staleness,
+            stream=dataset,
+            steps_per_version=_steps_per_version(config),
+        )
 
     def with_tokens_per_step(self, tokens_per_step: int, samples_per_step: int | None = None) -> QueueSettings:
         """A copy with the first step's token target (known once the engines report their max_model_len) and the

@@ -36,18 +36,28 @@ def format_group(
     return "\n".join(lines)
 
 
-def print_group(prompt: Any, completions: Sequence[Any], rewards: Sequence[float | None],
-                advantages: Sequence[float] | None, *, group_id: int, policy_version: int,
-                limit: int | None = None) -> None:  # fmt: skip
+def print_group(
+    prompt: Any,
+    completions: Sequence[Any],
+    rewards: Sequence[float | None],
+    advantages: Sequence[float] | None,
+    *,
+    group_id: int,
+    policy_version: int,
+    limit: int | None = None,
+) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(format_group(prompt, completions, rewards, advantages, group_id=group_id,
-                           policy_version=policy_version, limit=limit), flush=True)  # fmt: skip
+        print(
+            format_group(
+                prompt, completions, rewards, advantages, group_id=group_id, policy_version=policy_version, limit=limit
+            ),
+            flush=True,
+        )
         return
-    table = Table(title=f"group {group_id} (policy v{policy_version}): {_cut(_prompt_text(prompt))}",
-                  show_lines=True)  # fmt: skip
+    table = Table(title=f"group {group_id} (policy v{policy_version}): {_cut(_prompt_text(prompt))}", show_lines=True)
     for column in ("#", "completion", "reward", "advantage"):
         table.add_column(column)
     for index, (completion, reward, advantage) in _rows(completions, rewards, advantages, limit):

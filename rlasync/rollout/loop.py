@@ -131,24 +131,47 @@ class AsyncRolloutLoop(ScheduledLoop, RolloutPolicy):
         self.metrics = MetricSink()
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
         self.engine_pool = EnginePool(
-            engine, max_concurrent=settings.max_concurrent, emit=self.emit, counters=self.counters,
+            engine,
+            max_concurrent=settings.max_concurrent,
+            emit=self.emit,
+            counters=self.counters,
             max_attempts=class_override(self, "max_generation_attempts", settings.max_request_attempts),
-            retryable_exceptions=self.retryable_exceptions, stats_interval_s=self.engine_stats_interval_s,
-            controller=controller, clock=clock, sleep=sleep,
-        )  # fmt: skip
+            retryable_exceptions=self.retryable_exceptions,
+            stats_interval_s=self.engine_stats_interval_s,
+            controller=controller,
+            clock=clock,
+            sleep=sleep,
+        )
         self._init_policy(
-            config=config, tokenizer=tokenizer, settings=settings, engine_pool=self.engine_pool,
-            reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
-            eos_token_ids=eos_token_ids, clock=clock, rng=rng, reward_scorer=reward_scorer,
-        )  # fmt: skip
+            config=config,
+            tokenizer=tokenizer,
+            settings=settings,
+            engine_pool=self.engine_pool,
+            reward_funcs=reward_funcs,
+            tools=tools,
+            environment_factory=environment_factory,
+            eos_token_ids=eos_token_ids,
+            clock=clock,
+            rng=rng,
+            reward_scorer=reward_scorer,
+        )
         self.scheduler = TaskScheduler(
-            self, prompt_source=prompt_source, sink=sink, group_size=settings.group_size,
-            max_concurrent=settings.max_concurrent, admission=admission if admission is not None else OpenAdmission(),
-            engine_pool=self.engine_pool, heartbeat_timeout_s=settings.heartbeat_timeout_s,
-            heartbeat_interval_s=self.heartbeat_interval_s, max_pending_groups=self.max_pending_scores,
-            policy_version=policy_version, loop_name=self.loop_name, counters=self.counters, clock=clock,
+            self,
+            prompt_source=prompt_source,
+            sink=sink,
+            group_size=settings.group_size,
+            max_concurrent=settings.max_concurrent,
+            admission=admission if admission is not None else OpenAdmission(),
+            engine_pool=self.engine_pool,
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            max_pending_groups=self.max_pending_scores,
+            policy_version=policy_version,
+            loop_name=self.loop_name,
+            counters=self.counters,
+            clock=clock,
             wall_clock=wall_clock,
-        )  # fmt: skip
+        )
 
     @property  # type: ignore[override]
     def max_generation_attempts(self) -> int:

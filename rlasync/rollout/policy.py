@@ -110,12 +110,20 @@ class RolloutPolicy(PolicyBase):
     failure_metric = "rollout/failed_group_count"
 
     def _init_policy(
-        self, *, config: TrainerConfig, tokenizer: Any, settings: RolloutSettings, engine_pool: EnginePool,
-        reward_funcs: RewardFunc | Sequence[RewardFunc] | None, tools: Sequence[Callable[..., Any]] | None,
+        self,
+        *,
+        config: TrainerConfig,
+        tokenizer: Any,
+        settings: RolloutSettings,
+        engine_pool: EnginePool,
+        reward_funcs: RewardFunc | Sequence[RewardFunc] | None,
+        tools: Sequence[Callable[..., Any]] | None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None,
-        eos_token_ids: Iterable[int] | None, clock: Callable[[], float], rng: random.Random | None,
+        eos_token_ids: Iterable[int] | None,
+        clock: Callable[[], float],
+        rng: random.Random | None,
         reward_scorer: RewardScorer | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.config = self.args = config
         self.tokenizer, self.settings, self.engine_pool = tokenizer, settings, engine_pool
         self.reward_scorer = reward_scorer
@@ -182,11 +190,17 @@ class RolloutPolicy(PolicyBase):
         appear in the completion messages and in later prompts, never as trained tokens.
         """
         return await run_tool_loop(
-            prompt, tools, render=self.render, generate_one_turn=self.generate_one_turn,
-            parse_response=self.parse_response, executor=self.tool_executor, emit=self.emit,
-            max_iterations=self.settings.max_tool_calling_iterations, timeout_s=self.settings.tool_timeout_s,
+            prompt,
+            tools,
+            render=self.render,
+            generate_one_turn=self.generate_one_turn,
+            parse_response=self.parse_response,
+            executor=self.tool_executor,
+            emit=self.emit,
+            max_iterations=self.settings.max_tool_calling_iterations,
+            timeout_s=self.settings.tool_timeout_s,
             tracker=self.tool_calls,
-        )  # fmt: skip
+        )
 
     def tool_executor(self) -> ThreadPoolExecutor:
         """The thread pool sync tools (and environment resets/rewards) run on: `max(1, max_concurrent_rollouts)`
@@ -328,9 +342,13 @@ class RolloutPolicy(PolicyBase):
         # The documents' scoring-queue metrics: a finished group is scored at once, concurrently with the others
         # (no bounded score queue), so score_queue_size counts the other groups being scored and generation never
         # blocks on scoring (score_block_s is 0).
-        self.emit([("rollout/score_queue_size", float(self._scoring)),
-                   ("rollout/score_wait_s", max(started - (group.done_at if group.done_at is not None else started), 0.0)),
-                   ("rollout/score_block_s", 0.0)])  # fmt: skip
+        self.emit(
+            [
+                ("rollout/score_queue_size", float(self._scoring)),
+                ("rollout/score_wait_s", max(started - (group.done_at if group.done_at is not None else started), 0.0)),
+                ("rollout/score_block_s", 0.0),
+            ]
+        )
         self._scoring += 1
         try:
             return await self._score(group, rollout_group, policy_version, started)
@@ -345,9 +363,11 @@ class RolloutPolicy(PolicyBase):
                 async with asyncio.timeout(timeout_s):
                     table = await resolve(
                         self.reward_scorer(
-                            prompts=rollout_group.prompts, completions=rollout_group.completions,
-                            completion_ids=rollout_group.completions_ids, reward_kwargs=rollout_group.reward_kwargs,
-                        )  # fmt: skip
+                            prompts=rollout_group.prompts,
+                            completions=rollout_group.completions,
+                            completion_ids=rollout_group.completions_ids,
+                            reward_kwargs=rollout_group.reward_kwargs,
+                        )
                     )
             except TimeoutError:
                 raise RewardTimeoutError(
@@ -355,17 +375,24 @@ class RolloutPolicy(PolicyBase):
                 ) from None
             reward_funcs, columns = [], list(zip(table.names, table.values))
         scored = await score_group(
-            rollout_group, reward_funcs, compute_advantages=self.compute_advantages, extra_columns=columns,
-            drop_zero_std_groups=self.drop_zero_std_groups, reward_timeout_s=timeout_s,
-        )  # fmt: skip
+            rollout_group,
+            reward_funcs,
+            compute_advantages=self.compute_advantages,
+            extra_columns=columns,
+            drop_zero_std_groups=self.drop_zero_std_groups,
+            reward_timeout_s=timeout_s,
+        )
         score_s = self._clock() - started
         if self.settings.log_completions:
             print_group(
-                rollout_group.prompts[0] if rollout_group.prompts else "", rollout_group.completions,
-                [None if r != r else float(r) for r in scored.rewards], scored.advantages.tolist(),
-                group_id=rollout_group.group_id, policy_version=rollout_group.policy_version,
+                rollout_group.prompts[0] if rollout_group.prompts else "",
+                rollout_group.completions,
+                [None if r != r else float(r) for r in scored.rewards],
+                scored.advantages.tolist(),
+                group_id=rollout_group.group_id,
+                policy_version=rollout_group.policy_version,
                 limit=self.settings.num_completions_to_print,
-            )  # fmt: skip
+            )
         rollout_tokens = sum(len(s.input_ids) for sequences in rollout_group.completions_sequences for s in sequences)
         result = GroupResult(group.lease, policy_version, scored, num_rollout_tokens=rollout_tokens)
         group.scored = _Scored(rollout_group, result, score_s)

@@ -44,7 +44,11 @@ def rollout_metrics(
 
 
 def group_metrics(
-    group: RolloutGroup, scored: ScoredGroup, score_s: float, tokens_rate: tuple[float, float], num_inflight: int,
+    group: RolloutGroup,
+    scored: ScoredGroup,
+    score_s: float,
+    tokens_rate: tuple[float, float],
+    num_inflight: int,
     tools: bool = False,
 ) -> list[MetricItem]:
     """Concurrency, scoring time, generated tokens per second since the last group, duplicates, the scorer's; with

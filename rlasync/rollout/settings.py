@@ -65,7 +65,9 @@ class RolloutSettings:
             raise ValueError(f"teacher_top_k={self.teacher_top_k} must be >= 0")
 
     @classmethod
-    def from_config(cls, config: TrainerConfig, *, max_inflight_tasks: int | None = None, num_ranks: int = 1) -> RolloutSettings:
+    def from_config(
+        cls, config: TrainerConfig, *, max_inflight_tasks: int | None = None, num_ranks: int = 1
+    ) -> RolloutSettings:
         """Settings of an `AsyncGRPOConfig` or an `AsyncDistillationConfig` (or a user subclass of either).
 
         `max_inflight_tasks` (distillation) overrides the config's, e.g. one rollout actor's share; else the config's

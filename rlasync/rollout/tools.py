@@ -288,7 +288,9 @@ async def execute_tool_calls(
             results.num_failures += 1
             results.metrics += [(f"tools/{name}/failure_count", 1.0), (TIMEOUT_METRIC, 1.0)]
             result = {"error": f"tool `{name}` did not return within tool_timeout_s={timeout_s:g} s"}
-            logger.warning("tool `%s` did not return within tool_timeout_s=%g s: the model gets an error", name, timeout_s)
+            logger.warning(
+                "tool `%s` did not return within tool_timeout_s=%g s: the model gets an error", name, timeout_s
+            )
         except Exception as exc:
             results.num_failures += 1
             results.metrics.append((f"tools/{name}/failure_count", 1.0))

@@ -49,8 +49,14 @@ class AsyncTrainerBase(TrainerSurface):
         if loop_cls is not None:
             self.loop_cls = loop_cls
 
-    def _end_init(self, model: Any, train_dataset: Any, processing_class: Any,
-                  callbacks: Sequence[Any] | None, optimizers: tuple[Any, Any] = (None, None)) -> None:  # fmt: skip
+    def _end_init(
+        self,
+        model: Any,
+        train_dataset: Any,
+        processing_class: Any,
+        callbacks: Sequence[Any] | None,
+        optimizers: tuple[Any, Any] = (None, None),
+    ) -> None:
         """Last step, once the subclass checked its arguments: the dataset, the model as a path the actors load
         (`model_path`), the optimizer overrides, TRL's `callbacks` / `state` (transformers' TrainerState; the run's
         own dict is `run_state`); `actor_ids` lists the Ray actors a run created. Fires `on_init_end`."""
@@ -73,7 +79,9 @@ class AsyncTrainerBase(TrainerSurface):
         `policy_version`, ...). `resume_from_checkpoint` defaults to `args.resume_from_checkpoint`. Actors are
         removed on the way out, also on error. With `args.push_to_hub`, the final model is pushed (offline)."""
         if kwargs:
-            raise TypeError(f"train() got unexpected keyword arguments {sorted(kwargs)} (rlasync takes resume_from_checkpoint)")
+            raise TypeError(
+                f"train() got unexpected keyword arguments {sorted(kwargs)} (rlasync takes resume_from_checkpoint)"
+            )
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         self.preflight()
@@ -133,10 +141,17 @@ class AsyncTrainerBase(TrainerSurface):
         """A RunSpec with the common fields (config, model, tokenizer, dataset, callbacks, starting point)."""
         model, tokenizer, resume_state, start_step, version = self._starting_point(resume_dir)
         return RunSpec(
-            config=self.args, model=model, tokenizer=tokenizer, train_dataset=self.train_dataset,
-            callbacks=self.callbacks, resume_dir=resume_dir, resume_state=resume_state, start_step=start_step,
-            version=version, **fields,
-        )  # fmt: skip
+            config=self.args,
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=self.train_dataset,
+            callbacks=self.callbacks,
+            resume_dir=resume_dir,
+            resume_state=resume_state,
+            start_step=start_step,
+            version=version,
+            **fields,
+        )
 
 
 __all__ = ["AsyncTrainerBase"]

@@ -141,10 +141,15 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         inflight = args.resolved_max_inflight_tasks(cluster.num_learners)
         spec = self._run_spec(
             resume_dir,
-            rollout=RolloutSpec(kind="distill", loop_cls=self.loop_cls, name="distillation rollout actor",
-                                max_inflight_tasks=max(1, -(-inflight // cluster.num_rollout_actors))),  # fmt: skip
-            learner=LearnerSpec(objective="distill", max_steps=horizon, teacher_ids=self.teacher_ids,
-                                peft_config=self.peft_config),
+            rollout=RolloutSpec(
+                kind="distill",
+                loop_cls=self.loop_cls,
+                name="distillation rollout actor",
+                max_inflight_tasks=max(1, -(-inflight // cluster.num_rollout_actors)),
+            ),
+            learner=LearnerSpec(
+                objective="distill", max_steps=horizon, teacher_ids=self.teacher_ids, peft_config=self.peft_config
+            ),
             queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=horizon,
             hang_timeout_s=args.heartbeat_stale_after_s,

@@ -120,9 +120,14 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         args = self.args
         return self._run_spec(
             resume_dir,
-            rollout=RolloutSpec(kind="grpo", loop_cls=self.loop_cls, name="rollout actor",
-                                reward_funcs=self.reward_funcs, tools=self.tools,
-                                environment_factory=self.environment_factory),  # fmt: skip
+            rollout=RolloutSpec(
+                kind="grpo",
+                loop_cls=self.loop_cls,
+                name="rollout actor",
+                reward_funcs=self.reward_funcs,
+                tools=self.tools,
+                environment_factory=self.environment_factory,
+            ),
             learner=LearnerSpec(objective="grpo", peft_config=self.peft_config),
             queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=args.max_steps if args.max_steps > 0 else None,

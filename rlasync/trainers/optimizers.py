@@ -55,8 +55,12 @@ def _optimizer(optimizer: Any) -> dict[str, Any]:
                 "(OptimizerClass, {kwargs}) for one group"
             )
         kwargs = {k: v for k, v in groups[0].items() if not k.startswith("initial_")}  # schedulers add initial_lr
-        logger.info("optimizers: the %s is rebuilt on each learner rank from its class and hyper-parameters %s "
-                    "(an optimizer object cannot cross to the learner actors)", type(optimizer).__name__, kwargs)  # fmt: skip
+        logger.info(
+            "optimizers: the %s is rebuilt on each learner rank from its class and hyper-parameters %s "
+            "(an optimizer object cannot cross to the learner actors)",
+            type(optimizer).__name__,
+            kwargs,
+        )
         return {"optimizer_cls": type(optimizer), "optimizer_kwargs": kwargs}
     raise ValueError(
         f"optimizers[0]={optimizer!r}: give None, a torch optimizer class, (class, kwargs) or a torch.optim.Optimizer"

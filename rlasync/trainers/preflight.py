@@ -82,7 +82,9 @@ def _check_folder(path: Path, name: str, field: str, need_tokenizer: bool) -> st
     try:
         json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{where}: {config_file} cannot be read ({type(exc).__name__}: {exc}); save the model again") from None
+        raise ValueError(
+            f"{where}: {config_file} cannot be read ({type(exc).__name__}: {exc}); save the model again"
+        ) from None
     if need_tokenizer and not any((path / file).is_file() for file in TOKENIZER_FILES):
         raise ValueError(
             f"{where} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it there with "
@@ -111,7 +113,9 @@ def _check_hub_id(name: str, field: str) -> str:
         ) from None
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return name  # cached: loads offline
-    unknown = f"unknown model alias {name!r}: known aliases are {aliases}; or pass a hub id (org/name) or a local folder"
+    unknown = (
+        f"unknown model alias {name!r}: known aliases are {aliases}; or pass a hub id (org/name) or a local folder"
+    )
     if constants.HF_HUB_OFFLINE:
         offline = "HF_HUB_OFFLINE is set: download it first (`huggingface-cli download ...`)"
     elif not _hub_reachable(constants.ENDPOINT):
@@ -128,8 +132,10 @@ def _check_hub_id(name: str, field: str) -> str:
     except Exception as exc:  # gated, unauthorised, network trouble: say what the hub said
         raise ValueError(f"{field}={name!r}: the hub refused {name!r} ({type(exc).__name__}: {exc})") from None
     if not found:
-        raise ValueError(f"{field}={name!r}: " + (unknown if "/" not in name else f"no model {name!r} on the hub "
-                                                  "(no config.json there): check the id"))  # fmt: skip
+        raise ValueError(
+            f"{field}={name!r}: "
+            + (unknown if "/" not in name else f"no model {name!r} on the hub (no config.json there): check the id")
+        )
     return name
 
 
@@ -198,8 +204,9 @@ def load_tokenizer(source: str, field: str = "model") -> Any:
 # ---- the prompts and the token budget ------------------------------------------------------------------------------
 
 
-def prompt_lengths(tokenizer: Any, dataset: Any, config: Any, tools: Sequence[Any] | None = None,
-                   num_rows: int = NUM_ROWS_CHECKED) -> list[int]:  # fmt: skip
+def prompt_lengths(
+    tokenizer: Any, dataset: Any, config: Any, tools: Sequence[Any] | None = None, num_rows: int = NUM_ROWS_CHECKED
+) -> list[int]:
     """Rendered token counts of the first `num_rows` prompts (chat template, generation prompt appended)."""
     if getattr(tokenizer, "chat_template", True) is None:
         raise ValueError(
@@ -242,8 +249,13 @@ def check_prompt_fit(config: Any, lengths: Sequence[int], limit: int | None) -> 
                 f"{min(lengths) + config.max_completion_length}) or shorten the prompts"
             )
         if too_long:
-            logger.warning("rows %s of the first %d render longer than max_model_len=%d: the engine rejects them "
-                           "(each is dropped and counted as failed)", too_long, len(lengths), limit)  # fmt: skip
+            logger.warning(
+                "rows %s of the first %d render longer than max_model_len=%d: the engine rejects them "
+                "(each is dropped and counted as failed)",
+                too_long,
+                len(lengths),
+                limit,
+            )
         lengths = [n for n in lengths if n < limit]
     budget = config.token_budget
     if budget is None or budget <= 0:

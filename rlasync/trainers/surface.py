@@ -111,8 +111,15 @@ class TrainerSurface:
 
     def _event(self, name: str, **kwargs: Any) -> None:
         """An event fired by the trainer itself (`on_init_end`, `on_log` outside a run)."""
-        full = {"model": None, "processing_class": self.processing_class, "optimizer": None, "lr_scheduler": None,
-                "train_dataloader": None, "eval_dataloader": None, **kwargs}  # fmt: skip
+        full = {
+            "model": None,
+            "processing_class": self.processing_class,
+            "optimizer": None,
+            "lr_scheduler": None,
+            "train_dataloader": None,
+            "eval_dataloader": None,
+            **kwargs,
+        }
         for callback in self.callbacks:
             method = getattr(callback, name, None)
             if method is not None:
@@ -200,15 +207,35 @@ class TrainerSurface:
         logger.info("saved the model to %s", target)
         return str(target)
 
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None, **kwargs: Any) -> str:  # fmt: skip
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        **kwargs: Any,
+    ) -> str:
         """transformers' call shape, offline (no network): the model is saved to a local folder, `hub_model_id`
         when it is a local path (absolute, or starting with ./ or ../), else `<output_dir>/hub/<hub_model_id>`
         (`<output_dir>/hub/<output_dir's name>` without one). A log line names the folder; it is returned."""
         if token is not None or revision is not None:
-            raise ValueError("push_to_hub: token / revision are not supported (offline: the model goes to a local folder)")
-        unknown = sorted(set(kwargs) - {"model_name", "language", "license", "tags", "finetuned_from", "tasks",
-                                        "dataset_tags", "dataset", "dataset_args"})  # fmt: skip
+            raise ValueError(
+                "push_to_hub: token / revision are not supported (offline: the model goes to a local folder)"
+            )
+        unknown = sorted(
+            set(kwargs)
+            - {
+                "model_name",
+                "language",
+                "license",
+                "tags",
+                "finetuned_from",
+                "tasks",
+                "dataset_tags",
+                "dataset",
+                "dataset_args",
+            }
+        )
         if unknown:
             raise TypeError(f"push_to_hub got unexpected keyword arguments {unknown}")
         repo = self.args.hub_model_id or Path(self.args.output_dir).resolve().name
@@ -219,8 +246,12 @@ class TrainerSurface:
             f"---\nlibrary_name: transformers\ntags: [rlasync, {kwargs.get('model_name') or 'grpo'}]\n---\n"
             f"# {repo}\n\nTrained with rlasync ({type(self).__name__}); {commit_message or ''}\n"
         )
-        logger.warning("push_to_hub: no network here, so the model was written to the local folder %s (hub id %r); "
-                       "upload it with `huggingface-cli upload`", path, repo)  # fmt: skip
+        logger.warning(
+            "push_to_hub: no network here, so the model was written to the local folder %s (hub id %r); "
+            "upload it with `huggingface-cli upload`",
+            path,
+            repo,
+        )
         return path
 
     def resize(self, generation: int | None = None, rollout: int | None = None) -> None:
@@ -228,8 +259,10 @@ class TrainerSurface:
         `cluster.min_*_actors` / `cluster.max_*_actors`), applied after the next training step. Works during
         `train()`: from a TrainerCallback holding the trainer, or from another thread (docs/design.md §4)."""
         if not self._training:
-            raise RuntimeError("resize() works during train() (from a callback or another thread); before it, set "
-                               "cluster.num_generation_actors / cluster.num_rollout_actors")  # fmt: skip
+            raise RuntimeError(
+                "resize() works during train() (from a callback or another thread); before it, set "
+                "cluster.num_generation_actors / cluster.num_rollout_actors"
+            )
         self._resize_requests.request(generation=generation, rollout=rollout)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -165,8 +165,9 @@ def adapter_manifest(model: torch.nn.Module, dtype: torch.dtype | None = None) -
         adapter = _adapter_of(layer)
         for suffix, weight in ((LORA_A, layer.lora_A[adapter].weight), (LORA_B, layer.lora_B[adapter].weight)):
             wire = dtype if dtype is not None else weight.dtype
-            entries.append(ManifestEntry(transfer_name(name) + suffix, str(wire).removeprefix("torch."),
-                                         tuple(weight.shape)))  # fmt: skip
+            entries.append(
+                ManifestEntry(transfer_name(name) + suffix, str(wire).removeprefix("torch."), tuple(weight.shape))
+            )
     return entries
 
 
@@ -227,8 +228,9 @@ class AdapterStream(TensorStream):
         return True
 
 
-def adapter_stream(model: torch.nn.Module, dtype: torch.dtype | None = None,
-                   device: torch.device | str | None = None) -> AdapterStream:  # fmt: skip
+def adapter_stream(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> AdapterStream:
     """`(engine module name + ".lora_A.weight", A)`, `(... ".lora_B.weight", s * B)` per LoRA module, in manifest
     order; every rank of a sharded model iterates it (each gather is a collective). `copy_into(views)` writes them
     all in a few batched ops instead (an unsharded adapter: one process)."""
@@ -247,14 +249,18 @@ def _merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.P
 def merged_manifest(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[ManifestEntry]:
     """What a merged sync sends: every base parameter under its HF name (adapted ones merged), in stream order."""
     return [
-        ManifestEntry(name, str(dtype if dtype is not None and p.dtype.is_floating_point else p.dtype)
-                      .removeprefix("torch."), tuple(p.shape))
+        ManifestEntry(
+            name,
+            str(dtype if dtype is not None and p.dtype.is_floating_point else p.dtype).removeprefix("torch."),
+            tuple(p.shape),
+        )
         for name, p, _ in _merged_parameters(model)
-    ]  # fmt: skip
+    ]
 
 
-def merged_stream(model: torch.nn.Module, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def merged_stream(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every base parameter, the adapted ones as W0 + s * B @ A (computed per layer in float32, the model's own
     weights untouched): the full weights of the merged model, for engines that take no adapter."""
     for name, param, layer in _merged_parameters(model):
@@ -354,8 +360,9 @@ class AdapterMerger:
         self._groups, self._signature = built, tuple(pairs)
 
 
-def write_adapter(directory: str | Path, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
-                  base_model: str | None = None) -> Path:  # fmt: skip
+def write_adapter(
+    directory: str | Path, pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], base_model: str | None = None
+) -> Path:
     """A peft adapter directory (`adapter_config.json`, `adapter_model.safetensors`) from `(module, A, B')` pairs
     whose scaling is folded into B' (so `lora_alpha = r`, scaling 1), which vLLM's `LoRARequest` (and
     `PeftModel.from_pretrained`) loads. Written to a temporary name, then renamed (a reader never sees half)."""
@@ -375,11 +382,21 @@ def write_adapter(directory: str | Path, pairs: Iterable[tuple[str, torch.Tensor
     rank = max(ranks.values())
     others = {module: r for module, r in ranks.items() if r != rank}
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
-        "lora_alpha": rank, "rank_pattern": others, "alpha_pattern": dict(others), "use_rslora": False,
-        "use_dora": False, "bias": "none", "fan_in_fan_out": False, "lora_dropout": 0.0,
-        "target_modules": sorted({module.rsplit(".", 1)[-1] for module in ranks}), "modules_to_save": None,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": rank,
+        "rank_pattern": others,
+        "alpha_pattern": dict(others),
+        "use_rslora": False,
+        "use_dora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "lora_dropout": 0.0,
+        "target_modules": sorted({module.rsplit(".", 1)[-1] for module in ranks}),
+        "modules_to_save": None,
+    }
     save_file(tensors, str(tmp / "adapter_model.safetensors"))
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     if path.exists():

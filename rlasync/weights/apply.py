@@ -30,8 +30,14 @@ def take_bytes(stream: Iterator[tuple[str, Any]], limit: int) -> list[tuple[str,
     return taken
 
 
-async def load_while_pausing(engine: Any, stream: Iterator[tuple[str, Any]], staging_bytes: int, *,
-                             load: Any = None, pausing: asyncio.Future | None = None) -> dict[str, float]:  # fmt: skip
+async def load_while_pausing(
+    engine: Any,
+    stream: Iterator[tuple[str, Any]],
+    staging_bytes: int,
+    *,
+    load: Any = None,
+    pausing: asyncio.Future | None = None,
+) -> dict[str, float]:
     """Receive up to `staging_bytes` of `stream` while `engine` pauses, then load everything and resume; returns
     the phases' seconds: `pause_s` (until paused), `load_s` (paused until loaded), `resume_s`, `total_s`, and
     `engine_load_s` where the engine reports its own part of `load_s` (`engine_s`: vLLM's workers; the rest is the

@@ -213,7 +213,9 @@ class WeightGroup:
             sent += size
         extra = next(stream, None)
         if extra is not None:
-            raise ValueError(f"weight stream has {extra[0]!r} after the last manifest entry: stream and manifest differ")
+            raise ValueError(
+                f"weight stream has {extra[0]!r} after the last manifest entry: stream and manifest differ"
+            )
         return sent
 
     def receive(self, manifest: Sequence[ManifestEntry]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -39,8 +39,9 @@ class SharedWeights:
     Persistent (`allocate` once, `fill` every sync): the buckets, their handles and `key` stay the same across
     syncs, so an engine maps them once (`MappedWeights`, cached by `key`) and only the contents change."""
 
-    def __init__(self, buffers: list[torch.Tensor], entries: list[BucketEntries], files: list[Path],
-                 key: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, buffers: list[torch.Tensor], entries: list[BucketEntries], files: list[Path], key: str | None = None
+    ) -> None:
         self.buffers = buffers
         self.entries = entries
         self.files = files  # CPU buckets' shared-memory files (removed on release)
@@ -49,8 +50,9 @@ class SharedWeights:
         self._views: list[torch.Tensor] | None = None
 
     @classmethod
-    def allocate(cls, manifest: Sequence[ManifestEntry], device: torch.device | str,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SharedWeights:  # fmt: skip
+    def allocate(
+        cls, manifest: Sequence[ManifestEntry], device: torch.device | str, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> SharedWeights:
         """Empty buckets laid out for `manifest` on `device` (CPU: files in shared memory)."""
         buffers, entries, files = [], [], []
         device = torch.device(device)
@@ -102,7 +104,9 @@ class SharedWeights:
             view.copy_(next_matching(stream, entry))
         extra = next(stream, None)
         if extra is not None:
-            raise ValueError(f"weight stream has {extra[0]!r} after the last manifest entry: stream and manifest differ")
+            raise ValueError(
+                f"weight stream has {extra[0]!r} after the last manifest entry: stream and manifest differ"
+            )
 
     def synchronize(self) -> None:
         """Wait until the copies into the buckets are done (before another process reads them)."""

@@ -70,7 +70,9 @@ def _wire_dtype(param_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dt
     return dtype if dtype is not None and param_dtype.is_floating_point else param_dtype
 
 
-def build_manifest(model: torch.nn.Module, is_peft: bool = False, dtype: torch.dtype | None = None) -> list[ManifestEntry]:
+def build_manifest(
+    model: torch.nn.Module, is_peft: bool = False, dtype: torch.dtype | None = None
+) -> list[ManifestEntry]:
     """Name, dtype and global shape of every parameter a sync sends, in stream order (no gathering needed);
     floating point parameters are sent in `dtype` when given."""
     return [
@@ -123,8 +125,9 @@ class ParameterStream(TensorStream):
     """What `stream_parameters` returns: per-parameter full tensors, or (`copy_into`) a batched cast-and-copy of
     every parameter into the given views when none is sharded."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str | None, is_peft: bool,
-                 dtype: torch.dtype | None) -> None:  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device | str | None, is_peft: bool, dtype: torch.dtype | None
+    ) -> None:
         self._model, self._device, self._is_peft, self._dtype = model, device, is_peft, dtype
         super().__init__(self._generate())
 

@@ -101,11 +101,11 @@ def choose_kind(
             return "ipc", None  # one GPU for all: share the weights by CUDA IPC handle
         reason = (
             "learner rank 0 and every generation engine share one GPU, and NCCL needs a distinct GPU per rank"
-            if one_gpu else
-            "some generation engines share a GPU with learner rank 0 or with each other (fractional num_gpus) and "
+            if one_gpu
+            else "some generation engines share a GPU with learner rank 0 or with each other (fractional num_gpus) and "
             "others do not: NCCL needs a distinct GPU per rank and CUDA IPC one GPU for all, so weights go through "
             "the CPU over gloo (put every engine on learner rank 0's GPU, or each on its own GPU)"
-        )  # fmt: skip
+        )
     elif any(on_gpu):
         reason = "some weight-sync ranks have no GPU: weights go through the CPU over gloo"
     else:
@@ -130,9 +130,14 @@ def choose_transport(
     out), and why NCCL was not chosen when a GPU was involved (None otherwise)."""
     kind, why_not_nccl = choose_kind(sender_info, receiver_infos, requested)
     plan = TransportPlan(
-        kind=kind, host=host, port=int(port), world_size=1 + len(receiver_infos), timeout_s=float(timeout_s),
-        bucket_bytes=max(1, int(bucket_bytes)), staging_bytes=0 if kind == "ipc" else max(0, int(staging_bytes)),
-    )  # fmt: skip
+        kind=kind,
+        host=host,
+        port=int(port),
+        world_size=1 + len(receiver_infos),
+        timeout_s=float(timeout_s),
+        bucket_bytes=max(1, int(bucket_bytes)),
+        staging_bytes=0 if kind == "ipc" else max(0, int(staging_bytes)),
+    )
     return plan, why_not_nccl
 
 
@@ -160,9 +165,15 @@ class BroadcastSender:
     def __init__(self, plan: TransportPlan, device: torch.device | str, manifest: Sequence[ManifestEntry]) -> None:
         self.manifest = list(manifest)
         self.group = WeightGroup.open(
-            plan.host, plan.port, 0, plan.world_size, plan.timeout_s, backend=plan.kind,
-            device=torch.device(device) if plan.kind == "nccl" else "cpu", bucket_bytes=plan.bucket_bytes,
-        )  # fmt: skip
+            plan.host,
+            plan.port,
+            0,
+            plan.world_size,
+            plan.timeout_s,
+            backend=plan.kind,
+            device=torch.device(device) if plan.kind == "nccl" else "cpu",
+            bucket_bytes=plan.bucket_bytes,
+        )
 
     def prepare(self, stream: NamedTensors) -> None:
         return None
@@ -237,8 +248,10 @@ class GatherOnlySender:
 
 
 SENDERS: dict[str, type[BroadcastSender] | type[IpcSender]] = {
-    "nccl": BroadcastSender, "gloo": BroadcastSender, "ipc": IpcSender,
-}  # fmt: skip
+    "nccl": BroadcastSender,
+    "gloo": BroadcastSender,
+    "ipc": IpcSender,
+}
 
 
 def make_sender(
@@ -264,8 +277,16 @@ class WeightReceiver(Protocol):
 class SelfReceivingEngine(Protocol):
     """An engine whose own workers join the weight-sync group and receive in place (vLLM's)."""
 
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                                backend: str = "gloo", bucket_bytes: int | None = None) -> None: ...  # fmt: skip
+    async def join_weight_group(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        bucket_bytes: int | None = None,
+    ) -> None: ...
 
     async def receive_weights(self, manifest: Iterable[Any]) -> Any: ...
 
@@ -278,13 +299,20 @@ class BroadcastReceiver:
     the engine still generates, and loads it (`load_while_pausing`). NCCL buffers sit on the engine's GPU; gloo's
     on the CPU."""
 
-    def __init__(self, plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry],
-                 device: torch.device | str) -> None:  # fmt: skip
+    def __init__(
+        self, plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry], device: torch.device | str
+    ) -> None:
         self.manifest, self.staging_bytes = list(manifest), plan.staging_bytes
         self.group = WeightGroup.open(
-            plan.host, plan.port, rank, plan.world_size, plan.timeout_s, backend=plan.kind,
-            device=torch.device(device) if plan.kind == "nccl" else "cpu", bucket_bytes=plan.bucket_bytes,
-        )  # fmt: skip
+            plan.host,
+            plan.port,
+            rank,
+            plan.world_size,
+            plan.timeout_s,
+            backend=plan.kind,
+            device=torch.device(device) if plan.kind == "nccl" else "cpu",
+            bucket_bytes=plan.bucket_bytes,
+        )
 
     async def load_into(self, engine: Any, ticket: Any = None) -> dict[str, float]:
         return await load_while_pausing(engine, self.group.receive(self.manifest), self.staging_bytes)
@@ -335,10 +363,12 @@ class EngineNativeReceiver:
         self.manifest = list(manifest)
 
     @classmethod
-    async def open(cls, plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry],
-                   engine: SelfReceivingEngine) -> EngineNativeReceiver:  # fmt: skip
-        await engine.join_weight_group(plan.host, plan.port, rank, plan.world_size, plan.timeout_s, plan.kind,
-                                       plan.bucket_bytes)  # fmt: skip
+    async def open(
+        cls, plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry], engine: SelfReceivingEngine
+    ) -> EngineNativeReceiver:
+        await engine.join_weight_group(
+            plan.host, plan.port, rank, plan.world_size, plan.timeout_s, plan.kind, plan.bucket_bytes
+        )
         return cls(manifest)
 
     async def load_into(self, engine: Any, ticket: Any = None) -> dict[str, float]:
@@ -354,8 +384,9 @@ class EngineNativeReceiver:
         pass
 
 
-async def make_receiver(plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry], engine: Any,
-                        device: torch.device | str) -> WeightReceiver:  # fmt: skip
+async def make_receiver(
+    plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry], engine: Any, device: torch.device | str
+) -> WeightReceiver:
     """Engine `rank`'s receiver for `plan` (1-based: learner rank 0 is rank 0 of the group); joins the broadcast
     group here (every member at once). "ipc" maps handles; an engine with its own receiver receives in place (full weights only: a LoRA
     adapter sync goes through the engine's `load_weights`, which loads it as a runtime adapter)."""

@@ -26,17 +26,29 @@ _spec.loader.exec_module(_integration)
 ray_cluster = _integration.ray_cluster
 tiny_model_dir = _integration.tiny_model_dir
 
-CLUSTER = {"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-           "collective_timeout_s": 60.0}  # fmt: skip
+CLUSTER = {
+    "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+    "collective_timeout_s": 60.0,
+}
 
 
 def cpu_fields(tmp_path, **changes):
     """The CPU-sized fields every document example runs with (one or two steps of a tiny model)."""
     fields = dict(
-        output_dir=str(tmp_path), max_steps=1, num_generations=4, max_completion_length=8, token_budget=256,
-        logging_steps=1, save_steps=100, max_staleness=2, gradient_checkpointing=False, top_k=16,
-        num_sampler_logprobs=4, seed=0, cluster=CLUSTER,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=1,
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=256,
+        logging_steps=1,
+        save_steps=100,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        top_k=16,
+        num_sampler_logprobs=4,
+        seed=0,
+        cluster=CLUSTER,
+    )
     fields.update(changes)
     return fields
 

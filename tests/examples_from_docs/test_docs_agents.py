@@ -65,9 +65,11 @@ def test_tools_example(pickle_by_value, tiny_model_dir, tmp_path, docs):
 
     trainer = AsyncGRPOTrainer(
         tools=[multiply, async_add],
-        model=tiny_model_dir, reward_funcs=prompt_spread, args=AsyncGRPOConfig(**docs.fields(tmp_path)),
+        model=tiny_model_dir,
+        reward_funcs=prompt_spread,
+        args=AsyncGRPOConfig(**docs.fields(tmp_path)),
         train_dataset=arithmetic_dataset(16, seed=0),
-    )  # fmt: skip
+    )
     trainer.train()
     keys = docs.keys(tmp_path)
     assert "tools/loop_exhausted_frac" in keys, sorted(keys)  # "only logged when the trainer has tools"
@@ -240,9 +242,11 @@ def test_a_streaming_iterable_dataset_trains(pickle_by_value, tiny_model_dir, tm
 
     streamed = Dataset.from_list(arithmetic_rows(4, seed=0)).to_iterable_dataset()
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=prompt_spread,
-        args=AsyncGRPOConfig(**docs.fields(tmp_path, max_steps=-1, save_steps=1000)), train_dataset=streamed,
-    )  # fmt: skip
+        model=tiny_model_dir,
+        reward_funcs=prompt_spread,
+        args=AsyncGRPOConfig(**docs.fields(tmp_path, max_steps=-1, save_steps=1000)),
+        train_dataset=streamed,
+    )
     state = trainer.train()
     records = docs.metrics(tmp_path)
     assert records and state["global_step"] == len(records) >= 1

@@ -11,24 +11,49 @@ import pytest
 from rlasync.experimental.async_distillation import AsyncDistillationConfig, AsyncDistillationTrainer
 
 DOCUMENTED_DEFAULTS = {  # the deep dive's "configuration quick reference" tables
-    "model_init_kwargs": None, "dtype": "float32", "trust_remote_code": False,
-    "max_completion_length": 2048, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
-    "repetition_penalty": 1.0, "chat_template_kwargs": None,
-    "vllm_server_base_url": "http://localhost:8000", "vllm_server_timeout": 240.0,
-    "teacher_server_urls": {"default": "http://localhost:8001"}, "request_timeout": 600, "weight_sync_timeout": 1800,
-    "beta": 0.0, "teacher_temperature": 1.0, "teacher_top_k": 8, "add_tail_bucket": True, "token_budget": None,
-    "max_inflight_tasks": -1, "max_staleness": 4, "queue_maxsize": 1024, "weight_sync_steps": 1,
+    "model_init_kwargs": None,
+    "dtype": "float32",
+    "trust_remote_code": False,
+    "max_completion_length": 2048,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+    "chat_template_kwargs": None,
+    "vllm_server_base_url": "http://localhost:8000",
+    "vllm_server_timeout": 240.0,
+    "teacher_server_urls": {"default": "http://localhost:8001"},
+    "request_timeout": 600,
+    "weight_sync_timeout": 1800,
+    "beta": 0.0,
+    "teacher_temperature": 1.0,
+    "teacher_top_k": 8,
+    "add_tail_bucket": True,
+    "token_budget": None,
+    "max_inflight_tasks": -1,
+    "max_staleness": 4,
+    "queue_maxsize": 1024,
+    "weight_sync_steps": 1,
     "heartbeat_stale_after_s": 300.0,
-    "log_completions": False, "log_completions_steps": 100, "num_completions_to_print": None,
+    "log_completions": False,
+    "log_completions_steps": 100,
+    "num_completions_to_print": None,
     # "differs from TrainingArguments"
-    "logging_steps": 1, "gradient_checkpointing": True, "learning_rate": 1e-6, "ignore_data_skip": True,
-}  # fmt: skip
+    "logging_steps": 1,
+    "gradient_checkpointing": True,
+    "learning_rate": 1e-6,
+    "ignore_data_skip": True,
+}
 
 
 def test_config_defaults_are_the_documents(tmp_path):
     config = AsyncDistillationConfig(output_dir=str(tmp_path))
-    wrong = {name: getattr(config, name, "<missing>") for name, value in DOCUMENTED_DEFAULTS.items()
-             if getattr(config, name, "<missing>") != value}  # fmt: skip
+    wrong = {
+        name: getattr(config, name, "<missing>")
+        for name, value in DOCUMENTED_DEFAULTS.items()
+        if getattr(config, name, "<missing>") != value
+    }
     assert not wrong, wrong
     assert config.bf16 is True  # "bf16 defaults to True when fp16 is not set"
 
@@ -40,11 +65,12 @@ def test_beta_outside_zero_one_raises_value_error(tmp_path, beta):
 
 
 def test_mopd_config_names_one_teacher_per_server(tmp_path):
-    """"MOPD": several `teacher_server_urls` entries, reverse KL (`beta=1.0`) as the paper's Stage 3."""
+    """ "MOPD": several `teacher_server_urls` entries, reverse KL (`beta=1.0`) as the paper's Stage 3."""
     config = AsyncDistillationConfig(
-        output_dir=str(tmp_path), beta=1.0,
+        output_dir=str(tmp_path),
+        beta=1.0,
         teacher_server_urls={"math": "http://localhost:8001", "code": "http://localhost:8002"},
-    )  # fmt: skip
+    )
     assert config.teacher_ids == ["math", "code"] or sorted(config.teacher_ids) == ["code", "math"]
     assert config.beta == 1.0
 
@@ -69,6 +95,15 @@ def test_minimal_training_script_with_mopd_routing(pickle_by_value, tiny_model_d
     )
     trainer.train()
     keys = docs.keys(tmp_path)
-    for key in ("jsd", "entropy", "teacher_entropy", "teacher_token_frac/math", "teacher_token_frac/code",
-                "teacher_jsd/math", "sample/staleness_mean", "perf/rollout_wait_s", "rollout/backpressure_s"):  # fmt: skip
+    for key in (
+        "jsd",
+        "entropy",
+        "teacher_entropy",
+        "teacher_token_frac/math",
+        "teacher_token_frac/code",
+        "teacher_jsd/math",
+        "sample/staleness_mean",
+        "perf/rollout_wait_s",
+        "rollout/backpressure_s",
+    ):
         assert key in keys, sorted(keys)

@@ -68,8 +68,18 @@ def test_example_2_doctest():
         [{"role": "user", "content": "What is the result of (3 + 1) * 2?"}],
     ]
     completions = [
-        [{"role": "assistant", "content": "<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think><answer>(1 + 2) * 4 = 12</answer>"}],  # noqa: E501
-        [{"role": "assistant", "content": "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8."}],  # noqa: E501
+        [
+            {
+                "role": "assistant",
+                "content": "<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think><answer>(1 + 2) * 4 = 12</answer>",
+            }
+        ],  # noqa: E501
+        [
+            {
+                "role": "assistant",
+                "content": "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8.",
+            }
+        ],  # noqa: E501
     ]
     assert format_reward_func(prompts=prompts, completions=completions) == [1.0, 0.0]
 
@@ -93,7 +103,7 @@ def test_example_5_is_a_coroutine_function():
 
 
 def test_sync_async_and_column_rewards_in_one_run(pickle_by_value, tiny_model_dir, tmp_path, docs):
-    """"Passing the reward function to the trainer": a list mixing sync and async functions, summed; the
+    """ "Passing the reward function to the trainer": a list mixing sync and async functions, summed; the
     `ground_truth` column reaches Example 3's function as a keyword argument. Also the document's
     `max_concurrent_rollouts=64` ("Concurrency") and `top_p=0.95, top_k=512` ("Top-k and top-p sampling")."""
     from rlasync import AsyncGRPOConfig, AsyncGRPOTrainer

@@ -66,17 +66,30 @@ class _Tokenizer:
 
 
 def _loop(cls, config):
-    return cls(config=config, tokenizer=_Tokenizer(), engine=_NoEngine(), prompt_source=None, sink=None,
-               reward_funcs=digit_share)  # fmt: skip
+    return cls(
+        config=config,
+        tokenizer=_Tokenizer(),
+        engine=_NoEngine(),
+        prompt_source=None,
+        sink=None,
+        reward_funcs=digit_share,
+    )
 
 
 def _group(row_index, rewards):
     from rlasync.trainer.async_grpo_trainer import RolloutGroup
 
     n = len(rewards)
-    return RolloutGroup(prompts=[[]] * n, completions=[[]] * n, completions_ids=[[]] * n,
-                        completions_sequences=[[]] * n, group_id=0, policy_version=0, row_index=row_index,
-                        rewards=np.asarray(rewards, dtype=np.float64))  # fmt: skip
+    return RolloutGroup(
+        prompts=[[]] * n,
+        completions=[[]] * n,
+        completions_ids=[[]] * n,
+        completions_sequences=[[]] * n,
+        group_id=0,
+        policy_version=0,
+        row_index=row_index,
+        rewards=np.asarray(rewards, dtype=np.float64),
+    )
 
 
 def test_curriculum_hooks_read_the_config_subclass_field_and_the_tokenizer(tmp_path):
@@ -99,9 +112,11 @@ def test_curriculum_trainer_runs_its_loop_cls_on_the_actors(pickle_by_value, tin
     from rlasync.data import arithmetic_dataset
 
     trainer = CurriculumTrainer(
-        model=tiny_model_dir, reward_funcs=digit_share, args=CurriculumConfig(**docs.fields(tmp_path, max_steps=2)),
+        model=tiny_model_dir,
+        reward_funcs=digit_share,
+        args=CurriculumConfig(**docs.fields(tmp_path, max_steps=2)),
         train_dataset=arithmetic_dataset(16, seed=0),
-    )  # fmt: skip
+    )
     trainer.train()
     assert trainer.loop_cls is CurriculumRolloutLoop
     records = docs.metrics(tmp_path)
@@ -144,15 +159,41 @@ def test_loop_attributes_config_and_tokenizer(tmp_path):
 @pytest.mark.parametrize(
     "record, documented",
     [
-        ("Rollout", ["completion", "completion_ids", "turns", "tool_call_count", "tool_failure_count", "reward",
-                     "rollout_id"]),
-        ("TurnRecord", ["prompt_ids", "output_ids", "output_log_probs", "output_mask", "output_sampling_mask",
-                        "output_sampler_logprobs"]),
-        ("RolloutGroup", ["prompts", "reward_kwargs", "completions", "completions_ids", "completions_sequences",
-                          "tool_call_counts", "tool_failure_counts", "group_id", "row_index", "env_rewards",
-                          "rollout_rewards", "queued_at", "rewards"]),
+        (
+            "Rollout",
+            ["completion", "completion_ids", "turns", "tool_call_count", "tool_failure_count", "reward", "rollout_id"],
+        ),
+        (
+            "TurnRecord",
+            [
+                "prompt_ids",
+                "output_ids",
+                "output_log_probs",
+                "output_mask",
+                "output_sampling_mask",
+                "output_sampler_logprobs",
+            ],
+        ),
+        (
+            "RolloutGroup",
+            [
+                "prompts",
+                "reward_kwargs",
+                "completions",
+                "completions_ids",
+                "completions_sequences",
+                "tool_call_counts",
+                "tool_failure_counts",
+                "group_id",
+                "row_index",
+                "env_rewards",
+                "rollout_rewards",
+                "queued_at",
+                "rewards",
+            ],
+        ),
     ],
-)  # fmt: skip
+)
 def test_records_carry_the_documented_fields(record, documented):
     import rlasync.trainer.async_grpo_trainer as module
 

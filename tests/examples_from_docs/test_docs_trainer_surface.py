@@ -66,9 +66,12 @@ def test_train_returns_train_output_and_callbacks_read_trainer_state(pickle_by_v
 
     callback = StepReader()
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=digit_share, train_dataset=arithmetic_dataset(16, seed=0),
-        args=AsyncGRPOConfig(**docs.fields(tmp_path, max_steps=2)), callbacks=[callback],
-    )  # fmt: skip
+        model=tiny_model_dir,
+        reward_funcs=digit_share,
+        train_dataset=arithmetic_dataset(16, seed=0),
+        args=AsyncGRPOConfig(**docs.fields(tmp_path, max_steps=2)),
+        callbacks=[callback],
+    )
     output = trainer.train()
     assert isinstance(output, TrainOutput) and output.global_step == 2
     assert callback.steps and callback.steps[-1] == 2

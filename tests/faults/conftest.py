@@ -3,7 +3,9 @@
 import importlib.util
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("_integration_conftest", Path(__file__).parents[1] / "integration" / "conftest.py")
+_spec = importlib.util.spec_from_file_location(
+    "_integration_conftest", Path(__file__).parents[1] / "integration" / "conftest.py"
+)
 _integration = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_integration)
 

@@ -1,12 +1,12 @@
 """Fault injection on CPU (tiny random Llama, Ray local cluster): kill -9 each actor kind mid-run.
 
-    rollout, reward, teacher   restarted by Ray; the dead rollout actor's leases are released, the run finishes and
-                               every prompt of the epoch ends in exactly one counted outcome
-    generation                 restarted by Ray; its failed requests are retried, the driver re-opens the weight
-                               transport and sends it the current policy, and the run finishes (1 and 2 engines)
-    learner, queue, generation stop-and-resume: the run stops within a bound with an error naming the dead actor and
-    (restarts used up)         the checkpoint to resume from; `train(resume_from_checkpoint=True)` continues there
-    a frozen (SIGSTOPped) generation actor is named as such, not reported as a hung rollout loop
+rollout, reward, teacher   restarted by Ray; the dead rollout actor's leases are released, the run finishes and
+                           every prompt of the epoch ends in exactly one counted outcome
+generation                 restarted by Ray; its failed requests are retried, the driver re-opens the weight
+                           transport and sends it the current policy, and the run finishes (1 and 2 engines)
+learner, queue, generation stop-and-resume: the run stops within a bound with an error naming the dead actor and
+(restarts used up)         the checkpoint to resume from; `train(resume_from_checkpoint=True)` continues there
+a frozen (SIGSTOPped) generation actor is named as such, not reported as a hung rollout loop
 """
 
 import json
@@ -41,12 +41,25 @@ def make_config(tmp_path, **changes):
     from rlasync.config import AsyncGRPOConfig
 
     fields = dict(
-        output_dir=str(tmp_path), max_steps=-1, num_train_epochs=1.0, num_generations=4, max_completion_length=8,
-        token_budget=96, learning_rate=1e-2, logging_steps=1, save_steps=100, max_staleness=2,
-        gradient_checkpointing=False, temperature=1.0, top_k=16, seed=0,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0},
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=-1,
+        num_train_epochs=1.0,
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=96,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=100,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        temperature=1.0,
+        top_k=16,
+        seed=0,
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+        },
+    )
     fields.update(changes)
     return AsyncGRPOConfig(**fields)
 
@@ -109,8 +122,9 @@ def grpo_trainer(tiny_model_dir, tmp_path, class_name, step, sig=signal.SIGKILL,
     return trainer, kill
 
 
-@pytest.mark.parametrize("class_name, cluster", [("RolloutActor", {}), ("RewardActor", {"num_reward_actors": 1})],
-                         ids=["rollout", "reward"])  # fmt: skip
+@pytest.mark.parametrize(
+    "class_name, cluster", [("RolloutActor", {}), ("RewardActor", {"num_reward_actors": 1})], ids=["rollout", "reward"]
+)
 def test_a_killed_rollout_or_reward_actor_is_restarted_and_the_epoch_is_consumed_exactly_once(
     ray_cluster, tiny_model_dir, tmp_path, class_name, cluster
 ):
@@ -128,8 +142,9 @@ def test_a_killed_rollout_or_reward_actor_is_restarted_and_the_epoch_is_consumed
 def test_a_killed_generation_actor_is_restarted_synced_and_the_epoch_is_consumed_exactly_once(
     ray_cluster, tiny_model_dir, tmp_path, engines
 ):
-    trainer, kill = grpo_trainer(tiny_model_dir, tmp_path, "GenerationActor", step=2,
-                                 cluster={"num_generation_actors": engines})  # fmt: skip
+    trainer, kill = grpo_trainer(
+        tiny_model_dir, tmp_path, "GenerationActor", step=2, cluster={"num_generation_actors": engines}
+    )
     state = trainer.train()
     assert kill.pid is not None, "the run ended before the kill"
     assert_exactly_once(state["queue"])
@@ -147,10 +162,13 @@ def test_a_killed_generation_actor_is_restarted_synced_and_the_epoch_is_consumed
 
 @pytest.mark.parametrize(
     "class_name, name",
-    [("LearnerActor", "learner rank 0"), ("QueueActor", "the queue actor (StalenessQueue)"),
-     ("GenerationActor", "generation actor 0")],
+    [
+        ("LearnerActor", "learner rank 0"),
+        ("QueueActor", "the queue actor (StalenessQueue)"),
+        ("GenerationActor", "generation actor 0"),
+    ],
     ids=["learner", "queue", "generation-restarts-used-up"],
-)  # fmt: skip
+)
 def test_a_killed_learner_queue_or_engine_stops_the_run_naming_it_and_resume_continues(
     ray_cluster, tiny_model_dir, tmp_path, class_name, name, monkeypatch
 ):
@@ -169,8 +187,12 @@ def test_a_killed_learner_queue_or_engine_stops_the_run_naming_it_and_resume_con
         return
     from rlasync import AsyncGRPOTrainer
 
-    resumed = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward,
-                               args=make_config(tmp_path, max_steps=4), train_dataset=dataset())  # fmt: skip
+    resumed = AsyncGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path, max_steps=4),
+        train_dataset=dataset(),
+    )
     state = resumed.train(resume_from_checkpoint=True)
     assert state["global_step"] == 4
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -181,8 +203,9 @@ def test_a_killed_learner_queue_or_engine_stops_the_run_naming_it_and_resume_con
 
 
 def test_a_frozen_generation_actor_is_named(ray_cluster, tiny_model_dir, tmp_path):
-    trainer, kill = grpo_trainer(tiny_model_dir, tmp_path, "GenerationActor", step=2, sig=signal.SIGSTOP,
-                                 rollout_worker_timeout=8.0)  # fmt: skip
+    trainer, kill = grpo_trainer(
+        tiny_model_dir, tmp_path, "GenerationActor", step=2, sig=signal.SIGSTOP, rollout_worker_timeout=8.0
+    )
     try:
         with pytest.raises(RuntimeError) as info:
             trainer.train()
@@ -199,13 +222,25 @@ def test_a_killed_teacher_is_restarted_and_the_distillation_run_finishes(ray_clu
     from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
 
     args = AsyncDistillationConfig(
-        output_dir=str(tmp_path), max_steps=4, max_completion_length=8, token_budget=192, learning_rate=1e-2,
-        logging_steps=1, save_steps=100, max_staleness=2, gradient_checkpointing=False, teacher_top_k=4, seed=0,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0},
-    )  # fmt: skip
-    trainer = AsyncDistillationTrainer(model=tiny_model_dir, args=args, train_dataset=dataset(64),
-                                       teacher_model=tiny_model_dir)  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=4,
+        max_completion_length=8,
+        token_budget=192,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=100,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        teacher_top_k=4,
+        seed=0,
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+        },
+    )
+    trainer = AsyncDistillationTrainer(
+        model=tiny_model_dir, args=args, train_dataset=dataset(64), teacher_model=tiny_model_dir
+    )
     kill = KillAt(trainer.actor_ids, "TeacherScorer", step=2)
     trainer.callbacks.append(kill)
     state = trainer.train()

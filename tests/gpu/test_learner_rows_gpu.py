@@ -23,8 +23,16 @@ def tiny_learner_step():
     from rlasync.model import enable_tree_attention
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     model = enable_tree_attention(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda())
     optimizer, scheduler = build_optimizer(model, OptimizerSettings(learning_rate=1e-3))
     return LearnerStep(model, optimizer, scheduler, LossConfig(score_centering=False), device="cuda")

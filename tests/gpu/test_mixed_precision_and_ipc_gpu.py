@@ -24,9 +24,17 @@ def tiny_model(seed=0, vocab=512):
     from rlasync.model import enable_tree_attention
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=True)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     return enable_tree_attention(AutoModelForCausalLM.from_config(config).cuda())
 
 
@@ -59,8 +67,15 @@ def test_mixed_precision_step_on_cuda_follows_the_float32_step():
     grads = {}
     for name, model in models.items():
         optimizer, scheduler = build_optimizer(model, OptimizerSettings(learning_rate=0.0, max_grad_norm=1e9))
-        step = LearnerStep(model, optimizer, scheduler, LossConfig(score_centering=False), max_grad_norm=1e9, device="cuda",
-                           autocast_dtype=torch.bfloat16 if name == "mixed" else None)  # fmt: skip
+        step = LearnerStep(
+            model,
+            optimizer,
+            scheduler,
+            LossConfig(score_centering=False),
+            max_grad_norm=1e9,
+            device="cuda",
+            autocast_dtype=torch.bfloat16 if name == "mixed" else None,
+        )
         step.optimizer.zero_grad = lambda set_to_none=True: None
         metrics = step.step(rows, [r.num_trained_tokens for r in rows])
         assert np.isfinite(float(metrics["loss"]))
@@ -92,9 +107,12 @@ def test_weights_packed_on_the_gpu_are_read_by_another_process_through_cuda_ipc(
     handles = shared.handles()
     assert all(handle[0] == "cuda" for _, handle in handles)
     reader = subprocess.run(
-        [sys.executable, "-c", READER], input=base64.b64encode(pickle.dumps(handles)).decode(),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-c", READER],
+        input=base64.b64encode(pickle.dumps(handles)).decode(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert reader.returncode == 0, reader.stderr[-3000:]
     sums = json.loads(reader.stdout)
     expected = {name: float(t.float().sum()) for name, t in stream_parameters(model, dtype=torch.bfloat16)}

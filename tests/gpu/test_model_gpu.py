@@ -38,9 +38,12 @@ def tiny_model(family: str, dtype: torch.dtype, seed: int = 0):
         config = Qwen3Config(**shape, head_dim=32)
     else:  # a sliding window on layer 0, small enough to matter inside the samples
         config = Qwen3Config(
-            **shape, head_dim=32, use_sliding_window=True, sliding_window=24,
+            **shape,
+            head_dim=32,
+            use_sliding_window=True,
+            sliding_window=24,
             layer_types=["sliding_attention", "full_attention"],
-        )  # fmt: skip
+        )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).cuda().eval()
     return model, enable_tree_attention(copy.deepcopy(model))
@@ -115,8 +118,10 @@ def test_the_varlen_kernel_aligns_each_segment_to_the_end_of_its_keys(window):
 
     row = packed(*random_row(3))
     n, gen = row.num_tokens, torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, h, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
-               for h in (16, 8, 8))  # fmt: skip
+    q, k, v = (
+        torch.randn(1, h, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        for h in (16, 8, 8)
+    )
     plan = segment_plan(row.subtree_end.cpu(), row.position_ids.cpu()).to("cuda")
     out = segment_attention(q, k, v, plan, None, window)
     mask = dense_tree_mask(row.subtree_end, row.position_ids, window)

@@ -29,9 +29,16 @@ def tiny_model(seed=0, vocab=256, tied=True):
 
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -97,10 +104,16 @@ def run_nccl_pair(tmp_path, bucket_bytes, mode="send"):
     env = {**os.environ, "RLASYNC_TEST_ROOT": root, "PYTHONPATH": os.pathsep.join(path)}
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), str(port), str(bucket_bytes), mode],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root)
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(rank), str(port), str(bucket_bytes), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=root,
+        )
         for rank in range(2)
-    ]  # fmt: skip
+    ]
     out = {}
     for rank, proc in enumerate(procs):
         try:
@@ -183,9 +196,15 @@ def test_two_learner_ranks_on_two_gpus_reduce_metrics_and_resume(tmp_path):
     model_dir = tmp_path / "model"
     tiny_model(2).save_pretrained(model_dir)
     args = AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=10, learning_rate=1e-3, gradient_checkpointing=True, seed=0,
-        score_centering=False, num_sampler_logprobs=0, dtype="float32",
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=10,
+        learning_rate=1e-3,
+        gradient_checkpointing=True,
+        seed=0,
+        score_centering=False,
+        num_sampler_logprobs=0,
+        dtype="float32",
+    )
     samples = make_samples(256)
     budget = 128
     settings = LearnerSettings.from_config(args, objective="grpo", token_budget=budget)

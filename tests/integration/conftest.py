@@ -43,10 +43,18 @@ def tiny_model_dir(tmp_path_factory):
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"], bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=vocab["<eos>"],
+        pad_token_id=vocab["<pad>"],
+        bos_token_id=None,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     (path / "vocab_words.json").write_text(json.dumps(VOCAB_WORDS))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -36,13 +36,25 @@ def trainer_with_a_bad_row(tiny_model_dir, tmp_path, monkeypatch, **changes):
     rows = arithmetic_dataset(8, seed=0).to_list()
     rows[BAD_ROW] = {**rows[BAD_ROW], "prompt": "What is 1 + 1?"}  # a plain string: not conversational
     config = AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=-1, num_train_epochs=1.0, num_generations=2, max_completion_length=6,
-        token_budget=192, learning_rate=1e-2, save_steps=100, gradient_checkpointing=False, top_k=16,
-        num_sampler_logprobs=4, seed=0, rollout_worker_timeout=60.0,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0},
+        output_dir=str(tmp_path),
+        max_steps=-1,
+        num_train_epochs=1.0,
+        num_generations=2,
+        max_completion_length=6,
+        token_budget=192,
+        learning_rate=1e-2,
+        save_steps=100,
+        gradient_checkpointing=False,
+        top_k=16,
+        num_sampler_logprobs=4,
+        seed=0,
+        rollout_worker_timeout=60.0,
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+        },
         **changes,
-    )  # fmt: skip
+    )
     return AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=rows)
 
 

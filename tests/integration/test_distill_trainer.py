@@ -88,11 +88,22 @@ def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_
     from rlasync.data import arithmetic_dataset
 
     args = AsyncDistillationConfig(
-        output_dir=str(tmp_path), max_steps=STEPS, max_completion_length=8, token_budget=192, learning_rate=1e-2,
-        logging_steps=1, save_steps=100, max_staleness=2, gradient_checkpointing=False, teacher_top_k=K, seed=0,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0},
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        max_completion_length=8,
+        token_budget=192,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=100,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        teacher_top_k=K,
+        seed=0,
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+        },
+    )
     dataset = arithmetic_dataset(64, seed=0)
     trainer = AsyncDistillationTrainer(
         model=tiny_model_dir, args=args, train_dataset=dataset, teacher_model=teacher_dir
@@ -105,8 +116,16 @@ def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_
     jsd = [r["jsd"] for r in records if "jsd" in r]
     assert len(jsd) == STEPS and all(math.isfinite(v) and v > 0 for v in jsd)
     keys = set().union(*records)
-    for key in ("entropy", "teacher_entropy", "grad_norm", "rollout/score_s", "completions/mean_length",
-                "batch/row_imbalance", "sample/staleness_mean", "perf/step_s"):  # fmt: skip
+    for key in (
+        "entropy",
+        "teacher_entropy",
+        "grad_norm",
+        "rollout/score_s",
+        "completions/mean_length",
+        "batch/row_imbalance",
+        "sample/staleness_mean",
+        "perf/step_s",
+    ):
         assert key in keys, f"missing {key}; have {sorted(keys)}"
 
     final = tmp_path / f"checkpoint-{STEPS}"
@@ -135,21 +154,34 @@ def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_
 
     def config(max_steps):
         return AsyncDistillationConfig(
-            output_dir=str(tmp_path), max_steps=max_steps, max_completion_length=6, token_budget=160,
-            learning_rate=1e-2, logging_steps=1, save_steps=2, max_staleness=1, gradient_checkpointing=False,
-            teacher_top_k=K, seed=0,
-            cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                     "collective_timeout_s": 60.0, "generation_num_cpus": 0.3},  # student + 2 teachers fit 2 CPUs
-        )  # fmt: skip
+            output_dir=str(tmp_path),
+            max_steps=max_steps,
+            max_completion_length=6,
+            token_budget=160,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_steps=2,
+            max_staleness=1,
+            gradient_checkpointing=False,
+            teacher_top_k=K,
+            seed=0,
+            cluster={
+                "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+                "collective_timeout_s": 60.0,
+                "generation_num_cpus": 0.3,
+            },  # student + 2 teachers fit 2 CPUs
+        )
 
     teachers = {"student_like": tiny_model_dir, "sharp": teacher_dir}
-    trainer = AsyncDistillationTrainer(model=tiny_model_dir, args=config(2), train_dataset=dataset,
-                                       teacher_model=teachers)  # fmt: skip
+    trainer = AsyncDistillationTrainer(
+        model=tiny_model_dir, args=config(2), train_dataset=dataset, teacher_model=teachers
+    )
     state = trainer.train()
     assert state["global_step"] == 2 and alive(trainer.actor_ids) == []
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     fractions = {
-        teacher: sum(r.get(f"teacher_token_frac/{teacher}", 0.0) for r in records) / len(records) for teacher in teachers
+        teacher: sum(r.get(f"teacher_token_frac/{teacher}", 0.0) for r in records) / len(records)
+        for teacher in teachers
     }
     assert all(0.0 < f < 1.0 for f in fractions.values()), fractions  # both teachers scored part of every step
     assert sum(fractions.values()) == pytest.approx(1.0)
@@ -157,8 +189,9 @@ def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_
     first = records[0]
     assert first["teacher_jsd/sharp"] > 10 * max(first["teacher_jsd/student_like"], 1e-6)
 
-    resumed = AsyncDistillationTrainer(model=tiny_model_dir, args=config(3), train_dataset=dataset,
-                                       teacher_model=teachers)  # fmt: skip
+    resumed = AsyncDistillationTrainer(
+        model=tiny_model_dir, args=config(3), train_dataset=dataset, teacher_model=teachers
+    )
     state = resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert state["global_step"] == 3 and state["policy_version"] == 3 + 1 + 1  # saved version 3, cold sync, one step
     assert alive(resumed.actor_ids) == []
@@ -171,11 +204,22 @@ def test_distillation_with_max_staleness_zero_runs_synchronously(ray_cluster, ti
     from rlasync.data import arithmetic_dataset
 
     args = AsyncDistillationConfig(
-        output_dir=str(tmp_path), max_steps=3, max_completion_length=8, token_budget=192, learning_rate=1e-2,
-        logging_steps=1, save_steps=100, max_staleness=0, gradient_checkpointing=False, teacher_top_k=K, seed=0,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0},
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=3,
+        max_completion_length=8,
+        token_budget=192,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=100,
+        max_staleness=0,
+        gradient_checkpointing=False,
+        teacher_top_k=K,
+        seed=0,
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+        },
+    )
     trainer = AsyncDistillationTrainer(
         model=tiny_model_dir, args=args, train_dataset=arithmetic_dataset(64, seed=0), teacher_model=teacher_dir
     )

@@ -45,15 +45,31 @@ def test_engines_and_rollout_actors_join_and_leave_and_every_prompt_is_consumed_
     from rlasync.data import arithmetic_dataset
 
     args = AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=-1, num_train_epochs=1.0, num_generations=4, max_completion_length=8,
-        token_budget=64, learning_rate=1e-2, logging_steps=1, save_steps=100, max_staleness=2,
-        gradient_checkpointing=False, temperature=1.0, top_k=16, seed=0,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0, "generation_num_cpus": 0.3, "max_generation_actors": 2,
-                 "max_rollout_actors": 2},
-    )  # fmt: skip
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=args,
-                               train_dataset=arithmetic_dataset(NUM_ROWS, seed=0))  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=-1,
+        num_train_epochs=1.0,
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=64,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=100,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        temperature=1.0,
+        top_k=16,
+        seed=0,
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+            "generation_num_cpus": 0.3,
+            "max_generation_actors": 2,
+            "max_rollout_actors": 2,
+        },
+    )
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=args, train_dataset=arithmetic_dataset(NUM_ROWS, seed=0)
+    )
     trainer.callbacks.append(Resize(trainer))
     with pytest.raises(RuntimeError, match="during train"):
         trainer.resize(generation=2)

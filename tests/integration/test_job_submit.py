@@ -40,17 +40,38 @@ def test_ray_job_submit_runs_the_quickstart_on_a_running_head(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "token"}  # the head enables token auth; both commands need the variable
     env.pop("RAY_ADDRESS", None)
     dashboard = _free_port()
-    started = _ray("start", "--head", f"--port={_free_port()}", f"--dashboard-port={dashboard}",
-                   "--num-cpus=2", "--include-dashboard=true", env=env, timeout=180)  # fmt: skip
+    started = _ray(
+        "start",
+        "--head",
+        f"--port={_free_port()}",
+        f"--dashboard-port={dashboard}",
+        "--num-cpus=2",
+        "--include-dashboard=true",
+        env=env,
+        timeout=180,
+    )
     assert started.returncode == 0, started.stderr[-3000:]
     try:
         out = tmp_path / "run"
         job = _ray(
-            "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", ".", "--",
-            "rlasync", "train", "configs/quickstart.yaml", "--set", "max_steps=1", "--set", f"output_dir={out}",
-            "--set", "save_steps=1000",
-            env=env, timeout=900,
-        )  # fmt: skip
+            "job",
+            "submit",
+            f"--address=http://127.0.0.1:{dashboard}",
+            "--working-dir",
+            ".",
+            "--",
+            "rlasync",
+            "train",
+            "configs/quickstart.yaml",
+            "--set",
+            "max_steps=1",
+            "--set",
+            f"output_dir={out}",
+            "--set",
+            "save_steps=1000",
+            env=env,
+            timeout=900,
+        )
         assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert records and records[-1]["step"] == 1 and "reward" in records[-1]

@@ -13,9 +13,16 @@ def make_args(tmp_path):
     from rlasync.config import AsyncGRPOConfig
 
     return AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2, gradient_checkpointing=False, seed=0,
-        score_centering=False, num_sampler_logprobs=0, temperature=1.0, max_grad_norm=1.0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=10,
+        learning_rate=1e-2,
+        gradient_checkpointing=False,
+        seed=0,
+        score_centering=False,
+        num_sampler_logprobs=0,
+        temperature=1.0,
+        max_grad_norm=1.0,
+    )
 
 
 def make_samples(vocab_size, num_groups=4, group_size=4, seed=0):

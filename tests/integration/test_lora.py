@@ -36,12 +36,25 @@ def make_config(tmp_path, **changes):
     from rlasync.config import AsyncGRPOConfig
 
     fields = dict(
-        output_dir=str(tmp_path), max_steps=2, num_generations=4, max_completion_length=8, token_budget=192,
-        learning_rate=1e-2, logging_steps=1, save_steps=2, max_staleness=2, gradient_checkpointing=False,
-        temperature=1.0, top_k=16, num_sampler_logprobs=4, seed=0,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0},
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=192,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=2,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        temperature=1.0,
+        top_k=16,
+        num_sampler_logprobs=4,
+        seed=0,
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+        },
+    )
     fields.update(changes)
     return AsyncGRPOConfig(**fields)
 
@@ -55,8 +68,13 @@ def test_lora_run_trains_adapters_syncs_them_and_resumes(ray_cluster, tiny_model
     from rlasync import AsyncGRPOTrainer
     from rlasync.data import arithmetic_dataset
 
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path),
-                               train_dataset=arithmetic_dataset(64, seed=0), peft_config=lora())  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path),
+        train_dataset=arithmetic_dataset(64, seed=0),
+        peft_config=lora(),
+    )
     state = trainer.train()
     assert state["global_step"] == 2 and state["policy_version"] == 3  # cold sync + one adapter sync per step
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -69,9 +87,13 @@ def test_lora_run_trains_adapters_syncs_them_and_resumes(ray_cluster, tiny_model
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     PeftModel.from_pretrained(base, str(checkpoint))  # peft loads it
 
-    resumed = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward,
-                               args=make_config(tmp_path, max_steps=3, save_steps=100),
-                               train_dataset=arithmetic_dataset(64, seed=0), peft_config=lora())  # fmt: skip
+    resumed = AsyncGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path, max_steps=3, save_steps=100),
+        train_dataset=arithmetic_dataset(64, seed=0),
+        peft_config=lora(),
+    )
     state = resumed.train(resume_from_checkpoint=str(checkpoint))
     assert state["global_step"] == 3
     final = load_file(str(tmp_path / "checkpoint-3" / "adapter_model.safetensors"))
@@ -92,8 +114,10 @@ def test_two_fsdp2_ranks_train_and_save_a_lora_adapter(ray_cluster, tiny_model_d
     ray = ray_cluster
     settings = LearnerSettings.from_config(make_args(tmp_path), objective="grpo", token_budget=48, peft_config=lora())
     assert dataclasses.replace(settings).peft_config is not None
-    learners = [LearnerActor.options(num_cpus=0.25).remote(rank=rank, world_size=2, model=tiny_model_dir,
-                                                           settings=settings) for rank in range(2)]  # fmt: skip
+    learners = [
+        LearnerActor.options(num_cpus=0.25).remote(rank=rank, world_size=2, model=tiny_model_dir, settings=settings)
+        for rank in range(2)
+    ]
     try:
         master = ray.get(learners[0].address.remote(), timeout=120)
         infos = ray.get([learner.setup.remote(master, 60.0, None) for learner in learners], timeout=300)

@@ -32,9 +32,13 @@ def test_smollm2_lora_quickstart_reward_rises(ray_cluster, tmp_path):
     model, dataset = data.pop("model"), build_dataset(data.pop("dataset"))
     data.pop("reward_funcs")
     config = build_config(data)
-    trainer = AsyncGRPOTrainer(model=model, reward_funcs=last_number_reward, args=config, train_dataset=dataset,
-                               peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear",
-                                                      lora_dropout=0.0))  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=model,
+        reward_funcs=last_number_reward,
+        args=config,
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear", lora_dropout=0.0),
+    )
     state = trainer.train()
     assert state["global_step"] == config.max_steps
     rewards = [json.loads(line)["reward"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

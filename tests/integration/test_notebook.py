@@ -57,10 +57,23 @@ def ray_head(tmp_path):
     log = (tmp_path / "ray_start.log").open("w")
     temp_dir = tempfile.mkdtemp(prefix="rlnb", dir="/tmp")  # a short path: Ray's sockets must fit 107 bytes
     head = subprocess.Popen(
-        [ray_cli, "start", "--head", "--block", f"--port={gcs}", f"--ray-client-server-port={client}",
-         "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp_dir}"],
-        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            ray_cli,
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            f"--ray-client-server-port={client}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            f"--temp-dir={temp_dir}",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_for_port(client, head)
         yield gcs, client
@@ -94,14 +107,19 @@ def test_the_notebook_runs_end_to_end_through_ray_client(ray_head, tmp_path, mon
     subprocess.run([sys.executable, str(REPO / ".ci" / "tiny_model.py"), str(model)], check=True, timeout=300)
     out = tmp_path / "out"
     for key, value in {
-        "RAY_AUTH_MODE": "token", "RLASYNC_NOTEBOOK_RAY_ADDRESS": f"ray://127.0.0.1:{client}",
-        "RLASYNC_NOTEBOOK_MODEL": str(model), "RLASYNC_NOTEBOOK_TINY": "1", "RLASYNC_NOTEBOOK_OUTPUT_DIR": str(out),
+        "RAY_AUTH_MODE": "token",
+        "RLASYNC_NOTEBOOK_RAY_ADDRESS": f"ray://127.0.0.1:{client}",
+        "RLASYNC_NOTEBOOK_MODEL": str(model),
+        "RLASYNC_NOTEBOOK_TINY": "1",
+        "RLASYNC_NOTEBOOK_OUTPUT_DIR": str(out),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }.items():  # fmt: skip
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    executed = nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    executed = nbclient.NotebookClient(
+        notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     executed.reset_execution_trackers()
     with executed.setup_kernel():  # NotebookClient.execute, one cell at a time (see `_execute`)
         for index, cell in enumerate(notebook.cells):

@@ -10,13 +10,26 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ACCEPTANCE_KEYS = (
-    "reward", "frac_zero_std_groups", "perf/step_s", "perf/rollout_wait_s", "rollout/backpressure_s",
-    "sample/staleness_mean", "rollout/queue_size", "batch/packing_ratio", "entropy",
+    "reward",
+    "frac_zero_std_groups",
+    "perf/step_s",
+    "perf/rollout_wait_s",
+    "rollout/backpressure_s",
+    "sample/staleness_mean",
+    "rollout/queue_size",
+    "batch/packing_ratio",
+    "entropy",
     # the documents' names (docs/algorithms.md §8.2); perf/*_mfu are omitted on the CPU
-    "num_tokens", "perf/fwd_bwd_forwarded_tokens_per_s", "perf/wall_clock_forwarded_tokens_per_s",
-    "perf/wall_clock_trained_tokens_per_s", "rollout/score_queue_size", "rollout/score_wait_s",
-    "rollout/score_block_s", "perf/weight_sync_barrier_s", "perf/forwarded_tok_s_fwd_bwd",
-)  # fmt: skip
+    "num_tokens",
+    "perf/fwd_bwd_forwarded_tokens_per_s",
+    "perf/wall_clock_forwarded_tokens_per_s",
+    "perf/wall_clock_trained_tokens_per_s",
+    "rollout/score_queue_size",
+    "rollout/score_wait_s",
+    "rollout/score_block_s",
+    "perf/weight_sync_barrier_s",
+    "perf/forwarded_tok_s_fwd_bwd",
+)
 
 
 def digit_reward(completions, **kwargs):
@@ -47,12 +60,25 @@ def make_config(tmp_path, **changes):
     from rlasync.config import AsyncGRPOConfig
 
     fields = dict(
-        output_dir=str(tmp_path), max_steps=3, num_generations=4, max_completion_length=8, token_budget=192,
-        learning_rate=1e-2, logging_steps=1, save_steps=100, max_staleness=2, gradient_checkpointing=False,
-        temperature=1.0, top_k=16, num_sampler_logprobs=4, seed=0,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0},
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=3,
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=192,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=100,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        temperature=1.0,
+        top_k=16,
+        num_sampler_logprobs=4,
+        seed=0,
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+        },
+    )
     fields.update(changes)
     return AsyncGRPOConfig(**fields)
 
@@ -75,7 +101,9 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     from rlasync import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, save_steps=2),
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path, save_steps=2),
         train_dataset=dataset(),
     )
     state = trainer.train()
@@ -88,7 +116,9 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     # the first step waits for the first groups to be generated and scored: that wait is measured
     assert records[0]["perf/rollout_wait_s"] > 0
     assert all(r["perf/fetch_samples_s"] >= 0 and r["perf/pack_s"] > 0 for r in records)  # the learner's own phases
-    assert [r["num_tokens"] for r in records] == sorted(r["num_tokens"] for r in records) and records[0]["num_tokens"] > 0
+    assert [r["num_tokens"] for r in records] == sorted(r["num_tokens"] for r in records) and records[0][
+        "num_tokens"
+    ] > 0
     assert not any(k.endswith("_mfu") for k in keys)  # no peak FLOPs on the CPU
     assert alive(ray_cluster, trainer.actor_ids) == []
 
@@ -115,7 +145,9 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     assert saved["model_version"] == 3 and saved["prompt_index"] > 0
 
     resumed = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, max_steps=4),
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path, max_steps=4),
         train_dataset=dataset(),
     )
     state = resumed.train(resume_from_checkpoint=str(ckpt))
@@ -134,7 +166,9 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
 @pytest.mark.parametrize(
     "reward, message", [(raising_reward, "boom in the reward"), (short_reward, "1")], ids=["raises", "wrong_length"]
 )
-def test_reward_errors_surface_from_train_and_actors_are_removed(ray_cluster, tiny_model_dir, tmp_path, reward, message):
+def test_reward_errors_surface_from_train_and_actors_are_removed(
+    ray_cluster, tiny_model_dir, tmp_path, reward, message
+):
     from rlasync import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(
@@ -150,7 +184,9 @@ def test_max_staleness_zero_trains_only_fresh_samples_and_counts_drops(ray_clust
     from rlasync import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, max_staleness=0),
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path, max_staleness=0),
         train_dataset=dataset(),
     )
     assert trainer.train()["global_step"] == 3
@@ -181,8 +217,11 @@ def test_max_staleness_zero_is_synchronous_a_slow_learner_wastes_nothing(ray_clu
 
     slow = SlowLearner(delay_s=4.0)
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, max_staleness=0, max_steps=3),
-        train_dataset=dataset(), callbacks=[slow],
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path, max_staleness=0, max_steps=3),
+        train_dataset=dataset(),
+        callbacks=[slow],
     )
     assert trainer.train()["global_step"] == 3
     assert [e for e, _ in slow.events] == ["begin", "end"] * 3
@@ -237,9 +276,15 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["batch/samples_per_row"] > 0 for r in records if "batch/samples_per_row" in r)
     # FSDP2 over two gloo ranks: the step's metrics are reduced over both; every sync logs its phases
-    sync_keys = ("perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s",
-                 "perf/weight_sync_resume_s", "perf/weight_sync_dispatch_s", "perf/weight_sync_send_s",
-                 "perf/generation_loop_lag_max_s")  # fmt: skip
+    sync_keys = (
+        "perf/weight_sync_s",
+        "perf/weight_sync_pause_s",
+        "perf/weight_sync_transfer_s",
+        "perf/weight_sync_resume_s",
+        "perf/weight_sync_dispatch_s",
+        "perf/weight_sync_send_s",
+        "perf/generation_loop_lag_max_s",
+    )
     for record in records:
         assert all(record[key] >= 0 for key in sync_keys), record
         assert record["perf/weight_sync_s"] >= record["perf/weight_sync_transfer_s"]
@@ -257,13 +302,18 @@ def test_weights_shared_by_handle_reach_the_engine(ray_cluster, tiny_model_dir, 
 
     from rlasync import AsyncGRPOTrainer
 
-    cluster = {"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-               "collective_timeout_s": 60.0, "weight_sync_backend": "ipc"}  # fmt: skip
+    cluster = {
+        "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+        "collective_timeout_s": 60.0,
+        "weight_sync_backend": "ipc",
+    }
     before = set(Path("/dev/shm").glob("rlasync-weights-*")) if Path("/dev/shm").is_dir() else set()
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=digit_reward,
-        args=make_config(tmp_path, max_staleness=0, max_steps=2, cluster=cluster), train_dataset=dataset(),
-    )  # fmt: skip
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path, max_staleness=0, max_steps=2, cluster=cluster),
+        train_dataset=dataset(),
+    )
     assert trainer.train()["global_step"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     gaps = [r["sampling/sampling_logp_difference/max"] for r in records if "sampling/sampling_logp_difference/max" in r]
@@ -320,9 +370,12 @@ def test_tools_and_an_environment_without_a_dataset_reach_the_rollout_actors(ray
     from rlasync import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=digit_reward, args=make_config(tmp_path, max_steps=2),
-        tools=[lookup_digit], environment_factory=DigitEnv,
-    )  # fmt: skip
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=make_config(tmp_path, max_steps=2),
+        tools=[lookup_digit],
+        environment_factory=DigitEnv,
+    )
     state = trainer.train()
     assert state["global_step"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -28,14 +28,25 @@ def test_a_constant_reward_stops_the_run_with_the_zero_spread_reason(ray_cluster
 
     bound_s = 15.0
     config = AsyncGRPOConfig(
-        output_dir=str(tmp_path), max_steps=3, num_generations=4, max_completion_length=8, token_budget=192,
-        max_staleness=2, gradient_checkpointing=False, top_k=16, num_sampler_logprobs=4, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=192,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        top_k=16,
+        num_sampler_logprobs=4,
+        seed=0,
         watchdog_timeout_s=bound_s,
-        cluster={"engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                 "collective_timeout_s": 60.0},
-    )  # fmt: skip
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=constant_reward, args=config,
-                               train_dataset=arithmetic_dataset(64, seed=0))  # fmt: skip
+        cluster={
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
+            "collective_timeout_s": 60.0,
+        },
+    )
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=constant_reward, args=config, train_dataset=arithmetic_dataset(64, seed=0)
+    )
     started = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         trainer.train()

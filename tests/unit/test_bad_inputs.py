@@ -42,11 +42,21 @@ def tiny_model(tmp_path_factory):
         "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
         "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
     )
-    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                            chat_template=template).save_pretrained(path)  # fmt: skip
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)  # fmt: skip
+    PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", chat_template=template
+    ).save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
 
@@ -117,9 +127,12 @@ def test_a_bad_config_value_names_the_field(overrides, match):
 
 @pytest.mark.parametrize(
     "overrides, match",
-    [(["beta=2"], "beta must be in"), (['teacher_server_urls={"t": "localhost:1"}'], r"teacher_server_urls\['t'\]"),
-     (["teacher_top_k=-1"], "teacher_top_k=-1")],
-)  # fmt: skip
+    [
+        (["beta=2"], "beta must be in"),
+        (['teacher_server_urls={"t": "localhost:1"}'], r"teacher_server_urls\['t'\]"),
+        (["teacher_top_k=-1"], "teacher_top_k=-1"),
+    ],
+)
 def test_a_bad_distillation_value_names_the_field(overrides, match):
     raises_fast(match, load_config, None, overrides, config_class=AsyncDistillationConfig)
 
@@ -128,10 +141,17 @@ def test_a_bad_distillation_value_names_the_field(overrides, match):
 
 
 def run_file(tmp_path, tiny_model, **changes):
-    data = {"model": tiny_model, "dataset": {"name": "arithmetic", "size": 16, "seed": 0},
-            "reward_funcs": ["rlasync.rewards:last_number_reward"], "output_dir": str(tmp_path / "out"),
-            "max_steps": 1, "num_generations": 2, "max_completion_length": 8, "token_budget": 256,
-            "cluster": {"engine_kwargs": {"max_model_len": 128}}}  # fmt: skip
+    data = {
+        "model": tiny_model,
+        "dataset": {"name": "arithmetic", "size": 16, "seed": 0},
+        "reward_funcs": ["rlasync.rewards:last_number_reward"],
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 1,
+        "num_generations": 2,
+        "max_completion_length": 8,
+        "token_budget": 256,
+        "cluster": {"engine_kwargs": {"max_model_len": 128}},
+    }
     data.update(changes)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -154,8 +174,11 @@ FILE_CASES = [
     ("no model", lambda tmp, m: _run_without(tmp, m, "model"), "`model:` is missing"),
     ("no dataset", lambda tmp, m: _run_without(tmp, m, "dataset"), "`dataset:` is missing"),
     ("dataset name", lambda tmp, m: run_file(tmp, m, dataset={"name": "mnist"}), "dataset.name='mnist'"),
-    ("dataset file", lambda tmp, m: run_file(tmp, m, dataset={"name": "json", "path": str(tmp / "rows.jsonl")}),
-     "rows.jsonl'.*no such file"),
+    (
+        "dataset file",
+        lambda tmp, m: run_file(tmp, m, dataset={"name": "json", "path": str(tmp / "rows.jsonl")}),
+        "rows.jsonl'.*no such file",
+    ),
     ("dataset path", lambda tmp, m: run_file(tmp, m, dataset={"name": "json"}), "dataset.path is missing"),
     ("reward string", lambda tmp, m: run_file(tmp, m, reward_funcs=["last_number_reward"]), "module:function"),
     ("reward module", lambda tmp, m: run_file(tmp, m, reward_funcs=["no_such_mod:f"]), "cannot import module"),
@@ -215,7 +238,11 @@ def _unwritable_output(tmp_path, tiny_model):
 
 
 PREFLIGHT_CASES = [
-    ("alias typo", lambda t, m: {"model": "smollm2-135m-instrct"}, "unknown model alias 'smollm2-135m-instrct'.*did you mean"),
+    (
+        "alias typo",
+        lambda t, m: {"model": "smollm2-135m-instrct"},
+        "unknown model alias 'smollm2-135m-instrct'.*did you mean",
+    ),
     ("bare name", lambda t, m: {"model": "qwen-tiny"}, "unknown model alias 'qwen-tiny'"),
     ("missing folder", lambda t, m: {"model": str(t / "models" / "mine")}, "does not exist"),
     ("relative folder", lambda t, m: {"model": "./no/such/model"}, "does not exist"),
@@ -223,24 +250,48 @@ PREFLIGHT_CASES = [
     ("no tokenizer", _no_tokenizer, "holds no tokenizer"),
     ("corrupt config.json", _corrupt_config, r"config.json cannot be read"),
     ("invalid hub id", lambda t, m: {"model": "not a repo!"}, "nor a valid hub id"),
-    ("uncached hub id", lambda t, m: {"model": "rlasync-no-such-org/no-such-model-0"}, "rlasync-no-such-org/no-such-model-0"),
+    (
+        "uncached hub id",
+        lambda t, m: {"model": "rlasync-no-such-org/no-such-model-0"},
+        "rlasync-no-such-org/no-such-model-0",
+    ),
     ("output_dir", _unwritable_output, "output_dir=.* is not writable"),
-    ("token budget", lambda t, m: {"token_budget": 20, "max_completion_length": 16}, "token_budget=20 is smaller than one sample"),
-    ("prompts too long", lambda t, m: {"engine_kwargs": {"max_model_len": 8}}, "every one of the first 8 prompts is longer than max_model_len=8"),
-    ("positions", lambda t, m: {"rows": [{"prompt": [{"role": "user", "content": " ".join(["1"] * 300)}]}]},
-     "longer than max_model_len=256"),
+    (
+        "token budget",
+        lambda t, m: {"token_budget": 20, "max_completion_length": 16},
+        "token_budget=20 is smaller than one sample",
+    ),
+    (
+        "prompts too long",
+        lambda t, m: {"engine_kwargs": {"max_model_len": 8}},
+        "every one of the first 8 prompts is longer than max_model_len=8",
+    ),
+    (
+        "positions",
+        lambda t, m: {"rows": [{"prompt": [{"role": "user", "content": " ".join(["1"] * 300)}]}]},
+        "longer than max_model_len=256",
+    ),
 ]
 
 
 def _grpo(tiny_model, tmp_path, model=None, rows=None, engine_kwargs=None, **config):
     engine_kwargs = {"max_model_len": 128} if engine_kwargs is None else engine_kwargs
-    args = AsyncGRPOConfig(**{"output_dir": str(tmp_path / "out"), "max_steps": 1, "num_generations": 2,
-                              "max_completion_length": 8, "token_budget": 256,
-                              "cluster": {"engine_kwargs": engine_kwargs}, **config})  # fmt: skip
+    args = AsyncGRPOConfig(
+        **{
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 1,
+            "num_generations": 2,
+            "max_completion_length": 8,
+            "token_budget": 256,
+            "cluster": {"engine_kwargs": engine_kwargs},
+            **config,
+        }
+    )
     if engine_kwargs == {}:
         args.cluster.engine_kwargs = None
-    return AsyncGRPOTrainer(model=model or tiny_model, reward_funcs=last_number_reward, args=args,
-                            train_dataset=rows or ROWS)  # fmt: skip
+    return AsyncGRPOTrainer(
+        model=model or tiny_model, reward_funcs=last_number_reward, args=args, train_dataset=rows or ROWS
+    )
 
 
 @pytest.mark.parametrize("name, make, match", PREFLIGHT_CASES, ids=[c[0] for c in PREFLIGHT_CASES])
@@ -254,10 +305,16 @@ def test_preflight_rejects_before_any_actor(name, make, match, tmp_path, tiny_mo
 
 
 def test_preflight_names_a_missing_teacher(tmp_path, tiny_model, no_launch):
-    args = AsyncDistillationConfig(output_dir=str(tmp_path / "out"), max_steps=1, max_completion_length=8,
-                                   token_budget=256, cluster={"engine_kwargs": {"max_model_len": 128}})  # fmt: skip
-    trainer = AsyncDistillationTrainer(model=tiny_model, args=args, train_dataset=ROWS,
-                                       teacher_model=str(tmp_path / "teacher"))  # fmt: skip
+    args = AsyncDistillationConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        max_completion_length=8,
+        token_budget=256,
+        cluster={"engine_kwargs": {"max_model_len": 128}},
+    )
+    trainer = AsyncDistillationTrainer(
+        model=tiny_model, args=args, train_dataset=ROWS, teacher_model=str(tmp_path / "teacher")
+    )
     raises_fast(r"teacher_model\['default'\]=.*does not exist", trainer.train)
     assert not no_launch
 
@@ -276,8 +333,10 @@ def test_preflight_names_an_uninstalled_sink(tmp_path, tiny_model, monkeypatch):
     import rlasync.metrics.sinks as sinks
 
     monkeypatch.setattr(sinks, "_importable", lambda module: module != "tensorboard")
-    raises_fast("report_to includes 'tensorboard' but tensorboard is not installed", _grpo(
-        tiny_model, tmp_path, report_to="tensorboard").train)  # fmt: skip
+    raises_fast(
+        "report_to includes 'tensorboard' but tensorboard is not installed",
+        _grpo(tiny_model, tmp_path, report_to="tensorboard").train,
+    )
 
 
 def test_preflight_passes_a_good_run_and_warns_of_some_long_prompts(tmp_path, tiny_model, no_launch, caplog):
@@ -303,15 +362,25 @@ DATASET_CASES = [
 
 @pytest.mark.parametrize("name, rows, match", DATASET_CASES, ids=[c[0] for c in DATASET_CASES])
 def test_a_bad_dataset_names_the_row(name, rows, match, tmp_path, tiny_model):
-    raises_fast(match, AsyncGRPOTrainer, model=tiny_model, reward_funcs=last_number_reward,
-                args=AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1), train_dataset=rows)  # fmt: skip
+    raises_fast(
+        match,
+        AsyncGRPOTrainer,
+        model=tiny_model,
+        reward_funcs=last_number_reward,
+        args=AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1),
+        train_dataset=rows,
+    )
 
 
 def test_a_bad_row_past_the_checked_ones_is_accepted_up_front_and_caught_when_leased(tmp_path, tiny_model):
     rows = [dict(ROWS[0]) for _ in range(NUM_ROWS_CHECKED + 4)]
     rows[NUM_ROWS_CHECKED + 2] = {"prompt": "What is 1 + 1?", "answer": "2"}
-    AsyncGRPOTrainer(model=tiny_model, reward_funcs=last_number_reward, args=AsyncGRPOConfig(output_dir=str(tmp_path)),
-                     train_dataset=rows)  # fmt: skip
+    AsyncGRPOTrainer(
+        model=tiny_model,
+        reward_funcs=last_number_reward,
+        args=AsyncGRPOConfig(output_dir=str(tmp_path)),
+        train_dataset=rows,
+    )
     bad = NUM_ROWS_CHECKED + 2
     assert f"row {bad}: the prompt is a plain string" in leased_row_problem(rows[bad], bad)
     assert leased_row_problem(rows[0], 0) is None
@@ -319,9 +388,13 @@ def test_a_bad_row_past_the_checked_ones_is_accepted_up_front_and_caught_when_le
 
 @pytest.mark.parametrize(
     "row, match",
-    [({"answer": 1}, "row 7 has no 'prompt' column"), ({"prompt": []}, "row 7: the prompt is an empty list"),
-     ({"prompt": None}, "row 7: the prompt is a NoneType"), ("text", "row 7 is a str, not a dict")],
-)  # fmt: skip
+    [
+        ({"answer": 1}, "row 7 has no 'prompt' column"),
+        ({"prompt": []}, "row 7: the prompt is an empty list"),
+        ({"prompt": None}, "row 7: the prompt is a NoneType"),
+        ("text", "row 7 is a str, not a dict"),
+    ],
+)
 def test_leased_row_problem_names_the_row(row, match):
     assert match in leased_row_problem(row, 7)
 
@@ -381,8 +454,12 @@ ValueError: no answer column"""
 def test_describe_error_reduces_ray_errors_to_the_actor_and_the_users_message():
     line = describe_error(FakeRayTaskError(ValueError("no answer column"), "RewardActor.score", REMOTE_TB))
     assert line == "ValueError: no answer column (in RewardActor.score, raised at strict_reward (my_rewards.py:12))"
-    banner = RuntimeError("rollout actor 0 failed: RayTaskError(RewardFunctionError): " + REMOTE_TB.replace(
-        "ValueError: no answer column", "RewardFunctionError: reward function strict_reward raised ValueError: x"))  # fmt: skip
+    banner = RuntimeError(
+        "rollout actor 0 failed: RayTaskError(RewardFunctionError): "
+        + REMOTE_TB.replace(
+            "ValueError: no answer column", "RewardFunctionError: reward function strict_reward raised ValueError: x"
+        )
+    )
     text = describe_error(banner)
     assert text.startswith("rollout actor 0 failed: RewardFunctionError: reward function strict_reward raised")
     assert "(in RewardActor" in text and "\n" not in text and "worker.py" not in text

@@ -20,7 +20,13 @@ class Clock:
 
 
 def test_progress_line_has_step_eta_and_the_window_numbers():
-    logs = {"reward": 0.8701, "rollout/queue_size": 4.0, "sample/staleness_mean": 0.375, "perf/step_s": 9.66, "loss": 1.0}
+    logs = {
+        "reward": 0.8701,
+        "rollout/queue_size": 4.0,
+        "sample/staleness_mean": 0.375,
+        "perf/step_s": 9.66,
+        "loss": 1.0,
+    }
     line = progress_line(10, 15, logs, elapsed_s=100.0, start_step=0)
     assert line == "step 10/15 (67%) | ETA 50s | reward 0.870 | queue 4 | stale 0.38 | step 9.7s"
 

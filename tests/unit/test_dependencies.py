@@ -62,15 +62,21 @@ def _dist(module: str) -> str:
 
 def test_every_third_party_import_is_declared():
     deps = declared()
-    undeclared = {module: sorted(files)[:3] for module, files in third_party_imports().items()
-                  if _dist(PROVIDED_BY.get(module, module)) not in deps}  # fmt: skip
+    undeclared = {
+        module: sorted(files)[:3]
+        for module, files in third_party_imports().items()
+        if _dist(PROVIDED_BY.get(module, module)) not in deps
+    }
     assert not undeclared, f"imported but not in pyproject.toml (dependencies or an extra): {undeclared}"
 
 
 def test_every_declared_dependency_is_used():
     imported = {_dist(PROVIDED_BY.get(m, m)) for m in third_party_imports()} | {_dist(m) for m in third_party_imports()}
-    unused = sorted(dist for dist in declared()
-                    if dist not in imported and dist not in USED_WITHOUT_IMPORT and dist not in ONLY_IN_TESTS_OR_TOOLS)  # fmt: skip
+    unused = sorted(
+        dist
+        for dist in declared()
+        if dist not in imported and dist not in USED_WITHOUT_IMPORT and dist not in ONLY_IN_TESTS_OR_TOOLS
+    )
     assert not unused, f"declared in pyproject.toml but imported nowhere under rlasync/ or actors/: {unused}"
 
 
@@ -98,6 +104,8 @@ def test_the_demo_alias_without_gguf_names_the_extra(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(registry, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(registry, "_gguf_path", lambda spec: tmp_path / "model.gguf")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a)
+    )
     with pytest.raises(ValueError, match=r"needs the gguf package: pip install 'rlasync\[demo\]'"):
         registry.prepare_model("smollm2-135m-instruct", force=True)

@@ -25,8 +25,12 @@ def strict(schema):
 
     def walk(node):
         if isinstance(node, dict):
-            if (node.get("type") == "object" and "properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):  # fmt: skip
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 walk(value)
@@ -83,8 +87,13 @@ def test_the_manifests_run_as_written():
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     assert set(groups) == {"learner", "generation", "rollout"} and spec["enableInTreeAutoscaling"] is True
     assert all(g["minReplicas"] == g["replicas"] == 0 < g["maxReplicas"] for g in groups.values())
-    gpus = {n: g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0) for n, g in groups.items()}
-    assert gpus == {"learner": 1, "generation": 1, "rollout": 0} and groups["rollout"]["rayStartParams"]["num-gpus"] == "0"
+    gpus = {
+        n: g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)
+        for n, g in groups.items()
+    }
+    assert (
+        gpus == {"learner": 1, "generation": 1, "rollout": 0} and groups["rollout"]["rayStartParams"]["num-gpus"] == "0"
+    )
     assert spec["authOptions"] == {"mode": "token"}
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     base = re.search(r"ARG RAY_IMAGE=rayproject/ray:(\d+\.\d+\.\d+)-py311-gpu", dockerfile)
@@ -93,7 +102,9 @@ def test_the_manifests_run_as_written():
     assert pvc["kind"] == "PersistentVolumeClaim" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     pods = {"head": spec["headGroupSpec"]["template"]["spec"], **{n: g["template"]["spec"] for n, g in groups.items()}}
     for name, pod in pods.items():
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+        }
         (container,) = pod["containers"]
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         assert claims == {"outputs": pvc["metadata"]["name"]} and mounts["outputs"] == "/outputs", name

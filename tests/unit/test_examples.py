@@ -24,9 +24,7 @@ def test_there_are_examples():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_compiles_and_answers_help_without_heavy_imports(path):
     py_compile.compile(str(path), doraise=True)
-    result = subprocess.run(
-        [sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=20, cwd=ROOT
-    )  # fmt: skip
+    result = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=20, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "--max-steps" in result.stdout and "--output-dir" in result.stdout, result.stdout
 

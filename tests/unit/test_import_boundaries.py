@@ -44,7 +44,11 @@ def imports(tree: ast.AST):
                 found.extend((alias.name, ".".join(scope)) for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
                 found.append((child.module, ".".join(scope)))
-            inner = [*scope, child.name] if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else scope
+            inner = (
+                [*scope, child.name]
+                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                else scope
+            )
             visit(child, inner)
 
     visit(tree, [])
@@ -62,19 +66,29 @@ def test_the_walk_finds_the_whole_package():
 
 
 def test_no_module_under_rlasync_imports_ray():
-    offenders = [(name, module, scope or "<module>") for name, found in IMPORTS.items() for module, scope in found
-                 if module == "ray" or module.startswith("ray.")]  # fmt: skip
+    offenders = [
+        (name, module, scope or "<module>")
+        for name, found in IMPORTS.items()
+        for module, scope in found
+        if module == "ray" or module.startswith("ray.")
+    ]
     assert offenders == []
 
 
 def test_the_only_imports_of_actors_are_the_launch_call_in_train():
-    sites = {(name, scope) for name, found in IMPORTS.items() for module, scope in found
-             if module == "actors" or module.startswith("actors.")}  # fmt: skip
+    sites = {
+        (name, scope)
+        for name, found in IMPORTS.items()
+        for module, scope in found
+        if module == "actors" or module.startswith("actors.")
+    }
     assert sites == LAUNCH_SITES
 
 
 def test_the_ast_scan_sees_imports_inside_functions():
-    found = imports(ast.parse("def f():\n    import ray.util\n\nclass C:\n    def g(self):\n        from ray import get\n"))
+    found = imports(
+        ast.parse("def f():\n    import ray.util\n\nclass C:\n    def g(self):\n        from ray import get\n")
+    )
     assert found == [("ray.util", "f"), ("ray", "C.g")]
 
 
@@ -120,8 +134,15 @@ TENSOR = [name for name in RUNNABLE if _loads_heavy(name, _SEEN)]
 
 
 def test_the_pure_core_is_most_of_the_package():
-    for name in ("rlasync", "rlasync.cli", "rlasync.trainers", "rlasync.driver.step_loop", "rlasync.pipeline",
-                 "rlasync.rollout.loop", "rlasync.config"):  # fmt: skip
+    for name in (
+        "rlasync",
+        "rlasync.cli",
+        "rlasync.trainers",
+        "rlasync.driver.step_loop",
+        "rlasync.pipeline",
+        "rlasync.rollout.loop",
+        "rlasync.config",
+    ):
         assert name in PURE, name
     assert TENSOR, "no module imports torch at all?"
 

@@ -44,11 +44,16 @@ def test_the_harness_runs_forward_on_cpu_and_records_refused_options(tmp_path, m
 
     monkeypatch.setattr(flex_tiles, "run_config", refuse_bad)
     out = tmp_path / "flex.json"
-    flex_tiles.main(["--tiny", "--device", "cpu", "--configs", "default,block64,bad,varlen", "--iters", "1", "--out", str(out)])
+    flex_tiles.main(
+        ["--tiny", "--device", "cpu", "--configs", "default,block64,bad,varlen", "--iters", "1", "--out", str(out)]
+    )
     result = json.loads(out.read_text())
     assert result["row"]["attended_pairs"] > 0 and result["row"]["computed_over_attended"]["128"] >= 1
     assert result["configs"]["default"]["fwd_ms"] > 0 and "fwd_bwd_ms" not in result["configs"]["default"]
     assert result["configs"]["block64"]["max_abs_diff_vs_default"] < 1e-4  # same attention, other blocks
     assert result["configs"]["varlen"]["max_abs_diff_vs_default"] < 1e-4  # the segment path (its reference loop here)
-    assert result["configs"]["bad"] == {"options": {"BLOCK_M": 48}, "error": "ValueError: BLOCK_M must divide the sparse block size"}
+    assert result["configs"]["bad"] == {
+        "options": {"BLOCK_M": 48},
+        "error": "ValueError: BLOCK_M must divide the sparse block size",
+    }
     assert result["best"]["name"] in result["configs"]

@@ -11,9 +11,11 @@ import pyspy_top  # noqa: E402
 
 def test_stacks_recorded_with_subprocesses_are_summarised_per_process(tmp_path):
     path = tmp_path / "spy.txt"
-    path.write_text('process 11:"ray::GenerationActor";run (/x/a.py:1);step (/x/b.py:2) 30\n'
-                    'process 11:"ray::GenerationActor";run (/x/a.py:9) 10\n'
-                    'process 12:"VLLM::EngineCore";busy (/y/c.py:3);copy (/y/d.py:4) 60\n')  # fmt: skip
+    path.write_text(
+        'process 11:"ray::GenerationActor";run (/x/a.py:1);step (/x/b.py:2) 30\n'
+        'process 11:"ray::GenerationActor";run (/x/a.py:9) 10\n'
+        'process 12:"VLLM::EngineCore";busy (/y/c.py:3);copy (/y/d.py:4) 60\n'
+    )
     text = pyspy_top.summarise(path, top=5)
     actor, core = text.split("== ")[1:]
     assert actor.startswith('spy.txt process 11:"ray::GenerationActor": 40 samples')

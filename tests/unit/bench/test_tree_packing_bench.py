@@ -108,8 +108,16 @@ def tiny_tree_mode():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     model = tree_packing.prepare_for_training(AutoModelForCausalLM.from_config(config), compile=False)
     shape = tree_packing.Shape(12, 6, 3, 64)
     samples = tree_packing.make_samples(shape, 2, config.vocab_size, 0)
@@ -154,9 +162,31 @@ def test_trl_runs_in_the_same_call_on_the_same_samples_and_model(tmp_path):
     if wheel is None:
         pytest.skip("no TRL 1.16 wheel in .trlwheel/")
     out = tmp_path / "tp.json"
-    cmd = [sys.executable, str(REPO / "bench" / "tree_packing.py"), "--tiny", "--device", "cpu", "--compile", "none",
-           "--shapes", "12x6x4@96", "--groups", "2", "--steps", "1", "--warmup", "0", "--modes", "tree,padding_free",
-           "--trl-wheel", str(wheel), "--profile", str(tmp_path / "prof"), "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "tree_packing.py"),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--compile",
+        "none",
+        "--shapes",
+        "12x6x4@96",
+        "--groups",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--modes",
+        "tree,padding_free",
+        "--trl-wheel",
+        str(wheel),
+        "--profile",
+        str(tmp_path / "prof"),
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=600)
     results = json.loads(out.read_text())
     shape = results["shapes"]["p12_c6_g4_row96"]
@@ -174,9 +204,27 @@ def test_tree_varlen_runs_next_to_the_flex_tree_and_agrees_with_it(tmp_path):
     """The A/B mode of the varlen tree attention on CPU (its reference loop): timed, planned on the host, and its
     log-probs equal the tree mode's and the padding-free mode's (float32)."""
     out = tmp_path / "tp.json"
-    tree_packing.main(["--tiny", "--device", "cpu", "--compile", "none", "--shapes", "12x6x4@96", "--groups", "2",
-                       "--steps", "1", "--warmup", "0", "--modes", "tree,tree_varlen,padding_free",
-                       "--out", str(out)])  # fmt: skip
+    tree_packing.main(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--compile",
+            "none",
+            "--shapes",
+            "12x6x4@96",
+            "--groups",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--modes",
+            "tree,tree_varlen,padding_free",
+            "--out",
+            str(out),
+        ]
+    )
     results = json.loads(out.read_text())
     shape = results["shapes"]["p12_c6_g4_row96"]
     assert shape["tree_varlen"]["trained_tokens_per_s"] > 0 and shape["tree_varlen"]["row_to_device_ms"] > 0
@@ -210,9 +258,28 @@ def test_the_fp32_reference_scores_each_trained_token_from_its_prefix_alone():
 
 def test_fp32_reference_reports_every_modes_error_and_fp32_modes_have_none(tmp_path):
     out = tmp_path / "tp.json"
-    tree_packing.main(["--tiny", "--device", "cpu", "--compile", "none", "--shapes", "12x6x4@96", "--groups", "2",
-                       "--steps", "1", "--warmup", "0", "--modes", "tree,padding_free,padded", "--fp32-reference",
-                       "--out", str(out)])  # fmt: skip
+    tree_packing.main(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--compile",
+            "none",
+            "--shapes",
+            "12x6x4@96",
+            "--groups",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--modes",
+            "tree,padding_free,padded",
+            "--fp32-reference",
+            "--out",
+            str(out),
+        ]
+    )
     shape = json.loads(out.read_text())["shapes"]["p12_c6_g4_row96"]
     assert set(shape["logprob_vs_fp32"]) == {"tree", "padding_free", "padded"}
     for error in shape["logprob_vs_fp32"].values():

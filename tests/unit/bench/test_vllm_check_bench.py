@@ -38,8 +38,13 @@ class BucketEngine:
         self.loads += 1
         engine_s = time.perf_counter() - started
         await asyncio.sleep(self.round_trip_s)
-        return {"how": "recorded" if self.loads == 1 else "replayed", "engine_s": engine_s, "map_s": 0.0,
-                "queue_s": engine_s, "gpu_wait_s": 0.0}  # fmt: skip
+        return {
+            "how": "recorded" if self.loads == 1 else "replayed",
+            "engine_s": engine_s,
+            "map_s": 0.0,
+            "queue_s": engine_s,
+            "gpu_wait_s": 0.0,
+        }
 
     async def generate(self, prompt, params):
         await asyncio.sleep(0.05)
@@ -51,13 +56,16 @@ class BucketEngine:
 def test_flat_sync_rounds_load_the_weights_and_split_the_round_trip():
     named = [("w", torch.randn(4, 3)), ("v", torch.randn(5))]
     engine = BucketEngine({name: torch.zeros_like(t) for name, t in named})
-    out = asyncio.run(vllm_check.flat_ipc_sync(engine, named, vocab=50, rounds=3, device="cpu", requests=8,
-                                               new_tokens=4))  # fmt: skip
+    out = asyncio.run(
+        vllm_check.flat_ipc_sync(engine, named, vocab=50, rounds=3, device="cpu", requests=8, new_tokens=4)
+    )
     assert all(torch.equal(engine.params[name], t) for name, t in named)
     assert len(out["noop_rpc_ms"]) == 7
     for label in ("idle", "generating"):
         part = out[label]
-        assert [r["how"] for r in part["rounds"]] == (["recorded"] if label == "idle" else ["replayed"]) + ["replayed"] * 3
+        assert [r["how"] for r in part["rounds"]] == (["recorded"] if label == "idle" else ["replayed"]) + [
+            "replayed"
+        ] * 3
         assert part["median_load_ms"] >= 10 > part["median_worker_ms"]  # the round trip is outside the worker
         assert part["median_total_ms"] >= part["median_load_ms"]
     prompts = vllm_check.random_prompts(8, 64, 50, seed=11)

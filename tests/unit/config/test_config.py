@@ -9,16 +9,40 @@ REPO = Path(__file__).resolve().parents[3]
 
 # docs/algorithms.md §10.2 defaults, plus the TrainingArguments defaults TRL overrides.
 SEED_DEFAULTS = {
-    "model_init_kwargs": None, "dtype": "float32", "trust_remote_code": False, "router_aux_loss_coef": None,
-    "num_generations": 8, "max_completion_length": 2048, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-    "min_p": None, "chat_template_kwargs": None, "max_tool_calling_iterations": None,
-    "vllm_server_base_url": "http://localhost:8000", "vllm_server_timeout": 1800.0, "epsilon": 0.2,
-    "epsilon_high": None, "score_centering": True, "vllm_importance_sampling_clip_min": 0.5,
-    "vllm_importance_sampling_clip_max": 5.0, "num_sampler_logprobs": 8, "token_budget": None,
-    "max_concurrent_rollouts": 512, "max_staleness": 4, "weight_sync_steps": 1, "rollout_worker_timeout": 300.0,
-    "log_completions": False, "num_completions_to_print": None,
-    "logging_steps": 1, "gradient_checkpointing": True, "bf16": True, "learning_rate": 1e-6,
-    "lr_scheduler_type": "constant", "ignore_data_skip": True, "remove_unused_columns": False,
+    "model_init_kwargs": None,
+    "dtype": "float32",
+    "trust_remote_code": False,
+    "router_aux_loss_coef": None,
+    "num_generations": 8,
+    "max_completion_length": 2048,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": None,
+    "chat_template_kwargs": None,
+    "max_tool_calling_iterations": None,
+    "vllm_server_base_url": "http://localhost:8000",
+    "vllm_server_timeout": 1800.0,
+    "epsilon": 0.2,
+    "epsilon_high": None,
+    "score_centering": True,
+    "vllm_importance_sampling_clip_min": 0.5,
+    "vllm_importance_sampling_clip_max": 5.0,
+    "num_sampler_logprobs": 8,
+    "token_budget": None,
+    "max_concurrent_rollouts": 512,
+    "max_staleness": 4,
+    "weight_sync_steps": 1,
+    "rollout_worker_timeout": 300.0,
+    "log_completions": False,
+    "num_completions_to_print": None,
+    "logging_steps": 1,
+    "gradient_checkpointing": True,
+    "bf16": True,
+    "learning_rate": 1e-6,
+    "lr_scheduler_type": "constant",
+    "ignore_data_skip": True,
+    "remove_unused_columns": False,
 }
 
 
@@ -126,8 +150,20 @@ def test_config_show_resolves_run_files_and_plain_configs(capsys):
 
     from rlasync.cli import main
 
-    assert main(["config", "show", str(REPO / "configs" / "countdown_gpu.yaml"), "--set", "model=some/model",
-                 "--set", "learning_rate=3e-6"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "config",
+                "show",
+                str(REPO / "configs" / "countdown_gpu.yaml"),
+                "--set",
+                "model=some/model",
+                "--set",
+                "learning_rate=3e-6",
+            ]
+        )
+        == 0
+    )
     shown = json.loads(capsys.readouterr().out)
     assert shown["model"] == "some/model" and shown["learning_rate"] == 3e-6
     assert shown["reward_funcs"] == ["rlasync.rewards:countdown_reward"] and shown["cluster"]["learner_num_gpus"] == 1
@@ -144,7 +180,10 @@ def test_model_init_kwargs_choose_the_learner_dtype_and_reach_from_pretrained(ca
 
     assert model_init_options(None, "auto") == ("float32", {})  # training weights: float32 unless asked
     assert model_init_options(None, "bfloat16") == ("bfloat16", {})
-    assert model_init_options({"dtype": "bfloat16", "revision": "main"}, "float32") == ("bfloat16", {"revision": "main"})
+    assert model_init_options({"dtype": "bfloat16", "revision": "main"}, "float32") == (
+        "bfloat16",
+        {"revision": "main"},
+    )
     assert model_init_options({"torch_dtype": torch.float16}, "float32") == ("float16", {})
     assert model_init_options({}, "auto", trust_remote_code=True) == ("float32", {"trust_remote_code": True})
     dtype, kwargs = model_init_options({"attn_implementation": "sdpa"}, "float32")

@@ -10,17 +10,42 @@ from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig, ClusterConf
 
 # docs/algorithms.md §10.3 (TRL 1.16) defaults
 DEFAULTS = {
-    "model_init_kwargs": None, "dtype": "float32", "trust_remote_code": False, "ignore_data_skip": True,
-    "learning_rate": 1e-6, "logging_steps": 1, "lr_scheduler_type": "linear", "max_completion_length": 2048,
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0,
-    "chat_template_kwargs": None, "vllm_server_base_url": "http://localhost:8000", "vllm_server_timeout": 240.0,
-    "teacher_server_urls": {"default": "http://localhost:8001"}, "request_timeout": 600,
-    "weight_sync_timeout": 1800, "beta": 0.0, "teacher_temperature": 1.0, "teacher_top_k": 8,
-    "add_tail_bucket": True, "token_budget": None, "max_inflight_tasks": -1, "max_staleness": 4,
-    "queue_maxsize": 1024, "weight_sync_steps": 1, "heartbeat_stale_after_s": 300.0, "log_completions": False,
-    "log_completions_steps": 100, "num_completions_to_print": None,
-    "gradient_checkpointing": True, "bf16": True, "use_liger_kernel": False,
-}  # fmt: skip
+    "model_init_kwargs": None,
+    "dtype": "float32",
+    "trust_remote_code": False,
+    "ignore_data_skip": True,
+    "learning_rate": 1e-6,
+    "logging_steps": 1,
+    "lr_scheduler_type": "linear",
+    "max_completion_length": 2048,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+    "chat_template_kwargs": None,
+    "vllm_server_base_url": "http://localhost:8000",
+    "vllm_server_timeout": 240.0,
+    "teacher_server_urls": {"default": "http://localhost:8001"},
+    "request_timeout": 600,
+    "weight_sync_timeout": 1800,
+    "beta": 0.0,
+    "teacher_temperature": 1.0,
+    "teacher_top_k": 8,
+    "add_tail_bucket": True,
+    "token_budget": None,
+    "max_inflight_tasks": -1,
+    "max_staleness": 4,
+    "queue_maxsize": 1024,
+    "weight_sync_steps": 1,
+    "heartbeat_stale_after_s": 300.0,
+    "log_completions": False,
+    "log_completions_steps": 100,
+    "num_completions_to_print": None,
+    "gradient_checkpointing": True,
+    "bf16": True,
+    "use_liger_kernel": False,
+}
 
 
 def test_every_field_has_its_spec_default():
@@ -163,7 +188,9 @@ def test_derived_inflight_and_step_ceiling():
 def test_to_dict_round_trips_and_subclasses_keep_validation():
     config = AsyncDistillationConfig(beta=0.5, teacher_server_urls={"a": "http://a:1", "b": "http://b:1"})
     data = config.to_dict()
-    assert data["teacher_server_urls"] == {"a": "http://a:1", "b": "http://b:1"} and data["cluster"]["num_learners"] == 1
+    assert (
+        data["teacher_server_urls"] == {"a": "http://a:1", "b": "http://b:1"} and data["cluster"]["num_learners"] == 1
+    )
     assert build_config(data, AsyncDistillationConfig) == config
 
     @dataclasses.dataclass

@@ -35,7 +35,11 @@ def test_run_file_loads_with_overrides(tmp_path):
     [
         ("model: tiny/model\n", "", "model"),
         ("dataset: {name: arithmetic, size: 8, seed: 1, max_operand: 9}\n", "dataset: {name: nope}\n", "dataset.name"),
-        ("reward_funcs: [rlasync.rewards:last_number_reward]\n", "reward_funcs: [last_number_reward]\n", "reward_funcs"),
+        (
+            "reward_funcs: [rlasync.rewards:last_number_reward]\n",
+            "reward_funcs: [last_number_reward]\n",
+            "reward_funcs",
+        ),
         ("learning_rate: 1.0e-5\n", "learning_rat: 1.0e-5\n", "learning_rate"),
     ],
     ids=["no_model", "bad_dataset", "bad_reward", "typo"],

@@ -35,8 +35,11 @@ def test_every_trl_field_is_accepted_with_trls_default(cls):
     missing = sorted(set(trl) - set(ours))
     assert not missing, f"{cls.__name__} lacks TRL 1.16's fields: {missing}"
     # TRL's teacher_server_urls=None becomes our default dict in __post_init__; output_dir None too
-    different = {k: (ours[k], trl[k]) for k in trl
-                 if ours[k] != trl[k] and trl[k] != "<required>" and (cls.__name__, k) not in DOCUMENT_DEFAULTS}
+    different = {
+        k: (ours[k], trl[k])
+        for k in trl
+        if ours[k] != trl[k] and trl[k] != "<required>" and (cls.__name__, k) not in DOCUMENT_DEFAULTS
+    }
     assert not different, f"{cls.__name__} defaults differ from TRL 1.16's (ours, TRL's): {different}"
 
 
@@ -72,7 +75,9 @@ def test_an_unsupported_field_is_refused_by_name(name):
 
 
 def test_off_values_of_unset_defaults_are_accepted():
-    config = AsyncGRPOConfig(debug=[], tf32=False, include_num_input_tokens_seen=False, ddp_find_unused_parameters=False)
+    config = AsyncGRPOConfig(
+        debug=[], tf32=False, include_num_input_tokens_seen=False, ddp_find_unused_parameters=False
+    )
     assert config.debug == []
     with pytest.raises(ValueError, match="tf32=True is not supported by rlasync"):
         AsyncGRPOConfig(tf32=True)
@@ -90,7 +95,9 @@ def test_enum_values_at_the_default_are_accepted():
 def test_ratios_of_max_steps_for_logging_and_saving():
     config = AsyncGRPOConfig(max_steps=50, logging_steps=0.1, save_steps=0.25)
     assert config.steps_of("logging_steps", 50) == 5 and config.steps_of("save_steps", 50) == 13  # ceil(12.5)
-    assert AsyncGRPOConfig(save_steps=20.0).save_steps == 20 and isinstance(AsyncGRPOConfig(save_steps=20.0).save_steps, int)
+    assert AsyncGRPOConfig(save_steps=20.0).save_steps == 20 and isinstance(
+        AsyncGRPOConfig(save_steps=20.0).save_steps, int
+    )
     with pytest.raises(ValueError, match="logging_steps=0.1 is a fraction of max_steps, but max_steps=-1"):
         AsyncGRPOConfig(logging_steps=0.1)
     with pytest.raises(ValueError, match="save_steps=2.5: a value above 1 is a step count"):
@@ -101,7 +108,9 @@ def test_ratios_of_max_steps_for_logging_and_saving():
 
 def test_optim_and_its_arguments():
     assert AsyncGRPOConfig(optim="sgd", optim_args="momentum=0.9,nesterov=true").optimizer_kwargs() == {
-        "momentum": 0.9, "nesterov": True}
+        "momentum": 0.9,
+        "nesterov": True,
+    }
     with pytest.raises(ValueError, match="optim='adamw_bnb_8bit' is not supported: choose one of"):
         AsyncGRPOConfig(optim="adamw_bnb_8bit")
     with pytest.raises(ValueError, match="optim_args='momentum': write it as 'key=value"):

@@ -101,9 +101,13 @@ def char_tokenizer(template):
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>",
-        additional_special_tokens=SPECIALS[1:], chat_template=template,
-    )  # fmt: skip
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=SPECIALS[1:],
+        chat_template=template,
+    )
 
 
 def add(a: int, b: int) -> int:
@@ -153,8 +157,11 @@ def tool_loop(tokenizer, outputs, enable_thinking, follow_up=None):
 
 def prefix_breaks(turns):
     """Indices k >= 1 whose prompt does not start with turn k-1's prompt + output."""
-    return [k for k in range(1, len(turns)) if turns[k][0][: len(turns[k - 1][0]) + len(turns[k - 1][1])]
-            != turns[k - 1][0] + turns[k - 1][1]]  # fmt: skip
+    return [
+        k
+        for k in range(1, len(turns))
+        if turns[k][0][: len(turns[k - 1][0]) + len(turns[k - 1][1])] != turns[k - 1][0] + turns[k - 1][1]
+    ]
 
 
 NO_THINKING = ["Adding.\n" + call_text(3, 4), call_text(7, 1), "It is 7, then 8."]
@@ -186,11 +193,15 @@ def test_the_training_template_renders_the_latest_turn_as_the_stock_one(enable_t
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "3 + 4?"},
-        {"role": "assistant", "content": "", "reasoning_content": "add", "tool_calls": [
-            {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "add",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}],
+        },
         {"role": "tool", "name": "add", "content": "7"},
         {"role": "tool", "name": "add", "content": "7 again"},
-    ]  # fmt: skip
+    ]
     for end in (2, 4, 5):  # what the model is prompted with is the same text it was trained to continue
         kwargs = {"enable_thinking": enable_thinking}
         assert render(training, messages[:end], **kwargs) == render(stock, messages[:end], **kwargs)
@@ -258,13 +269,21 @@ class Sink:
 def run_tool_loop(tokenizer):
     loop = AsyncRolloutLoop(
         config=AsyncGRPOConfig(
-            num_generations=2, max_completion_length=256, max_concurrent_rollouts=2, num_sampler_logprobs=0,
-            score_centering=False, chat_template_kwargs={"enable_thinking": False},
+            num_generations=2,
+            max_completion_length=256,
+            max_concurrent_rollouts=2,
+            num_sampler_logprobs=0,
+            score_centering=False,
+            chat_template_kwargs={"enable_thinking": False},
         ),
-        tokenizer=tokenizer, engine=Engine(tokenizer), prompt_source=Source(), sink=Sink(),
-        reward_funcs=[lambda completions, **kw: [float(i) for i in range(len(completions))]], tools=[add],
+        tokenizer=tokenizer,
+        engine=Engine(tokenizer),
+        prompt_source=Source(),
+        sink=Sink(),
+        reward_funcs=[lambda completions, **kw: [float(i) for i in range(len(completions))]],
+        tools=[add],
         rng=random.Random(0),
-    )  # fmt: skip
+    )
     pushed = []
     loop._metrics_callback = pushed.extend
     asyncio.run(loop.run())

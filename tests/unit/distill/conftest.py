@@ -180,8 +180,9 @@ class ListSink:
 
 def make_args(**overrides):
     """The user's config (a real `AsyncDistillationConfig`: the loop derives its typed settings from it)."""
-    values = dict(max_completion_length=8, temperature=1.0, teacher_top_k=2, teacher_temperature=1.0,
-                  max_inflight_tasks=4)  # fmt: skip
+    values = dict(
+        max_completion_length=8, temperature=1.0, teacher_top_k=2, teacher_temperature=1.0, max_inflight_tasks=4
+    )
     values.update(overrides)
     return AsyncDistillationConfig(**values)
 
@@ -194,7 +195,14 @@ def user_row(text, **columns):
 def fakes():
     """The worker-loop fakes as a namespace."""
     return types.SimpleNamespace(
-        Tokenizer=FakeTokenizer, Clock=FakeClock, Student=FakeStudent, Teacher=FakeTeacher,
-        TemperatureTeacher=TemperatureTeacher, Source=ListSource, Sink=ListSink, args=make_args, row=user_row,
+        Tokenizer=FakeTokenizer,
+        Clock=FakeClock,
+        Student=FakeStudent,
+        Teacher=FakeTeacher,
+        TemperatureTeacher=TemperatureTeacher,
+        Source=ListSource,
+        Sink=ListSink,
+        args=make_args,
+        row=user_row,
         EOS=EOS,
-    )  # fmt: skip
+    )

@@ -115,6 +115,11 @@ def test_teacher_index_padding_and_unknown_teacher(sample_factory):
 
 def test_carried_sample_metrics_are_averaged_ignoring_nan(sample_factory):
     rows = balance_by_squared_length(
-        [sample_factory(1, 1, metrics={"x": 1.0}), sample_factory(1, 2, metrics={"x": 3.0}),
-         sample_factory(1, 3, metrics={"x": float("nan")})], 2)  # fmt: skip
+        [
+            sample_factory(1, 1, metrics={"x": 1.0}),
+            sample_factory(1, 2, metrics={"x": 3.0}),
+            sample_factory(1, 3, metrics={"x": float("nan")}),
+        ],
+        2,
+    )
     assert batch_metrics(rows)["x"] == 2.0

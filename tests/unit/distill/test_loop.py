@@ -83,8 +83,9 @@ def test_mopd_routes_each_row_to_its_teacher_and_logs_per_teacher_score_time(fak
 @pytest.mark.parametrize("row_extra", [{}, {"teacher_id": "chem"}])
 def test_mopd_missing_or_unknown_teacher_id_stops_the_loop(fakes, row_extra):
     student = fakes.Student()
-    loop, _ = _loop(fakes, [fakes.row("a", **row_extra)], teachers={"m": fakes.Teacher(), "c": fakes.Teacher()},
-                    student=student)  # fmt: skip
+    loop, _ = _loop(
+        fakes, [fakes.row("a", **row_extra)], teachers={"m": fakes.Teacher(), "c": fakes.Teacher()}, student=student
+    )
     with pytest.raises(ValueError, match="which is not among the teachers"):
         asyncio.run(loop.run())
     assert student.requests == []  # routed before generating
@@ -97,8 +98,9 @@ def test_push_metrics_lengths_clipping_duration_and_rates(fakes):
     clock = fakes.Clock()
     student = fakes.Student(outputs=[([70, 71, 2], "stop"), ([80, 81, 82, 83], "length")], clock=clock, generate_s=1.0)
     teacher = fakes.Teacher(clock=clock, score_s=0.5)
-    loop, metrics = _loop(fakes, [fakes.row("a"), fakes.row("b")], student=student, teachers=teacher, clock=clock,
-                          max_inflight_tasks=1)  # fmt: skip
+    loop, metrics = _loop(
+        fakes, [fakes.row("a"), fakes.row("b")], student=student, teachers=teacher, clock=clock, max_inflight_tasks=1
+    )
     asyncio.run(loop.run())
     assert _values(metrics, "completions/mean_length") == [(3.0, 1.0), (4.0, 1.0)]
     assert _values(metrics, "completions/max_length") == [3.0, 4.0]
@@ -170,10 +172,14 @@ def test_concurrency_is_bounded_by_max_inflight_tasks(fakes):
 
 
 def test_default_max_inflight_tasks_resolution(fakes):
-    args = fakes.args(max_inflight_tasks=-1, max_staleness=3, per_device_train_batch_size=2,
-                      gradient_accumulation_steps=4)  # fmt: skip
+    args = fakes.args(
+        max_inflight_tasks=-1, max_staleness=3, per_device_train_batch_size=2, gradient_accumulation_steps=4
+    )
     assert resolve_max_inflight_tasks(args, num_ranks=2) == 3 * 16
-    assert resolve_max_inflight_tasks(fakes.args(max_inflight_tasks=-1, max_staleness=0, per_device_train_batch_size=5)) == 5
+    assert (
+        resolve_max_inflight_tasks(fakes.args(max_inflight_tasks=-1, max_staleness=0, per_device_train_batch_size=5))
+        == 5
+    )
     with pytest.raises(ValueError, match="max_inflight_tasks=0"):
         resolve_max_inflight_tasks(fakes.args(max_inflight_tasks=0))
     assert resolve_max_inflight_tasks(fakes.args(max_inflight_tasks=7)) == 7
@@ -251,8 +257,12 @@ def test_teacher_temperature_passed_when_score_takes_it_else_warned(fakes, caplo
 
 def test_student_request_has_no_logprobs_and_the_configured_sampling(fakes):
     student = fakes.Student()
-    loop, _ = _loop(fakes, [fakes.row("a"), fakes.row("b")], student=student,
-                    args=fakes.args(max_completion_length=5, temperature=0.6, top_p=0.9))  # fmt: skip
+    loop, _ = _loop(
+        fakes,
+        [fakes.row("a"), fakes.row("b")],
+        student=student,
+        args=fakes.args(max_completion_length=5, temperature=0.6, top_p=0.9),
+    )
     asyncio.run(loop.run())
     sampling = [s for _, s in student.requests]
     assert all(s.num_logprobs == 0 and s.max_tokens == 5 and s.temperature == 0.6 and s.top_p == 0.9 for s in sampling)
@@ -260,8 +270,12 @@ def test_student_request_has_no_logprobs_and_the_configured_sampling(fakes):
 
 
 def test_log_completions_prints_every_n_samples(fakes, capsys):
-    loop, _ = _loop(fakes, [fakes.row(c) for c in "abcde"], max_inflight_tasks=1,
-                    args=fakes.args(log_completions=True, log_completions_steps=2))  # fmt: skip
+    loop, _ = _loop(
+        fakes,
+        [fakes.row(c) for c in "abcde"],
+        max_inflight_tasks=1,
+        args=fakes.args(log_completions=True, log_completions_steps=2),
+    )
     asyncio.run(loop.run())
     assert capsys.readouterr().out.count("[distill] prompt") == 2
 
@@ -277,8 +291,13 @@ def test_teacher_and_student_rejections_fail_only_their_task_counted_under_their
 
     student, teacher = fakes.Student(), fakes.Teacher()
     student.reject = lambda prompt_ids: len(prompt_ids) > 4
-    loop, metrics = _loop(fakes, [fakes.row("a"), fakes.row("long prompt")], student=student, teachers=teacher,
-                          source=Source([fakes.row("a"), fakes.row("long prompt")]))  # fmt: skip
+    loop, metrics = _loop(
+        fakes,
+        [fakes.row("a"), fakes.row("long prompt")],
+        student=student,
+        teachers=teacher,
+        source=Source([fakes.row("a"), fakes.row("long prompt")]),
+    )
     asyncio.run(loop.run())
     assert [cause for _, cause, _ in failures] == ["rejected"]  # the student's ("prompt too long": no max_model_len)
     assert len(loop.sink.samples) == 1

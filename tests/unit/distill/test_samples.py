@@ -38,8 +38,12 @@ def test_missing_ranks_fall_back_to_logprob_order():
 
 
 def test_only_completion_positions_are_parsed():
-    prompt_logprobs = [None, {"11": {"logprob": -0.1, "rank": 1}}, {"12": {"logprob": -0.3, "rank": 1}},
-                       {"13": {"logprob": -0.7, "rank": 1}}]  # fmt: skip
+    prompt_logprobs = [
+        None,
+        {"11": {"logprob": -0.1, "rank": 1}},
+        {"12": {"logprob": -0.3, "rank": 1}},
+        {"13": {"logprob": -0.7, "rank": 1}},
+    ]
     assert parse_prompt_logprobs(prompt_logprobs, prompt_length=2) == [([12], [-0.3]), ([13], [-0.7])]
 
 
@@ -48,10 +52,13 @@ def test_only_completion_positions_are_parsed():
 
 def test_score_result_gets_the_realised_token_back_when_outside_top_k():
     # ScoreResult keeps only the top-k; the realised token's log-prob sits in token_logprobs
-    result = ScoreResult(topk_ids=[[5, 6], [7, 8]], topk_logprobs=[[-0.1, -2.0], [-0.3, -1.0]],
-                         token_logprobs=[-4.0, -1.0])  # fmt: skip
-    assert candidates_from_score(result, completion_ids=[42, 8]) == [([5, 6, 42], [-0.1, -2.0, -4.0]),
-                                                                     ([7, 8], [-0.3, -1.0])]  # fmt: skip
+    result = ScoreResult(
+        topk_ids=[[5, 6], [7, 8]], topk_logprobs=[[-0.1, -2.0], [-0.3, -1.0]], token_logprobs=[-4.0, -1.0]
+    )
+    assert candidates_from_score(result, completion_ids=[42, 8]) == [
+        ([5, 6, 42], [-0.1, -2.0, -4.0]),
+        ([7, 8], [-0.3, -1.0]),
+    ]
 
 
 def test_score_result_nan_entries_are_dropped():
@@ -63,11 +70,21 @@ def test_score_result_nan_entries_are_dropped():
 
 
 def test_sample_layout_k_plus_one_wide_prompt_rows_all_sentinel():
-    result = ScoreResult(topk_ids=[[5, 6], [7, 8]], topk_logprobs=[[-0.1, -2.0], [-0.3, -1.0]],
-                         token_logprobs=[-4.0, -1.0])  # fmt: skip
-    sample = build_distillation_sample([1, 2, 3], [42, 8], result, top_k=2, prompt_id=7, teacher_id="math",
-                                       policy_version=4, prompt=[{"role": "user", "content": "q"}],
-                                       completion=[{"role": "assistant", "content": "a"}], enqueued_at=12.5)  # fmt: skip
+    result = ScoreResult(
+        topk_ids=[[5, 6], [7, 8]], topk_logprobs=[[-0.1, -2.0], [-0.3, -1.0]], token_logprobs=[-4.0, -1.0]
+    )
+    sample = build_distillation_sample(
+        [1, 2, 3],
+        [42, 8],
+        result,
+        top_k=2,
+        prompt_id=7,
+        teacher_id="math",
+        policy_version=4,
+        prompt=[{"role": "user", "content": "q"}],
+        completion=[{"role": "assistant", "content": "a"}],
+        enqueued_at=12.5,
+    )
     assert sample.input_ids.tolist() == [1, 2, 3, 42, 8]
     assert sample.input_ids.dtype == np.int64
     assert sample.completion_mask.tolist() == [0, 0, 0, 1, 1]
@@ -102,8 +119,13 @@ def test_too_many_candidates_or_positions_raise():
 
 
 def test_sample_validation_rejects_misaligned_arrays():
-    good = {"input_ids": [1, 2], "completion_mask": [0, 1], "teacher_topk_ids": [[-1], [3]],
-            "teacher_topk_logprobs": [[-math.inf], [-0.5]], "prompt_id": 0}  # fmt: skip
+    good = {
+        "input_ids": [1, 2],
+        "completion_mask": [0, 1],
+        "teacher_topk_ids": [[-1], [3]],
+        "teacher_topk_logprobs": [[-math.inf], [-0.5]],
+        "prompt_id": 0,
+    }
     DistillationSample(**good)
     with pytest.raises(ValueError, match="completion_mask"):
         DistillationSample(**{**good, "completion_mask": [0, 1, 1]})

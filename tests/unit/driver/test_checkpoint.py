@@ -45,8 +45,14 @@ def test_a_checkpoint_is_written_under_tmp_and_renamed_when_complete(tmp_path):
     path = save(Checkpointer(tmp_path), 4, learners)
     assert path == str(tmp_path / "checkpoint-4") and learners.saw == [str(tmp_path / "checkpoint-4.tmp")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
-    assert json.loads((tmp_path / "checkpoint-4" / "rollout_state.json").read_text()) == {"prompt_index": 7, "model_version": 3}
-    assert json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text()) == {"policy_version": 3, "global_step": 4}
+    assert json.loads((tmp_path / "checkpoint-4" / "rollout_state.json").read_text()) == {
+        "prompt_index": 7,
+        "model_version": 3,
+    }
+    assert json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text()) == {
+        "policy_version": 3,
+        "global_step": 4,
+    }
     assert read_step(path) == 4
 
 

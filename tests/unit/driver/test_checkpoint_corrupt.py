@@ -54,8 +54,14 @@ def test_a_whole_checkpoint_verifies(tmp_path):
         ("config.json", lambda p: p.write_text('{"a": '), "JSONDecodeError"),
         ("trainer_state.json", lambda p: p.write_bytes(b'{"global_st'), "JSONDecodeError"),
     ],
-    ids=["safetensors-truncated", "safetensors-stub", "safetensors-header", "optimizer-truncated", "config-json",
-         "trainer-state-json"],  # fmt: skip
+    ids=[
+        "safetensors-truncated",
+        "safetensors-stub",
+        "safetensors-header",
+        "optimizer-truncated",
+        "config-json",
+        "trainer-state-json",
+    ],
 )
 def test_a_damaged_file_is_named_with_the_fix(tmp_path, name, damage, why):
     checkpoint = make_checkpoint(tmp_path / "checkpoint-2", 2, tmp_path)

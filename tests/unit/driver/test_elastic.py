@@ -20,8 +20,12 @@ BOUNDS = ElasticBounds(generation=(1, 3), rollout=(1, 2))
 
 
 def window(wait, step_s=1.0, kv=0.0, queued=0.0):
-    return {"perf/rollout_wait_s": wait, "perf/step_s": step_s, "rollout/vllm_kv_cache_usage_frac": kv,
-            "rollout/vllm_queued_requests": queued}  # fmt: skip
+    return {
+        "perf/rollout_wait_s": wait,
+        "perf/step_s": step_s,
+        "rollout/vllm_kv_cache_usage_frac": kv,
+        "rollout/vllm_queued_requests": queued,
+    }
 
 
 def policy(interval=5):
@@ -99,8 +103,10 @@ def test_the_controller_runs_the_policy_when_there_is_no_request():
     assert pools.calls == [Sizes(2, 1)]
 
 
-@pytest.mark.parametrize("kwargs, field", [({"generation": 4}, "generation"), ({"rollout": 0}, "rollout"),
-                                           ({"generation": 1.5}, "generation")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"generation": 4}, "generation"), ({"rollout": 0}, "rollout"), ({"generation": 1.5}, "generation")],
+)
 def test_a_request_out_of_bounds_names_the_fields(kwargs, field):
     with pytest.raises(ValueError, match=f"cluster.min_{field}_actors / cluster.max_{field}_actors"):
         ResizeRequests(BOUNDS).request(**kwargs)

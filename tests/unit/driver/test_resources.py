@@ -7,7 +7,12 @@ from rlasync.driver import actor_requests, check_resources
 
 
 def test_resources_the_actors_cannot_get_are_an_error_on_a_local_cluster_and_a_warning_elsewhere(caplog):
-    requests = {"generation": (1, 0.5, 1.0), "learner": (2, 0.5, 1.0), "rollout": (1, 0.25, 0.0), "queue": (1, 0.1, 0.0)}
+    requests = {
+        "generation": (1, 0.5, 1.0),
+        "learner": (2, 0.5, 1.0),
+        "rollout": (1, 0.25, 0.0),
+        "queue": (1, 0.1, 0.0),
+    }
     check_resources(requests, {"CPU": 2.0, "GPU": 3.0}, autoscaling=False)  # 1.85 CPUs, 3 GPUs: fits
     with pytest.raises(ValueError, match=r"3 GPUs but the Ray cluster has 1 .*cluster\.learner_num_gpus"):
         check_resources(requests, {"CPU": 2.0, "GPU": 1.0}, autoscaling=False)
@@ -29,7 +34,9 @@ def test_an_actor_that_fits_on_no_node_is_refused_though_the_total_fits():
     nodes = [{"CPU": 8.0, "GPU": 1.0}] * 3
     with pytest.raises(ValueError, match=r"learner 0 \(2 GPUs, 1 CPUs\) fits on no node"):
         check_resources(requests, {"CPU": 24.0, "GPU": 3.0}, autoscaling=False, nodes=nodes)
-    check_resources(requests, {"CPU": 24.0, "GPU": 3.0}, autoscaling=False, nodes=[{"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 1}])
+    check_resources(
+        requests, {"CPU": 24.0, "GPU": 3.0}, autoscaling=False, nodes=[{"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 1}]
+    )
 
 
 def test_too_few_gpus_names_a_shared_layout_that_fits():

@@ -8,15 +8,20 @@ from rlasync.driver import server_engine_kwargs
 def test_grpo_vllm_server_timeout_bounds_readiness_requests_and_weight_calls():
     config = AsyncGRPOConfig(output_dir="/tmp/x", vllm_server_timeout=42.0)
     assert server_engine_kwargs(config, None) == {
-        "startup_timeout_s": 42.0, "request_timeout_s": 42.0, "weight_sync_timeout_s": 42.0,
+        "startup_timeout_s": 42.0,
+        "request_timeout_s": 42.0,
+        "weight_sync_timeout_s": 42.0,
     }
 
 
 def test_distillation_takes_its_request_and_weight_sync_timeouts():
-    config = AsyncDistillationConfig(output_dir="/tmp/x", vllm_server_timeout=30.0, request_timeout=7.0,
-                                     weight_sync_timeout=99.0)  # fmt: skip
+    config = AsyncDistillationConfig(
+        output_dir="/tmp/x", vllm_server_timeout=30.0, request_timeout=7.0, weight_sync_timeout=99.0
+    )
     assert server_engine_kwargs(config, None) == {
-        "startup_timeout_s": 30.0, "request_timeout_s": 7.0, "weight_sync_timeout_s": 99.0,
+        "startup_timeout_s": 30.0,
+        "request_timeout_s": 7.0,
+        "weight_sync_timeout_s": 99.0,
     }
 
 

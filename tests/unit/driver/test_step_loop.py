@@ -133,20 +133,48 @@ class Callback:
         self.journal.append("on_train_end")
 
 
-def make_loop(tmp_path, *, horizon=3, num_samples=100, tokens_per_step=10, samples_per_step=None, weight_sync_steps=1,
-              logging_steps=1, save_steps=100, fleet_error=None, empty_polls=0, fail_at=None, stop_at=None):  # fmt: skip
+def make_loop(
+    tmp_path,
+    *,
+    horizon=3,
+    num_samples=100,
+    tokens_per_step=10,
+    samples_per_step=None,
+    weight_sync_steps=1,
+    logging_steps=1,
+    save_steps=100,
+    fleet_error=None,
+    empty_polls=0,
+    fail_at=None,
+    stop_at=None,
+):
     journal = Journal()
-    settings = StepSettings(horizon=horizon, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
-                            weight_sync_steps=weight_sync_steps, logging_steps=logging_steps, save_steps=save_steps,
-                            hang_timeout_s=42.0, poll_s=0.0)  # fmt: skip
+    settings = StepSettings(
+        horizon=horizon,
+        tokens_per_step=tokens_per_step,
+        samples_per_step=samples_per_step,
+        weight_sync_steps=weight_sync_steps,
+        logging_steps=logging_steps,
+        save_steps=save_steps,
+        hang_timeout_s=42.0,
+        poll_s=0.0,
+    )
     queue = FakeQueue(journal, num_samples=num_samples, empty_polls=empty_polls)
     sink = RecordingSink()
     callback = Callback(journal, stop_at=stop_at)
     loop = StepLoop(
-        settings, queue=queue, learners=FakeLearners(journal, fail_at), weights=FakeWeights(journal),
-        fleet=FakeFleet(journal, fleet_error), checkpointer=Checkpointer(tmp_path), sinks=[sink],
-        callbacks=[callback], callback_args="the-config", state={}, tokenizer=None,
-    )  # fmt: skip
+        settings,
+        queue=queue,
+        learners=FakeLearners(journal, fail_at),
+        weights=FakeWeights(journal),
+        fleet=FakeFleet(journal, fleet_error),
+        checkpointer=Checkpointer(tmp_path),
+        sinks=[sink],
+        callbacks=[callback],
+        callback_args="the-config",
+        state={},
+        tokenizer=None,
+    )
     return loop, journal, sink
 
 
@@ -178,7 +206,9 @@ def test_logging_window_and_save_cadence(tmp_path):
     run(loop)
     assert [s for s, _ in sink.records] == [2, 4, 5]  # the last, partial window is logged too
     first = sink.records[0][1]
-    assert {"perf/rollout_wait_s", "perf/step_s", "policy_version", "loss", "reward", "rollout/queue_size"} <= set(first)
+    assert {"perf/rollout_wait_s", "perf/step_s", "policy_version", "loss", "reward", "rollout/queue_size"} <= set(
+        first
+    )
     saves = [e for e in journal if e.startswith("on_save")]
     assert saves == ["on_save:checkpoint-2", "on_save:checkpoint-4", "on_save:checkpoint-5"]  # 5: the final model
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
@@ -213,8 +243,9 @@ def test_a_sample_count_per_step(tmp_path):
 
 
 def test_a_fleet_health_failure_is_raised_with_its_message_and_sinks_are_closed(tmp_path):
-    loop, journal, sink = make_loop(tmp_path, fleet_error="rollout actor 1 failed: ZeroDivisionError: boom",
-                                    empty_polls=1)  # fmt: skip
+    loop, journal, sink = make_loop(
+        tmp_path, fleet_error="rollout actor 1 failed: ZeroDivisionError: boom", empty_polls=1
+    )
     with pytest.raises(RuntimeError, match="rollout actor 1 failed: ZeroDivisionError: boom"):
         run(loop)
     assert sink.closed and "train" not in journal and "on_train_end" not in journal

@@ -18,8 +18,12 @@ class TokenLearners:
 
     async def train_step(self, refs):
         self.steps += 1
-        return [("loss", 0.5), ("batch/forwarded_tokens_per_step", 100.0), ("batch/trained_tokens_per_step", 40.0),
-                ("perf/fwd_bwd_s", 0.5)]  # fmt: skip
+        return [
+            ("loss", 0.5),
+            ("batch/forwarded_tokens_per_step", 100.0),
+            ("batch/trained_tokens_per_step", 40.0),
+            ("perf/fwd_bwd_s", 0.5),
+        ]
 
     async def save(self, directory, tokenizer):
         from pathlib import Path
@@ -33,11 +37,13 @@ class Recorder(TrainerCallback):
 
     def __getattribute__(self, name):
         if name.startswith("on_"):
+
             def record(args, state, control, **kwargs):
                 assert isinstance(state, TrainerState) and isinstance(control, TrainerControl)
                 self.events.append((name, state.global_step))
                 self.kwargs[name] = kwargs
                 return object.__getattribute__(self, "hook")(name, state, control, kwargs)
+
             return record
         return object.__getattribute__(self, name)
 
@@ -47,13 +53,30 @@ class Recorder(TrainerCallback):
 
 def make(tmp_path, callbacks, horizon=3, logging_steps=1, save_steps=100, logging_first_step=False, perf=None):
     journal = Journal()
-    settings = StepSettings(horizon=horizon, tokens_per_step=10, logging_steps=logging_steps, save_steps=save_steps,
-                            logging_first_step=logging_first_step, hang_timeout_s=42.0, poll_s=0.0)  # fmt: skip
+    settings = StepSettings(
+        horizon=horizon,
+        tokens_per_step=10,
+        logging_steps=logging_steps,
+        save_steps=save_steps,
+        logging_first_step=logging_first_step,
+        hang_timeout_s=42.0,
+        poll_s=0.0,
+    )
     sink = RecordingSink()
-    loop = StepLoop(settings, queue=FakeQueue(journal, num_samples=100), learners=TokenLearners(),
-                    weights=FakeWeights(journal), fleet=FakeFleet(journal, None), checkpointer=Checkpointer(tmp_path),
-                    sinks=[sink], callbacks=callbacks, callback_args="the-config", state={}, tokenizer="tok",
-                    perf=perf)  # fmt: skip
+    loop = StepLoop(
+        settings,
+        queue=FakeQueue(journal, num_samples=100),
+        learners=TokenLearners(),
+        weights=FakeWeights(journal),
+        fleet=FakeFleet(journal, None),
+        checkpointer=Checkpointer(tmp_path),
+        sinks=[sink],
+        callbacks=callbacks,
+        callback_args="the-config",
+        state={},
+        tokenizer="tok",
+        perf=perf,
+    )
     return loop, sink
 
 
@@ -62,12 +85,27 @@ def test_every_event_with_transformers_arguments(tmp_path):
     loop, sink = make(tmp_path, [recorder], horizon=2, save_steps=2)
     state = asyncio.run(loop.run())
     names = [name for name, _ in recorder.events]
-    assert names == ["on_train_begin", "on_epoch_begin",
-                     "on_step_begin", "on_step_end", "on_log", "on_step_begin", "on_step_end", "on_log", "on_save",
-                     "on_epoch_end", "on_train_end"]  # fmt: skip
+    assert names == [
+        "on_train_begin",
+        "on_epoch_begin",
+        "on_step_begin",
+        "on_step_end",
+        "on_log",
+        "on_step_begin",
+        "on_step_end",
+        "on_log",
+        "on_save",
+        "on_epoch_end",
+        "on_train_end",
+    ]
     assert [step for name, step in recorder.events if name == "on_step_end"] == [1, 2]
     for kwargs in recorder.kwargs.values():
-        assert kwargs["processing_class"] == "tok" and {"model", "optimizer", "lr_scheduler", "train_dataloader"} <= set(kwargs)
+        assert kwargs["processing_class"] == "tok" and {
+            "model",
+            "optimizer",
+            "lr_scheduler",
+            "train_dataloader",
+        } <= set(kwargs)
     assert recorder.kwargs["on_step_end"]["metrics"]["loss"] == 0.5  # the step's metrics, for a progress display
     assert recorder.kwargs["on_log"]["logs"]["loss"] == 0.5
     ts = loop.state

@@ -35,8 +35,14 @@ class StuckQueue:
             bucket = self.causes if "/" in key else self.outcomes
             bucket[key] = bucket.get(key, 0) + value
         done = self.done_after is not None and self.polls >= self.done_after
-        return {"done": done, "queue_size": 0, "inflight_groups": 0 if done else 2, "outcomes": dict(self.outcomes),
-                "causes": dict(self.causes), "last_failures": dict(self.last)}  # fmt: skip
+        return {
+            "done": done,
+            "queue_size": 0,
+            "inflight_groups": 0 if done else 2,
+            "outcomes": dict(self.outcomes),
+            "causes": dict(self.causes),
+            "last_failures": dict(self.last),
+        }
 
     async def rollout_state(self):
         return {"prompt_index": 0, "model_version": 0}
@@ -70,10 +76,17 @@ class Fleet:
 
 
 def run_stuck(tmp_path, queue, fleet=None, timeout_s=0.2, action="error"):
-    settings = StepSettings(horizon=5, tokens_per_step=100, poll_s=0.01,
-                            watchdog=WatchdogSettings(timeout_s=timeout_s, action=action))  # fmt: skip
-    loop = StepLoop(settings, queue=queue, learners=Learners(), weights=Weights(), fleet=fleet or Fleet(),
-                    checkpointer=Checkpointer(str(tmp_path)))  # fmt: skip
+    settings = StepSettings(
+        horizon=5, tokens_per_step=100, poll_s=0.01, watchdog=WatchdogSettings(timeout_s=timeout_s, action=action)
+    )
+    loop = StepLoop(
+        settings,
+        queue=queue,
+        learners=Learners(),
+        weights=Weights(),
+        fleet=fleet or Fleet(),
+        checkpointer=Checkpointer(str(tmp_path)),
+    )
     started = time.monotonic()
     result = asyncio.run(asyncio.wait_for(loop.run(), timeout=5))
     return result, time.monotonic() - started
@@ -88,8 +101,12 @@ def raised(tmp_path, queue, fleet=None, timeout_s=0.2):
 
 
 def test_constant_reward_stops_the_run_with_the_zero_spread_count(tmp_path):
-    queue = StuckQueue(outcomes={"zero_std": 500}, causes={"zero_std/constant": 500}, grow={"zero_std": 4,
-                       "zero_std/constant": 4}, last={"zero_std/constant": "8 of 8 rollouts scored, every reward 1 (acc)"})  # fmt: skip
+    queue = StuckQueue(
+        outcomes={"zero_std": 500},
+        causes={"zero_std/constant": 500},
+        grow={"zero_std": 4, "zero_std/constant": 4},
+        last={"zero_std/constant": "8 of 8 rollouts scored, every reward 1 (acc)"},
+    )
     message = raised(tmp_path, queue)
     assert "no training step completed in" in message and "watchdog_timeout_s=0.2" in message
     assert "groups in a row had zero reward spread" in message and "check the reward functions" in message
@@ -99,7 +116,9 @@ def test_constant_reward_stops_the_run_with_the_zero_spread_count(tmp_path):
 
 
 def test_all_none_rewards_are_reported_as_not_applicable(tmp_path):
-    queue = StuckQueue(grow={"zero_std": 2, "zero_std/no_reward": 2}, last={"zero_std/no_reward": "every reward None (f)"})
+    queue = StuckQueue(
+        grow={"zero_std": 2, "zero_std/no_reward": 2}, last={"zero_std/no_reward": "every reward None (f)"}
+    )
     message = raised(tmp_path, queue)
     assert "returned None for every sample of" in message and "every reward None (f)" in message
     assert "zero reward spread" not in message  # the None groups are not double-counted as constant rewards
@@ -113,15 +132,23 @@ def test_every_prompt_too_long_is_named_with_the_lengths(tmp_path):
 
 
 def test_other_failures_carry_the_last_message(tmp_path):
-    queue = StuckQueue(grow={"failed": 1, "failed/reward_timeout": 1},
-                       last={"failed/reward_timeout": "reward function 'judge' did not return within reward_timeout_s=5 s"})  # fmt: skip
+    queue = StuckQueue(
+        grow={"failed": 1, "failed/reward_timeout": 1},
+        last={"failed/reward_timeout": "reward function 'judge' did not return within reward_timeout_s=5 s"},
+    )
     message = raised(tmp_path, queue)
     assert "groups failed (last: reward function 'judge' did not return" in message
 
 
 def test_a_hung_tool_is_named_from_the_fleet_health(tmp_path):
-    health = {"error": None, "running": True, "heartbeat_age_s": 0.1, "num_inflight": 8,
-              "oldest_tool_call": {"name": "slow_tool", "age_s": 300.0}, "oldest_request": None}  # fmt: skip
+    health = {
+        "error": None,
+        "running": True,
+        "heartbeat_age_s": 0.1,
+        "num_inflight": 8,
+        "oldest_tool_call": {"name": "slow_tool", "age_s": 300.0},
+        "oldest_request": None,
+    }
     message = raised(tmp_path, StuckQueue(), Fleet([("rollout actor 0", health)]))
     assert "rollout actor 0: tool `slow_tool` has not returned in 300 s" in message and "tool_timeout_s" in message
 
@@ -150,7 +177,9 @@ def test_warn_mode_warns_once_per_bound_and_keeps_going(tmp_path, caplog):
 
 def test_an_epoch_of_dropped_groups_ends_with_the_reason_not_silently(tmp_path):
     queue = StuckQueue(outcomes={"zero_std": 64}, causes={"zero_std/no_reward": 64}, done_after=1)
-    with pytest.raises(NoProgressError, match="ended without a single training step: the reward functions returned None"):
+    with pytest.raises(
+        NoProgressError, match="ended without a single training step: the reward functions returned None"
+    ):
         run_stuck(tmp_path, queue, timeout_s=100)
 
 
@@ -193,8 +222,9 @@ def test_the_floor_names_its_config_field():
         dog.check({"outcomes": {}})
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [({"action": "ignore"}, "watchdog_action"),
-                                                ({"timeout_s": 0}, "watchdog_timeout_s")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "field"), [({"action": "ignore"}, "watchdog_action"), ({"timeout_s": 0}, "watchdog_timeout_s")]
+)
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         WatchdogSettings(**kwargs)
@@ -206,7 +236,11 @@ def test_settings_from_config_read_the_watchdog_fields():
     config = AsyncGRPOConfig(output_dir="x", watchdog_timeout_s=12.0, watchdog_action="warn")
     settings = StepSettings.from_config(config, horizon=1, tokens_per_step=1, samples_per_step=None, hang_timeout_s=60)
     assert settings.watchdog == WatchdogSettings(timeout_s=12.0, floor_s=60, action="warn")
-    for bad in ({"watchdog_timeout_s": -1}, {"watchdog_action": "x"}, {"reward_timeout_s": 0},
-                {"tool_timeout_s": float("nan")}):  # fmt: skip
+    for bad in (
+        {"watchdog_timeout_s": -1},
+        {"watchdog_action": "x"},
+        {"reward_timeout_s": 0},
+        {"tool_timeout_s": float("nan")},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AsyncGRPOConfig(output_dir="x", **bad)

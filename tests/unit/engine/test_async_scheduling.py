@@ -31,8 +31,13 @@ PARAMS = [
 
 
 def as_tuple(record):
-    return (record.output_ids, record.output_log_probs, record.output_sampler_logprobs, record.output_sampling_mask,
-            record.finish_reason)  # fmt: skip
+    return (
+        record.output_ids,
+        record.output_log_probs,
+        record.output_sampler_logprobs,
+        record.output_sampling_mask,
+        record.finish_reason,
+    )
 
 
 def assert_same_records(got, want):
@@ -76,8 +81,15 @@ def jobs_of(n):
 def test_async_is_bitwise_sync_when_every_step_holds_the_same_requests():
     """All requests arrive at once and stop by length only: no step holds a token to discard, so both modes run the
     same batches and give bitwise the same records."""
-    jobs = [(p, SamplingParams(max_tokens=4 + 3 * i, temperature=1.0, seed=i, num_logprobs=2, top_k=20,
-                               return_sampling_mask=True)) for i, p in enumerate(PROMPTS)]  # fmt: skip
+    jobs = [
+        (
+            p,
+            SamplingParams(
+                max_tokens=4 + 3 * i, temperature=1.0, seed=i, num_logprobs=2, top_k=20, return_sampling_mask=True
+            ),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     out = {}
     for mode in (False, True):
         engine = make_engine(tiny_model("qwen3", init=0.05), async_scheduling=mode)

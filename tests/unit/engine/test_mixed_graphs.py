@@ -34,8 +34,9 @@ def test_staged_mixed_inputs_equal_build_metadata_with_the_padding_request(block
 
     n = sum(map(len, token_ids))
     pad = tokens - n
-    meta = build_metadata(pool, [*starts, 0], [*map(len, token_ids), pad], [*block_ids, []], torch.device("cpu"),
-                          "triton", max_blocks)  # fmt: skip
+    meta = build_metadata(
+        pool, [*starts, 0], [*map(len, token_ids), pad], [*block_ids, []], torch.device("cpu"), "triton", max_blocks
+    )
     r = len(token_ids) + 1  # the real requests and the padding request
     assert host["input_ids"].tolist() == [t for ids in token_ids for t in ids] + [0] * pad
     assert host["positions"].tolist() == meta.positions.tolist()

@@ -85,7 +85,6 @@ def test_layout_on_cpu_is_the_reference_backend():
         choose_layout("flash", None, cpu, torch.float32, 4, 2, 8)
 
 
-
 def compare_triton_with_reference(window: int, block_size: int) -> None:
     """The Triton kernel against the reference backend on a mixed step: decodes, a fresh prefill longer than one query
     tile and one key tile, a chunk continuing a request, GQA."""
@@ -105,7 +104,11 @@ def compare_triton_with_reference(window: int, block_size: int) -> None:
         meta = build_metadata(pool, starts, lengths, block_ids, device, backend)
         outputs.append(
             paged_attention_forward(
-                Layer(), **tensors, attention_mask=None, scaling=dim**-0.5, sliding_window=window or None,
+                Layer(),
+                **tensors,
+                attention_mask=None,
+                scaling=dim**-0.5,
+                sliding_window=window or None,
                 paged_attention=meta,
             )[0]
         )

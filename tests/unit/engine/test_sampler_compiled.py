@@ -88,8 +88,9 @@ def test_compiled_every_stage_equals_eager_sampler(windowed):
             params, logits, seen, seeds = make_batch(rows=rows, vocab=40, seed=3, windowed=windowed)
             batch = BatchSampling.from_params(params, seeds)
             steps = torch.arange(rows) % 5
-            assert_same(sample(logits, batch, steps, seen_tokens=seen),
-                        sample_compiled(logits, batch, steps, seen_tokens=seen))  # fmt: skip
+            assert_same(
+                sample(logits, batch, steps, seen_tokens=seen), sample_compiled(logits, batch, steps, seen_tokens=seen)
+            )
 
 
 def test_variant_buckets_the_window_and_picks_the_stages():
@@ -133,8 +134,10 @@ def test_engine_option_same_tokens_and_logprobs():
     from tests.unit.engine.test_torch_engine import PROMPTS, make_engine, tiny_model
 
     model = tiny_model("qwen3", init=0.05)
-    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=1.0, num_logprobs=3, seed=11 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=6 + 3 * i, temperature=1.0, num_logprobs=3, seed=11 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
 
     async def run(engine):
         return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(PROMPTS, params)))

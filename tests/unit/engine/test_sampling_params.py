@@ -11,11 +11,27 @@ from rlasync.engine import SamplingParams
 
 
 def test_from_config_reads_the_grpo_generation_fields():
-    config = AsyncGRPOConfig(max_completion_length=33, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05,
-                             repetition_penalty=1.1, num_sampler_logprobs=5)  # fmt: skip
+    config = AsyncGRPOConfig(
+        max_completion_length=33,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        num_sampler_logprobs=5,
+    )
     sampling = SamplingParams.from_config(config, seed=11)
-    assert sampling == SamplingParams(max_tokens=33, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05,
-                                      repetition_penalty=1.1, seed=11, num_logprobs=5, return_sampling_mask=True)  # fmt: skip
+    assert sampling == SamplingParams(
+        max_tokens=33,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        seed=11,
+        num_logprobs=5,
+        return_sampling_mask=True,
+    )
 
 
 def test_for_student_asks_for_no_logprobs_and_no_mask():

@@ -195,8 +195,9 @@ def test_random_workloads_finish_every_request_and_leak_no_block(seed, caching):
     """With prefix caching, prompts share prefixes (a few stems) and odd seeds clear the cache now and then (weight
     loads); blocks may be shared, so the invariant counts distinct blocks."""
     rng = random.Random(100 * caching + seed)
-    allocator = BlockAllocator(num_blocks=rng.randint(6 + 2 * caching, 20), block_size=rng.choice([1, 2, 4]),
-                               enable_caching=caching)  # fmt: skip
+    allocator = BlockAllocator(
+        num_blocks=rng.randint(6 + 2 * caching, 20), block_size=rng.choice([1, 2, 4]), enable_caching=caching
+    )
     scheduler = Scheduler(allocator, max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(1, 24))
     capacity = allocator.capacity_tokens
     stems = [[rng.randint(0, 5) for _ in range(capacity)] for _ in range(3)]

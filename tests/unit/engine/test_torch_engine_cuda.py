@@ -189,13 +189,17 @@ def test_async_scheduling_gives_the_sync_tokens_with_cuda_graphs():
     """fp32, Triton kernel, decode and mixed-step graphs: all requests at once, length stops only, so both modes run
     the same batches: same tokens, log-probs and top-N; the async run fed its decode inputs back on the device."""
     model = tiny_model(init=0.05)
-    jobs = [(p, SamplingParams(max_tokens=10 + 7 * i, temperature=1.0, seed=i, top_k=30, num_logprobs=3))
-            for i, p in enumerate(PROMPTS * 3)]  # fmt: skip
+    jobs = [
+        (p, SamplingParams(max_tokens=10 + 7 * i, temperature=1.0, seed=i, top_k=30, num_logprobs=3))
+        for i, p in enumerate(PROMPTS * 3)
+    ]
     out = {}
     for mode in (False, True):
-        engine = engine_of(model, dtype="float32", attention_backend="triton", max_num_batched_tokens=256,
-                           async_scheduling=mode)  # fmt: skip
+        engine = engine_of(
+            model, dtype="float32", attention_backend="triton", max_num_batched_tokens=256, async_scheduling=mode
+        )
         assert engine.async_scheduling is mode
+
         async def run_all(engine=engine):
             return await asyncio.gather(*(engine.generate(p, s) for p, s in jobs))
 
@@ -203,8 +207,9 @@ def test_async_scheduling_gives_the_sync_tokens_with_cuda_graphs():
         assert engine._runner.graphs is not None and engine._runner.mixed is not None
     for a, b in zip(out[True], out[False]):
         assert a.output_ids == b.output_ids
-        torch.testing.assert_close(torch.tensor(a.output_log_probs), torch.tensor(b.output_log_probs), atol=1e-5,
-                                   rtol=0)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(a.output_log_probs), torch.tensor(b.output_log_probs), atol=1e-5, rtol=0
+        )
         assert [sorted(t) for t in a.output_sampler_logprobs] == [sorted(t) for t in b.output_sampler_logprobs]
 
 
@@ -214,8 +219,15 @@ def test_async_scheduling_on_cuda_agrees_with_sync_under_arrivals_stops_preempti
     prompts = [[(3 * i + j) % 160 for j in range(1 + i % 17)] for i in range(48)]
     outputs, stats = {}, {}
     for mode in (False, True):
-        engine = engine_of(model, dtype="float32", attention_backend="triton", kv_cache_tokens=768, max_num_seqs=32,
-                           max_num_batched_tokens=256, async_scheduling=mode)  # fmt: skip
+        engine = engine_of(
+            model,
+            dtype="float32",
+            attention_backend="triton",
+            kv_cache_tokens=768,
+            max_num_seqs=32,
+            max_num_batched_tokens=256,
+            async_scheduling=mode,
+        )
         outputs[mode] = asyncio.run(_staggered(engine, prompts, greedy, gap_s=0.002))
         stats[mode] = engine.stats()
     assert _records(outputs[True]) == _records(outputs[False])

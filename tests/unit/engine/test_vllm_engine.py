@@ -169,8 +169,9 @@ def test_payloads_round_trip_through_the_extension(text):
 
 
 def test_payload_chunks_bound_the_bytes_and_reject_garbage():
-    payloads = list(encode_weights([("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(1))],
-                                   chunk_bytes=400))  # fmt: skip
+    payloads = list(
+        encode_weights([("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(1))], chunk_bytes=400)
+    )
     assert [[item[0] for item in p["items"]] for p in payloads] == [["a"], ["b"], ["c"]]
     with pytest.raises(ValueError, match="not an rlasync weight payload"):
         list(decode_weights({"items": []}))
@@ -260,8 +261,9 @@ class FakeVLLMEngine(VLLMEngine):
 
 
 def test_engine_args_pause_resume_load_weights_and_stats():
-    engine = FakeVLLMEngine("m", dtype=None, max_model_len=96, gpu_memory_utilization=0.3, seed=5, enforce_eager=True,
-                            chunk_bytes=16)  # fmt: skip
+    engine = FakeVLLMEngine(
+        "m", dtype=None, max_model_len=96, gpu_memory_utilization=0.3, seed=5, enforce_eager=True, chunk_bytes=16
+    )
     llm = engine._llm
     assert llm.args["logprobs_mode"] == "processed_logprobs" and llm.args["worker_extension_cls"] == EXTENSION_QUALNAME
     assert llm.args["dtype"] == "auto" and llm.args["enforce_eager"] is True and llm.args["seed"] == 5

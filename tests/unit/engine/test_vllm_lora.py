@@ -32,8 +32,10 @@ def adapter_sync(scale=1.0):
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """Just enough of the `vllm` package for the request path: TokensPrompt, LoRARequest, the engine exceptions."""
-    modules = {name: types.ModuleType(name) for name in
-               ("vllm", "vllm.lora", "vllm.lora.request", "vllm.v1", "vllm.v1.engine", "vllm.v1.engine.exceptions")}  # fmt: skip
+    modules = {
+        name: types.ModuleType(name)
+        for name in ("vllm", "vllm.lora", "vllm.lora.request", "vllm.v1", "vllm.v1.engine", "vllm.v1.engine.exceptions")
+    }
     modules["vllm"].TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
     modules["vllm.lora.request"].LoRARequest = lambda **kw: SimpleNamespace(**kw)
     for name in ("EngineDeadError", "EngineGenerateError"):
@@ -45,8 +47,10 @@ def fake_vllm(monkeypatch):
 class FakeLLM:
     def __init__(self, args):
         self.args, self.loras, self.calls, self.requests = args, {}, [], []
-        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, max_logprobs=20),
-                                           cache_config=SimpleNamespace(num_gpu_blocks=10, block_size=16))  # fmt: skip
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=64, max_logprobs=20),
+            cache_config=SimpleNamespace(num_gpu_blocks=10, block_size=16),
+        )
 
     async def add_lora(self, request):
         with open(f"{request.lora_path}/adapter_config.json") as f:
@@ -168,8 +172,15 @@ class FakeLoraServer:
 
 def test_vllm_server_loads_adapters_over_http_and_requests_name_the_newest(tmp_path):
     with FakeLoraServer() as server:
-        engine = VLLMServerEngine(f"http://127.0.0.1:{server.port}", "base-model", check=False, lora_dir=str(tmp_path),
-                                  max_loras=2, backoff_base_s=0.01, metrics_interval_s=0)  # fmt: skip
+        engine = VLLMServerEngine(
+            f"http://127.0.0.1:{server.port}",
+            "base-model",
+            check=False,
+            lora_dir=str(tmp_path),
+            max_loras=2,
+            backoff_base_s=0.01,
+            metrics_interval_s=0,
+        )
         served = [engine._served_model()]
 
         async def go():
@@ -182,8 +193,12 @@ def test_vllm_server_loads_adapters_over_http_and_requests_name_the_newest(tmp_p
 
         asyncio.run(go())
     assert served == ["base-model", "rlasync-v1", "rlasync-v2", "rlasync-v3"]
-    assert server.requests == [("load", "rlasync-v1"), ("load", "rlasync-v2"), ("load", "rlasync-v3"),
-                               ("unload", "rlasync-v1")]  # fmt: skip
+    assert server.requests == [
+        ("load", "rlasync-v1"),
+        ("load", "rlasync-v2"),
+        ("load", "rlasync-v3"),
+        ("unload", "rlasync-v1"),
+    ]
     assert server.loaded == ["rlasync-v2", "rlasync-v3"]
 
 

@@ -95,8 +95,12 @@ class FakeVLLM:
                 app.router.add_post("/resume", self.resume)
                 app.router.add_post("/collective_rpc", self.collective_rpc)
                 app.router.add_get("/get_world_size", self.world_size)
-                for path in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                             "/finish_weight_update"):  # fmt: skip
+                for path in (
+                    "/init_weight_transfer_engine",
+                    "/start_weight_update",
+                    "/update_weights",
+                    "/finish_weight_update",
+                ):
                     app.router.add_post(path, self.transfer)
             self.runner = web.AppRunner(app)
             self.loop.run_until_complete(self.runner.setup())
@@ -130,8 +134,9 @@ class FakeVLLM:
 
     @staticmethod
     def _error(status, message, kind="BadRequestError"):
-        return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                                 status=status)  # fmt: skip
+        return web.json_response(
+            {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+        )
 
     async def completions(self, request):
         body = await request.json()
@@ -146,14 +151,18 @@ class FakeVLLM:
         prompt = body["prompt"]
         n, num_logprobs = body.get("max_tokens", 16), body.get("logprobs")
         if len(prompt) + n > self.max_model_len:  # vLLM 0.25: renderers/params.py _token_len_check
-            return self._error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                    f"you requested {n} output tokens and your prompt contains {len(prompt)} input "
-                                    f"tokens, for a total of {len(prompt) + n} tokens. Please reduce the length of "
-                                    "the input prompt or the number of requested output tokens.")  # fmt: skip
+            return self._error(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n} output tokens and your prompt contains {len(prompt)} input "
+                f"tokens, for a total of {len(prompt) + n} tokens. Please reduce the length of "
+                "the input prompt or the number of requested output tokens.",
+            )
         tokens = [(prompt[-1] + 1 + k) % VOCAB for k in range(n)]
         processed = self.logprobs_mode == "processed_logprobs"
-        sampled = [0.0 if processed and body.get("top_k") == 1 else -((0.1 if processed else 1.5) + 0.05 * k)
-                   for k in range(n)]  # fmt: skip
+        sampled = [
+            0.0 if processed and body.get("top_k") == 1 else -((0.1 if processed else 1.5) + 0.05 * k) for k in range(n)
+        ]
         logprobs = None
         if num_logprobs is not None:
             top = []
@@ -165,16 +174,25 @@ class FakeVLLM:
                 else:  # sampled is outside the top-N: N + 1 entries
                     entry.update({f"token_id:{o}": lp + 0.5 - 0.01 * j for j, o in enumerate(others)})
                 top.append(entry)
-            logprobs = {"text_offset": list(range(n)), "token_logprobs": sampled,
-                        "tokens": [f"token_id:{t}" for t in tokens], "top_logprobs": top}  # fmt: skip
+            logprobs = {
+                "text_offset": list(range(n)),
+                "token_logprobs": sampled,
+                "tokens": [f"token_id:{t}" for t in tokens],
+                "top_logprobs": top,
+            }
         prompt_logprobs = None
         if body.get("prompt_logprobs") is not None:
             k_top = body["prompt_logprobs"]
             prompt_logprobs = [None]
             for i in range(1, len(prompt)):
                 realised = prompt[i]
-                entry = {str(realised): {"logprob": -0.2 * i, "rank": 1 if i % 2 else k_top + 3,
-                                         "decoded_token": f"t{realised}"}}  # fmt: skip
+                entry = {
+                    str(realised): {
+                        "logprob": -0.2 * i,
+                        "rank": 1 if i % 2 else k_top + 3,
+                        "decoded_token": f"t{realised}",
+                    }
+                }
                 others = [(realised + 7 + j) % VOCAB for j in range(k_top)]
                 start = 2 if i % 2 else 1
                 for j, other in enumerate(others[: k_top - (1 if i % 2 else 0)]):
@@ -191,9 +209,16 @@ class FakeVLLM:
             "prompt_token_ids": prompt if body.get("return_token_ids") else None,
             "routed_experts": None,
         }
-        return web.json_response({"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": MODEL_ID,
-                                  "choices": [choice], "usage": {"prompt_tokens": len(prompt),
-                                  "total_tokens": len(prompt) + n, "completion_tokens": n}})  # fmt: skip
+        return web.json_response(
+            {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": 0,
+                "model": MODEL_ID,
+                "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n, "completion_tokens": n},
+            }
+        )
 
     async def models(self, request):
         self._record(request, None)
@@ -314,8 +339,17 @@ def test_startup_waits_for_readiness_then_times_out():
 
 def test_generate_sends_token_ids_and_parses_ids_logprobs_top_n_and_finish_reason(fake):
     engine = fake.engine()
-    sampling = SamplingParams(max_tokens=4, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=7, num_logprobs=2,
-                              stop_token_ids=(3,), return_sampling_mask=False)  # fmt: skip
+    sampling = SamplingParams(
+        max_tokens=4,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.05,
+        seed=7,
+        num_logprobs=2,
+        stop_token_ids=(3,),
+        return_sampling_mask=False,
+    )
 
     async def go():
         try:
@@ -548,15 +582,28 @@ def test_nccl_weight_transfer_endpoints_in_order_and_finish_on_failure(fake):
     engine = fake.engine()
     world = run(engine.init_weight_transfer("10.0.0.1", 29501))
     assert world == 1 and fake.requests[-1][2]["init_info"] == {
-        "master_address": "10.0.0.1", "master_port": 29501, "rank_offset": 1, "world_size": 2}  # fmt: skip
+        "master_address": "10.0.0.1",
+        "master_port": 29501,
+        "rank_offset": 1,
+        "world_size": 2,
+    }
     manifest = [("a", "float32", (3, 4)), ("b", "bfloat16", (5,))]
     run(engine.update_weights_nccl(manifest))
     paths = fake.paths()[-5:]
-    assert paths == ["/pause?mode=keep&clear_cache=true", "/start_weight_update", "/update_weights",
-                     "/finish_weight_update", "/resume"]  # fmt: skip
+    assert paths == [
+        "/pause?mode=keep&clear_cache=true",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/resume",
+    ]
     info = fake.requests[-3][2]["update_info"]
-    assert info == {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[3, 4], [5]],
-                    "packed": True}  # fmt: skip
+    assert info == {
+        "names": ["a", "b"],
+        "dtype_names": ["float32", "bfloat16"],
+        "shapes": [[3, 4], [5]],
+        "packed": True,
+    }
     fake.fail = [500]
     with pytest.raises(RuntimeError, match="update failed"):
         run(engine.update_weights_nccl(manifest))

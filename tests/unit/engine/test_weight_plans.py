@@ -16,8 +16,15 @@ def tiny(seed):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -90,8 +97,12 @@ class Fused(torch.nn.Module):
 
 def fused_sources(seed):
     torch.manual_seed(seed)
-    return {"q.weight": torch.randn(6, 4), "k.weight": torch.randn(3, 4), "v.weight": torch.randn(3, 4),
-            "out.weight": torch.randn(4, 4)}  # fmt: skip
+    return {
+        "q.weight": torch.randn(6, 4),
+        "k.weight": torch.randn(3, 4),
+        "v.weight": torch.randn(3, 4),
+        "out.weight": torch.randn(4, 4),
+    }
 
 
 def test_fused_shards_replay_equal_to_the_models_own_loader():

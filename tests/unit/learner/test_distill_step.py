@@ -22,9 +22,16 @@ def tiny_model(seed=0):
 
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return enable_tree_attention(AutoModelForCausalLM.from_config(config))
 
 
@@ -75,7 +82,9 @@ def rows_for(samples, num_ranks=1, device="cpu"):
     return [distill_row_tensors(batch, rank, torch.device(device)) for rank in range(num_ranks)], batch
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -199,7 +208,9 @@ def test_a_row_planned_for_the_varlen_backend_gives_the_reference_loss(monkeypat
 
     plans = []
     loop = segments.reference_segment_attention
-    monkeypatch.setattr(segments, "reference_segment_attention", lambda q, k, v, plan, *a: plans.append(plan) or loop(q, k, v, plan, *a))
+    monkeypatch.setattr(
+        segments, "reference_segment_attention", lambda q, k, v, plan, *a: plans.append(plan) or loop(q, k, v, plan, *a)
+    )
     rng = np.random.default_rng(1)
     model = tiny_model()
     samples = [make_sample(rng, 0, 5, 6), make_sample(rng, 1, 3, 4), make_sample(rng, 2, 7, 1)]

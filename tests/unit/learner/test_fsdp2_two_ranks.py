@@ -27,8 +27,16 @@ def tiny_model():
     from rlasync.model import prepare_for_training
 
     torch.manual_seed(5)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     return prepare_for_training(AutoModelForCausalLM.from_config(config), gradient_checkpointing=True, compile=False)
 
 
@@ -54,8 +62,11 @@ def planned_rows(model):
                 top = torch.topk(model(torch.tensor([seq])).logits[0, :-1].log_softmax(-1), 4, dim=-1)
             ids, vals = np.full((len(seq), 4), -1, np.int64), np.full((len(seq), 4), -np.inf, np.float32)
             ids[1:], vals[1:] = top.indices.numpy(), top.values.numpy()
-            samples.append(RolloutSample(seq, mask, sampler, float(rng.normal()), group, sampler_topk_ids=ids,
-                                         sampler_topk_logprobs=vals))  # fmt: skip
+            samples.append(
+                RolloutSample(
+                    seq, mask, sampler, float(rng.normal()), group, sampler_topk_ids=ids, sampler_topk_logprobs=vals
+                )
+            )
     batches = TokenBudgetBatcher(num_ranks=WORLD, token_budget=40).plan(samples)
     rows = [[pack(batch.rows[rank]) for batch in batches] for rank in range(WORLD)]
     global_terms = [sum(rows[r][i].num_trained_tokens for r in range(WORLD)) for i in range(len(batches))]
@@ -100,10 +111,19 @@ def reference_step(model, rows, global_terms) -> list[float]:
         for row, terms in zip(rank_rows, global_terms):
             t = packed_row_to_tensors(row)
             scores = packed_token_scores(model, t)
-            loss, _ = grpo_loss(scores.logprobs, t.sampler_logprobs, t.advantages, t.sample_index, config=LossConfig(),
-                                num_tokens_global=float(terms), num_ranks=WORLD, grad_accum_steps=len(rank_rows),
-                                entropy=scores.entropy.detach(), head_trainer_logprobs=scores.extra_logprobs,
-                                head_sampler_logprobs=t.sampler_topk_logprobs)  # fmt: skip
+            loss, _ = grpo_loss(
+                scores.logprobs,
+                t.sampler_logprobs,
+                t.advantages,
+                t.sample_index,
+                config=LossConfig(),
+                num_tokens_global=float(terms),
+                num_ranks=WORLD,
+                grad_accum_steps=len(rank_rows),
+                entropy=scores.entropy.detach(),
+                head_trainer_logprobs=scores.extra_logprobs,
+                head_sampler_logprobs=t.sampler_topk_logprobs,
+            )
             loss.backward()
             total += float(loss.detach())
         losses.append(total)
@@ -124,9 +144,16 @@ def test_two_fsdp2_ranks_on_shared_prefix_rows_take_the_reference_step(tmp_path)
     expected_losses = reference_step(model, rows, global_terms)
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(WORLD), str(tmp_path / "pg"), str(tmp_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(rank), str(WORLD), str(tmp_path / "pg"), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(WORLD)
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
     results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(WORLD)]

@@ -26,25 +26,64 @@ TOKEN_BUDGET = 32
 
 # what the LearnerActor returned before the Learner existed, on these samples (key order; planner keys repeat per
 # micro-batch)
-PLANNER_KEYS = ["sample/forwarded_tokens_mean", "sample/forwarded_tokens_max", "sample/trained_tokens_mean",
-                "batch/masked_token_frac", "batch/samples_per_row", "batch/row_tokens_mean", "batch/row_tokens_max",
-                "batch/row_imbalance"]  # fmt: skip
+PLANNER_KEYS = [
+    "sample/forwarded_tokens_mean",
+    "sample/forwarded_tokens_max",
+    "sample/trained_tokens_mean",
+    "batch/masked_token_frac",
+    "batch/samples_per_row",
+    "batch/row_tokens_mean",
+    "batch/row_tokens_max",
+    "batch/row_imbalance",
+]
 STEP_KEYS = ["batch/forwarded_tokens_per_step", "batch/microbatches_per_step", "batch/trained_tokens_per_step"]
 PERF_KEYS = ["perf/fetch_samples_s", "perf/fwd_bwd_s", "perf/fwd_s", "perf/optimizer_s", "perf/pack_s"]
 GRPO_KEYS = [
-    *PLANNER_KEYS, "batch/packing_ratio", "batch/pad_frac", "batch/row_fill_frac", "batch/dropped_oversize_count",
-    *STEP_KEYS, "clip_ratio/high_max", "clip_ratio/high_mean", "clip_ratio/low_mean", "clip_ratio/low_min",
-    "clip_ratio/region_mean", "entropy", "grad_norm", "kl", "learning_rate", "loss", *PERF_KEYS, "ratio",
-    "sampling/importance_sampling_ratio/max", "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/min", "sampling/masked_mean", "sampling/sampling_logp_difference/max",
-    "sampling/sampling_logp_difference/mean", "batch/samples_per_step", "batch/groups_per_step",
+    *PLANNER_KEYS,
+    "batch/packing_ratio",
+    "batch/pad_frac",
+    "batch/row_fill_frac",
+    "batch/dropped_oversize_count",
+    *STEP_KEYS,
+    "clip_ratio/high_max",
+    "clip_ratio/high_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/region_mean",
+    "entropy",
+    "grad_norm",
+    "kl",
+    "learning_rate",
+    "loss",
+    *PERF_KEYS,
+    "ratio",
+    "sampling/importance_sampling_ratio/max",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/masked_mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/sampling_logp_difference/mean",
+    "batch/samples_per_step",
+    "batch/groups_per_step",
     "perf/forwarded_tok_s_fwd_bwd",
-]  # fmt: skip
+]
 DISTILL_KEYS = [
-    *PLANNER_KEYS, "batch/pad_frac", "batch/row_fill_frac", "batch/dropped_oversize_total", *STEP_KEYS, "entropy",
-    "grad_norm", "jsd", "learning_rate", "loss", *PERF_KEYS, "teacher_entropy", "batch/samples_per_step",
-    "batch/prompts_per_step", "perf/forwarded_tok_s_fwd_bwd",
-]  # fmt: skip
+    *PLANNER_KEYS,
+    "batch/pad_frac",
+    "batch/row_fill_frac",
+    "batch/dropped_oversize_total",
+    *STEP_KEYS,
+    "entropy",
+    "grad_norm",
+    "jsd",
+    "learning_rate",
+    "loss",
+    *PERF_KEYS,
+    "teacher_entropy",
+    "batch/samples_per_step",
+    "batch/prompts_per_step",
+    "perf/forwarded_tok_s_fwd_bwd",
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +93,18 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
 
@@ -104,13 +151,21 @@ def distill_samples(num=6, seed=0):
 
 def grpo_config(tmp_path, **overrides):
     overrides.setdefault("gradient_checkpointing", False)
-    return AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2, seed=0, score_centering=False,
-                           num_sampler_logprobs=0, **overrides)  # fmt: skip
+    return AsyncGRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=10,
+        learning_rate=1e-2,
+        seed=0,
+        score_centering=False,
+        num_sampler_logprobs=0,
+        **overrides,
+    )
 
 
 def distill_config(tmp_path, **overrides):
-    return AsyncDistillationConfig(output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2,
-                                   gradient_checkpointing=False, seed=0, **overrides)  # fmt: skip
+    return AsyncDistillationConfig(
+        output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2, gradient_checkpointing=False, seed=0, **overrides
+    )
 
 
 def unique(keys):
@@ -168,8 +223,9 @@ def test_settings_read_the_typed_slices_of_the_config(tmp_path):
     assert settings.optimizer.max_steps == 7 and settings.optimizer.learning_rate == 1e-2
     assert (settings.max_grad_norm, settings.temperature, settings.token_budget) == (0.5, 0.7, 64)
     assert settings.teacher_ids == ("default",) and settings.bf16 is False
-    distill = LearnerSettings.from_config(distill_config(tmp_path, beta=0.5), objective="distill", token_budget=0,
-                                          teacher_ids=["a", "b"])  # fmt: skip
+    distill = LearnerSettings.from_config(
+        distill_config(tmp_path, beta=0.5), objective="distill", token_budget=0, teacher_ids=["a", "b"]
+    )
     assert distill.loss == DistillLossConfig(beta=0.5) and distill.teacher_ids == ("a", "b")
     with pytest.raises(ValueError, match="objective"):
         LearnerSettings.from_config(config, objective="ppo", token_budget=64)  # type: ignore[arg-type]
@@ -288,8 +344,9 @@ def failing_backend():
 
 def test_a_compile_failure_falls_back_to_eager_layers_with_one_warning(model_dir, tmp_path, failing_backend, caplog):
     torch._dynamo.reset()
-    settings = LearnerSettings.from_config(grpo_config(tmp_path, torch_compile_backend=failing_backend),
-                                           objective="grpo", token_budget=TOKEN_BUDGET)  # fmt: skip
+    settings = LearnerSettings.from_config(
+        grpo_config(tmp_path, torch_compile_backend=failing_backend), objective="grpo", token_budget=TOKEN_BUDGET
+    )
     assert settings.torch_compile and settings.row_bucket == row_bucket(TOKEN_BUDGET)
     eager = LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=TOKEN_BUDGET)
     learner = Learner(model_dir, settings)

@@ -39,24 +39,46 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama_lora")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
 
 
 def lora(**overrides):
     # init_lora_weights=False: B is random too, so the adapter changes the outputs before any step
-    return LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False,
-                         "lora_dropout": 0.0, **overrides})  # fmt: skip
+    return LoraConfig(
+        **{
+            "r": 4,
+            "lora_alpha": 8,
+            "target_modules": "all-linear",
+            "init_lora_weights": False,
+            "lora_dropout": 0.0,
+            **overrides,
+        }
+    )
 
 
 def settings(tmp_path, peft_config, gradient_checkpointing=False, **overrides):
-    config = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=10, learning_rate=1e-2, seed=0,
-                             gradient_checkpointing=gradient_checkpointing, score_centering=False,
-                             num_sampler_logprobs=0)  # fmt: skip
+    config = AsyncGRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=10,
+        learning_rate=1e-2,
+        seed=0,
+        gradient_checkpointing=gradient_checkpointing,
+        score_centering=False,
+        num_sampler_logprobs=0,
+    )
     base = LearnerSettings.from_config(config, objective="grpo", token_budget=32, peft_config=peft_config)
     return LearnerSettings(**{**base.__dict__, **overrides})
 
@@ -154,8 +176,9 @@ def test_adapter_sync_gives_the_engine_the_merged_models_logprobs(model_dir, tmp
     assert manifest[0].name == "model.layers.0.self_attn.q_proj.lora_A.weight" and manifest[0].shape == (4, 32)
     assert manifest[1].name == "model.layers.0.self_attn.q_proj.lora_B.weight" and manifest[1].shape == (32, 4)
     adapter_bytes = sum(entry.num_bytes for entry in manifest)
-    engine = TorchEngine(model_dir, max_model_len=64, kv_cache_tokens=256, block_size=4, eos_token_ids=[],
-                         device="cpu", dtype="float32")  # fmt: skip
+    engine = TorchEngine(
+        model_dir, max_model_len=64, kv_cache_tokens=256, block_size=4, eos_token_ids=[], device="cpu", dtype="float32"
+    )
     base_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     assert adapter_bytes < base_bytes / 4
     for step in range(3):  # the first sync, then two more after training steps: no accumulation of deltas
@@ -164,8 +187,9 @@ def test_adapter_sync_gives_the_engine_the_merged_models_logprobs(model_dir, tmp
         asyncio.run(sync(engine, streamed))
         reference = merged_reference(learner)
         for ids in SEQUENCES:
-            torch.testing.assert_close(engine_logprobs(engine, ids), reference_logprobs(reference, ids),
-                                       atol=1e-5, rtol=0)  # fmt: skip
+            torch.testing.assert_close(
+                engine_logprobs(engine, ids), reference_logprobs(reference, ids), atol=1e-5, rtol=0
+            )
         learner.train_step(grpo_samples(seed=step))
 
 
@@ -203,8 +227,9 @@ def test_checkpoint_is_a_peft_adapter_and_resumes_adapter_and_optimizer(model_di
     assert "model.safetensors" not in files and "optimizer.pt" in files
     loaded = PeftModel.from_pretrained(load_base(model_dir), str(checkpoint)).eval()
     for ids in SEQUENCES:
-        torch.testing.assert_close(reference_logprobs(loaded, ids), reference_logprobs(learner.peft_model, ids),
-                                   atol=1e-5, rtol=0)  # fmt: skip
+        torch.testing.assert_close(
+            reference_logprobs(loaded, ids), reference_logprobs(learner.peft_model, ids), atol=1e-5, rtol=0
+        )
     assert json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"] == model_dir
     resumed = Learner(str(checkpoint), settings(tmp_path, lora()), resume_dir=str(checkpoint))
     saved = {n: p.detach() for n, p in learner.model.named_parameters()}
@@ -244,7 +269,11 @@ def settings_fields():
 def test_vllm_engines_get_lora_options_from_the_peft_config(tmp_path):
     assert lora_engine_kwargs(lora(r=32), "torch", max_loras=2, lora_dir="d") == {}
     assert lora_engine_kwargs(lora(r=32), "vllm", max_loras=3, lora_dir="d") == {
-        "enable_lora": True, "max_loras": 3, "max_lora_rank": 32, "lora_dir": "d"}  # fmt: skip
+        "enable_lora": True,
+        "max_loras": 3,
+        "max_lora_rank": 32,
+        "lora_dir": "d",
+    }
     assert lora_engine_kwargs(lora(r=24), "vllm", max_loras=2, lora_dir="d")["max_lora_rank"] == 32
     assert lora_engine_kwargs(lora(r=32), "vllm_server", max_loras=2, lora_dir="d") == {"max_loras": 2, "lora_dir": "d"}
     assert lora_engine_kwargs(None, "vllm", max_loras=2, lora_dir="d") == {}
@@ -259,8 +288,9 @@ def test_written_adapter_loads_with_peft_and_equals_the_folded_pairs(model_dir, 
     assert config["r"] == config["lora_alpha"] == 4  # the scaling is folded into B
     loaded = PeftModel.from_pretrained(load_base(model_dir), str(path)).eval()
     for ids in SEQUENCES:
-        torch.testing.assert_close(reference_logprobs(loaded, ids), reference_logprobs(learner.peft_model, ids),
-                                   atol=1e-5, rtol=0)  # fmt: skip
+        torch.testing.assert_close(
+            reference_logprobs(loaded, ids), reference_logprobs(learner.peft_model, ids), atol=1e-5, rtol=0
+        )
     assert adapter_manifest(learner.model) == learner.weight_manifest()
 
 

@@ -43,15 +43,27 @@ def run_two_ranks(records):
 
 def test_each_key_is_reduced_by_its_rule_across_ranks():
     rank0 = {
-        "ratio": (3.0, 4.0), "batch/trained_tokens_per_step": 40.0, "tools/unknown_name_total": 1.0,
-        "sampling/importance_sampling_ratio/max": 1.5, "clip_ratio/low_min": 0.2, "loss": 0.5,
-        "perf/fwd_bwd_s": 2.0, "sampling/sampling_logp_difference/max": math.nan, "entropy_gauge": math.nan,
-    }  # fmt: skip
+        "ratio": (3.0, 4.0),
+        "batch/trained_tokens_per_step": 40.0,
+        "tools/unknown_name_total": 1.0,
+        "sampling/importance_sampling_ratio/max": 1.5,
+        "clip_ratio/low_min": 0.2,
+        "loss": 0.5,
+        "perf/fwd_bwd_s": 2.0,
+        "sampling/sampling_logp_difference/max": math.nan,
+        "entropy_gauge": math.nan,
+    }
     rank1 = {
-        "ratio": (1.0, 4.0), "batch/trained_tokens_per_step": 24.0, "tools/unknown_name_total": 2.0,
-        "sampling/importance_sampling_ratio/max": 1.1, "clip_ratio/low_min": 0.1, "loss": 1.5,
-        "perf/fwd_bwd_s": 4.0, "sampling/sampling_logp_difference/max": 0.3, "entropy_gauge": math.nan,
-    }  # fmt: skip
+        "ratio": (1.0, 4.0),
+        "batch/trained_tokens_per_step": 24.0,
+        "tools/unknown_name_total": 2.0,
+        "sampling/importance_sampling_ratio/max": 1.1,
+        "clip_ratio/low_min": 0.1,
+        "loss": 1.5,
+        "perf/fwd_bwd_s": 4.0,
+        "sampling/sampling_logp_difference/max": 0.3,
+        "entropy_gauge": math.nan,
+    }
     out0, out1 = run_two_ranks([rank0, rank1])
     assert out0 == pytest.approx(out1, nan_ok=True)
     assert out0["ratio"] == (4.0, 8.0)  # a rate stays a pair: Σ num / Σ den at log time
@@ -71,4 +83,3 @@ def test_ranks_with_different_keys_are_an_error():
 def test_one_rank_is_the_identity():
     metrics = {"ratio": (1.0, 2.0), "loss": 0.25, "x_max": 3.0}
     assert reduce_across_ranks(metrics, local_all_reduce) == metrics
-

@@ -20,9 +20,16 @@ def tiny_model(seed=0):
 
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     return enable_tree_attention(AutoModelForCausalLM.from_config(config))
 
 
@@ -235,8 +242,15 @@ def test_the_step_reads_its_losses_and_timings_once_and_they_add_up():
         for row, n in zip(rows, terms):
             t = packed_row_to_tensors(row)
             scores = packed_token_scores(model, t)
-            loss, _ = grpo_loss(scores.logprobs, t.sampler_logprobs, t.advantages, t.sample_index, config=config,
-                                num_tokens_global=n, grad_accum_steps=len(rows))  # fmt: skip
+            loss, _ = grpo_loss(
+                scores.logprobs,
+                t.sampler_logprobs,
+                t.advantages,
+                t.sample_index,
+                config=config,
+                num_tokens_global=n,
+                grad_accum_steps=len(rows),
+            )
             expected += float(loss)
     metrics = make_step(model, config).step(rows, terms)
     assert metrics["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7)

@@ -409,9 +409,18 @@ def test_row_loss_shifts_by_one_and_normalises(beta):
     hidden, weight, bias, input_ids, cmask, t_ids, t_lps = make_row(seed=1)
     config = DistillLossConfig(beta=beta, teacher_temperature=1.3, add_tail_bucket=True)
     loss, stats = distillation_row_loss(
-        hidden, weight, bias, input_ids, cmask, t_ids, t_lps,
-        config=config, global_n_tokens=14, num_processes=2, grad_accum_steps=3,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias,
+        input_ids,
+        cmask,
+        t_ids,
+        t_lps,
+        config=config,
+        global_n_tokens=14,
+        num_processes=2,
+        grad_accum_steps=3,
+    )
     # by hand: hidden j predicts token j+1 and meets teacher row j+1; trained where cmask[j+1] and signal
     total = hidden.new_zeros(())
     used = []
@@ -431,10 +440,12 @@ def test_row_loss_shifts_by_one_and_normalises(beta):
 def test_row_loss_normaliser_floors_tokens_per_rank_at_one():
     hidden, weight, bias, input_ids, cmask, t_ids, t_lps = make_row(seed=2)
     config = DistillLossConfig()
-    small, _ = distillation_row_loss(hidden, weight, bias, input_ids, cmask, t_ids, t_lps, config=config,
-                                     global_n_tokens=1, num_processes=4)  # fmt: skip
-    raw, _ = distillation_row_loss(hidden, weight, bias, input_ids, cmask, t_ids, t_lps, config=config,
-                                   global_n_tokens=1, num_processes=1)  # fmt: skip
+    small, _ = distillation_row_loss(
+        hidden, weight, bias, input_ids, cmask, t_ids, t_lps, config=config, global_n_tokens=1, num_processes=4
+    )
+    raw, _ = distillation_row_loss(
+        hidden, weight, bias, input_ids, cmask, t_ids, t_lps, config=config, global_n_tokens=1, num_processes=1
+    )
     assert small.item() == pytest.approx(raw.item())
 
 
@@ -447,8 +458,9 @@ def test_zero_signal_row_gives_zero_loss_and_a_gradient_on_every_parameter(case)
         t_ids, t_lps = torch.full_like(t_ids, -1), torch.full_like(t_lps, NEG_INF)
     embed = torch.nn.Parameter(hidden.clone())  # stands in for the backbone
     head_w, head_b = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())
-    loss, stats = distillation_row_loss(embed * 2, head_w, head_b, input_ids, cmask, t_ids, t_lps,
-                                        config=DistillLossConfig(beta=0.5), global_n_tokens=7)  # fmt: skip
+    loss, stats = distillation_row_loss(
+        embed * 2, head_w, head_b, input_ids, cmask, t_ids, t_lps, config=DistillLossConfig(beta=0.5), global_n_tokens=7
+    )
     assert loss.item() == 0.0
     assert stats.abs().sum() == 0 and stats.shape == (7,)
     loss.backward()
@@ -460,9 +472,18 @@ def test_row_loss_routes_teacher_index_with_the_shift():
     hidden, weight, bias, input_ids, cmask, t_ids, t_lps = make_row(seed=4)
     teacher_id_idx = torch.tensor([0] * 7 + [1] * 5)  # sample 1 -> teacher 0, sample 2 -> teacher 1
     _, stats = distillation_row_loss(
-        hidden, weight, bias, input_ids, cmask, t_ids, t_lps, config=DistillLossConfig(),
-        global_n_tokens=7, teacher_id_idx=teacher_id_idx, num_teachers=2,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias,
+        input_ids,
+        cmask,
+        t_ids,
+        t_lps,
+        config=DistillLossConfig(),
+        global_n_tokens=7,
+        teacher_id_idx=teacher_id_idx,
+        num_teachers=2,
+    )
     # hidden 2, 3, 5 predict tokens 3, 4, 6 of sample 1; hidden 8, 9, 10 tokens 9, 10, 11 of sample 2
     assert stats[4:6].tolist() == [3.0, 3.0]
 
@@ -508,5 +529,14 @@ def test_loss_config_rejects_beta_outside_unit_interval():
     with pytest.raises(ValueError, match=r"beta must be in \[0.0, 1.0\], got 1.5"):
         DistillLossConfig(beta=1.5)
     with pytest.raises(ValueError, match="beta must be in"):
-        distillation_loss(torch.zeros(1, 2), torch.zeros(3, 2), None, torch.zeros(1, 1, dtype=torch.long),
-                          torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), -0.1, 1.0, True)  # fmt: skip
+        distillation_loss(
+            torch.zeros(1, 2),
+            torch.zeros(3, 2),
+            None,
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.zeros(1, 1),
+            torch.ones(1, 1, dtype=torch.bool),
+            -0.1,
+            1.0,
+            True,
+        )

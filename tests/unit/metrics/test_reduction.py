@@ -17,13 +17,23 @@ def test_gauge_is_mean_and_nan_is_discarded():
 
 
 def test_total_and_count_words_sum():
-    out = reduce([("sample/dropped_stale_total", 2), ("sample/dropped_stale_total", 3), ("x/y_count", 1), ("x/y_count", 1)])
+    out = reduce(
+        [("sample/dropped_stale_total", 2), ("sample/dropped_stale_total", 3), ("x/y_count", 1), ("x/y_count", 1)]
+    )
     assert out == {"sample/dropped_stale_total": 5.0, "x/y_count": 2.0}
 
 
 def test_max_and_min_words_but_maximal_stays_a_gauge():
-    out = reduce([("a/staleness_max", 1), ("a/staleness_max", 4), ("b/len_min", 3), ("b/len_min", 2),
-                  ("perf/maximal_s", 1), ("perf/maximal_s", 3)])
+    out = reduce(
+        [
+            ("a/staleness_max", 1),
+            ("a/staleness_max", 4),
+            ("b/len_min", 3),
+            ("b/len_min", 2),
+            ("perf/maximal_s", 1),
+            ("perf/maximal_s", 3),
+        ]
+    )
     assert out == {"a/staleness_max": 4.0, "b/len_min": 2.0, "perf/maximal_s": 2.0}
 
 

@@ -54,7 +54,9 @@ def test_check_report_to_before_ray(monkeypatch):
     monkeypatch.setattr(sinks_module, "_importable", lambda module: module in ("mlflow", "tensorboard"))
     assert check_report_to("all") == ["tensorboard", "mlflow"]
     assert check_report_to(["mlflow", "tensorboard", "mlflow"]) == ["mlflow", "tensorboard"]
-    with pytest.raises(ValueError, match=r"report_to includes 'trackio' but trackio is not installed: pip install 'rlasync\[trackio\]'"):
+    with pytest.raises(
+        ValueError, match=r"report_to includes 'trackio' but trackio is not installed: pip install 'rlasync\[trackio\]'"
+    ):
         check_report_to(["trackio"])
     with pytest.raises(ValueError, match=r"unsupported sink\(s\) \['comet_ml'\]"):
         check_report_to("comet_ml")

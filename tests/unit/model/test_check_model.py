@@ -5,9 +5,13 @@ import pytest
 from rlasync.model.check import EXIT_MISMATCH, EXIT_OK, EXIT_UNSUPPORTED, main
 
 SMALL = dict(
-    vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
     num_key_value_heads=2,
-)  # fmt: skip
+)
 
 
 def _last_value(output: str) -> float:

@@ -79,8 +79,15 @@ def test_spread_is_even_and_exact():
 def test_the_plan_for_a_qwen3_06b_shape_on_an_h200_checkpoints_nothing_at_8k_rows():
     from transformers import Qwen3Config
 
-    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
     full, saved = activation_bytes_per_token(config, compute_bytes=2)
     state = 0.6e9 * (2 + 2 + 8)  # bf16 weights and grads, float32 Adam moments
     available = 141e9 * 0.85 - state
@@ -97,8 +104,17 @@ def _tiny(family, dtype=torch.float32, num_layers=2):
 
     register_tree_attention()
     cls = Qwen3Config if family == "qwen3" else LlamaConfig
-    config = cls(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=num_layers, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    config = cls(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="rlasync_tree", dtype=dtype)
     return enable_tree_attention(model).train()
@@ -120,8 +136,13 @@ def _saved_bytes_per_token(model, tokens, autocast):
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model.model.layers[0](hidden, attention_mask=tree.full_mask, position_ids=positions,
-                                  position_embeddings=rotary, tree_attention=tree)  # fmt: skip
+            model.model.layers[0](
+                hidden,
+                attention_mask=tree.full_mask,
+                position_ids=positions,
+                position_embeddings=rotary,
+                tree_attention=tree,
+            )
     return sum(seen.values()) / tokens
 
 
@@ -203,8 +224,9 @@ def test_compiled_layers_with_a_partial_plan_and_padded_rows_match_eager(make_mo
     rows = [packed_tensors(*scenarios("mixed", seed)) for seed in (0, 1)]
     rows = [pad_row_tensors(row, padded_length(row.num_tokens, 32)) for row in rows]
     eager = prepare_for_training(copy.deepcopy(base), checkpoint_layers=(1,)).train()
-    compiled = prepare_for_training(copy.deepcopy(base), checkpoint_layers=(1,), compile="layers",
-                                    compile_backend="aot_eager").train()  # fmt: skip
+    compiled = prepare_for_training(
+        copy.deepcopy(base), checkpoint_layers=(1,), compile="layers", compile_backend="aot_eager"
+    ).train()
     assert compiled_layer_count(compiled) == 2
     for row in rows:
         expected, got = _scores_and_grads(eager, row), _scores_and_grads(compiled, row)

@@ -70,9 +70,17 @@ def test_chunked_head_matches_dense_values_and_gradients_in_float64(chunk_size, 
     ref = dense_reference(*leaves, targets, temperature, transform, extra, candidates, has)
     mine_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     mine = chunked_token_scores(
-        mine_leaves[0], mine_leaves[1], targets, bias=mine_leaves[2], temperature=temperature, transform=transform,
-        extra_ids=extra, candidate_ids=candidates, has_candidates=has, chunk_size=chunk_size,
-    )  # fmt: skip
+        mine_leaves[0],
+        mine_leaves[1],
+        targets,
+        bias=mine_leaves[2],
+        temperature=temperature,
+        transform=transform,
+        extra_ids=extra,
+        candidate_ids=candidates,
+        has_candidates=has,
+        chunk_size=chunk_size,
+    )
     torch.testing.assert_close(mine.logprobs, ref[0], atol=1e-10, rtol=0)
     assert torch.isneginf(mine.logprobs[1])  # the target outside its candidate set
     torch.testing.assert_close(mine.entropy, ref[1], atol=1e-10, rtol=0)

@@ -21,9 +21,17 @@ def test_head_at_device_defaults_matches_the_float64_reference(device, chunk_siz
     ref = dense_reference(*ref_leaves, targets, 0.8, transform, extra, candidates, has)
     leaves = [t.to(device, dtype).requires_grad_(True) for t in (hidden, weight, bias)]
     mine = chunked_token_scores(
-        leaves[0], leaves[1], targets.to(device), bias=leaves[2], temperature=0.8, transform=transform,
-        extra_ids=extra.to(device), candidate_ids=candidates.to(device), has_candidates=has.to(device), chunk_size=chunk_size,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        targets.to(device),
+        bias=leaves[2],
+        temperature=0.8,
+        transform=transform,
+        extra_ids=extra.to(device),
+        candidate_ids=candidates.to(device),
+        has_candidates=has.to(device),
+        chunk_size=chunk_size,
+    )
     atol = 1e-4 if dtype == torch.float32 else 0.05  # measured on CPU: 7e-7 / 0.01
     for a, b in zip((mine.logprobs, mine.entropy, mine.extra_logprobs), ref):
         assert torch.equal(torch.isfinite(a.cpu()), torch.isfinite(b))
@@ -57,9 +65,15 @@ def test_kept_probabilities_at_device_defaults_match_the_float64_reference(devic
     ref = dense_reference(*ref_leaves, None, targets, 0.8, transform, extra, None, None)
     leaves = [t.to(device, torch.bfloat16).requires_grad_(True) for t in (hidden, weight)]
     mine = chunked_token_scores(
-        leaves[0], leaves[1], targets.to(device), temperature=0.8, transform=transform, extra_ids=extra.to(device),
-        keep_as="probs", keep_logits_bytes=1 << 24,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        targets.to(device),
+        temperature=0.8,
+        transform=transform,
+        extra_ids=extra.to(device),
+        keep_as="probs",
+        keep_logits_bytes=1 << 24,
+    )
     for a, b in zip((mine.logprobs, mine.entropy), ref[:2]):
         torch.testing.assert_close(a.cpu().double(), b.detach(), atol=0.05, rtol=0.02)
     for outputs in (ref, (mine.logprobs, mine.entropy, mine.extra_logprobs)):

@@ -64,8 +64,12 @@ def test_the_backward_pass_has_static_vocabulary_and_matches_eager(recorded, mon
         raw = _chunk(rows, seed=3)
         lse, mean = head_kernels.dense_stats(raw, math)
         coef, g_entropy = -torch.rand(rows), torch.randn(rows)
-        torch.testing.assert_close(grad(raw, lse, mean, coef, g_entropy, math),
-                                   head_kernels.dense_grad(raw, lse, mean, coef, g_entropy, math), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            grad(raw, lse, mean, coef, g_entropy, math),
+            head_kernels.dense_grad(raw, lse, mean, coef, g_entropy, math),
+            rtol=0,
+            atol=1e-6,
+        )
     assert len(recorded) == 1
     raw_shape, *vectors = recorded[0]
     assert _is_symbolic(raw_shape[0]) and raw_shape[1] == 37

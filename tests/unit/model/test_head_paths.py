@@ -22,9 +22,17 @@ def _scores_and_grads(dtype, seed=4, weights=None, **kwargs):
     hidden, weight, bias, targets, extra, candidates, has = make_inputs(seed=seed, num_terms=13)
     leaves = [t.to(dtype).requires_grad_(True) for t in (hidden, weight, bias)]
     scores = chunked_token_scores(
-        leaves[0], leaves[1], targets, bias=leaves[2], temperature=0.8, transform=LogitTransform(0.5, 3.0),
-        extra_ids=extra, candidate_ids=candidates, has_candidates=has, **kwargs,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        targets,
+        bias=leaves[2],
+        temperature=0.8,
+        transform=LogitTransform(0.5, 3.0),
+        extra_ids=extra,
+        candidate_ids=candidates,
+        has_candidates=has,
+        **kwargs,
+    )
     g = torch.Generator().manual_seed(11)
     finite = [torch.where(torch.isfinite(x), x, 0.0) for x in (scores.logprobs, scores.extra_logprobs)]
     loss = (torch.randn(13, generator=g) * finite[0]).sum() + (torch.randn(13, generator=g) * scores.entropy).sum()
@@ -38,8 +46,10 @@ def test_kept_logits_give_the_same_values_and_gradients_as_recomputing(dtype, ke
     chunk_bytes = 5 * 37 * torch.empty((), dtype=dtype).element_size()  # 13 terms in chunks of 5, 4, 4
     recompute, recompute_grads = _scores_and_grads(dtype, chunk_size=5, keep_logits_bytes=0)
     kept, kept_grads = _scores_and_grads(dtype, chunk_size=5, keep_logits_bytes=keep_chunks * chunk_bytes)
-    for a, b in zip((recompute.logprobs, recompute.entropy, recompute.extra_logprobs), (kept.logprobs, kept.entropy,
-                                                                                         kept.extra_logprobs)):  # fmt: skip
+    for a, b in zip(
+        (recompute.logprobs, recompute.entropy, recompute.extra_logprobs),
+        (kept.logprobs, kept.entropy, kept.extra_logprobs),
+    ):
         assert torch.equal(a, b)
     for a, b in zip(recompute_grads, kept_grads):
         assert torch.equal(a, b)
@@ -83,9 +93,18 @@ def test_memory_sized_chunks_match_the_dense_reference_in_float64(chunk_bytes):
     ref = dense_reference(*ref_leaves, targets, 1.1, transform_, extra, candidates, has)
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     mine = chunked_token_scores(
-        leaves[0], leaves[1], targets, bias=leaves[2], temperature=1.1, transform=transform_, extra_ids=extra,
-        candidate_ids=candidates, has_candidates=has, chunk_bytes=chunk_bytes, keep_logits_bytes=1 << 20,
-    )  # fmt: skip
+        leaves[0],
+        leaves[1],
+        targets,
+        bias=leaves[2],
+        temperature=1.1,
+        transform=transform_,
+        extra_ids=extra,
+        candidate_ids=candidates,
+        has_candidates=has,
+        chunk_bytes=chunk_bytes,
+        keep_logits_bytes=1 << 20,
+    )
     for a, b in zip((mine.logprobs, mine.entropy, mine.extra_logprobs), ref):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     finite = [torch.where(torch.isfinite(x), x, 0.0) for x in ref]

@@ -19,18 +19,41 @@ KEEP_ALL = 1 << 30
 SCALED = LogitTransform(scale=1.5)
 
 
-def _run(dtype, *, keep_as, chunk_size, temperature=0.8, transform=SCALED, entropy=True,
-         extra=True, bias=False, candidates=False, keep_bytes=KEEP_ALL, seed=4):  # fmt: skip
+def _run(
+    dtype,
+    *,
+    keep_as,
+    chunk_size,
+    temperature=0.8,
+    transform=SCALED,
+    entropy=True,
+    extra=True,
+    bias=False,
+    candidates=False,
+    keep_bytes=KEEP_ALL,
+    seed=4,
+):
     hidden, weight, b, targets, extra_ids, candidate_ids, has = make_inputs(seed=seed, num_terms=13, bias=bias)
     leaves = [t.to(dtype).clone().requires_grad_(True) for t in (hidden, weight) + ((b,) if bias else ())]
     scores = chunked_token_scores(
-        leaves[0], leaves[1], targets, bias=leaves[2] if bias else None, temperature=temperature, transform=transform,
-        extra_ids=extra_ids if extra else None, candidate_ids=candidate_ids if candidates else None,
-        has_candidates=has if candidates else None, chunk_size=chunk_size, keep_logits_bytes=keep_bytes,
+        leaves[0],
+        leaves[1],
+        targets,
+        bias=leaves[2] if bias else None,
+        temperature=temperature,
+        transform=transform,
+        extra_ids=extra_ids if extra else None,
+        candidate_ids=candidate_ids if candidates else None,
+        has_candidates=has if candidates else None,
+        chunk_size=chunk_size,
+        keep_logits_bytes=keep_bytes,
         keep_as=keep_as,
-    )  # fmt: skip
+    )
     g = torch.Generator().manual_seed(11)
-    loss = (torch.randn(13, generator=g, dtype=torch.float64).to(dtype) * torch.where(scores.logprobs.isfinite(), scores.logprobs, 0)).sum()
+    loss = (
+        torch.randn(13, generator=g, dtype=torch.float64).to(dtype)
+        * torch.where(scores.logprobs.isfinite(), scores.logprobs, 0)
+    ).sum()
     if entropy:
         loss = loss + (torch.randn(13, generator=g, dtype=torch.float64).to(dtype) * scores.entropy).sum()
     if extra:
@@ -112,7 +135,9 @@ def test_keep_as_reads_the_environment_and_names_the_field(monkeypatch):
         chunked_token_scores(hidden, weight, targets)
     monkeypatch.setenv(KEEP_AS_ENV, "probs")
     via_env = chunked_token_scores(hidden, weight, targets)
-    torch.testing.assert_close(via_env.logprobs, chunked_token_scores(hidden, weight, targets, keep_as="logits").logprobs)
+    torch.testing.assert_close(
+        via_env.logprobs, chunked_token_scores(hidden, weight, targets, keep_as="logits").logprobs
+    )
 
 
 MATHS = [HeadMath(1.0, 1.0, None), HeadMath(1.3, 2.0, None)]
@@ -127,21 +152,34 @@ def test_dense_stats_probs_and_dense_grad_probs_equal_the_logit_passes(math):
     torch.testing.assert_close(lse, lse_ref, atol=1e-12, rtol=0)
     torch.testing.assert_close(mean, mean_ref, atol=1e-12, rtol=0)
     torch.testing.assert_close(probs, torch.softmax(transform(raw, math), -1), atol=1e-12, rtol=0)
-    coef, grad_entropy = torch.randn(6, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
+    coef, grad_entropy = (
+        torch.randn(6, generator=g, dtype=torch.float64),
+        torch.randn(6, generator=g, dtype=torch.float64),
+    )
     expected = dense_grad(raw, lse, mean, coef, grad_entropy, math)
-    torch.testing.assert_close(dense_grad_probs(probs, lse, mean, coef, grad_entropy, math), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        dense_grad_probs(probs, lse, mean, coef, grad_entropy, math), expected, atol=1e-12, rtol=0
+    )
     ids = torch.randint(0, 50, (6, 3), generator=g)
     values = torch.randn(6, 3, generator=g, dtype=torch.float64)
     out_raw, out_probs = expected.clone(), expected.clone()
     sparse_fixup(out_raw, raw, ids, values, lse, mean, coef, grad_entropy, math)
-    sparse_fixup(out_probs, None, ids, values, lse, mean, coef, grad_entropy, math, z_at=transform(raw.gather(1, ids), math))
+    sparse_fixup(
+        out_probs, None, ids, values, lse, mean, coef, grad_entropy, math, z_at=transform(raw.gather(1, ids), math)
+    )
     torch.testing.assert_close(out_probs, out_raw, atol=1e-12, rtol=0)
 
 
 def test_an_underflowed_probability_contributes_nothing():
     probs = torch.tensor([[0.0, 0.25, 0.75]], dtype=torch.float64)
-    out = dense_grad_probs(probs, torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
-                           torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64), MATHS[0])  # fmt: skip
+    out = dense_grad_probs(
+        probs,
+        torch.zeros(1, dtype=torch.float64),
+        torch.zeros(1, dtype=torch.float64),
+        torch.ones(1, dtype=torch.float64),
+        torch.ones(1, dtype=torch.float64),
+        MATHS[0],
+    )
     assert torch.isfinite(out).all() and out[0, 0] == 0
 
 

@@ -20,12 +20,24 @@ def tiny_qwen3_next(seed=0):
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
     config = Qwen3NextConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, num_experts=0, max_position_embeddings=256, initializer_range=0.3,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        max_position_embeddings=256,
+        initializer_range=0.3,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
 
@@ -122,10 +134,15 @@ def test_the_grpo_objective_plans_a_hybrid_padding_free_and_steps_on_it():
     with torch.no_grad():  # on-policy sampler log-probs: no token is masked by the importance-sampling clip
         sampled = sequence_logprobs(tiny_qwen3_next(), seqs, prompts, packing="none")
     group = [
-        RolloutSample(np.array(seq), np.r_[np.zeros(p, np.int8), np.ones(len(seq) - p, np.int8)],
-                      np.r_[np.zeros(p), lp.numpy()].astype(np.float32), advantage, 0)
+        RolloutSample(
+            np.array(seq),
+            np.r_[np.zeros(p, np.int8), np.ones(len(seq) - p, np.int8)],
+            np.r_[np.zeros(p), lp.numpy()].astype(np.float32),
+            advantage,
+            0,
+        )
         for seq, p, lp, advantage in zip(seqs, prompts, sampled, (1.0, -1.0, 0.5))
-    ]  # fmt: skip
+    ]
     for linear, expected_tokens in (
         (True, sum(map(len, seqs))),
         (False, sum(map(len, seqs)) - 2 * 5),
@@ -133,11 +150,19 @@ def test_the_grpo_objective_plans_a_hybrid_padding_free_and_steps_on_it():
         objective = make_objective(settings, rank=0, world_size=1)
         scorer = TreeScorer(model if linear else tiny_qwen3_next_like_llama())
         optimizer = torch.optim.SGD(scorer.parameters(), lr=1e-3)
-        objective.build(StepParts(
-            scorer=scorer, optimizer=optimizer, scheduler=None, rank=0, world_size=1, device=torch.device("cpu"),
-            clip_grad_norm=lambda max_norm, s=scorer: torch.nn.utils.clip_grad_norm_(s.parameters(), max_norm),
-            autocast_dtype=None, sum_across_ranks=None,
-        ))  # fmt: skip
+        objective.build(
+            StepParts(
+                scorer=scorer,
+                optimizer=optimizer,
+                scheduler=None,
+                rank=0,
+                world_size=1,
+                device=torch.device("cpu"),
+                clip_grad_norm=lambda max_norm, s=scorer: torch.nn.utils.clip_grad_norm_(s.parameters(), max_norm),
+                autocast_dtype=None,
+                sum_across_ranks=None,
+            )
+        )
         assert objective.share_prefixes is not linear
         rows = objective.rows(objective.plan(group), torch.device("cpu"), pad_id=0)
         assert rows.forwarded_tokens == expected_tokens
@@ -145,11 +170,19 @@ def test_the_grpo_objective_plans_a_hybrid_padding_free_and_steps_on_it():
     objective = make_objective(settings, rank=0, world_size=1)
     scorer = TreeScorer(model)
     optimizer = torch.optim.SGD(scorer.parameters(), lr=1e-2)
-    objective.build(StepParts(
-        scorer=scorer, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), rank=0,
-        world_size=1, device=torch.device("cpu"), autocast_dtype=None, sum_across_ranks=None,
-        clip_grad_norm=lambda max_norm: torch.nn.utils.clip_grad_norm_(scorer.parameters(), max_norm),
-    ))  # fmt: skip
+    objective.build(
+        StepParts(
+            scorer=scorer,
+            optimizer=optimizer,
+            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+            rank=0,
+            world_size=1,
+            device=torch.device("cpu"),
+            autocast_dtype=None,
+            sum_across_ranks=None,
+            clip_grad_norm=lambda max_norm: torch.nn.utils.clip_grad_norm_(scorer.parameters(), max_norm),
+        )
+    )
     metrics = objective.step(objective.rows(objective.plan(group), torch.device("cpu"), pad_id=0))
     assert metrics and any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -158,6 +191,13 @@ def tiny_qwen3_next_like_llama():
     """A full-attention-only model of the same vocabulary: its rows share the group's prompt."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     return enable_tree_attention(AutoModelForCausalLM.from_config(config).float())

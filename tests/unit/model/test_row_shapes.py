@@ -89,12 +89,24 @@ def test_a_padded_padding_free_row_of_a_linear_attention_hybrid_is_exact():
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
     config = Qwen3NextConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, num_experts=0, max_position_embeddings=256, initializer_range=0.3,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        max_position_embeddings=256,
+        initializer_range=0.3,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     model = enable_tree_attention(model).train()

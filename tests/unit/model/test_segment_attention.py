@@ -138,9 +138,14 @@ def test_a_varlen_tree_hands_the_model_a_placeholder_mask_of_the_row(packed_tens
 
 @torch.library.custom_op("rlasync_test::segments", mutates_args=())
 def _opaque_segments(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, subtree_end: torch.Tensor,
-    position_ids: torch.Tensor, window: int,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_index: torch.Tensor,
+    subtree_end: torch.Tensor,
+    position_ids: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
     plan = segment_plan(subtree_end, position_ids)
     return reference_segment_attention(q, k, v, plan, None, window or None)
 

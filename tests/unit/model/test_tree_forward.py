@@ -144,9 +144,14 @@ def test_unsupported_layer_types_are_refused():
     from transformers import AutoModelForCausalLM, Lfm2Config
 
     config = Lfm2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, layer_types=["conv", "full_attention"],
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+    )
     with pytest.raises(ValueError, match="layer_types"):
         check_layer_types(config)
     with pytest.raises(ValueError, match=r"\['conv'\]"):
@@ -157,9 +162,17 @@ def test_attention_sinks_are_refused():
     from transformers import AutoModelForCausalLM, GptOssConfig
 
     config = GptOssConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+    )
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="sinks"):
         check_tree_attention_support(model)
@@ -184,8 +197,13 @@ def test_tree_attention_refuses_a_mismatched_row(make_model):
     model = enable_tree_attention(make_model("llama"))
     tree = build_tree_attention(torch.tensor([3, 3, 3]), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="built for 3 tokens"):
-        model.get_decoder()(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[0, 1]]),
-                            attention_mask=tree.full_mask, use_cache=False, tree_attention=tree)  # fmt: skip
+        model.get_decoder()(
+            input_ids=torch.tensor([[1, 2]]),
+            position_ids=torch.tensor([[0, 1]]),
+            attention_mask=tree.full_mask,
+            use_cache=False,
+            tree_attention=tree,
+        )
 
 
 def test_fsdp2_wrapped_tree_scorer_gives_the_same_scores_and_gradients(make_model, scenarios, packed_tensors, tmp_path):
@@ -273,10 +291,15 @@ def test_sampler_topk_and_sampling_masks_flow_from_samples_to_scores(make_model,
         candidates[:, 0] = seq  # the sampled token is a candidate
         topk[:, 0] = candidates[:, 1]
         sample = RolloutSample(
-            seq, [0] * prompt + [1] * (length - prompt), [0.0] * length, 0.0, group_id=0,
-            sampler_topk_ids=topk, sampler_topk_logprobs=np.zeros((length, 3)),
+            seq,
+            [0] * prompt + [1] * (length - prompt),
+            [0.0] * length,
+            0.0,
+            group_id=0,
+            sampler_topk_ids=topk,
+            sampler_topk_logprobs=np.zeros((length, 3)),
             sampling_mask=candidates if i % 2 else None,
-        )  # fmt: skip
+        )
         row.add(sample)
         samples.append(sample)
     temperature = 0.8

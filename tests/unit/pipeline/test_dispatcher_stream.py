@@ -46,8 +46,14 @@ def test_repeat_iterates_again_with_epochs_and_row_indices_of_the_pass():
     dispatcher = StreamingDispatcher(rows, repeat=True)
     leases = [dispatcher.lease() for _ in range(7)]
     assert [(lease.epoch, lease.row_index, lease.row["i"]) for lease in leases] == [
-        (0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 0, 0), (1, 1, 1), (1, 2, 2), (2, 0, 0)
-    ]  # fmt: skip
+        (0, 0, 0),
+        (0, 1, 1),
+        (0, 2, 2),
+        (1, 0, 0),
+        (1, 1, 1),
+        (1, 2, 2),
+        (2, 0, 0),
+    ]
     assert rows.passes == 3 and not dispatcher.done
 
 

@@ -95,8 +95,14 @@ def test_requests_go_to_the_least_loaded_engine_round_robin_on_ties():
 
 
 def test_stats_build_the_controller_and_lower_the_cap():
-    stats = EngineStats(kv_cache_usage_frac=0.5, num_running=1, num_waiting=0, num_preemptions=0,
-                        kv_capacity_tokens=3 * 64, max_model_len=64)  # fmt: skip
+    stats = EngineStats(
+        kv_cache_usage_frac=0.5,
+        num_running=1,
+        num_waiting=0,
+        num_preemptions=0,
+        kv_capacity_tokens=3 * 64,
+        max_model_len=64,
+    )
 
     class WithStats(Engine):
         def stats(self):
@@ -118,9 +124,18 @@ def test_engines_without_stats_disable_polling_and_none_never_polls():
 
 
 def test_rollout_settings_from_a_grpo_config():
-    config = AsyncGRPOConfig(num_generations=4, max_concurrent_rollouts=6, num_sampler_logprobs=3,
-                             max_completion_length=9, temperature=0.7, top_p=0.9, top_k=20, rollout_worker_timeout=12.0,
-                             max_tool_calling_iterations=2, log_completions=True)  # fmt: skip
+    config = AsyncGRPOConfig(
+        num_generations=4,
+        max_concurrent_rollouts=6,
+        num_sampler_logprobs=3,
+        max_completion_length=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        rollout_worker_timeout=12.0,
+        max_tool_calling_iterations=2,
+        log_completions=True,
+    )
     settings = RolloutSettings.from_config(config)
     assert (settings.group_size, settings.max_concurrent, settings.heartbeat_timeout_s) == (4, 6, 12.0)
     assert settings.max_tool_calling_iterations == 2 and settings.log_completions
@@ -129,8 +144,14 @@ def test_rollout_settings_from_a_grpo_config():
 
 
 def test_rollout_settings_from_a_distillation_config():
-    config = AsyncDistillationConfig(max_inflight_tasks=-1, max_staleness=2, per_device_train_batch_size=3,
-                                     teacher_top_k=5, teacher_temperature=0.5, heartbeat_stale_after_s=9.0)  # fmt: skip
+    config = AsyncDistillationConfig(
+        max_inflight_tasks=-1,
+        max_staleness=2,
+        per_device_train_batch_size=3,
+        teacher_top_k=5,
+        teacher_temperature=0.5,
+        heartbeat_stale_after_s=9.0,
+    )
     settings = RolloutSettings.from_config(config, num_ranks=2)
     assert (settings.group_size, settings.max_concurrent, settings.heartbeat_timeout_s) == (1, 12, 9.0)
     assert (settings.teacher_top_k, settings.teacher_temperature) == (5, 0.5)

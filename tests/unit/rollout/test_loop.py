@@ -705,9 +705,12 @@ def test_a_remote_reward_scorer_gives_the_same_groups_as_scoring_in_the_loop():
     async def remote(*, prompts, completions, completion_ids, reward_kwargs):
         calls.append(len(completions))
         return await call_reward_funcs(
-            [parity_reward], prompts=prompts, completions=completions, completion_ids=completion_ids,
+            [parity_reward],
+            prompts=prompts,
+            completions=completions,
+            completion_ids=completion_ids,
             reward_kwargs=reward_kwargs,
-        )  # fmt: skip
+        )
 
     local, remote_loop = make_loop(), make_loop(reward_scorer=remote)
     asyncio.run(local.run())
@@ -749,9 +752,13 @@ def test_hooks_read_the_users_config_subclass_and_args_is_its_old_name():
     asyncio.run(loop.run())
     assert scored_group_ids(loop) == [2]
     old_name = AsyncRolloutLoop(
-        args=config(), tokenizer=FakeTokenizer(), engine=FakeEngine(), prompt_source=FakePromptSource(rows(1)),
-        sink=ListSink(), reward_funcs=[parity_reward],
-    )  # fmt: skip
+        args=config(),
+        tokenizer=FakeTokenizer(),
+        engine=FakeEngine(),
+        prompt_source=FakePromptSource(rows(1)),
+        sink=ListSink(),
+        reward_funcs=[parity_reward],
+    )
     assert old_name.config is old_name.args and old_name.settings.group_size == 4
     with pytest.raises(TypeError, match="config="):
         AsyncRolloutLoop(tokenizer=FakeTokenizer(), engine=FakeEngine(), prompt_source=None, sink=None)
@@ -774,16 +781,24 @@ def test_a_groups_prompt_is_rendered_once_and_every_rollout_gets_the_same_ids():
             return super().apply_chat_template(messages, **kwargs)
 
     loop = AsyncRolloutLoop(
-        config=config(), tokenizer=CountingTokenizer(), engine=FakeEngine(), prompt_source=FakePromptSource(rows(3)),
-        sink=ListSink(), reward_funcs=[parity_reward], rng=random.Random(0), admission=RecordingAdmission(),
-    )  # fmt: skip
+        config=config(),
+        tokenizer=CountingTokenizer(),
+        engine=FakeEngine(),
+        prompt_source=FakePromptSource(rows(3)),
+        sink=ListSink(),
+        reward_funcs=[parity_reward],
+        rng=random.Random(0),
+        admission=RecordingAdmission(),
+    )
     asyncio.run(loop.run())
     assert sorted(calls) == ["q0", "q1", "q2"]  # one rendering per group, not one per rollout
     prompts = collections.defaultdict(set)
     for prompt_ids, _ in loop.engines[0].requests:
         prompts[len(prompt_ids)].add(tuple(prompt_ids))
-    expected = {tuple(FakeTokenizer().apply_chat_template(r["prompt"], add_generation_prompt=True)["input_ids"])
-                for r in rows(3)}  # fmt: skip
+    expected = {
+        tuple(FakeTokenizer().apply_chat_template(r["prompt"], add_generation_prompt=True)["input_ids"])
+        for r in rows(3)
+    }
     assert set().union(*prompts.values()) == expected
     ids = loop.render([{"role": "user", "content": "q0"}])
     ids.append(999)  # a caller mutating its ids does not change the cached rendering

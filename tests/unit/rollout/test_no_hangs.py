@@ -93,11 +93,23 @@ def row(text):
 
 
 def make_loop(rows, engine=None, reward_funcs=(spread_reward,), **config):
-    fields = {"num_generations": 2, "max_completion_length": 4, "max_concurrent_rollouts": 4, "num_sampler_logprobs": 0,
-              "score_centering": False, **config}  # fmt: skip
-    return AsyncRolloutLoop(config=AsyncGRPOConfig(**fields), tokenizer=Tokenizer(), engine=engine or Engine(),
-                            prompt_source=Source(rows), sink=Sink(), reward_funcs=list(reward_funcs),
-                            rng=random.Random(0))  # fmt: skip
+    fields = {
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "max_concurrent_rollouts": 4,
+        "num_sampler_logprobs": 0,
+        "score_centering": False,
+        **config,
+    }
+    return AsyncRolloutLoop(
+        config=AsyncGRPOConfig(**fields),
+        tokenizer=Tokenizer(),
+        engine=engine or Engine(),
+        prompt_source=Source(rows),
+        sink=Sink(),
+        reward_funcs=list(reward_funcs),
+        rng=random.Random(0),
+    )
 
 
 def run(coroutine, timeout=5):
@@ -141,7 +153,9 @@ def test_short_error_unwraps_a_remote_error_and_drops_its_traceback():
 
     remote = Remote("Traceback (most recent call last):\n  File x\nRequestRejectedError: too long")
     remote.cause = RequestRejectedError("prompt of 9 tokens leaves no room to generate: max_model_len is 8")
-    assert short_error(remote) == "RequestRejectedError: prompt of 9 tokens leaves no room to generate: max_model_len is 8"
+    assert (
+        short_error(remote) == "RequestRejectedError: prompt of 9 tokens leaves no room to generate: max_model_len is 8"
+    )
     assert short_error(ValueError("a\nb")) == "ValueError: a"
     assert len(short_error(ValueError("x" * 1000))) == 300
 
@@ -169,8 +183,9 @@ def test_a_tool_past_its_timeout_becomes_a_tool_error_and_a_counted_failure(tool
 
     async def timed():  # asyncio.run then waits for the sleeping thread: time the call itself
         started = time.monotonic()
-        results = await execute_tool_calls([make_tool_call(tool.__name__, args)], {tool.__name__: tool},
-                                           timeout_s=0.1, tracker=tracker)  # fmt: skip
+        results = await execute_tool_calls(
+            [make_tool_call(tool.__name__, args)], {tool.__name__: tool}, timeout_s=0.1, tracker=tracker
+        )
         return results, time.monotonic() - started
 
     results, elapsed = run(timed())
@@ -184,8 +199,11 @@ def test_a_tool_past_its_timeout_becomes_a_tool_error_and_a_counted_failure(tool
 def test_the_tracker_reports_the_oldest_call_in_flight():
     async def main():
         tracker = ToolCallTracker()
-        task = asyncio.ensure_future(execute_tool_calls([make_tool_call("slow_async_tool")],
-                                                        {"slow_async_tool": slow_async_tool}, tracker=tracker))  # fmt: skip
+        task = asyncio.ensure_future(
+            execute_tool_calls(
+                [make_tool_call("slow_async_tool")], {"slow_async_tool": slow_async_tool}, tracker=tracker
+            )
+        )
         await asyncio.sleep(0.05)
         oldest = tracker.oldest()
         task.cancel()
@@ -226,8 +244,14 @@ def test_a_reward_function_past_its_timeout_is_named(func):
     async def timed():  # asyncio.run then waits for the sleeping thread: time the call itself
         started = time.monotonic()
         try:
-            await call_reward_funcs([func, spread_reward], prompts=["p"] * 2, completions=["a", "b"],
-                                    completion_ids=[[1], [2]], reward_kwargs={}, timeout_s=0.1)  # fmt: skip
+            await call_reward_funcs(
+                [func, spread_reward],
+                prompts=["p"] * 2,
+                completions=["a", "b"],
+                completion_ids=[[1], [2]],
+                reward_kwargs={},
+                timeout_s=0.1,
+            )
         except RewardTimeoutError as exc:
             return str(exc), time.monotonic() - started
         return "no error", 0.0
@@ -253,8 +277,14 @@ def test_a_timed_out_sync_reward_is_counted_while_its_thread_runs_on():
         messages = []
         for _ in range(2):
             try:
-                await call_reward_funcs([stuck_reward], prompts=["p"], completions=["a"], completion_ids=[[1]],
-                                        reward_kwargs={}, timeout_s=0.05)  # fmt: skip
+                await call_reward_funcs(
+                    [stuck_reward],
+                    prompts=["p"],
+                    completions=["a"],
+                    completion_ids=[[1]],
+                    reward_kwargs={},
+                    timeout_s=0.05,
+                )
             except RewardTimeoutError as exc:
                 messages.append(str(exc))
         return messages
@@ -292,9 +322,15 @@ def constant_reward(completions, **kwargs):
 
 
 def group_of(n=4):
-    return RolloutGroup(group_id=0, row_index=0, policy_version=0, prompts=["p"] * n,
-                        completions=[[{"role": "assistant", "content": "c"}]] * n,
-                        completions_ids=[[1]] * n, completions_sequences=[[]] * n)  # fmt: skip
+    return RolloutGroup(
+        group_id=0,
+        row_index=0,
+        policy_version=0,
+        prompts=["p"] * n,
+        completions=[[{"role": "assistant", "content": "c"}]] * n,
+        completions_ids=[[1]] * n,
+        completions_sequences=[[]] * n,
+    )
 
 
 def test_all_none_rewards_drop_the_group_as_no_reward_following_trl():
@@ -311,8 +347,9 @@ def test_a_constant_reward_drops_the_group_as_constant():
     assert kept.drop_cause is None and not kept.dropped
 
 
-@pytest.mark.parametrize(("field", "value"), [("reward_timeout_s", 0), ("tool_timeout_s", -1.0),
-                                              ("reward_timeout_s", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"), [("reward_timeout_s", 0), ("tool_timeout_s", -1.0), ("reward_timeout_s", True)]
+)
 def test_timeout_fields_are_validated(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}: must be a number of seconds > 0, or None"):
         AsyncGRPOConfig(**{field: value})

@@ -121,9 +121,14 @@ class Policy:
 
 def scheduler(policy=None, num_prompts=3, group_size=4, max_concurrent=8, **kwargs):
     return TaskScheduler(
-        policy or Policy(), prompt_source=Source(num_prompts), sink=Sink(), group_size=group_size,
-        max_concurrent=max_concurrent, admission=kwargs.pop("admission", None) or Admission(), **kwargs,
-    )  # fmt: skip
+        policy or Policy(),
+        prompt_source=Source(num_prompts),
+        sink=Sink(),
+        group_size=group_size,
+        max_concurrent=max_concurrent,
+        admission=kwargs.pop("admission", None) or Admission(),
+        **kwargs,
+    )
 
 
 def run(coroutine):

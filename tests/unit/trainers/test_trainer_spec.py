@@ -31,9 +31,14 @@ def test_grpo_spec(tmp_path):
 
 
 def test_distillation_spec(tmp_path):
-    args = AsyncDistillationConfig(output_dir=str(tmp_path), max_steps=-1, num_train_epochs=1.0,
-                                   per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                                   teacher_server_urls={"a": "http://localhost:1", "b": "http://localhost:2"})  # fmt: skip
+    args = AsyncDistillationConfig(
+        output_dir=str(tmp_path),
+        max_steps=-1,
+        num_train_epochs=1.0,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        teacher_server_urls={"a": "http://localhost:1", "b": "http://localhost:2"},
+    )
     trainer = AsyncDistillationTrainer(model="student", args=args, train_dataset=ROWS)
     spec = trainer.build_spec(None)
     assert spec.rollout.kind == "distill" and spec.rollout.name == "distillation rollout actor"
@@ -45,8 +50,9 @@ def test_distillation_spec(tmp_path):
     assert not hasattr(trainer, "tools") and not hasattr(trainer, "reward_funcs")  # no stubbed GRPO attributes
 
 
-def test_train_makes_one_launch_call_with_the_spec_and_resumes_from_the_newest_complete_checkpoint(tmp_path,
-                                                                                                  monkeypatch):  # fmt: skip
+def test_train_makes_one_launch_call_with_the_spec_and_resumes_from_the_newest_complete_checkpoint(
+    tmp_path, monkeypatch
+):
     calls = []
 
     def launch(spec, *, state, actor_ids):

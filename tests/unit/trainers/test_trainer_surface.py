@@ -36,8 +36,14 @@ class Init(TrainerCallback):
 
 def trainer(tmp_path, callbacks=None, optimizers=(None, None), **changes):
     args = AsyncGRPOConfig(output_dir=str(tmp_path), **{"max_steps": 2, **changes})
-    return AsyncGRPOTrainer(model="some/model", reward_funcs=last_number_reward, args=args, train_dataset=ROWS,
-                            callbacks=callbacks, optimizers=optimizers)  # fmt: skip
+    return AsyncGRPOTrainer(
+        model="some/model",
+        reward_funcs=last_number_reward,
+        args=args,
+        train_dataset=ROWS,
+        callbacks=callbacks,
+        optimizers=optimizers,
+    )
 
 
 @pytest.fixture
@@ -95,7 +101,9 @@ def test_save_model_and_push_to_hub_offline(tmp_path, fake_launch, caplog):
     saved = tmp_path / "saved"
     assert t.save_model(str(saved)) == str(saved)
     names = {p.name for p in saved.iterdir()}
-    assert "config.json" in names and "tokenizer_config.json" in names and any(n.endswith(".safetensors") for n in names)
+    assert (
+        "config.json" in names and "tokenizer_config.json" in names and any(n.endswith(".safetensors") for n in names)
+    )
     assert not names & {"optimizer.pt", "rollout_state.json", "trainer_state.json"}
     from transformers import AutoModelForCausalLM
 
@@ -150,7 +158,9 @@ def test_optimizers_become_what_the_learner_builds():
 
 def test_optimizers_reach_the_spec(tmp_path, fake_launch, monkeypatch):
     seen = []
-    fake = sys.modules["actors.cluster"]  # the fake module installed by fake_launch (`import a.b` may bind the real one)
+    fake = sys.modules[
+        "actors.cluster"
+    ]  # the fake module installed by fake_launch (`import a.b` may bind the real one)
 
     launch = fake.launch
     monkeypatch.setattr(fake, "launch", lambda spec, **kw: (seen.append(spec), launch(spec, **kw))[1])
@@ -162,8 +172,14 @@ def test_optimizers_reach_the_spec(tmp_path, fake_launch, monkeypatch):
 def test_optim_names_build_torch_optimizers(optim):
     config = AsyncGRPOConfig(optim=optim, learning_rate=1e-3, optim_args="eps=1e-6" if optim == "adamw_torch" else None)
     built, _ = build_optimizer(torch.nn.Linear(3, 2), OptimizerSettings.from_config(config))
-    expected = {"adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "sgd": "SGD", "adafactor": "Adafactor",
-                "adagrad": "Adagrad", "rmsprop": "RMSprop"}[optim]  # fmt: skip
+    expected = {
+        "adamw_torch": "AdamW",
+        "adamw_torch_fused": "AdamW",
+        "sgd": "SGD",
+        "adafactor": "Adafactor",
+        "adagrad": "Adagrad",
+        "rmsprop": "RMSprop",
+    }[optim]
     assert type(built).__name__ == expected and built.param_groups[0]["lr"] == 1e-3
     if optim == "adamw_torch_fused":
         assert built.defaults["fused"] is True

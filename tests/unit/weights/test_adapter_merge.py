@@ -12,8 +12,9 @@ class Layers(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         shapes = {"q": (12, 8), "k": (4, 8), "v": (4, 8), "o": (8, 12), "up": (16, 8)}
-        self.mods = torch.nn.ModuleDict({n: torch.nn.Linear(i, o, bias=False, dtype=dtype)
-                                         for n, (o, i) in shapes.items()})  # fmt: skip
+        self.mods = torch.nn.ModuleDict(
+            {n: torch.nn.Linear(i, o, bias=False, dtype=dtype) for n, (o, i) in shapes.items()}
+        )
 
 
 def adapter(model, seed, ranks):
@@ -29,8 +30,10 @@ def adapter(model, seed, ranks):
 def reference(w0, stream, dtype):
     """Per module, in float32: W0 + B' @ A, cast once."""
     pairs = dict(stream)
-    return {n: (w.float() + pairs[f"mods.{n}.lora_B.weight"].float() @ pairs[f"mods.{n}.lora_A.weight"].float())
-            .to(dtype) for n, w in w0.items()}  # fmt: skip
+    return {
+        n: (w.float() + pairs[f"mods.{n}.lora_B.weight"].float() @ pairs[f"mods.{n}.lora_A.weight"].float()).to(dtype)
+        for n, w in w0.items()
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,7 +50,7 @@ def test_grouped_merge_equals_the_per_module_merge_and_never_accumulates(dtype):
             if dtype == torch.float32:
                 torch.testing.assert_close(module.weight, expected[name], rtol=1e-6, atol=1e-5)
             else:  # one bf16 rounding of a float32 result either way: at most one ulp apart
-                torch.testing.assert_close(module.weight.float(), expected[name].float(), rtol=2 ** -7, atol=1e-2)
+                torch.testing.assert_close(module.weight.float(), expected[name].float(), rtol=2**-7, atol=1e-2)
     assert len(merger._groups) == 4  # k and v share (4, 8, r=4); q, o (r=2), up alone
     assert all(torch.equal(merger.base[f"mods.{n}"], w) for n, w in w0.items())
 

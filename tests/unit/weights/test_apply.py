@@ -14,9 +14,19 @@ def tiny_model(seed):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -40,8 +50,9 @@ class SlowStream:
 
 @pytest.mark.parametrize("staging_bytes", [0, 1 << 30])
 def test_weights_load_while_the_engine_pauses_and_it_resumes(staging_bytes):
-    engine = TorchEngine(tiny_model(0), device="cpu", max_model_len=128, kv_cache_tokens=2048, block_size=4,
-                         eos_token_ids=[])  # fmt: skip
+    engine = TorchEngine(
+        tiny_model(0), device="cpu", max_model_len=128, kv_cache_tokens=2048, block_size=4, eos_token_ids=[]
+    )
     new_state = {k: v.detach().clone() for k, v in tiny_model(1).state_dict().items()}
     greedy = SamplingParams(max_tokens=40, temperature=0)
 
@@ -75,8 +86,9 @@ def test_weights_load_while_the_engine_pauses_and_it_resumes(staging_bytes):
     else:
         assert max(stream.taken_at) < paused  # the whole transfer overlapped the wait for the pause
         assert phases["pause_s"] >= 0.3
-    reference = TorchEngine(tiny_model(1), device="cpu", max_model_len=128, kv_cache_tokens=2048, block_size=4,
-                            eos_token_ids=[])  # fmt: skip
+    reference = TorchEngine(
+        tiny_model(1), device="cpu", max_model_len=128, kv_cache_tokens=2048, block_size=4, eos_token_ids=[]
+    )
     assert after.output_ids == asyncio.run(reference.generate([5, 6, 7], greedy)).output_ids
 
 

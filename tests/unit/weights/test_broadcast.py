@@ -15,8 +15,15 @@ def tiny_model(seed=0, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(config).to(dtype)
 
 
@@ -52,7 +59,11 @@ def with_open(**kwargs):
 
 
 def test_bucket_layout_aligns_every_entry():
-    bucket = [ManifestEntry("a", "bfloat16", (3,)), ManifestEntry("b", "float32", (2, 2)), ManifestEntry("c", "int8", ())]
+    bucket = [
+        ManifestEntry("a", "bfloat16", (3,)),
+        ManifestEntry("b", "float32", (2, 2)),
+        ManifestEntry("c", "int8", ()),
+    ]
     offsets, size = bucket_layout(bucket)
     assert offsets == [0, 16, 32] and size == 33
 
