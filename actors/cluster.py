@@ -25,6 +25,7 @@ import ray
 
 from actors.cluster_faults import dead_actor_name, died_error, probe_engines, restart_options
 from actors.cluster_weights import RESTART_TIMEOUT_S, RayWeightSync, connect_weights, get_all, in_thread
+from rlasync.config.vocab import EngineKind
 from rlasync.driver import (
     RunSpec,
     Taken,
@@ -180,11 +181,12 @@ class Cluster:
     def spawn_engines(self) -> list[Any]:
         """The GenerationActors of the policy (they receive the weight syncs)."""
         config, cluster = self.config, self.config.cluster
+        traits = EngineKind(cluster.engine).traits
         server_url = cluster.vllm_server_url
-        if cluster.engine == "vllm_server" and server_url is None:
+        if traits.needs_url and server_url is None:
             server_url = config.vllm_server_base_url  # TRL's field
         engine_kwargs = cluster.engine_kwargs
-        if cluster.engine == "vllm_server":
+        if traits.remote:
             engine_kwargs = server_engine_kwargs(config, engine_kwargs)
         if self.spec.learner.peft_config is not None and cluster.lora_sync == "adapter":  # runtime adapters
             engine_kwargs = {

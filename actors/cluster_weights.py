@@ -66,7 +66,7 @@ def connect_weights(
     """Choose the weight transport once from the layout (device identities of learner rank 0 and every engine) and
     open it on every learner rank and every engine at once (NCCL and gloo rendezvous need every member). `only`
     (engine indices; a restart): over IPC only those engines open a receiver (there is no group); a broadcast
-    group is always re-opened on every member, learner rank 0 included."""
+    group is always re-opened on every member, learner rank 0 included (`TransportTraits.process_group`)."""
     timeout = cluster.collective_timeout_s
     host, port = ray.get(learners[0].address.remote(), timeout=timeout)
     infos = ray.get(
@@ -85,11 +85,12 @@ def connect_weights(
     if why_not_nccl:
         _warn_once(f"weight sync: {why_not_nccl}")
     manifest = ray.get(learners[0].weight_manifest.remote(), timeout=timeout)
-    opened = range(len(engines)) if only is None or plan.kind != "ipc" else sorted(set(only))
+    grouped = plan.kind.traits.process_group is not None  # every member re-opens, or only the engines `only`
+    opened = range(len(engines)) if only is None or grouped else sorted(set(only))
     ray.get(
         (
             [learner.open_weight_transport.remote(plan) for learner in learners]
-            if len(opened) == len(engines) or plan.kind != "ipc"
+            if len(opened) == len(engines) or grouped
             else []
         )
         + [engines[i].open_weight_transport.remote(plan, i + 1, manifest) for i in opened],

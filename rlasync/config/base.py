@@ -10,9 +10,18 @@ import json
 import logging
 import math
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from rlasync.config.trl_fields import TrainingArgumentsFields, check_training_arguments, parse_optim_args
+from rlasync.config.vocab import (
+    AUTO,
+    EngineKind,
+    parse_engine,
+    parse_lora_sync,
+    parse_report_to,
+    parse_weight_sync_backend,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +37,6 @@ LR_SCHEDULERS = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-WEIGHT_SYNC_BACKENDS = ("auto", "nccl", "gloo", "ipc")
-ENGINES = ("torch", "vllm", "vllm_server")  # rlasync.engine.factory.ENGINE_KINDS
-REPORT_TO = (
-    "tensorboard",
-    "wandb",
-    "trackio",
-    "mlflow",
-    "all",
-    "none",
-)  # rlasync.metrics.sinks.REPORT_TO: the sinks rlasync has
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adagrad", "rmsprop")
 """`optim` names the learner builds (transformers' names; torch optimizers, `adafactor` is transformers')."""
 GRADIENT_CHECKPOINTING_KWARGS = ("use_reentrant",)
@@ -67,8 +66,8 @@ class ClusterConfig:
     queue_num_cpus: float = 0.1
     collective_timeout_s: float = 300.0
     """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
-    weight_sync_backend: str = "auto"
-    """Weight transport: "auto" (NCCL when learner rank 0 and every engine hold distinct GPUs, CUDA IPC when they all
+    weight_sync_backend: str = AUTO
+    """Weight transport (`rlasync.config.vocab.WeightTransport`, or "auto"): "auto" (NCCL when learner rank 0 and every engine hold distinct GPUs, CUDA IPC when they all
     share one GPU, else gloo through the CPU, with a warning when a GPU is involved), "nccl" (an error where it
     cannot work), "gloo", or "ipc" (learner rank 0 and every engine on one host and one device: the weights are
     shared by CUDA IPC handle, or through shared memory on the CPU, instead of through a process group)."""
@@ -78,15 +77,15 @@ class ClusterConfig:
     """Up to this many MiB of a weight sync are received while the engine still generates (held in the receive
     buffers until it has paused), so the transfer overlaps the wait for its step in flight; 0 = pause first."""
     lora_sync: str = "adapter"
-    """With a trainer's `peft_config` (LoRA): "adapter" sends only the adapter (the built-in engine merges it into its
+    """(`rlasync.config.vocab.LoraSync`) With a trainer's `peft_config` (LoRA): "adapter" sends only the adapter (the built-in engine merges it into its
     base weights; vLLM loads it as a runtime LoRA adapter), "merged" sends the full merged weights (any engine)."""
     max_loras: int = 2
     """vLLM with LoRA: adapters live at once (the newest serves new requests; older ones finish theirs, then go)."""
     lora_dir: str | None = None
     """vLLM with LoRA: where adapters are written for the engine to load (default `<output_dir>/lora_adapters`; with
     `vllm serve` a folder the server can read)."""
-    engine: str = "torch"
-    """Generation engine of each GenerationActor: "torch" (built-in), "vllm" (vLLM's AsyncLLM inside the actor, on its
+    engine: str = EngineKind.TORCH
+    """Generation engine of each GenerationActor (`rlasync.config.vocab.EngineKind`): "torch" (built-in), "vllm" (vLLM's AsyncLLM inside the actor, on its
     GPU; `pip install 'rlasync[vllm]'`) or "vllm_server" (a client of an external `vllm serve` at `vllm_server_url`)."""
     engine_kwargs: dict[str, Any] | None = None
     """Extra keyword arguments of the engine (TorchEngine: e.g. `{max_num_seqs: 64, kv_cache_tokens: 8192}`;
@@ -135,34 +134,30 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"cluster.collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
-        if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
-            raise ValueError(
-                f"cluster.weight_sync_backend={self.weight_sync_backend!r}: choose one of {', '.join(WEIGHT_SYNC_BACKENDS)}"
-            )
+        self.weight_sync_backend = parse_weight_sync_backend(self.weight_sync_backend)
         if isinstance(self.weight_sync_bucket_mb, bool) or not self.weight_sync_bucket_mb > 0:
             raise ValueError(f"cluster.weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: must be > 0 MiB")
         if isinstance(self.weight_sync_staging_mb, bool) or not self.weight_sync_staging_mb >= 0:
             raise ValueError(f"cluster.weight_sync_staging_mb={self.weight_sync_staging_mb!r}: must be >= 0 MiB")
-        if self.lora_sync not in ("adapter", "merged"):
-            raise ValueError(f"cluster.lora_sync={self.lora_sync!r}: use 'adapter' (LoRA weights only) or 'merged'")
+        self.lora_sync = parse_lora_sync(self.lora_sync)
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
             raise ValueError(f"cluster.max_loras={self.max_loras!r}: must be a positive integer")
         if isinstance(self.engine_kwargs, str):
             self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
-        if self.engine not in ENGINES:
-            raise ValueError(f"cluster.engine={self.engine!r}: must be one of {', '.join(ENGINES)}")
-        if self.engine == "vllm_server":
+        self.engine = parse_engine(self.engine)
+        if self.engine.traits.needs_url:
             if not self.vllm_server_url:
                 raise ValueError(
-                    "cluster.vllm_server_url is required with cluster.engine='vllm_server' (e.g. http://host:8000)"
+                    f"cluster.vllm_server_url is required with cluster.engine={self.engine.value!r} (e.g. http://host:8000)"
                 )
             if not str(self.vllm_server_url).startswith(("http://", "https://")):
                 raise ValueError(
                     f"cluster.vllm_server_url={self.vllm_server_url!r}: must start with http:// or https://"
                 )
         elif self.vllm_server_url is not None:
+            needs = ", ".join(repr(k.value) for k in EngineKind if k.traits.needs_url)
             raise ValueError(
-                f"cluster.vllm_server_url is set but cluster.engine={self.engine!r}: set cluster.engine='vllm_server'"
+                f"cluster.vllm_server_url is set but cluster.engine={self.engine.value!r}: set cluster.engine={needs}"
             )
 
     def _check_elastic(self) -> None:
@@ -336,8 +331,7 @@ class TrainerConfig(TrainingArgumentsFields):
     def _normalize(self) -> None:
         for name in JSON_DICT_FIELDS:
             setattr(self, name, _parse_json_dict(name, getattr(self, name)))
-        if isinstance(self.report_to, str):
-            self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
+        self.report_to = parse_report_to(self.report_to)
         if self.bf16 is None:
             self.bf16 = not self.fp16
         if isinstance(self.cluster, dict):
@@ -377,12 +371,6 @@ class TrainerConfig(TrainingArgumentsFields):
             raise ValueError(f"max_steps={self.max_steps}: use a positive step count, or -1 to run num_train_epochs")
         if self.max_steps == -1 and not self.num_train_epochs > 0:
             raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1: set one of them positive")
-        unknown = sorted(set(self.report_to) - set(REPORT_TO))
-        if unknown:
-            raise ValueError(
-                f"report_to={self.report_to}: unsupported sink(s) {unknown} (rlasync has no sink for them; metrics.jsonl "
-                f"is always written); use 'tensorboard', 'wandb', 'trackio', 'mlflow', 'all' or 'none'"
-            )
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose one of {', '.join(LR_SCHEDULERS)}")
         if self.bf16 and self.fp16:
@@ -462,7 +450,8 @@ class TrainerConfig(TrainingArgumentsFields):
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * num_processes
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as plain data (a vocabulary member becomes its string: YAML-safe)."""
+        return asdict(self, dict_factory=lambda items: {key: _plain(value) for key, value in items})
 
 
 def check_checkpointing_layers(value: Any, enabled: bool = True) -> str | int:
@@ -481,6 +470,12 @@ def check_checkpointing_layers(value: Any, enabled: bool = True) -> str | int:
             "checkpointed); set gradient_checkpointing=True or leave gradient_checkpointing_layers='auto'"
         )
     return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, StrEnum):
+        return value.value
+    return [_plain(v) for v in value] if isinstance(value, list) else value
 
 
 def _parse_json_dict(name: str, value: Any) -> dict[str, Any] | None:
@@ -520,12 +515,10 @@ def _at_least(config: Any, name: str, low: float) -> None:
 
 __all__ = [
     "DTYPES",
-    "ENGINES",
     "GRADIENT_CHECKPOINTING_KWARGS",
     "JSON_DICT_FIELDS",
     "LR_SCHEDULERS",
     "OPTIMIZERS",
-    "WEIGHT_SYNC_BACKENDS",
     "ClusterConfig",
     "TrainerConfig",
 ]

@@ -17,10 +17,8 @@ from typing import Literal
 
 from rlasync.config.base import (  # noqa: F401 - re-exported: these lived here first
     DTYPES,
-    ENGINES,
     JSON_DICT_FIELDS,
     LR_SCHEDULERS,
-    WEIGHT_SYNC_BACKENDS,
     ClusterConfig,
     TrainerConfig,
     _at_least,

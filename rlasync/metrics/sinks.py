@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from rlasync.config.vocab import REPORT_ALL, Tracker, parse_report_to
+
 logger = logging.getLogger(__name__)
 
 Record = dict[str, float | None]
@@ -28,36 +30,20 @@ CONSOLE_KEYS = (
 )
 
 
-REPORT_TO = ("tensorboard", "wandb", "trackio", "mlflow", "all", "none")
-"""The `report_to` values rlasync has sinks for ("all": every one whose package is installed, as in transformers)."""
-SINK_MODULES = {
-    "tensorboard": ("tensorboard", "pip install 'rlasync[tensorboard]'"),
-    "wandb": ("wandb", "pip install 'rlasync[wandb]'"),
-    "trackio": ("trackio", "pip install 'rlasync[trackio]'"),
-    "mlflow": ("mlflow", "pip install 'rlasync[mlflow]'"),
-}
-
-
-def check_report_to(report_to: str | list[str] | None) -> list[str]:
-    """`report_to` as a list of sink names, checked before any actor starts: every value names a sink rlasync has
-    (TRL's other integrations, e.g. comet_ml, are not) and the sink's package is importable; "all" becomes the
-    sinks whose package is installed."""
-    names = [] if report_to in (None, "", "none") else [report_to] if isinstance(report_to, str) else list(report_to)
-    unknown = sorted(set(names) - set(REPORT_TO))
-    if unknown:
-        raise ValueError(
-            f"report_to={names}: unsupported sink(s) {unknown} (rlasync writes metrics.jsonl always and has no "
-            f"sink for them); use {', '.join(repr(n) for n in REPORT_TO[:-1])} or 'none'"
-        )
-    if "all" in names:
-        return [n for n in SINK_MODULES if n in names or _importable(SINK_MODULES[n][0])]
-    for name in names:
-        module, install = SINK_MODULES[name]
-        if not _importable(module):
+def check_report_to(report_to: str | list[str] | None) -> list[Tracker]:
+    """`report_to` (the names checked by `rlasync.config.vocab.parse_report_to`, as the config does) as the list of
+    `Tracker`s to open, checked before any actor starts: each one's package is importable; "all" becomes the
+    trackers whose package is installed."""
+    names = parse_report_to(report_to)
+    if REPORT_ALL in names:
+        return [t for t in Tracker if t in names or _importable(t.traits.module)]
+    for tracker in names:
+        if not _importable(tracker.traits.module):
             raise ValueError(
-                f"report_to includes {name!r} but {module} is not installed: {install} (or drop it from report_to)"
+                f"report_to includes {tracker.value!r} but {tracker.traits.module} is not installed: "
+                f"pip install 'rlasync[{tracker.traits.extra}]' (or drop it from report_to)"
             )
-    return list(dict.fromkeys(names))
+    return names
 
 
 def _importable(module: str) -> bool:
@@ -261,14 +247,14 @@ def build_sinks(
     that step's checkpoint (records of later steps already written are replaced, not duplicated)."""
     report_to = check_report_to(report_to)
     sinks: list = [JsonlSink(Path(output_dir) / "metrics.jsonl", resume_step=resume_step)]
-    if "tensorboard" in report_to:
+    if Tracker.TENSORBOARD in report_to:
         runs = Path(output_dir) / "runs"
         sinks.append(TensorBoardSink(runs / run_name if run_name else runs, resume_step=resume_step))
-    if "wandb" in report_to:
+    if Tracker.WANDB in report_to:
         sinks.append(WandbSink(run_name, config))
-    if "trackio" in report_to:
+    if Tracker.TRACKIO in report_to:
         sinks.append(TrackioSink(run_name, config))
-    if "mlflow" in report_to:
+    if Tracker.MLFLOW in report_to:
         sinks.append(MlflowSink(output_dir, run_name, config))
     if console:
         sinks.append(ConsoleSink(max_steps=kwargs.get("max_steps")))

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlasync.config.distill import AsyncDistillationConfig
+from rlasync.config.vocab import EngineKind
 from rlasync.data import validate_prompt_dataset
 from rlasync.data.streaming import is_streaming
 from rlasync.distill import AsyncDistillationLoop
@@ -38,8 +39,6 @@ from rlasync.trainers.base import AsyncTrainerBase
 from rlasync.trainers.checks import check_same_vocabulary
 
 logger = logging.getLogger(__name__)
-
-LOCAL_TEACHER_ENGINES = ("torch", "vllm")
 
 
 class AsyncDistillationTrainer(AsyncTrainerBase):
@@ -80,10 +79,11 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         """teacher id -> the TeacherScorer's engine settings (`model`, `engine`, `base_url`), in stable order."""
         if teacher_model is None:
             return {
-                teacher_id: TeacherSpec(teacher_id, model=None, engine="vllm_server", base_url=url)
+                teacher_id: TeacherSpec(teacher_id, model=None, engine=EngineKind.VLLM_SERVER, base_url=url)
                 for teacher_id, url in (self.args.teacher_server_urls or {}).items()
             }
-        engine = self.args.cluster.engine if self.args.cluster.engine in LOCAL_TEACHER_ENGINES else "torch"
+        engine = EngineKind(self.args.cluster.engine)
+        engine = EngineKind.TORCH if engine.traits.remote else engine  # a local teacher: the built-in engine
         if isinstance(teacher_model, Mapping):
             if not teacher_model:
                 raise ValueError("teacher_model={}: give at least one {teacher_id: model path} entry")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from rlasync.config.vocab import EngineKind
 from rlasync.data.prompts import NUM_ROWS_CHECKED, PROMPT_COLUMN, leased_row_problem, render_prompt
 from rlasync.data.streaming import first_rows
 from rlasync.metrics.sinks import check_report_to
@@ -179,7 +180,7 @@ def max_model_len(config: Any, model_cfg: dict[str, Any]) -> int | None:
     kwargs = config.cluster.engine_kwargs or {}
     if kwargs.get("max_model_len"):
         return int(kwargs["max_model_len"])
-    if config.cluster.engine == "vllm_server":
+    if EngineKind(config.cluster.engine).traits.remote:  # the server's limit, known once it answers
         return None
     text_cfg = model_cfg.get("text_config") or {}
     for key in POSITION_KEYS:

@@ -19,14 +19,13 @@ import json
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from rlasync.config.vocab import EngineKind, LoraMode, LoraSync, parse_lora_sync
 from rlasync.weights.plan import ManifestEntry, TensorStream, foreach_copy, transfer_name
 
-LoraSync = Literal["adapter", "merged"]
-LORA_SYNCS: tuple[str, ...] = ("adapter", "merged")
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 ADAPTER_NAME_PREFIX = "rlasync-v"  # vLLM adapters are named rlasync-v{k}: the k-th adapter sync of this engine
 REFUSED_TARGETS = ("lm_head", "embed_tokens", "wte", "wpe", "embed_out", "word_embeddings")
@@ -89,21 +88,21 @@ def check_peft_config(peft_config: Any, field: str = "peft_config") -> Any:
     return peft_config
 
 
-def check_lora_sync(value: str, field: str = "cluster.lora_sync") -> str:
-    if value not in LORA_SYNCS:
-        raise ValueError(f"{field}={value!r}: use 'adapter' (send the LoRA weights only) or 'merged' (full weights)")
-    return value
+def check_lora_sync(value: str, field: str = "cluster.lora_sync") -> LoraSync:
+    return parse_lora_sync(value, field)
 
 
 def lora_engine_kwargs(peft_config: Any, engine: str, *, max_loras: int, lora_dir: str) -> dict[str, Any]:
-    """What an engine of kind `engine` needs to receive adapters of `peft_config` (merged into `engine_kwargs`):
-    vLLM in-process is started with `enable_lora`, `max_loras`, `max_lora_rank`; both vLLM kinds write the adapters
-    under `lora_dir` (a folder a `vllm serve` must be able to read); the built-in engine needs nothing."""
-    if peft_config is None or engine == "torch":
+    """What an engine of kind `engine` needs to receive adapters of `peft_config` (merged into `engine_kwargs`), by
+    its traits (`rlasync.config.vocab.EngineTraits`): vLLM in-process is started with `enable_lora`, `max_loras`,
+    `max_lora_rank`; an engine of runtime adapters writes them under `lora_dir` (a folder a `vllm serve` must be
+    able to read); one that merges them into its base weights (the built-in engine) needs nothing."""
+    traits = EngineKind(engine).traits
+    if peft_config is None or traits.lora is LoraMode.MERGED:
         return {}
     ranks = [int(peft_config.r), *(int(r) for r in (peft_config.rank_pattern or {}).values())]
     kwargs: dict[str, Any] = {"lora_dir": lora_dir, "max_loras": int(max_loras)}
-    if engine == "vllm":
+    if traits.vllm_in_process:
         kwargs.update(enable_lora=True, max_lora_rank=_vllm_rank(max(ranks)))
     return kwargs
 
@@ -409,7 +408,6 @@ def write_adapter(
 
 __all__ = [
     "ADAPTER_NAME_PREFIX",
-    "LORA_SYNCS",
     "AdapterMerger",
     "LoraSync",
     "adapter_base",

@@ -10,7 +10,7 @@ so that neither the actors nor the driver know which transport runs.
     engine k:        receiver = await make_receiver(plan, k, manifest, engine, device)
                      phases = await receiver.load_into(engine, ticket)  # while learner rank 0 sends
 
-Kinds (`TransportPlan.kind`):
+Kinds (`TransportPlan.kind`, an `rlasync.config.vocab.WeightTransport`; its traits say how they differ):
   * "nccl": a broadcast group from learner rank 0's GPU into each engine's GPU (every rank on its own GPU);
   * "gloo": the same broadcast through the CPU (a GPU sender copies each bucket to the host);
   * "ipc": no group; rank 0 packs the weights into persistent buckets on its device (one batched copy) and hands
@@ -28,18 +28,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rlasync.config.vocab import AUTO, WeightTransport, parse_weight_sync_backend
 from rlasync.weights.adapter import is_adapter_manifest
 from rlasync.weights.apply import load_while_pausing, paused_for_update
 from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup, device_identity, free_port
 from rlasync.weights.plan import ManifestEntry
 
-TransportKind = Literal["nccl", "gloo", "ipc"]
-KINDS: tuple[str, ...] = ("nccl", "gloo", "ipc")
-REQUESTS: tuple[str, ...] = ("auto", *KINDS)
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -47,7 +45,7 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 class TransportPlan:
     """How one run's weight syncs travel, decided once (`choose_transport`) and handed to every member."""
 
-    kind: TransportKind
+    kind: WeightTransport
     host: str  # learner rank 0's address: the broadcast group's store
     port: int
     world_size: int  # 1 (learner rank 0) + the number of engines
@@ -56,8 +54,7 @@ class TransportPlan:
     staging_bytes: int = 0  # a broadcast receiver's bytes received before its engine has paused
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"weight transport kind {self.kind!r}: use one of {KINDS}")
+        object.__setattr__(self, "kind", WeightTransport(self.kind))
         if self.bucket_bytes < 1:
             raise ValueError(f"weight transport bucket_bytes must be >= 1, got {self.bucket_bytes}")
 
@@ -66,9 +63,14 @@ def _place(info: Mapping[str, Any]) -> tuple[Any, Any, Any]:
     return info["node"], info["device"], info.get("gpu")
 
 
+def group_device(plan: TransportPlan, device: torch.device | str) -> torch.device:
+    """Where a broadcast member's buckets sit: its own device over NCCL, the host over gloo."""
+    return torch.device(device) if plan.kind.traits.device == "cuda" else torch.device("cpu")
+
+
 def choose_kind(
-    sender: Mapping[str, Any], receivers: Sequence[Mapping[str, Any]], requested: str = "auto"
-) -> tuple[TransportKind, str | None]:
+    sender: Mapping[str, Any], receivers: Sequence[Mapping[str, Any]], requested: str = AUTO
+) -> tuple[WeightTransport, str | None]:
     """The transport kind from every rank's `device_identity`: `(kind, why_not_nccl)`.
 
     "auto": NCCL when every rank is on a GPU and no two ranks share one (same node and GPU); CUDA IPC when every
@@ -77,28 +79,27 @@ def choose_kind(
     (for a one-time warning). "nccl" and "ipc" (every engine on the sender's node and
     device) raise `ValueError` where they cannot work; "gloo" is always honoured.
     """
-    if requested not in REQUESTS:
-        raise ValueError(f"cluster.weight_sync_backend={requested!r}: use 'auto', 'nccl', 'gloo' or 'ipc'")
-    if requested == "gloo":
-        return "gloo", None
-    if requested == "ipc":
+    requested = parse_weight_sync_backend(requested)
+    if requested == WeightTransport.GLOO:
+        return WeightTransport.GLOO, None
+    if requested != AUTO and requested.traits.same_device:
         place = _place(sender)
         away = [i for i, info in enumerate(receivers) if _place(info) != place]
         if away:
             raise ValueError(
-                f"cluster.weight_sync_backend='ipc' needs every engine on learner rank 0's node and device "
-                f"({place[1]}{'' if place[2] is None else ' ' + str(place[2])}); engine(s) {away} are elsewhere"
+                f"cluster.weight_sync_backend={requested.value!r} needs every engine on learner rank 0's node and "
+                f"device ({place[1]}{'' if place[2] is None else ' ' + str(place[2])}); engine(s) {away} are elsewhere"
             )
-        return "ipc", None
+        return requested, None
     ranks = [sender, *receivers]
     on_gpu = [info["device"] == "cuda" for info in ranks]
     if all(on_gpu):
         keys = [(info["node"], info["gpu"]) for info in ranks]
         if len(set(keys)) == len(keys):
-            return "nccl", None
+            return WeightTransport.NCCL, None
         one_gpu = all(_place(info) == _place(sender) for info in receivers)
-        if one_gpu and requested == "auto":
-            return "ipc", None  # one GPU for all: share the weights by CUDA IPC handle
+        if one_gpu and requested == AUTO:
+            return WeightTransport.IPC, None  # one GPU for all: share the weights by CUDA IPC handle
         reason = (
             "learner rank 0 and every generation engine share one GPU, and NCCL needs a distinct GPU per rank"
             if one_gpu
@@ -110,15 +111,15 @@ def choose_kind(
         reason = "some weight-sync ranks have no GPU: weights go through the CPU over gloo"
     else:
         reason = "no weight-sync rank has a GPU"
-    if requested == "nccl":
+    if requested == WeightTransport.NCCL:
         raise ValueError(f"cluster.weight_sync_backend='nccl' is not possible here: {reason}")
-    return "gloo", reason if any(on_gpu) else None
+    return WeightTransport.GLOO, reason if any(on_gpu) else None
 
 
 def choose_transport(
     sender_info: Mapping[str, Any],
     receiver_infos: Sequence[Mapping[str, Any]],
-    requested: str = "auto",
+    requested: str = AUTO,
     *,
     host: str,
     port: int,
@@ -136,7 +137,7 @@ def choose_transport(
         world_size=1 + len(receiver_infos),
         timeout_s=float(timeout_s),
         bucket_bytes=max(1, int(bucket_bytes)),
-        staging_bytes=0 if kind == "ipc" else max(0, int(staging_bytes)),
+        staging_bytes=max(0, int(staging_bytes)) if kind.traits.stages else 0,
     )
     return plan, why_not_nccl
 
@@ -170,8 +171,8 @@ class BroadcastSender:
             0,
             plan.world_size,
             plan.timeout_s,
-            backend=plan.kind,
-            device=torch.device(device) if plan.kind == "nccl" else "cpu",
+            backend=plan.kind.traits.process_group,
+            device=group_device(plan, device),
             bucket_bytes=plan.bucket_bytes,
         )
 
@@ -247,10 +248,10 @@ class GatherOnlySender:
         pass
 
 
-SENDERS: dict[str, type[BroadcastSender] | type[IpcSender]] = {
-    "nccl": BroadcastSender,
-    "gloo": BroadcastSender,
-    "ipc": IpcSender,
+SENDERS: dict[WeightTransport, type[BroadcastSender] | type[IpcSender]] = {
+    WeightTransport.NCCL: BroadcastSender,
+    WeightTransport.GLOO: BroadcastSender,
+    WeightTransport.IPC: IpcSender,
 }
 
 
@@ -309,8 +310,8 @@ class BroadcastReceiver:
             rank,
             plan.world_size,
             plan.timeout_s,
-            backend=plan.kind,
-            device=torch.device(device) if plan.kind == "nccl" else "cpu",
+            backend=plan.kind.traits.process_group,
+            device=group_device(plan, device),
             bucket_bytes=plan.bucket_bytes,
         )
 
@@ -367,7 +368,13 @@ class EngineNativeReceiver:
         cls, plan: TransportPlan, rank: int, manifest: Sequence[ManifestEntry], engine: SelfReceivingEngine
     ) -> EngineNativeReceiver:
         await engine.join_weight_group(
-            plan.host, plan.port, rank, plan.world_size, plan.timeout_s, plan.kind, plan.bucket_bytes
+            plan.host,
+            plan.port,
+            rank,
+            plan.world_size,
+            plan.timeout_s,
+            plan.kind.traits.process_group,
+            plan.bucket_bytes,
         )
         return cls(manifest)
 
@@ -390,7 +397,7 @@ async def make_receiver(
     """Engine `rank`'s receiver for `plan` (1-based: learner rank 0 is rank 0 of the group); joins the broadcast
     group here (every member at once). "ipc" maps handles; an engine with its own receiver receives in place (full weights only: a LoRA
     adapter sync goes through the engine's `load_weights`, which loads it as a runtime adapter)."""
-    if plan.kind == "ipc":
+    if plan.kind.traits.process_group is None:
         return IpcReceiver(manifest)
     if isinstance(engine, SelfReceivingEngine) and not is_adapter_manifest(manifest):  # adapters: load_weights
         return await EngineNativeReceiver.open(plan, rank, manifest, engine)
@@ -412,6 +419,7 @@ __all__ = [
     "choose_transport",
     "device_identity",
     "free_port",
+    "group_device",
     "make_receiver",
     "make_sender",
     "paused_for_update",

@@ -485,13 +485,17 @@ def test_cli_config_show_names_the_yaml_file(tmp_path, capsys):
 
 
 def test_the_config_and_the_sinks_agree_on_report_to(monkeypatch):
+    """One vocabulary (rlasync.config.vocab.Tracker): what the config accepts, the sinks open."""
     import rlasync.metrics.sinks as sinks
-    from rlasync.config.base import REPORT_TO as CONFIG_REPORT_TO
-    from rlasync.metrics.sinks import REPORT_TO, check_report_to
+    from rlasync.config import AsyncGRPOConfig
+    from rlasync.config.vocab import Tracker
+    from rlasync.metrics.sinks import check_report_to
 
     monkeypatch.setattr(sinks, "_importable", lambda module: True)
-    assert CONFIG_REPORT_TO == REPORT_TO
+    for tracker in Tracker:
+        assert AsyncGRPOConfig(report_to=tracker.value).report_to == [tracker] == check_report_to(tracker.value)
     assert check_report_to("none") == [] and check_report_to(["wandb", "tensorboard"]) == ["wandb", "tensorboard"]
+    assert check_report_to("all") == list(Tracker)
 
 
 def test_models_prepare_names_an_unknown_alias(capsys):
