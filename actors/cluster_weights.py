@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from actors.cluster_faults import MAX_RESTARTS, died_error, probe_engines, resume_hint
-from rlasync.weights.transport import TransportPlan, choose_transport
+from rlasync.weights.transport import TransportPlan, WeightTransportNotOpen, choose_transport
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -131,12 +131,9 @@ def _settle(refs: list[Any], timeout: float) -> list[Any]:
 
 
 def _gone_or_fresh(result: Any) -> bool:
-    """A sync call's outcome that means its engine died: Ray's actor error, or a restarted one's NOT_OPENED."""
-    from actors.generation import NOT_OPENED
-
-    return isinstance(result, ray.exceptions.RayActorError) or (
-        isinstance(result, Exception) and NOT_OPENED in str(result)
-    )
+    """A sync call's outcome that means its engine died: Ray's actor error, or a restarted one's
+    `WeightTransportNotOpen` (raised in the actor: Ray's error is an instance of it too)."""
+    return isinstance(result, ray.exceptions.RayActorError | WeightTransportNotOpen)
 
 
 class RayWeightSync:

@@ -24,7 +24,6 @@ from typing import Any
 
 import ray
 
-NOT_OPENED = "sync_weights before open_weight_transport"  # also how the driver recognises a restarted engine
 SYNC_GATE_S = (
     30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
 )
@@ -161,8 +160,10 @@ class GenerationActor:
         loaded, `resume_s`, `total_s`), `started_at` (wall clock), `loop_lag_max_s` (this actor's worst
         event-loop lag since the previous sync) and `gc_max_s` (its longest garbage collection since then)."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
-        if self.receiver is None:
-            raise RuntimeError(NOT_OPENED)
+        if self.receiver is None:  # a restarted incarnation: the driver recognises this error by its type
+            from rlasync.weights.transport import WeightTransportNotOpen
+
+            raise WeightTransportNotOpen("sync_weights before open_weight_transport")
         pausing, self.pausing = self.pausing, None
         if pausing is not None:
             phases = await self.receiver.load_into(self.engine, ticket, pausing=pausing)

@@ -41,6 +41,12 @@ from rlasync.weights.plan import ManifestEntry
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
+class WeightTransportNotOpen(RuntimeError):
+    """A weight sync reached an engine whose receiver is not open (`sync_weights` before `open_weight_transport`):
+    a restarted GenerationActor. Raised by the engine's actor and recognised by type on the driver (across Ray the
+    error is also an instance of this class: `RayTaskError.as_instanceof_cause`)."""
+
+
 @dataclass(frozen=True)
 class TransportPlan:
     """How one run's weight syncs travel, decided once (`choose_transport`) and handed to every member."""
@@ -415,6 +421,7 @@ __all__ = [
     "TransportPlan",
     "WeightReceiver",
     "WeightSender",
+    "WeightTransportNotOpen",
     "choose_kind",
     "choose_transport",
     "device_identity",
