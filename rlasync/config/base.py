@@ -67,26 +67,29 @@ class ClusterConfig:
     collective_timeout_s: float = 300.0
     """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
     weight_sync_backend: str = AUTO
-    """Weight transport (`rlasync.config.vocab.WeightTransport`, or "auto"): "auto" (NCCL when learner rank 0 and every engine hold distinct GPUs, CUDA IPC when they all
-    share one GPU, else gloo through the CPU, with a warning when a GPU is involved), "nccl" (an error where it
-    cannot work), "gloo", or "ipc" (learner rank 0 and every engine on one host and one device: the weights are
-    shared by CUDA IPC handle, or through shared memory on the CPU, instead of through a process group)."""
+    """Weight transport (`rlasync.config.vocab.WeightTransport`, or "auto"): "auto" (NCCL when learner rank 0 and
+    every engine hold distinct GPUs, CUDA IPC when they all share one GPU, else gloo through the CPU, with a warning
+    when a GPU is involved), "nccl" (an error where it cannot work), "gloo", or "ipc" (learner rank 0 and every
+    engine on one host and one device: the weights are shared by CUDA IPC handle, or through shared memory on the
+    CPU, instead of through a process group)."""
     weight_sync_bucket_mb: float = 256.0
     """Parameters are broadcast in flat buckets of at most this many MiB (a larger parameter goes alone)."""
     weight_sync_staging_mb: float = 2048.0
     """Up to this many MiB of a weight sync are received while the engine still generates (held in the receive
     buffers until it has paused), so the transfer overlaps the wait for its step in flight; 0 = pause first."""
     lora_sync: str = "adapter"
-    """(`rlasync.config.vocab.LoraSync`) With a trainer's `peft_config` (LoRA): "adapter" sends only the adapter (the built-in engine merges it into its
-    base weights; vLLM loads it as a runtime LoRA adapter), "merged" sends the full merged weights (any engine)."""
+    """With a trainer's `peft_config` (LoRA; `rlasync.config.vocab.LoraSync`): "adapter" sends only the adapter (the
+    built-in engine merges it into its base weights; vLLM loads it as a runtime LoRA adapter), "merged" sends the
+    full merged weights (any engine)."""
     max_loras: int = 2
     """vLLM with LoRA: adapters live at once (the newest serves new requests; older ones finish theirs, then go)."""
     lora_dir: str | None = None
     """vLLM with LoRA: where adapters are written for the engine to load (default `<output_dir>/lora_adapters`; with
     `vllm serve` a folder the server can read)."""
     engine: str = EngineKind.TORCH
-    """Generation engine of each GenerationActor (`rlasync.config.vocab.EngineKind`): "torch" (built-in), "vllm" (vLLM's AsyncLLM inside the actor, on its
-    GPU; `pip install 'rlasync[vllm]'`) or "vllm_server" (a client of an external `vllm serve` at `vllm_server_url`)."""
+    """Generation engine of each GenerationActor (`rlasync.config.vocab.EngineKind`): "torch" (built-in), "vllm"
+    (vLLM's AsyncLLM inside the actor, on its GPU; `pip install 'rlasync[vllm]'`) or "vllm_server" (a client of an
+    external `vllm serve` at `vllm_server_url`)."""
     engine_kwargs: dict[str, Any] | None = None
     """Extra keyword arguments of the engine (TorchEngine: e.g. `{max_num_seqs: 64, kv_cache_tokens: 8192}`;
     vllm: `VLLMEngine`'s, e.g. `{gpu_memory_utilization: 0.3}`; vllm_server: `VLLMServerEngine`'s)."""
@@ -148,7 +151,8 @@ class ClusterConfig:
         if self.engine.traits.needs_url:
             if not self.vllm_server_url:
                 raise ValueError(
-                    f"cluster.vllm_server_url is required with cluster.engine={self.engine.value!r} (e.g. http://host:8000)"
+                    f"cluster.vllm_server_url is required with cluster.engine={self.engine.value!r} "
+                    "(e.g. http://host:8000)"
                 )
             if not str(self.vllm_server_url).startswith(("http://", "https://")):
                 raise ValueError(
