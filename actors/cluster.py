@@ -16,15 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import ray
 
+from actors.cluster_elastic import RayPools
 from actors.cluster_faults import dead_actor_name, died_error, probe_engines, restart_options
 from actors.cluster_weights import RESTART_TIMEOUT_S, RayWeightSync, connect_weights, get_all, in_thread
+from actors.fanout import STOP_TIMEOUT_S, wait_until_dead
 from rlasync.driver import (
     RunSpec,
     Taken,
@@ -38,8 +39,6 @@ from rlasync.weights.adapter import lora_engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-STOP_TIMEOUT_S = 20.0
-DEATH_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 60.0
 
 
@@ -151,8 +150,6 @@ class Cluster:
             output_dir=self.config.output_dir,
             heal=weights.heal,
         )
-        from actors.cluster_elastic import RayPools
-
         return spec.step_loop(
             queue=RayQueue(queue, cluster.collective_timeout_s),
             learners=RayLearners(learners, cluster.collective_timeout_s),
@@ -377,36 +374,6 @@ def connect(address: str | None) -> bool:
         return False
     ray.init(include_dashboard=False, log_to_driver=True)
     return True
-
-
-def wait_until_dead(
-    handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S, names: dict[str, str] | None = None
-) -> None:
-    """Return once every killed actor is reported dead (ray.kill is asynchronous), or warn after `timeout_s`. A
-    ping (the built-in `__ray_ready__`) on a dead actor fails with `RayActorError`; one that still answers (the
-    kill has not landed yet) is asked again. This works on a Ray Client (`ray://`) driver too (no state API)."""
-    deadline, alive = time.monotonic() + timeout_s, list(handles)
-    while alive:
-        pings = {handle.__ray_ready__.remote(): handle for handle in alive}
-        done, pending = ray.wait(list(pings), num_returns=len(pings), timeout=max(deadline - time.monotonic(), 0.0))
-        alive = [pings[ref] for ref in pending]
-        for ref in done:
-            try:
-                ray.get(ref, timeout=0)
-            except Exception:  # RayActorError: dead; any other failure: not answering, treated as gone
-                continue
-            alive.append(pings[ref])
-        if not alive or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    if alive:
-        ids = [h._actor_id.hex() for h in alive]
-        logger.warning(
-            "%d actors still alive %.0f s after ray.kill: %s",
-            len(alive),
-            timeout_s,
-            [(names or {}).get(i, i) for i in ids],
-        )
 
 
 # ---- the core's protocols over actor handles ----------------------------------------------------------------------

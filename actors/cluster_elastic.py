@@ -30,6 +30,7 @@ from typing import Any
 import ray
 
 from actors.cluster_weights import in_thread
+from actors.fanout import STOP_TIMEOUT_S, wait_until_dead
 from actors.loop_host import LEASE_POLL_S
 from rlasync.driver.elastic import Sizes
 
@@ -40,7 +41,8 @@ DRAIN_TIMEOUT_S = 30.0
 
 class RayPools:
     """`Resizable` over a running `Cluster`'s engines (`weights.engines`, the same list as `cluster.engines`) and
-    rollout actors (`fleet.handles`, the same list as `cluster.rollouts`)."""
+    rollout actors (`fleet.handles`, the same list as `cluster.rollouts`). Of the Cluster it uses `spawn_engine`,
+    `spawn_rollout`, `handles`, `names` and `config` (the Cluster builds it; this module does not import it)."""
 
     def __init__(self, cluster: Any, weights: Any, fleet: Any, queue: Any, state: dict[str, Any]) -> None:
         self.cluster, self.weights, self.fleet, self.queue, self.state = cluster, weights, fleet, queue, state
@@ -140,8 +142,6 @@ class RayPools:
         return new
 
     def remove_rollouts(self, n: int) -> list[tuple[str, Any]]:
-        from actors.cluster import STOP_TIMEOUT_S
-
         handles = self.fleet.handles
         n = min(n, len(handles) - 1)
         if n <= 0:
@@ -187,8 +187,6 @@ class RayPools:
         return built
 
     def _kill(self, handles: list[Any]) -> None:
-        from actors.cluster import wait_until_dead
-
         for handle in handles:
             ray.kill(handle, no_restart=True)
         ids = {handle._actor_id.hex() for handle in handles}
