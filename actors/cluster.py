@@ -25,7 +25,7 @@ import ray
 from actors.cluster_elastic import RayPools
 from actors.cluster_faults import dead_actor_name, died_error, probe_engines, restart_options
 from actors.cluster_weights import RESTART_TIMEOUT_S, RayWeightSync, connect_weights, get_all, in_thread
-from actors.fanout import STOP_TIMEOUT_S, wait_until_dead
+from actors.fanout import STOP_TIMEOUT_S, actor_id, wait_until_dead
 from rlasync.driver import (
     RunSpec,
     Taken,
@@ -170,8 +170,8 @@ class Cluster:
             handle_options["name"] = name
         handle = actor_cls.options(**handle_options, **restart_options(kind)).remote(**init)
         self.handles.append(handle)
-        self.actor_ids.append(handle._actor_id.hex())
-        self.names[handle._actor_id.hex()] = label
+        self.actor_ids.append(actor_id(handle))
+        self.names[actor_id(handle)] = label
         return handle
 
     def spawn_engines(self) -> list[Any]:
@@ -464,7 +464,7 @@ class RayFleet:
 
     def labels(self) -> list[str]:
         """The engines' names ("generation actor 2"), as the rollout actors' channels call them."""
-        return [self.names.get(engine._actor_id.hex(), "generation actor") for engine in self.engines]
+        return [self.names.get(actor_id(engine), "generation actor") for engine in self.engines]
 
     async def check_health(self, stale_after_s: float) -> list[tuple[str, dict[str, Any]]]:
         await self.ensure_running()

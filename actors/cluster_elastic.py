@@ -30,7 +30,7 @@ from typing import Any
 import ray
 
 from actors.cluster_weights import in_thread
-from actors.fanout import STOP_TIMEOUT_S, wait_until_dead
+from actors.fanout import STOP_TIMEOUT_S, actor_id, wait_until_dead
 from actors.loop_host import LEASE_POLL_S
 from rlasync.driver.elastic import Sizes
 
@@ -86,7 +86,7 @@ class RayPools:
         n = min(n, len(engines) - 1)
         if n <= 0:
             return []
-        gone, ids = engines[-n:], [engine._actor_id.hex() for engine in engines[-n:]]
+        gone, ids = engines[-n:], [actor_id(engine) for engine in engines[-n:]]
         self._set_engines(engines[:-n])  # no new request goes to them
         served = self._drain(ids)
         held = ray.get([engine.weights_version.remote() for engine in gone], timeout=self.timeout)
@@ -107,7 +107,7 @@ class RayPools:
         """Every rollout actor's EnginePool: exactly `engines` (default: the transport's)."""
         engines = list(self.weights.engines if engines is None else engines)
         self.fleet.engines = list(self.weights.engines)
-        labels = [self.cluster.names.get(engine._actor_id.hex(), "generation actor") for engine in engines]
+        labels = [self.cluster.names.get(actor_id(engine), "generation actor") for engine in engines]
         ray.get([rollout.set_engines.remote(engines, labels) for rollout in self.fleet.handles], timeout=self.timeout)
 
     def _drain(self, ids: list[str]) -> dict[str, int]:
@@ -189,12 +189,12 @@ class RayPools:
     def _kill(self, handles: list[Any]) -> None:
         for handle in handles:
             ray.kill(handle, no_restart=True)
-        ids = {handle._actor_id.hex() for handle in handles}
-        self.cluster.handles[:] = [h for h in self.cluster.handles if h._actor_id.hex() not in ids]
+        ids = {actor_id(handle) for handle in handles}
+        self.cluster.handles[:] = [h for h in self.cluster.handles if actor_id(h) not in ids]
         wait_until_dead(handles, names=self.cluster.names)
 
     def _label(self, handle: Any) -> str:
-        return self.cluster.names.get(handle._actor_id.hex(), handle._actor_id.hex())
+        return self.cluster.names.get(actor_id(handle), actor_id(handle))
 
     def _event(self, action: str, handle: Any, **details: Any) -> None:
         event = {"action": action, "actor": self._label(handle), "step": self.state.get("global_step"), **details}

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from actors.fanout import actor_id
 from rlasync.driver.checkpoint import Checkpointer
 
 MAX_RESTARTS = 3  # per actor and run: a crash that repeats (a reward that kills its process) stops the run
@@ -58,9 +59,9 @@ def died_error(
 def dead_actor_name(error: BaseException | str, names: dict[str, str]) -> str | None:
     """The name of the actor whose death `error` reports (a `RayActorError`'s `actor_id`, or an actor id found in
     the text of an error another actor saw), else None."""
-    actor_id = getattr(error, "actor_id", None)
-    if actor_id and actor_id in names:
-        return names[actor_id]
+    dead_id = getattr(error, "actor_id", None)
+    if dead_id and dead_id in names:
+        return names[dead_id]
     text = str(error)
     if "ActorDiedError" not in text and "RayActorError" not in text and "actor died" not in text.lower():
         return None
@@ -83,7 +84,7 @@ def probe_engines(engines: list[Any], names: dict[str, str], seen_by: str, outpu
     refs = [engine.stats.remote() for engine in engines]
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
     for ref, engine in zip(refs, engines, strict=True):
-        name = names.get(engine._actor_id.hex(), "a generation actor")
+        name = names.get(actor_id(engine), "a generation actor")
         if ref in pending:
             raise frozen_error(name, seen_by, output_dir)
         try:

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from actors.cluster_faults import MAX_RESTARTS, died_error, probe_engines, resume_hint
+from actors.fanout import actor_id
 from rlasync.weights.transport import TransportPlan, choose_transport
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class RayWeightSync:
         self._arm(range(len(engines)))
 
     def _name(self, index: int) -> str:
-        return self.names.get(self.engines[index]._actor_id.hex(), f"generation actor {index}")
+        return self.names.get(actor_id(self.engines[index]), f"generation actor {index}")
 
     async def sync(self, version: int) -> tuple[int, dict[str, float]]:
         return await in_thread(self.sync_now, version)
@@ -235,10 +236,8 @@ class RayWeightSync:
     def remove_engines(self, gone: Sequence[Any]) -> None:
         """Elastic pools: these engines leave the transport before they are killed (their watch calls are
         dropped first, so their deaths are not restarts); a broadcast group is re-opened without them."""
-        ids = {engine._actor_id.hex() for engine in gone}
-        kept = [
-            (engine, self._watches[i]) for i, engine in enumerate(self.engines) if engine._actor_id.hex() not in ids
-        ]
+        ids = {actor_id(engine) for engine in gone}
+        kept = [(engine, self._watches[i]) for i, engine in enumerate(self.engines) if actor_id(engine) not in ids]
         if not kept:
             raise ValueError("the weight transport needs at least one generation engine")
         self.engines[:] = [engine for engine, _ in kept]
@@ -348,7 +347,7 @@ class RayWeightSync:
         sync to end: the survivors' collectives fail once their dead peer's connection is gone, or time out."""
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             return []  # something hangs: named by the probe
-        learner_ids = {learner._actor_id.hex() for learner in self.learners}
+        learner_ids = {actor_id(learner) for learner in self.learners}
         if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_id", None) in learner_ids:
             return []
         early = _settle(loads, 0.0)

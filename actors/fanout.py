@@ -1,5 +1,6 @@
 """Ray calls to a group of actors, written once: the driver's fan-outs and their deadlines.
 
+    actor_id(handle)           a handle's id (hex): the one reader of Ray's private `ActorHandle._actor_id`
     wait_until_dead(handles)   after `ray.kill`: return once every actor is reported dead (bounded, warns otherwise)
 
 Used by the Cluster (`actors/cluster.py`) and the modules it delegates to (`cluster_elastic.py`,
@@ -19,6 +20,19 @@ logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 20.0  # a rollout loop's polite stop
 DEATH_TIMEOUT_S = 30.0  # ray.kill is asynchronous: how long the driver waits until a killed actor is reported dead
+
+
+def actor_id(handle: Any, default: str | None = None) -> str:
+    """The hex id of a Ray actor handle (of an `EngineChannel`: of the handle it wraps). The one place that reads
+    Ray's private `ActorHandle._actor_id` (a handle has no public accessor for it); `default` is returned for an
+    object without one (a stand-in in a test) instead of raising AttributeError."""
+    handle = getattr(handle, "handle", handle)
+    try:
+        return handle._actor_id.hex()
+    except AttributeError:
+        if default is None:
+            raise
+        return default
 
 
 def wait_until_dead(
@@ -42,7 +56,7 @@ def wait_until_dead(
             break
         time.sleep(0.1)
     if alive:
-        ids = [h._actor_id.hex() for h in alive]
+        ids = [actor_id(h) for h in alive]
         logger.warning(
             "%d actors still alive %.0f s after ray.kill: %s",
             len(alive),
@@ -51,4 +65,4 @@ def wait_until_dead(
         )
 
 
-__all__ = ["DEATH_TIMEOUT_S", "STOP_TIMEOUT_S", "wait_until_dead"]
+__all__ = ["DEATH_TIMEOUT_S", "STOP_TIMEOUT_S", "actor_id", "wait_until_dead"]
