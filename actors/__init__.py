@@ -12,5 +12,6 @@
     reward.py           RewardActor      the reward functions, off the rollout actors
 
 Actors never import each other; the Cluster (`actors.cluster`, reached from the trainers' `train()` through
-`launch`) creates them and passes handles. It is the only module that calls Ray for the driver.
+`launch`) creates them and passes handles. It and the modules it delegates to (`cluster_*.py`, `fanout.py`) are
+the only ones that call Ray for the driver.
 """
