@@ -2,6 +2,7 @@
 
     cluster.py          Cluster          creates, wires and removes the actors of a RunSpec; runs the StepLoop
     cluster_weights.py  RayWeightSync    the weight-sync group and one sync (the StepLoop's weight transport)
+    fanout.py                            calls to a group of actors and their deadlines, written once
     staleness_queue.py  QueueActor       the named StalenessQueue actor (rlasync.pipeline.QueueService)
     rollout.py          RolloutActor     an AsyncRolloutLoop wired to the queue and the generation actors
     distill_rollout.py  DistillRolloutActor  an AsyncDistillationLoop wired to the students and the teachers
@@ -11,5 +12,6 @@
     reward.py           RewardActor      the reward functions, off the rollout actors
 
 Actors never import each other; the Cluster (`actors.cluster`, reached from the trainers' `train()` through
-`launch`) creates them and passes handles. It is the only module that calls Ray for the driver.
+`launch`) creates them and passes handles. It and the modules it delegates to (`cluster_*.py`, `fanout.py`) are
+the only ones that call Ray for the driver.
 """

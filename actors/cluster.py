@@ -16,15 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import ray
 
+from actors.cluster_elastic import RayPools
 from actors.cluster_faults import dead_actor_name, died_error, probe_engines, restart_options
-from actors.cluster_weights import RESTART_TIMEOUT_S, RayWeightSync, connect_weights, get_all, in_thread
+from actors.cluster_weights import RayWeightSync, connect_weights
+from actors.fanout import Timeouts, actor_id, call_all, call_all_async, get_all, in_thread, wait_until_dead
 from rlasync.config.vocab import EngineKind
 from rlasync.driver import (
     RunSpec,
@@ -38,10 +39,6 @@ from rlasync.driver import (
 from rlasync.weights.adapter import lora_engine_kwargs
 
 logger = logging.getLogger(__name__)
-
-STOP_TIMEOUT_S = 20.0
-DEATH_TIMEOUT_S = 30.0
-HEALTH_TIMEOUT_S = 60.0
 
 
 def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dict[str, Any]:
@@ -66,6 +63,7 @@ class Cluster:
 
     def __init__(self, spec: RunSpec, actor_ids: list[str] | None = None) -> None:
         self.spec, self.config = spec, spec.config
+        self.timeouts = Timeouts.from_cluster(spec.config.cluster)  # every deadline of a call to the actors
         self.actor_ids = actor_ids if actor_ids is not None else []
         self.handles: list[Any] = []
         self.names: dict[str, str] = {}  # actor id (hex) -> "learner rank 0", "generation actor 1", ...
@@ -105,7 +103,7 @@ class Cluster:
         """Stop the rollout loops politely (bounded), then kill every actor this run made and wait (bounded) until
         each is gone: a ping on a killed actor fails once Ray reports it dead."""
         try:
-            ray.get([rollout.stop.remote() for rollout in self.rollouts], timeout=STOP_TIMEOUT_S)
+            call_all(self.rollouts, "stop", timeout=self.timeouts.stop)
         except Exception as exc:  # dead or hung actors are killed below anyway
             logger.warning("stopping the rollout actors: %s", exc)
         handles, self.handles, self.rollouts = self.handles, [], []
@@ -114,7 +112,7 @@ class Cluster:
                 ray.kill(handle, no_restart=True)
             except Exception as exc:
                 logger.warning("ray.kill: %s", exc)
-        wait_until_dead(handles, names=self.names)
+        wait_until_dead(handles, self.timeouts.death, names=self.names)
 
     # ---- wiring -------------------------------------------------------------------------------------------------
 
@@ -133,7 +131,7 @@ class Cluster:
             learners,
             engines,
             queue,
-            cluster.collective_timeout_s,
+            self.timeouts,
             cluster=cluster,
             names=self.names,
             output_dir=self.config.output_dir,
@@ -146,17 +144,15 @@ class Cluster:
             self.rollouts,
             spec.rollout.name,
             spec.hang_setting,
-            cluster.collective_timeout_s,
+            self.timeouts,
             engines=engines,
             names=self.names,
             output_dir=self.config.output_dir,
             heal=weights.heal,
         )
-        from actors.cluster_elastic import RayPools
-
         return spec.step_loop(
-            queue=RayQueue(queue, cluster.collective_timeout_s),
-            learners=RayLearners(learners, cluster.collective_timeout_s),
+            queue=RayQueue(queue, self.timeouts),
+            learners=RayLearners(learners, self.timeouts),
             weights=weights,
             fleet=fleet,
             tokens_per_step=tokens_per_step,
@@ -174,8 +170,8 @@ class Cluster:
             handle_options["name"] = name
         handle = actor_cls.options(**handle_options, **restart_options(kind)).remote(**init)
         self.handles.append(handle)
-        self.actor_ids.append(handle._actor_id.hex())
-        self.names[handle._actor_id.hex()] = label
+        self.actor_ids.append(actor_id(handle))
+        self.names[actor_id(handle)] = label
         return handle
 
     def spawn_engines(self) -> list[Any]:
@@ -217,7 +213,7 @@ class Cluster:
         return self.spawn(GenerationActor, f"generation actor {index}", "generation", **self.engine_options)
 
     def max_model_len(self, engines: Sequence[Any]) -> int:
-        return ray.get(engines[0].max_model_len.remote(), timeout=self.config.cluster.collective_timeout_s)
+        return ray.get(engines[0].max_model_len.remote(), timeout=self.timeouts.call)
 
     def spawn_teachers(self) -> dict[str, Any]:
         """One TeacherScorer per teacher of the spec (distillation; scoring only, they never receive weights),
@@ -242,7 +238,7 @@ class Cluster:
             )
             for teacher_id, t in self.spec.teachers.items()
         }
-        ray.get([t.stats.remote() for t in teachers.values()], timeout=cluster.collective_timeout_s + 600)
+        call_all(list(teachers.values()), "stats", timeout=self.timeouts.build)
         return teachers
 
     def spawn_learners(self, budget: int) -> list[Any]:
@@ -276,7 +272,7 @@ class Cluster:
             for rank in range(num_learners)
         ]
         master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
-        ray.get([learner.setup.remote(master, timeout, spec.resume_dir) for learner in learners], timeout=timeout + 600)
+        call_all(learners, "setup", master, timeout, spec.resume_dir, timeout=self.timeouts.build)
         return learners
 
     def spawn_queue(self, tokens_per_step: int, samples_per_step: int | None = None) -> Any:
@@ -319,7 +315,7 @@ class Cluster:
         self.dataset_ref = ray.put(self.spec.train_dataset)
         self.rollout_parts = (queue, teachers, rewards)
         rollouts = [self.spawn_rollout(engines) for _ in range(cluster.num_rollout_actors)]
-        ray.get([r.start.remote() for r in rollouts], timeout=cluster.collective_timeout_s + 600)
+        call_all(rollouts, "start", timeout=self.timeouts.build)
         return rollouts
 
     def spawn_rollout(self, engines: list[Any]) -> Any:
@@ -381,74 +377,46 @@ def connect(address: str | None) -> bool:
     return True
 
 
-def wait_until_dead(
-    handles: Sequence[Any], timeout_s: float = DEATH_TIMEOUT_S, names: dict[str, str] | None = None
-) -> None:
-    """Return once every killed actor is reported dead (ray.kill is asynchronous), or warn after `timeout_s`. A
-    ping (the built-in `__ray_ready__`) on a dead actor fails with `RayActorError`; one that still answers (the
-    kill has not landed yet) is asked again. This works on a Ray Client (`ray://`) driver too (no state API)."""
-    deadline, alive = time.monotonic() + timeout_s, list(handles)
-    while alive:
-        pings = {handle.__ray_ready__.remote(): handle for handle in alive}
-        done, pending = ray.wait(list(pings), num_returns=len(pings), timeout=max(deadline - time.monotonic(), 0.0))
-        alive = [pings[ref] for ref in pending]
-        for ref in done:
-            try:
-                ray.get(ref, timeout=0)
-            except Exception:  # RayActorError: dead; any other failure: not answering, treated as gone
-                continue
-            alive.append(pings[ref])
-        if not alive or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    if alive:
-        ids = [h._actor_id.hex() for h in alive]
-        logger.warning(
-            "%d actors still alive %.0f s after ray.kill: %s",
-            len(alive),
-            timeout_s,
-            [(names or {}).get(i, i) for i in ids],
-        )
-
-
 # ---- the core's protocols over actor handles ----------------------------------------------------------------------
 
 
 class RayQueue:
     """`SampleQueue` over the QueueActor."""
 
-    def __init__(self, handle: Any, timeout: float) -> None:
-        self.handle, self.timeout = handle, timeout
+    def __init__(self, handle: Any, timeouts: Timeouts) -> None:
+        self.handle, self.timeouts = handle, timeouts
 
     async def take(self, token_target: int, timeout_s: float) -> Taken:
-        result = await _get(self.handle.wait_take.remote(token_target, timeout_s), timeout_s + 60)
+        result = await _get(
+            self.handle.wait_take.remote(token_target, timeout_s), timeout_s + self.timeouts.take_margin
+        )
         return Taken([entry.payload for entry in result.entries], result.num_tokens, list(result.metrics.items()))
 
     async def finish_step(self, tokens: int) -> None:
-        await _get(self.handle.finish_step.remote(tokens), self.timeout)
+        await _get(self.handle.finish_step.remote(tokens), self.timeouts.call)
 
     async def set_policy_version(self, version: int) -> None:
-        await _get(self.handle.set_policy_version.remote(version), self.timeout)
+        await _get(self.handle.set_policy_version.remote(version), self.timeouts.call)
 
     async def state(self) -> dict[str, Any]:
-        return await _get(self.handle.state.remote(), HEALTH_TIMEOUT_S)
+        return await _get(self.handle.state.remote(), self.timeouts.health)
 
     async def rollout_state(self) -> dict[str, int]:
-        return await _get(self.handle.rollout_state.remote(), HEALTH_TIMEOUT_S)
+        return await _get(self.handle.rollout_state.remote(), self.timeouts.health)
 
 
 class RayLearners:
     """`LearnerGroup` over the LearnerActor ranks."""
 
-    def __init__(self, handles: list[Any], timeout: float) -> None:
-        self.handles, self.timeout = handles, timeout
+    def __init__(self, handles: list[Any], timeouts: Timeouts) -> None:
+        self.handles, self.timeouts = handles, timeouts
 
     async def train_step(self, refs: Sequence[Any]) -> list[tuple[str, Any]]:
-        items = await _get([learner.train_step.remote(list(refs)) for learner in self.handles], self.timeout + 3600)
+        items = await call_all_async(self.handles, "train_step", list(refs), timeout=self.timeouts.train_step)
         return items[0]
 
     async def save(self, directory: str, tokenizer: Any) -> None:
-        await _get([learner.save.remote(directory, tokenizer) for learner in self.handles], self.timeout + 600)
+        await call_all_async(self.handles, "save", directory, tokenizer, timeout=self.timeouts.save)
 
 
 class RayFleet:
@@ -464,14 +432,14 @@ class RayFleet:
         handles: list[Any],
         name: str,
         setting: str,
-        timeout: float,
+        timeouts: Timeouts,
         *,
         engines: Sequence[Any] = (),
         names: dict[str, str] | None = None,
         output_dir: str = ".",
         heal: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
-        self.handles, self.name, self.setting, self.timeout = handles, name, setting, timeout
+        self.handles, self.name, self.setting, self.timeouts = handles, name, setting, timeouts
         self.engines, self.names, self.output_dir = list(engines), names or {}, output_dir
         self.heal = heal  # brings back generation actors Ray restarted (RayWeightSync.heal)
         self.restarts = 0
@@ -486,9 +454,9 @@ class RayFleet:
         if self.heal is not None:
             await self.heal()
         for index, rollout in enumerate(self.handles):
-            released = await self._call(index, rollout.ensure_running.remote(), RESTART_TIMEOUT_S)
+            released = await self._call(index, rollout.ensure_running.remote(), self.timeouts.restart)
             if released is not None:  # Ray restarted it with its first engines: give it the current ones
-                await self._call(index, rollout.set_engines.remote(self.engines, self.labels()), self.timeout)
+                await self._call(index, rollout.set_engines.remote(self.engines, self.labels()), self.timeouts.call)
                 self.restarts += 1
                 logger.warning(
                     "%s %d was restarted after it died: %d of its leases released and generated again",
@@ -499,29 +467,29 @@ class RayFleet:
 
     def labels(self) -> list[str]:
         """The engines' names ("generation actor 2"), as the rollout actors' channels call them."""
-        return [self.names.get(engine._actor_id.hex(), "generation actor") for engine in self.engines]
+        return [self.names.get(actor_id(engine), "generation actor") for engine in self.engines]
 
     async def check_health(self, stale_after_s: float) -> list[tuple[str, dict[str, Any]]]:
         await self.ensure_running()
         healths = []
         for index, rollout in enumerate(self.handles):
             name = f"{self.name} {index}"
-            health = await self._call(index, rollout.health.remote(), HEALTH_TIMEOUT_S)
+            health = await self._call(index, rollout.health.remote(), self.timeouts.health)
             try:
                 check_actor_health(name, health, stale_after_s, self.setting)
             except RuntimeError as exc:
                 dead = dead_actor_name(health.get("error") or "", self.names)
                 if dead is not None:
                     raise died_error(dead, health["error"], self.output_dir, seen_by=name) from exc
-                await in_thread(probe_engines, self.engines, self.names, name, self.output_dir)
+                await in_thread(probe_engines, self.engines, self.names, name, self.output_dir, self.timeouts.probe)
                 raise
             healths.append((name, health))
         return healths
 
     async def drain_metrics(self) -> list[tuple[str, Any]]:
         await self.ensure_running()
-        drained = await _get([rollout.drain_metrics.remote() for rollout in self.handles], self.timeout)
+        drained = await call_all_async(self.handles, "drain_metrics", timeout=self.timeouts.call)
         return [item for items in drained for item in items]
 
     async def stop(self) -> None:
-        await _get([rollout.stop.remote() for rollout in self.handles], STOP_TIMEOUT_S)
+        await call_all_async(self.handles, "stop", timeout=self.timeouts.stop)

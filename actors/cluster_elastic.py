@@ -7,7 +7,7 @@ overlaps a weight sync). docs/design.md §4.
                         policy version (the new engines serve nothing before: their first-sync gate) -> every rollout
                         actor's EnginePool takes them (`set_engines`)
     remove_engines(n)   the rollout actors stop sending to them -> their requests in flight finish (bounded by
-                        DRAIN_TIMEOUT_S; what is left fails when they are killed and is retried on another engine) ->
+                        `Timeouts.drain`; what is left fails when they are killed and is retried on another engine) ->
                         they leave the transport (a broadcast group is rebuilt without them) -> killed
     add_rollouts(n)     spawn rollout actors over the current engines, started
     remove_rollouts(n)  the loop stops (its groups in flight are cancelled: their leases go back to the queue), its
@@ -29,22 +29,21 @@ from typing import Any
 
 import ray
 
-from actors.cluster_weights import in_thread
+from actors.fanout import actor_id, call_all, in_thread, remote_all, wait_until_dead
 from actors.loop_host import LEASE_POLL_S
 from rlasync.driver.elastic import Sizes
 
 logger = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT_S = 30.0
-
 
 class RayPools:
     """`Resizable` over a running `Cluster`'s engines (`weights.engines`, the same list as `cluster.engines`) and
-    rollout actors (`fleet.handles`, the same list as `cluster.rollouts`)."""
+    rollout actors (`fleet.handles`, the same list as `cluster.rollouts`). Of the Cluster it uses `spawn_engine`,
+    `spawn_rollout`, `handles`, `names` and `timeouts` (the Cluster builds it; this module does not import it)."""
 
     def __init__(self, cluster: Any, weights: Any, fleet: Any, queue: Any, state: dict[str, Any]) -> None:
         self.cluster, self.weights, self.fleet, self.queue, self.state = cluster, weights, fleet, queue, state
-        self.timeout = cluster.config.cluster.collective_timeout_s
+        self.timeouts = cluster.timeouts  # actors/fanout.py Timeouts
 
     def sizes(self) -> Sizes:
         return Sizes(len(self.weights.engines), len(self.fleet.handles))
@@ -84,10 +83,10 @@ class RayPools:
         n = min(n, len(engines) - 1)
         if n <= 0:
             return []
-        gone, ids = engines[-n:], [engine._actor_id.hex() for engine in engines[-n:]]
+        gone, ids = engines[-n:], [actor_id(engine) for engine in engines[-n:]]
         self._set_engines(engines[:-n])  # no new request goes to them
         served = self._drain(ids)
-        held = ray.get([engine.weights_version.remote() for engine in gone], timeout=self.timeout)
+        held = call_all(gone, "weights_version", timeout=self.timeouts.call)
         self.weights.remove_engines(gone)
         self._set_engines()
         self._kill(gone)
@@ -105,17 +104,15 @@ class RayPools:
         """Every rollout actor's EnginePool: exactly `engines` (default: the transport's)."""
         engines = list(self.weights.engines if engines is None else engines)
         self.fleet.engines = list(self.weights.engines)
-        labels = [self.cluster.names.get(engine._actor_id.hex(), "generation actor") for engine in engines]
-        ray.get([rollout.set_engines.remote(engines, labels) for rollout in self.fleet.handles], timeout=self.timeout)
+        labels = [self.cluster.names.get(actor_id(engine), "generation actor") for engine in engines]
+        call_all(self.fleet.handles, "set_engines", engines, labels, timeout=self.timeouts.call)
 
     def _drain(self, ids: list[str]) -> dict[str, int]:
-        """Wait (at most DRAIN_TIMEOUT_S) until no rollout actor has a request in flight on the engines `ids`; the
+        """Wait (at most `timeouts.drain`) until no rollout actor has a request in flight on the engines `ids`; the
         requests each engine answered, summed over the rollout actors."""
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        deadline = time.monotonic() + self.timeouts.drain
         while True:
-            reports = ray.get(
-                [rollout.engine_report.remote(ids) for rollout in self.fleet.handles], timeout=self.timeout
-            )
+            reports = call_all(self.fleet.handles, "engine_report", ids, timeout=self.timeouts.call)
             inflight = sum(pair[1] for report in reports for pair in report.values())
             if inflight == 0 or time.monotonic() >= deadline:
                 break
@@ -125,7 +122,7 @@ class RayPools:
                 "elastic: %d requests still in flight on the leaving engines after %.0f s: they are retried "
                 "on the others",
                 inflight,
-                DRAIN_TIMEOUT_S,
+                self.timeouts.drain,
             )
         return {key: sum(report.get(key, (0, 0))[0] for report in reports) for key in ids}
 
@@ -133,50 +130,54 @@ class RayPools:
 
     def add_rollouts(self, n: int) -> list[Any]:
         new = self._built([self.cluster.spawn_rollout(list(self.weights.engines)) for _ in range(n)])
-        ray.get([rollout.start.remote() for rollout in new], timeout=self.timeout)
+        call_all(new, "start", timeout=self.timeouts.call)
         self.fleet.handles.extend(new)
         for rollout in new:
             self._event("add_rollout", rollout, policy_version=self.weights.version)
         return new
 
     def remove_rollouts(self, n: int) -> list[tuple[str, Any]]:
-        from actors.cluster import STOP_TIMEOUT_S
-
         handles = self.fleet.handles
         n = min(n, len(handles) - 1)
         if n <= 0:
             return []
         gone = handles[-n:]
-        owners = ray.get([rollout.owner.remote() for rollout in gone], timeout=self.timeout)
+        owners = call_all(gone, "owner", timeout=self.timeouts.call)
         try:
-            ray.get([rollout.stop.remote() for rollout in gone], timeout=STOP_TIMEOUT_S)  # leases in flight released
+            call_all(gone, "stop", timeout=self.timeouts.stop)  # leases in flight released
         except Exception as exc:  # a hung loop: its leases are released below anyway
             logger.warning("elastic: stopping the leaving rollout actors: %s", exc)
-        drained = ray.get([rollout.drain_metrics.remote() for rollout in gone], timeout=self.timeout)
-        released = ray.get([self.queue.release_owner.remote(owner) for owner in owners], timeout=self.timeout)
+        drained = call_all(gone, "drain_metrics", timeout=self.timeouts.call)
+        released = self._release(owners)
         del handles[-n:]
         self._kill(gone)
         # a lease asked for before the stop is answered by the queue up to LEASE_POLL_S later: released too
         time.sleep(LEASE_POLL_S + 1.0)
-        late = ray.get([self.queue.release_owner.remote(owner) for owner in owners], timeout=self.timeout)
+        late = self._release(owners)
         released = [a + b for a, b in zip(released, late, strict=True)]
         for rollout, count in zip(gone, released, strict=True):
             self._event("remove_rollout", rollout, policy_version=self.weights.version, released_leases=count)
         return [item for items in drained for item in items]
+
+    def _release(self, owners: list[str]) -> list[int]:
+        """The queue releases every lease it holds under each owner name; the counts, per owner."""
+        return call_all(
+            [self.queue] * len(owners), "release_owner", each=[(owner,) for owner in owners], timeout=self.timeouts.call
+        )
 
     # ---- shared ---------------------------------------------------------------------------------------------------
 
     def _built(self, handles: list[Any]) -> list[Any]:
         """The actors among `handles` that finished their constructor within the timeout; the others are killed
         (e.g. no node has room for them and the cluster does not grow)."""
-        pings = [handle.__ray_ready__.remote() for handle in handles]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=self.timeout)
+        pings = remote_all(handles, "__ray_ready__")
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=self.timeouts.call)
         built, failed = [], []
         for handle, ping in zip(handles, pings, strict=True):
             try:
                 if ping not in ready:
                     raise TimeoutError(
-                        f"not started within cluster.collective_timeout_s={self.timeout:.0f} s (no room on any node?)"
+                        f"not started within cluster.collective_timeout_s={self.timeouts.call:.0f} s (no room on any node?)"
                     )
                 ray.get(ping, timeout=0)
                 built.append(handle)
@@ -187,16 +188,14 @@ class RayPools:
         return built
 
     def _kill(self, handles: list[Any]) -> None:
-        from actors.cluster import wait_until_dead
-
         for handle in handles:
             ray.kill(handle, no_restart=True)
-        ids = {handle._actor_id.hex() for handle in handles}
-        self.cluster.handles[:] = [h for h in self.cluster.handles if h._actor_id.hex() not in ids]
-        wait_until_dead(handles, names=self.cluster.names)
+        ids = {actor_id(handle) for handle in handles}
+        self.cluster.handles[:] = [h for h in self.cluster.handles if actor_id(h) not in ids]
+        wait_until_dead(handles, self.timeouts.death, names=self.cluster.names)
 
     def _label(self, handle: Any) -> str:
-        return self.cluster.names.get(handle._actor_id.hex(), handle._actor_id.hex())
+        return self.cluster.names.get(actor_id(handle), actor_id(handle))
 
     def _event(self, action: str, handle: Any, **details: Any) -> None:
         event = {"action": action, "actor": self._label(handle), "step": self.state.get("global_step"), **details}
@@ -204,4 +203,4 @@ class RayPools:
         logger.info("elastic: %s", event)
 
 
-__all__ = ["DRAIN_TIMEOUT_S", "RayPools"]
+__all__ = ["RayPools"]

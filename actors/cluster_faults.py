@@ -19,12 +19,12 @@ from typing import Any
 
 import ray
 
+from actors.fanout import Timeouts, actor_id, remote_all
 from rlasync.driver.checkpoint import Checkpointer
 
 MAX_RESTARTS = 3  # per actor and run: a crash that repeats (a reward that kills its process) stops the run
 RESTARTABLE_KINDS = ("rollout", "reward", "teacher", "generation")
 RETRIED_KINDS = ("rollout", "reward", "teacher")  # Ray resends their calls; a generation call fails (retried above it)
-PROBE_TIMEOUT_S = 10.0  # a generation actor that does not answer a stats call in this time is reported frozen
 
 
 def restart_options(kind: str) -> dict[str, Any]:
@@ -58,9 +58,9 @@ def died_error(
 def dead_actor_name(error: BaseException | str, names: dict[str, str]) -> str | None:
     """The name of the actor whose death `error` reports (a `RayActorError`'s `actor_id`, or an actor id found in
     the text of an error another actor saw), else None."""
-    actor_id = getattr(error, "actor_id", None)
-    if actor_id and actor_id in names:
-        return names[actor_id]
+    dead_id = getattr(error, "actor_id", None)
+    if dead_id and dead_id in names:
+        return names[dead_id]
     text = str(error)
     if "ActorDiedError" not in text and "RayActorError" not in text and "actor died" not in text.lower():
         return None
@@ -70,22 +70,24 @@ def dead_actor_name(error: BaseException | str, names: dict[str, str]) -> str | 
     return None
 
 
-def frozen_error(name: str, seen_by: str, output_dir: str | Path) -> RuntimeError:
+def frozen_error(name: str, seen_by: str, output_dir: str | Path, probe_s: float = Timeouts.probe) -> RuntimeError:
     return RuntimeError(
-        f"{name} made no progress: it did not answer a stats call within {PROBE_TIMEOUT_S:.0f} s while {seen_by} "
+        f"{name} made no progress: it did not answer a stats call within {probe_s:.0f} s while {seen_by} "
         f"waited for it (frozen, e.g. SIGSTOPped, or its event loop is blocked); {resume_hint(output_dir)}"
     )
 
 
-def probe_engines(engines: list[Any], names: dict[str, str], seen_by: str, output_dir: str | Path) -> None:
-    """Raise naming the first generation actor that does not answer a stats call within PROBE_TIMEOUT_S (frozen) or
-    is dead; return when every one answers. Blocking: the engines are asked at once."""
-    refs = [engine.stats.remote() for engine in engines]
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+def probe_engines(
+    engines: list[Any], names: dict[str, str], seen_by: str, output_dir: str | Path, probe_s: float = Timeouts.probe
+) -> None:
+    """Raise naming the first generation actor that does not answer a stats call within `probe_s` (frozen) or is
+    dead; return when every one answers. Blocking: the engines are asked at once."""
+    refs = remote_all(engines, "stats")
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
     for ref, engine in zip(refs, engines, strict=True):
-        name = names.get(engine._actor_id.hex(), "a generation actor")
+        name = names.get(actor_id(engine), "a generation actor")
         if ref in pending:
-            raise frozen_error(name, seen_by, output_dir)
+            raise frozen_error(name, seen_by, output_dir, probe_s)
         try:
             ray.get(ref, timeout=0)
         except ray.exceptions.RayActorError as exc:
@@ -94,7 +96,6 @@ def probe_engines(engines: list[Any], names: dict[str, str], seen_by: str, outpu
 
 __all__ = [
     "MAX_RESTARTS",
-    "PROBE_TIMEOUT_S",
     "dead_actor_name",
     "died_error",
     "frozen_error",

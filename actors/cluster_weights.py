@@ -9,48 +9,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 
 from actors.cluster_faults import MAX_RESTARTS, died_error, probe_engines, resume_hint
+from actors.fanout import Timeouts, actor_id, call_all, get_all, in_thread, remote_all
 from rlasync.weights.transport import TransportPlan, WeightTransportNotOpen, choose_transport
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()
-RESTART_TIMEOUT_S = 180.0  # a restarted actor builds its model / loop again before it answers
-DEATH_NOTICE_S = 3.0  # after a failed sync: how long Ray gets to report a dead engine (its watch call fails)
-# Blocking Ray calls run here, off the step loop's event loop. Not asyncio's default executor: on Ctrl-C,
-# asyncio.run would wait for that one (a train_step's ray.get can block for an hour) before the Cluster kills the
-# actors, which is what unblocks these threads.
-_RAY_CALLS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlasync-ray")
-
-
-async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` (a blocking Ray call) awaited from the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(_RAY_CALLS, partial(fn, *args, **kwargs))
-
-
-def get_all(refs: Any, timeout: float) -> Any:
-    """`ray.get`, but a list fails as soon as any of its calls failed (a dead learner rank must not leave the driver
-    waiting for the ranks blocked in a collective with it)."""
-    if not isinstance(refs, list) or len(refs) < 2:
-        return ray.get(refs, timeout=timeout)
-    loop_deadline, pending = time.monotonic() + timeout, list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=max(loop_deadline - time.monotonic(), 0.0))
-        if not done:
-            raise ray.exceptions.GetTimeoutError(
-                f"{len(pending)} of {len(refs)} calls unfinished after {timeout:.0f} s"
-            )
-        ray.get(done)  # raises its failure now
-    return ray.get(refs)
 
 
 def _warn_once(message: str) -> None:
@@ -67,11 +38,9 @@ def connect_weights(
     open it on every learner rank and every engine at once (NCCL and gloo rendezvous need every member). `only`
     (engine indices; a restart): over IPC only those engines open a receiver (there is no group); a broadcast
     group is always re-opened on every member, learner rank 0 included (`TransportTraits.process_group`)."""
-    timeout = cluster.collective_timeout_s
+    timeout, timeouts = cluster.collective_timeout_s, Timeouts.from_cluster(cluster)
     host, port = ray.get(learners[0].address.remote(), timeout=timeout)
-    infos = ray.get(
-        [learners[0].weight_endpoint.remote()] + [e.weight_endpoint.remote() for e in engines], timeout=timeout
-    )
+    infos = ray.get([learners[0].weight_endpoint.remote()] + remote_all(engines, "weight_endpoint"), timeout=timeout)
     plan, why_not_nccl = choose_transport(
         infos[0],
         infos[1:],
@@ -87,14 +56,12 @@ def connect_weights(
     manifest = ray.get(learners[0].weight_manifest.remote(), timeout=timeout)
     grouped = plan.kind.traits.process_group is not None  # every member re-opens, or only the engines `only`
     opened = range(len(engines)) if only is None or grouped else sorted(set(only))
+    senders = learners if len(opened) == len(engines) or grouped else []
+    receivers = [engines[i] for i in opened]
     ray.get(
-        (
-            [learner.open_weight_transport.remote(plan) for learner in learners]
-            if len(opened) == len(engines) or grouped
-            else []
-        )
-        + [engines[i].open_weight_transport.remote(plan, i + 1, manifest) for i in opened],
-        timeout=timeout + 30,
+        remote_all(senders, "open_weight_transport", plan)
+        + remote_all(receivers, "open_weight_transport", plan, each=[(i + 1, manifest) for i in opened]),
+        timeout=timeouts.open_transport,
     )
     logger.info(
         "weight-sync transport: %d engines over %s%s",
@@ -165,13 +132,13 @@ class RayWeightSync:
         learners: list[Any],
         engines: list[Any],
         queue: Any,
-        timeout: float,
+        timeouts: Timeouts,
         *,
         cluster: Any = None,
         names: dict[str, str] | None = None,
         output_dir: str = ".",
     ) -> None:
-        self.learners, self.engines, self.queue, self.timeout = learners, engines, queue, timeout
+        self.learners, self.engines, self.queue, self.timeouts = learners, engines, queue, timeouts
         self.cluster, self.names, self.output_dir = cluster, names or {}, output_dir
         self.version = -1  # the newest version this transport published
         self.restarts = 0
@@ -179,7 +146,7 @@ class RayWeightSync:
         self._arm(range(len(engines)))
 
     def _name(self, index: int) -> str:
-        return self.names.get(self.engines[index]._actor_id.hex(), f"generation actor {index}")
+        return self.names.get(actor_id(self.engines[index]), f"generation actor {index}")
 
     async def sync(self, version: int) -> tuple[int, dict[str, float]]:
         return await in_thread(self.sync_now, version)
@@ -233,10 +200,8 @@ class RayWeightSync:
     def remove_engines(self, gone: Sequence[Any]) -> None:
         """Elastic pools: these engines leave the transport before they are killed (their watch calls are
         dropped first, so their deaths are not restarts); a broadcast group is re-opened without them."""
-        ids = {engine._actor_id.hex() for engine in gone}
-        kept = [
-            (engine, self._watches[i]) for i, engine in enumerate(self.engines) if engine._actor_id.hex() not in ids
-        ]
+        ids = {actor_id(engine) for engine in gone}
+        kept = [(engine, self._watches[i]) for i, engine in enumerate(self.engines) if actor_id(engine) not in ids]
         if not kept:
             raise ValueError("the weight transport needs at least one generation engine")
         self.engines[:] = [engine for engine, _ in kept]
@@ -260,8 +225,8 @@ class RayWeightSync:
 
     def _wait_restarted(self, index: int) -> int | None:
         """Block until engine `index` answers again (Ray restarts it); its weights_version. Raises `died_error`
-        when its restarts are used up, a RuntimeError when it does not come back within RESTART_TIMEOUT_S."""
-        engine, deadline, died = self.engines[index], time.monotonic() + RESTART_TIMEOUT_S, 0
+        when its restarts are used up, a RuntimeError when it does not come back within `timeouts.restart`."""
+        engine, deadline, died = self.engines[index], time.monotonic() + self.timeouts.restart, 0
         while True:
             left = deadline - time.monotonic()
             try:
@@ -276,7 +241,7 @@ class RayWeightSync:
                 pass
             if time.monotonic() >= deadline:
                 raise RuntimeError(
-                    f"{self._name(index)} died and did not come back within {RESTART_TIMEOUT_S:.0f} "
+                    f"{self._name(index)} died and did not come back within {self.timeouts.restart:.0f} "
                     f"s; {resume_hint(self.output_dir)}"
                 )
             time.sleep(1.0)
@@ -297,20 +262,18 @@ class RayWeightSync:
 
     def _sync_once(self, version: int) -> tuple[int, dict[str, float]]:
         started, started_at = time.perf_counter(), time.time()
-        for engine in self.engines:  # IPC: engines start pausing while the learners pack (their step drains)
-            engine.begin_sync.remote()
+        remote_all(self.engines, "begin_sync")  # IPC: engines start pausing while the learners pack (their step drains)
         try:
-            ticket = ray.get([learner.prepare_weights.remote() for learner in self.learners], timeout=self.timeout)[0]
+            ticket = call_all(self.learners, "prepare_weights", timeout=self.timeouts.call)[0]
         except Exception:
-            for engine in self.engines:
-                engine.cancel_sync.remote()
+            remote_all(self.engines, "cancel_sync")
             raise
         barrier_s = time.perf_counter() - started  # until every learner rank was ready to send
         finish, results = True, None
-        sends = [learner.send_weights.remote() for learner in self.learners]
-        loads = [engine.sync_weights.remote(ticket, version + 1) for engine in self.engines]
+        sends = remote_all(self.learners, "send_weights")
+        loads = remote_all(self.engines, "sync_weights", ticket, version + 1)
         try:
-            results = get_all(sends + loads, self.timeout + 60)  # fails at once when an engine died
+            results = get_all(sends + loads, self.timeouts.weight_sync)  # fails at once when an engine died
         except Exception as exc:
             finish = False  # a learner still blocked in its send would hold the finish call back: the run stops
             dead = self._dead_engines(exc, sends, loads)
@@ -319,17 +282,17 @@ class RayWeightSync:
                 raise EngineRestarted(dead, exc) from exc
             if not isinstance(exc, ray.exceptions.RayActorError):  # a frozen (or dead) engine is named instead
                 try:
-                    probe_engines(self.engines, self.names, "the weight sync", self.output_dir)
+                    probe_engines(self.engines, self.names, "the weight sync", self.output_dir, self.timeouts.probe)
                 except RuntimeError as named:
                     raise named from exc
             raise
         finally:
             loaded = time.perf_counter()
-            finished = [learner.finish_weights.remote() for learner in self.learners]
+            finished = remote_all(self.learners, "finish_weights")
             if finish and results is None:  # a failed sync: finish before raising
-                ray.get(finished, timeout=self.timeout)
+                ray.get(finished, timeout=self.timeouts.call)
         sent, phases = results[: len(self.learners)], results[len(self.learners) :]
-        ray.get(finished + [self.queue.set_policy_version.remote(version + 1)], timeout=self.timeout)  # together
+        ray.get(finished + [self.queue.set_policy_version.remote(version + 1)], timeout=self.timeouts.call)  # together
         ended = time.perf_counter()
         timings = sync_timings(ended - started, started_at, sent, phases)
         return version + 1, {
@@ -346,15 +309,17 @@ class RayWeightSync:
         sync to end: the survivors' collectives fail once their dead peer's connection is gone, or time out."""
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             return []  # something hangs: named by the probe
-        learner_ids = {learner._actor_id.hex() for learner in self.learners}
+        learner_ids = {actor_id(learner) for learner in self.learners}
         if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_id", None) in learner_ids:
             return []
         early = _settle(loads, 0.0)
-        dead = set(self._fired(DEATH_NOTICE_S)) | {i for i, result in enumerate(early) if _gone_or_fresh(result)}
+        dead = set(self._fired(self.timeouts.death_notice)) | {
+            i for i, result in enumerate(early) if _gone_or_fresh(result)
+        }
         if not dead:
             return []
         survivors = sends + [ref for i, ref in enumerate(loads) if i not in dead]  # a dead engine's call may wait
-        settled = _settle(survivors, self.timeout + 30)  # for its restart; the others end or time out
+        settled = _settle(survivors, self.timeouts.settle)  # for its restart; the others end or time out
         if any(result is None for result in settled):
             return []  # a member is still blocked: the run stops (named by the probe)
         if any(isinstance(r, ray.exceptions.RayActorError) for r in settled[: len(sends)]):

@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from actors.fanout import actor_id
 from rlasync.engine.base import EngineError
 
 DEFAULT_MAX_BATCH = 256
@@ -92,9 +93,10 @@ class EngineChannel:
     def _lost(self, exc: BaseException) -> EngineError:
         """The retryable error of a request the engine's death (or an unreachable actor) failed. The actor id stays
         in the text: when the retries run out, the driver names the dead engine from it."""
-        actor_id = getattr(getattr(self.handle, "_actor_id", None), "hex", lambda: "?")()
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no detail"
-        error = EngineError(f"{self.name} ({actor_id}) did not answer: {type(exc).__name__} ({detail})")
+        error = EngineError(
+            f"{self.name} ({actor_id(self.handle, default='?')}) did not answer: {type(exc).__name__} ({detail})"
+        )
         error.__cause__ = exc
         return error
 

@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any
 
+from actors.fanout import actor_id
 from rlasync.data.prompts import leased_row_problem
 from rlasync.pipeline import QueueEntry
 from rlasync.records import DROP_REASONS, GroupOutcome, PromptLease
@@ -121,12 +122,6 @@ class QueueSampleSink:
     async def put(self, sample: Any) -> None:
         self.source.taken(sample.prompt_id)
         await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=sample)])
-
-
-def actor_id(handle: Any) -> str:
-    """A Ray actor handle's id (hex); an `EngineChannel`'s, of the handle it wraps."""
-    handle = getattr(handle, "handle", handle)
-    return handle._actor_id.hex()
 
 
 class LoopHost:

@@ -19,6 +19,21 @@ log-probs they were sampled with; every later token is sampled from, and reports
 context. This is what docs/algorithms.md §2.3.2 describes for vLLM ("each weight sync preempts all running requests") and it is
 counted in `num_preemptions`. `"keep"` (vLLM's keep mode) keeps the stale KV: no recomputation, but later tokens
 are conditioned on old-policy keys/values that the trainer will never reproduce.
+
+Asynchronous scheduling (`async_scheduling`): step N+1 is planned and launched before step N's results are read.
+
+    schedule N ─► launch N ─► placeholders ─► schedule N+1 ─► launch N+1 (ids of N fed back on the device)
+                                                   ─► collect N (wait, read ids) ─► append / finish ─► schedule N+2 ...
+
+The scheduler plans step N+1 assuming every request that samples in step N produced one token: `Request.add_pending`
+holds its place with a placeholder, and step N+1's input id for it is copied on the device from step N's sampled ids
+(`ChunkInput.feedback_row`). A request whose step-N token is its last by length gets no placeholder (nothing to
+compute for it in N+1); one that stops at step N (a stop id, known only once N is read) is finished then: its step
+N+1 token is discarded, its placeholders dropped and its blocks and slot freed. Since every token is sampled from
+the same logits with the same (seed, step) as in a synchronous run, both give the same tokens and log-probs. Steps
+run back to back while the model lock is held; the loop drains (reads the step in flight and launches none) when
+the engine is paused, when someone waits for the lock (`score`, `pause`, `load_weights`), or before a step with a
+repetition penalty (its seen-token mask needs the ids on the host), so a paused engine never has a step in flight.
 """
 
 from __future__ import annotations
@@ -29,18 +44,25 @@ import itertools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from rlasync.engine.async_steps import run_overlapped
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import decode_batch_sizes
 from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
 from rlasync.engine.mixed_graphs import mixed_token_counts
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, choose_layout, register_paged_attention
 from rlasync.engine.request import Request
-from rlasync.engine.runner import ChunkInput, ModelRunner, SampledToken, SampleSpec, check_engine_support
+from rlasync.engine.runner import (
+    ChunkInput,
+    LaunchedStep,
+    ModelRunner,
+    SampledToken,
+    SampleSpec,
+    check_engine_support,
+)
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
 from rlasync.engine.weights import PlannedLoader, load_sync
 from rlasync.records import TurnRecord
@@ -53,6 +75,19 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # CPU; on CUDA 8192 (fewer, fuller prefil
 DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
+
+
+class _EmptyStep(RuntimeError):
+    """The scheduler planned nothing although requests wait and nothing is in flight (a bug: fails every request)."""
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched step of the overlapped loop whose sampled ids are not read yet."""
+
+    output: SchedulerOutput
+    step: LaunchedStep
+    rows: dict[Request, int] = field(default_factory=dict)  # request -> its row in the step's sampled ids
 
 
 class TorchEngine:
@@ -81,7 +116,7 @@ class TorchEngine:
     mixed_cuda_graphs      with `cuda_graphs`, capture mixed steps (prefill chunks with decodes) too, padded to a few
                            token counts up to 1024 (`mixed_graphs.py`): in RL rollouts most steps hold a prefill
     async_scheduling       plan and launch step N+1 while step N runs, its sampled ids fed back on the device
-                           (`async_steps.py`; same tokens and log-probs); None (default): on for CUDA, off on CPU
+                           (module docstring; same tokens and log-probs); None (default): on for CUDA, off on CPU
                            (where it overlaps nothing). On one H200 it gives 1.5x new tokens/s at 256 concurrent
     compiled_sampler       sample through the torch.compile'd sampler (`sampler_compiled.py`: same tokens and
                            log-probs); None (default): on for CUDA (1.17x new tokens/s at 256 concurrent on one
@@ -359,7 +394,7 @@ class TorchEngine:
                     if self._scheduler.paused:
                         continue
                     if self.async_scheduling:
-                        await run_overlapped(self)
+                        await self._run_overlapped()
                     else:
                         await self._step_once()
                 await asyncio.sleep(0)
@@ -383,18 +418,93 @@ class TorchEngine:
         try:
             sampled = await asyncio.to_thread(self._runner.execute, chunk_inputs)
         except Exception as exc:
-            logger.exception("TorchEngine step failed")
-            self._scheduler.allocator.clear_cache()  # blocks registered for this step may hold no KV
-            error = EngineError(f"TorchEngine step failed: {exc!r}")
-            error.__cause__ = exc
-            for chunk in output.chunks:
-                if not chunk.request.is_finished:
-                    self._fail(chunk.request, error)
+            self._fail_steps(exc, output)
             return
         self._num_steps += 1
         self._scheduler.complete(output)
         for chunk, token in zip(output.chunks, sampled):
             self._append(chunk.request, token)
+
+    async def _run_overlapped(self) -> None:
+        """Run steps with the model lock held, each launched before the previous one is read, until none is left to
+        launch and the last is read (module docstring). A failed step fails the requests of the steps in flight."""
+        scheduler = self._scheduler
+        inflight: InFlight | None = None
+        launched: InFlight | None = None
+        output = SchedulerOutput()
+        try:
+            while True:
+                launched, output = None, SchedulerOutput()
+                drain = scheduler.paused or self._lock_waiters > 0 or (inflight is not None and self._needs_host_ids())
+                if not drain:
+                    output = scheduler.schedule()
+                    if output.chunks:
+                        launched = await self._launch(output, inflight)
+                    elif inflight is None:
+                        raise _EmptyStep(
+                            f"scheduler made an empty step with {scheduler.num_waiting} waiting and "
+                            f"{scheduler.num_running} running requests"
+                        )
+                if inflight is not None:
+                    sampled = await asyncio.to_thread(self._runner.collect, inflight.step)
+                    for chunk, token in zip(inflight.output.chunks, sampled):
+                        self._append(chunk.request, token)
+                inflight = launched
+                if inflight is None:
+                    return
+                await asyncio.sleep(0)  # let new requests in
+        except (asyncio.CancelledError, _EmptyStep):
+            raise
+        except Exception as exc:
+            self._fail_steps(exc, inflight, launched, output)
+
+    def _needs_host_ids(self) -> bool:
+        return any(r.params.repetition_penalty != 1.0 for r in self._scheduler.running)
+
+    async def _launch(self, output: SchedulerOutput, previous: InFlight | None) -> InFlight:
+        """Launch one step of the overlapped loop; a request decoding in `previous` takes its input id from there."""
+        inputs = [self._overlapped_input(chunk, previous) for chunk in output.chunks]
+        step = await asyncio.to_thread(self._runner.launch, inputs, previous.step if previous else None)
+        launched = InFlight(output, step)
+        row = 0
+        for chunk in output.chunks:
+            if not chunk.samples:
+                continue
+            request = chunk.request
+            launched.rows[request] = row
+            row += 1
+            if request.num_output_tokens + 1 < request.max_output_tokens:  # not its last token by length
+                request.add_pending()
+        self._scheduler.complete(output)
+        self._num_steps += 1
+        return launched
+
+    def _overlapped_input(self, chunk: Any, previous: InFlight | None) -> ChunkInput:
+        chunk_input = self._chunk_input(chunk)
+        request = chunk.request
+        if not request.num_pending:
+            return chunk_input
+        if request.num_pending != 1 or chunk.end != request.num_tokens or previous is None:
+            raise RuntimeError(
+                f"request {request.request_id}: a step covers {request.num_pending} token(s) still in flight "
+                f"(chunk {chunk.start}:{chunk.end} of {request.num_tokens})"
+            )
+        return ChunkInput(
+            chunk_input.token_ids, chunk_input.start, chunk_input.block_ids, chunk_input.sample, previous.rows[request]
+        )
+
+    def _fail_steps(self, exc: Exception, *steps: InFlight | SchedulerOutput | None) -> None:
+        """A step raised: fail the unfinished requests of `steps` (the loop goes on)."""
+        logger.exception("TorchEngine step failed")
+        self._scheduler.allocator.clear_cache()  # blocks registered for these steps may hold no KV
+        error = EngineError(f"TorchEngine step failed: {exc!r}")
+        error.__cause__ = exc
+        for step in steps:
+            if step is None:
+                continue
+            for chunk in (step.output if isinstance(step, InFlight) else step).chunks:
+                if not chunk.request.is_finished:
+                    self._fail(chunk.request, error)
 
     def _append(self, request: Request, token: SampledToken | None) -> None:
         if token is None or request.is_finished:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlasync.model import TreeScorer
-from rlasync.model.loading import decoder_layers
+from rlasync.model.checkpointing import decoder_layers
 
 
 def shard_for_training(

@@ -37,7 +37,7 @@ _WHERE = {
     "LogitTransform": "head",
     "TokenScores": "head",
     "chunked_token_scores": "head",
-    "decoder_layers": "loading",
+    "decoder_layers": "checkpointing",
     "load_model": "loading",
     "prepare_for_training": "loading",
 }

@@ -158,6 +158,14 @@ def activation_memory_budget(
     return int(min(total * fraction - state, free * fraction - max(0, state - resident)))
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's repeated blocks (`model.model.layers` for the Llama/Qwen families)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected get_decoder().layers)")
+    return list(layers)
+
+
 def decoder_layer_params(layer: torch.nn.Module) -> int:
     return sum(p.numel() for p in layer.parameters())
 
@@ -177,8 +185,6 @@ def plan_for_model(
     layer elsewhere; "all"; an int: that many layers, spread evenly; `enabled=False`: none). `gpu_share` (0, 1]: the
     part of the device the learner was given (`cluster.learner_num_gpus` when it shares the GPU with an engine that
     may allocate after the plan is made): the budget is that part of the device's memory."""
-    from rlasync.model.loading import decoder_layers
-
     layers = decoder_layers(model)
     num_layers = len(layers)
     if not enabled:
@@ -212,8 +218,6 @@ def plan_for_model(
 def apply_checkpoint_plan(model: torch.nn.Module, layers: Sequence[int]) -> None:
     """Checkpoint exactly the decoder layers `layers` (the model's checkpointing must already be enabled: this only
     switches the other layers off; transformers' `GradientCheckpointingLayer` reads the flag on every call)."""
-    from rlasync.model.loading import decoder_layers
-
     chosen = set(int(i) for i in layers)
     all_layers = decoder_layers(model)
     bad = sorted(chosen - set(range(len(all_layers))))
@@ -227,8 +231,6 @@ def apply_checkpoint_plan(model: torch.nn.Module, layers: Sequence[int]) -> None
 
 def checkpointed_layers(model: torch.nn.Module) -> tuple[int, ...]:
     """Indices of the decoder layers that run under activation checkpointing now."""
-    from rlasync.model.loading import decoder_layers
-
     return tuple(i for i, layer in enumerate(decoder_layers(model)) if getattr(layer, "gradient_checkpointing", False))
 
 
@@ -238,6 +240,7 @@ __all__ = [
     "activation_memory_budget",
     "apply_checkpoint_plan",
     "checkpointed_layers",
+    "decoder_layers",
     "plan_checkpointing",
     "plan_for_model",
     "spread",

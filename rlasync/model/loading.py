@@ -15,6 +15,7 @@ from rlasync.model.attention import (
     enable_tree_attention,
     register_tree_attention,
 )
+from rlasync.model.checkpointing import apply_checkpoint_plan, decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,6 @@ def prepare_for_training(
         if hasattr(model, "config"):
             model.config.use_cache = False
         if checkpoint_layers is not None:
-            from rlasync.model.checkpointing import apply_checkpoint_plan
-
             apply_checkpoint_plan(model, checkpoint_layers)
     options = {"backend": compile_backend, "mode": compile_mode}
     if compile == "decoder":
@@ -155,11 +154,3 @@ def compiled_layer_count(model: torch.nn.Module) -> int:
 
 def _given(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder's repeated blocks (`model.model.layers` for the Llama/Qwen families)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected get_decoder().layers)")
-    return list(layers)

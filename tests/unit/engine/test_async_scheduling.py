@@ -1,14 +1,13 @@
-"""Asynchronous scheduling (`async_steps.py`): step N+1 is launched before step N's ids are read, its input ids fed
-back on the device. With a seed per request, it gives exactly the tokens, log-probs, top-N and candidate sets of the
-synchronous engine: greedy and sampled, EOS / stop-id and max_tokens stops, preemption, requests arriving mid-run,
-repetition penalties (drained steps), and a weight update between pause and resume."""
+"""Asynchronous scheduling (`TorchEngine(async_scheduling=True)`): step N+1 is launched before step N's ids are read,
+its input ids fed back on the device. With a seed per request, it gives exactly the tokens, log-probs, top-N and
+candidate sets of the synchronous engine: greedy and sampled, EOS / stop-id and max_tokens stops, preemption,
+requests arriving mid-run, repetition penalties (drained steps), and a weight update between pause and resume."""
 
 import asyncio
 
 import pytest
 
 from rlasync.engine import SamplingParams
-from rlasync.engine.async_steps import run_overlapped  # noqa: F401  (the module under test is importable on CPU)
 from tests.unit.engine.test_torch_engine import (
     PROMPTS,
     assert_ends_greedy_under,
