@@ -27,16 +27,7 @@ logger = logging.getLogger(__name__)
 class QueueActor:
     def __init__(self, *, settings: QueueSettings, resume: dict[str, int] | None = None) -> None:
         state = RolloutState.from_dict(resume) if resume else None
-        self.service = QueueService.create(
-            num_rows=settings.num_rows,
-            num_epochs=settings.num_epochs,
-            max_staleness=settings.max_staleness,
-            tokens_per_step=settings.tokens_per_step,
-            resume=state,
-            stream=settings.stream,
-            steps_per_version=settings.steps_per_version,
-            samples_per_step=settings.samples_per_step,
-        )
+        self.service = QueueService.create(settings, resume=state)
 
     # rollout side
     async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> Any:

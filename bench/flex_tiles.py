@@ -21,7 +21,8 @@ by the kernel's blocks / pairs attended).
     python3 bench/flex_tiles.py --out $OUT/flex_tiles_h200.json            (one GPU; ~3 min)
     python3 bench/flex_tiles.py --tiny --device cpu --configs default      (the harness on a CPU)
 
-Set the winner for the learner with RLASYNC_FLEX_KERNEL_OPTIONS='<its JSON>' (rlasync.model.attention).
+Set the winner for the learner with the config field `kernels.flex_kernel_options` ('--set
+kernels.flex_kernel_options=<its JSON>', rlasync.config.kernels).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The model has the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 heads, 8 KV heads
   tree_varlen   (when asked for in --modes) the tree rows on the varlen tree attention (FlashAttention varlen over
                 root-path segments), next to --attention's backend (default flex on CUDA) in the same call
   tree_probs    (when asked for) the tree rows with the LM head keeping probabilities (keep_as="probs"), and
-  tree_logits   with it keeping logits, whatever $RLASYNC_HEAD_KEEP says: the head's A/B in one process
+  tree_logits   with it keeping logits (kernels.head_keep="logits"): the head's A/B in one process
 
 Every mode uses the same model code (tree attention, chunked LM head on trained positions only), gradient
 checkpointing on, and a loss that touches every trained token. Reported: trained (completion) tokens/s,
@@ -24,9 +24,8 @@ and the max |Δ| between the modes' per-token log-probs.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
-import os
 import platform
 import sys
 import time
@@ -39,13 +38,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench helpers (trl_tree_anchor, tree_profile)
 
+from rlasync.config import KernelSettings  # noqa: E402
 from rlasync.model import (  # noqa: E402
     chunked_token_scores,
     packed_row_to_tensors,
     packed_token_scores,
     prepare_for_training,
 )
-from rlasync.model.head import KEEP_AS_ENV  # noqa: E402
 from rlasync.packing import TokenBudgetBatcher, pack  # noqa: E402
 from rlasync.rollout import RolloutSample  # noqa: E402
 
@@ -203,24 +202,6 @@ def flops_of(row, config) -> float:
     return float(dense + head + attention)
 
 
-@contextlib.contextmanager
-def _head_keep(value: str | None):
-    """$RLASYNC_HEAD_KEEP set to `value` for the block (None: left alone), only that key restored after it
-    (mock.patch.dict would also undo whatever compiling inside the block put into os.environ)."""
-    if value is None:
-        yield
-        return
-    saved = os.environ.get(KEEP_AS_ENV)
-    os.environ[KEEP_AS_ENV] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(KEEP_AS_ENV)
-        else:
-            os.environ[KEEP_AS_ENV] = saved
-
-
 def gpu_state(device) -> dict | None:
     """SM clock (MHz) and power draw (W) through NVML where torch can read them: the context of a timing (leases of
     the same GPU kind have differed by ~15% on this bench)."""
@@ -240,24 +221,33 @@ class TreeMode:
     """Packed rows (tree or padding-free) scored by rlasync's tree forward."""
 
     def __init__(
-        self, rows, device, block_size: int | None = None, backend: str = "auto", head_keep: str | None = None
+        self,
+        rows,
+        device,
+        block_size: int | None = None,
+        backend: str = "auto",
+        head_keep: str | None = None,
+        kernels: KernelSettings | None = None,
     ):
         self.rows = rows
-        self.head_keep = head_keep  # the LM head's kept chunks ("logits" / "probs"); None: $RLASYNC_HEAD_KEEP
+        kernels = KernelSettings.of(kernels)  # the learner's `kernels.*` settings (--kernel)
+        if head_keep is not None:  # the LM head's kept chunks ("logits" / "probs"); None: the kernels' own
+            kernels = dataclasses.replace(kernels, head_keep=head_keep)
+        self.head_keep = kernels.head_keep
         self.packed = [pack(r) for r in rows]
         started = time.perf_counter()  # varlen: the segment plan, made on the host as the learner does per row
         self.tensors = [packed_row_to_tensors(p, device, segments=backend == "varlen") for p in self.packed]
         self.to_device_ms = 1e3 * (time.perf_counter() - started) / max(1, len(rows))
         self.kwargs = {"block_size": block_size} if block_size else {}  # the BlockMask's blocks (default 128)
         self.kwargs["backend"] = backend
+        self.kwargs["kernels"] = kernels  # handed to the tree and the head as the learner does
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def scores(self, model, i: int):
         tensors = self.tensors[i]
-        with _head_keep(self.head_keep):  # read by the head's forward; its backward keeps what the forward chose
-            return packed_token_scores(model, tensors, **self.kwargs), tensors.advantages
+        return packed_token_scores(model, tensors, **self.kwargs), tensors.advantages
 
     def per_sample(self, i: int, logprobs: np.ndarray):
         return [(s, logprobs[self.packed[i].sample_index == k]) for k, s in enumerate(self.rows[i].samples)]
@@ -350,7 +340,7 @@ def bench_shape(model, config, shape: Shape, args, reference=None) -> dict:
 
     def tree_mode(share: bool, backend: str, head_keep: str | None = None):
         rows = plan_rows(samples, shape.row_tokens, share=share)
-        return TreeMode(rows, args.device, args.block_size, backend, head_keep)
+        return TreeMode(rows, args.device, args.block_size, backend, head_keep, kernel_settings(args.kernel))
 
     builders = {
         "tree": lambda: tree_mode(True, args.attention),
@@ -505,7 +495,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="tree attention backend of the tree and padding_free modes (auto: flex on CUDA; "
         "mode tree_varlen always runs varlen)",
     )
+    parser.add_argument(
+        "--kernel",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a learner kernel setting for the tree modes (the config's kernels.KEY, rlasync.config.kernels), e.g. "
+        "--kernel head_keep=probs --kernel 'flex_kernel_options={\"USE_TMA\": true}' --kernel head_dynamic=all",
+    )
     return parser
+
+
+def kernel_settings(pairs: list[str]) -> KernelSettings:
+    """`--kernel KEY=VALUE` flags as `KernelSettings` (values parsed as YAML, as `--set kernels.KEY=VALUE` is)."""
+    from rlasync.config.load import parse_override
+
+    try:
+        return KernelSettings.of(dict(parse_override(pair) for pair in pairs))
+    except ValueError as exc:
+        raise SystemExit(f"--kernel: {exc}") from None
 
 
 def main(argv=None) -> None:

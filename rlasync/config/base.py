@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from rlasync.config.kernels import KernelSettings
 from rlasync.config.trl_fields import TrainingArgumentsFields, check_training_arguments, parse_optim_args
 from rlasync.config.vocab import (
     AUTO,
@@ -327,6 +328,9 @@ class TrainerConfig(TrainingArgumentsFields):
     # ---- actor system (rlasync) ----
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Actor counts and resources (see `ClusterConfig`); `--set cluster.num_learners=2`."""
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+    """The learner's kernel switches (see `rlasync.config.kernels.KernelSettings`): tree attention backend,
+    FlexAttention kernel options, the LM head's compile and keep settings; `--set kernels.tree_attention=varlen`."""
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -340,6 +344,7 @@ class TrainerConfig(TrainingArgumentsFields):
             self.bf16 = not self.fp16
         if isinstance(self.cluster, dict):
             self.cluster = ClusterConfig(**self.cluster)
+        self.kernels = KernelSettings.of(self.kernels)
         if self.output_dir is None:
             self.output_dir = "trainer_output"
 

@@ -31,7 +31,6 @@ from rlasync.model.devices import to_device
 from rlasync.model.forward import TreeScorer
 from rlasync.model.head import LogitTransform
 from rlasync.model.segment_attention import SegmentPlan, segment_plan
-from rlasync.model.tree_mask import resolve_backend
 
 ReduceStats = Callable[[torch.Tensor], torch.Tensor]
 """`stats -> stats summed over ranks` (float64, any device in, same shape out)."""
@@ -61,10 +60,10 @@ class DistillRowTensors:
 
 
 def distill_row_tensors(
-    batch: Mapping[str, np.ndarray], rank: int = 0, device: torch.device | str = "cpu", *, segments: bool | None = None
+    batch: Mapping[str, np.ndarray], rank: int = 0, device: torch.device | str = "cpu", *, segments: bool = False
 ) -> DistillRowTensors:
     """Row `rank` of `collate_rows`' output as tensors on `device`, padding (attention_mask 0, at the end) removed.
-    `segments`: plan the varlen tree attention on the host (None: when "auto" means varlen on `device`)."""
+    `segments`: plan the varlen tree attention on the host (the learner: when its kernels run varlen)."""
     length = int(np.asarray(batch["attention_mask"][rank]).sum())
     if length == 0:
         raise ValueError(f"row {rank} of the micro-batch is empty: every rank needs at least one sample")
@@ -80,8 +79,6 @@ def distill_row_tensors(
         return to_device(torch.as_tensor(value if dtype is None else value.astype(dtype)), device)
 
     teacher_id_idx = tensor("teacher_id_idx") if "teacher_id_idx" in batch else None
-    if segments is None:
-        segments = resolve_backend("auto", torch.device(device)) == "varlen"
     plan = segment_plan(subtree_end, positions).to(device) if segments else None
     return DistillRowTensors(
         input_ids=tensor("input_ids", np.int64),
@@ -109,7 +106,7 @@ class DistillScorer(TreeScorer):
         num_teachers: int = 1,
         autocast_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = row_hidden_states(self.model, row, self.backend, autocast_dtype)
+        hidden = row_hidden_states(self.model, row, self.backend, autocast_dtype, self.kernels.flex_kernel_options)
         head = self.model.get_output_embeddings()
         transform = LogitTransform.from_config(self.model.config)
         return distillation_row_loss(
@@ -132,11 +129,21 @@ class DistillScorer(TreeScorer):
 
 
 def row_hidden_states(
-    model: torch.nn.Module, row: DistillRowTensors, backend: Any = "auto", autocast_dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    row: DistillRowTensors,
+    backend: Any = "auto",
+    autocast_dtype: torch.dtype | None = None,
+    kernel_options: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    """The decoder's last hidden states [L, H] of a packed row, each sample attending only to itself."""
+    """The decoder's last hidden states [L, H] of a packed row, each sample attending only to itself
+    (`kernel_options`: FlexAttention's, `KernelSettings.flex_kernel_options`)."""
     tree = build_tree_attention(
-        row.subtree_end, row.position_ids, backend, sliding_windows(model), segments=row.segments
+        row.subtree_end,
+        row.position_ids,
+        backend,
+        sliding_windows(model),
+        segments=row.segments,
+        kernel_options=kernel_options,
     )
     device_type = row.input_ids.device.type
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):

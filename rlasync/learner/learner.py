@@ -135,13 +135,13 @@ class Learner:
         """FSDP2 over the training group when there is one; the scorer root either way, so optimizer and
         checkpoint keys are the same for any number of ranks."""
         if self.world_size == 1:
-            return scorer_cls(self.model)
+            return scorer_cls(self.model, self.settings.kernels)
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         from rlasync.learner.parallel import shard_for_training
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.mixed else None
-        return shard_for_training(self.model, mp_policy=policy, scorer_cls=scorer_cls)
+        return shard_for_training(self.model, mp_policy=policy, scorer_cls=scorer_cls, kernels=self.settings.kernels)
 
     def info(self) -> dict[str, Any]:
         """What the set-up reports (the driver logs it)."""
@@ -157,7 +157,16 @@ class Learner:
             "checkpointed_layers": f"{len(self.checkpoint_plan.layers)}/{self.checkpoint_plan.num_layers}",
             "compiled_layers": compiled_layer_count(self.model),
             "row_bucket": self.settings.row_bucket,
+            "kernels": self.kernels(),
         }
+
+    def kernels(self) -> dict[str, Any]:
+        """The kernel settings this rank's scorer runs with (`LearnerSettings.kernels`, handed to the model code),
+        and the tree attention backend they resolve to on this rank's device."""
+        from rlasync.model.tree_mask import resolve_backend
+
+        kernels = self.scorer.kernels
+        return {**kernels.describe(), "resolved_tree_attention": resolve_backend(kernels.tree_attention, self.device)}
 
     def _clip(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.scorer.parameters() if p.requires_grad]

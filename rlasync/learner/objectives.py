@@ -198,11 +198,13 @@ class DistillationObjective(Objective):
     def rows(self, batches: Sequence[Any], device: torch.device, pad_id: int) -> StepRows:
         """Plain padding-free rows (Σ L² balanced, docs/algorithms.md §9.5), one per rank and micro-batch."""
         from rlasync.learner.distill import distill_row_tensors
+        from rlasync.model.tree_mask import resolve_backend
 
+        varlen = resolve_backend(self.settings.kernels.tree_attention, device) == "varlen"  # planned on the host
         teacher_ids = self.teacher_ids if len(self.teacher_ids) > 1 else None
         out = StepRows(rows=[], forwarded_tokens=0, trained_tokens=0)
         for batch in batches:
-            row = distill_row_tensors(batch.collate(pad_id, teacher_ids), self.rank, device)
+            row = distill_row_tensors(batch.collate(pad_id, teacher_ids), self.rank, device, segments=varlen)
             out.rows.append(row)
             out.forwarded_tokens += row.num_tokens
             out.trained_tokens += row.num_trained_tokens

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlasync.config.kernels import KernelSettings
 from rlasync.model import TreeScorer
 from rlasync.model.checkpointing import decoder_layers
 
@@ -26,9 +27,10 @@ def shard_for_training(
     reshard_after_forward: bool = True,
     mp_policy: Any = None,
     scorer_cls: type[TreeScorer] = TreeScorer,
+    kernels: KernelSettings | None = None,
 ) -> TreeScorer:
     """Wrap `model` in a `scorer_cls` (a `TreeScorer`; `rlasync.learner.distill.DistillScorer` for distillation)
-    and apply FSDP2 (`fully_shard`) to every decoder layer, then to the scorer."""
+    running `kernels`, and apply FSDP2 (`fully_shard`) to every decoder layer, then to the scorer."""
     from torch.distributed.fsdp import fully_shard
 
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
@@ -36,7 +38,7 @@ def shard_for_training(
         options["mesh"] = mesh
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
-    scorer = scorer_cls(model)
+    scorer = scorer_cls(model, kernels)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(scorer, **options)

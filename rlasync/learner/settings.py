@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlasync.config.base import TrainerConfig, check_checkpointing_layers
+from rlasync.config.kernels import KernelSettings
 from rlasync.learner.step import OptimizerSettings
 from rlasync.losses import DistillLossConfig, LossConfig
 
@@ -48,6 +49,7 @@ class LearnerSettings:
     peft_config: Any = None  # a peft.LoraConfig: train adapters only (rlasync.learner.lora)
     lora_sync: str = "adapter"  # with peft_config: "adapter" (send A/B only) or "merged" (full merged weights)
     gpu_share: float = 1.0  # the learner's part of its GPU (cluster.learner_num_gpus < 1: it shares it)
+    kernels: KernelSettings = dataclasses.field(default_factory=KernelSettings)  # the config's `kernels` section
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -118,6 +120,7 @@ class LearnerSettings:
             peft_config=peft_config,
             lora_sync=getattr(config.cluster, "lora_sync", "adapter"),
             gpu_share=_gpu_share(getattr(config.cluster, "learner_num_gpus", 0.0)),
+            kernels=KernelSettings.of(config.kernels),
         )
 
 

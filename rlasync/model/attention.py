@@ -34,9 +34,6 @@ import torch.nn.functional as F
 
 from rlasync.model.block_mask import (  # noqa: F401 - re-exported: these lived here first
     DEFAULT_BLOCK_SIZE,
-    FLEX_KERNEL_OPTIONS_ENV,
-    flex_kernel_options,
-    reset_flex_kernel_options,
     tree_block_mask,
     tree_block_sparsity,
     tree_mask_mod,
@@ -265,7 +262,9 @@ def tree_attention_forward(
         if dropout:
             raise ValueError("tree attention on the flex backend does not support attention dropout")
         if torch.compiler.is_compiling():  # traced into an outer graph: that compile reports its own errors
-            output = _flex_attention(query, key, value, mask, scaling, softcap, tree_attention.compile)
+            output = _flex_attention(
+                query, key, value, mask, scaling, softcap, tree_attention.compile, tree_attention.kernel_options
+            )
         else:
             output = _flex_or_dense(query, key, value, mask, scaling, softcap, tree_attention, sliding_window)
     elif tree_attention.backend != "dense":  # flex that failed to compile; varlen with softcapped scores
@@ -312,7 +311,10 @@ def _flex_attention(
     scaling: float | None,
     softcap: float | None,
     compile: bool,
+    kernel_options: dict[str, Any] | None = None,
 ) -> torch.Tensor:
+    """FlexAttention over `block_mask`; `kernel_options` (`KernelSettings.flex_kernel_options`, a constant of the
+    row's `TreeAttention`) passed through when set."""
     from torch.nn.attention.flex_attention import flex_attention
 
     score_mod = None
@@ -323,7 +325,6 @@ def _flex_attention(
 
     # inside an outer torch.compile the call is traced into that graph; eagerly it needs its own compiled kernel
     attention = _compiled_flex_attention() if compile and not torch.compiler.is_compiling() else flex_attention
-    options = flex_kernel_options()
     return attention(
         query,
         key,
@@ -332,7 +333,7 @@ def _flex_attention(
         block_mask=block_mask,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
-        **({"kernel_options": options} if options else {}),
+        **({"kernel_options": kernel_options} if kernel_options else {}),
     )
 
 
@@ -349,7 +350,9 @@ def _flex_or_dense(
     """Compiled FlexAttention; if it fails to compile (Inductor finds no kernel for this shape, dtype or device),
     the dense fallback, for this call and every later one in this process (logged once)."""
     try:
-        return _flex_attention(query, key, value, mask, scaling, softcap, tree_attention.compile)
+        return _flex_attention(
+            query, key, value, mask, scaling, softcap, tree_attention.compile, tree_attention.kernel_options
+        )
     except _compile_errors() as exc:  # Inductor found no kernel for this shape/dtype/device: go dense
         if not tree_attention.compile:
             raise

@@ -10,9 +10,7 @@ and the tests of the sparsity maps run on any torch) and because its correctness
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,37 +18,6 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_BLOCK_SIZE = 128
-FLEX_KERNEL_OPTIONS_ENV = "RLASYNC_FLEX_KERNEL_OPTIONS"
-_FLEX_OPTIONS: list[dict[str, Any] | None] = []  # the parsed value, once read
-
-
-def flex_kernel_options() -> dict[str, Any] | None:
-    """FlexAttention `kernel_options` from `$RLASYNC_FLEX_KERNEL_OPTIONS` (a JSON object, e.g.
-    '{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}' for the backward's tiles): a tuning knob for
-    benchmarks on a GPU; unset, torch chooses. Read once per process (`reset_flex_kernel_options` reads it again).
-
-    `build_tree_attention` reads it eagerly, before any compiled layer runs: a compiled layer that calls this then
-    traces a list lookup. Parsing JSON while Dynamo traces a layer would break the layer's graph in two around the
-    attention (measured: the 8K learner row 25% slower on an H200 with any option set, even one equal to the
-    default)."""
-    if _FLEX_OPTIONS:
-        return _FLEX_OPTIONS[0]
-    text = os.environ.get(FLEX_KERNEL_OPTIONS_ENV, "").strip()
-    options = None
-    if text:
-        try:
-            options = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"${FLEX_KERNEL_OPTIONS_ENV}: not JSON ({exc}); e.g. '{{\"BLOCK_M\": 64}}'") from None
-        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
-            raise ValueError(f"${FLEX_KERNEL_OPTIONS_ENV}: expected a JSON object of kernel options, got {text!r}")
-    _FLEX_OPTIONS.append(options)
-    return options
-
-
-def reset_flex_kernel_options() -> None:
-    """Forget the parsed `$RLASYNC_FLEX_KERNEL_OPTIONS` (tests; a benchmark that changes it in-process)."""
-    _FLEX_OPTIONS.clear()
 
 
 def tree_mask_mod(

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from rlasync.config.kernels import KernelSettings
 from rlasync.model.attention import (
     DEFAULT_BLOCK_SIZE,
     Backend,
@@ -78,9 +79,11 @@ class TreeScorer(torch.nn.Module):
 
     Holds the model (tree attention enabled) as `self.model`. It exists so the whole scoring (decoder and chunked
     head) is one module call: apply FSDP2 to `scorer.model`'s decoder layers and then to the scorer itself.
+    `kernels` (the run's `KernelSettings`, default the defaults) choose the tree attention backend, FlexAttention's
+    kernel options and the head's compile and keep settings.
     """
 
-    def __init__(self, model: torch.nn.Module, backend: Backend | Literal["auto"] = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, kernels: KernelSettings | None = None) -> None:
         super().__init__()
         if not uses_tree_attention(model):
             raise ValueError(
@@ -88,10 +91,17 @@ class TreeScorer(torch.nn.Module):
                 "rlasync.model.enable_tree_attention(model) first"
             )
         self.model = model
-        self.backend = backend
+        self.kernels = KernelSettings.of(kernels)
+
+    @property
+    def backend(self) -> Backend | Literal["auto"]:
+        """The tree attention backend the kernels name ("auto": flex on CUDA, dense elsewhere)."""
+        return self.kernels.tree_attention
 
     def forward(self, row: PackedRowTensors, temperature: float = 1.0, chunk_size: int | None = None) -> TokenScores:
-        return _packed_token_scores(self.model, row, temperature, chunk_size, self.backend, DEFAULT_BLOCK_SIZE, True)
+        return _packed_token_scores(
+            self.model, row, temperature, chunk_size, self.backend, DEFAULT_BLOCK_SIZE, True, self.kernels
+        )
 
 
 def packed_token_scores(
@@ -103,24 +113,30 @@ def packed_token_scores(
     backend: Backend | Literal["auto"] = "auto",
     block_size: int = DEFAULT_BLOCK_SIZE,
     compile_flex: bool = True,
+    kernels: KernelSettings | None = None,
 ) -> TokenScores:
     """Per loss term log-prob, entropy and sampler top-K log-probs of one packed row (docs/algorithms.md §5.1, §5.3).
 
     `model` is a causal LM with tree attention enabled, or a `TreeScorer` (then its own forward runs, which is
     what FSDP2 needs). Terms with a sampling mask are renormalised over their candidate set. `backend`: "auto"
-    (`rlasync.model.tree_mask.resolve_backend`), "dense", "flex" or "varlen"; `compile_flex=False` runs flex
-    eagerly (CPU checks only).
+    (`kernels.tree_attention`, then `rlasync.model.tree_mask.resolve_backend`), "dense", "flex" or "varlen";
+    `compile_flex=False` runs flex eagerly (CPU checks only). `kernels`: the `KernelSettings` (default: a
+    `TreeScorer`'s own, else the defaults).
     """
     if isinstance(model, TreeScorer):
-        if (backend, block_size, compile_flex) == ("auto", DEFAULT_BLOCK_SIZE, True):
+        if (backend, block_size, compile_flex, kernels) == ("auto", DEFAULT_BLOCK_SIZE, True, None):
             return model(row, temperature=temperature, chunk_size=chunk_size)
+        kernels = kernels or model.kernels
         model = model.model
     if not uses_tree_attention(model):
         raise ValueError(
             "packed_token_scores needs a model with tree attention: load it with rlasync.model.load_model or call "
             "rlasync.model.enable_tree_attention(model) first"
         )
-    return _packed_token_scores(model, row, temperature, chunk_size, backend, block_size, compile_flex)
+    kernels = KernelSettings.of(kernels)
+    if backend == "auto":
+        backend = kernels.tree_attention
+    return _packed_token_scores(model, row, temperature, chunk_size, backend, block_size, compile_flex, kernels)
 
 
 def _packed_token_scores(
@@ -131,9 +147,17 @@ def _packed_token_scores(
     backend: Backend | Literal["auto"],
     block_size: int,
     compile_flex: bool,
+    kernels: KernelSettings,
 ) -> TokenScores:
     tree = build_tree_attention(
-        row.subtree_end, row.position_ids, backend, sliding_windows(model), block_size, compile_flex, row.segments
+        row.subtree_end,
+        row.position_ids,
+        backend,
+        sliding_windows(model),
+        block_size,
+        compile_flex,
+        row.segments,
+        kernel_options=kernels.flex_kernel_options,
     )
     outputs = model.get_decoder()(
         input_ids=row.input_ids[None],
@@ -155,6 +179,9 @@ def _packed_token_scores(
         candidate_ids=row.sampling_mask,
         has_candidates=row.has_sampling_mask,
         chunk_size=chunk_size,
+        keep_as=kernels.head_keep,
+        compile_kernels=None if kernels.head_compile else False,
+        dynamic=kernels.head_dynamic,
     )
 
 

@@ -34,14 +34,13 @@ Shape legend: M loss terms, H hidden size, V vocabulary, K extra ids per term, C
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from rlasync.model.head_kernels import HeadMath, fused, reduce_dtype, sparse_fixup, transform
+from rlasync.model.head_kernels import HeadMath, check_dynamic, fused, reduce_dtype, sparse_fixup, transform
 from rlasync.model.head_matmul import accumulate_matmul, matmul_to
 from rlasync.model.head_probs import _add_factored_weight_grad, _factored_chunk_grads, _probs_chunk_grad
 
@@ -106,8 +105,9 @@ def chunked_token_scores(
     chunk_size: int | None = None,
     chunk_bytes: int | None = None,
     keep_logits_bytes: int | None = None,
-    keep_as: str | None = None,
+    keep_as: str = "logits",
     compile_kernels: bool | None = None,
+    dynamic: str = "rows",
 ) -> TokenScores:
     """Score M terms: hidden [M, H], weight [V, H], target_ids [M]; extra_ids [M, K] and candidate_ids [M, C]
     (-1 padded) with has_candidates [M] bool (None = every row that lists a candidate). See the module docstring.
@@ -115,9 +115,10 @@ def chunked_token_scores(
     chunk_size: terms per chunk; None sizes chunks by `chunk_bytes`, the working memory of one chunk (default: an
     eighth of the free CUDA memory, about CHUNK_ELEMENTS logits on CPU). keep_logits_bytes: how much memory the raw
     logits kept from forward to backward may take (default: a quarter of the free CUDA memory, 0 on CPU).
-    keep_as: what a kept chunk holds, "logits" or "probs" (see the module docstring; default $RLASYNC_HEAD_KEEP,
-    else "logits").
-    compile_kernels: torch.compile the two dense passes (default: on CUDA, unless RLASYNC_HEAD_COMPILE=0)."""
+    keep_as: what a kept chunk holds, "logits" or "probs" (see the module docstring).
+    compile_kernels: torch.compile the two dense passes (default: on CUDA). dynamic: which sizes of the compiled
+    passes are dynamic, "rows" or "all" (`rlasync.model.head_kernels.fused`). The learner sets these three from
+    its `KernelSettings` (head_keep, head_compile, head_dynamic)."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"expected hidden [M, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -144,7 +145,8 @@ def chunked_token_scores(
     keep_chunks = plan_kept_chunks(num_terms, chunk, weight.shape[0], mm_dtype, keep)
     math = HeadMath(float(temperature), float(transform.scale), transform.softcap)
     keep_probs = _keep_as(keep_as) == "probs" and math.softcap is None and candidates.shape[1] == 0 and bias is None
-    config = _HeadConfig(math, chunk, keep_chunks, mm_dtype, _compile_default(device, compile_kernels), keep_probs)
+    compiled = device.type == "cuda" if compile_kernels is None else bool(compile_kernels)
+    config = _HeadConfig(math, chunk, keep_chunks, mm_dtype, compiled, keep_probs, check_dynamic(dynamic))
     logprobs, entropy, extra_logprobs = _ChunkedHead.apply(
         hidden, weight, bias, target_ids.long(), extra, candidates, has, config
     )
@@ -198,24 +200,10 @@ def _default_keep_bytes(device: torch.device) -> int:
     return _free_cuda_bytes(device) // 4 if device.type == "cuda" else 0
 
 
-def _compile_default(device: torch.device, compile_kernels: bool | None) -> bool:
-    if compile_kernels is not None:
-        return bool(compile_kernels)
-    setting = os.environ.get("RLASYNC_HEAD_COMPILE", "1")
-    if setting not in ("0", "1"):
-        raise ValueError(f"RLASYNC_HEAD_COMPILE must be 0 or 1, got {setting!r}")
-    return device.type == "cuda" and setting == "1"
-
-
-KEEP_AS_ENV = "RLASYNC_HEAD_KEEP"
-
-
-def _keep_as(keep_as: str | None) -> str:
-    value = os.environ.get(KEEP_AS_ENV, "logits") if keep_as is None else keep_as
-    if value not in ("logits", "probs"):
-        origin = f"${KEEP_AS_ENV}" if keep_as is None else "keep_as"
-        raise ValueError(f"{origin} must be 'logits' or 'probs', got {value!r}")
-    return value
+def _keep_as(keep_as: str) -> str:
+    if keep_as not in ("logits", "probs"):
+        raise ValueError(f"keep_as must be 'logits' or 'probs' (kernels.head_keep), got {keep_as!r}")
+    return keep_as
 
 
 def _matmul_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -234,6 +222,7 @@ class _HeadConfig:
     mm_dtype: torch.dtype
     compile_kernels: bool
     keep_probs: bool = False  # kept chunks hold softmax probabilities (and z at the sparse ids), not raw logits
+    dynamic: str = "rows"  # which sizes of the compiled passes are dynamic (head_kernels.fused)
 
 
 def _ids_or_empty(ids: torch.Tensor | None, num_terms: int, device: torch.device, name: str) -> torch.Tensor:
@@ -279,8 +268,8 @@ class _ChunkedHead(torch.autograd.Function):
         log_norm = torch.empty_like(logprobs)  # logsumexp over the vocabulary
         log_norm_target = torch.empty_like(logprobs)  # ... or over S_t where the term renormalises
         mean_logit = torch.empty_like(logprobs)  # E_π[z], for the entropy's gradient
-        stats = fused("dense_stats", config.compile_kernels)
-        stats_probs = fused("dense_stats_probs", config.compile_kernels)
+        stats = fused("dense_stats", config.compile_kernels, config.dynamic)
+        stats_probs = fused("dense_stats_probs", config.compile_kernels, config.dynamic)
         math = config.math
         kept, kept_z = [], []  # per kept chunk: raw logits, or probabilities and z at [target, extra ids]
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
@@ -418,6 +407,7 @@ def _head_backward(
                 log_norm[rows],
                 mean_logit[rows],
                 *incoming,
+                dynamic=config.dynamic,
             )
             if factored is not None:
                 part = _factored_chunk_grads(probs, h, w, factored, needs_hidden, needs_weight)
@@ -445,6 +435,7 @@ def _head_backward(
                 log_norm_target[rows],
                 mean_logit[rows],
                 *incoming,
+                dynamic=config.dynamic,
             )
             del raw
         if needs_hidden:
@@ -512,6 +503,7 @@ def _chunk_grad_logits(
     grad_logprobs,
     grad_entropy,
     grad_extra,
+    dynamic="rows",
 ) -> torch.Tensor:
     """d loss / d raw logits ([m, V], in the logits' dtype) for one chunk: one dense pass, then the sparse ids."""
     dtype = log_norm.dtype
@@ -535,7 +527,7 @@ def _chunk_grad_logits(
         values.append(-(weight_of_norm * has)[:, None] * candidate_probs)
     coef = -weight_of_norm.masked_fill(has, 0.0)
     grad_entropy = None if grad_entropy is None else grad_entropy.to(dtype)
-    dense = fused("dense_grad", compile_kernels)(raw, log_norm, mean_logit, coef, grad_entropy, math)
+    dense = fused("dense_grad", compile_kernels, dynamic)(raw, log_norm, mean_logit, coef, grad_entropy, math)
     if ids:
         sparse_fixup(
             dense, raw, torch.cat(ids, 1), torch.cat(values, 1), log_norm, mean_logit, coef, grad_entropy, math

@@ -25,7 +25,6 @@ Reductions run in float32 (float64 for float64 logits, for exact checks).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -137,18 +136,18 @@ def sparse_exact(raw, ids, values, lse, mean, coef, grad_entropy, math: HeadMath
 
 _COMPILED: dict[tuple[str, str], Callable] = {}
 COMPILE_FAILURES: list[str] = []  # the first failure to compile a pass: both passes run eagerly from then on
-DYNAMIC_ENV = "RLASYNC_HEAD_DYNAMIC"
+DYNAMIC_MODES = ("rows", "all")
 
 
-def fused(name: str, compile_kernels: bool) -> Callable:
+def fused(name: str, compile_kernels: bool, dynamic: str = "rows") -> Callable:
     """`dense_stats`, `dense_grad`, `dense_stats_probs` or `dense_grad_probs`, torch.compile'd when
     `compile_kernels`; a pass that fails to compile (a GPU or torch build inductor cannot serve) warns once and runs
     eagerly from then on: the same values, more kernels.
 
     Only the chunk's length (dim 0 of every tensor argument) is dynamic: the vocabulary is a constant of the graph,
     so the [m, V] passes index rows by a constant divisor and size their reduction loops for V, not for a symbol.
-    `$RLASYNC_HEAD_DYNAMIC=all` compiles every size dynamic instead (how the passes were compiled before; kept for
-    the A/B on a GPU)."""
+    `dynamic="all"` (`kernels.head_dynamic`) compiles every size dynamic instead (how the passes were compiled
+    before; kept for the A/B on a GPU)."""
     function = {
         "dense_stats": dense_stats,
         "dense_grad": dense_grad,
@@ -157,7 +156,7 @@ def fused(name: str, compile_kernels: bool) -> Callable:
     }[name]
     if not compile_kernels or COMPILE_FAILURES:
         return function
-    mode = _dynamic_mode()
+    mode = check_dynamic(dynamic)
     if (name, mode) not in _COMPILED:
         if mode == "all":
             compiled = torch.compile(function, dynamic=True, fullgraph=True)
@@ -167,11 +166,12 @@ def fused(name: str, compile_kernels: bool) -> Callable:
     return _COMPILED[name, mode]
 
 
-def _dynamic_mode() -> str:
-    mode = os.environ.get(DYNAMIC_ENV, "rows").strip() or "rows"
-    if mode not in ("rows", "all"):
+def check_dynamic(mode: str) -> str:
+    """`mode` if it is a dynamic mode of the compiled passes, else a `ValueError` naming the setting."""
+    if mode not in DYNAMIC_MODES:
         raise ValueError(
-            f"${DYNAMIC_ENV} must be 'rows' (the default: only the chunk length is dynamic) or 'all', got {mode!r}"
+            f"kernels.head_dynamic must be 'rows' (the default: only the chunk length is dynamic) or 'all', "
+            f"got {mode!r}"
         )
     return mode
 
@@ -201,7 +201,7 @@ def _falling_back(compiled: Callable, eager: Callable) -> Callable:
             COMPILE_FAILURES.append(f"{type(exc).__name__}: {exc}")
             logger.warning(
                 "the LM head's compiled passes failed to compile (%s); they run eagerly from now on "
-                "(same values, more kernels; RLASYNC_HEAD_COMPILE=0 skips compiling)",
+                "(same values, more kernels; kernels.head_compile=false skips compiling)",
                 COMPILE_FAILURES[0][:300],
             )
             return eager(*args)

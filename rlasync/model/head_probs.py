@@ -14,7 +14,18 @@ from rlasync.model.head_matmul import accumulate_matmul, matmul_to
 
 
 def _probs_chunk_grad(
-    probs, z_at, math, compile_kernels, targets, extra, log_norm, mean_logit, grad_logprobs, grad_entropy, grad_extra
+    probs,
+    z_at,
+    math,
+    compile_kernels,
+    targets,
+    extra,
+    log_norm,
+    mean_logit,
+    grad_logprobs,
+    grad_entropy,
+    grad_extra,
+    dynamic="rows",
 ):
     """A chunk kept as probabilities (no softcap, no candidate sets): (dense grad-logits, None) when the entropy has
     a gradient, else (None, (row_scale [m], ids [m, L], corr [m, L])) with d loss / d raw = row_scale ⊙ π + S and
@@ -39,7 +50,9 @@ def _probs_chunk_grad(
     zs = torch.cat(zs, 1) if zs else log_norm[:, None][:, :0]
     if grad_entropy is not None:
         grad_entropy = grad_entropy.to(dtype)
-        dense = fused("dense_grad_probs", compile_kernels)(probs, log_norm, mean_logit, coef, grad_entropy, math)
+        dense = fused("dense_grad_probs", compile_kernels, dynamic)(
+            probs, log_norm, mean_logit, coef, grad_entropy, math
+        )
         if ids.shape[1]:
             sparse_fixup(dense, None, ids, values, log_norm, mean_logit, coef, grad_entropy, math, z_at=zs)
         return dense, None

@@ -6,18 +6,19 @@ with transformers + gguf (dequantised to float32), copied into a freshly built m
 loaded from GGUF refuses `save_pretrained`), and saved with its tokenizer as an ordinary HF folder under the cache
 directory. Later uses return that folder at once. `rlasync models prepare NAME` does it explicitly.
 
-The cache directory is `$RLASYNC_CACHE` or `~/.cache/rlasync`, under `models/<alias>`.
+The cache directory is `$RLASYNC_CACHE` or `~/.cache/rlasync` (`rlasync.envs`), under `models/<alias>`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlasync import envs
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ READY_MARKER = ".rlasync-ready-v2"  # bump when the conversion changes: older fo
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RLASYNC_CACHE", Path.home() / ".cache" / "rlasync"))
+    return envs.RLASYNC_CACHE
 
 
 def is_alias(name: str) -> bool:

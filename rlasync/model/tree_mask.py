@@ -17,7 +17,8 @@ Backends (`TreeAttention.backend`):
   varlen the row cut into root-path segments, each one causal problem for FlashAttention's varlen kernel (CUDA;
          a reference loop on CPU): `rlasync.model.segment_attention`, planned on the host.
 
-"auto" is dense on CPU and flex on CUDA, or what `$RLASYNC_TREE_ATTENTION` names (flex, varlen or dense).
+"auto" is flex on CUDA and dense elsewhere; a run chooses with its config's `kernels.tree_attention`
+(`rlasync.config.kernels.KernelSettings`, handed to the `TreeScorer`).
 
 Separate from `rlasync.model.attention` (the attention function transformers calls) because building masks is
 pure tensor code, run once per row, that the learner and the tests use without a model.
@@ -25,19 +26,17 @@ pure tensor code, run once per row, that the learner and the tests use without a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from rlasync.model.block_mask import DEFAULT_BLOCK_SIZE, flex_kernel_options, tree_block_mask
+from rlasync.model.block_mask import DEFAULT_BLOCK_SIZE, tree_block_mask
 from rlasync.model.segment_attention import SegmentPlan, segment_plan, varlen_available
 
 Backend = Literal["dense", "flex", "varlen"]
 BACKENDS = ("dense", "flex", "varlen")
-TREE_ATTENTION_ENV = "RLASYNC_TREE_ATTENTION"  # what "auto" means on CUDA (default flex)
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +45,8 @@ class TreeAttention:
 
     `masks` maps a sliding window (None = full attention) to a bool [1, 1, N, N] tensor (dense) or a `BlockMask`
     (flex); varlen keeps its `segments` (every window uses them) and a placeholder full mask. `position_ids` ([N]
-    depth) and `subtree_end` ([N]) are kept to build a window nobody announced.
+    depth) and `subtree_end` ([N]) are kept to build a window nobody announced. `kernel_options`: FlexAttention's
+    (`KernelSettings.flex_kernel_options`), a constant every compiled layer reads.
     """
 
     backend: Backend
@@ -56,6 +56,7 @@ class TreeAttention:
     block_size: int = DEFAULT_BLOCK_SIZE
     compile: bool = True
     segments: SegmentPlan | None = None  # varlen
+    kernel_options: dict[str, Any] | None = None  # flex: FlexAttention's kernel_options (None: torch chooses)
 
     @property
     def num_tokens(self) -> int:
@@ -92,12 +93,14 @@ def build_tree_attention(
     block_size: int = DEFAULT_BLOCK_SIZE,
     compile: bool = True,
     segments: SegmentPlan | None = None,
+    kernel_options: dict[str, Any] | None = None,
 ) -> TreeAttention:
     """Build the masks of one row for full attention and each sliding window in `windows`.
 
     `backend="auto"`: see `resolve_backend`. `compile=False` runs flex_attention eagerly (only meant for checking
     the flex path on CPU: eager FlexAttention materialises the scores). `segments`: the varlen backend's plan,
     made on the host (`segment_plan`); without it the plan is made here from a copy of the row on the CPU.
+    `kernel_options`: the flex backend's FlexAttention kernel options (`KernelSettings.flex_kernel_options`).
     """
     if subtree_end.ndim != 1 or position_ids.shape != subtree_end.shape:
         raise ValueError(
@@ -113,22 +116,17 @@ def build_tree_attention(
         n = subtree_end.shape[0]  # the model is handed a 4D mask so it builds none; the attention reads `segments`
         placeholder = torch.ones((), dtype=torch.bool, device=subtree_end.device).expand(1, 1, n, n)
         return TreeAttention(backend, subtree_end, position_ids, {None: placeholder}, block_size, compile, segments)
-    if backend == "flex":
-        flex_kernel_options()  # parsed here, eagerly: compiled layers then read a constant (see its docstring)
     masks: dict[int | None, Any] = {}
     for window in (None, *sorted({int(w) for w in windows if w})):
         masks[window] = build_mask(backend, subtree_end, position_ids, window, block_size)
-    return TreeAttention(backend, subtree_end, position_ids, masks, block_size, compile)
+    options = kernel_options if backend == "flex" else None
+    return TreeAttention(backend, subtree_end, position_ids, masks, block_size, compile, kernel_options=options)
 
 
 def resolve_backend(backend: str, device: torch.device) -> Backend:
-    """`backend`, or for "auto": dense off CUDA; on CUDA `$RLASYNC_TREE_ATTENTION` when set, else flex."""
+    """`backend`, or for "auto": flex on CUDA, dense elsewhere (`KernelSettings.tree_attention` chooses another)."""
     if backend == "auto":
-        if device.type != "cuda":
-            return "dense"
-        backend = os.environ.get(TREE_ATTENTION_ENV, "").strip() or "flex"
-        if backend not in BACKENDS:
-            raise ValueError(f"${TREE_ATTENTION_ENV}={backend!r}: use one of {', '.join(BACKENDS)}")
+        backend = "flex" if device.type == "cuda" else "dense"
     if backend not in BACKENDS:
         raise ValueError(f"unknown tree attention backend {backend!r}: use 'auto', {', '.join(map(repr, BACKENDS))}")
     if backend == "varlen" and device.type == "cuda" and not varlen_available():

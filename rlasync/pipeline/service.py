@@ -30,12 +30,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from rlasync.pipeline._notify import Notifier
 from rlasync.pipeline.allowance import TokenAllowance
 from rlasync.pipeline.dispatcher import DROP_REASONS, DropReason, PromptDispatcher, PromptLease
 from rlasync.pipeline.resume import RolloutState
+from rlasync.pipeline.settings import QueueSettings
 from rlasync.pipeline.staleness_queue import QueueEntry, StalenessQueue, TakeResult, check_group_entries, empty_take
 
 
@@ -117,36 +117,31 @@ class QueueService:
     @classmethod
     def create(
         cls,
+        settings: QueueSettings,
         *,
-        num_rows: int,
-        num_epochs: float | None,
-        max_staleness: int,
-        tokens_per_step: int,
         resume: RolloutState | None = None,
         clock: Callable[[], float] = time.monotonic,
-        stream: Any = None,
-        steps_per_version: int = 1,
-        samples_per_step: int | None = None,
     ) -> QueueService:
-        """A service for a fresh run, or one resumed from a `rollout_state.json` (prompt position and version);
-        `stream` (a streaming dataset) is leased by a `StreamingDispatcher` instead of by row index."""
+        """A service built from its `QueueSettings`, for a fresh run or one resumed from a `rollout_state.json`
+        (prompt position and version); a streaming dataset (`settings.stream`) is leased by a
+        `StreamingDispatcher` instead of by row index."""
         start = resume or RolloutState(prompt_index=0)
-        if stream is not None:
+        if settings.stream is not None:
             from rlasync.pipeline.dispatcher_stream import StreamingDispatcher
 
             dispatcher: PromptDispatcher = StreamingDispatcher(
-                stream, repeat=num_epochs is None, start_index=start.prompt_index
+                settings.stream, repeat=settings.num_epochs is None, start_index=start.prompt_index
             )
         else:
-            dispatcher = PromptDispatcher(num_rows, num_epochs, start_index=start.prompt_index)
+            dispatcher = PromptDispatcher(settings.num_rows, settings.num_epochs, start_index=start.prompt_index)
         return cls(
             dispatcher,
-            max_staleness=max_staleness,
-            tokens_per_step=tokens_per_step,
+            max_staleness=settings.max_staleness,
+            tokens_per_step=settings.tokens_per_step,
             policy_version=start.model_version,
             clock=clock,
-            steps_per_version=steps_per_version,
-            samples_per_step=samples_per_step,
+            steps_per_version=settings.steps_per_version,
+            samples_per_step=settings.samples_per_step,
         )
 
     # ---- rollout side --------------------------------------------------------------------------------------

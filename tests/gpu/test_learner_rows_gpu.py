@@ -15,12 +15,13 @@ pytestmark = [
 ]
 
 
-def tiny_learner_step():
+def tiny_learner_step(backend):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from rlasync.config import KernelSettings
     from rlasync.learner import LearnerStep, OptimizerSettings, build_optimizer
     from rlasync.losses import LossConfig
-    from rlasync.model import enable_tree_attention
+    from rlasync.model import TreeScorer, enable_tree_attention
 
     torch.manual_seed(0)
     config = Qwen3Config(
@@ -34,8 +35,9 @@ def tiny_learner_step():
         tie_word_embeddings=True,
     )
     model = enable_tree_attention(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda())
-    optimizer, scheduler = build_optimizer(model, OptimizerSettings(learning_rate=1e-3))
-    return LearnerStep(model, optimizer, scheduler, LossConfig(score_centering=False), device="cuda")
+    scorer = TreeScorer(model, KernelSettings(tree_attention=backend))  # the learner's kernels choose the backend
+    optimizer, scheduler = build_optimizer(scorer, OptimizerSettings(learning_rate=1e-3))
+    return LearnerStep(scorer, optimizer, scheduler, LossConfig(score_centering=False), device="cuda")
 
 
 def rows(num_rows=3, seed=0):
@@ -55,11 +57,10 @@ def rows(num_rows=3, seed=0):
 
 
 @pytest.mark.parametrize("backend", ["flex", "varlen"])
-def test_rows_queue_without_a_device_sync(backend, monkeypatch):
+def test_rows_queue_without_a_device_sync(backend):
     from rlasync.losses.grpo_metrics import resolve_metrics
 
-    monkeypatch.setenv("RLASYNC_TREE_ATTENTION", backend)
-    step = tiny_learner_step()
+    step = tiny_learner_step(backend)
     batch = rows()
     terms = [float(r.num_trained_tokens) for r in batch]
     step.step(batch, terms)  # warm-up: compiles FlexAttention, fills the allocator's caches

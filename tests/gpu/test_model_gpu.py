@@ -156,3 +156,45 @@ def test_check_model_cli_passes_on_cuda(tmp_path, capsys):
     output = capsys.readouterr().out
     assert code == 0, output
     assert output.strip().splitlines()[-1].startswith("max_abs_diff=")
+
+
+def test_a_scorers_kernel_settings_reach_the_compiled_flex_calls_and_the_head(monkeypatch):
+    """`KernelSettings` on CUDA (no environment variable): FlexAttention's kernel options reach every flex call of
+    the row, the head keeps probabilities in passes compiled with every size dynamic, and scores and gradients
+    equal the default scorer's."""
+    from rlasync.config import KernelSettings
+    from rlasync.model import TreeScorer, attention, head
+
+    flex_calls, head_passes = [], []
+    real_flex, real_fused = attention._flex_attention, head.fused
+
+    def flex_spy(*args, **kwargs):
+        flex_calls.append(args[7] if len(args) > 7 else kwargs.get("kernel_options"))
+        return real_flex(*args, **kwargs)
+
+    def fused_spy(name, compile_kernels, dynamic="rows"):
+        head_passes.append((name, compile_kernels, dynamic))
+        return real_fused(name, compile_kernels, dynamic)
+
+    monkeypatch.setattr(attention, "_flex_attention", flex_spy)
+    monkeypatch.setattr(head, "fused", fused_spy)
+    _, model = tiny_model("qwen3", torch.bfloat16)
+    row = packed(*random_row(5))
+    chosen = KernelSettings(flex_kernel_options={"WRITE_DQ": False}, head_keep="probs", head_dynamic="all")
+    results = []
+    for scorer in (TreeScorer(model), TreeScorer(model, chosen)):
+        flex_calls.clear(), head_passes.clear()
+        model.zero_grad(set_to_none=True)
+        logprobs = scorer(row).logprobs
+        logprobs.float().mean().backward()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logprobs.detach().float(), grads, list(flex_calls), set(head_passes)))
+    (default, default_grads, default_flex, default_head), (ours, our_grads, our_flex, our_head) = results
+    assert default_flex and all(options is None for options in default_flex)
+    assert our_flex and all(options == {"WRITE_DQ": False} for options in our_flex)
+    assert {dynamic for _, _, dynamic in default_head} == {"rows"}
+    assert our_head and all(compiled and dynamic == "all" for _, compiled, dynamic in our_head)
+    assert (default - ours).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    for name, grad in default_grads.items():
+        scale = max(1.0, grad.abs().max().item())
+        assert (grad - our_grads[name]).abs().max().item() <= TOLERANCE[torch.bfloat16] * scale, name

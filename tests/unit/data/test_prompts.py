@@ -1,10 +1,10 @@
 """Prompt validation (errors name the problem and the fix) and rendering through a chat template."""
 
-import os
 from pathlib import Path
 
 import pytest
 
+from rlasync import envs
 from rlasync.data import is_conversational, render_prompt, row_prompt, validate_prompt, validate_prompt_dataset
 
 REPO = Path(__file__).resolve().parents[3]
@@ -78,7 +78,7 @@ def test_render_prompt_with_a_batch_encoding():
     assert render_prompt(TemplateReturning(BatchEncoding({"input_ids": [9, 8]})), USER) == [9, 8]
 
 
-SMOLLM2 = Path(os.environ.get("RLASYNC_CACHE", Path.home() / ".cache" / "rlasync")) / "models" / "smollm2-135m-instruct"
+SMOLLM2 = envs.RLASYNC_CACHE / "models" / "smollm2-135m-instruct"
 
 
 @pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").exists(), reason="SmolLM2 alias not prepared")

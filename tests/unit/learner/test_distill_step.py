@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlasync.config.kernels import KernelSettings
 from rlasync.distill import DistillationSample, FixedCountBatcher, collate_rows
 from rlasync.learner import OptimizerSettings, build_optimizer
 from rlasync.learner.distill import DistillLearnerStep, DistillScorer, distill_row_tensors, evaluate_jsd
@@ -217,8 +218,8 @@ def test_a_row_planned_for_the_varlen_backend_gives_the_reference_loss(monkeypat
     batch = collate_rows([samples], pad_token_id=0)
     row = distill_row_tensors(batch, 0, torch.device("cpu"), segments=True)
     assert row.segments is not None and row.segments.num_segments == 3
-    assert distill_row_tensors(batch, 0, torch.device("cpu")).segments is None  # auto on the CPU: dense
-    loss, _ = DistillScorer(model, backend="varlen")(row, DistillLossConfig(chunk_size=4))
+    assert distill_row_tensors(batch, 0, torch.device("cpu")).segments is None  # planned only when asked
+    loss, _ = DistillScorer(model, KernelSettings(tree_attention="varlen"))(row, DistillLossConfig(chunk_size=4))
     expected, _ = reference_loss(model, samples, float(batch["global_n_tokens"][0]))
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
     assert plans and all(plan is row.segments for plan in plans)  # every layer used the host-made plan

@@ -297,6 +297,9 @@ def test_settings_carry_the_choice_and_pad_rows_when_compiled(tmp_path):
         dataclasses.replace(settings, gradient_checkpointing_layers="some")
     with pytest.raises(ValueError, match="row_bucket=-1"):
         dataclasses.replace(settings, row_bucket=-1)
+    kernels = grpo_config(tmp_path, kernels={"tree_attention": "varlen", "head_keep": "probs"}).kernels
+    chosen = LearnerSettings.from_config(grpo_config(tmp_path, kernels=kernels), objective="grpo", token_budget=64)
+    assert chosen.kernels == kernels and settings.kernels.tree_attention == "auto"  # the config's kernels section
 
 
 def test_the_learner_checkpoints_the_chosen_layers(model_dir, tmp_path):
@@ -304,6 +307,8 @@ def test_the_learner_checkpoints_the_chosen_layers(model_dir, tmp_path):
     learner = Learner(model_dir, LearnerSettings.from_config(config, objective="grpo", token_budget=TOKEN_BUDGET))
     assert checkpointed_layers(learner.model) == (1,) and learner.info()["checkpointed_layers"] == "1/2"
     assert learner.info()["compiled_layers"] == 0
+    assert learner.info()["kernels"]["resolved_tree_attention"] == "dense"  # "auto" on the CPU
+    assert learner.scorer.kernels is learner.settings.kernels  # handed to the model code
     auto = grpo_config(tmp_path, gradient_checkpointing=True)
     learner = Learner(model_dir, LearnerSettings.from_config(auto, objective="grpo", token_budget=TOKEN_BUDGET))
     assert checkpointed_layers(learner.model) == (0, 1)  # "auto" on the CPU: every layer

@@ -6,6 +6,7 @@ passes."""
 import pytest
 import torch
 
+from rlasync.config import KernelSettings
 from rlasync.model import head_kernels
 from rlasync.model.head_kernels import HeadMath
 
@@ -41,8 +42,7 @@ def _is_symbolic(size) -> bool:
     return isinstance(size, torch.SymInt)
 
 
-def test_one_graph_serves_every_chunk_length_with_the_vocabulary_static(recorded, monkeypatch):
-    monkeypatch.delenv(head_kernels.DYNAMIC_ENV, raising=False)
+def test_one_graph_serves_every_chunk_length_with_the_vocabulary_static(recorded):
     math = HeadMath(temperature=0.7, scale=1.0, softcap=None)
     stats = head_kernels.fused("dense_stats", True)
     for rows in (6, 9, 4, 13):
@@ -56,8 +56,7 @@ def test_one_graph_serves_every_chunk_length_with_the_vocabulary_static(recorded
     assert _is_symbolic(shape[0]) and not _is_symbolic(shape[1]) and shape[1] == 37
 
 
-def test_the_backward_pass_has_static_vocabulary_and_matches_eager(recorded, monkeypatch):
-    monkeypatch.delenv(head_kernels.DYNAMIC_ENV, raising=False)
+def test_the_backward_pass_has_static_vocabulary_and_matches_eager(recorded):
     math = HeadMath(temperature=1.0, scale=0.5, softcap=3.0)
     grad = head_kernels.fused("dense_grad", True)
     for rows in (5, 8, 3):
@@ -76,13 +75,13 @@ def test_the_backward_pass_has_static_vocabulary_and_matches_eager(recorded, mon
     assert all(len(v) == 1 and _is_symbolic(v[0]) for v in vectors)
 
 
-def test_all_dynamic_mode_makes_the_vocabulary_a_symbol_and_bad_values_are_refused(recorded, monkeypatch):
+def test_all_dynamic_mode_makes_the_vocabulary_a_symbol_and_bad_values_are_refused(recorded):
     math = HeadMath(temperature=1.0, scale=1.0, softcap=None)
-    monkeypatch.setenv(head_kernels.DYNAMIC_ENV, "all")
-    stats = head_kernels.fused("dense_stats", True)
+    stats = head_kernels.fused("dense_stats", True, KernelSettings(head_dynamic="all").head_dynamic)
     stats(_chunk(6), math)
     (shape,) = recorded[-1]
     assert _is_symbolic(shape[0]) and _is_symbolic(shape[1])
-    monkeypatch.setenv(head_kernels.DYNAMIC_ENV, "vocab")
-    with pytest.raises(ValueError, match="RLASYNC_HEAD_DYNAMIC must be 'rows'"):
-        head_kernels.fused("dense_stats", True)
+    with pytest.raises(ValueError, match="kernels.head_dynamic must be 'rows'"):
+        head_kernels.fused("dense_stats", True, "vocab")
+    with pytest.raises(ValueError, match="kernels.head_dynamic='vocab': use one of 'rows', 'all'"):
+        KernelSettings(head_dynamic="vocab")

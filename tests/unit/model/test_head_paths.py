@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from rlasync.config import KernelSettings
 from rlasync.model.head import (
     CHUNK_ELEMENTS,
     WORKSPACE_BYTES_PER_LOGIT,
@@ -219,9 +220,10 @@ def test_bad_memory_settings_name_the_field(monkeypatch):
         chunked_token_scores(hidden, weight, targets, keep_logits_bytes=-1)
     with pytest.raises(ValueError, match="chunk_bytes must be > 0"):
         chunked_token_scores(hidden, weight, targets, chunk_bytes=-5)
-    monkeypatch.setenv("RLASYNC_HEAD_COMPILE", "yes")
-    with pytest.raises(ValueError, match="RLASYNC_HEAD_COMPILE must be 0 or 1"):
-        chunked_token_scores(hidden, weight, targets)
+    with pytest.raises(ValueError, match="kernels.head_dynamic must be 'rows'"):
+        chunked_token_scores(hidden, weight, targets, dynamic="vocab")
+    with pytest.raises(ValueError, match="kernels.head_compile"):
+        KernelSettings(head_compile="yes")
 
 
 def test_passes_that_fail_to_compile_warn_once_and_run_eagerly(monkeypatch, caplog):

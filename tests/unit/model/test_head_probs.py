@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rlasync.model.head import KEEP_AS_ENV, LogitTransform, chunked_token_scores
+from rlasync.config import KernelSettings
+from rlasync.model.head import LogitTransform, chunked_token_scores
 from rlasync.model.head_kernels import (
     HeadMath,
     dense_grad,
@@ -126,17 +127,16 @@ def test_heads_the_probability_path_does_not_serve_keep_logits_and_give_the_same
         assert torch.equal(a, b)
 
 
-def test_keep_as_reads_the_environment_and_names_the_field(monkeypatch):
+def test_keep_as_is_a_kernel_setting_and_a_bad_value_names_the_field():
     hidden, weight, _, targets, *_ = make_inputs(seed=1, bias=False)
     with pytest.raises(ValueError, match="keep_as must be 'logits' or 'probs'"):
         chunked_token_scores(hidden, weight, targets, keep_as="prob")
-    monkeypatch.setenv(KEEP_AS_ENV, "softmax")
-    with pytest.raises(ValueError, match=KEEP_AS_ENV):
-        chunked_token_scores(hidden, weight, targets)
-    monkeypatch.setenv(KEEP_AS_ENV, "probs")
-    via_env = chunked_token_scores(hidden, weight, targets)
+    with pytest.raises(ValueError, match="kernels.head_keep='softmax': use one of 'logits', 'probs'"):
+        KernelSettings(head_keep="softmax")
+    keep = KernelSettings(head_keep="probs").head_keep
     torch.testing.assert_close(
-        via_env.logprobs, chunked_token_scores(hidden, weight, targets, keep_as="logits").logprobs
+        chunked_token_scores(hidden, weight, targets, keep_as=keep).logprobs,
+        chunked_token_scores(hidden, weight, targets).logprobs,
     )
 
 

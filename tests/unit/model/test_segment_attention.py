@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from rlasync.config import KernelSettings
 from rlasync.model import enable_tree_attention, packed_token_scores
 from rlasync.model.row_shapes import pad_row_tensors
 from rlasync.model.segment_attention import reference_segment_attention, segment_attention, segment_plan
-from rlasync.model.tree_mask import TREE_ATTENTION_ENV, build_tree_attention, dense_tree_mask, resolve_backend
+from rlasync.model.tree_mask import build_tree_attention, dense_tree_mask, resolve_backend
 from tests.unit.model.test_tree_forward import TOL, _compare, decoder_layers_over
 
 SHAPES = ["grpo", "chain", "disjoint", "ragged", "mixed"]
@@ -115,16 +116,15 @@ def test_a_padded_row_keeps_its_host_made_plan_exact(make_model, scenarios):
     assert (varlen.logprobs - dense.logprobs).abs().max() <= TOL
 
 
-def test_auto_resolves_by_device_and_environment(monkeypatch):
+def test_auto_resolves_by_device_and_the_kernel_setting_chooses_another(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv(TREE_ATTENTION_ENV, raising=False)
+    monkeypatch.setenv("RLASYNC_TREE_ATTENTION", "dense")  # the variable of old: read no more
     assert (resolve_backend("auto", cpu), resolve_backend("auto", cuda)) == ("dense", "flex")
-    monkeypatch.setenv(TREE_ATTENTION_ENV, "varlen")
-    assert (resolve_backend("auto", cpu), resolve_backend("auto", cuda)) == ("dense", "varlen")
+    varlen = KernelSettings(tree_attention="varlen").tree_attention
+    assert (resolve_backend(varlen, cpu), resolve_backend(varlen, cuda)) == ("varlen", "varlen")
     assert resolve_backend("flex", cuda) == "flex"
-    monkeypatch.setenv(TREE_ATTENTION_ENV, "flash")
-    with pytest.raises(ValueError, match=TREE_ATTENTION_ENV):
-        resolve_backend("auto", cuda)
+    with pytest.raises(ValueError, match="kernels.tree_attention='flash': use one of 'auto', 'flex'"):
+        KernelSettings(tree_attention="flash")
     with pytest.raises(ValueError, match="unknown tree attention backend"):
         resolve_backend("fast", cpu)
 

@@ -134,6 +134,6 @@ def test_queue_settings_and_service_for_a_streaming_dataset():
     Config.max_steps = 5
     assert QueueSettings.for_dataset(Config, rows).num_epochs is None  # repeated under max_steps
     assert QueueSettings.for_dataset(Config, [{"prompt": []}] * 4).num_rows == 4
-    service = QueueService.create(num_rows=0, num_epochs=1.0, max_staleness=2, tokens_per_step=100, stream=rows)
+    service = QueueService.create(QueueSettings(0, 1.0, 2, tokens_per_step=100, stream=rows))
     lease = service.try_next_group(2)
     assert isinstance(service.dispatcher, StreamingDispatcher) and lease.row["i"] == 0

@@ -2,10 +2,11 @@
 built from (docs/algorithms.md §2.1). A failed group is consumed: never leased again in its epoch."""
 
 from rlasync.pipeline.service import QueueService
+from rlasync.pipeline.settings import QueueSettings
 
 
 def service(num_rows=3):
-    return QueueService.create(num_rows=num_rows, num_epochs=1.0, max_staleness=1, tokens_per_step=100)
+    return QueueService.create(QueueSettings(num_rows, 1.0, max_staleness=1, tokens_per_step=100))
 
 
 def test_drops_are_counted_per_cause_with_the_last_detail():

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from rlasync.pipeline import PromptDispatcher, QueueService
+from rlasync.pipeline.settings import QueueSettings
 
 
 def test_leases_of_an_owner_are_the_live_unqueued_ones():
@@ -23,7 +24,7 @@ def test_leases_of_an_owner_are_the_live_unqueued_ones():
 
 
 def test_releasing_a_dead_owner_leases_its_prompts_again_and_the_epoch_is_exactly_once():
-    service = QueueService.create(num_rows=5, num_epochs=1.0, max_staleness=100, tokens_per_step=10**6)
+    service = QueueService.create(QueueSettings(5, 1.0, max_staleness=100, tokens_per_step=10**6))
 
     async def lease(owner):
         answer = await service.next_group(2, 0.0)
@@ -66,7 +67,7 @@ def test_death_messages_name_the_actor_and_the_checkpoint(tmp_path):
 
 
 def test_the_service_records_owners_and_releases_a_dead_owners_live_leases():
-    service = QueueService.create(num_rows=5, num_epochs=1.0, max_staleness=100, tokens_per_step=10**6)
+    service = QueueService.create(QueueSettings(5, 1.0, max_staleness=100, tokens_per_step=10**6))
     first = asyncio.run(service.next_group(2, 0.0)).lease
     service.drop_group(first.group_id, "zero_std", num_tokens=8)  # one completed group opens the allowance
     mine = [asyncio.run(service.next_group(2, 0.0, "rollout actor 0")).lease for _ in range(2)]

@@ -16,6 +16,7 @@ from rlasync.pipeline import (
     read_rollout_state,
     write_rollout_state,
 )
+from rlasync.pipeline.settings import QueueSettings
 
 
 class FakeClock:
@@ -33,14 +34,9 @@ def group_entries(lease, version, sizes=(10, 10)):
     ]
 
 
-def make_service(num_rows=4, num_epochs=1, max_staleness=0, tokens_per_step=1000, **kwargs):
-    return QueueService.create(
-        num_rows=num_rows,
-        num_epochs=num_epochs,
-        max_staleness=max_staleness,
-        tokens_per_step=tokens_per_step,
-        **kwargs,
-    )
+def make_service(num_rows=4, num_epochs=1, max_staleness=0, tokens_per_step=1000, resume=None, clock=None, **kwargs):
+    settings = QueueSettings(num_rows, num_epochs, max_staleness, tokens_per_step=tokens_per_step, **kwargs)
+    return QueueService.create(settings, resume=resume, **({"clock": clock} if clock else {}))
 
 
 def test_a_group_gone_stale_is_dropped_counted_and_leased_again():
