@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tree_packing import Shape, make_samples, plan_rows, qwen3_06b_config  # noqa: E402
+from learner_shapes import Shape, make_samples, plan_rows, qwen3_06b_config  # noqa: E402
 
 from rlasync.model import packed_row_to_tensors, packed_token_scores, prepare_for_training  # noqa: E402
 from rlasync.model.checkpointing import plan_for_model  # noqa: E402
