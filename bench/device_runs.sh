@@ -68,7 +68,7 @@ engine_async)  # no carry: the built-in engine's CUDA tests and its async vs syn
 vllm_speed)  # after .vllmkit unpacked: both engines on 256 x 256 -> 256 in one run; LoRA GRPO with vLLM
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
-    run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
+    run vllm_speed 300 python3 bench/vllm_throughput.py --out "$out/vllm_speed" --budget-s 240 --engine-mode default
     run e2e_lora_vllm 240 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --engine vllm --out "$out/e2e_lora_vllm.json"
     ;;
 final)  # carry .devicekit .whl .trlwheel: head/plan GPU tests, the learner vs TRL, GRPO over IPC, LoRA sync
@@ -260,7 +260,7 @@ vllm_recheck)  # carry .vllmkit .whl (warm): both engines 256x256, then vLLM's I
     [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1 PATH=/tmp/pyspy/bin:$PATH
-    run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
+    run vllm_speed 300 python3 bench/vllm_throughput.py --out "$out/vllm_speed" --budget-s 240 --engine-mode default
     # the actor's pid from Ray's log prefix (`pgrep -f ray::GenerationActor` may match nothing), once the run has
     # reached step 3 (vLLM started, syncs under way)
     (for _ in $(seq 150); do grep -q "^step 3/" "$out/e2e_vllm_ipc.log" 2>/dev/null && break; sleep 1; done
@@ -277,7 +277,7 @@ vllm_sync)  # carry .vllmkit .whl (warm): vLLM's flat IPC sync alone, then GRPO 
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1 PATH=/tmp/pyspy/bin:$PATH
     [ -n "${GRPO_ONLY:-}" ] || run vllm_unit 90 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_vllm_engine.py tests/unit/engine/test_weight_plans.py
-    [ -n "${GRPO_ONLY:-}" ] || run vllm_sync 270 python3 bench/vllm_check.py --out "$out/vllm_sync" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,throughput --skip-torch-engine
+    [ -n "${GRPO_ONLY:-}" ] || run vllm_sync 270 python3 bench/vllm_weight_sync.py --out "$out/vllm_sync" --budget-s 240 --engine-mode default
     (for _ in $(seq 150); do grep -q "^step 3/" "$out/e2e_vllm_ipc.log" 2>/dev/null && break; sleep 1; done
      p=$(grep -o "GenerationActor pid=[0-9]*" "$out/e2e_vllm_ipc.log" | head -1 | cut -d= -f2); [ -n "$p" ] && \
         py-spy record --subprocesses -d 12 -r 200 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" > "$out/pyspy_vllm.log" 2>&1) &
@@ -311,12 +311,19 @@ lora)  # after .vllmkit unpacked: LoRA adapter sync times, LoRA GRPO with both e
     run e2e_lora_torch 170 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --out "$out/e2e_lora_torch.json"
     run e2e_lora_vllm 220 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --engine vllm --out "$out/e2e_lora_vllm.json"
     ;;
-vllm)  # carry .vllmkit (after torch, warm): GRPO with vLLM, then the vLLM checks
+vllm)  # carry .vllmkit (after torch, warm): GRPO with vLLM, then the log-prob, weight-sync and throughput checks
     bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
     run e2e_vllm 300 python3 bench/e2e_grpo.py --steps 10 --runs async --engine vllm --out "$out/e2e_vllm.json"
-    run vllm_check 240 python3 bench/vllm_check.py --out "$out" --budget-s 200 --skip-server
+    run vllm_logprobs 240 python3 bench/vllm_logprobs.py --out "$out" --budget-s 200
+    run vllm_weight_sync 240 python3 bench/vllm_weight_sync.py --out "$out" --budget-s 200
+    run vllm_throughput 300 python3 bench/vllm_throughput.py --out "$out" --budget-s 260
+    ;;
+vllm_serve)  # after .vllmkit unpacked (warm): `vllm serve` behind VLLMServerEngine, its wire fixtures and weight sync
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    run vllm_serve 360 python3 bench/vllm_serve_check.py --out "$out"
     ;;
 *)
     echo "unknown stage $stage: see the stages in bench/device_runs.sh" >&2
