@@ -11,7 +11,11 @@
 #   .fa4a, .fa4b  FlashAttention-4's CuTe DSL runtime and wheels (flash_kit, learner_flash)
 # A stage "after" another expects the machine still warm from it (the next call within 30 s keeps /tmp/site).
 set -uo pipefail
-stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
+case ${1:-} in -h|--help)  # the header above, then each stage with its comment
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+    echo "stages:"; grep -E '^[a-z_0-9]+\)  # ' "$0" | sed 's/)  # /: /; s/^/  /'; exit 0 ;;
+esac
+stage=${1:?usage: bench/device_runs.sh STAGE (bash bench/device_runs.sh --help lists them)}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

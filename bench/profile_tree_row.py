@@ -38,7 +38,7 @@ from rlasync.packing import pack  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=["eager", "regional", "decoder"], default="regional")
     parser.add_argument("--no-grad-ckpt", action="store_true", help="same as --grad-ckpt none")
     parser.add_argument("--grad-ckpt", default="all", help="all (old behaviour), auto (by memory), none, or K layers")
