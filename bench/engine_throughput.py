@@ -196,7 +196,7 @@ def main() -> None:
                 flush=True,
             )
             _write(args.out, results)
-        if args.group_size > 1:  # GRPO-shaped: groups of requests on one prompt (prefix caching shares its prefill)
+        if 1 < args.group_size <= max(levels):  # GRPO-shaped: groups on one prompt (prefix caching shares its prefill)
             level = max(levels)
             grouped = [p for p in prompts_all[: level // args.group_size] for _ in range(args.group_size)]
             run = await engine_run(engine, grouped, args.new_tokens, 0)
