@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flex_tiles import attended_pairs, first_row, time_ms  # noqa: E402
-from tree_packing import parse_shapes  # noqa: E402
+from learner_shapes import parse_shapes  # noqa: E402
 
 from rlasync.model.block_mask import tree_block_mask  # noqa: E402
 from rlasync.model.segment_attention import LENGTH_QUANTUM, segment_plan  # noqa: E402

@@ -1,43 +1,21 @@
 #!/usr/bin/env bash
-# The GPU measurements still owed, as two device calls made back to back (the second within 30 s of the first, so
-# the machine stays warm and /tmp/site keeps Ray). Everything lands in $OUT; copy the JSON into bench/results/.
-#
-#   call 1  carry [".devicekit"]:  bash bench/device_runs.sh torch       (~10 min on nvidia-h200-x2)
-#   call 2  carry [".vllmkit"]:    bash bench/device_runs.sh vllm        (~7 min)
-#   (or)    carry []:               bash bench/device_runs.sh distill     (~3 min; on-policy distillation e2e)
-#   (or)    carry [".devicekit"]:  bash bench/device_runs.sh onegpu      (~9 min on nvidia-h200: GPU tests, IPC GRPO, 1-GPU distillation)
-#
-# The kits are git-ignored folders built on the workstation: .devicekit (wheels of Ray and the pure-Python deps the GPU
-# image lacks, with pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
-# math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2), .vllmkit (vLLM 0.25 and its
-# deps, with an unpack.sh), .trlwheel (TRL 1.16's wheel), and the SmolLM2 GGUF in two halves (.smol1, .smol2).
-#
-# Owed on one H200, in this order (each within 30 s of the one before, so /tmp/site stays):
-#   carry [".devicekit"]           learner_varlen       (~8 min: varlen GPU tests, varlen vs flex at 8K rows, profile)
-#   carry []                       learner_varlen_e2e   (~6 min: 4K A/B, GRPO with the learner on varlen)
-#   carry []                       sampler_system       (~4 min: compiled vs eager sampler inside GRPO)
-#   carry [".vllmkit", ".whl"]     vllm_recheck         (~8 min: both engines 256x256, py-spy of vLLM's sync)
-#   carry [".devicekit"]           learner_tiles        (~8 min: FlexAttention tiles on a real row, the learner with the best)
-#   (all five ran on 2026-12-02; bench/results.)
-# Ran on 2026-12-03 (one H200, 15 min of device time): carry [".devicekit"] e2e_grpo --steps 20 (TorchEngine, IPC),
-#   then carry [".vllmkit", ".whl"] STEPS=20 GRPO_ONLY=1 vllm_sync, then [".smol1"], then [".smol2"] with STEPS=200
-#   system_torch's system and engine runs (bench/results/system_throughput_h200.json, e2e/*_gcfreeze_*).
-#   .devicekit must hold the pydantic and math-verify wheels listed above: a kit without them fails at import.
-#   Then [".devicekit"], [".vllmkit"] (unpack.sh), [".smol1"], [".smol2"] with vllm_sums (08:03 UTC).
-# Ran on 2026-12-03 11:56-12:28 UTC (one H200, ~19 min): the cascade attention's GPU tests, kernels and learner A/B
-#   (a stage since removed with the cascade, commit f4c6708), `python3 bench/attention_parts.py`, then
-#   AB=1 learner_host and learner_host again (carry [".devicekit", ".whl"]): bench/results/attention_parts_h200.json,
-#   tree_packing_h200.json (learner_2026_12_03_utc), profiles/learner_pyspy_tree_p544_c128_g8_row8192.txt.
-# Ran on 2026-12-04 11:49-12:21 UTC (one H200, 29 of 30 device minutes): flash_kit + learner_flash, learner_rows,
-#   learner_static, learner_full, learner_headdyn, learner_trl8k (bench/results/tree_packing_h200.json, key
-#   learner_2026_12_04_utc and the headline; flex_flash_h200.json; profiles/tree_p544_c128_g8_row8192_full_2026_12_04*).
-#   .pydkit holds pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 (all the
-#   learner benches need besides the GPU image).
-# Ran on 2026-12-04 14:55-15:01 UTC (one H200, ~6 device minutes): learner_agree plus the model and learner-rows GPU
-#   tests (19 passed), then the 24-sample agreement command at seeds 0-2 (key bf16_logprob_agreement).
-# Still owed: the TorchEngine's one slow pause early in GRPO (450 ms at step 4) profiled.
+# GPU measurements, one stage per device call: `bash bench/device_runs.sh STAGE` (outputs land in $OUT; copy the JSON
+# into bench/results/). bench/README.md maps each headline in bench/results/ to its stage; bench/LOG.md has the dated
+# notes of the runs. Each stage names the kits it carries (git-ignored folders built on the workstation):
+#   .devicekit  wheels of Ray and the pure-Python deps the GPU image lacks (pydantic==2.13.4 pydantic-core==2.46.4
+#               annotated-types==0.7.0 typing-inspection==0.4.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0
+#               antlr4-python3-runtime==4.13.2)
+#   .pydkit     pydantic and its three wheels (all the learner benches need besides the GPU image)
+#   .vllmkit    vLLM 0.25 and its deps, with an unpack.sh (into /tmp/vsite)
+#   .trlwheel   TRL 1.16's wheel;  .whl  py-spy;  .smol1, .smol2  the SmolLM2 GGUF in two halves
+#   .fa4a, .fa4b  FlashAttention-4's CuTe DSL runtime and wheels (flash_kit, learner_flash)
+# A stage "after" another expects the machine still warm from it (the next call within 30 s keeps /tmp/site).
 set -uo pipefail
-stage=${1:?usage: bench/device_runs.sh STAGE (see the case below)}
+case ${1:-} in -h|--help)  # the header above, then each stage with its comment
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+    echo "stages:"; grep -E '^[a-z_0-9]+\)  # ' "$0" | sed 's/)  # /: /; s/^/  /'; exit 0 ;;
+esac
+stage=${1:?usage: bench/device_runs.sh STAGE (bash bench/device_runs.sh --help lists them)}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -54,26 +32,26 @@ use_pydkit() {  # pydantic and its three wheels (.pydkit) into /tmp/site, once p
     export PYTHONPATH=$PWD:/tmp/site
 }
 case $stage in
-torch)
+torch)  # carry .devicekit, two H200s: GPU tests, weight sync (bench/weight_sync.py), GRPO with the TorchEngine
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/learner/test_distill_step.py
     run weight_sync 150 python3 bench/weight_sync.py --rounds 3 --bucket-mb 256 --out "$out/weight_sync_h200.json"
     run e2e_torch 150 python3 bench/e2e_grpo.py --steps 10 --runs async --out "$out/e2e_torch.json"
     ;;
-onegpu)  # one H200: GPU tests, GRPO with learner and engine sharing the GPU over CUDA IPC, distillation on one GPU
+onegpu)  # carry .devicekit, one H200: GPU tests, GRPO sharing the GPU over CUDA IPC, distillation on one GPU
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/learner/test_distill_step.py
     run e2e_ipc 170 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
     run e2e_distill_1gpu 170 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --share-gpu --out "$out/e2e_distill_h200.json"
     ;;
-distill)  # no carry needed if it follows the torch stage while the machine is warm (/tmp/site has Ray)
+distill)  # carry .devicekit (none when warm): on-policy distillation end to end
     [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run e2e_distill 300 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --out "$out/e2e_distill.json"
     ;;
-system_torch)  # one H200, after the two calls that carry SmolLM2 (.smol1, .smol2): GPU engine tests, the system, the engine alone
+system_torch)  # after .smol1/.smol2 calls, one H200: the SmolLM2 sums system with the TorchEngine, then its engine alone
     [ -x /tmp/pyspy/bin/py-spy ] || ! ls .whl/py_spy-*.whl >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
     export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/pyspy/bin:$PATH  # py-spy in its own folder (/tmp/site/bin is the kit's)
     st="python3 bench/system_throughput.py --out $out/system_throughput_h200.json"
@@ -86,33 +64,32 @@ system_torch)  # one H200, after the two calls that carry SmolLM2 (.smol1, .smol
     run engine_torch_nomixed 100 $st engine --engine torch --model "$ckpt" --seconds 20 --no-mixed-graphs
     python3 bench/pyspy_top.py "$out"/pyspy_torch_*.txt > "$out/top_torch.txt" 2>&1
     ;;
-engine_async)  # no carry: the built-in engine's CUDA tests (async scheduling included) and async vs sync throughput
+engine_async)  # no carry: the built-in engine's CUDA tests and its async vs sync scheduling throughput
     export PYTHONPATH=$PWD
     run engine_gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_torch_engine_cuda.py
     run engine_async 240 python3 bench/engine_throughput.py --no-hf --async-scheduling compare --out "$out/engine_async_h200.json"
     ;;
-vllm_speed)  # after a call that ran `bash .vllmkit/unpack.sh`: both engines, 256 x 256 -> 256 in one run; LoRA GRPO with vLLM
+vllm_speed)  # after .vllmkit unpacked: both engines on 256 x 256 -> 256 in one run; LoRA GRPO with vLLM
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
-    run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
+    run vllm_speed 300 python3 bench/vllm_throughput.py --out "$out/vllm_speed" --budget-s 240 --engine-mode default
     run e2e_lora_vllm 240 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --engine vllm --out "$out/e2e_lora_vllm.json"
     ;;
-final)  # one call, carry [".devicekit", ".whl", ".trlwheel"]: new CUDA paths' tests, the learner against TRL, GRPO sync, LoRA
+final)  # carry .devicekit .whl .trlwheel: head/plan GPU tests, the learner vs TRL, GRPO over IPC, LoRA sync
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run gpu_tests 60 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/model/test_head_devices.py tests/unit/engine/test_weight_plans.py
-    grep -q "failed" "$out/gpu_tests.log" && export RLASYNC_HEAD_COMPILE=0 && echo "head compile off"
     run tree_trl 270 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 140 --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps 6 --warmup 2 --compile layers --grad-ckpt auto --modes tree --profile "$out/profiles" --profile-steps 2 --out "$out/tree_packing_h200.json"
     run e2e_ipc 150 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
     run lora_sync 50 python3 bench/lora_sync.py --skip-vllm --out "$out/lora_h200.json"
     ;;
-trl_only)  # carry [".devicekit", ".trlwheel"]: TRL's tree packing alone (bench/trl_tree_anchor.py), the shapes of `final`
+trl_only)  # carry .devicekit .trlwheel: TRL 1.16's tree packing alone (bench/trl_tree_anchor.py), shapes of `final`
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     mkdir -p /tmp/trlsite && python3 -m pip install -q --no-index --no-deps --target /tmp/trlsite .trlwheel/trl-*.whl
     export PYTHONPATH=/tmp/trlsite:$PWD:/tmp/site  # rlasync's imports need pydantic from the kit
     run trl 230 python3 bench/trl_tree_anchor.py --out "$out/trl.json" --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps 6 --warmup 2
     ;;
-learner_tune)  # carry [".devicekit"] (for pydantic): the learner's knobs on the 8K shape (one H200): a profile and bf16 agreement, autotuned and graphed layers
+learner_tune)  # carry .devicekit: the 8K learner with a profile, autotuned layers and graphed layers
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto"
@@ -120,8 +97,7 @@ learner_tune)  # carry [".devicekit"] (for pydantic): the learner's knobs on the
     run tune_autotune 230 $tp --compile layers --modes tree --prepare-kwargs '{"compile_mode": "max-autotune-no-cudagraphs"}' --out "$out/tune_autotune.json"
     run tune_graphs 150 $tp --compile layers --modes tree --prepare-kwargs '{"compile_mode": "reduce-overhead"}' --out "$out/tune_graphs.json"
     ;;
-learner_tiles)  # carry [".devicekit"]: FlexAttention tile configurations on a real 8K tree row (bench/flex_tiles.py), then
-    # the learner bench at 8K rows with torch's tiles and with the sweep's fastest fwd+bwd configuration, same lease
+learner_tiles)  # carry .devicekit: FlexAttention tile configurations on a real 8K row, then the learner with the best
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree"
@@ -132,70 +108,65 @@ learner_tiles)  # carry [".devicekit"]: FlexAttention tile configurations on a r
     case $best in
     *block64) run tiles_best 110 $tp --block-size 64 --out "$out/tiles_best.json" ;;
     null*|"") echo "   no best configuration other than torch's" ;;
-    *) RLASYNC_FLEX_KERNEL_OPTIONS="${best% *}" run tiles_best 110 $tp --out "$out/tiles_best.json" ;;
+    *) run tiles_best 110 $tp --kernel "flex_kernel_options=${best% *}" --out "$out/tiles_best.json" ;;
     esac
     ;;
-learner_varlen)  # carry [".devicekit"]: the varlen tree attention (FlashAttention over root-path segments): its GPU
-    # tests, then an A/B against the flex tree in one process at 8K rows (MFU, bf16 log-prob agreement), then its profile
+learner_varlen)  # carry .devicekit: the varlen tree attention's GPU tests, its A/B against flex at 8K, its profile
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run varlen_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu/test_model_gpu.py tests/gpu/test_learner_rows_gpu.py
     run varlen_ab_8k 260 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_ab_8k.json"
     run varlen_profile 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 4 --warmup 2 --grad-ckpt auto --compile layers --modes tree --attention varlen --profile "$out/profiles_varlen" --out "$out/varlen_profile.json"
     ;;
-learner_final)  # carry [".devicekit", ".trlwheel"]: the learner against TRL 1.16's own tree packing in one call, both shapes
+learner_final)  # carry .devicekit .trlwheel: the learner against TRL 1.16's own tree packing, both shapes, one call
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run tree_trl 420 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 200 --shapes 1088x256x8@4096,544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_packing_final.json"
     ;;
-learner_parts)  # carry [".devicekit"]: bench/learner_parts.py's three probes, then the 8K tree row in the same lease
+learner_parts)  # carry .devicekit: bench/learner_parts.py's three probes, then the 8K tree row in the same lease
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run learner_parts 300 python3 bench/learner_parts.py --out "$out/learner_parts_h200.json"
     run tree_8k 200 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k.json"
     ;;
-learner_knobs)  # carry [".devicekit"] (or [] when warm): FlexAttention's TMA / prescale / dQ options on a real row, then
-    # the 8K tree row with inductor's coordinate-descent tuning and with TMA flex, same lease
+learner_knobs)  # carry .devicekit: FlexAttention's TMA / prescale / dQ options on a real row, then the 8K row with each
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     python3 -m pip list 2>/dev/null | grep -i -E "cutlass|flash|triton" || true
     run flex_knobs 240 python3 bench/flex_tiles.py --configs default,tma,prescale,dq_in_dk_loop,tma_prescale --out "$out/flex_knobs_h200.json"
     run tree_8k_cdt 200 env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_cdt.json"
-    run tree_8k_tma 150 env RLASYNC_FLEX_KERNEL_OPTIONS='{"USE_TMA": true}' python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_tma.json"
+    run tree_8k_tma 150 python3 bench/tree_packing.py --kernel 'flex_kernel_options={"USE_TMA": true}' --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-12} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_tma.json"
     ;;
-learner_dq)  # carry [".devicekit"] (or [] when warm): the 8K tree row with FlexAttention's WRITE_DQ off and on, same lease
+learner_dq)  # carry .devicekit: the 8K tree row with FlexAttention's WRITE_DQ off and on, same lease
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     # ORDER=2 runs the default first, then WRITE_DQ off, then an option equal to the default (PRESCALE_QK false)
     if [ "${ORDER:-1}" = 2 ]; then
         run tree_8k_default 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_default.json"
     fi
-    run tree_8k_nodq 150 env RLASYNC_FLEX_KERNEL_OPTIONS='{"WRITE_DQ": false}' python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_nodq.json"
+    run tree_8k_nodq 150 python3 bench/tree_packing.py --kernel 'flex_kernel_options={"WRITE_DQ": false}' --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_nodq.json"
     if [ "${ORDER:-1}" = 2 ]; then
-        run tree_8k_noop 150 env RLASYNC_FLEX_KERNEL_OPTIONS='{"PRESCALE_QK": false}' python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_noop.json"
+        run tree_8k_noop 150 python3 bench/tree_packing.py --kernel 'flex_kernel_options={"PRESCALE_QK": false}' --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_noop.json"
     else
         run tree_8k_default 150 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_8k_default.json"
     fi
     ;;
-learner_head)  # carry [".devicekit"]: the LM head keeping probabilities (RLASYNC_HEAD_KEEP=probs: no dense backward pass
-    # over the logits) against kept logits on the 8K tree row, same lease, alternating; the GPU head tests first; a
-    # kernel profile of two probs rows
+learner_head)  # carry .devicekit: the LM head keeping probabilities vs logits on the 8K tree row, alternating
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run head_tests 120 python3 -m pytest -q tests/unit/model/test_head_devices.py tests/unit/model/test_head_probs.py
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree"
-    run tree_8k_probs 150 env RLASYNC_HEAD_KEEP=probs $tp --out "$out/tree_8k_probs.json"
-    run tree_8k_logits 150 env RLASYNC_HEAD_KEEP=logits $tp --out "$out/tree_8k_logits.json"
-    run tree_8k_probs2 150 env RLASYNC_HEAD_KEEP=probs $tp --profile "$out/profiles" --profile-steps 2 --out "$out/tree_8k_probs2.json"
+    run tree_8k_probs 150 $tp --kernel head_keep=probs --out "$out/tree_8k_probs.json"
+    run tree_8k_logits 150 $tp --kernel head_keep=logits --out "$out/tree_8k_logits.json"
+    run tree_8k_probs2 150 $tp --kernel head_keep=probs --profile "$out/profiles" --profile-steps 2 --out "$out/tree_8k_probs2.json"
     ;;
-flash_kit)  # carry [".fa4a"]: the first half of FlashAttention-4's CuTe DSL runtime (nvidia-cutlass-dsl-libs-cu13, xz),
+flash_kit)  # carry .fa4a: the first half of FlashAttention-4's CuTe DSL runtime into /tmp/kit (learner_flash follows)
     # left in /tmp/kit for learner_flash, which must follow within 30 s (warm). Kits: .fa4a holds cu13.tar.xz.part00,
     # .fa4b part01 and the wheels flash-attn-4 (+ old/ for an earlier one), nvidia-cutlass-dsl(-libs-base, -libs-core),
     # apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels, pydantic (+ its three)
     mkdir -p /tmp/kit && cp .fa4a/* /tmp/kit/ && ls -la /tmp/kit
     ;;
-learner_flash)  # carry [".fa4b"] right after flash_kit: FlexAttention's FLASH backend (FlashAttention-4, CuTe DSL)
-    # against its Triton kernels on a real 8K tree row, then the learner's 8K tree rows with each, same lease
+learner_flash)  # carry .fa4b right after flash_kit: FlexAttention's FLASH backend vs Triton, one layer and the 8K rows
     rm -rf /tmp/fa && mkdir -p /tmp/fa
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa .fa4b/*.whl || exit 1
     cat /tmp/kit/cu13.tar.xz.part00 .fa4b/cu13.tar.xz.part01 | xz -d | tar x -C /tmp/fa || exit 1
@@ -209,14 +180,12 @@ learner_flash)  # carry [".fa4b"] right after flash_kit: FlexAttention's FLASH b
         run flex_flash_old 200 python3 bench/flex_tiles.py --configs default,flash --out "$out/flex_flash_old_h200.json"
     fi
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --modes tree"
-    run tree_8k_flash 170 env RLASYNC_FLEX_KERNEL_OPTIONS='{"BACKEND": "FLASH"}' $tp --out "$out/tree_8k_flash.json"
+    run tree_8k_flash 170 $tp --kernel 'flex_kernel_options={"BACKEND": "FLASH"}' --out "$out/tree_8k_flash.json"
     run tree_8k_triton 150 $tp --out "$out/tree_8k_triton.json"
-    run tree_8k_flash_probs 150 env RLASYNC_HEAD_KEEP=probs RLASYNC_FLEX_KERNEL_OPTIONS='{"BACKEND": "FLASH"}' $tp --out "$out/tree_8k_flash_probs.json"
+    run tree_8k_flash_probs 150 $tp --kernel head_keep=probs --kernel 'flex_kernel_options={"BACKEND": "FLASH"}' --out "$out/tree_8k_flash_probs.json"
     (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)  # at most 8 files come back
     ;;
-learner_rows)  # carry [".pydkit"] (pydantic and its three wheels): the 8K shape on full rows (40 groups: every row 7,875
-    # tokens) and on the 8-group mix (7,875 + 4,725), each with the head keeping logits and probabilities in one
-    # process (logits, probs, logits again); a kernel profile of the full rows; GPU clocks and power sampled throughout
+learner_rows)  # carry .pydkit: the 8K shape on full rows and on the 8-group mix, head keeping logits vs probabilities
     use_pydkit || exit 1
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active --format=csv -lms 1000 > "$out/smi.csv" 2>&1 &
     smi=$!
@@ -226,9 +195,7 @@ learner_rows)  # carry [".pydkit"] (pydantic and its three wheels): the 8K shape
     kill $smi
     (cd "$out" && tar czf logs.tgz *.log profiles && rm -rf *.log profiles)  # at most 8 files come back
     ;;
-learner_static)  # carry [".pydkit"] (or [] when warm): the 8-group mix (rows of 7,875 and 4,725 tokens) with the
-    # compiled layers static per row length (--static-shapes) and dynamic (Dynamo's default after a second length),
-    # alternating, same lease
+learner_static)  # carry .pydkit: the 8-group mix with compiled layers static per row length vs dynamic, alternating
     use_pydkit || exit 1
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps ${ROWS:-24} --warmup 2 --compile layers --grad-ckpt auto --check-rows 0 --modes tree"
     run mix_static 150 $tp --static-shapes --out "$out/mix_static.json"
@@ -237,40 +204,34 @@ learner_static)  # carry [".pydkit"] (or [] when warm): the 8-group mix (rows of
     grep -h '"mfu"' "$out"/mix_*.log
     (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)
     ;;
-learner_full)  # carry [".pydkit", ".trlwheel"]: the 8-group mix of the 8K shape (rows of 7,875 and 4,725 tokens, 96 rows
-    # after 6 of warm-up), then ours and TRL 1.16's own tree packing in one call on full rows (40 groups: the 8K shape's
-    # rows all 7,875 tokens, the 4K shape's 3,143), both shapes
+learner_full)  # carry .pydkit .trlwheel: the 8-group mix, then ours and TRL 1.16 on full rows, both shapes
     use_pydkit || exit 1
     run tree_8k_mix 130 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 96 --warmup 6 --compile layers --grad-ckpt auto --check-rows 0 --modes tree --out "$out/tree_8k_mix.json"
     run tree_trl_full 440 python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 240 --shapes 1088x256x8@4096,544x128x8@8192 --groups 40 --steps ${ROWS:-48} --warmup 4 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_packing_full.json"
     (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)
     ;;
-learner_headdyn)  # carry [".pydkit"]: the LM head's compiled passes with only the chunk length dynamic (the default now)
-    # against every size dynamic (RLASYNC_HEAD_DYNAMIC=all, as before), full 8K rows, alternating; the GPU head tests;
-    # a kernel profile of the default
+learner_headdyn)  # carry .pydkit: the LM head compiled with only the chunk length dynamic vs every size dynamic
     use_pydkit || exit 1
     tp="python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 40 --steps 96 --warmup 6 --compile layers --grad-ckpt auto --check-rows 0 --modes tree"
-    run head_rows 130 env RLASYNC_HEAD_DYNAMIC=rows $tp --out "$out/head_rows.json"
-    run head_all 130 env RLASYNC_HEAD_DYNAMIC=all $tp --out "$out/head_all.json"
-    run head_rows2 150 env RLASYNC_HEAD_DYNAMIC=rows $tp --profile "$out/profiles" --profile-steps 2 --out "$out/head_rows2.json"
+    run head_rows 130 $tp --kernel head_dynamic=rows --out "$out/head_rows.json"
+    run head_all 130 $tp --kernel head_dynamic=all --out "$out/head_all.json"
+    run head_rows2 150 $tp --kernel head_dynamic=rows --profile "$out/profiles" --profile-steps 2 --out "$out/head_rows2.json"
     grep -h '^tree {' "$out"/head_*.log
     run head_tests 90 python3 -m pytest -q -p no:cacheprovider tests/unit/model/test_head_devices.py tests/unit/model/test_head_dynamic.py
     (cd "$out" && tar czf logs.tgz *.log profiles && rm -rf *.log profiles)
     ;;
-learner_trl8k)  # carry [".pydkit", ".trlwheel"]: ours and TRL 1.16 on full 8K rows only, one call (~3 min with the start)
+learner_trl8k)  # carry .pydkit .trlwheel: ours and TRL 1.16 on full 8K rows only, one call (the headline speedup)
     use_pydkit || exit 1
     python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 110 --shapes 544x128x8@8192 --groups 40 --steps 64 --warmup 6 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_trl_8k_full.json" > "$out/tree_trl_8k_full.log" 2>&1
     grep -E "^tree|trl anchor|speedup" "$out/tree_trl_8k_full.log"
     ;;
-learner_agree)  # carry [".pydkit"]: the bf16 log-prob gap of tree rows against padding-free rows of the same samples
-    # (issue 12's bound: max |delta| <= 0.023), the 8K shape, 8 rows of each checked (~3 min with the start)
+learner_agree)  # carry .pydkit: bf16 log-prob gap of tree vs padding-free (and padded) rows, each against fp32
     use_pydkit || exit 1
     # --fp32-reference: each mode's error against an fp32 forward of each sample alone (padded: a third bf16 layout)
     run agree_8k 300 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 12 --warmup 2 --compile layers --grad-ckpt auto --check-rows 8 --modes tree,padding_free,padded --fp32-reference --out "$out/agree_8k.json"
     grep -h -A16 '"logprob_max_abs_diff"' "$out/agree_8k.json"
     ;;
-learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goes at 8K rows: py-spy on the tree bench's
-    # timed loop (300 rows, flex, compiled layers), after its compile; then bench/pyspy_top.py over the samples
+learner_host)  # carry .devicekit .whl: py-spy over the 8K tree bench's timed loop (AB=1: flex vs varlen too)
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
     export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/pyspy/bin:$PATH  # its own target: /tmp/site/bin exists (the kit's)
@@ -284,28 +245,27 @@ learner_host)  # carry [".devicekit", ".whl"]: where the learner's host time goe
     # flex against the varlen backend in one process (AB=1)
     [ -z "${AB:-}" ] || run varlen_paths_8k 240 python3 bench/tree_packing.py --shapes 544x128x8@8192 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen,padding_free --out "$out/varlen_paths_8k.json"
     ;;
-learner_varlen_e2e)  # carry [".devicekit"] (or [] when warm): GRPO on one shared H200 with the learner on the varlen tree attention
+learner_varlen_e2e)  # carry .devicekit: varlen vs flex at 4K rows, then GRPO on one H200 with the learner on varlen
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run varlen_ab_4k 200 python3 bench/tree_packing.py --shapes 1088x256x8@4096 --groups 8 --steps 6 --warmup 2 --grad-ckpt auto --compile layers --modes tree,tree_varlen --out "$out/varlen_ab_4k.json"
-    run e2e_varlen 170 env RLASYNC_TREE_ATTENTION=varlen python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_varlen.json"
+    run e2e_varlen 170 python3 bench/e2e_grpo.py --kernel tree_attention=varlen --steps 8 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_varlen.json"
     ;;
-sampler_system)  # carry [".devicekit"]: GRPO on one shared H200, the compiled sampler (default, after the one-graph fix) vs eager
+sampler_system)  # carry .devicekit: GRPO on one shared H200 with the compiled sampler off, then on
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     for m in false true; do
         run e2e_sampler_$m 115 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --weight-sync-backend ipc --engine-kwargs "{\"compiled_sampler\": $m}" --out "$out/e2e_ipc_sampler_$m.json"
     done
     ;;
-vllm_recheck)  # carry [".vllmkit", ".whl"] after a stage that installed .devicekit (warm): both engines 256x256 (warm-ups
-    # fixed), vLLM's IPC sync in GRPO with py-spy on its GenerationActor (what holds the event loop the sync waits for)
+vllm_recheck)  # carry .vllmkit .whl (warm): both engines 256x256, then vLLM's IPC sync in GRPO under py-spy
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
     [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1 PATH=/tmp/pyspy/bin:$PATH
-    run vllm_speed 300 python3 bench/vllm_check.py --out "$out/vllm_speed" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,weight_sync
-    # the actor's pid from Ray's log prefix (on 2026-12-02 no process matched `pgrep -f ray::GenerationActor`), once
-    # the run has reached step 3 (vLLM started, syncs under way)
+    run vllm_speed 300 python3 bench/vllm_throughput.py --out "$out/vllm_speed" --budget-s 240 --engine-mode default
+    # the actor's pid from Ray's log prefix (`pgrep -f ray::GenerationActor` may match nothing), once the run has
+    # reached step 3 (vLLM started, syncs under way)
     (for _ in $(seq 150); do grep -q "^step 3/" "$out/e2e_vllm_ipc.log" 2>/dev/null && break; sleep 1; done
      p=$(grep -o "GenerationActor pid=[0-9]*" "$out/e2e_vllm_ipc.log" | head -1 | cut -d= -f2); [ -n "$p" ] && \
         py-spy record -d 15 -r 100 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" > "$out/pyspy_vllm.log" 2>&1) &
@@ -313,17 +273,14 @@ vllm_recheck)  # carry [".vllmkit", ".whl"] after a stage that installed .device
     wait
     python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_vllm.txt" 2>&1
     ;;
-vllm_sync)  # carry [".vllmkit", ".whl"] after a stage that installed .devicekit (warm): vLLM's flat IPC sync alone
-    # (the collective_rpc round trip against the worker's own copy time, idle and generating), then GRPO
-    # (STEPS, default 10) with py-spy over the GenerationActor and its EngineCore child (--subprocesses);
-    # GRPO_ONLY=1: the GRPO run alone
+vllm_sync)  # carry .vllmkit .whl (warm): vLLM's flat IPC sync alone, then GRPO under py-spy (GRPO_ONLY=1: GRPO only)
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
     # its own folder: into /tmp/site (which has a bin/ from the kit) pip would leave the py-spy binary out
     [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1 PATH=/tmp/pyspy/bin:$PATH
     [ -n "${GRPO_ONLY:-}" ] || run vllm_unit 90 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_vllm_engine.py tests/unit/engine/test_weight_plans.py
-    [ -n "${GRPO_ONLY:-}" ] || run vllm_sync 270 python3 bench/vllm_check.py --out "$out/vllm_sync" --budget-s 240 --skip-server --engine-mode default --skip-phases correctness,throughput --skip-torch-engine
+    [ -n "${GRPO_ONLY:-}" ] || run vllm_sync 270 python3 bench/vllm_weight_sync.py --out "$out/vllm_sync" --budget-s 240 --engine-mode default
     (for _ in $(seq 150); do grep -q "^step 3/" "$out/e2e_vllm_ipc.log" 2>/dev/null && break; sleep 1; done
      p=$(grep -o "GenerationActor pid=[0-9]*" "$out/e2e_vllm_ipc.log" | head -1 | cut -d= -f2); [ -n "$p" ] && \
         py-spy record --subprocesses -d 12 -r 200 -f raw -p "$p" -o "$out/pyspy_vllm_GenerationActor.txt" > "$out/pyspy_vllm.log" 2>&1) &
@@ -331,18 +288,18 @@ vllm_sync)  # carry [".vllmkit", ".whl"] after a stage that installed .devicekit
     wait
     python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_vllm.txt" 2>&1
     ;;
-engine_sampler)  # carry [] after a stage that installed the kit (warm: /tmp/site): the compiled sampler against the eager one, its CUDA tests
+engine_sampler)  # no carry (warm): the compiled sampler against the eager one in the built-in engine, its CUDA tests
     export PYTHONPATH=$PWD:/tmp/site
     run sampler_tests 150 python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or slow or not slow" tests/unit/engine/test_sampler_compiled.py tests/unit/engine/test_torch_engine_cuda.py
     run sampler_compare 240 python3 bench/engine_throughput.py --compiled-sampler compare --no-hf --concurrency 64,256 --out "$out/engine_compiled_sampler_h200.json"
     ;;
-sync_baseline)  # carry [".devicekit"]: async (max_staleness 2 and 4) against the synchronous baseline (0), one shared H200
+sync_baseline)  # carry .devicekit: async GRPO (max_staleness 2 and 4) against the synchronous baseline, one H200
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
     run e2e_s4 170 python3 bench/e2e_grpo.py --steps 12 --runs async,sync --share-gpu --weight-sync-backend ipc --out "$out/e2e_sync_vs_s4_h200.json"
     run e2e_s2 120 python3 bench/e2e_grpo.py --steps 12 --runs async --max-staleness 2 --share-gpu --weight-sync-backend ipc --out "$out/e2e_s2_h200.json"
     ;;
-vllm_sums)  # after system_torch's SmolLM2 calls and a call that ran `bash .vllmkit/unpack.sh`: vLLM in the system
+vllm_sums)  # after system_torch and .vllmkit unpacked: the SmolLM2 sums system with vLLM, then vLLM alone
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
     st="python3 bench/system_throughput.py --out $out/system_throughput_h200.json"
@@ -350,22 +307,29 @@ vllm_sums)  # after system_torch's SmolLM2 calls and a call that ran `bash .vllm
     ckpt=$(ls -d /tmp/st_vllm/checkpoint-* | sort -V | tail -1)
     run engine_vllm 150 $st engine --engine vllm --model "$ckpt" --seconds 20
     ;;
-lora)  # LoRA on one H200 (vLLM kit unpacked in an earlier call): adapter sync times, LoRA GRPO with both engines
+lora)  # after .vllmkit unpacked: LoRA adapter sync times, LoRA GRPO with both engines
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
     run lora_sync 150 python3 bench/lora_sync.py --out "$out/lora_h200.json"
     run e2e_lora_torch 170 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --out "$out/e2e_lora_torch.json"
     run e2e_lora_vllm 220 python3 bench/e2e_grpo.py --steps 8 --runs async --share-gpu --lora-rank 32 --engine vllm --out "$out/e2e_lora_vllm.json"
     ;;
-vllm)
+vllm)  # carry .vllmkit (after torch, warm): GRPO with vLLM, then the log-prob, weight-sync and throughput checks
     bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
     run e2e_vllm 300 python3 bench/e2e_grpo.py --steps 10 --runs async --engine vllm --out "$out/e2e_vllm.json"
-    run vllm_check 240 python3 bench/vllm_check.py --out "$out" --budget-s 200 --skip-server
+    run vllm_logprobs 240 python3 bench/vllm_logprobs.py --out "$out" --budget-s 200
+    run vllm_weight_sync 240 python3 bench/vllm_weight_sync.py --out "$out" --budget-s 200
+    run vllm_throughput 300 python3 bench/vllm_throughput.py --out "$out" --budget-s 260
+    ;;
+vllm_serve)  # after .vllmkit unpacked (warm): `vllm serve` behind VLLMServerEngine, its wire fixtures and weight sync
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    run vllm_serve 360 python3 bench/vllm_serve_check.py --out "$out"
     ;;
 *)
-    echo "unknown stage $stage: use torch, vllm or distill" >&2
+    echo "unknown stage $stage: see the stages in bench/device_runs.sh" >&2
     exit 2
     ;;
 esac

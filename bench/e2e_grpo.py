@@ -184,6 +184,13 @@ def hardware(device: str) -> dict[str, Any]:
     return info
 
 
+def kernel_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--kernel KEY=VALUE` flags as the config's `kernels` section (values parsed as YAML, as `--set` does)."""
+    from rlasync.config.load import parse_override
+
+    return dict(parse_override(pair) for pair in pairs)
+
+
 def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, placement: str) -> Any:
     from rlasync.config import AsyncGRPOConfig
 
@@ -206,6 +213,7 @@ def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, 
         gradient_checkpointing=gpu,
         dtype=args.learner_dtype,
         report_to="none",
+        kernels=kernel_overrides(args.kernel),
         cluster={
             "num_rollout_actors": 1,
             "num_generation_actors": 1,
@@ -431,6 +439,13 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (all-linear; peft)")
     parser.add_argument("--keep-outputs", action="store_true", help="keep each run's output_dir (metrics.jsonl)")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument(
+        "--kernel",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a learner kernel setting (the config's kernels.KEY), e.g. --kernel tree_attention=varlen",
+    )
     parser.add_argument("--out", default=None, help="JSON result path")
     args = parser.parse_args()
 

@@ -165,19 +165,20 @@ def main() -> None:
     )
     modes = {"compare": [("_sync", False), ("_async", True)]}.get(args.async_scheduling, [("", None)])
     sampler_modes = {"compare": [("_eager", False), ("_compiled", True)]}.get(args.compiled_sampler, [("", None)])
-    results["attention_backend"] = engine._runner.backend
-    results["cuda_graphs"] = engine._runner.graphs is not None
+    runner = engine.runner_info()
+    results["attention_backend"] = runner["attention_backend"]
+    results["cuda_graphs"] = runner["cuda_graphs"]
     results["async_scheduling"] = (
         args.async_scheduling if args.async_scheduling == "compare" else engine.async_scheduling
     )
     results["compiled_sampler"] = (
-        args.compiled_sampler if args.compiled_sampler == "compare" else engine._runner.compiled_sampler
+        args.compiled_sampler if args.compiled_sampler == "compare" else runner["compiled_sampler"]
     )
     print(f"attention backend {results['attention_backend']}, CUDA graphs {results['cuda_graphs']}", flush=True)
 
     async def engine_suite(tag: str) -> None:
         await engine_run(engine, prompts_all[: min(8, len(prompts_all))], 8, 0)  # warm-up (graphs, kernels)
-        if engine._runner.compiled_sampler:  # compile the suite's other sampler variant (8 log-probs) too
+        if engine.runner_info()["compiled_sampler"]:  # compile the suite's other sampler variant (8 log-probs) too
             await engine_run(engine, prompts_all[: min(8, len(prompts_all))], 8, 8)
         for level in levels:
             prompts = prompts_all[:level]
@@ -195,7 +196,7 @@ def main() -> None:
                 flush=True,
             )
             _write(args.out, results)
-        if args.group_size > 1:  # GRPO-shaped: groups of requests on one prompt (prefix caching shares its prefill)
+        if 1 < args.group_size <= max(levels):  # GRPO-shaped: groups on one prompt (prefix caching shares its prefill)
             level = max(levels)
             grouped = [p for p in prompts_all[: level // args.group_size] for _ in range(args.group_size)]
             run = await engine_run(engine, grouped, args.new_tokens, 0)
@@ -211,7 +212,7 @@ def main() -> None:
             engine.async_scheduling = mode  # read by the engine loop at each run of steps; the engine is idle here
         for sampler_tag, compiled in sampler_modes:
             if compiled is not None:
-                engine._runner.compiled_sampler = compiled  # read at each sampler call; the engine is idle here
+                engine.set_compiled_sampler(compiled)  # read at each sampler call; the engine is idle here
             asyncio.run(engine_suite(tag + sampler_tag))
     for option, base, other in (("async_scheduling", "sync", "async"), ("compiled_sampler", "eager", "compiled")):
         if getattr(args, option) == "compare":

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flex_tiles import attended_pairs, computed_pairs, time_ms  # noqa: E402
-from tree_packing import plan_rows  # noqa: E402
+from learner_shapes import plan_rows  # noqa: E402
 
 from rlasync.model import packed_row_to_tensors  # noqa: E402
 from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity  # noqa: E402

@@ -6,6 +6,7 @@
 #
 #   ENGINE=torch STEPS=60 bash bench/profile_system.sh      (needs py-spy, Ray and the smollm2 alias on the machine)
 set -uo pipefail
+case ${1:-} in -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;; esac
 out=${OUT:-/tmp/out}; steps=${STEPS:-60}; engine=${ENGINE:-torch}; secs=${PROFILE_S:-20}
 shift 0
 mkdir -p "$out"

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tree_packing import Shape, make_samples, plan_rows, qwen3_06b_config  # noqa: E402
+from learner_shapes import Shape, make_samples, plan_rows, qwen3_06b_config  # noqa: E402
 
 from rlasync.model import packed_row_to_tensors, packed_token_scores, prepare_for_training  # noqa: E402
 from rlasync.model.checkpointing import plan_for_model  # noqa: E402
@@ -38,7 +38,7 @@ from rlasync.packing import pack  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=["eager", "regional", "decoder"], default="regional")
     parser.add_argument("--no-grad-ckpt", action="store_true", help="same as --grad-ckpt none")
     parser.add_argument("--grad-ckpt", default="all", help="all (old behaviour), auto (by memory), none, or K layers")

@@ -12,11 +12,11 @@ stage merges its numbers into `--out`):
              (Σ `rollout/generated_tokens_total` over the logged windows after `--warmup` steps / their wall time),
              step time split, weight-sync time, the reward curve
     report   the ratios: `generation_ratio_system_over_engine` per engine, `torch_engine_over_vllm*` from a
-             `bench/vllm_check.py` JSON when given (`--vllm-check`)
+             `bench/vllm_throughput.py` JSON when given (`--vllm-check`)
 
     python bench/system_throughput.py engine --engine torch --out $OUT/system_throughput_h200.json
     python bench/system_throughput.py system --engine torch --steps 60 --out $OUT/system_throughput_h200.json
-    python bench/system_throughput.py report --out $OUT/system_throughput_h200.json [--vllm-check vllm_check.json]
+    python bench/system_throughput.py report --out $OUT/system_throughput_h200.json [--vllm-check vllm_throughput.json]
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--rollout-actors", type=int, default=4)
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--set", action="append", help="more `--set KEY=VALUE` for the training run")
-    parser.add_argument("--vllm-check", default=None)
+    parser.add_argument("--vllm-check", default=None, help="a bench/vllm_throughput.py JSON to embed in the report")
     args = parser.parse_args()
     {"engine": stage_engine, "system": stage_system, "report": stage_report}[args.stage](args)
 

@@ -38,6 +38,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench helpers (trl_tree_anchor, tree_profile)
 
+from learner_shapes import (  # noqa: E402
+    PEAK_BF16_FLOPS,
+    Shape,
+    flops_of,
+    make_samples,
+    model_config,
+    parse_shapes,
+    plan_rows,
+)
+
 from rlasync.config import KernelSettings  # noqa: E402
 from rlasync.model import (  # noqa: E402
     chunked_token_scores,
@@ -45,84 +55,9 @@ from rlasync.model import (  # noqa: E402
     packed_token_scores,
     prepare_for_training,
 )
-from rlasync.packing import TokenBudgetBatcher, pack  # noqa: E402
-from rlasync.rollout import RolloutSample  # noqa: E402
+from rlasync.packing import pack  # noqa: E402
 
 MODES = ("tree", "tree_varlen", "tree_probs", "tree_logits", "padding_free", "padded")
-PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet figure
-
-
-@dataclass(frozen=True)
-class Shape:
-    prompt: int
-    completion: int
-    group: int
-    row_tokens: int
-
-    @property
-    def name(self) -> str:
-        return f"p{self.prompt}_c{self.completion}_g{self.group}_row{self.row_tokens}"
-
-
-def qwen3_06b_config(num_layers: int):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        hidden_size=1024,
-        num_hidden_layers=num_layers,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-    )
-
-
-def model_config(layers: int, tiny: bool = False):
-    """The benched model's config (TRL's anchor builds the same): Qwen3-0.6B, or with `tiny` 2 layers, vocab 4096."""
-    config = qwen3_06b_config(layers)
-    if tiny:
-        config.vocab_size, config.num_hidden_layers = 4096, 2
-    return config
-
-
-def parse_shapes(text: str) -> list[Shape]:
-    """`PxCxG@ROW[,...]`: prompt, completion, group size, row token budget."""
-    shapes = []
-    for item in text.split(","):
-        try:
-            dims, row = item.split("@")
-            p, c, g = (int(x) for x in dims.split("x"))
-            shapes.append(Shape(p, c, g, int(row)))
-        except ValueError:
-            raise SystemExit(
-                f"--shapes: {item!r} is not PROMPTxCOMPLETIONxGROUP@ROW_TOKENS (e.g. 1088x256x8@4096)"
-            ) from None
-    return shapes
-
-
-def make_samples(shape: Shape, num_groups: int, vocab: int, seed: int) -> list[RolloutSample]:
-    rng = np.random.default_rng(seed)
-    samples = []
-    for group in range(num_groups):
-        prompt = rng.integers(0, vocab, shape.prompt)
-        for _ in range(shape.group):
-            completion = rng.integers(0, vocab, shape.completion)
-            ids = np.concatenate([prompt, completion])
-            mask = np.concatenate([np.zeros(shape.prompt, np.int8), np.ones(shape.completion, np.int8)])
-            lps = np.where(mask == 1, -rng.random(len(ids)), 0.0).astype(np.float32)
-            samples.append(RolloutSample(ids, mask, lps, advantage=float(rng.normal()), group_id=group))
-    return samples
-
-
-def plan_rows(samples, row_tokens: int, share: bool):
-    batcher = TokenBudgetBatcher(num_ranks=1, token_budget=row_tokens, share_prefixes=share)
-    batches = batcher.plan(samples)
-    return [batch.rows[0] for batch in batches]
 
 
 @dataclass
@@ -189,17 +124,6 @@ def padded_scores(model, batch: PaddedBatch, temperature: float = 1.0):
 def _sync(device) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def flops_of(row, config) -> float:
-    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    q_dim = config.num_attention_heads * config.head_dim
-    kv_dim = config.num_key_value_heads * config.head_dim
-    layer_params = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * inter
-    dense = 6 * layer_params * layers * row.num_tokens
-    head = 6 * h * config.vocab_size * row.trained
-    attention = 12 * q_dim * row.load * layers  # QK^T and PV, fwd (x1) + bwd (x2), per attended pair
-    return float(dense + head + attention)
 
 
 def gpu_state(device) -> dict | None:

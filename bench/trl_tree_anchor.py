@@ -433,7 +433,7 @@ def time_layout(model, batches, rows, config, args, compute_loss, flops_of, sync
     sync()
     elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
-    from tree_packing import PEAK_BF16_FLOPS
+    from learner_shapes import PEAK_BF16_FLOPS
 
     stats = [row_stats(rows[i % len(rows)]) for i in range(n)]
     return {
@@ -502,7 +502,7 @@ def run(args, result: dict, write) -> int:
     import torch
     import transformers
     import trl
-    from tree_packing import flops_of, make_samples, model_config, parse_shapes
+    from learner_shapes import flops_of, make_samples, model_config, parse_shapes
     from trl.experimental.async_grpo import packing as trl_packing
     from trl.experimental.async_grpo.async_grpo_trainer import (
         AsyncGRPOTrainer,

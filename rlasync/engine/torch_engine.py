@@ -287,6 +287,20 @@ class TorchEngine:
             },
         )
 
+    def runner_info(self) -> dict[str, Any]:
+        """What the model runner chose (read-only): attention backend, decode CUDA graphs, compiled sampler."""
+        runner = self._runner
+        return {
+            "attention_backend": runner.backend,
+            "cuda_graphs": runner.graphs is not None,
+            "compiled_sampler": bool(runner.compiled_sampler),
+        }
+
+    def set_compiled_sampler(self, on: bool) -> None:
+        """Sample through the compiled (True) or eager (False) sampler from the next step on: an A/B in one engine.
+        Read at each sampler call, so switch while the engine is idle."""
+        self._runner.compiled_sampler = bool(on)
+
     async def close(self) -> None:
         """Stop the engine loop and fail every pending request with `EngineError`; later calls raise it too."""
         self._closed = True

@@ -310,18 +310,18 @@ class VLLMEngine(VLLMWeightLoading):
         output = await self._run(ids, params)
         return score_from_prompt_logprobs(ids, prompt_length, top_k, output.prompt_logprobs or [])
 
-    async def pause(self) -> None:
+    async def pause(self, *, via_pause_generation: bool = False) -> None:
         """Freeze scheduling (in-flight requests are kept) and, by default, drop the prefix cache so running requests
         recompute under the weights loaded next. Returns when no forward runs.
 
         Asks the EngineCore directly (`engine_core.pause_scheduler_async`, what `AsyncLLM.pause_generation` awaits):
         0.25's `pause_generation` then sleeps 20 ms so that the last step's outputs reach their requests first, which
         it says correctness does not need, and which is 20 ms of every weight sync. Those outputs still arrive; a
-        request's policy version is its group's at the start, so nothing is mislabelled. A vLLM without that method
-        gets `pause_generation`."""
+        request's policy version is its group's at the start, so nothing is mislabelled. A vLLM without that method,
+        or `via_pause_generation=True` (vLLM's own path, for an A/B), gets `pause_generation`."""
         llm = self._llm
         core = getattr(llm, "engine_core", None)
-        if core is None or not hasattr(core, "pause_scheduler_async"):
+        if via_pause_generation or core is None or not hasattr(core, "pause_scheduler_async"):
             paused = llm.pause_generation(mode="keep", clear_cache=self.clear_cache_on_pause)
         else:
             paused = self._pause_scheduler(llm, core)

@@ -20,9 +20,6 @@ from tests.unit.test_package_cycles import _module_name, find_cycle
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("rlasync", "actors", "bench")
 
-# bench/tree_packing.py <-> bench/trl_tree_anchor.py: the bench helper of issue 30 removes this circle on its
-# branch; drop this entry when both are merged (the circle is then gone and nothing else may be allowed here).
-KNOWN_CIRCLE_EDGES = {("bench.trl_tree_anchor", "bench.tree_packing")}
 
 # Ray's only way to a handle's id: read in actors/fanout.py `actor_id` and nowhere else.
 RAY_ACTOR_ID = ("_actor_id", "actors/fanout.py", "actor_id")
@@ -94,8 +91,6 @@ def test_file_graph_finds_imports_in_functions_and_type_checking(tmp_path):
 
 def test_no_import_circle_between_files():
     graph = file_graph()
-    for source, target in KNOWN_CIRCLE_EDGES:
-        graph.get(source, set()).discard(target)
     assert {"rlasync.engine.torch_engine", "actors.cluster", "bench.tree_packing"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "files that import each other (merge them or move what both need): " + " -> ".join(cycle)

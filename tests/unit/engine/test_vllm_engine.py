@@ -386,6 +386,17 @@ def test_pause_asks_the_engine_core_without_pause_generations_sleep(multimodal, 
     assert llm.calls == [("pause_scheduler", "keep", False)]
 
 
+def test_pause_via_pause_generation_takes_vllms_own_path():
+    """`pause(via_pause_generation=True)` (bench/vllm_weight_sync.py's A/B) calls vLLM's `pause_generation`, not the
+    scheduler pause, and leaves the engine paused."""
+    engine = FakeVLLMEngine("m", dtype=None, max_model_len=96, gpu_memory_utilization=0.3)
+    llm = engine._llm
+    llm.engine_core = FakeEngineCore(llm.calls)
+    run(engine.pause(via_pause_generation=True))
+    assert engine.is_paused
+    assert llm.calls == [("pause", "keep", True)]  # pause_generation, not the scheduler pause
+
+
 def test_an_ipc_sync_is_one_rpc_the_worker_maps_once_and_replays():
     """Persistent buckets (`MappedWeights`): one `load_flat_ipc` rpc per sync carrying the handles; the worker maps
     them once, records its model's `load_weights` copies at the first sync and replays them after (same weights)."""

@@ -1,4 +1,4 @@
-"""bench/vllm_check.py's flat-bucket sync rounds on a CPU, over an engine that copies from the mapped buckets."""
+"""bench/vllm_weight_sync.py's flat-bucket sync rounds on a CPU, over an engine that copies from the mapped buckets."""
 
 import asyncio
 import sys
@@ -10,7 +10,8 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "bench"))
 
-import vllm_check  # noqa: E402
+import vllm_common  # noqa: E402
+import vllm_weight_sync  # noqa: E402
 
 
 class BucketEngine:
@@ -57,7 +58,7 @@ def test_flat_sync_rounds_load_the_weights_and_split_the_round_trip():
     named = [("w", torch.randn(4, 3)), ("v", torch.randn(5))]
     engine = BucketEngine({name: torch.zeros_like(t) for name, t in named})
     out = asyncio.run(
-        vllm_check.flat_ipc_sync(engine, named, vocab=50, rounds=3, device="cpu", requests=8, new_tokens=4)
+        vllm_weight_sync.flat_ipc_sync(engine, named, vocab=50, rounds=3, device="cpu", requests=8, new_tokens=4)
     )
     assert all(torch.equal(engine.params[name], t) for name, t in named)
     assert len(out["noop_rpc_ms"]) == 7
@@ -68,6 +69,6 @@ def test_flat_sync_rounds_load_the_weights_and_split_the_round_trip():
         ] * 3
         assert part["median_load_ms"] >= 10 > part["median_worker_ms"]  # the round trip is outside the worker
         assert part["median_total_ms"] >= part["median_load_ms"]
-    prompts = vllm_check.random_prompts(8, 64, 50, seed=11)
+    prompts = vllm_common.random_prompts(8, 64, 50, seed=11)
     assert out["generating"]["request_errors"] == sum(p[0] % 2 for p in prompts)
     assert out["idle"]["request_errors"] == 0

@@ -1,0 +1,43 @@
+"""TorchEngine's public view of its model runner (`runner_info`) and its sampler switch (`set_compiled_sampler`), the
+hooks bench/engine_throughput.py reads and flips instead of the engine's private runner."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlasync.engine import SamplingParams
+from tests.unit.engine.test_torch_engine import PROMPTS, make_engine, tiny_model
+
+
+def test_runner_info_describes_the_cpu_engine():
+    engine = make_engine(tiny_model("qwen3", init=0.05))
+    info = engine.runner_info()
+    assert set(info) == {"attention_backend", "cuda_graphs", "compiled_sampler"}
+    assert info["cuda_graphs"] is False and info["compiled_sampler"] is False  # CPU: no graphs, eager by default
+    assert isinstance(info["attention_backend"], str) and info["attention_backend"]
+
+
+def test_set_compiled_sampler_switches_the_sampler_used_by_the_next_steps(monkeypatch):
+    import rlasync.engine.sampler_compiled as compiled_module
+    from rlasync.engine.sampler import sample
+
+    calls = []
+
+    def fake_compiled(*args, **kwargs):
+        calls.append(1)
+        return sample(*args, **kwargs)  # the eager sampler's results, counted as the compiled path
+
+    monkeypatch.setattr(compiled_module, "sample_compiled", fake_compiled)
+    engine = make_engine(tiny_model("qwen3", init=0.05))
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=1, ignore_eos=True)
+
+    async def one() -> list[int]:
+        return (await engine.generate(PROMPTS[0], params)).output_ids
+
+    eager = asyncio.run(one())
+    assert calls == []
+    engine.set_compiled_sampler(True)
+    assert engine.runner_info()["compiled_sampler"] is True
+    assert asyncio.run(one()) == eager and len(calls) == 3  # one sampler call per new token, same seeded tokens
+    engine.set_compiled_sampler(False)
+    assert asyncio.run(one()) == eager and len(calls) == 3
