@@ -33,14 +33,18 @@ def shard_for_training(
     running `kernels`, and apply FSDP2 (`fully_shard`) to every decoder layer, then to the scorer."""
     from torch.distributed.fsdp import fully_shard
 
-    options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    options: dict[str, Any] = {}
     if mesh is not None:
         options["mesh"] = mesh
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
     scorer = scorer_cls(model, kernels)
     for layer in decoder_layers(model):
-        fully_shard(layer, **options)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
+    # The root (embeddings, final norm, LM head) is left to FSDP2's root rule: not resharded after forward, since the
+    # backward needs it at once. Resharding it would rely on a pre-backward hook on the forward's outputs, and the
+    # scorer returns a `TokenScores` dataclass, whose tensors torch 2.11's FSDP2 does not find: the head's backward then
+    # read a freed weight ("data is not allocated yet") on every multi-rank CUDA run.
     fully_shard(scorer, **options)
     return scorer
 
