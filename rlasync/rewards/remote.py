@@ -24,8 +24,9 @@ Protocols (`protocol=`, inferred from the URL's last path segment when left out:
 
 Transport: one `aiohttp.ClientSession` per process, created lazily inside the running event loop (re-created if the
 loop changed; it never travels: a pickled `RemoteReward` arrives without session and with zeroed counters, so each
-Ray actor has its own); at most `max_connections` connections; `timeout_s` per request; a group's completions are
-split into requests of at most `batch_size` completions, sent concurrently.
+Ray actor has its own); at most `max_connections` requests in flight, the others waiting for a free connection;
+`timeout_s` per attempt, counted once it has its connection; a group's completions are split into requests of at most
+`batch_size` completions, sent concurrently.
 
 Failures: connection errors (refused, reset, disconnected), timeouts, HTTP 5xx / 429 / 408 and malformed responses
 (not JSON, a missing key, the wrong number of rewards, a value that is not a finite number) are retried up to
@@ -200,10 +201,11 @@ class RemoteReward:
         self.stats = RemoteRewardStats()
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._slots: asyncio.Semaphore | None = None  # one per session: a request waits here, not on the clock
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("stats", "_session", "_session_loop"):
+        for key in ("stats", "_session", "_session_loop", "_slots"):
             state.pop(key)
         return state
 
@@ -315,8 +317,9 @@ class RemoteReward:
                 f"RemoteReward '{self.__name__}': the request for {self.url} is not JSON-serialisable: {exc}{hint}"
             ) from exc
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        """This process's session, made in (and bound to) the running loop; a new one if the loop changed."""
+    def _get_session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        """This process's session and its connection slots, made in (and bound to) the running loop; new ones if the
+        loop changed."""
         import aiohttp  # on first use: importing rlasync.rewards stays light
 
         loop = asyncio.get_running_loop()
@@ -328,7 +331,8 @@ class RemoteReward:
             headers = {"Content-Type": "application/json", "Accept": "application/json", **self.headers}
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
             self._session_loop = loop
-        return self._session
+            self._slots = asyncio.Semaphore(self.max_connections)
+        return self._session, self._slots  # type: ignore[return-value]
 
     async def _post(self, body: bytes, count: int) -> list[float | None]:
         """Send one request with retries; the `count` rewards it returns."""
@@ -368,10 +372,12 @@ class RemoteReward:
         ) from cause
 
     async def _attempt(self, body: bytes, count: int) -> list[float | None]:
-        async with self._get_session().post(self.url, data=body) as response:
-            text = await response.text()
-            if response.status >= 400:
-                raise RemoteRewardHTTPError(response.status, text, _retry_after_s(response.headers))
+        session, slots = self._get_session()
+        async with slots:  # `timeout_s` starts once a connection is free: waiting for one is not a timeout
+            async with session.post(self.url, data=body) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    raise RemoteRewardHTTPError(response.status, text, _retry_after_s(response.headers))
         try:
             payload = json.loads(text)
         except ValueError:

@@ -188,6 +188,30 @@ def test_vllm_pooling_with_render_batches_texts():
     assert all("use_activation" not in body for body in server.requests)
 
 
+def test_at_most_max_connections_in_flight_and_waiting_for_one_is_not_a_timeout():
+    class Pacing(Server):
+        in_flight = peak = 0
+
+        async def handle(self, request):
+            Pacing.in_flight += 1
+            Pacing.peak = max(Pacing.peak, Pacing.in_flight)
+            await asyncio.sleep(0.15)
+            try:
+                return await super().handle(request)
+            finally:
+                Pacing.in_flight -= 1
+
+    completions = [[{"role": "assistant", "content": str(i)}] for i in range(8)]
+
+    async def scenario(reward):  # 8 requests of 0.15 s through 2 connections: the last starts after 0.45 s
+        return await call(reward, prompts=PROMPTS[:1] * 8, completions=completions), reward.stats.as_dict()
+
+    make = lambda base: RemoteReward(base, batch_size=1, max_connections=2, **{**FAST, "timeout_s": 0.4})  # noqa: E731
+    rewards, stats = run(Pacing(), make, scenario)
+    assert rewards == [float(i) for i in range(8)]
+    assert Pacing.peak == 2 and stats["timeouts"] == 0 and stats["attempts"] == 8
+
+
 def test_used_through_the_calling_convention_under_its_name():
     async def scenario(reward):
         return await call_reward_funcs(
