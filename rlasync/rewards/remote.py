@@ -250,9 +250,10 @@ class RemoteReward:
             raise
 
     async def aclose(self) -> None:
-        """Close this process's session (a later call opens a new one)."""
-        session, self._session, self._session_loop = self._session, None, None
-        if session is not None and not session.closed:
+        """Close this process's session if it belongs to the running loop (a later call opens a new one)."""
+        session, loop = self._session, self._session_loop
+        self._session, self._session_loop, self._slots = None, None, None
+        if session is not None and not session.closed and loop is asyncio.get_running_loop():
             await session.close()
 
     # ---- requests ---------------------------------------------------------------------------------------------
@@ -344,7 +345,13 @@ class RemoteReward:
             self.stats.attempts += 1
             try:
                 return await self._attempt(body, count)
-            except (TimeoutError, aiohttp.ClientError, RemoteRewardHTTPError, RemoteRewardResponseError) as exc:
+            except (
+                TimeoutError,
+                ConnectionError,
+                aiohttp.ClientError,
+                RemoteRewardHTTPError,
+                RemoteRewardResponseError,
+            ) as exc:
                 cause = exc
                 self._count(exc)
                 retryable = not isinstance(exc, RemoteRewardHTTPError) or _retryable_status(exc.status)

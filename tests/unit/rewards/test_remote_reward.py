@@ -427,3 +427,13 @@ def test_the_trainer_takes_a_remote_reward():
         train_dataset=dataset,
     )
     assert trainer.reward_funcs == [reward]
+
+
+def test_backoff_doubles_with_jitter_is_capped_and_honours_retry_after():
+    reward = RemoteReward("http://h/score", backoff_s=1.0, max_backoff_s=5.0)
+    for attempt, base in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 5.0), (9, 5.0)]:
+        delays = [reward._backoff(attempt, RuntimeError()) for _ in range(50)]
+        assert all(0.5 * base <= delay <= base for delay in delays), (attempt, delays)
+        assert len(set(delays)) > 1  # jittered
+    assert reward._backoff(1, RemoteRewardHTTPError(429, "", retry_after_s=3.0)) == 3.0
+    assert reward._backoff(1, RemoteRewardHTTPError(429, "", retry_after_s=60.0)) == 5.0  # capped
