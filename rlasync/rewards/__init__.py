@@ -2,7 +2,7 @@
 
 Built-ins have TRL's signatures (`f(completions, ..., **kwargs) -> list[float | None]`) and are module-level
 functions, so they pickle into a spawned rollout process. Importing this package does not load math-verify;
-`accuracy_reward` imports it on first use.
+`accuracy_reward` imports it on first use. `RemoteReward(url)` scores with an HTTP reward server (`rewards.remote`).
 """
 
 from rlasync.rewards.accuracy_rewards import accuracy_reward, last_number_reward
@@ -15,9 +15,13 @@ from rlasync.rewards.calling import (
 )
 from rlasync.rewards.countdown import countdown_reward
 from rlasync.rewards.format_rewards import think_format_reward
+from rlasync.rewards.remote import RemoteReward, RemoteRewardError, RemoteRewardStats
 from rlasync.rewards.text import completion_text
 
 __all__ = [
+    "RemoteReward",
+    "RemoteRewardError",
+    "RemoteRewardStats",
     "RewardFunctionError",
     "RewardTable",
     "accuracy_reward",

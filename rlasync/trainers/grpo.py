@@ -20,6 +20,7 @@ and removes every actor it made on the way out, also on error. This module never
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -75,7 +76,8 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         validate_prompt_dataset(train_dataset)
         if reward_funcs is None:
             reward_funcs = []
-        self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+        single = callable(reward_funcs) or isinstance(reward_funcs, str | os.PathLike)  # a string is not split
+        self.reward_funcs = [reward_funcs] if single else list(reward_funcs)
         if (
             not self.reward_funcs
             and not getattr(self.loop_cls, "provides_rollout_rewards", False)
@@ -87,6 +89,12 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
                 "Rollout.reward and provides_rollout_rewards = True"
             )
         for func in self.reward_funcs:
+            if isinstance(func, str | os.PathLike):
+                raise ValueError(
+                    f"reward_funcs={func!r}: reward models given by id are not supported yet; use "
+                    "rlasync.rewards.RemoteReward(url) against a server running it, or a function (a string is not "
+                    "callable)"
+                )
             if not callable(func):
                 raise ValueError(f"reward_funcs: {func!r} is not callable (pass functions, not their names)")
         return train_dataset
