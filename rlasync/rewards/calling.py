@@ -212,9 +212,9 @@ async def _timed(call: Any, name: str, timeout_s: float | None) -> Any:
 
 
 async def _call_reward_func(func: RewardFunc, kwargs: dict[str, Any], name: str = "") -> Any:
-    """Await a coroutine function; run anything else in a thread (counted under `name` while it runs), awaiting
-    its result if that is awaitable (an object with an `async def __call__`, say)."""
-    if inspect.iscoroutinefunction(func):
+    """Await a coroutine function or an object with an `async def __call__` (`RemoteReward`); run anything else in
+    a thread (counted under `name` while it runs), awaiting its result if that is awaitable."""
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
         return await func(**kwargs)
     result = await asyncio.to_thread(_counted, func, name, kwargs)
     return await result if inspect.isawaitable(result) else result
