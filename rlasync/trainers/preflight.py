@@ -335,13 +335,14 @@ def run_preflight(trainer: Any) -> None:
     check_output_dir(config.output_dir)
     check_report_to(config.report_to)
     check_teacher_ids(trainer.train_dataset, list(getattr(trainer, "teachers", {})))
-    source = check_model_source(trainer.model_path, "model", need_tokenizer=trainer.processing_class is None)
+    given_tokenizer = trainer.given_processing_class
+    source = check_model_source(trainer.model_path, "model", need_tokenizer=given_tokenizer is None)
     for teacher in getattr(trainer, "teachers", {}).values():
         if teacher.model is not None:
             path = check_model_source(teacher.model, f"teacher_model[{teacher.teacher_id!r}]", need_tokenizer=False)
-            if trainer.processing_class is None:
+            if given_tokenizer is None:
                 check_same_vocabulary(source, path, teacher.teacher_id)
-    tokenizer = trainer.processing_class if trainer.processing_class is not None else load_tokenizer(source)
+    tokenizer = given_tokenizer if given_tokenizer is not None else load_tokenizer(source)
     lengths = prompt_lengths(tokenizer, trainer.train_dataset, config, getattr(trainer, "tools", None))
     check_prompt_fit(config, lengths, max_model_len(config, model_config(source)))
 
