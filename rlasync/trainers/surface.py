@@ -244,9 +244,12 @@ class TrainerSurface:
                 try:
                     self._tokenizer = AutoTokenizer.from_pretrained(source)
                     break
-                except (OSError, ValueError):
+                except (OSError, ValueError) as exc:
                     if index == len(sources) - 1:
-                        raise
+                        raise ValueError(
+                            f"processing_class: no tokenizer could be loaded from {sources} ({type(exc).__name__}: "
+                            f"{str(exc)[:200]}); pass processing_class=tokenizer to the trainer"
+                        ) from exc
         return self._tokenizer
 
     @processing_class.setter

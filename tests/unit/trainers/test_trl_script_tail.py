@@ -165,3 +165,15 @@ def test_max_steps_is_estimated_for_an_epoch_run():
     queue = types.SimpleNamespace(num_rows=10, num_epochs=2.0)
     assert estimated_max_steps(config, queue) == 10  # 2 x 10 x 4 samples / 8 per step
     assert estimated_max_steps(config, types.SimpleNamespace(num_rows=0, num_epochs=1.0)) == 0  # streaming: unknown
+
+
+def test_processing_class_of_a_model_object_without_a_tokenizer_says_what_to_pass(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    trainer = make(tmp_path, model=AutoModelForCausalLM.from_config(config))
+    assert isinstance(trainer.model, torch.nn.Module)  # a model object is returned as given
+    with pytest.raises(ValueError, match="pass processing_class=tokenizer"):
+        _ = trainer.processing_class
