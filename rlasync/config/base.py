@@ -252,8 +252,8 @@ class TrainerConfig(TrainingArgumentsFields):
     """Mixed precision in bf16; `None` -> True unless `fp16` (TRL's default). On a GPU with float32 trainer weights
     the learner computes in bf16 over float32 master weights, and the engines run in bf16."""
     fp16: bool = False
-    """Accepted for TRL compatibility (it turns `bf16` off); fp16 mixed precision itself is not implemented: the
-    learner then trains in its `dtype` (a warning says so on a GPU)."""
+    """TRL's field; True is refused (fp16 mixed precision needs loss scaling, which rlasync does not implement):
+    use `bf16=True` (the default)."""
     gradient_checkpointing: bool = True
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Only `use_reentrant` (default False: non-reentrant checkpointing) is supported."""
@@ -384,6 +384,11 @@ class TrainerConfig(TrainingArgumentsFields):
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: choose one of {', '.join(LR_SCHEDULERS)}")
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True: choose one mixed-precision mode")
+        if self.fp16:
+            raise ValueError(
+                "fp16=True is not supported: fp16 mixed precision needs loss scaling, which rlasync does not "
+                "implement; use bf16=True (the default, on GPUs with bf16) or leave fp16=False to train in `dtype`"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.use_liger_kernel:

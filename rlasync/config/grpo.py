@@ -124,13 +124,6 @@ class AsyncGRPOConfig(TrainerConfig):
                 f"num_generations={self.num_generations}: GRPO compares rollouts within a group, use at least 2"
             )
         super()._check_sampling()
-        if self.top_p < 1 and self.top_k == 0:
-            raise ValueError(
-                f"top_p={self.top_p} needs top_k > 0: the candidate set of each sampled token is stored for "
-                "unbiased importance sampling and is at most top_k wide; set top_k (e.g. top_k=50)"
-            )
-        if self.min_p is not None and self.min_p > 0 and self.top_k == 0:
-            raise ValueError(f"min_p={self.min_p} needs top_k > 0 (the stored candidate set); set top_k")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 0 or None")
 

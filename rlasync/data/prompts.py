@@ -18,6 +18,9 @@ from typing import Any
 PROMPT_COLUMN = "prompt"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 NUM_ROWS_CHECKED = 64
+IMAGE_COLUMNS = ("image", "images")
+"""TRL's vision-language columns: refused by name (rlasync trains text-only models)."""
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 """`validate_prompt_dataset` checks the prompts of this many leading rows (a full scan can be slow)."""
 
 _CONVERSATIONAL_HELP = (
@@ -34,11 +37,25 @@ def is_conversational(prompt: Any) -> bool:
 
 
 def validate_prompt(prompt: Any, row_index: int | None = None) -> None:
-    """Raise `ValueError` unless `prompt` is conversational; the message says what is wrong and how to fix it."""
+    """Raise `ValueError` unless `prompt` is conversational and text-only; the message says what is wrong and how
+    to fix it."""
+    where = f"row {row_index}: " if row_index is not None else ""
     problem = _conversational_problem(prompt)
     if problem is not None:
-        where = f"row {row_index}: " if row_index is not None else ""
         raise ValueError(f"{where}{problem}. {_CONVERSATIONAL_HELP}")
+    image = _image_part(prompt)
+    if image is not None:
+        raise ValueError(f"{where}{image}: vision-language training is not supported (rlasync trains on text only)")
+
+
+def check_text_only_columns(columns: Sequence[str]) -> None:
+    """Refuse TRL's image columns (`image`, `images`) by name: their images would silently be dropped."""
+    found = [name for name in IMAGE_COLUMNS if name in columns]
+    if found:
+        raise ValueError(
+            f"the dataset has an {found[0]!r} column: vision-language training is not supported (rlasync trains on "
+            f"text only); remove the column (`dataset.remove_columns({found!r})`) to train on the text prompts"
+        )
 
 
 def row_prompt(row: Mapping[str, Any], row_index: int | None = None) -> list[dict[str, Any]]:
@@ -62,6 +79,7 @@ def leased_row_problem(row: Any, row_index: int) -> str | None:
     if not isinstance(row, Mapping):
         return f"row {row_index} is a {type(row).__name__}, not a dict of columns"
     try:
+        check_text_only_columns(list(row))
         row_prompt(row, row_index)
     except ValueError as exc:
         return str(exc)
@@ -80,6 +98,7 @@ def validate_prompt_dataset(dataset: Any, num_rows: int | None = NUM_ROWS_CHECKE
         check_streaming_dataset(dataset)
         dataset = first_rows(dataset, NUM_ROWS_CHECKED if num_rows is None else num_rows)
     columns = _column_names(dataset)
+    check_text_only_columns(columns)
     if PROMPT_COLUMN not in columns:
         raise ValueError(
             f"the dataset has no {PROMPT_COLUMN!r} column (columns: {sorted(columns)}); GRPO needs a "
@@ -182,6 +201,20 @@ def _conversational_problem(prompt: Any) -> str | None:
             return f"message {position} of the prompt has no {' or '.join(repr(k) for k in missing)} key"
         if message["role"] not in ROLES:
             return f"message {position} has role {message['role']!r}; use one of {', '.join(ROLES)}"
+    return None
+
+
+def _image_part(prompt: Sequence[Mapping[str, Any]]) -> str | None:
+    """The first image content part of a conversational prompt, described, or None."""
+    for position, message in enumerate(prompt):
+        content = message.get("content")
+        if not isinstance(content, list | tuple):
+            continue
+        for part in content:
+            if isinstance(part, Mapping) and (
+                part.get("type") in IMAGE_PART_TYPES or any(key in part for key in IMAGE_PART_TYPES)
+            ):
+                return f"message {position} of the prompt has an image content part ({part.get('type', 'image')!r})"
     return None
 
 

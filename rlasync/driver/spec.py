@@ -176,6 +176,7 @@ class RunSpec:
             perf=perf,
             log_inbox=self.log_inbox,
             elastic=elastic,
+            initial_model=self.model,
         )
 
 

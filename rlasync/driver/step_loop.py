@@ -1,18 +1,24 @@
 """`StepLoop`: the driver's loop, pure asyncio over the protocols of `rlasync.driver.protocols` (no Ray).
 
     on_train_begin, on_epoch_begin ->
-    take (token target, or a sample count) -> on_step_begin -> learners train -> finish_step -> every
-    weight_sync_steps: sync -> on_step_end -> drain the rollout metrics -> every logging_steps (or when a callback
-    set control.should_log): log a window (on_log) -> every save_steps (or control.should_save): checkpoint (on_save)
+    take (token target, or a sample count) -> on_step_begin -> learners train -> on_substep_end (per accumulated
+    micro-batch but the last), on_pre_optimizer_step, on_optimizer_step -> finish_step -> every weight_sync_steps:
+    sync -> on_step_end -> drain the rollout metrics -> every logging_steps (or when a callback set
+    control.should_log): log a window (on_log) -> every save_steps (or control.should_save): checkpoint (on_save)
     -> ... -> on_epoch_end, on_train_end
 
 until the horizon (`max_steps`), the end of the prompt stream, or a callback's `control.should_training_stop`;
 then the last window is logged and the final model saved (unless that step was just saved). Callbacks are
 transformers' `TrainerCallback`s (or any object with some of its methods): each event is called as
-`callback.on_x(args, state, control, model=None, processing_class=tokenizer, optimizer=None, lr_scheduler=None,
+`callback.on_x(args, state, control, model=model, processing_class=tokenizer, optimizer=None, lr_scheduler=None,
 train_dataloader=None, eval_dataloader=None, ...)` with transformers' `TrainerState` and `TrainerControl`, so
 transformers' own `PrinterCallback` / `ProgressCallback` work; `on_step_end` also gets `metrics` (this step's
-reduced metrics) and `on_log` `logs` (the window's record). The run's own state (`global_step`, `policy_version`,
+reduced metrics) and `on_log` `logs` (the window's record). `model` is a `LazyModel`
+(rlasync.driver.model_proxy): on first use it loads the newest complete checkpoint (the model the run started from
+before the first save); the weights being trained live on the learners. The optimizer step itself runs on the
+learners: on_substep_end / on_pre_optimizer_step / on_optimizer_step are fired, in transformers' order, once the
+learners' step returned (a callback cannot change gradients). `state.max_steps` is the horizon; without one (an
+epoch run) the trainer's estimate, raised when the run passes it and set to the final step at the end. The run's own state (`global_step`, `policy_version`,
 `queue`) is a plain dict, `run_state`, which the checkpointer and the Cluster read. While it waits for
 samples the loop checks the rollout fleet's health (a failed or hung rollout loop) and asks the `Watchdog`
 (`rlasync.driver.watchdog`) whether a step is overdue: then the run stops with the reason (docs/algorithms.md §2.1).
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +53,9 @@ EVENTS = (
     "on_train_begin",
     "on_epoch_begin",
     "on_step_begin",
+    "on_substep_end",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
     "on_step_end",
     "on_log",
     "on_save",
@@ -144,11 +154,15 @@ class StepLoop:
         perf: StepPerf | None = None,
         log_inbox: list[dict[str, float]] | None = None,
         elastic: Any = None,
+        initial_model: str | None = None,
     ) -> None:
         """`state`: the run's dict (updated in place, returned by `run`); `trainer_state`: the transformers
         `TrainerState` the callbacks get (a new one when None); `perf`: the throughput / MFU estimator; `elastic`:
-        an `rlasync.driver.elastic.ElasticController` (`after_step(step, window) -> metric items`: resizes pools)."""
+        an `rlasync.driver.elastic.ElasticController` (`after_step(step, window) -> metric items`: resizes pools);
+        `initial_model`: the folder the run started from (the callbacks' `model` before the first checkpoint)."""
         from transformers import TrainerControl, TrainerState
+
+        from rlasync.driver.model_proxy import LazyModel, latest_checkpoint_source
 
         self.settings = settings
         self.queue, self.learners, self.weights, self.fleet = queue, learners, weights, fleet
@@ -159,6 +173,7 @@ class StepLoop:
         self.run_state = state if state is not None else {}
         self.trainer_state = trainer_state if trainer_state is not None else TrainerState()
         self.tokenizer = tokenizer
+        self._callback_tokenizer: Any = None
         self.control = TrainerControl()
         self.window = MetricSink()
         self.perf = perf if perf is not None else StepPerf()
@@ -166,6 +181,11 @@ class StepLoop:
         self._last_saved_step: int | None = None
         self.watchdog = Watchdog(settings.watchdog_settings())
         self.elastic = elastic
+        self.model = LazyModel(
+            latest_checkpoint_source(checkpointer.output_dir, initial_model),
+            getattr(callback_args, "dtype", "auto"),
+            "the policy's latest checkpoint",
+        )
 
     @property
     def state(self) -> TrainerState:
@@ -177,7 +197,7 @@ class StepLoop:
         way out, also on error."""
         self.run_state.update(global_step=start_step, policy_version=version)
         ts, s = self.trainer_state, self.settings
-        ts.global_step, ts.max_steps = start_step, s.horizon or 0
+        ts.global_step, ts.max_steps = start_step, s.horizon or ts.max_steps or 0  # an epoch run: the estimate
         ts.logging_steps, ts.save_steps = s.logging_steps, s.save_steps or 0
         try:
             self._event("on_train_begin")
@@ -187,6 +207,8 @@ class StepLoop:
                 self._log(step, self.window.reduce())
             if step > start_step and not self._saved_at(step):
                 await self._save(step)  # the final model, however the run ended normally
+            if s.horizon is None:
+                ts.max_steps = step  # an epoch run's length, known now
             self.run_state["queue"] = await self.queue.state()  # epoch accounting, for callers
             self._event("on_epoch_end")
             self._event("on_train_end")
@@ -213,7 +235,9 @@ class StepLoop:
             step_window.update(take_items)
             step_window.add("perf/rollout_wait_s", wait_s)
             self._event("on_step_begin")
-            step_window.update(await self.learners.train_step(refs))
+            trained = await self.learners.train_step(refs)
+            step_window.update(trained)
+            self._optimizer_events(trained)
             await self.queue.finish_step(tokens)
             step += 1
             self.watchdog.step_done()
@@ -231,6 +255,8 @@ class StepLoop:
             self.window.update(step_window.items())
             self.run_state.update(global_step=step, policy_version=version)
             self.trainer_state.global_step = step
+            if s.horizon is None and self.trainer_state.max_steps and step >= self.trainer_state.max_steps:
+                self.trainer_state.max_steps = step + 1  # the epoch estimate was short: the run goes on
             self._event("on_step_end", metrics=step_window.reduce())
             self.window.update(system_generation_rate(list(await self.fleet.drain_metrics()), step_s))
             while self.log_inbox:
@@ -245,6 +271,16 @@ class StepLoop:
                 logger.info("a callback stopped training after step %d", step)
                 break
         return step
+
+    def _optimizer_events(self, trained: MetricItems) -> None:
+        """transformers' events between on_step_begin and on_step_end: on_substep_end after every accumulated
+        micro-batch but the last (`batch/microbatches_per_step` of the learners' step), then on_pre_optimizer_step
+        and on_optimizer_step."""
+        rows = [value for name, value in trained if name == "batch/microbatches_per_step"]
+        for _ in range(max(int(rows[0]) - 1, 0) if rows else 0):
+            self._event("on_substep_end")
+        self._event("on_pre_optimizer_step")
+        self._event("on_optimizer_step")
 
     async def take(self) -> tuple[list[Any], float, MetricItems, int]:
         """Fresh samples for one step: up to the token target (or the sample count). While none comes, checks the
@@ -297,14 +333,27 @@ class StepLoop:
         self.control.should_log = False
         self._event("on_log", logs=dict(record))
 
+    def _processing_class(self) -> Any:
+        """The tokenizer object the callbacks get (the run may carry only its local folder: loaded once, here; the
+        checkpoints keep getting what the run carries)."""
+        if self._callback_tokenizer is None:
+            self._callback_tokenizer = self.tokenizer
+            if isinstance(self.tokenizer, str | os.PathLike) and os.path.isdir(self.tokenizer):
+                from transformers import AutoTokenizer
+
+                try:
+                    self._callback_tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer))
+                except (OSError, ValueError) as exc:  # a callback then gets the folder
+                    logger.debug("the callbacks' tokenizer: %s stays a path (%s)", self.tokenizer, exc)
+        return self._callback_tokenizer
+
     def _event(self, name: str, **kwargs: Any) -> None:
-        """Call `name` (transformers' TrainerCallback events: on_train_begin, on_epoch_begin, on_step_begin,
-        on_step_end, on_log, on_save, on_epoch_end, on_train_end) on every callback that defines it, as
+        """Call `name` (transformers' TrainerCallback events, `EVENTS`) on every callback that defines it, as
         `callback.name(args, state, control, model=..., processing_class=..., ..., **kwargs)`; a returned
         `TrainerControl` replaces the loop's (transformers' CallbackHandler rule)."""
         full = {
-            "model": None,
-            "processing_class": self.tokenizer,
+            "model": self.model,
+            "processing_class": self._processing_class(),
             "optimizer": None,
             "lr_scheduler": None,
             "train_dataloader": None,

@@ -30,7 +30,7 @@ from rlasync.driver import Checkpointer, RunSpec
 from rlasync.driver.elastic import ElasticBounds, ResizeRequests
 from rlasync.pipeline import RolloutState
 from rlasync.trainers.optimizers import optimizer_overrides
-from rlasync.trainers.surface import TrainerSurface
+from rlasync.trainers.surface import TrainerSurface, estimated_max_steps
 
 if TYPE_CHECKING:
     from rlasync.config.base import TrainerConfig
@@ -88,6 +88,7 @@ class AsyncTrainerBase(TrainerSurface):
         checkpointer = Checkpointer(self.args.output_dir, self.args.save_total_limit)
         spec = self.build_spec(checkpointer.resume_dir(resume_from_checkpoint))
         spec.trainer_state, spec.log_inbox = self.state, self._log_inbox
+        self.state.max_steps = spec.horizon or estimated_max_steps(self.args, spec.queue)  # epoch run: an estimate
         spec.resize_requests = self._resize_requests = ResizeRequests(ElasticBounds.from_cluster(self.args.cluster))
         if self.optimizer_overrides:
             spec.learner = dataclasses.replace(spec.learner, optimizer_overrides=self.optimizer_overrides)
@@ -133,7 +134,7 @@ class AsyncTrainerBase(TrainerSurface):
         from rlasync.model.registry import resolve_model
 
         model = resume_dir or resolve_model(self.model_path)  # an alias is converted once, here, not in every actor
-        tokenizer = self.processing_class if self.processing_class is not None else resolve_model(model)
+        tokenizer = self.given_processing_class if self.given_processing_class is not None else resolve_model(model)
         resume_state, start_step, version = Checkpointer.starting_point(resume_dir)
         return model, tokenizer, resume_state, start_step, version
 

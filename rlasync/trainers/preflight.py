@@ -9,6 +9,7 @@ the fix), so that what is known up front fails in seconds instead of after Ray a
     prompts                 the first rows render with the chat template within the engine's max_model_len
                             (`cluster.engine_kwargs.max_model_len`, else the model's max_position_embeddings)
     token_budget            one sample (the longest checked prompt + max_completion_length) fits one packed row
+    teacher_id              with several teachers, every row's `teacher_id` names one of them (`check_teacher_ids`)
 
 Each failure is a `ValueError` naming the field and the fix. Nothing here imports ray; transformers is imported
 only to load the tokenizer.
@@ -292,6 +293,38 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
         ) from None
 
 
+# ---- the teachers of a multi-teacher distillation ------------------------------------------------------------------
+
+
+def check_teacher_ids(dataset: Any, teacher_ids: Sequence[str]) -> None:
+    """With several teachers (MOPD), every row's `teacher_id` must name one of `teacher_ids`: a sized dataset's
+    whole column is read (a `datasets.Dataset` column is one read), a streaming one's first rows. `ValueError`
+    naming the unknown values, their first rows and the configured teachers; one teacher scores every row."""
+    from rlasync.data.streaming import is_streaming
+    from rlasync.distill.routing import TEACHER_ID_COLUMN
+
+    if len(teacher_ids) < 2:
+        return
+    known = set(teacher_ids)
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and not is_streaming(dataset) and TEACHER_ID_COLUMN in columns:
+        values = list(dataset[TEACHER_ID_COLUMN])
+    else:
+        rows = first_rows(dataset, NUM_ROWS_CHECKED) if is_streaming(dataset) else list(dataset)
+        values = [row.get(TEACHER_ID_COLUMN) if isinstance(row, dict) else None for row in rows]
+    unknown: dict[Any, int] = {}
+    for row_index, value in enumerate(values):
+        if not (isinstance(value, str) and value in known):
+            unknown.setdefault(value, row_index)
+    if unknown:
+        listed = ", ".join(f"{value!r} (row {row})" for value, row in list(unknown.items())[:5])
+        raise ValueError(
+            f"{TEACHER_ID_COLUMN}: {listed} {'is' if len(unknown) == 1 else 'are'} not among the configured teachers "
+            f"{list(teacher_ids)}: with several teachers every row's {TEACHER_ID_COLUMN!r} column names one of them "
+            "(fix the rows, or add the teacher to teacher_model / teacher_server_urls)"
+        )
+
+
 # ---- the whole check ------------------------------------------------------------------------------------------------
 
 
@@ -301,13 +334,15 @@ def run_preflight(trainer: Any) -> None:
     config = trainer.args
     check_output_dir(config.output_dir)
     check_report_to(config.report_to)
-    source = check_model_source(trainer.model_path, "model", need_tokenizer=trainer.processing_class is None)
+    check_teacher_ids(trainer.train_dataset, list(getattr(trainer, "teachers", {})))
+    given_tokenizer = trainer.given_processing_class
+    source = check_model_source(trainer.model_path, "model", need_tokenizer=given_tokenizer is None)
     for teacher in getattr(trainer, "teachers", {}).values():
         if teacher.model is not None:
             path = check_model_source(teacher.model, f"teacher_model[{teacher.teacher_id!r}]", need_tokenizer=False)
-            if trainer.processing_class is None:
+            if given_tokenizer is None:
                 check_same_vocabulary(source, path, teacher.teacher_id)
-    tokenizer = trainer.processing_class if trainer.processing_class is not None else load_tokenizer(source)
+    tokenizer = given_tokenizer if given_tokenizer is not None else load_tokenizer(source)
     lengths = prompt_lengths(tokenizer, trainer.train_dataset, config, getattr(trainer, "tools", None))
     check_prompt_fit(config, lengths, max_model_len(config, model_config(source)))
 
@@ -316,6 +351,7 @@ __all__ = [
     "check_model_source",
     "check_output_dir",
     "check_prompt_fit",
+    "check_teacher_ids",
     "load_tokenizer",
     "max_model_len",
     "model_config",

@@ -2,26 +2,55 @@
 
     trainer.state                      transformers' TrainerState (global_step, max_steps, log_history, ...)
     trainer.add_callback(cb) / remove_callback(cb) / pop_callback(cb)     a TrainerCallback class or instance
+    trainer.callback_handler           transformers' CallbackHandler over the same callbacks
     trainer.train()                    -> TrainOutput(global_step, training_loss, metrics)
-    trainer.model                      before train(): what was passed; after: the trained model, loaded lazily from
-                                       the final checkpoint (a property: a user who never reads it pays nothing)
+    trainer.model                      before train(): a model object as passed, else a LazyModel of the initial
+                                       model (loaded on first use); after: the trained model, loaded lazily from the
+                                       final checkpoint (a property: a user who never reads it pays nothing)
+    trainer.processing_class           the tokenizer passed, else the model's, loaded on first use
+    trainer.accelerator                the driver process's accelerate surface (rlasync.trainers.accelerator)
+    trainer.optimizer / lr_scheduler   descriptions of what the learner actors hold (class, hyper-parameters)
     trainer.save_model(output_dir)     the final weights + config + tokenizer (no optimizer or rollout state)
-    trainer.push_to_hub()              offline: save_model into a local folder (hub_model_id, or a path), and say so
+    trainer.log_metrics(split, m) / save_metrics(split, m) / save_state()     transformers' helpers, same files
+    trainer.create_model_card(...)     a README.md model card in output_dir (offline)
+    trainer.push_to_hub(**kwargs)      offline: save_model + model card into a local folder (hub_model_id, or a
+                                       path), and say so; `hub_model_id` names it
     trainer.log(logs)                  into the run's metrics (the next window) and on_log; outside a run: log_history
+    trainer.is_world_process_zero() / is_local_process_zero()      True: the driver writes every output
 
 The trainer's `train()` (rlasync.trainers.base) runs the StepLoop, which fires the callbacks' events during the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
+import math
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlasync.driver.model_proxy import LazyModel, load_plain
+
 logger = logging.getLogger(__name__)
+
+MODEL_CARD_KWARGS = (
+    "model_name",
+    "dataset_name",
+    "language",
+    "license",
+    "tags",
+    "finetuned_from",
+    "tasks",
+    "dataset_tags",
+    "dataset",
+    "dataset_args",
+)
+"""What `create_model_card` / `push_to_hub` take: transformers' model-card fields and TRL's `dataset_name`."""
 
 # What save_model leaves out of a checkpoint: the resume-only files.
 RESUME_ONLY = ("rollout_state.json", "trainer_state.json", "optimizer", "scheduler", "rng_state")
@@ -65,6 +94,8 @@ class TrainerSurface:
         self._training = False
         self._trained_model: Any = None
         self._final_dir: Path | None = None
+        self._initial_model: LazyModel | None = None
+        self._accelerator: Any = None
 
     # transformers' TrainerState / TrainerControl, made on first use: importing them loads transformers' trainer
     # (torch, peft), seconds that a run stopped by a check before Ray starts should not pay
@@ -109,11 +140,17 @@ class TrainerSurface:
         """Remove the first callback equal to `callback`, or of that class (nothing when absent, as transformers)."""
         self.pop_callback(callback)
 
+    @property
+    def callback_handler(self) -> Any:
+        """transformers' `CallbackHandler` over the trainer's callbacks (the same list: adding through either adds
+        to both), its model / tokenizer / optimizer / scheduler the trainer's."""
+        return _callback_handler_cls()(self)
+
     def _event(self, name: str, **kwargs: Any) -> None:
-        """An event fired by the trainer itself (`on_init_end`, `on_log` outside a run)."""
+        """An event fired by the trainer itself (`on_init_end`, `on_log` outside a run, `on_push_begin`)."""
         full = {
-            "model": None,
-            "processing_class": self.processing_class,
+            "model": self._lazy_model(),
+            "processing_class": self.given_processing_class,
             "optimizer": None,
             "lr_scheduler": None,
             "train_dataloader": None,
@@ -161,17 +198,69 @@ class TrainerSurface:
             )
         return path
 
-    # ---- the model -------------------------------------------------------------------------------------------
+    # ---- the model and the tokenizer ---------------------------------------------------------------------------
 
     @property
     def model(self) -> Any:
-        """Before `train()`: the model argument (a path, hub id, alias or model). After: the trained model,
-        loaded on first access from the final checkpoint (AutoModelForCausalLM, the trainer's dtype)."""
+        """Before `train()`: a model object as passed, else a `LazyModel` of the model argument (path, hub id or
+        alias; loaded on first use). After: the trained model, loaded on first access from the final checkpoint
+        (AutoModelForCausalLM, the trainer's dtype)."""
         if not self.run_state.get("global_step"):
-            return self._model_input
+            return self._model_input if hasattr(self._model_input, "save_pretrained") else self._lazy_model()
         if self._trained_model is None:
-            self._trained_model = _load_plain(str(self.final_checkpoint()), self.args.dtype)
+            self._trained_model = load_plain(str(self.final_checkpoint()), self.args.dtype)
         return self._trained_model
+
+    def _lazy_model(self) -> Any:
+        """A `LazyModel` of the final checkpoint after `train()`, else of the initial model (a model object given:
+        that object)."""
+        if hasattr(self._model_input, "save_pretrained") and not self.run_state.get("global_step"):
+            return self._model_input
+        if self._initial_model is None:
+
+            def source() -> str:
+                if self.run_state.get("global_step"):
+                    return str(self.final_checkpoint())
+                from rlasync.model.registry import resolve_model
+
+                return resolve_model(self.model_path)
+
+            self._initial_model = LazyModel(source, self.args.dtype, "the trainer's model")
+        return self._initial_model
+
+    @property
+    def processing_class(self) -> Any:
+        """The tokenizer passed to the trainer, else the model's (AutoTokenizer, loaded on first use)."""
+        if getattr(self, "_tokenizer", None) is None:
+            from transformers import AutoTokenizer
+
+            from rlasync.model.registry import resolve_model
+
+            sources = [resolve_model(self.model_path)]
+            name = getattr(self._model_input, "name_or_path", None)
+            if name:  # a model object: saved without its tokenizer, which its own source has
+                sources.append(name)
+            for index, source in enumerate(sources):
+                try:
+                    self._tokenizer = AutoTokenizer.from_pretrained(source)
+                    break
+                except (OSError, ValueError) as exc:
+                    if index == len(sources) - 1:
+                        raise ValueError(
+                            f"processing_class: no tokenizer could be loaded from {sources} ({type(exc).__name__}: "
+                            f"{str(exc)[:200]}); pass processing_class=tokenizer to the trainer"
+                        ) from exc
+        return self._tokenizer
+
+    @processing_class.setter
+    def processing_class(self, value: Any) -> None:
+        self._given_tokenizer = value
+        self._tokenizer = value
+
+    @property
+    def given_processing_class(self) -> Any:
+        """The `processing_class` argument as given (None: the model's tokenizer, which the actors load)."""
+        return getattr(self, "_given_tokenizer", None)
 
     @model.setter
     def model(self, value: Any) -> None:
@@ -196,16 +285,17 @@ class TrainerSurface:
             from rlasync.model.registry import resolve_model
 
             if not hasattr(model, "save_pretrained"):
-                model = _load_plain(resolve_model(self.model_path), self.args.dtype)
+                model = load_plain(resolve_model(self.model_path), self.args.dtype)
             model.save_pretrained(target)
-            tokenizer = self.processing_class
-            if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.model_path))
-            tokenizer.save_pretrained(target)
+            self.processing_class.save_pretrained(target)
         logger.info("saved the model to %s", target)
         return str(target)
+
+    @property
+    def hub_model_id(self) -> str:
+        """The repository `push_to_hub` writes: `args.hub_model_id`, else the output_dir's name (transformers'
+        rule). Offline, the folder is `push_to_hub`'s return value."""
+        return self.args.hub_model_id or Path(self.args.output_dir).resolve().name
 
     def push_to_hub(
         self,
@@ -213,39 +303,30 @@ class TrainerSurface:
         blocking: bool = True,
         token: str | None = None,
         revision: str | None = None,
+        private: bool | None = None,
         **kwargs: Any,
     ) -> str:
-        """transformers' call shape, offline (no network): the model is saved to a local folder, `hub_model_id`
-        when it is a local path (absolute, or starting with ./ or ../), else `<output_dir>/hub/<hub_model_id>`
-        (`<output_dir>/hub/<output_dir's name>` without one). A log line names the folder; it is returned."""
+        """transformers' call shape, offline (no network): `on_push_begin`, then the model (`save_model`) and its
+        model card (`create_model_card`'s keyword arguments, TRL's `dataset_name` among them) go to a local folder,
+        `hub_model_id` when it is a local path (absolute, or starting with ./ or ../), else
+        `<output_dir>/hub/<hub_model_id>`. A log line names the folder; it is returned."""
         if token is not None or revision is not None:
             raise ValueError(
                 "push_to_hub: token / revision are not supported (offline: the model goes to a local folder)"
             )
-        unknown = sorted(
-            set(kwargs)
-            - {
-                "model_name",
-                "language",
-                "license",
-                "tags",
-                "finetuned_from",
-                "tasks",
-                "dataset_tags",
-                "dataset",
-                "dataset_args",
-            }
-        )
+        unknown = sorted(set(kwargs) - set(MODEL_CARD_KWARGS))
         if unknown:
-            raise TypeError(f"push_to_hub got unexpected keyword arguments {unknown}")
-        repo = self.args.hub_model_id or Path(self.args.output_dir).resolve().name
+            raise TypeError(
+                f"push_to_hub got unexpected keyword arguments {unknown} (it takes the model card's: "
+                f"{', '.join(MODEL_CARD_KWARGS)})"
+            )
+        self._event("on_push_begin")
+        repo = self.hub_model_id
         local = Path(repo).is_absolute() or repo.startswith(("./", "../"))
         target = Path(repo) if local else Path(self.args.output_dir) / "hub" / repo
         path = self.save_model(str(target))
-        (Path(path) / "README.md").write_text(
-            f"---\nlibrary_name: transformers\ntags: [rlasync, {kwargs.get('model_name') or 'grpo'}]\n---\n"
-            f"# {repo}\n\nTrained with rlasync ({type(self).__name__}); {commit_message or ''}\n"
-        )
+        kwargs.setdefault("model_name", Path(repo).name)
+        self._write_model_card(Path(path), commit_message=commit_message, **kwargs)
         logger.warning(
             "push_to_hub: no network here, so the model was written to the local folder %s (hub id %r); "
             "upload it with `huggingface-cli upload`",
@@ -253,6 +334,147 @@ class TrainerSurface:
             repo,
         )
         return path
+
+    # ---- transformers' helpers around train() ----------------------------------------------------------------
+
+    @property
+    def accelerator(self) -> Any:
+        """What scripts call on accelerate's Accelerator, for the driver process (rlasync.trainers.accelerator)."""
+        if self._accelerator is None:
+            from rlasync.trainers.accelerator import DriverAccelerator
+
+            self._accelerator = DriverAccelerator(
+                num_processes=self.args.cluster.num_learners, mixed_precision="bf16" if self.args.bf16 else "no"
+            )
+        return self._accelerator
+
+    def is_world_process_zero(self) -> bool:
+        """True: the driver process writes every output (the learners' rank 0 only writes checkpoints)."""
+        return True
+
+    def is_local_process_zero(self) -> bool:
+        return True
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """transformers' `log_metrics`: a `***** {split} metrics *****` table on stdout."""
+        from transformers.trainer_pt_utils import log_metrics
+
+        log_metrics(self, split, metrics)
+
+    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        from transformers.trainer_pt_utils import metrics_format
+
+        return metrics_format(metrics)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """transformers' `save_metrics`: `<output_dir>/{split}_results.json`, and (combined) merged into
+        `<output_dir>/all_results.json`."""
+        from transformers.trainer_pt_utils import save_metrics
+
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        save_metrics(self, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """transformers' `save_state`: the TrainerState (global_step, max_steps, log_history, ...) to
+        `<output_dir>/trainer_state.json`, which `TrainerState.load_from_json` reads. (A run resumes from its
+        `checkpoint-<step>` folders, which hold the optimizer and rollout state as well.)"""
+        from transformers.trainer_pt_utils import save_state
+
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        save_state(self)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """A model card, `<output_dir>/README.md` (TRL's arguments `model_name`, `dataset_name`, `tags`, and
+        transformers' `language`, `license`, `finetuned_from`, `tasks`, `dataset_tags`, `dataset`, `dataset_args`):
+        the base model, the datasets, the trainer and its final metrics. Offline: nothing is uploaded."""
+        unknown = sorted(set(kwargs) - set(MODEL_CARD_KWARGS))
+        if unknown:
+            raise TypeError(f"create_model_card got unexpected keyword arguments {unknown}")
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        self._write_model_card(
+            Path(self.args.output_dir), model_name=model_name, dataset_name=dataset_name, tags=tags, **kwargs
+        )
+
+    def _write_model_card(self, folder: Path, commit_message: str | None = None, **fields: Any) -> Path:
+        base = fields.get("finetuned_from") or (self.model_path if not _is_local_copy(self.model_path) else None)
+        datasets = [d for d in _as_list(fields.get("dataset_name")) + _as_list(fields.get("dataset")) if d]
+        kind = "grpo" if "GRPO" in type(self).__name__ else "distillation"
+        tags = list(dict.fromkeys(["generated_from_trainer", "rlasync", kind, *_as_list(fields.get("tags"))]))
+        name = fields.get("model_name") or Path(self.args.output_dir).resolve().name
+        header = {
+            "base_model": base,
+            "library_name": "transformers",
+            "model_name": name,
+            "tags": tags,
+            "datasets": datasets or None,
+            "language": fields.get("language"),
+            "license": fields.get("license"),
+        }
+        lines = ["---"] + [f"{key}: {json.dumps(value)}" for key, value in header.items() if value is not None]
+        lines += ["---", "", f"# Model Card for {name}", ""]
+        about = f"a fine-tuned version of [{base}](https://huggingface.co/{base})" if base else "a fine-tuned model"
+        on = (
+            f" on the {', '.join(f'[{d}](https://huggingface.co/datasets/{d})' for d in datasets)} dataset"
+            if datasets
+            else ""
+        )
+        lines.append(f"This model is {about}{on}.")
+        lines.append(f"It was trained with rlasync's `{type(self).__name__}` (TRL's API, asynchronous, on Ray actors).")
+        lines += ["", "## Training procedure", ""]
+        lines.append(f"- steps: {self.state.global_step}")
+        last = _last_metrics(self.state.log_history)
+        for key in sorted(last):
+            lines.append(f"- final `{key}`: {last[key]:.6g}")
+        if commit_message:
+            lines += ["", commit_message]
+        lines += ["", "## Framework versions", ""] + [f"- {lib}: {version}" for lib, version in _versions()]
+        path = folder / "README.md"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+
+    @property
+    def optimizer(self) -> Any:
+        """What the learner actors hold (the optimizer itself lives there): a `LearnerOptimizer` with the class
+        name, `defaults` (its hyper-parameters) and `param_groups` (one group, without parameters)."""
+        optimizer, _ = self._learner_optimizer()
+        return optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """What the learner actors hold: a `LearnerScheduler` with the class name, `lr_scheduler_type`, the warmup
+        and total steps, and `get_last_lr()` (the last logged learning rate)."""
+        _, scheduler = self._learner_optimizer()
+        return scheduler
+
+    def _learner_optimizer(self) -> tuple[Any, Any]:
+        import torch
+
+        from rlasync.learner.step import OptimizerSettings, build_optimizer
+
+        settings = dataclasses.replace(OptimizerSettings.from_config(self.args), **self.optimizer_overrides)
+        horizon = settings.max_steps if settings.max_steps > 0 else self.state.max_steps
+        built, scheduler = build_optimizer(
+            torch.nn.Linear(1, 1), dataclasses.replace(settings, max_steps=max(int(horizon or 0), 1))
+        )
+        defaults = {key: value for key, value in built.defaults.items() if _plain_value(value)}
+        warmup = settings.warmup_steps
+        warmup = math.ceil(warmup * horizon) if 0 < warmup < 1 and horizon else int(warmup)
+        optimizer = LearnerOptimizer(type(built).__name__, defaults)
+        lr = [entry["learning_rate"] for entry in self.state.log_history if "learning_rate" in entry]
+        described = LearnerScheduler(
+            type(scheduler).__name__,
+            "custom" if settings.scheduler_factory is not None else settings.lr_scheduler_type,
+            warmup,
+            int(horizon) if horizon and horizon > 0 else None,
+            [float(lr[-1])] if lr else [float(defaults.get("lr", settings.learning_rate))],
+        )
+        return optimizer, described
 
     def resize(self, generation: int | None = None, rollout: int | None = None) -> None:
         """Elastic pools: ask for `generation` GenerationActors and/or `rollout` rollout actors (within
@@ -277,13 +499,136 @@ class TrainerSurface:
         self._event("on_log", logs=values)
 
 
-def _load_plain(path: str, dtype: str) -> Any:
-    """A plain transformers causal LM (default attention, not the learner's tree attention)."""
-    from transformers import AutoModelForCausalLM
+def estimated_max_steps(config: Any, queue: Any) -> int:
+    """An epoch run's step count (`max_steps=-1`), for `state.max_steps`: its samples, `num_train_epochs x rows x
+    num_generations` (a distillation row is one sample), over a step's `per_device_train_batch_size x
+    gradient_accumulation_steps x cluster.num_learners` (TRL's step), rounded up; 0 when unknown (a streaming
+    dataset). The StepLoop raises it when the run goes on longer (steps by tokens vary in size) and sets the
+    final step at the end."""
+    rows, epochs = getattr(queue, "num_rows", 0), getattr(queue, "num_epochs", None)
+    if not rows or not epochs:
+        return 0
+    samples = epochs * rows * getattr(config, "num_generations", 1)
+    return max(1, math.ceil(samples / config.samples_per_step(config.cluster.num_learners)))
 
-    from rlasync.model.loading import resolve_dtype
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype="auto" if dtype == "auto" else resolve_dtype(dtype))
+@dataclasses.dataclass(frozen=True)
+class LearnerOptimizer:
+    """The optimizer the learner actors hold, described: its class name and hyper-parameters (`defaults`, and
+    `param_groups` as one group without parameters, for code that reads `optimizer.param_groups[0]["lr"]`)."""
+
+    name: str
+    defaults: dict[str, Any]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [dict(self.defaults)]
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{key}={value!r}" for key, value in self.defaults.items())
+        return f"{self.name}({values}) [on the learner actors]"
 
 
-__all__ = ["RESUME_ONLY", "TrainerSurface"]
+@dataclasses.dataclass(frozen=True)
+class LearnerScheduler:
+    """The learning-rate scheduler the learner actors hold, described."""
+
+    name: str
+    lr_scheduler_type: str
+    num_warmup_steps: int
+    num_training_steps: int | None
+    last_lr: list[float]
+
+    def get_last_lr(self) -> list[float]:
+        """The last logged learning rate (the configured one before the first log)."""
+        return list(self.last_lr)
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.name}({self.lr_scheduler_type}, warmup {self.num_warmup_steps}, "
+            f"{self.num_training_steps} steps) [on the learner actors]"
+        )
+
+
+@functools.cache
+def _callback_handler_cls() -> type:
+    from transformers.trainer_callback import CallbackHandler
+
+    class TrainerCallbackHandler(CallbackHandler):  # type: ignore[misc, valid-type]
+        """transformers' CallbackHandler sharing the trainer's callback list and reading its model / tokenizer /
+        optimizer descriptions when an event is called."""
+
+        def __init__(self, trainer: Any) -> None:  # no super().__init__: it copies the list and warns
+            self.trainer = trainer
+            self.callbacks = trainer.callbacks
+            self.train_dataloader = None
+            self.eval_dataloader = None
+
+        @property
+        def model(self) -> Any:
+            return self.trainer._lazy_model()
+
+        @property
+        def processing_class(self) -> Any:
+            return self.trainer.given_processing_class
+
+        @property
+        def optimizer(self) -> Any:
+            return None  # the real one is on the learners: trainer.optimizer describes it
+
+        @property
+        def lr_scheduler(self) -> Any:
+            return None
+
+    return TrainerCallbackHandler
+
+
+def _is_local_copy(path: str) -> bool:
+    """A path the trainer wrote (an instantiated model saved to output_dir): not a base model id."""
+    return Path(path).name == "initial_model"
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _plain_value(value: Any) -> bool:
+    return (
+        value is None
+        or isinstance(value, bool | int | float | str)
+        or (isinstance(value, tuple) and all(isinstance(v, int | float) for v in value))
+    )
+
+
+def _last_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
+    """The headline metrics of the last logged window (loss, reward, learning rate)."""
+    keys = ("loss", "reward", "reward_std", "learning_rate")
+    for entry in reversed(log_history):
+        found = {key: float(entry[key]) for key in keys if isinstance(entry.get(key), int | float)}
+        if found:
+            return found
+    return {}
+
+
+def _versions() -> list[tuple[str, str]]:
+    from importlib import metadata
+
+    found = []
+    for lib in ("rlasync", "transformers", "torch", "ray"):
+        try:
+            found.append((lib, metadata.version(lib)))
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+__all__ = [
+    "estimated_max_steps",
+    "MODEL_CARD_KWARGS",
+    "RESUME_ONLY",
+    "LearnerOptimizer",
+    "LearnerScheduler",
+    "TrainerSurface",
+]

@@ -3,7 +3,14 @@ from pathlib import Path
 
 import pytest
 
-from rlasync.config import AsyncGRPOConfig, apply_overrides, build_config, load_config, parse_override
+from rlasync.config import (
+    AsyncDistillationConfig,
+    AsyncGRPOConfig,
+    apply_overrides,
+    build_config,
+    load_config,
+    parse_override,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -68,8 +75,8 @@ def test_subclass_written_as_in_the_seed_works_and_keeps_validation():
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"top_p": 0.9}, "top_k"),
-        ({"min_p": 0.1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"min_p": 1.5}, "min_p"),
         ({"dtype": "fp32"}, "dtype"),
         ({"num_generations": 1}, "num_generations"),
         ({"temperature": 0.0}, "temperature"),
@@ -94,9 +101,18 @@ def test_liger_is_refused():
         AsyncGRPOConfig(use_liger_kernel=True)
 
 
-def test_json_strings_become_dicts_and_fp16_turns_bf16_off():
-    config = AsyncGRPOConfig(model_init_kwargs='{"dtype": "bfloat16"}', fp16=True)
-    assert config.model_init_kwargs == {"dtype": "bfloat16"} and config.bf16 is False
+def test_json_strings_become_dicts():
+    config = AsyncGRPOConfig(model_init_kwargs='{"dtype": "bfloat16"}')
+    assert config.model_init_kwargs == {"dtype": "bfloat16"} and config.bf16 is True
+
+
+@pytest.mark.parametrize("config_cls", [AsyncGRPOConfig, AsyncDistillationConfig])
+def test_fp16_is_refused_with_bf16_named(config_cls):
+    with pytest.raises(ValueError, match=r"fp16=True is not supported.*use bf16=True"):
+        config_cls(fp16=True)
+    with pytest.raises(ValueError, match=r"fp16=True is not supported"):
+        config_cls(fp16=True, bf16=False)
+    assert config_cls(fp16=False, bf16=False).bf16 is False
 
 
 def test_unknown_key_suggests_the_closest_field():

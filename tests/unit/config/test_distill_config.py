@@ -169,8 +169,8 @@ def test_ignore_data_skip_is_forced(caplog):
     assert "ignore_data_skip" in caplog.text
 
 
-def test_fp16_turns_bf16_off_and_cluster_dicts_are_built():
-    config = AsyncDistillationConfig(fp16=True, cluster={"num_learners": 2}, report_to="tensorboard")
+def test_cluster_dicts_are_built():
+    config = AsyncDistillationConfig(bf16=False, cluster={"num_learners": 2}, report_to="tensorboard")
     assert config.bf16 is False and config.cluster.num_learners == 2 and config.report_to == ["tensorboard"]
 
 

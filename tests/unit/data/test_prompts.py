@@ -6,6 +6,7 @@ import pytest
 
 from rlasync import envs
 from rlasync.data import is_conversational, render_prompt, row_prompt, validate_prompt, validate_prompt_dataset
+from rlasync.data.prompts import leased_row_problem
 
 REPO = Path(__file__).resolve().parents[3]
 USER = [{"role": "user", "content": "What is 1 + 2?"}]
@@ -89,3 +90,26 @@ def test_render_prompt_with_a_real_chat_template():
     ids = render_prompt(tokenizer, USER)
     assert ids == tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+# ---- images: refused by name before Ray (vision-language training is not supported) --------------------------------
+
+
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_an_image_column_is_refused_by_name(column):
+    rows = [{"prompt": [{"role": "user", "content": "Describe it."}], column: ["<PIL image>"]}]
+    with pytest.raises(ValueError, match=f"'{column}' column: vision-language training is not supported"):
+        validate_prompt_dataset(rows)
+    assert "vision-language training is not supported" in leased_row_problem(rows[0], 3)
+
+
+@pytest.mark.parametrize(
+    "part",
+    [{"type": "image"}, {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}, {"image": "cat.png"}],
+)
+def test_an_image_content_part_is_refused_by_name(part):
+    prompt = [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]
+    with pytest.raises(ValueError, match=r"row 0: message 0 of the prompt has an image content part.*vision-language"):
+        validate_prompt_dataset([{"prompt": prompt}])
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]
+    validate_prompt_dataset([{"prompt": text_parts}])  # text parts stay accepted

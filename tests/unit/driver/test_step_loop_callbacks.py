@@ -8,6 +8,8 @@ import pytest
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback, TrainerControl, TrainerState
 
 from rlasync.driver import Checkpointer, StepLoop, StepSettings
+from rlasync.driver.model_proxy import LazyModel, latest_checkpoint_source
+from rlasync.driver.step_loop import EVENTS
 from rlasync.metrics.perf import StepPerf, peak_flops
 from tests.unit.driver.test_step_loop import FakeFleet, FakeQueue, FakeWeights, Journal, RecordingSink
 
@@ -23,6 +25,7 @@ class TokenLearners:
             ("batch/forwarded_tokens_per_step", 100.0),
             ("batch/trained_tokens_per_step", 40.0),
             ("perf/fwd_bwd_s", 0.5),
+            ("batch/microbatches_per_step", 2.0),
         ]
 
     async def save(self, directory, tokenizer):
@@ -89,9 +92,15 @@ def test_every_event_with_transformers_arguments(tmp_path):
         "on_train_begin",
         "on_epoch_begin",
         "on_step_begin",
+        "on_substep_end",  # two micro-batches: one substep, then the optimizer step
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
         "on_step_end",
         "on_log",
         "on_step_begin",
+        "on_substep_end",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
         "on_step_end",
         "on_log",
         "on_save",
@@ -99,6 +108,8 @@ def test_every_event_with_transformers_arguments(tmp_path):
         "on_train_end",
     ]
     assert [step for name, step in recorder.events if name == "on_step_end"] == [1, 2]
+    assert set(names) == set(EVENTS)  # every event the loop documents fires
+    assert [step for name, step in recorder.events if name == "on_optimizer_step"] == [0, 1]  # before global_step += 1
     for kwargs in recorder.kwargs.values():
         assert kwargs["processing_class"] == "tok" and {
             "model",
@@ -184,3 +195,44 @@ def test_trainer_log_during_a_run_joins_the_next_window(tmp_path):
     loop.log_inbox = inbox
     asyncio.run(loop.run())
     assert [r["my/metric"] for _, r in sink.records] == [1.0, 2.0] and inbox == []
+
+
+def test_the_model_is_a_proxy_of_the_latest_checkpoint(tmp_path, monkeypatch):
+    """Callbacks get a LazyModel: nothing loads unless a callback reads it; then the newest complete checkpoint
+    (the initial model before the first save), re-loaded when a newer one appears."""
+    loaded = []
+    monkeypatch.setattr("rlasync.driver.model_proxy.load_plain", lambda path, dtype: loaded.append(path) or path)
+
+    class ReadsModel(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            assert isinstance(model, LazyModel)
+            self.seen.append(model.resolve())
+
+    reader = ReadsModel()
+    loop, _ = make(tmp_path, [reader], horizon=3, save_steps=1)
+    loop.model = LazyModel(latest_checkpoint_source(tmp_path, "initial-model"))  # as StepLoop(initial_model=...)
+    asyncio.run(loop.run())
+    assert [str(seen).rsplit("/", 1)[-1] for seen in reader.seen] == ["initial-model", "checkpoint-1", "checkpoint-2"]
+    assert len(loaded) == 3
+    untouched, _ = make(tmp_path / "other", [Recorder()], horizon=1)
+    asyncio.run(untouched.run())
+    assert not untouched.model.is_loaded  # a callback that never reads model costs nothing
+
+
+def test_max_steps_in_an_epoch_run(tmp_path):
+    """Without a horizon: the trainer's estimate, raised when the run passes it, the final step at the end."""
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(state.max_steps)
+
+    loop, _ = make(tmp_path, [Watch()], horizon=None)
+    loop.trainer_state.max_steps = 5  # what the trainer estimated from the dataset and the step size
+    asyncio.run(loop.run())
+    steps = loop.state.global_step
+    assert steps > 5 and seen[:4] == [5, 5, 5, 5] and seen[4] == 6  # step 5 reached the estimate: one more
+    assert loop.state.max_steps == steps  # the run's length, once known

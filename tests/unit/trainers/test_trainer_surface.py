@@ -83,7 +83,7 @@ def test_callbacks_state_and_the_add_remove_pop_methods(tmp_path):
 
 def test_train_returns_a_train_output_and_the_model_is_the_trained_one(tmp_path, fake_launch):
     t = trainer(tmp_path)
-    assert t.model == "some/model"  # before train(): the argument
+    assert t.model.source_path == "some/model" and not t.model.is_loaded  # before train(): the argument, lazily
     out = t.train()
     assert isinstance(out, TrainOutput) and out.global_step == 2 and out.training_loss == 0.25
     assert out.metrics["policy_version"] == 3 and out.metrics["train_loss"] == 0.25 and "train_runtime" in out.metrics
