@@ -13,19 +13,23 @@ from rlasync.rewards.calling import (
     reward_func_name,
     unique_names,
 )
+from rlasync.rewards.code import CodeReward, code_reward, run_python
 from rlasync.rewards.countdown import countdown_reward
 from rlasync.rewards.format_rewards import think_format_reward
 from rlasync.rewards.text import completion_text
 
 __all__ = [
+    "CodeReward",
     "RewardFunctionError",
     "RewardTable",
     "accuracy_reward",
     "call_reward_funcs",
+    "code_reward",
     "completion_text",
     "countdown_reward",
     "last_number_reward",
     "reward_func_name",
+    "run_python",
     "think_format_reward",
     "unique_names",
 ]
