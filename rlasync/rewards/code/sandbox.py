@@ -154,7 +154,7 @@ class Sandbox:
                        of raising `SandboxUnavailableError`; the program can then use the network and read the host
                        (None: only when the environment variable RLASYNC_SANDBOX_ALLOW_UNSANDBOXED=1)
     max_concurrent:    executions at once in this process, shared by every Sandbox with the same value
-                       (None: `RLASYNC_SANDBOX_CONCURRENCY`, else min(4, CPUs))
+                       (None: `RLASYNC_SANDBOX_CONCURRENCY`, else min(4, the machine's CPUs))
     """
 
     limits: Limits = field(default_factory=Limits)
@@ -175,8 +175,8 @@ class Sandbox:
         return self.python or sys.executable
 
     def mechanism(self) -> str:
-        """ "bwrap" (as root: no user namespace, a random uid per run), "bwrap-userns", or "unsandboxed" when
-        allowed; raises `SandboxUnavailableError` otherwise."""
+        """How programs run here: "bwrap" (as root: no user namespace, a random uid per run), "bwrap-userns", or
+        "unsandboxed" when allowed; raises `SandboxUnavailableError` otherwise (probed once per process)."""
         found, reason = _probe(self.interpreter)
         if found:
             return found
