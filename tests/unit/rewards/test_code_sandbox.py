@@ -3,7 +3,8 @@ nothing outside the sandbox, reach no listener and leave no process behind; corr
 their fraction, through the reward calling convention; the tool form returns the program's output.
 
 Needs bubblewrap (`apt-get install bubblewrap`; .ci/run installs it): skipped only when `bwrap` is not installed.
-The hostile programs run concurrently (a module fixture), each with 1 CPU second and 3 s of wall time.
+The hostile programs run concurrently (a module fixture; the two CPU hogs last), each with 1 CPU second and 3 s of
+wall time.
 """
 
 import asyncio
@@ -35,8 +36,9 @@ pytestmark = pytest.mark.skipif(
     reason="bubblewrap is not installed (apt-get install bubblewrap)",
 )
 
-LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=512, processes=16, output_bytes=200_000)
+LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=512, processes=8, output_bytes=200_000)
 SANDBOX = Sandbox(limits=LIMITS, max_concurrent=8)
+ROOMY = Sandbox(limits=Limits(cpu_s=5, wall_s=20), max_concurrent=8)  # for programs that should pass, on a busy machine
 SLACK_S = 4.0  # start-up and teardown on a loaded machine, beyond the wall limit
 TESTS = ["assert f(2) == 4", "assert f(5) == 10"]
 DOUBLE = "def f(x):\n    return 2 * x\n"
@@ -102,10 +104,16 @@ def hostile(tmp_path_factory):
     dirs_before = _sandbox_dirs()
     names = list(programs)
     try:
-        with ThreadPoolExecutor(max_workers=len(names) + 1) as pool:
-            runs = list(pool.map(lambda name: SANDBOX.run(programs[name], tests=TESTS), names))
-            # The orphan again as a script (stdin/stdout mode): the script itself exits at once.
-            script_orphan = SANDBOX.run(orphan + "print('parent done')\n")
+        # The two CPU hogs after the rest, so that the others reach what they try within their 3 s on 2 busy cores.
+        hogs = ["infinite_loop", "fork_bomb"]
+        runs_by_name = {}
+        with ThreadPoolExecutor(max_workers=len(names)) as pool:
+            for phase in ([name for name in names if name not in hogs], hogs):
+                phase_runs = pool.map(lambda name: SANDBOX.run(programs[name], tests=TESTS), phase)
+                runs_by_name.update(zip(phase, phase_runs, strict=True))
+        runs = [runs_by_name[name] for name in names]
+        # The orphan again as a script (stdin/stdout mode): the script itself exits at once.
+        script_orphan = SANDBOX.run(orphan + "print('parent done')\n")
         scores = score_programs([programs[name] for name in names], [TESTS] * len(names), [[]] * len(names), SANDBOX)
         try:
             connection, _ = listener.accept()
@@ -201,7 +209,7 @@ def test_correct_partial_and_broken_programs_score_their_fraction():
         "I cannot write code.",
         "```python\ndef f(xs) return 0\n```",  # syntax error
     ]
-    scores = CodeReward(SANDBOX)(completions, tests=[tests] * len(completions))
+    scores = CodeReward(ROOMY)(completions, tests=[tests] * len(completions))
     assert scores == [1.0, 0.75, 0.25, 0.0, 0.0]
 
 
@@ -213,7 +221,7 @@ def test_stdin_stdout_cases_are_compared_outside_the_sandbox():
         "print('PASS')\n",
         "import sys\nprint(7)\nsys.exit(0)\n",
     ]
-    scores = CodeReward(SANDBOX)(programs, io_tests=[cases] * len(programs))
+    scores = CodeReward(ROOMY)(programs, io_tests=[cases] * len(programs))
     assert scores == [1.0, pytest.approx(2 / 3), 0.0, pytest.approx(1 / 3)]
 
 
@@ -226,16 +234,16 @@ def test_reward_function_on_a_group_with_the_calling_convention():
     ]
     table = asyncio.run(
         call_reward_funcs(
-            [code_reward, CodeReward(SANDBOX, name="code_strict")],
+            [code_reward, CodeReward(ROOMY, name="code_roomy")],
             prompts=[[{"role": "user", "content": "write f"}]] * len(group),
             completions=group,
             completion_ids=[[1, 2]] * len(group),
             reward_kwargs={"tests": [TESTS] * len(group), "difficulty": ["easy"] * len(group)},
         )
     )
-    assert table.names == ("code_reward", "code_strict")
+    assert table.names == ("code_reward", "code_roomy")
     assert table.column("code_reward").tolist() == [1.0, 0.5, 0.0, 0.0]
-    assert table.column("code_strict").tolist() == [1.0, 0.5, 0.0, 0.0]
+    assert table.column("code_roomy").tolist() == [1.0, 0.5, 0.0, 0.0]
 
 
 def test_rows_without_tests_are_unscored_and_missing_columns_are_named():
