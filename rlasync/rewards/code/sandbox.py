@@ -261,7 +261,10 @@ def _probe(python: str) -> tuple[str | None, str]:
             return mechanism, ""
         error = done.stderr.decode(errors="replace").strip()[-500:]
         hint = (
-            "user namespaces look disabled: allow them (`sysctl -w kernel.unprivileged_userns_clone=1`, "
+            "the interpreter could not be started inside the sandbox (it and its libraries must live under /usr or "
+            "its own prefix; pass Sandbox(python=...) another one)"
+            if "execvp" in error
+            else "user namespaces look disabled: allow them (`sysctl -w kernel.unprivileged_userns_clone=1`, "
             "`user.max_user_namespaces` > 0; in Docker/Kubernetes a seccomp/AppArmor profile that allows "
             "`unshare`), or run the trainer as root in the container"
             if mechanism == "bwrap-userns"
@@ -287,15 +290,15 @@ def _bwrap_argv(bwrap: str, mechanism: str, python: str, workdir: str) -> list[s
             argv += ["--symlink", os.readlink(path), str(path)]
         elif path.is_dir():
             argv += ["--ro-bind", str(path), str(path)]
-    made: set[str] = set()
-    for prefix in _interpreter_dirs(python):
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--bind", workdir, SANDBOX_DIR, "--bind", workdir, "/tmp", "--clearenv"]
+    made = {"/tmp", SANDBOX_DIR, "/usr", "/proc", "/dev"}  # mount points already: left as they are
+    for prefix in _interpreter_dirs(python):  # after /tmp, so that an interpreter under /tmp stays visible
         for parent in reversed(Path(prefix).parents[:-1]):  # readable parents, e.g. under a 0700 /root
             if str(parent) not in made:
                 made.add(str(parent))
                 argv += ["--perms", "0755", "--dir", str(parent)]
         argv += ["--ro-bind", prefix, prefix]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += ["--bind", workdir, SANDBOX_DIR, "--bind", workdir, "/tmp", "--clearenv"]
     for name, value in _SANDBOX_ENV.items():
         argv += ["--setenv", name, value]
     return argv + ["--", python]
@@ -321,8 +324,10 @@ def _interpreter_dirs(python: str) -> list[str]:
 
 def _execute(sandbox: Sandbox, mechanism: str, program: str, tests: list[str] | None, stdin: str | None) -> Execution:
     limits = sandbox.limits
-    workdir = tempfile.mkdtemp(prefix="rlasync-sandbox-")
+    outer = tempfile.mkdtemp(prefix="rlasync-sandbox-")  # 0700, the trainer's: no other host user gets in
+    workdir = os.path.join(outer, "box")
     try:
+        os.mkdir(workdir, 0o700)
         inside = SANDBOX_DIR if mechanism != "unsandboxed" else workdir
         Path(workdir, "program.py").write_text(program, encoding="utf-8")
         config: dict = {"limits": limits.for_harness(), "program": f"{inside}/program.py", "uid": None, "cwd": inside}
@@ -334,6 +339,7 @@ def _execute(sandbox: Sandbox, mechanism: str, program: str, tests: list[str] | 
             uid = random.SystemRandom().randrange(1 << 20, 1 << 30)
             config["uid"] = uid
             os.chown(workdir, uid, uid)
+            os.chmod(workdir, 0o711)  # root without capabilities (bwrap, before the switch) may pass through it
         if mechanism == "unsandboxed":
             env = dict(_SANDBOX_ENV, HOME=workdir, TMPDIR=workdir)
             argv = [sandbox.interpreter, "-I", "-c", _HARNESS]
@@ -343,7 +349,7 @@ def _execute(sandbox: Sandbox, mechanism: str, program: str, tests: list[str] | 
             argv += ["-I", "-c", _HARNESS]
         return _supervise(argv, env, workdir, config, limits, bwrap=mechanism != "unsandboxed")
     finally:
-        _remove_tree(workdir)
+        _remove_tree(outer)
 
 
 def _supervise(
