@@ -8,8 +8,11 @@ wall time.
 """
 
 import asyncio
+import json
 import os
+import shutil
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
@@ -99,6 +102,7 @@ def hostile(tmp_path_factory):
             f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')\n" + DOUBLE
         ),
         "print_100mb": "import sys\nsys.stdout.write('x' * 100_000_000)\n" + DOUBLE,
+        "write_40mb_file": "open('/tmp/big', 'wb').write(b'x' * (40 << 20))\n" + DOUBLE,
         "orphan_child": orphan,
     }
     dirs_before = _sandbox_dirs()
@@ -149,6 +153,7 @@ def hostile(tmp_path_factory):
         "read_trainer_env",
         "connect_to_host",
         "print_100mb",
+        "write_40mb_file",
         "orphan_child",
     ],
 )
@@ -170,6 +175,7 @@ def test_limits_report_what_stopped_the_program(hostile):
     assert "MemoryError" in results["allocate_4gb"][1].stderr
     assert "FileNotFoundError" in results["read_secret_file"][1].stderr
     assert "KeyError" in results["read_trainer_env"][1].stderr
+    assert "File too large" in results["write_40mb_file"][1].stderr  # RLIMIT_FSIZE (file_mb=16)
 
 
 def test_nothing_escapes_the_sandbox(hostile):
@@ -299,3 +305,60 @@ def test_without_bubblewrap_it_refuses_unless_unsandboxed_is_allowed(monkeypatch
         assert run.ok and "rlasync-sandbox-" in run.stdout  # its own directory and environment, but no isolation
     finally:
         sandbox_module._probe.cache_clear()
+
+
+_AS_ANOTHER_USER = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sandbox)
+box = sandbox.Sandbox(limits=sandbox.Limits(cpu_s=1, wall_s=3, processes=8))
+found, reason = sandbox._probe(box.interpreter)
+if not found:
+    print(json.dumps({"skip": reason}))
+    raise SystemExit(0)
+uid = box.run("import os\\nprint(os.getuid())")
+tests = box.run("def f(x):\\n    return 2 * x\\n", tests=["assert f(1) == 2", "assert f(2) == 5"])
+bomb = box.run("import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass\\n")
+net = box.run("import socket\\nsocket.create_connection(('127.0.0.1', 22), timeout=1)")
+print(json.dumps({"mechanism": found, "uid": uid.stdout.strip(), "passed": list(tests.passed), "bomb": bomb.status,
+                  "net": net.status}))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or sandbox_module.shutil.which("setpriv") is None,
+    reason="needs root, setpriv and /usr/bin/python3 to run the sandbox as another user",
+)
+def test_as_another_user_the_sandbox_uses_a_user_namespace():
+    """The non-root path (a trainer on a cluster): bwrap maps the user to uid 65534 in a new user namespace."""
+    box = Path(tempfile.mkdtemp(prefix="rlasync-userns-test-"))
+    try:
+        box.chmod(0o755)
+        for name in ("sandbox.py", "harness.py"):
+            (box / name).write_text((Path(sandbox_module.__file__).parent / name).read_text())
+        (box / "check.py").write_text(_AS_ANOTHER_USER)
+        done = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=4321",
+                "--regid=4321",
+                "--clear-groups",
+                "/usr/bin/python3",
+                str(box / "check.py"),
+                str(box / "sandbox.py"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(box)},
+            check=False,
+        )
+    finally:
+        shutil.rmtree(box, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in facts:
+        pytest.skip(f"unprivileged user namespaces are not available here: {facts['skip']}")
+    assert facts == {"mechanism": "bwrap-userns", "uid": "65534", "passed": [0], "bomb": "timeout", "net": "error"}
+    assert _leftover_processes() == []
