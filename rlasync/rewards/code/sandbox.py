@@ -250,7 +250,7 @@ def _probe(python: str) -> tuple[str | None, str]:
     if not os.path.exists(python):
         return None, f"the interpreter {python!r} does not exist"
     mechanism = "bwrap" if os.geteuid() == 0 else "bwrap-userns"
-    workdir = tempfile.mkdtemp(prefix="rlasync-sandbox-probe-")
+    workdir = _make_dir()
     try:
         argv = _bwrap_argv(bwrap, mechanism, python, workdir) + ["-I", "-c", "print('sandbox-ok')"]
         try:
@@ -324,7 +324,7 @@ def _interpreter_dirs(python: str) -> list[str]:
 
 def _execute(sandbox: Sandbox, mechanism: str, program: str, tests: list[str] | None, stdin: str | None) -> Execution:
     limits = sandbox.limits
-    outer = tempfile.mkdtemp(prefix="rlasync-sandbox-")  # 0700, the trainer's: no other host user gets in
+    outer = _make_dir()  # 0700, the trainer's: no other host user gets in
     workdir = os.path.join(outer, "box")
     try:
         os.mkdir(workdir, 0o700)
@@ -508,6 +508,45 @@ def _passed(results: bytes) -> tuple[int, ...]:
         if len(parts) >= 2 and parts[0].isdigit() and parts[1] == "pass":
             passed.add(int(parts[0]))
     return tuple(sorted(passed))
+
+
+_DIR_PREFIX = "rlasync-sandbox-"
+_SWEEP_EVERY_S = 30.0
+_sweep_lock = threading.Lock()
+_last_sweep = [-math.inf]
+
+
+def _make_dir() -> str:
+    """A fresh private directory `rlasync-sandbox-<pid namespace>-<pid>-<random>` in the temporary directory; at
+    most every 30 s, first remove those of dead processes of this PID namespace (a reward actor killed mid-run)."""
+    namespace = _pid_namespace()
+    with _sweep_lock:
+        due = time.monotonic() - _last_sweep[0] >= _SWEEP_EVERY_S
+        if due:
+            _last_sweep[0] = time.monotonic()
+    if due:
+        _sweep(namespace)
+    return tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{namespace}-{os.getpid()}-")
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def _sweep(namespace: str) -> None:
+    for path in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}{namespace}-*-*"):
+        pid = path.name[len(_DIR_PREFIX) + len(namespace) + 1 :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _remove_tree(str(path))
+        except OSError:
+            pass  # alive (another user's process)
 
 
 def _remove_tree(path: str) -> None:

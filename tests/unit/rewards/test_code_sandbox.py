@@ -279,6 +279,15 @@ def test_the_tool_returns_the_output_or_the_error():
     assert "[killed: output limit exceeded]" in run_python("print('y' * 5_000_000)")
 
 
+def test_the_tool_schema_comes_from_its_signature_and_docstring():
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(run_python)["function"]
+    assert schema["name"] == "run_python"
+    assert schema["parameters"]["required"] == ["code"]
+    assert schema["parameters"]["properties"]["code"]["type"] == "string"
+
+
 def test_limits_and_sandbox_fields_are_checked():
     with pytest.raises(ValueError, match=r"Limits\.cpu_s"):
         Limits(cpu_s=0)
@@ -362,3 +371,25 @@ def test_as_another_user_the_sandbox_uses_a_user_namespace():
         pytest.skip(f"unprivileged user namespaces are not available here: {facts['skip']}")
     assert facts == {"mechanism": "bwrap-userns", "uid": "65534", "passed": [0], "bomb": "timeout", "net": "error"}
     assert _leftover_processes() == []
+
+
+def test_directories_of_dead_processes_are_swept(monkeypatch):
+    """A reward actor killed mid-execution leaves its directory: the next execution in the PID namespace removes it,
+    and never one of a live process."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    namespace = sandbox_module._pid_namespace()
+    root = Path(tempfile.gettempdir())
+    orphaned = root / f"rlasync-sandbox-{namespace}-{dead.pid}-test{TOKEN[:6]}"
+    alive = root / f"rlasync-sandbox-{namespace}-{os.getppid()}-test{TOKEN[:6]}"
+    for path in (orphaned, alive):
+        (path / "box").mkdir(parents=True)
+        (path / "box" / "program.py").write_text("print(1)")
+    try:
+        monkeypatch.setattr(sandbox_module, "_last_sweep", [-float("inf")])
+        assert SANDBOX.run("print(2)").stdout == "2\n"
+        assert not orphaned.exists()
+        assert alive.exists()
+    finally:
+        shutil.rmtree(orphaned, ignore_errors=True)
+        shutil.rmtree(alive, ignore_errors=True)
