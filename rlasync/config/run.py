@@ -29,7 +29,7 @@ from rlasync.config.load import apply_overrides, build_config, read_yaml
 
 RUN_KEYS = ("model", "dataset", "reward_funcs", "trainer", "teacher_model")
 TRAINERS = ("grpo", "distillation")
-DATASETS = ("arithmetic", "countdown", "json", "hub")  # rlasync.data.build_dataset builds them
+DATASETS = ("arithmetic", "countdown", "code", "json", "hub")  # rlasync.data.build_dataset builds them
 
 
 @dataclass

@@ -3,6 +3,7 @@
 Importing this package loads neither torch, transformers nor datasets (`*_dataset` imports datasets on use).
 """
 
+from rlasync.data.code_tasks import code_dataset, code_rows
 from rlasync.data.from_spec import DATASET_NAMES, build_dataset
 from rlasync.data.prompts import (
     PROMPT_COLUMN,
@@ -27,6 +28,8 @@ __all__ = [
     "arithmetic_dataset",
     "arithmetic_rows",
     "build_dataset",
+    "code_dataset",
+    "code_rows",
     "countdown_dataset",
     "countdown_rows",
     "is_conversational",

@@ -7,23 +7,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlasync.data.code_tasks import code_dataset
 from rlasync.data.tasks import arithmetic_dataset, countdown_dataset
 
-DATASET_NAMES = ("arithmetic", "countdown", "json", "hub")
+DATASET_NAMES = ("arithmetic", "countdown", "code", "json", "hub")
+_TASKS = {"arithmetic": arithmetic_dataset, "countdown": countdown_dataset, "code": code_dataset}
 
 
 def build_dataset(spec: Mapping[str, Any]) -> Any:
     """A `datasets.Dataset` from a run file's `dataset:` section.
 
-    arithmetic / countdown: `size`, `seed` and the task's keyword arguments (`max_operand`, `ops`, ...);
+    arithmetic / countdown / code: `size`, `seed` and the task's keyword arguments (`max_operand`, `ops`,
+    `families`, ...);
     json: `path` (a .json/.jsonl file of rows); hub: `path` (+ `split`, default "train") for `datasets.load_dataset`.
     """
     spec = dict(spec)
     name = spec.pop("name")
-    if name in ("arithmetic", "countdown"):
+    if name in _TASKS:
         size, seed = spec.pop("size", 1000), spec.pop("seed", 0)
-        build = arithmetic_dataset if name == "arithmetic" else countdown_dataset
-        return build(int(size), int(seed), **spec)
+        return _TASKS[name](int(size), int(seed), **spec)
     if name in ("json", "hub") and not spec.get("path"):
         raise ValueError(
             f"dataset.path is missing: dataset.name={name!r} needs a `path` (a .json/.jsonl file or hub id)"

@@ -1,0 +1,85 @@
+"""The code sandbox in a run (docs/rewards.md §1): `code_reward` scores programs on a RewardActor, tiny random Llama
+on the procedural code task. The policy's own completions are noise, so the reward function under test is wrapped:
+it hands the sandbox the row's reference solution for even-numbered completions and a wrong program for the others,
+so every group scores exactly [1, 0, 1, 0] if and only if the sandbox ran the programs against the hidden tests."""
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+    ),
+]
+
+
+def reference_or_wrong(completions, solution, tests, pid_dir, **kwargs):
+    """code_reward on the reference solution (even indices) or a constant function (odd ones); records its pid."""
+    from rlasync.rewards import code_reward
+
+    Path(pid_dir[0], str(os.getpid())).touch()
+    programs = [
+        f"```python\n{answer}```" if index % 2 == 0 else "```python\ndef f(xs):\n    return None\n```"
+        for index, answer in enumerate(solution)
+    ]
+    return code_reward(programs, tests=tests)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pickle_rewards_by_value(ray_cluster):
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def test_code_reward_runs_in_the_reward_actor(ray_cluster, tiny_model_dir, tmp_path):
+    from rlasync import AsyncGRPOTrainer
+    from rlasync.config import AsyncGRPOConfig
+    from rlasync.data import code_dataset
+    from rlasync.rewards.code import Sandbox
+    from rlasync.rewards.code import sandbox as sandbox_module
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    sandbox_dirs_before = set(Path(tempfile.gettempdir()).glob("rlasync-sandbox-*"))
+    config = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=512,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=100,
+        max_staleness=2,
+        gradient_checkpointing=False,
+        seed=0,
+        reward_timeout_s=120.0,
+        cluster={
+            "num_reward_actors": 1,
+            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 4096, "max_model_len": 256},
+            "collective_timeout_s": 60.0,
+        },
+    )
+    rows = code_dataset(32, seed=0).add_column("pid_dir", [str(pids)] * 32)
+    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=reference_or_wrong, args=config, train_dataset=rows)
+    state = trainer.train()
+    assert state["global_step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(record["rewards/reference_or_wrong/mean"] == 0.5 for record in records)
+    assert all(record["frac_zero_std_groups"] == 0.0 for record in records)  # every group is [1, 0, 1, 0]
+    assert len(list(pids.iterdir())) == 1, "scored by one process: the RewardActor's"
+    assert int(next(pids.iterdir()).name) != os.getpid()
+    # The RewardActor was killed with executions in flight (groups scored past the last step): their sandboxes died
+    # with it (--die-with-parent), their directories are swept by the next execution on this machine.
+    sandbox_module._last_sweep[0] = -math.inf
+    assert Sandbox().run("print(1)").stdout == "1\n"
+    assert set(Path(tempfile.gettempdir()).glob("rlasync-sandbox-*")) <= sandbox_dirs_before
