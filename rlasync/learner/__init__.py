@@ -1,5 +1,6 @@
 """The learner's core (no Ray; FSDP2 applied from outside the model): `Learner` (one rank: model, precision,
-optimizer, `train_step`), its objectives (GRPO, distillation), the step cores, the checkpoint formats, the settings
+optimizer, `train_step`), the `Objective` interface (the objectives live with their algorithms, rlasync.algorithms),
+the step cores, the checkpoint formats, the settings
 derived once from the user's config, and the reduction of one step's metrics over ranks."""
 
 from rlasync.learner.learner import Learner

@@ -27,7 +27,7 @@ def shard_for_training(
     mp_policy: Any = None,
     scorer_cls: type[TreeScorer] = TreeScorer,
 ) -> TreeScorer:
-    """Wrap `model` in a `scorer_cls` (a `TreeScorer`; `rlasync.learner.distill.DistillScorer` for distillation)
+    """Wrap `model` in a `scorer_cls` (a `TreeScorer`; `rlasync.algorithms.distill.learner_step.DistillScorer` for distillation)
     and apply FSDP2 (`fully_shard`) to every decoder layer, then to the scorer."""
     from torch.distributed.fsdp import fully_shard
 

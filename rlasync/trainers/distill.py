@@ -9,7 +9,7 @@
 The run is GRPO's with two changes (docs/design.md §1), both in the `RunSpec` this trainer builds: the rollout side
 is a `DistillRolloutActor` (one `AsyncDistillationLoop`: student `generate` through the GenerationActors, teacher
 `score` through one `TeacherScorer` per teacher id), and the learners run the "distill" objective
-(`rlasync.learner.distill`: plain padding-free rows, Σ L² balanced, the JSD loss with the LM head). The queue, the
+(`rlasync.algorithms.distill.learner_step`: plain padding-free rows, Σ L² balanced, the JSD loss with the LM head). The queue, the
 staleness gate, the step loop, the weight sync to the student GenerationActors (teachers never receive weights),
 logging, checkpoints (`rollout_state.json` + model + optimizer) and resume are the common driver's.
 
@@ -28,10 +28,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rlasync.algorithms.distill.loop import AsyncDistillationLoop
 from rlasync.config.distill import AsyncDistillationConfig
 from rlasync.data import validate_prompt_dataset
 from rlasync.data.streaming import is_streaming
-from rlasync.distill import AsyncDistillationLoop
 from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, actor_requests
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.trainers.base import AsyncTrainerBase
@@ -47,6 +47,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
     `AsyncDistillationLoop`) to customise the worker loop."""
 
     loop_cls: type[AsyncDistillationLoop] = AsyncDistillationLoop
+    algorithm_name = "distill"
 
     def __init__(
         self,
@@ -142,19 +143,12 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         spec = self._run_spec(
             resume_dir,
             rollout=RolloutSpec(
-                kind="distill",
                 loop_cls=self.loop_cls,
-                name="distillation rollout actor",
-                max_inflight_tasks=max(1, -(-inflight // cluster.num_rollout_actors)),
+                loop_kwargs={"max_inflight_tasks": max(1, -(-inflight // cluster.num_rollout_actors))},
             ),
-            learner=LearnerSpec(
-                objective="distill", max_steps=horizon, teacher_ids=self.teacher_ids, peft_config=self.peft_config
-            ),
+            learner=LearnerSpec(max_steps=horizon, teacher_ids=self.teacher_ids, peft_config=self.peft_config),
             queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=horizon,
-            hang_timeout_s=args.heartbeat_stale_after_s,
-            hang_setting="heartbeat_stale_after_s",
-            queue_name="rlasync-distill-queue",
             requests=self._actor_requests(),
         )
         teachers = {}

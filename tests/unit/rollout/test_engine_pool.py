@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig
+from rlasync.config import AsyncGRPOConfig
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams
 from rlasync.records import TurnRecord
 from rlasync.rollout.engine_pool import RETRY_METRIC, EnginePool
@@ -141,22 +141,3 @@ def test_rollout_settings_from_a_grpo_config():
     assert settings.max_tool_calling_iterations == 2 and settings.log_completions
     params = settings.sampling.with_seed(11)
     assert params == SamplingParams.from_config(config, seed=11)  # the engine's own reading of the config
-
-
-def test_rollout_settings_from_a_distillation_config():
-    config = AsyncDistillationConfig(
-        max_inflight_tasks=-1,
-        max_staleness=2,
-        per_device_train_batch_size=3,
-        teacher_top_k=5,
-        teacher_temperature=0.5,
-        heartbeat_stale_after_s=9.0,
-    )
-    settings = RolloutSettings.from_config(config, num_ranks=2)
-    assert (settings.group_size, settings.max_concurrent, settings.heartbeat_timeout_s) == (1, 12, 9.0)
-    assert (settings.teacher_top_k, settings.teacher_temperature) == (5, 0.5)
-    assert RolloutSettings.from_config(config, max_inflight_tasks=3).max_concurrent == 3
-    params = settings.sampling.with_seed(1)
-    assert params.num_logprobs == 0 and not params.return_sampling_mask
-    with pytest.raises(ValueError, match="max_inflight_tasks=0"):
-        RolloutSettings.from_config(AsyncDistillationConfig(max_inflight_tasks=0))

@@ -6,9 +6,11 @@ A run file is a config (every `AsyncGRPOConfig` field, the `cluster` section inc
     dataset: {name: arithmetic, size: 2000, seed: 0, max_operand: 9}
     reward_funcs: [rlasync.rewards:last_number_reward]   # import strings "module:attribute"
 
-On-policy distillation: `trainer: distillation` makes the rest an `AsyncDistillationConfig` (docs/algorithms.md §10.3) and the
-driver `AsyncDistillationTrainer`; `reward_funcs` is then not used, and an optional `teacher_model` (a path / alias,
-or `{teacher_id: path}`) hosts the teachers locally instead of reaching `teacher_server_urls`.
+`trainer:` names the algorithm (rlasync.algorithms.registry: its name or one of its `trainer_names`; GRPO is the
+default): its spec gives the config class and the trainer. On-policy distillation: `trainer: distillation` makes
+the rest an `AsyncDistillationConfig` (docs/algorithms.md §10.3) and the driver `AsyncDistillationTrainer`;
+`reward_funcs` is then not used (an algorithm with teachers), and an optional `teacher_model` (a path / alias, or
+`{teacher_id: path}`) hosts the teachers locally instead of reaching `teacher_server_urls`.
 
 `load_run(path, overrides)` applies dotted `key=value` overrides to the whole file (so `--set dataset.size=64`
 and `--set model=path/to/model` work too). Nothing here imports torch or ray; building the dataset imports
@@ -23,35 +25,55 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlasync.algorithms import registry
+from rlasync.algorithms.spec import Algorithm
 from rlasync.config.base import TrainerConfig
-from rlasync.config.grpo import AsyncGRPOConfig
 from rlasync.config.load import apply_overrides, build_config, read_yaml
 
 RUN_KEYS = ("model", "dataset", "reward_funcs", "trainer", "teacher_model")
-TRAINERS = ("grpo", "distillation")
+DEFAULT_TRAINER = "grpo"
 DATASETS = ("arithmetic", "countdown", "json", "hub")  # rlasync.data.build_dataset builds them
 
 
 @dataclass
 class RunFile:
-    """A loaded run file: the model, the dataset spec, reward import strings and the config (an
-    `AsyncDistillationConfig` when `trainer` is "distillation", with the optional local `teacher_model`)."""
+    """A loaded run file: the model, the dataset spec, reward import strings and the config (of the `trainer`
+    algorithm's config class; with teachers, the optional local `teacher_model`)."""
 
     model: str
     config: TrainerConfig
     dataset: dict[str, Any] = field(default_factory=dict)
     reward_funcs: list[str] = field(default_factory=list)
-    trainer: str = "grpo"
+    trainer: str = DEFAULT_TRAINER
     teacher_model: str | dict[str, str] | None = None
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return registry.get(self.trainer)
 
     def build_reward_funcs(self) -> list[Callable[..., Any]]:
         return [import_object(name) for name in self.reward_funcs]
+
+    def build_trainer(self, train_dataset: Any) -> Any:
+        """The algorithm's trainer over `train_dataset` (reward functions and local teachers when the file sets
+        them)."""
+        extra: dict[str, Any] = {}
+        if self.reward_funcs:
+            extra["reward_funcs"] = self.build_reward_funcs()
+        if self.teacher_model is not None:
+            extra["teacher_model"] = self.teacher_model
+        if not self.algorithm.trainer:
+            raise ValueError(
+                f"trainer: {self.trainer} names no trainer class (its Algorithm spec's `trainer` is empty)"
+            )
+        trainer_cls = import_object(self.algorithm.trainer)
+        return trainer_cls(model=self.model, args=self.config, train_dataset=train_dataset, **extra)
 
 
 def load_run(
     path: str | Path | None = None,
     overrides: Iterable[str] = (),
-    config_class: type[AsyncGRPOConfig] = AsyncGRPOConfig,
+    config_class: type[TrainerConfig] | None = None,
 ) -> RunFile:
     """Read a run file, apply overrides, validate the config and the run keys (errors name the key)."""
     data = read_yaml(path) if path is not None else {}
@@ -60,18 +82,17 @@ def load_run(
     model = data.pop("model", None)
     dataset = data.pop("dataset", None)
     rewards = data.pop("reward_funcs", None)
-    trainer = data.pop("trainer", "grpo")
+    trainer = data.pop("trainer", DEFAULT_TRAINER)
     teacher_model = data.pop("teacher_model", None)
-    if trainer not in TRAINERS:
-        raise ValueError(f"{where}trainer={trainer!r}: use one of {TRAINERS} (grpo is the default)")
-    if trainer == "distillation":
-        from rlasync.config.distill import AsyncDistillationConfig
-
-        if config_class is AsyncGRPOConfig:
-            config_class = AsyncDistillationConfig  # type: ignore[assignment]
-    elif teacher_model is not None:
-        raise ValueError(f"{where}`teacher_model:` is set but trainer is grpo: add `trainer: distillation`")
-    config = build_config(data, config_class)
+    if not isinstance(trainer, str) or trainer not in registry.names():
+        raise ValueError(
+            f"{where}trainer={trainer!r}: use one of {registry.names()} ({DEFAULT_TRAINER} is the default)"
+        )
+    algorithm = registry.get(trainer)
+    if teacher_model is not None and not algorithm.teachers:
+        hint = " or ".join(f"`trainer: {(*s.trainer_names, s.name)[0]}`" for s in registry.specs() if s.teachers)
+        raise ValueError(f"{where}`teacher_model:` is set but trainer {trainer} has no teachers: add {hint}")
+    config = build_config(data, config_class or algorithm.config_cls)
     if not isinstance(model, str) or not model:
         raise ValueError(f"{where}`model:` is missing: give a hub id, a local path or an alias (smollm2-135m-instruct)")
     if dataset is None:
@@ -80,9 +101,9 @@ def load_run(
         raise ValueError(f"{where}`dataset:` must be a mapping with a `name` (one of {DATASETS}), got {dataset!r}")
     if dataset["name"] not in DATASETS:
         raise ValueError(f"{where}dataset.name={dataset['name']!r}: use one of {DATASETS}")
-    if trainer == "distillation":
+    if algorithm.teachers:
         if rewards:
-            raise ValueError(f"{where}`reward_funcs:` is not used by trainer: distillation (the teacher is the signal)")
+            raise ValueError(f"{where}`reward_funcs:` is not used by trainer: {trainer} (the teacher is the signal)")
         if teacher_model is not None and not isinstance(teacher_model, str | Mapping):
             raise ValueError(f"{where}`teacher_model:` must be a path / alias or a {{teacher_id: path}} mapping")
         if isinstance(teacher_model, Mapping):
@@ -95,7 +116,7 @@ def load_run(
             f"{where}`reward_funcs:` must list import strings 'module:function', e.g. "
             f"[rlasync.rewards:last_number_reward], got {rewards!r}"
         )
-    return RunFile(model=model, config=config, dataset=dict(dataset), reward_funcs=list(rewards))
+    return RunFile(model=model, config=config, dataset=dict(dataset), reward_funcs=list(rewards), trainer=trainer)
 
 
 def import_object(text: str) -> Any:

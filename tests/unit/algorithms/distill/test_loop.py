@@ -4,7 +4,7 @@ import logging
 import numpy as np
 import pytest
 
-from rlasync.distill.loop import AsyncDistillationLoop, resolve_max_inflight_tasks
+from rlasync.algorithms.distill.loop import AsyncDistillationLoop, resolve_max_inflight_tasks
 from rlasync.engine.base import EngineError
 
 
@@ -248,7 +248,7 @@ def test_teacher_temperature_passed_when_score_takes_it_else_warned(fakes, caplo
     asyncio.run(loop.run())
     assert tempered.requests[0][3] == {"temperature": 0.7}
     plain = fakes.Teacher()
-    with caplog.at_level(logging.WARNING, logger="rlasync.distill.loop"):
+    with caplog.at_level(logging.WARNING, logger="rlasync.algorithms.distill.loop"):
         loop, _ = _loop(fakes, [fakes.row("a")], teachers=plain, args=fakes.args(teacher_temperature=0.7))
     assert "takes no temperature" in caplog.text
     asyncio.run(loop.run())
@@ -314,7 +314,7 @@ def test_teacher_and_student_rejections_fail_only_their_task_counted_under_their
 
 
 def test_failure_cause_tells_a_too_long_prompt_apart_for_either_side(fakes):
-    from rlasync.distill.policy import TeacherRejectedError
+    from rlasync.algorithms.distill.policy import TeacherRejectedError
     from rlasync.engine.base import RequestRejectedError
 
     loop, _ = _loop(fakes, [fakes.row("a")])

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from rlasync.distill.samples import PAD_TEACHER_ID, PAD_TEACHER_LOGPROB, DistillationSample
+from rlasync.algorithms.distill.samples import PAD_TEACHER_ID, PAD_TEACHER_LOGPROB, DistillationSample
 from rlasync.metrics import MetricValue
 from rlasync.packing.planner import FixedCountBatcher as PlannerFixedCountBatcher
 

@@ -1,6 +1,6 @@
 """One optimisation step of on-policy distillation on plain padding-free rows (docs/algorithms.md §9.3, §9.5, §8.4).
 
-    micro-batches of this rank (one collated row each: `rlasync.distill.collate_rows(...)`, row `rank`)
+    micro-batches of this rank (one collated row each: `rlasync.algorithms.distill.collate_rows(...)`, row `rank`)
       -> distill_row_tensors: padding stripped; each sample is a chain, so the row is a forest and the tree attention
          of the GRPO path masks it block-diagonally (subtree_end = the end of the token's sample)
       -> DistillScorer: decoder -> hidden [L, H] -> `distillation_row_loss` with the LM head weight (chunked,
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlasync.algorithms.distill.loss import DistillLossConfig, distillation_metrics, distillation_row_loss, num_stats
 from rlasync.learner.step import RowTimer, _partials, apply_update, step_metrics
-from rlasync.losses.distill import DistillLossConfig, distillation_metrics, distillation_row_loss, num_stats
 from rlasync.metrics import MetricSink, MetricValue
 from rlasync.model.attention import build_tree_attention, sliding_windows
 from rlasync.model.devices import to_device

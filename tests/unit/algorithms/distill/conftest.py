@@ -7,8 +7,8 @@ import types
 import numpy as np
 import pytest
 
+from rlasync.algorithms.distill.samples import DistillationSample
 from rlasync.config import AsyncDistillationConfig
-from rlasync.distill.samples import DistillationSample
 from rlasync.engine.base import EngineError, RequestRejectedError, ScoreResult
 from rlasync.records import PromptLease, TurnRecord
 

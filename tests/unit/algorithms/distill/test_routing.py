@@ -1,6 +1,6 @@
 import pytest
 
-from rlasync.distill.routing import TeacherRouter, teacher_indices
+from rlasync.algorithms.distill.routing import TeacherRouter, teacher_indices
 
 
 def test_single_teacher_scores_every_row_whatever_its_teacher_id():

@@ -7,7 +7,7 @@ No groups, no rewards, no tools, no multi-turn: one leased row → one task → 
 `max_inflight_tasks` tasks run at once (`-1` → `max(max_staleness, 1) × samples_per_step`). A lease's `group_id`
 is the sample's `prompt_id` (the global prompt counter, GRPO's group id with one rollout per prompt).
 
-It is the distillation policy (`rlasync.distill.policy`) assembled with the task scheduler and the engine pool
+It is the distillation policy (`rlasync.algorithms.distill.policy`) assembled with the task scheduler and the engine pool
 GRPO's `AsyncRolloutLoop` uses (`rlasync.rollout.scheduler`, `rlasync.rollout.engine_pool`; one task per lease).
 It talks only to protocols (`rlasync.rollout.protocols`, the lease is `rlasync.records.PromptLease`): `Engine.generate` / `Engine.score` (student engines 1..E, least loaded first; one teacher engine per
 teacher id), `PromptSource.lease()` / `release(lease, reason)`, `sink.put(sample)`; any of them may be sync or
@@ -42,8 +42,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlasync.config import AsyncDistillationConfig
-from rlasync.distill.policy import FAILED_TASK_METRIC, DistillationPolicy
+from rlasync.algorithms.distill.policy import FAILED_TASK_METRIC, DistillationPolicy
+from rlasync.algorithms.distill.settings import TeacherSettings, resolve_max_inflight_tasks, rollout_settings
 from rlasync.engine.base import Engine, EngineError
 from rlasync.metrics import MetricSink
 from rlasync.records import MetricsCallback
@@ -51,23 +51,16 @@ from rlasync.rollout.assembly import ScheduledLoop, class_override, one_config
 from rlasync.rollout.engine_pool import EnginePool
 from rlasync.rollout.protocols import PromptSource, Sink
 from rlasync.rollout.scheduler import TaskScheduler
-from rlasync.rollout.settings import RolloutSettings
 
 if TYPE_CHECKING:
     from rlasync.config.base import TrainerConfig
-
-
-def resolve_max_inflight_tasks(config: AsyncDistillationConfig, num_ranks: int = 1) -> int:
-    """`config.max_inflight_tasks`, or for a negative value `max(max_staleness, 1) × samples_per_step` (docs/algorithms.md §10;
-    `samples_per_step` = `per_device_train_batch_size × gradient_accumulation_steps × num_ranks`)."""
-    return RolloutSettings.from_config(config, num_ranks=num_ranks).max_concurrent
 
 
 class AsyncDistillationLoop(ScheduledLoop, DistillationPolicy):
     """Generates with the student, scores with the routed teacher, puts one `DistillationSample` per leased row.
 
     `config` is the user's `AsyncDistillationConfig` (`args=` is accepted as its old name); its settings are
-    `RolloutSettings.from_config(config, max_inflight_tasks=...)`. `teachers`: one engine (id "default") or teacher
+    `rlasync.algorithms.distill.settings.rollout_settings(config, max_inflight_tasks=...)`. `teachers`: one engine (id "default") or teacher
     id -> engine in stable order (the collator's `teacher_id_idx` order). Run with `await loop.run()`; stop with
     `await loop.stop()`.
     """
@@ -96,7 +89,7 @@ class AsyncDistillationLoop(ScheduledLoop, DistillationPolicy):
         args: TrainerConfig | None = None,
     ) -> None:
         config = one_config(config, args, type(self).__name__)
-        settings = RolloutSettings.from_config(config, max_inflight_tasks=max_inflight_tasks)
+        settings = rollout_settings(config, max_inflight_tasks=max_inflight_tasks)  # type: ignore[arg-type]
         self.counters: collections.Counter[str] = collections.Counter()
         self.metrics = MetricSink()
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
@@ -115,6 +108,7 @@ class AsyncDistillationLoop(ScheduledLoop, DistillationPolicy):
             config=config,
             tokenizer=tokenizer,
             settings=settings,
+            scoring=TeacherSettings.from_config(config),  # type: ignore[arg-type]
             engine_pool=self.engine_pool,
             teachers=teachers,
             eos_token_ids=eos_token_ids,

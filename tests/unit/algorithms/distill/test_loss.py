@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlasync.losses.distill import (
+from rlasync.algorithms.distill.loss import (
     DistillLossConfig,
     add_tail_bucket,
     distillation_loss,

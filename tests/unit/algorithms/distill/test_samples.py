@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from rlasync.distill.samples import (
+from rlasync.algorithms.distill.samples import (
     DistillationSample,
     build_distillation_sample,
     candidates_from_score,

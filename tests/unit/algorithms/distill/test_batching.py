@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rlasync.distill.batching import (
+from rlasync.algorithms.distill.batching import (
     FixedCountBatcher,
     TokenBudgetBatcher,
     balance_by_squared_length,

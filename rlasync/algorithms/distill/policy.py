@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlasync.algorithms.distill.routing import TeacherRouter
+from rlasync.algorithms.distill.samples import DEFAULT_TEACHER_ID, DistillationSample, build_distillation_sample
+from rlasync.algorithms.distill.settings import TeacherSettings
 from rlasync.data.prompts import render_prompt, row_prompt
-from rlasync.distill.routing import TeacherRouter
-from rlasync.distill.samples import DEFAULT_TEACHER_ID, DistillationSample, build_distillation_sample
 from rlasync.engine.base import Engine, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.records import MetricItem, PromptLease, TurnRecord
 from rlasync.rewards.text import completion_text
@@ -28,7 +29,7 @@ from rlasync.rollout.protocols import Collected, PolicyBase
 from rlasync.rollout.sequences import is_clipped, tokenizer_eos_ids
 from rlasync.rollout.settings import RolloutSettings
 
-logger = logging.getLogger("rlasync.distill.loop")  # the loop's logger, as before the split
+logger = logging.getLogger("rlasync.algorithms.distill.loop")  # the loop's logger, as before the split
 SEED_BITS = 63
 FAILED_TASK_METRIC = "rollout/failed_task_count"
 
@@ -65,6 +66,7 @@ class DistillationPolicy(PolicyBase):
         config: Any,
         tokenizer: Any,
         settings: RolloutSettings,
+        scoring: TeacherSettings,
         engine_pool: EnginePool,
         teachers: Engine | Mapping[str, Engine],
         eos_token_ids: Iterable[int] | None,
@@ -77,8 +79,8 @@ class DistillationPolicy(PolicyBase):
         self.router: TeacherRouter[Engine] = TeacherRouter(
             teachers if isinstance(teachers, Mapping) else {DEFAULT_TEACHER_ID: teachers}
         )
-        self.teacher_top_k = settings.teacher_top_k
-        self.teacher_temperature = settings.teacher_temperature
+        self.teacher_top_k = scoring.teacher_top_k
+        self.teacher_temperature = scoring.teacher_temperature
         self._score_takes_temperature = {
             teacher_id: _accepts_keyword(engine.score, "temperature")
             for teacher_id, engine in self.router.teachers.items()

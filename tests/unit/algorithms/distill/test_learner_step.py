@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlasync.distill import DistillationSample, FixedCountBatcher, collate_rows
+from rlasync.algorithms.distill.batching import FixedCountBatcher, collate_rows
+from rlasync.algorithms.distill.learner_step import DistillLearnerStep, DistillScorer, distill_row_tensors, evaluate_jsd
+from rlasync.algorithms.distill.loss import DistillLossConfig
+from rlasync.algorithms.distill.samples import DistillationSample
 from rlasync.learner import OptimizerSettings, build_optimizer
-from rlasync.learner.distill import DistillLearnerStep, DistillScorer, distill_row_tensors, evaluate_jsd
-from rlasync.losses.distill import DistillLossConfig
 from rlasync.model import enable_tree_attention
 
 VOCAB = 64

@@ -1,0 +1,11 @@
+"""Asynchronous GRPO (docs/algorithms.md §1-§8), one folder:
+
+    config          rlasync.config.grpo.AsyncGRPOConfig (the user's surface; rlasync.config stays a leaf)
+    spec.py         GRPO: the `Algorithm` spec (rlasync.algorithms.spec) the registry lists
+    objective.py    GrpoObjective: tree-packed rows (rlasync.packing) -> LearnerStep (rlasync.learner.step)
+    rollout policy  rlasync.rollout.loop.AsyncRolloutLoop (the trainer's `loop_cls`) over rlasync.rollout.policy
+    loss            rlasync.losses.grpo (grpo_loss, LossConfig)
+
+Deliberately empty: a learner rank unpickling `GrpoObjective` imports this package, and must not load the rollout
+runtime through it.
+"""
