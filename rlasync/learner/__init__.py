@@ -7,13 +7,12 @@ from rlasync.learner.learner import Learner
 from rlasync.learner.metrics import SUM_ACROSS_RANKS, reduce_across_ranks
 from rlasync.learner.parallel import shard_for_training
 from rlasync.learner.settings import LearnerSettings
-from rlasync.learner.step import LearnerStep, OptimizerSettings, build_optimizer
+from rlasync.learner.step import OptimizerSettings, build_optimizer
 
 __all__ = [
     "SUM_ACROSS_RANKS",
     "Learner",
     "LearnerSettings",
-    "LearnerStep",
     "OptimizerSettings",
     "build_optimizer",
     "reduce_across_ranks",

@@ -3,7 +3,7 @@ a `TreeScorer` holding the model becomes the root, so one root forward gathers t
 LM head weight that the chunked head reads unsharded.
 
     scorer = shard_for_training(model, mesh)      # model: tree attention on (load_model / prepare_for_training)
-    step = LearnerStep(scorer, optimizer over scorer.parameters(), ...)
+    step = GrpoLearnerStep(scorer, optimizer over scorer.parameters(), ...)
 
 Parameters become DTensors: the weight stream gathers each with `full_tensor()` (rlasync.weights), gradient
 clipping and the optimizer work on the shards. Needs an initialised process group (NCCL on GPUs; gloo on CPU).

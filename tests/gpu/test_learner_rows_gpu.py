@@ -18,7 +18,8 @@ pytestmark = [
 def tiny_learner_step():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from rlasync.learner import LearnerStep, OptimizerSettings, build_optimizer
+    from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+    from rlasync.learner import OptimizerSettings, build_optimizer
     from rlasync.losses import LossConfig
     from rlasync.model import enable_tree_attention
 
@@ -35,7 +36,7 @@ def tiny_learner_step():
     )
     model = enable_tree_attention(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda())
     optimizer, scheduler = build_optimizer(model, OptimizerSettings(learning_rate=1e-3))
-    return LearnerStep(model, optimizer, scheduler, LossConfig(score_centering=False), device="cuda")
+    return GrpoLearnerStep(model, optimizer, scheduler, LossConfig(score_centering=False), device="cuda")
 
 
 def rows(num_rows=3, seed=0):

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 from rlasync.algorithms import registry
+from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
 from rlasync.algorithms.grpo.objective import GrpoObjective
 from rlasync.algorithms.spec import Algorithm
 from rlasync.config import AsyncGRPOConfig
-from rlasync.learner.step import LearnerStep, apply_update, step_metrics
+from rlasync.learner.step import apply_update, step_metrics
 from rlasync.model import packed_row_to_tensors, packed_token_scores
 from rlasync.rollout.loop import AsyncRolloutLoop
 from rlasync.trainers import AsyncGRPOTrainer
@@ -56,7 +57,7 @@ class LeaveOneOutLoop(AsyncRolloutLoop):
         return leave_one_out(group.rewards)
 
 
-class ReinforceStep(LearnerStep):
+class ReinforceStep(GrpoLearnerStep):
     """One optimizer step of -Σ A·logprob over the step's trained tokens (the rows' global term count)."""
 
     def step(self, rows, global_terms, *, rate_pairs=False):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from rlasync.algorithms.distill.loss import DistillLossConfig, distillation_metrics, distillation_row_loss, num_stats
-from rlasync.learner.step import RowTimer, _partials, apply_update, step_metrics
+from rlasync.learner.step import RowTimer, apply_update, partial_metrics, step_metrics
 from rlasync.metrics import MetricSink, MetricValue
 from rlasync.model.attention import build_tree_attention, sliding_windows
 from rlasync.model.devices import to_device
@@ -221,7 +221,7 @@ class DistillLearnerStep:
         names = self.teacher_ids if len(self.teacher_ids) > 1 else ()
         loss_metrics = distillation_metrics(stats, names)
         if rate_pairs:
-            out = _partials([loss_metrics])
+            out = partial_metrics([loss_metrics])
         else:
             sink = MetricSink()
             sink.update(loss_metrics)

@@ -2,7 +2,8 @@
 
     config          rlasync.config.grpo.AsyncGRPOConfig (the user's surface; rlasync.config stays a leaf)
     spec.py         GRPO: the `Algorithm` spec (rlasync.algorithms.spec) the registry lists
-    objective.py    GrpoObjective: tree-packed rows (rlasync.packing) -> LearnerStep (rlasync.learner.step)
+    objective.py    GrpoObjective: tree-packed rows (rlasync.packing) -> GrpoLearnerStep
+    learner_step.py GrpoLearnerStep: one optimizer step of grpo_loss on tree-packed micro-batches
     rollout policy  rlasync.rollout.loop.AsyncRolloutLoop (the trainer's `loop_cls`) over rlasync.rollout.policy
     loss            rlasync.losses.grpo (grpo_loss, LossConfig)
 

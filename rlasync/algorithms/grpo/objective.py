@@ -1,5 +1,5 @@
 """GRPO's learner objective: tree-packed rows (`rlasync.packing`: TokenBudgetBatcher / FixedCountBatcher) ->
-`LearnerStep` (grpo_loss, docs/algorithms.md §5); counts `batch/groups_per_step`. Runs on a learner rank: imports
+`GrpoLearnerStep` (grpo_loss, docs/algorithms.md §5); counts `batch/groups_per_step`. Runs on a learner rank: imports
 no rollout code."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rlasync.metrics import MetricValue
 
 
 class GrpoObjective(Objective):
-    """Asynchronous GRPO on tree-packed rows (`LearnerStep`); counts `batch/groups_per_step`. A model with
+    """Asynchronous GRPO on tree-packed rows (`GrpoLearnerStep`); counts `batch/groups_per_step`. A model with
     linear-attention layers is planned padding-free (every sample its own chain, docs/algorithms.md §4.3)."""
 
     loss_cls = LossConfig
@@ -23,13 +23,13 @@ class GrpoObjective(Objective):
     share_prefixes = True  # set by `build` from the model
 
     def build(self, parts: StepParts) -> None:
-        from rlasync.learner.step import LearnerStep
+        from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
         from rlasync.model.attention import has_linear_attention
 
         settings = self.settings
         # linear-attention (gated DeltaNet) layers cannot share a prefix: such models train padding-free
         self.share_prefixes = not has_linear_attention(getattr(parts.scorer, "model", parts.scorer))
-        self.step_core = LearnerStep(
+        self.step_core = GrpoLearnerStep(
             parts.scorer,
             parts.optimizer,
             parts.scheduler,

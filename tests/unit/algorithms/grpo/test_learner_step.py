@@ -1,4 +1,4 @@
-"""LearnerStep: tree-packed micro-batches -> GRPO loss -> one optimizer step (CPU, tiny Qwen3)."""
+"""GrpoLearnerStep: tree-packed micro-batches -> GRPO loss -> one optimizer step (CPU, tiny Qwen3)."""
 
 import math
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlasync.learner import LearnerStep, OptimizerSettings, build_optimizer
+from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+from rlasync.learner import OptimizerSettings, build_optimizer
 from rlasync.losses import LossConfig
 from rlasync.model import enable_tree_attention, sequence_logprobs
 from rlasync.packing import TokenBudgetBatcher, pack
@@ -63,7 +64,7 @@ def rows_of(samples, budget=64):
 
 def make_step(model, loss_config, lr=1e-2, max_grad_norm=1.0):
     optimizer, scheduler = build_optimizer(model, OptimizerSettings(learning_rate=lr, max_grad_norm=max_grad_norm))
-    return LearnerStep(model, optimizer, scheduler, loss_config, max_grad_norm=max_grad_norm)
+    return GrpoLearnerStep(model, optimizer, scheduler, loss_config, max_grad_norm=max_grad_norm)
 
 
 @pytest.mark.parametrize("score_centering", [True, False])
@@ -115,7 +116,7 @@ def test_gradient_accumulation_averages_micro_batches_normalised_by_their_global
     config = LossConfig(score_centering=False)
 
     reference = tiny_model(2)
-    from rlasync.learner.step import LearnerStep as _Step
+    from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep as _Step
 
     ref_step = _Step(reference, torch.optim.SGD(reference.parameters(), lr=1.0), None, config, num_ranks=3)
     expected = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
@@ -129,7 +130,7 @@ def test_gradient_accumulation_averages_micro_batches_normalised_by_their_global
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    step = LearnerStep(model, optimizer, scheduler, config, max_grad_norm=math.inf, num_ranks=3)
+    step = GrpoLearnerStep(model, optimizer, scheduler, config, max_grad_norm=math.inf, num_ranks=3)
     step.step(rows, global_terms)
     for n, p in model.named_parameters():
         torch.testing.assert_close(before[n] - p.detach(), expected[n], atol=1e-6, rtol=1e-5)
@@ -175,7 +176,7 @@ def test_an_fsdp2_sharded_learner_takes_exactly_the_unsharded_step(tmp_path):
     def run(module):
         optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-        step = LearnerStep(module, optimizer, scheduler, LossConfig(), max_grad_norm=math.inf)
+        step = GrpoLearnerStep(module, optimizer, scheduler, LossConfig(), max_grad_norm=math.inf)
         return step.step(rows, [r.num_trained_tokens for r in rows])
 
     expected = run(reference)
@@ -202,7 +203,7 @@ def test_mixed_precision_step_keeps_float32_master_weights_and_follows_the_float
     grads = {}
     for name, model, dtype in (("fp32", model32, None), ("mixed", model_mp, torch.bfloat16)):
         optimizer, scheduler = build_optimizer(model, OptimizerSettings(learning_rate=0.0, max_grad_norm=1e9))
-        step = LearnerStep(model, optimizer, scheduler, LossConfig(), max_grad_norm=1e9, autocast_dtype=dtype)
+        step = GrpoLearnerStep(model, optimizer, scheduler, LossConfig(), max_grad_norm=1e9, autocast_dtype=dtype)
         step.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients to compare them
         step.step(rows, [r.num_trained_tokens for r in rows])
         grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -213,7 +214,7 @@ def test_mixed_precision_step_keeps_float32_master_weights_and_follows_the_float
 
     before = {n: p.detach().clone() for n, p in model_mp.named_parameters()}
     optimizer, scheduler = build_optimizer(model_mp, OptimizerSettings(learning_rate=1e-7))
-    LearnerStep(model_mp, optimizer, scheduler, LossConfig(), autocast_dtype=torch.bfloat16).step(
+    GrpoLearnerStep(model_mp, optimizer, scheduler, LossConfig(), autocast_dtype=torch.bfloat16).step(
         rows, [r.num_trained_tokens for r in rows]
     )
     norm = before["model.norm.weight"]  # ~1.0: bf16's step there is 2**-7, far above an Adam step of 1e-7
