@@ -1,23 +1,18 @@
 """Typed rollout settings: the part every rollout loop shares, derived once from the user's flat TRL-named config.
 
-`RolloutSettings.from_config` reads the group-scoring loop's fields (`num_generations`, `max_concurrent_rollouts`,
-...); an algorithm whose loop reads other fields builds its own (e.g. `rlasync.algorithms.distill.settings`).
-
-The task scheduler and the engine pool take a `RolloutSettings`, never the config; the rollout policies keep the
-config object only for the user's hooks (`self.config`). Sampling parameters are the engine's own reading of the
-config (`SamplingParams.from_config` / `.for_student`), built once; each request gets its seed with `with_seed`.
+Each algorithm reads its own fields into one (`rlasync.algorithms.grpo.settings`,
+`rlasync.algorithms.distill.settings`). The task scheduler and the engine pool take a `RolloutSettings`, never the
+config; the rollout policies keep the config object only for the user's hooks (`self.config`). Sampling parameters
+are the engine's own reading of the config, built once; each request gets its seed with `with_seed`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlasync.engine.base import SamplingParams
-
-if TYPE_CHECKING:
-    from rlasync.config.base import TrainerConfig
 
 DEFAULT_MAX_REQUEST_ATTEMPTS = 30
 
@@ -58,23 +53,6 @@ class RolloutSettings:
             raise ValueError(f"RolloutSettings.group_size={self.group_size}: a lease needs at least one task")
         if self.max_concurrent < 1:
             raise ValueError(f"RolloutSettings.max_concurrent={self.max_concurrent}: must be >= 1")
-
-    @classmethod
-    def from_config(cls, config: TrainerConfig) -> RolloutSettings:
-        """Settings of a group-scoring loop's config (an `AsyncGRPOConfig`, or a user subclass)."""
-        return cls(
-            group_size=int(config.num_generations),
-            max_concurrent=int(config.max_concurrent_rollouts),
-            sampling=SamplingParams.from_config(config),
-            heartbeat_timeout_s=config.rollout_worker_timeout,
-            reward_timeout_s=config.reward_timeout_s,
-            tool_timeout_s=config.tool_timeout_s,
-            num_sampler_logprobs=int(config.num_sampler_logprobs),
-            max_tool_calling_iterations=config.max_tool_calling_iterations,
-            chat_template_kwargs=config.chat_template_kwargs,
-            log_completions=bool(config.log_completions),
-            num_completions_to_print=config.num_completions_to_print,
-        )
 
 
 __all__ = ["RolloutSettings"]

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rlasync.algorithms.grpo.loop import AsyncRolloutLoop
 from rlasync.config import AsyncGRPOConfig
 from rlasync.data import validate_prompt_dataset, with_environment_prompts
 from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, actor_requests, check_resources, engine_dtype
@@ -30,7 +31,6 @@ from rlasync.driver.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE
 from rlasync.driver.step_loop import TAKE_POLL_S
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.rollout.environments import EnvironmentFactory
-from rlasync.rollout.loop import AsyncRolloutLoop
 from rlasync.trainers.base import AsyncTrainerBase
 from rlasync.trainers.checks import _check_picklable, _checked_environment_factory, _checked_tools, _may_own_reward
 

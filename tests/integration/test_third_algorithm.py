@@ -19,12 +19,12 @@ import pytest
 
 from rlasync.algorithms import registry
 from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+from rlasync.algorithms.grpo.loop import AsyncRolloutLoop
 from rlasync.algorithms.grpo.objective import GrpoObjective
 from rlasync.algorithms.spec import Algorithm
 from rlasync.config import AsyncGRPOConfig
 from rlasync.learner.step import apply_update, step_metrics
 from rlasync.model import packed_row_to_tensors, packed_token_scores
-from rlasync.rollout.loop import AsyncRolloutLoop
 from rlasync.trainers import AsyncGRPOTrainer
 
 pytestmark = pytest.mark.integration

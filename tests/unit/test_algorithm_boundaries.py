@@ -77,7 +77,7 @@ def test_the_algorithm_folders_exist():
     for name in ("grpo", "distill"):
         folder = REPO / "rlasync" / "algorithms" / name
         assert (folder / "__init__.py").is_file() and (folder / "spec.py").is_file(), folder
-        assert (folder / "objective.py").is_file(), folder
+        assert (folder / "objective.py").is_file() and (folder / "loop.py").is_file(), folder
 
 
 def test_no_module_outside_the_algorithms_names_an_algorithm():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlasync.algorithms.grpo.loop import AsyncRolloutLoop
+from rlasync.algorithms.grpo.settings import group_size
 from rlasync.algorithms.spec import Algorithm
 from rlasync.config.grpo import AsyncGRPOConfig
-from rlasync.rollout.loop import AsyncRolloutLoop
 
 
 def loss_settings(config: AsyncGRPOConfig) -> Any:
@@ -15,11 +16,6 @@ def loss_settings(config: AsyncGRPOConfig) -> Any:
     from rlasync.losses.grpo_config import LossConfig
 
     return LossConfig.from_config(config)
-
-
-def group_size(config: AsyncGRPOConfig) -> int:
-    """Rollouts per prompt: `num_generations` (the one place it is read for a lease)."""
-    return int(config.num_generations)
 
 
 def hang_timeout(config: AsyncGRPOConfig) -> float | None:

@@ -1,6 +1,6 @@
 """`AsyncRolloutLoop`: the asyncio loop that turns prompts into scored groups (TRL's `AsyncRolloutLoop`).
 
-It is three parts assembled: the GRPO rollout policy with the user hooks (`rlasync.rollout.policy`), the task
+It is three parts assembled: the GRPO rollout policy with the user hooks (`rlasync.algorithms.grpo.policy`), the task
 scheduler that runs `num_generations` tasks per lease (`rlasync.rollout.scheduler`) and the engine pool
 (`rlasync.rollout.engine_pool`: engine choice, retries, load statistics). Subclass it and override the hooks.
 
@@ -62,6 +62,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlasync.algorithms.grpo.policy import GroupSink, RewardScorer, RolloutContext, RolloutPolicy
+from rlasync.algorithms.grpo.settings import rollout_settings
 from rlasync.engine.base import EngineError
 from rlasync.metrics import MetricSink
 from rlasync.records import GroupOutcome, MetricsCallback, PromptLease
@@ -71,11 +73,9 @@ from rlasync.rollout.concurrency import ConcurrencyController
 from rlasync.rollout.engine_pool import EnginePool, retry_backoff_s
 from rlasync.rollout.environments import EnvironmentFactory
 from rlasync.rollout.groups import GroupResult
-from rlasync.rollout.policy import GroupSink, RewardScorer, RolloutContext, RolloutPolicy
 from rlasync.rollout.protocols import Admission, OpenAdmission, PromptSource
 from rlasync.rollout.scheduler import TaskScheduler
 from rlasync.rollout.sequences import build_training_sequences, reconciliation_tally
-from rlasync.rollout.settings import RolloutSettings
 
 if TYPE_CHECKING:
     from rlasync.config.base import TrainerConfig
@@ -126,7 +126,7 @@ class AsyncRolloutLoop(ScheduledLoop, RolloutPolicy):
         args: TrainerConfig | None = None,
     ) -> None:
         config = one_config(config, args, type(self).__name__)
-        settings = RolloutSettings.from_config(config)
+        settings = rollout_settings(config)  # type: ignore[arg-type]
         self.counters: collections.Counter[str] = collections.Counter()
         self.metrics = MetricSink()
         self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update

@@ -11,7 +11,7 @@ policy says what one task does and what a finished group becomes:
 
 Requests go through the engine pool (`rlasync.rollout.engine_pool`). Hooks read `self.config` (the user's config
 object, possibly a subclass with extra fields; `self.args` is the same object) and `self.tokenizer`; the built-in
-behaviour reads the typed `self.settings`. Metric keys are listed in `rlasync.rollout.loop`'s docstring.
+behaviour reads the typed `self.settings`. Metric keys are listed in `rlasync.algorithms.grpo.loop`'s docstring.
 """
 
 from __future__ import annotations
