@@ -19,8 +19,8 @@ def tiny_learner_step():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+    from rlasync.algorithms.grpo.loss import LossConfig
     from rlasync.learner import OptimizerSettings, build_optimizer
-    from rlasync.losses import LossConfig
     from rlasync.model import enable_tree_attention
 
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def rows(num_rows=3, seed=0):
 
 @pytest.mark.parametrize("backend", ["flex", "varlen"])
 def test_rows_queue_without_a_device_sync(backend, monkeypatch):
-    from rlasync.losses.grpo_metrics import resolve_metrics
+    from rlasync.algorithms.grpo.loss_metrics import resolve_metrics
 
     monkeypatch.setenv("RLASYNC_TREE_ATTENTION", backend)
     step = tiny_learner_step()

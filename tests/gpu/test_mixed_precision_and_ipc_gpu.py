@@ -57,8 +57,8 @@ def group(model, rng, vocab=512, prompt_len=12, completion_len=10, size=4):
 
 def test_mixed_precision_step_on_cuda_follows_the_float32_step():
     from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+    from rlasync.algorithms.grpo.loss import LossConfig
     from rlasync.learner import OptimizerSettings, build_optimizer
-    from rlasync.losses import LossConfig
     from rlasync.packing import TokenBudgetBatcher, pack
 
     rng = np.random.default_rng(0)

@@ -39,8 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from rlasync.losses.grpo import normalize_loss
-from rlasync.losses.grpo_metrics import Metrics
+from rlasync.losses.normalize import Metrics, normalize_loss
 
 if TYPE_CHECKING:
     from rlasync.config import AsyncDistillationConfig

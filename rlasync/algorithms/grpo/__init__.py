@@ -7,7 +7,7 @@
     loop.py         AsyncRolloutLoop: the policy on the rollout task scheduler (the trainer's `loop_cls`)
     policy.py       RolloutPolicy: TRL's hooks (generate_one, the tool loop, environments, compute_advantages)
     settings.py     the loop's RolloutSettings
-    loss            rlasync.losses.grpo (grpo_loss, LossConfig)
+    loss            rlasync.algorithms.grpo.loss (grpo_loss, LossConfig)
 
 Deliberately empty: a learner rank unpickling `GrpoObjective` imports this package, and must not load the rollout
 runtime through it.

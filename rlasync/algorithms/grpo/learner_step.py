@@ -2,7 +2,7 @@
 
     micro-batches of this rank ([PackedRow] x GA, one row per micro-batch)
       -> per row: tree forward + chunked head (rlasync.model) -> TokenScores [M]
-      -> grpo_loss (rlasync.losses), normalised by the micro-batch's loss terms over all ranks and averaged over
+      -> grpo_loss (rlasync.algorithms.grpo.loss), normalised by the micro-batch's loss terms over all ranks and averaged over
          the GA micro-batches -> backward
       -> clip grad norm -> optimizer.step -> scheduler.step -> zero_grad
 
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlasync.algorithms.grpo.loss import LossConfig, grpo_loss
+from rlasync.algorithms.grpo.loss_metrics import PendingMetrics, resolve_metrics
 from rlasync.learner.step import RowTimer, apply_update, partial_metrics, step_metrics
-from rlasync.losses import LossConfig, grpo_loss
-from rlasync.losses.grpo_metrics import PendingMetrics, resolve_metrics
 from rlasync.metrics import MetricSink, MetricValue
 from rlasync.model import packed_row_to_tensors, packed_token_scores
 from rlasync.model.row_shapes import pad_row_tensors, padded_length

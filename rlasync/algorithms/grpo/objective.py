@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from rlasync.algorithms.grpo.loss_config import LossConfig
 from rlasync.learner.objectives import Objective, StepParts, StepRows
-from rlasync.losses.grpo_config import LossConfig
 from rlasync.metrics import MetricValue
 
 

@@ -12,8 +12,8 @@ from rlasync.config.grpo import AsyncGRPOConfig
 
 
 def loss_settings(config: AsyncGRPOConfig) -> Any:
-    """The GRPO loss fields of the config (`rlasync.losses.LossConfig`)."""
-    from rlasync.losses.grpo_config import LossConfig
+    """The GRPO loss fields of the config (`rlasync.algorithms.grpo.loss_config.LossConfig`)."""
+    from rlasync.algorithms.grpo.loss_config import LossConfig
 
     return LossConfig.from_config(config)
 

@@ -78,8 +78,8 @@ def rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     import rlasync.model.head as head
     from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+    from rlasync.algorithms.grpo.loss import LossConfig
     from rlasync.learner.parallel import shard_for_training
-    from rlasync.losses import LossConfig
 
     torch.set_num_threads(1)
     chunks = []
@@ -102,7 +102,7 @@ def rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def reference_step(model, rows, global_terms) -> list[float]:
-    from rlasync.losses import LossConfig, grpo_loss
+    from rlasync.algorithms.grpo.loss import LossConfig, grpo_loss
     from rlasync.model import packed_row_to_tensors, packed_token_scores
 
     losses = []

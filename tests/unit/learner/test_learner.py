@@ -15,10 +15,10 @@ import torch
 
 from rlasync.algorithms.distill.loss import DistillLossConfig
 from rlasync.algorithms.distill.spec import DISTILL
+from rlasync.algorithms.grpo.loss import LossConfig
 from rlasync.algorithms.grpo.spec import GRPO
 from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig
 from rlasync.learner import Learner, LearnerSettings
-from rlasync.losses import LossConfig
 from rlasync.model.checkpointing import checkpointed_layers
 from rlasync.model.loading import compiled_layer_count
 from rlasync.model.row_shapes import row_bucket

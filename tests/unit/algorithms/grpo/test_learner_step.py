@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+from rlasync.algorithms.grpo.loss import LossConfig
 from rlasync.learner import OptimizerSettings, build_optimizer
-from rlasync.losses import LossConfig
 from rlasync.model import enable_tree_attention, sequence_logprobs
 from rlasync.packing import TokenBudgetBatcher, pack
 from rlasync.rollout import RolloutSample
@@ -227,8 +227,8 @@ def test_the_step_reads_its_losses_and_timings_once_and_they_add_up():
     """The rows queue without waiting for the device (metrics and losses are read after the last backward): the
     logged loss is still the sum of the rows' losses as computed before the update, and each row's forward time
     lies inside its forward+backward time."""
+    from rlasync.algorithms.grpo.loss import grpo_loss
     from rlasync.learner.step import RowTimer
-    from rlasync.losses import grpo_loss
     from rlasync.model import packed_row_to_tensors, packed_token_scores
 
     model = tiny_model(4)

@@ -19,7 +19,7 @@ Two objectives (`LossConfig.score_centering`):
   True   ℓ_t = −A_t · [sg(w(r_t)) log π̃_θ(y_t) − Σ_{v∈H_t} c_{t,v} log π̃_θ(v)], with the centring coefficients
          c_{t,v} of docs/algorithms.md §5.3 (tail model ρ_t). Nothing is clipped.
 
-The summed terms are divided by the §5.2 normaliser (`normalize_loss`). Metrics: see `rlasync.losses.grpo_metrics`.
+The summed terms are divided by the §5.2 normaliser (`normalize_loss`). Metrics: see `rlasync.algorithms.grpo.loss_metrics`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from rlasync.losses.grpo_config import TAIL_MASS_FLOOR, LossConfig, MaskedTokenCentering
-from rlasync.losses.grpo_metrics import Metrics, PendingMetrics, grpo_metrics
+from rlasync.algorithms.grpo.loss_config import TAIL_MASS_FLOOR, LossConfig, MaskedTokenCentering
+from rlasync.algorithms.grpo.loss_metrics import Metrics, PendingMetrics, grpo_metrics
+from rlasync.losses.normalize import normalize_loss
 
 __all__ = ["TAIL_MASS_FLOOR", "LossConfig", "MaskedTokenCentering", "grpo_loss", "masked_is_weight", "normalize_loss"]
 
@@ -54,7 +55,7 @@ def grpo_loss(
 
     `num_tokens_global` is the number of loss terms of the micro-batch summed over all ranks (counted regardless
     of the IS mask). Returns (0-d loss tensor, metrics); see the module docstring for shapes and formulas.
-    `num_samples` and `defer_metrics`: see `rlasync.losses.grpo_metrics.grpo_metrics` (a learner step passes
+    `num_samples` and `defer_metrics`: see `rlasync.algorithms.grpo.loss_metrics.grpo_metrics` (a learner step passes
     both, so nothing in the micro-batch waits for the device).
     """
     dtype = torch.promote_types(trainer_logprobs.dtype, torch.float32)
@@ -85,20 +86,6 @@ def grpo_loss(
         defer=defer_metrics,
     )
     return loss, metrics
-
-
-def normalize_loss(
-    summed_terms: torch.Tensor, num_tokens_global: float, num_ranks: int = 1, grad_accum_steps: int = 1
-) -> torch.Tensor:
-    """docs/algorithms.md §5.2: Σ ℓ_t / max(num_tokens_global / num_ranks, 1) / grad_accum_steps.
-
-    After gradient averaging over the ranks this is Σ ℓ / num_tokens_global per micro-batch, averaged over the
-    `grad_accum_steps` micro-batches of a step.
-    """
-    if num_ranks < 1 or grad_accum_steps < 1:
-        raise ValueError(f"num_ranks and grad_accum_steps must be >= 1, got {num_ranks}, {grad_accum_steps}")
-    tokens_per_rank = max(float(num_tokens_global) / num_ranks, 1.0)
-    return summed_terms / tokens_per_rank / grad_accum_steps
 
 
 def masked_is_weight(ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlasync.losses import LossConfig, grpo_loss
+from rlasync.algorithms.grpo.loss import LossConfig, grpo_loss
 
 V = 6
 NARROW = dict(is_clip_min=0.8, is_clip_max=1.25)  # the masked-IS weights are active (some ratios fall outside)

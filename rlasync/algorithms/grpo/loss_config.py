@@ -1,6 +1,6 @@
 """Settings of the GRPO loss (docs/algorithms.md §5.2-§5.3): `LossConfig`, read once from the user's config (`from_config`).
 
-Its own module so that both the loss (`rlasync.losses.grpo`) and its metrics (`rlasync.losses.grpo_metrics`) can
+Its own module so that both the loss (`rlasync.algorithms.grpo.loss`) and its metrics (`rlasync.algorithms.grpo.loss_metrics`) can
 import it without importing each other.
 """
 

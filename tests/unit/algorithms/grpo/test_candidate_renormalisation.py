@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlasync.losses.reference import candidate_logprob_reference
+from rlasync.algorithms.grpo.loss_reference import candidate_logprob_reference
 
 V = 7
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlasync.losses import LossConfig, grpo_loss
+from rlasync.algorithms.grpo.loss import LossConfig, grpo_loss
 
 RATIOS = [0.4, 0.7, 1.0, 1.3, 6.0, 0.9]
 ADVANTAGES = [-1.0, -1.0, 1.0, 1.0, 1.0, 1.0]
@@ -141,8 +141,8 @@ def test_metrics_with_a_known_sample_count_equal_the_reference(samples, num_samp
     """`num_samples` (the learner passes it, so nothing waits for the device) and without it (the largest index
     is read back) give the plain-Python reference's per-sample extrema, samples without terms ignored; deferred
     metrics resolve to the same values."""
-    from rlasync.losses.grpo_metrics import resolve_metrics
-    from rlasync.losses.reference import grpo_metrics_reference
+    from rlasync.algorithms.grpo.loss_metrics import resolve_metrics
+    from rlasync.algorithms.grpo.loss_reference import grpo_metrics_reference
 
     config = LossConfig(score_centering=False, epsilon_high=0.28)
     sampler = torch.linspace(-2.0, -0.5, len(RATIOS), dtype=torch.float64)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rlasync.losses import LossConfig, grpo_loss
-from rlasync.losses.reference import grpo_loss_reference, grpo_metrics_reference
+from rlasync.algorithms.grpo.loss import LossConfig, grpo_loss
+from rlasync.algorithms.grpo.loss_reference import grpo_loss_reference, grpo_metrics_reference
 
 CONFIGS = {
     "trl_1_16": LossConfig.trl_1_16(),

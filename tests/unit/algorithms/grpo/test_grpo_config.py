@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlasync.losses import LossConfig, grpo_loss, masked_is_weight, normalize_loss
+from rlasync.algorithms.grpo.loss import LossConfig, grpo_loss, masked_is_weight, normalize_loss
 
 
 def _config(**overrides):

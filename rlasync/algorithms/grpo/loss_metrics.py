@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlasync.losses.grpo_config import LossConfig
-
-Metrics = dict[str, float | tuple[float, float]]
+from rlasync.algorithms.grpo.loss_config import LossConfig
+from rlasync.losses.normalize import Metrics
 
 
 @dataclass(frozen=True)

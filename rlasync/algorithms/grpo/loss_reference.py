@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from rlasync.losses.grpo import TAIL_MASS_FLOOR, LossConfig
+from rlasync.algorithms.grpo.loss import TAIL_MASS_FLOOR, LossConfig
 
 
 def candidate_logprob_reference(

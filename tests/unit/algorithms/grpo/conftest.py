@@ -1,4 +1,4 @@
-"""Random loss-term batches shaped like the chunked LM head's output (see rlasync/losses/grpo.py for shapes)."""
+"""Random loss-term batches shaped like the chunked LM head's output (see rlasync/algorithms/grpo/loss.py for shapes)."""
 
 from __future__ import annotations
 
