@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ import numpy as np
 
 from rlasync.algorithms.distill.samples import PAD_TEACHER_ID, PAD_TEACHER_LOGPROB, DistillationSample
 from rlasync.metrics import MetricValue
+from rlasync.packing.planner import BudgetBatcher
 from rlasync.packing.planner import FixedCountBatcher as PlannerFixedCountBatcher
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,9 @@ class FixedCountBatcher(PlannerFixedCountBatcher):
         return DistillMicroBatch(balance_by_squared_length(samples, self.num_ranks))
 
 
-class TokenBudgetBatcher:
-    """Rows of at most `token_budget` raw tokens (docs/algorithms.md §9.5; the default, budget = the student's max_model_len).
+class TokenBudgetBatcher(BudgetBatcher):
+    """Rows of at most `token_budget` raw tokens (docs/algorithms.md §9.5; the default, budget = the student's
+    max_model_len), on the planner skeleton GRPO's batcher uses (`rlasync.packing.planner.BudgetBatcher`).
 
     A sample longer than the budget is dropped and counted (`dropped_oversize_count`: running total; each
     micro-batch carries its drops since the previous one, logged as `batch/dropped_oversize_total`). Otherwise the
@@ -129,47 +131,14 @@ class TokenBudgetBatcher:
     row is always a candidate of least load, so an emitted micro-batch never has an empty row.
     """
 
-    def __init__(self, num_ranks: int, token_budget: int) -> None:
-        if num_ranks < 1:
-            raise ValueError(f"TokenBudgetBatcher: num_ranks must be >= 1, got {num_ranks}")
-        if token_budget < 1:
-            raise ValueError(f"TokenBudgetBatcher: token_budget must be >= 1, got {token_budget}")
-        self.num_ranks = num_ranks
-        self.token_budget = token_budget
-        self.dropped_oversize_count = 0
-        self._dropped_since_emit = 0
-        self._rows = [DistillRow() for _ in range(num_ranks)]
+    def _new_rows(self) -> list[DistillRow]:
+        return [DistillRow() for _ in range(self.num_ranks)]
 
-    @property
-    def pending(self) -> list[DistillationSample]:
-        return [sample for row in self._rows for sample in row.samples]
+    def _batch(self, rows: list[Any], dropped: int) -> DistillMicroBatch:
+        return DistillMicroBatch(rows, self.token_budget, dropped)
 
-    def take_pending(self) -> list[DistillationSample]:
-        samples = self.pending
-        self._rows = [DistillRow() for _ in range(self.num_ranks)]
-        return samples
-
-    def push(self, sample: DistillationSample) -> list[DistillMicroBatch]:
-        """Place `sample`; return the micro-batch its placement closed (empty list or one micro-batch)."""
-        _check_not_empty(sample)
-        if len(sample) > self.token_budget:
-            self.dropped_oversize_count += 1
-            self._dropped_since_emit += 1
-            logger.warning(
-                "dropping a distillation sample of %d tokens (prompt %d): longer than token_budget=%d",
-                len(sample),
-                sample.prompt_id,
-                self.token_budget,
-            )
-            return []
-        closed: list[DistillMicroBatch] = []
-        rank = self._place(sample)
-        if rank is None:
-            closed.append(self._emit())
-            rank = self._place(sample)
-            assert rank is not None  # fresh rows always take an admissible sample
-        self._rows[rank].add(sample)
-        return closed
+    def _describe(self, sample: Any) -> str:
+        return f"prompt {sample.prompt_id}"
 
     def flush(self) -> DistillMicroBatch | None:
         """Emit the open rows at the end of a finite stream; None (samples stay pending) if a row is empty."""
@@ -177,20 +146,9 @@ class TokenBudgetBatcher:
             return None
         return self._emit()
 
-    def plan(self, samples: Iterable[DistillationSample]) -> list[DistillMicroBatch]:
-        batches = [batch for sample in samples for batch in self.push(sample)]
-        last = self.flush()
-        return batches if last is None else [*batches, last]
-
     def _place(self, sample: DistillationSample) -> int | None:
         fitting = [r for r, row in enumerate(self._rows) if row.num_tokens + len(sample) <= self.token_budget]
         return min(fitting, key=lambda r: (self._rows[r].load, r), default=None)
-
-    def _emit(self) -> DistillMicroBatch:
-        batch = DistillMicroBatch(self._rows, self.token_budget, self._dropped_since_emit)
-        self._rows = [DistillRow() for _ in range(self.num_ranks)]
-        self._dropped_since_emit = 0
-        return batch
 
 
 # ---- collation ------------------------------------------------------------------------------------------------
@@ -306,11 +264,6 @@ def batch_metrics(
         kept = [value for value in values if not math.isnan(value)]
         metrics[key] = sum(kept) / len(kept) if kept else math.nan
     return metrics
-
-
-def _check_not_empty(sample: DistillationSample) -> None:
-    if len(sample) == 0:
-        raise ValueError(f"cannot batch an empty sample (prompt {sample.prompt_id}): input_ids has no token")
 
 
 __all__ = [
