@@ -4,8 +4,8 @@
     cluster_weights.py  RayWeightSync    the weight-sync group and one sync (the StepLoop's weight transport)
     fanout.py                            calls to a group of actors and their deadlines, written once
     staleness_queue.py  QueueActor       the named StalenessQueue actor (rlasync.pipeline.QueueService)
-    rollout.py          RolloutActor     an AsyncRolloutLoop wired to the queue and the generation actors
-    distill_rollout.py  DistillRolloutActor  an AsyncDistillationLoop wired to the students and the teachers
+    rollout.py          RolloutActor     any algorithm's rollout loop wired to the queue, the generation actors
+                                         and, as the algorithm's spec says, reward actors or teachers
     generation.py       GenerationActor  a TorchEngine (CPU, or one GPU); receives weight broadcasts
     learner.py          LearnerActor     one training rank (gloo on CPU); sends weight broadcasts from rank 0
     teacher.py          TeacherScorer    a distillation teacher (a local engine, or a `vllm serve` client)

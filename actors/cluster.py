@@ -142,7 +142,7 @@ class Cluster:
         self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
         fleet = RayFleet(
             self.rollouts,
-            spec.rollout.name,
+            spec.algorithm.rollout_name,
             spec.hang_setting,
             self.timeouts,
             engines=engines,
@@ -244,13 +244,11 @@ class Cluster:
     def spawn_learners(self, budget: int) -> list[Any]:
         """The learner ranks, set up (process group, model, optimizer; resumed from the spec's checkpoint)."""
         from actors.learner import LearnerActor
-        from rlasync.learner.settings import LearnerSettings
 
         spec, cluster = self.spec, self.config.cluster
         timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
-        settings = LearnerSettings.from_config(
+        settings = spec.algorithm.learner_settings(  # the algorithm's objective class and loss settings
             self.config,
-            objective=spec.learner.objective,
             token_budget=budget,
             max_steps=spec.learner.max_steps,
             teacher_ids=spec.learner.teacher_ids,
@@ -291,8 +289,8 @@ class Cluster:
         )
 
     def spawn_rewards(self) -> list[Any]:
-        """The RewardActor pool (GRPO with `cluster.num_reward_actors` > 0)."""
-        if self.spec.rollout.kind != "grpo":
+        """The RewardActor pool (an algorithm that scores through one, with `cluster.num_reward_actors` > 0)."""
+        if not self.spec.algorithm.reward_actors:
             return []
         from actors.reward import RewardActor
 
@@ -319,49 +317,34 @@ class Cluster:
         return rollouts
 
     def spawn_rollout(self, engines: list[Any]) -> Any:
-        """One more rollout actor of the spec's kind over `engines` (not started; numbered on, so its owner name
-        at the queue is new); `spawn_rollouts` ran first."""
-        spec, config, cluster = self.spec, self.config, self.config.cluster
-        rollout, (queue, teachers, rewards), dataset = spec.rollout, self.rollout_parts, self.dataset_ref
-        i, self.rollout_count = self.rollout_count, self.rollout_count + 1
-        if rollout.kind == "distill":
-            from actors.distill_rollout import DistillRolloutActor
-
-            return self.spawn(
-                DistillRolloutActor,
-                f"{rollout.name} {i}",
-                "rollout",
-                index=i,
-                config=config,
-                tokenizer=spec.tokenizer,
-                dataset=dataset,
-                queue=queue,
-                students=engines,
-                teachers=teachers,
-                seed=config.seed,
-                loop_cls=rollout.loop_cls,
-                max_inflight_tasks=rollout.max_inflight_tasks,
-                num_cpus=cluster.rollout_num_cpus,
-            )
+        """One more RolloutActor over `engines` (not started; numbered on, so its owner name at the queue is new),
+        wired as the algorithm says (group size, engine keyword, reward actors, teachers, sink);
+        `spawn_rollouts` ran first."""
         from actors.rollout import RolloutActor
 
+        spec, config, cluster = self.spec, self.config, self.config.cluster
+        algorithm, (queue, teachers, rewards) = spec.algorithm, self.rollout_parts
+        i, self.rollout_count = self.rollout_count, self.rollout_count + 1
         return self.spawn(
             RolloutActor,
-            f"{rollout.name} {i}",
+            f"{algorithm.rollout_name} {i}",
             "rollout",
             index=i,
+            actor_name=algorithm.rollout_name,
             config=config,
             tokenizer=spec.tokenizer,
-            dataset=dataset,
-            reward_funcs=rollout.reward_funcs,
+            dataset=self.dataset_ref,
             queue=queue,
             engines=engines,
-            loop_cls=rollout.loop_cls,
+            loop_cls=spec.rollout.loop_cls,
+            loop_kwargs=spec.rollout.loop_kwargs,
+            group_size=algorithm.group_size(config),
+            engine_arg=algorithm.engine_arg,
+            sink=algorithm.sink,
+            reward_actors=rewards if algorithm.reward_actors else None,
+            teachers=teachers if algorithm.teachers else None,
             seed=config.seed,
-            reward_actors=rewards,
             num_cpus=cluster.rollout_num_cpus,
-            tools=rollout.tools,
-            environment_factory=rollout.environment_factory,
         )
 
 

@@ -1,9 +1,14 @@
-"""RolloutActor: one `AsyncRolloutLoop` (or the trainer's `loop_cls`) wired to Ray handles.
+"""RolloutActor: one rollout loop (the trainer's `loop_cls`: an `AsyncRolloutLoop`, an `AsyncDistillationLoop`,
+or any algorithm's) wired to Ray handles. One actor serves every algorithm; the algorithm's spec
+(rlasync.algorithms.spec.Algorithm, read by the Cluster) says which parts the loop gets:
 
-    queue actor ──next_group──► QueuePromptSource.lease() (actors/loop_host.py)  (the queue gates admission: OpenAdmission here)
+    queue actor ──next_group(group_size)──► QueuePromptSource.lease() (actors/loop_host.py)  (the queue gates admission)
     loop ──generate──► EngineChannel (actors/engine_channel.py: many requests per call) ──► GenerationActor handles
-    loop ──reward_scorer──► _RewardPool ──► RewardActor handles (when the cluster has any; else the loop scores)
-    loop ──put(GroupResult)──► QueueGroupSink: samples ray.put here, ObjectRefs + metadata to the queue
+                       (under the loop's `engine_arg` keyword: "engine", or distillation's "student")
+    loop ──reward_scorer──► _RewardPool ──► RewardActor handles (`reward_actors`, when the cluster has any)
+    loop ──score──► _RemoteTeacher ──► TeacherScorer handle of the row's teacher id (`teachers`)
+    loop ──put──► QueueGroupSink (sink "groups": a GroupResult's samples ray.put here, ObjectRefs + metadata to the
+                  queue) or QueueSampleSink (sink "samples": one sample per lease)
 
 The lease is `rlasync.records.PromptLease` on both sides; the queue's "no lease right now" (timeout) is waited
 through, only `done` ends the loop's stream. A seed per request and the retries of transient engine errors are the
@@ -19,10 +24,12 @@ from typing import Any
 import ray
 
 from actors.engine_channel import EngineChannel
-from actors.loop_host import LoopHost, QueueGroupSink
+from actors.loop_host import LoopHost, QueueGroupSink, QueueSampleSink
 from actors.restart import RestartableLoop
 
 logger = logging.getLogger(__name__)
+
+SINKS = {"groups": QueueGroupSink, "samples": QueueSampleSink}
 
 
 class _RewardPool:
@@ -38,6 +45,16 @@ class _RewardPool:
         return handle.score.remote(**group)
 
 
+class _RemoteTeacher:
+    """A TeacherScorer handle as an engine with `score(token_ids, prompt_length, top_k, temperature)`."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def score(self, token_ids: list[int], prompt_length: int, top_k: int, temperature: float = 1.0) -> Any:
+        return self.handle.score.remote(token_ids, prompt_length, top_k, temperature)
+
+
 @ray.remote
 class RolloutActor(RestartableLoop, LoopHost):
     def __init__(
@@ -49,28 +66,32 @@ class RolloutActor(RestartableLoop, LoopHost):
         dataset: Any,
         queue: Any,
         engines: list[Any],
-        reward_funcs: list[Any],
-        reward_actors: list[Any] | None = None,
         loop_cls: type,
+        group_size: int,
+        loop_kwargs: dict[str, Any] | None = None,
+        engine_arg: str = "engine",
+        sink: str = "groups",
+        reward_actors: list[Any] | None = None,
+        teachers: dict[str, Any] | None = None,
         seed: int = 0,
-        tools: list[Any] | None = None,
-        environment_factory: Any = None,
+        actor_name: str = "rollout actor",
     ) -> None:
-        tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=config.num_generations)
-        extra: dict[str, Any] = {}  # only when set: a loop_cls with a narrower __init__ keeps working without them
-        if tools:
-            extra["tools"] = tools
-        if environment_factory is not None:
-            extra["environment_factory"] = environment_factory
+        if sink not in SINKS:
+            raise ValueError(f"RolloutActor sink={sink!r}: use one of {sorted(SINKS)}")
+        self.kind = actor_name  # names this actor's leases at the queue and its log lines
+        tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=group_size)
+        parts: dict[str, Any] = {engine_arg: [EngineChannel(h, f"generation actor {i}") for i, h in enumerate(engines)]}
+        if reward_actors:
+            parts["reward_scorer"] = _RewardPool(reward_actors)
+        if teachers is not None:
+            parts["teachers"] = {teacher_id: _RemoteTeacher(handle) for teacher_id, handle in teachers.items()}
         self.loop = loop_cls(
             config=config,
             tokenizer=tokenizer,
-            engine=[EngineChannel(h, f"generation actor {i}") for i, h in enumerate(engines)],
             prompt_source=self.source,
-            sink=QueueGroupSink(queue, self.source),
-            reward_funcs=reward_funcs,
+            sink=SINKS[sink](queue, self.source),
             metrics_callback=self.items.extend,
             rng=random.Random(seed * 1_000_003 + index),
-            reward_scorer=_RewardPool(reward_actors) if reward_actors else None,
-            **extra,
+            **parts,
+            **(loop_kwargs or {}),
         )

@@ -36,7 +36,7 @@ def _config(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from rlasync.config import load_config
     from rlasync.config.load import read_yaml
-    from rlasync.config.run import RUN_KEYS, load_run
+    from rlasync.runfile import RUN_KEYS, load_run
 
     try:
         if args.path is not None and any(key in (read_yaml(args.path) or {}) for key in RUN_KEYS):
@@ -157,21 +157,12 @@ def _train(argv: Sequence[str]) -> int:
 
 
 def _build_trainer(path: str, overrides: Sequence[str]) -> tuple[Any, Any]:
-    from rlasync.config.run import load_run
     from rlasync.data import build_dataset
+    from rlasync.runfile import load_run
 
     run = load_run(path, overrides)
     dataset = build_dataset(run.dataset)
-    if run.trainer == "distillation":
-        from rlasync.trainers import AsyncDistillationTrainer
-
-        return run, AsyncDistillationTrainer(
-            model=run.model, args=run.config, train_dataset=dataset, teacher_model=run.teacher_model
-        )
-    reward_funcs = run.build_reward_funcs()
-    from rlasync.trainers import AsyncGRPOTrainer
-
-    return run, AsyncGRPOTrainer(model=run.model, reward_funcs=reward_funcs, args=run.config, train_dataset=dataset)
+    return run, run.build_trainer(dataset)
 
 
 def _fail(exc: BaseException, code: int, verbose: bool, prefix: str = "") -> int:

@@ -2,15 +2,16 @@
 
     AsyncGRPOTrainer / AsyncDistillationTrainer  --RunSpec-->  actors.cluster.launch  --StepLoop-->  the run
 
-It names the rollout actor kind and its arguments (reward functions, tools, environments, loop class), the
-learner objective and its options, the teachers (distillation), the queue settings, the horizon and the hang
-limit, and where the run starts (a fresh run, or a checkpoint's step, policy version and prompt position).
+It names the algorithm (an `rlasync.algorithms.spec.Algorithm`: which actors, loop, objective and group size),
+the rollout loop's arguments (loop class, reward functions, tools, environments, ...), the learner's options, the
+teachers, the queue settings, the horizon and the hang limit, and where the run starts (a fresh run, or a
+checkpoint's step, policy version and prompt position).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from rlasync.console import ProgressCallback
 from rlasync.driver.checkpoint import Checkpointer, resumed_trainer_state
@@ -31,15 +32,13 @@ from rlasync.pipeline import RolloutState, initial_tokens_per_step
 from rlasync.pipeline.settings import QueueSettings
 
 if TYPE_CHECKING:
+    from rlasync.algorithms.spec import Algorithm
     from rlasync.config.base import TrainerConfig
-
-RolloutKind = Literal["grpo", "distill"]
-Objective = Literal["grpo", "distill"]
 
 
 @dataclass(frozen=True)
 class TeacherSpec:
-    """One distillation teacher: a local model hosted by a TeacherScorer (`model`, on `engine`), or a `vllm serve`
+    """One teacher (an algorithm whose spec asks for teachers): a local model hosted by a TeacherScorer (`model`, on `engine`), or a `vllm serve`
     teacher reached at `base_url`."""
 
     teacher_id: str
@@ -54,24 +53,20 @@ class TeacherSpec:
 
 @dataclass
 class RolloutSpec:
-    """The rollout actors: `kind` "grpo" (RolloutActor: reward functions, tools, environments) or "distill"
-    (DistillRolloutActor: students and teachers, `max_inflight_tasks` per actor); `name` opens their errors."""
+    """The rollout actors' loop: `loop_cls` and its own keyword arguments (`loop_kwargs`: e.g. `reward_funcs`,
+    `tools`, `environment_factory`, or `max_inflight_tasks` per actor); `reward_funcs` also go to the RewardActor
+    pool when the algorithm scores through one. Which parts the loop gets is the algorithm's (RunSpec.algorithm)."""
 
-    kind: RolloutKind
     loop_cls: type
-    name: str = "rollout actor"
+    loop_kwargs: dict[str, Any] = field(default_factory=dict)
     reward_funcs: list[Any] = field(default_factory=list)
-    tools: list[Any] | None = None
-    environment_factory: Any = None
-    max_inflight_tasks: int | None = None
 
 
 @dataclass(frozen=True)
 class LearnerSpec:
-    """The learners' objective ("grpo" or "distill") and its options (the LR schedule's horizon, teacher ids, the
-    LoRA config)."""
+    """The learners' options (the LR schedule's horizon, teacher ids, the LoRA config); the objective is the
+    algorithm's."""
 
-    objective: Objective = "grpo"
     max_steps: int | None = None
     teacher_ids: list[str] | None = None
     peft_config: Any = None  # a peft.LoraConfig (checked by the trainer): LoRA training with adapter syncs
@@ -81,9 +76,10 @@ class LearnerSpec:
 
 @dataclass
 class RunSpec:
-    """What one training run is made of. `config` is the user's flat config (AsyncGRPOConfig or
-    AsyncDistillationConfig); `model` the resolved path the actors load (a checkpoint's when resuming)."""
+    """What one training run is made of. `algorithm` is the registry's spec; `config` the user's flat config (of
+    the algorithm's `config_cls`); `model` the resolved path the actors load (a checkpoint's when resuming)."""
 
+    algorithm: Algorithm
     config: TrainerConfig
     model: str
     tokenizer: Any
@@ -94,8 +90,6 @@ class RunSpec:
     horizon: int | None
     hang_timeout_s: float
     requests: ActorRequests
-    hang_setting: str = "rollout_worker_timeout"
-    queue_name: str = "rlasync-staleness-queue"
     teachers: dict[str, TeacherSpec] = field(default_factory=dict)
     callbacks: list[Any] = field(default_factory=list)
     resume_dir: str | None = None
@@ -108,6 +102,15 @@ class RunSpec:
     """`trainer.log(logs)` during the run: the StepLoop records these into the next window."""
     resize_requests: ResizeRequests | None = None
     """`trainer.resize(...)` during the run: pool sizes the StepLoop's elastic hook applies after the next step."""
+
+    @property
+    def hang_setting(self) -> str:
+        """The config field a hung rollout loop's error names."""
+        return self.algorithm.hang_setting
+
+    @property
+    def queue_name(self) -> str:
+        return self.algorithm.queue_name
 
     def step_settings(self, tokens_per_step: int, samples_per_step: int | None) -> StepSettings:
         return StepSettings.from_config(

@@ -3,7 +3,7 @@ a `TreeScorer` holding the model becomes the root, so one root forward gathers t
 LM head weight that the chunked head reads unsharded.
 
     scorer = shard_for_training(model, mesh)      # model: tree attention on (load_model / prepare_for_training)
-    step = LearnerStep(scorer, optimizer over scorer.parameters(), ...)
+    step = GrpoLearnerStep(scorer, optimizer over scorer.parameters(), ...)
 
 Parameters become DTensors: the weight stream gathers each with `full_tensor()` (rlasync.weights), gradient
 clipping and the optimizer work on the shards. Needs an initialised process group (NCCL on GPUs; gloo on CPU).
@@ -29,8 +29,8 @@ def shard_for_training(
     scorer_cls: type[TreeScorer] = TreeScorer,
     kernels: KernelSettings | None = None,
 ) -> TreeScorer:
-    """Wrap `model` in a `scorer_cls` (a `TreeScorer`; `rlasync.learner.distill.DistillScorer` for distillation)
-    running `kernels`, and apply FSDP2 (`fully_shard`) to every decoder layer, then to the scorer."""
+    """Wrap `model` in a `scorer_cls` (a `TreeScorer`; `rlasync.algorithms.distill.learner_step.DistillScorer` for
+    distillation) running `kernels`, and apply FSDP2 (`fully_shard`) to every decoder layer, then to the scorer."""
     from torch.distributed.fsdp import fully_shard
 
     options: dict[str, Any] = {}

@@ -2,34 +2,33 @@
 to every learner rank: model init options, precision, the optimizer, the loss of the objective, and the planner's
 token budget. The learner core reads only these typed fields, never the flat TRL-named config itself.
 
-    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=4096)
+    settings = GRPO.learner_settings(config, token_budget=4096)   # rlasync.algorithms.grpo.spec: objective + loss
     learner = Learner(model_path, settings, rank=0, world_size=1, device=torch.device("cpu"))
+
+The objective is a class (an `rlasync.learner.objectives.Objective` subclass, from the algorithm's folder): pickled
+by reference, it imports only its own module on a learner rank. The learner core never names an algorithm.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from rlasync.config.base import TrainerConfig, check_checkpointing_layers
 from rlasync.config.kernels import KernelSettings
 from rlasync.learner.step import OptimizerSettings
-from rlasync.losses import DistillLossConfig, LossConfig
-
-Objective = Literal["grpo", "distill"]
-OBJECTIVES = ("grpo", "distill")
 
 
 @dataclass(frozen=True)
 class LearnerSettings:
     """Everything a learner rank needs of the run's configuration (picklable: it travels to the actors)."""
 
-    objective: Objective
+    objective: type  # the algorithm's `Objective` subclass (rlasync.learner.objectives)
     token_budget: int  # tokens per packed row; <= 0: a fixed count of samples per row (per_device_train_batch_size)
     optimizer: OptimizerSettings
-    loss: LossConfig | DistillLossConfig
-    teacher_ids: tuple[str, ...] = ("default",)  # distillation: stable order = teacher_id_idx
+    loss: Any  # the objective's loss settings: an instance of `objective.loss_cls`
+    teacher_ids: tuple[str, ...] = ("default",)  # with teachers: stable order = teacher_id_idx
     dtype: str = "float32"
     model_init_kwargs: dict[str, Any] | str | None = None
     trust_remote_code: bool = False
@@ -52,11 +51,16 @@ class LearnerSettings:
     kernels: KernelSettings = dataclasses.field(default_factory=KernelSettings)  # the config's `kernels` section
 
     def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"learner objective={self.objective!r}: use 'grpo' or 'distill'")
-        expected = LossConfig if self.objective == "grpo" else DistillLossConfig
+        if not (isinstance(self.objective, type) and hasattr(self.objective, "loss_cls")):
+            raise ValueError(
+                f"LearnerSettings.objective={self.objective!r}: give an rlasync.learner.objectives.Objective subclass "
+                "(an algorithm's spec builds it: rlasync.algorithms.registry.get(name).learner_settings(...))"
+            )
+        expected = self.objective.loss_cls
         if not isinstance(self.loss, expected):
-            raise TypeError(f"objective {self.objective!r} needs a {expected.__name__}, got {type(self.loss).__name__}")
+            raise TypeError(
+                f"objective {self.objective.__name__} needs a {expected.__name__} loss, got {type(self.loss).__name__}"
+            )
         from rlasync.weights.adapter import check_lora_sync, check_peft_config
 
         check_peft_config(self.peft_config)
@@ -74,24 +78,22 @@ class LearnerSettings:
         cls,
         config: TrainerConfig,
         *,
-        objective: Objective,
+        objective: type,
+        loss: Any,
         token_budget: int,
         max_steps: int | None = None,
         teacher_ids: list[str] | None = None,
         peft_config: Any = None,
         optimizer_overrides: dict[str, Any] | None = None,
     ) -> LearnerSettings:
-        """Read an `AsyncGRPOConfig` (objective "grpo") or `AsyncDistillationConfig` ("distill"). `max_steps`
-        overrides the scheduler's horizon when the driver resolved it (distillation with max_steps=-1)."""
-        if objective not in OBJECTIVES:
-            raise ValueError(f"learner objective={objective!r}: use 'grpo' or 'distill'")
+        """The common fields of the user's config, with the algorithm's `objective` class and `loss` settings (its
+        spec passes them: `Algorithm.learner_settings`). `max_steps` overrides the scheduler's horizon when the
+        driver resolved it (e.g. distillation with max_steps=-1)."""
         optimizer = OptimizerSettings.from_config(config)
         if max_steps is not None:
             optimizer = dataclasses.replace(optimizer, max_steps=max_steps)
         if optimizer_overrides:  # the trainer's optimizers=(class, scheduler factory)
             optimizer = dataclasses.replace(optimizer, **optimizer_overrides)
-        loss: LossConfig | DistillLossConfig
-        loss = LossConfig.from_config(config) if objective == "grpo" else DistillLossConfig.from_config(config)  # type: ignore[arg-type]
         compiled = bool(config.torch_compile)
         from rlasync.model.row_shapes import row_bucket  # compiled layers see few row shapes (docs/algorithms.md §5.5)
 
@@ -110,7 +112,7 @@ class LearnerSettings:
             torch_compile=compiled,
             torch_compile_backend=config.torch_compile_backend,
             torch_compile_mode=config.torch_compile_mode,
-            row_bucket=row_bucket(int(token_budget)) if compiled and objective == "grpo" else 0,
+            row_bucket=row_bucket(int(token_budget)) if compiled and getattr(objective, "bucket_rows", False) else 0,
             bf16=bool(config.bf16),
             fp16=bool(config.fp16),
             seed=config.seed,

@@ -84,7 +84,90 @@ class MicroBatch:
         return packing_metrics(self.rows, self.token_budget, dropped_oversize_count=self.dropped_oversize_count)
 
 
-class TokenBudgetBatcher:
+class BudgetBatcher:
+    """The skeleton every token-budget planner shares (GRPO's tree rows here, distillation's plain rows in
+    `rlasync.algorithms.distill.batching`): samples placed one at a time into rows of at most `token_budget` tokens,
+    an oversize sample dropped and counted, the open micro-batch emitted when a sample fits in no row.
+
+    A subclass gives `_new_rows()` (one empty row per rank), `_place(sample)` (the rank, or None: close first),
+    `_batch(rows, dropped)` (the micro-batch of closed rows), `_describe(sample)` (how errors and the drop warning
+    name a sample) and `flush()`.
+    """
+
+    def __init__(self, num_ranks: int, token_budget: int) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"{type(self).__name__}: num_ranks must be >= 1, got {num_ranks}")
+        if token_budget < 1:
+            raise ValueError(f"{type(self).__name__}: token_budget must be >= 1, got {token_budget}")
+        self.num_ranks = num_ranks
+        self.token_budget = token_budget
+        self.dropped_oversize_count = 0  # running total since construction
+        self._dropped_since_emit = 0
+        self._rows: list[Any] = self._new_rows()
+
+    def _new_rows(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _place(self, sample: Any) -> int | None:
+        raise NotImplementedError
+
+    def _batch(self, rows: list[Any], dropped: int) -> Any:
+        raise NotImplementedError
+
+    def _describe(self, sample: Any) -> str:
+        return f"group {sample.group_id}"
+
+    def flush(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def pending(self) -> list[Any]:
+        """Samples placed in the open (not yet emitted) rows."""
+        return [sample for row in self._rows for sample in row.samples]
+
+    def take_pending(self) -> list[Any]:
+        """Empty the open rows and return their samples."""
+        samples = self.pending
+        self._rows = self._new_rows()
+        return samples
+
+    def push(self, sample: Any) -> list[Any]:
+        """Place `sample`; return the micro-batch its placement closed (empty list or one micro-batch)."""
+        if len(sample) == 0:
+            raise ValueError(f"cannot plan an empty sample ({self._describe(sample)}): input_ids has no token")
+        if len(sample) > self.token_budget:
+            self.dropped_oversize_count += 1
+            self._dropped_since_emit += 1
+            logger.warning(
+                "dropping a sample of %d tokens (%s): longer than token_budget=%d, it fits in no row",
+                len(sample),
+                self._describe(sample),
+                self.token_budget,
+            )
+            return []
+        closed = []
+        rank = self._place(sample)
+        if rank is None:  # a fresh set of rows always has room for an admissible sample
+            closed.append(self._emit())
+            rank = self._place(sample)
+            assert rank is not None
+        self._rows[rank].add(sample)
+        return closed
+
+    def plan(self, samples: Iterable[Any]) -> list[Any]:
+        """Plan a finite list: every push, then a flush. Samples left over stay `pending`."""
+        batches = [batch for sample in samples for batch in self.push(sample)]
+        last = self.flush()
+        return batches if last is None else [*batches, last]
+
+    def _emit(self) -> Any:
+        batch = self._batch(self._rows, self._dropped_since_emit)
+        self._rows = self._new_rows()
+        self._dropped_since_emit = 0
+        return batch
+
+
+class TokenBudgetBatcher(BudgetBatcher):
     """Rows bounded by `token_budget`, samples placed one at a time (docs/algorithms.md §4.5, placement rule §4.8).
 
     `placement="1.16"`: the home rows (rows already holding the sample's group) that fit, least loaded first;
@@ -100,45 +183,17 @@ class TokenBudgetBatcher:
     def __init__(
         self, num_ranks: int, token_budget: int, placement: Placement = "seed", share_prefixes: bool = True
     ) -> None:
-        if num_ranks < 1:
-            raise ValueError(f"TokenBudgetBatcher: num_ranks must be >= 1, got {num_ranks}")
-        if token_budget < 1:
-            raise ValueError(f"TokenBudgetBatcher: token_budget must be >= 1, got {token_budget}")
         if placement not in PLACEMENTS:
             raise ValueError(f"TokenBudgetBatcher: placement must be one of {PLACEMENTS}, got {placement!r}")
-        self.num_ranks = num_ranks
-        self.token_budget = token_budget
         self.placement = placement
         self.share_prefixes = share_prefixes
-        self.dropped_oversize_count = 0  # running total since construction
-        self._dropped_since_emit = 0
-        self._rows = _empty_rows(num_ranks, share_prefixes)
+        super().__init__(num_ranks, token_budget)
 
-    @property
-    def pending(self) -> list[PackableSample]:
-        """Samples placed in the open (not yet emitted) rows."""
-        return [sample for row in self._rows for sample in row.samples]
+    def _new_rows(self) -> list[TreeRow]:
+        return _empty_rows(self.num_ranks, self.share_prefixes)
 
-    def take_pending(self) -> list[PackableSample]:
-        """Empty the open rows and return their samples."""
-        samples = self.pending
-        self._rows = _empty_rows(self.num_ranks, self.share_prefixes)
-        return samples
-
-    def push(self, sample: PackableSample) -> list[MicroBatch]:
-        """Place `sample`; return the micro-batch its placement closed (empty list or one micro-batch)."""
-        _check_not_empty(sample)
-        if len(sample) > self.token_budget:
-            self._drop(sample)
-            return []
-        closed: list[MicroBatch] = []
-        rank = self._place(sample)
-        if rank is None:  # a fresh set of rows always has room for an admissible sample
-            closed.append(self._emit())
-            rank = self._place(sample)
-            assert rank is not None
-        self._rows[rank].add(sample)
-        return closed
+    def _batch(self, rows: list[Any], dropped: int) -> MicroBatch:
+        return MicroBatch(rows, self.token_budget, dropped)
 
     def flush(self) -> MicroBatch | None:
         """Emit the open rows at the end of a finite stream.
@@ -151,12 +206,6 @@ class TokenBudgetBatcher:
             return None
         _fill_empty_rows(self._rows)
         return self._emit()
-
-    def plan(self, samples: Iterable[PackableSample]) -> list[MicroBatch]:
-        """Plan a finite list: every push, then a flush. Samples left over (< num_ranks) stay `pending`."""
-        batches = [batch for sample in samples for batch in self.push(sample)]
-        last = self.flush()
-        return batches if last is None else [*batches, last]
 
     def _place(self, sample: PackableSample) -> int | None:
         rows = self._rows
@@ -172,22 +221,6 @@ class TokenBudgetBatcher:
             return None
         max_load = max(row.load for row in rows)
         return best if rows[best].load + rows[best].delta_load(sample) <= max_load else None
-
-    def _drop(self, sample: PackableSample) -> None:
-        self.dropped_oversize_count += 1
-        self._dropped_since_emit += 1
-        logger.warning(
-            "dropping a sample of %d tokens (group %d): longer than token_budget=%d, it fits in no row",
-            len(sample),
-            sample.group_id,
-            self.token_budget,
-        )
-
-    def _emit(self) -> MicroBatch:
-        batch = MicroBatch(self._rows, self.token_budget, self._dropped_since_emit)
-        self._rows = _empty_rows(self.num_ranks, self.share_prefixes)
-        self._dropped_since_emit = 0
-        return batch
 
 
 class FixedCountBatcher:

@@ -1,6 +1,7 @@
-"""Rollouts: the rollout loop (`AsyncRolloutLoop`) and its three parts — the task scheduler (`TaskScheduler`), the
-engine pool (`EnginePool`) and the GRPO rollout policy (`RolloutPolicy`, the user hooks) — with their typed
-settings (`RolloutSettings`), group scoring and the adaptive concurrency cap.
+"""The rollout runtime every algorithm's loop is assembled from: the task scheduler (`TaskScheduler`), the engine
+pool (`EnginePool`), the protocols a policy talks to, the typed settings (`RolloutSettings`), group scoring, tools,
+environments, training sequences and the adaptive concurrency cap. The loops and policies themselves live with their
+algorithms (GRPO's `AsyncRolloutLoop`: `rlasync.algorithms.grpo.loop`); nothing here names one.
 
 The records live in `rlasync.records` (re-exported here). Importing this package never loads torch or ray.
 """
@@ -16,34 +17,22 @@ from rlasync.records import (
 )
 from rlasync.rollout.concurrency import ConcurrencyController
 from rlasync.rollout.engine_pool import EnginePool
-from rlasync.rollout.loop import (
-    Admission,
-    AsyncRolloutLoop,
-    GroupResult,
-    GroupSink,
-    OpenAdmission,
-    PromptSource,
-    RolloutContext,
-    build_training_sequences,
-)
-from rlasync.rollout.policy import RolloutPolicy
+from rlasync.rollout.groups import GroupResult
+from rlasync.rollout.protocols import Admission, OpenAdmission, PromptSource
 from rlasync.rollout.scheduler import TaskScheduler
+from rlasync.rollout.sequences import build_training_sequences
 from rlasync.rollout.settings import RolloutSettings
 
 __all__ = [
     "Admission",
-    "AsyncRolloutLoop",
     "ConcurrencyController",
     "EnginePool",
     "GroupResult",
-    "GroupSink",
     "OpenAdmission",
     "PromptLease",
     "PromptSource",
     "Rollout",
-    "RolloutContext",
     "RolloutGroup",
-    "RolloutPolicy",
     "RolloutSample",
     "RolloutSettings",
     "TaskScheduler",

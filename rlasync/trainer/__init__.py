@@ -2,6 +2,6 @@
 
     from rlasync.trainer.async_grpo_trainer import AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord
 
-The classes live in their own packages (`rlasync.rollout`, `rlasync.records`, `rlasync.trainers`); these modules
+The classes live in their own packages (`rlasync.algorithms.grpo`, `rlasync.records`, `rlasync.trainers`); these modules
 only re-export them and import lazily (importing `rlasync.trainer` loads no trainer).
 """

@@ -42,6 +42,9 @@ class AsyncTrainerBase(TrainerSurface):
     """The common part of `AsyncGRPOTrainer` and `AsyncDistillationTrainer`."""
 
     loop_cls: type
+    algorithm_name: str
+    """The registry name of the trainer's algorithm (rlasync.algorithms.registry); the spec says which actors,
+    loop, objective and group size the run gets."""
 
     def _begin_init(self, args: TrainerConfig, loop_cls: type | None) -> None:
         """First step of a subclass's `__init__`: the (checked) config and the loop class its checks consult."""
@@ -139,10 +142,16 @@ class AsyncTrainerBase(TrainerSurface):
         return model, tokenizer, resume_state, start_step, version
 
     def _run_spec(self, resume_dir: str | None, **fields: Any) -> RunSpec:
-        """A RunSpec with the common fields (config, model, tokenizer, dataset, callbacks, starting point)."""
+        """A RunSpec with the common fields (the algorithm, config, model, tokenizer, dataset, callbacks, starting
+        point, the hang limit)."""
+        from rlasync.algorithms import registry
+
+        algorithm = registry.get(self.algorithm_name)
         model, tokenizer, resume_state, start_step, version = self._starting_point(resume_dir)
         return RunSpec(
+            algorithm=algorithm,
             config=self.args,
+            hang_timeout_s=algorithm.hang_timeout(self.args),
             model=model,
             tokenizer=tokenizer,
             train_dataset=self.train_dataset,

@@ -6,12 +6,13 @@
                                        teacher_model="Qwen/Qwen3-1.7B")          # or {teacher_id: path}: local teachers
     trainer.train()                      # or train(resume_from_checkpoint=True / "out/checkpoint-20")
 
-The run is GRPO's with two changes (docs/design.md §1), both in the `RunSpec` this trainer builds: the rollout side
-is a `DistillRolloutActor` (one `AsyncDistillationLoop`: student `generate` through the GenerationActors, teacher
-`score` through one `TeacherScorer` per teacher id), and the learners run the "distill" objective
-(`rlasync.learner.distill`: plain padding-free rows, Σ L² balanced, the JSD loss with the LM head). The queue, the
-staleness gate, the step loop, the weight sync to the student GenerationActors (teachers never receive weights),
-logging, checkpoints (`rollout_state.json` + model + optimizer) and resume are the common driver's.
+The run is GRPO's with two changes (docs/design.md §1), both named by the `distill` algorithm's spec
+(rlasync.algorithms.distill.spec): the `RolloutActor` runs an `AsyncDistillationLoop` (student `generate` through
+the GenerationActors, teacher `score` through one `TeacherScorer` per teacher id), and the learners run the
+distillation objective (rlasync.algorithms.distill.objective: plain padding-free rows, Σ L² balanced, the JSD loss
+with the LM head). The queue, the staleness gate, the step loop, the weight sync to the student GenerationActors
+(teachers never receive weights), logging, checkpoints (`rollout_state.json` + model + optimizer) and resume are
+the common driver's.
 
 Teachers: by default the `teacher_server_urls` (`vllm serve` teachers, the spec's deployment), each reached by a
 TeacherScorer holding a `vllm_server` client. For local runs and tests, `teacher_model` (a path, hub id or alias,
@@ -28,11 +29,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rlasync.algorithms.distill.loop import AsyncDistillationLoop
 from rlasync.config.distill import AsyncDistillationConfig
 from rlasync.config.vocab import EngineKind
 from rlasync.data import validate_prompt_dataset
 from rlasync.data.streaming import is_streaming
-from rlasync.distill import AsyncDistillationLoop
 from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, actor_requests
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.trainers.base import AsyncTrainerBase
@@ -46,6 +47,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
     `AsyncDistillationLoop`) to customise the worker loop."""
 
     loop_cls: type[AsyncDistillationLoop] = AsyncDistillationLoop
+    algorithm_name = "distill"
 
     def __init__(
         self,
@@ -126,7 +128,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
     # ---- the run ------------------------------------------------------------------------------------------------
 
     def build_spec(self, resume_dir: str | None) -> RunSpec:
-        """DistillRolloutActors (students and teachers, the in-flight task budget split over the actors), learners
+        """Rollout actors of the distillation loop (students and teachers, the in-flight task budget split over the actors), learners
         with the distillation objective over the resolved horizon, local teachers resolved (the preflight checked
         their vocabulary against the student's), and the queue over the dataset's rows (one sample per row and epoch, docs/algorithms.md §9.6)."""
         from rlasync.model.registry import resolve_model
@@ -142,19 +144,12 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         spec = self._run_spec(
             resume_dir,
             rollout=RolloutSpec(
-                kind="distill",
                 loop_cls=self.loop_cls,
-                name="distillation rollout actor",
-                max_inflight_tasks=max(1, -(-inflight // cluster.num_rollout_actors)),
+                loop_kwargs={"max_inflight_tasks": max(1, -(-inflight // cluster.num_rollout_actors))},
             ),
-            learner=LearnerSpec(
-                objective="distill", max_steps=horizon, teacher_ids=self.teacher_ids, peft_config=self.peft_config
-            ),
+            learner=LearnerSpec(max_steps=horizon, teacher_ids=self.teacher_ids, peft_config=self.peft_config),
             queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=horizon,
-            hang_timeout_s=args.heartbeat_stale_after_s,
-            hang_setting="heartbeat_stale_after_s",
-            queue_name="rlasync-distill-queue",
             requests=self._actor_requests(),
         )
         teachers = {}

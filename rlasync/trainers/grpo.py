@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rlasync.algorithms.grpo.loop import AsyncRolloutLoop
 from rlasync.config import AsyncGRPOConfig
 from rlasync.data import validate_prompt_dataset, with_environment_prompts
 from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, actor_requests, check_resources, engine_dtype
@@ -31,7 +32,6 @@ from rlasync.driver.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE
 from rlasync.driver.step_loop import TAKE_POLL_S
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.rollout.environments import EnvironmentFactory
-from rlasync.rollout.loop import AsyncRolloutLoop
 from rlasync.trainers.base import AsyncTrainerBase
 from rlasync.trainers.checks import _check_picklable, _checked_environment_factory, _checked_tools, _may_own_reward
 
@@ -42,6 +42,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
     """Asynchronous GRPO (TRL's `AsyncGRPOTrainer` API). Subclass and set `loop_cls` to customise rollouts."""
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    algorithm_name = "grpo"
 
     def __init__(
         self,
@@ -122,6 +123,16 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
 
     # ---- the run ------------------------------------------------------------------------------------------------
 
+    def _loop_kwargs(self) -> dict[str, Any]:
+        """The loop's own arguments: the reward functions, and tools / environments only when set (a `loop_cls`
+        with a narrower `__init__` keeps working without them)."""
+        kwargs: dict[str, Any] = {"reward_funcs": self.reward_funcs}
+        if self.tools:
+            kwargs["tools"] = self.tools
+        if self.environment_factory is not None:
+            kwargs["environment_factory"] = self.environment_factory
+        return kwargs
+
     def build_spec(self, resume_dir: str | None) -> RunSpec:
         """RolloutActors (reward functions, tools, environments; reward actors per `cluster.num_reward_actors`),
         GRPO learners, the queue over the dataset's rows, horizon `max_steps` (none with -1: the epochs end it)."""
@@ -129,19 +140,11 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         return self._run_spec(
             resume_dir,
             rollout=RolloutSpec(
-                kind="grpo",
-                loop_cls=self.loop_cls,
-                name="rollout actor",
-                reward_funcs=self.reward_funcs,
-                tools=self.tools,
-                environment_factory=self.environment_factory,
+                loop_cls=self.loop_cls, loop_kwargs=self._loop_kwargs(), reward_funcs=self.reward_funcs
             ),
-            learner=LearnerSpec(objective="grpo", peft_config=self.peft_config),
+            learner=LearnerSpec(peft_config=self.peft_config),
             queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=args.max_steps if args.max_steps > 0 else None,
-            hang_timeout_s=args.rollout_worker_timeout,
-            hang_setting="rollout_worker_timeout",
-            queue_name="rlasync-staleness-queue",
             requests=actor_requests(args.cluster),
         )
 

@@ -301,7 +301,7 @@ def check_teacher_ids(dataset: Any, teacher_ids: Sequence[str]) -> None:
     whole column is read (a `datasets.Dataset` column is one read), a streaming one's first rows. `ValueError`
     naming the unknown values, their first rows and the configured teachers; one teacher scores every row."""
     from rlasync.data.streaming import is_streaming
-    from rlasync.distill.routing import TEACHER_ID_COLUMN
+    from rlasync.algorithms.distill.routing import TEACHER_ID_COLUMN
 
     if len(teacher_ids) < 2:
         return

@@ -18,9 +18,10 @@ pytestmark = [
 def tiny_learner_step(backend):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+    from rlasync.algorithms.grpo.loss import LossConfig
     from rlasync.config import KernelSettings
-    from rlasync.learner import LearnerStep, OptimizerSettings, build_optimizer
-    from rlasync.losses import LossConfig
+    from rlasync.learner import OptimizerSettings, build_optimizer
     from rlasync.model import TreeScorer, enable_tree_attention
 
     torch.manual_seed(0)
@@ -37,7 +38,7 @@ def tiny_learner_step(backend):
     model = enable_tree_attention(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda())
     scorer = TreeScorer(model, KernelSettings(tree_attention=backend))  # the learner's kernels choose the backend
     optimizer, scheduler = build_optimizer(scorer, OptimizerSettings(learning_rate=1e-3))
-    return LearnerStep(scorer, optimizer, scheduler, LossConfig(score_centering=False), device="cuda")
+    return GrpoLearnerStep(scorer, optimizer, scheduler, LossConfig(score_centering=False), device="cuda")
 
 
 def rows(num_rows=3, seed=0):
@@ -58,7 +59,7 @@ def rows(num_rows=3, seed=0):
 
 @pytest.mark.parametrize("backend", ["flex", "varlen"])
 def test_rows_queue_without_a_device_sync(backend):
-    from rlasync.losses.grpo_metrics import resolve_metrics
+    from rlasync.algorithms.grpo.loss_metrics import resolve_metrics
 
     step = tiny_learner_step(backend)
     batch = rows()

@@ -56,8 +56,9 @@ def group(model, rng, vocab=512, prompt_len=12, completion_len=10, size=4):
 
 
 def test_mixed_precision_step_on_cuda_follows_the_float32_step():
-    from rlasync.learner import LearnerStep, OptimizerSettings, build_optimizer
-    from rlasync.losses import LossConfig
+    from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+    from rlasync.algorithms.grpo.loss import LossConfig
+    from rlasync.learner import OptimizerSettings, build_optimizer
     from rlasync.packing import TokenBudgetBatcher, pack
 
     rng = np.random.default_rng(0)
@@ -67,7 +68,7 @@ def test_mixed_precision_step_on_cuda_follows_the_float32_step():
     grads = {}
     for name, model in models.items():
         optimizer, scheduler = build_optimizer(model, OptimizerSettings(learning_rate=0.0, max_grad_norm=1e9))
-        step = LearnerStep(
+        step = GrpoLearnerStep(
             model,
             optimizer,
             scheduler,

@@ -189,8 +189,8 @@ def make_samples(vocab, num_groups=6, group_size=4, seed=0):
 def test_two_learner_ranks_on_two_gpus_reduce_metrics_and_resume(tmp_path):
     ray = pytest.importorskip("ray")
     from actors.learner import LearnerActor
+    from rlasync.algorithms.grpo.spec import GRPO
     from rlasync.config import AsyncGRPOConfig
-    from rlasync.learner import LearnerSettings
     from rlasync.packing import TokenBudgetBatcher
 
     model_dir = tmp_path / "model"
@@ -207,7 +207,7 @@ def test_two_learner_ranks_on_two_gpus_reduce_metrics_and_resume(tmp_path):
     )
     samples = make_samples(256)
     budget = 128
-    settings = LearnerSettings.from_config(args, objective="grpo", token_budget=budget)
+    settings = GRPO.learner_settings(args, token_budget=budget)
     per_rank = [0, 0]
     for batch in TokenBudgetBatcher(2, budget).plan(samples):
         for rank, row in enumerate(batch.pack()):

@@ -36,9 +36,10 @@ def fixed_rows(teacher_path, prompts, completion_len=8):
     import torch
     from transformers import AutoTokenizer
 
+    from rlasync.algorithms.distill.batching import collate_rows
+    from rlasync.algorithms.distill.learner_step import distill_row_tensors
+    from rlasync.algorithms.distill.samples import DistillationSample
     from rlasync.data.prompts import render_prompt
-    from rlasync.distill import DistillationSample, collate_rows
-    from rlasync.learner.distill import distill_row_tensors
     from rlasync.model import load_model
 
     teacher = load_model(teacher_path)
@@ -63,8 +64,8 @@ def fixed_rows(teacher_path, prompts, completion_len=8):
 
 
 def jsd_of(model_path, rows):
-    from rlasync.learner.distill import evaluate_jsd
-    from rlasync.losses.distill import DistillLossConfig
+    from rlasync.algorithms.distill.learner_step import evaluate_jsd
+    from rlasync.algorithms.distill.loss import DistillLossConfig
     from rlasync.model import load_model
 
     return evaluate_jsd(load_model(model_path), rows, DistillLossConfig())

@@ -45,9 +45,9 @@ def make_samples(vocab_size, num_groups=4, group_size=4, seed=0):
 
 def start_group(ray, model_dir, args, resume_dir=None):
     from actors.learner import LearnerActor
-    from rlasync.learner import LearnerSettings
+    from rlasync.algorithms.grpo.spec import GRPO
 
-    settings = LearnerSettings.from_config(args, objective="grpo", token_budget=TOKEN_BUDGET)
+    settings = GRPO.learner_settings(args, token_budget=TOKEN_BUDGET)
     learners = [
         LearnerActor.options(num_cpus=0.25).remote(rank=rank, world_size=2, model=model_dir, settings=settings)
         for rank in range(2)

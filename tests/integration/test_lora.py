@@ -108,11 +108,11 @@ def test_two_fsdp2_ranks_train_and_save_a_lora_adapter(ray_cluster, tiny_model_d
     from transformers import AutoModelForCausalLM
 
     from actors.learner import LearnerActor
-    from rlasync.learner import LearnerSettings
+    from rlasync.algorithms.grpo.spec import GRPO
     from tests.integration.test_learner_group import make_args, make_samples
 
     ray = ray_cluster
-    settings = LearnerSettings.from_config(make_args(tmp_path), objective="grpo", token_budget=48, peft_config=lora())
+    settings = GRPO.learner_settings(make_args(tmp_path), token_budget=48, peft_config=lora())
     assert dataclasses.replace(settings).peft_config is not None
     learners = [
         LearnerActor.options(num_cpus=0.25).remote(rank=rank, world_size=2, model=tiny_model_dir, settings=settings)

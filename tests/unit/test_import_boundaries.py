@@ -140,7 +140,7 @@ def test_the_pure_core_is_most_of_the_package():
         "rlasync.trainers",
         "rlasync.driver.step_loop",
         "rlasync.pipeline",
-        "rlasync.rollout.loop",
+        "rlasync.algorithms.grpo.loop",
         "rlasync.config",
     ):
         assert name in PURE, name

@@ -145,7 +145,7 @@ def test_every_yaml_under_configs_loads(path):
     """Run files (with `model:`) load with the run-file loader; plain configs with load_config."""
     import yaml
 
-    from rlasync.config.run import load_run
+    from rlasync.runfile import load_run
 
     data = yaml.safe_load(path.read_text()) or {}
     if data.get("trainer") == "distillation":

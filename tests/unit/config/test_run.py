@@ -2,9 +2,9 @@
 
 import pytest
 
-from rlasync.config.run import import_object, load_run
 from rlasync.data import build_dataset
 from rlasync.rewards import last_number_reward
+from rlasync.runfile import import_object, load_run
 
 RUN = """
 model: tiny/model

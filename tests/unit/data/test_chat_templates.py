@@ -14,6 +14,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from rlasync.algorithms.grpo.loop import AsyncRolloutLoop, PromptLease
 from rlasync.config import AsyncGRPOConfig
 from rlasync.data.chat_templates import (
     QWEN3_TRAINING_TEMPLATE,
@@ -24,7 +25,6 @@ from rlasync.data.chat_templates import (
 )
 from rlasync.metrics import MetricSink
 from rlasync.records import TurnRecord
-from rlasync.rollout.loop import AsyncRolloutLoop, PromptLease
 
 STOCK_QWEN3_STYLE = r"""{%- macro system_block(system_text) -%}
 {%- if tools -%}

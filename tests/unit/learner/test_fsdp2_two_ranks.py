@@ -1,5 +1,5 @@
 """FSDP2 over two gloo ranks on CPU, tree-packed: GRPO groups whose prompts are shared inside each rank's row,
-gradient checkpointing on, the chunked head over several chunks with the sampler's top-K (score centering). One step of each rank's `LearnerStep` on its own
+gradient checkpointing on, the chunked head over several chunks with the sampler's top-K (score centering). One step of each rank's `GrpoLearnerStep` on its own
 rows must land on the parameters of the obvious one-process reference: every row of both ranks scored by the
 unsharded model (head in one chunk), each rank's `grpo_loss` backward, the gradients averaged over the two ranks
 (what FSDP2's reduce-scatter does), one SGD step.
@@ -77,9 +77,9 @@ def rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     import rlasync.model.head as head
-    from rlasync.learner import LearnerStep
+    from rlasync.algorithms.grpo.learner_step import GrpoLearnerStep
+    from rlasync.algorithms.grpo.loss import LossConfig
     from rlasync.learner.parallel import shard_for_training
-    from rlasync.losses import LossConfig
 
     torch.set_num_threads(1)
     chunks = []
@@ -92,7 +92,7 @@ def rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
         scorer = shard_for_training(model)
         optimizer = torch.optim.SGD(scorer.parameters(), lr=LR)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-        step = LearnerStep(scorer, optimizer, scheduler, LossConfig(), max_grad_norm=math.inf, num_ranks=world)
+        step = GrpoLearnerStep(scorer, optimizer, scheduler, LossConfig(), max_grad_norm=math.inf, num_ranks=world)
         metrics = step.step(rows[rank], global_terms)
         updated = {name: p.full_tensor().detach() for name, p in scorer.model.named_parameters()}
     finally:
@@ -102,7 +102,7 @@ def rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def reference_step(model, rows, global_terms) -> list[float]:
-    from rlasync.losses import LossConfig, grpo_loss
+    from rlasync.algorithms.grpo.loss import LossConfig, grpo_loss
     from rlasync.model import packed_row_to_tensors, packed_token_scores
 
     losses = []

@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from rlasync.algorithms.distill.loss import DistillLossConfig
+from rlasync.algorithms.distill.spec import DISTILL
+from rlasync.algorithms.grpo.loss import LossConfig
+from rlasync.algorithms.grpo.spec import GRPO
 from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig
 from rlasync.learner import Learner, LearnerSettings
-from rlasync.losses import DistillLossConfig, LossConfig
 from rlasync.model.checkpointing import checkpointed_layers
 from rlasync.model.loading import compiled_layer_count
 from rlasync.model.row_shapes import row_bucket
@@ -127,7 +130,7 @@ def grpo_samples(num_groups=3, group_size=4, seed=0):
 
 
 def distill_samples(num=6, seed=0):
-    from rlasync.distill import DistillationSample
+    from rlasync.algorithms.distill.samples import DistillationSample
 
     rng = np.random.default_rng(seed)
     samples = []
@@ -193,7 +196,7 @@ def check_step(learner, samples, expected_keys, unit_key, num_units):
 
 
 def test_a_grpo_step_through_the_learner(model_dir, tmp_path):
-    settings = LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=TOKEN_BUDGET)
+    settings = GRPO.learner_settings(grpo_config(tmp_path), token_budget=TOKEN_BUDGET)
     learner = Learner(model_dir, settings)
     samples = grpo_samples()
     metrics = check_step(learner, samples, GRPO_KEYS, "batch/groups_per_step", 3)
@@ -203,7 +206,7 @@ def test_a_grpo_step_through_the_learner(model_dir, tmp_path):
 
 
 def test_a_distillation_step_through_the_learner(model_dir, tmp_path):
-    settings = LearnerSettings.from_config(distill_config(tmp_path), objective="distill", token_budget=TOKEN_BUDGET)
+    settings = DISTILL.learner_settings(distill_config(tmp_path), token_budget=TOKEN_BUDGET)
     learner = Learner(model_dir, settings)
     metrics = check_step(learner, distill_samples(), DISTILL_KEYS, "batch/prompts_per_step", 6)
     assert metrics["jsd"] > 0
@@ -211,33 +214,33 @@ def test_a_distillation_step_through_the_learner(model_dir, tmp_path):
 
 def test_a_fixed_count_plan_without_a_token_budget(model_dir, tmp_path):
     config = grpo_config(tmp_path, per_device_train_batch_size=4)
-    learner = Learner(model_dir, LearnerSettings.from_config(config, objective="grpo", token_budget=0))
+    learner = Learner(model_dir, GRPO.learner_settings(config, token_budget=0))
     metrics = dict(learner.train_step(grpo_samples()))
     assert metrics["batch/microbatches_per_step"] == 3  # 12 samples, 4 per row, one rank
 
 
 def test_settings_read_the_typed_slices_of_the_config(tmp_path):
     config = grpo_config(tmp_path, epsilon_high=0.28, max_grad_norm=0.5, temperature=0.7, bf16=False)
-    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=64, max_steps=7)
+    settings = GRPO.learner_settings(config, token_budget=64, max_steps=7)
     assert settings.loss == LossConfig.from_config(config) and settings.loss.epsilon_high == 0.28
     assert settings.optimizer.max_steps == 7 and settings.optimizer.learning_rate == 1e-2
     assert (settings.max_grad_norm, settings.temperature, settings.token_budget) == (0.5, 0.7, 64)
     assert settings.teacher_ids == ("default",) and settings.bf16 is False
-    distill = LearnerSettings.from_config(
-        distill_config(tmp_path, beta=0.5), objective="distill", token_budget=0, teacher_ids=["a", "b"]
-    )
+    distill = DISTILL.learner_settings(distill_config(tmp_path, beta=0.5), token_budget=0, teacher_ids=["a", "b"])
     assert distill.loss == DistillLossConfig(beta=0.5) and distill.teacher_ids == ("a", "b")
     with pytest.raises(ValueError, match="objective"):
-        LearnerSettings.from_config(config, objective="ppo", token_budget=64)  # type: ignore[arg-type]
+        LearnerSettings.from_config(config, objective="ppo", loss=settings.loss, token_budget=64)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="DistillLossConfig"):
-        LearnerSettings(objective="distill", token_budget=0, optimizer=settings.optimizer, loss=settings.loss)
+        LearnerSettings(
+            objective=DISTILL.objective_cls(), token_budget=0, optimizer=settings.optimizer, loss=settings.loss
+        )
 
 
 def test_the_checkpoint_round_trips_model_optimizer_and_scheduler(model_dir, tmp_path):
     from rlasync.learner.checkpoint import load_optimizer_state
 
     config = grpo_config(tmp_path, lr_scheduler_type="linear")
-    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=TOKEN_BUDGET)
+    settings = GRPO.learner_settings(config, token_budget=TOKEN_BUDGET)
     samples = grpo_samples()
     learner = Learner(model_dir, settings)
     learner.train_step(samples)
@@ -289,10 +292,10 @@ def test_torch_compile_fields_are_honoured_and_checked():
 
 def test_settings_carry_the_choice_and_pad_rows_when_compiled(tmp_path):
     config = grpo_config(tmp_path, gradient_checkpointing=True, gradient_checkpointing_layers=1, torch_compile=True)
-    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=8192)
+    settings = GRPO.learner_settings(config, token_budget=8192)
     assert (settings.gradient_checkpointing_layers, settings.torch_compile) == (1, True)
     assert settings.row_bucket == row_bucket(8192) == 512
-    assert LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=8192).row_bucket == 0
+    assert GRPO.learner_settings(grpo_config(tmp_path), token_budget=8192).row_bucket == 0
     with pytest.raises(ValueError, match="gradient_checkpointing_layers='some'"):
         dataclasses.replace(settings, gradient_checkpointing_layers="some")
     with pytest.raises(ValueError, match="row_bucket=-1"):
@@ -304,13 +307,13 @@ def test_settings_carry_the_choice_and_pad_rows_when_compiled(tmp_path):
 
 def test_the_learner_checkpoints_the_chosen_layers(model_dir, tmp_path):
     config = grpo_config(tmp_path, gradient_checkpointing=True, gradient_checkpointing_layers=1)
-    learner = Learner(model_dir, LearnerSettings.from_config(config, objective="grpo", token_budget=TOKEN_BUDGET))
+    learner = Learner(model_dir, GRPO.learner_settings(config, token_budget=TOKEN_BUDGET))
     assert checkpointed_layers(learner.model) == (1,) and learner.info()["checkpointed_layers"] == "1/2"
     assert learner.info()["compiled_layers"] == 0
     assert learner.info()["kernels"]["resolved_tree_attention"] == "dense"  # "auto" on the CPU
     assert learner.scorer.kernels is learner.settings.kernels  # handed to the model code
     auto = grpo_config(tmp_path, gradient_checkpointing=True)
-    learner = Learner(model_dir, LearnerSettings.from_config(auto, objective="grpo", token_budget=TOKEN_BUDGET))
+    learner = Learner(model_dir, GRPO.learner_settings(auto, token_budget=TOKEN_BUDGET))
     assert checkpointed_layers(learner.model) == (0, 1)  # "auto" on the CPU: every layer
 
 
@@ -323,7 +326,7 @@ def _trained(model_dir, settings, steps=2):
 def test_padded_rows_train_exactly_like_unpadded_ones(model_dir, tmp_path):
     """One step's loss and gradient norm (after it, Adam's sign-like steps on near-zero gradients amplify fp32
     round-off: later steps are not comparable; rlasync/model's tests compare the gradients themselves)."""
-    settings = LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=TOKEN_BUDGET)
+    settings = GRPO.learner_settings(grpo_config(tmp_path), token_budget=TOKEN_BUDGET)
     (plain_metrics,) = _trained(model_dir, settings, steps=1)[1]
     padded, (padded_metrics,) = _trained(model_dir, dataclasses.replace(settings, row_bucket=16), steps=1)
     assert padded.objective.step_core.row_bucket == 16
@@ -349,11 +352,11 @@ def failing_backend():
 
 def test_a_compile_failure_falls_back_to_eager_layers_with_one_warning(model_dir, tmp_path, failing_backend, caplog):
     torch._dynamo.reset()
-    settings = LearnerSettings.from_config(
-        grpo_config(tmp_path, torch_compile_backend=failing_backend), objective="grpo", token_budget=TOKEN_BUDGET
+    settings = GRPO.learner_settings(
+        grpo_config(tmp_path, torch_compile_backend=failing_backend), token_budget=TOKEN_BUDGET
     )
     assert settings.torch_compile and settings.row_bucket == row_bucket(TOKEN_BUDGET)
-    eager = LearnerSettings.from_config(grpo_config(tmp_path), objective="grpo", token_budget=TOKEN_BUDGET)
+    eager = GRPO.learner_settings(grpo_config(tmp_path), token_budget=TOKEN_BUDGET)
     learner = Learner(model_dir, settings)
     assert compiled_layer_count(learner.model) == 2  # compiled lazily: nothing traced yet
     with caplog.at_level(logging.WARNING, logger="rlasync.learner.learner"):

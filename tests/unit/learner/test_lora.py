@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel  # noqa: E402
 
+from rlasync.algorithms.grpo.spec import GRPO
 from rlasync.config import AsyncGRPOConfig  # noqa: E402
 from rlasync.learner import Learner, LearnerSettings  # noqa: E402
 from rlasync.weights.adapter import (  # noqa: E402
@@ -79,7 +80,7 @@ def settings(tmp_path, peft_config, gradient_checkpointing=False, **overrides):
         score_centering=False,
         num_sampler_logprobs=0,
     )
-    base = LearnerSettings.from_config(config, objective="grpo", token_budget=32, peft_config=peft_config)
+    base = GRPO.learner_settings(config, token_budget=32, peft_config=peft_config)
     return LearnerSettings(**{**base.__dict__, **overrides})
 
 
@@ -262,7 +263,7 @@ def test_adapters_on_the_head_or_embeddings_are_refused():
 
 
 def settings_fields():
-    base = LearnerSettings.from_config(AsyncGRPOConfig(output_dir="/tmp/x"), objective="grpo", token_budget=8)
+    base = GRPO.learner_settings(AsyncGRPOConfig(output_dir="/tmp/x"), token_budget=8)
     return {**base.__dict__, "peft_config": lora()}
 
 

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from rlasync.algorithms.grpo.spec import GRPO
 from rlasync.model import enable_tree_attention, packed_row_to_tensors, packed_token_scores, sequence_logprobs
 from rlasync.model.attention import check_layer_types, has_linear_attention
 from rlasync.packing import TreeRow, pack
@@ -123,12 +124,9 @@ def test_the_grpo_objective_plans_a_hybrid_padding_free_and_steps_on_it():
 
     from rlasync.config import AsyncGRPOConfig
     from rlasync.learner.objectives import StepParts, make_objective
-    from rlasync.learner.settings import LearnerSettings
     from rlasync.model import TreeScorer
 
-    settings = LearnerSettings.from_config(
-        AsyncGRPOConfig(output_dir="/tmp/x", score_centering=False), objective="grpo", token_budget=64
-    )
+    settings = GRPO.learner_settings(AsyncGRPOConfig(output_dir="/tmp/x", score_centering=False), token_budget=64)
     model = enable_tree_attention(tiny_qwen3_next())
     seqs, prompts = samples(5, shared_prompt=True)
     with torch.no_grad():  # on-policy sampler log-probs: no token is masked by the importance-sampling clip

@@ -1,16 +1,14 @@
 """EnginePool with fake engines: least-loaded choice, retries with backoff (counted), stats feeding the
-ConcurrencyController. And RolloutSettings derived from both trainer configs."""
+ConcurrencyController."""
 
 import asyncio
 import collections
 
 import pytest
 
-from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams
 from rlasync.records import TurnRecord
 from rlasync.rollout.engine_pool import RETRY_METRIC, EnginePool
-from rlasync.rollout.settings import RolloutSettings
 
 
 class Engine:
@@ -121,42 +119,3 @@ def test_engines_without_stats_disable_polling_and_none_never_polls():
     quiet, emitted, _ = pool([Engine("a")], stats_interval_s=None)
     asyncio.run(quiet.observe(0))
     assert emitted == []
-
-
-def test_rollout_settings_from_a_grpo_config():
-    config = AsyncGRPOConfig(
-        num_generations=4,
-        max_concurrent_rollouts=6,
-        num_sampler_logprobs=3,
-        max_completion_length=9,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=20,
-        rollout_worker_timeout=12.0,
-        max_tool_calling_iterations=2,
-        log_completions=True,
-    )
-    settings = RolloutSettings.from_config(config)
-    assert (settings.group_size, settings.max_concurrent, settings.heartbeat_timeout_s) == (4, 6, 12.0)
-    assert settings.max_tool_calling_iterations == 2 and settings.log_completions
-    params = settings.sampling.with_seed(11)
-    assert params == SamplingParams.from_config(config, seed=11)  # the engine's own reading of the config
-
-
-def test_rollout_settings_from_a_distillation_config():
-    config = AsyncDistillationConfig(
-        max_inflight_tasks=-1,
-        max_staleness=2,
-        per_device_train_batch_size=3,
-        teacher_top_k=5,
-        teacher_temperature=0.5,
-        heartbeat_stale_after_s=9.0,
-    )
-    settings = RolloutSettings.from_config(config, num_ranks=2)
-    assert (settings.group_size, settings.max_concurrent, settings.heartbeat_timeout_s) == (1, 12, 9.0)
-    assert (settings.teacher_top_k, settings.teacher_temperature) == (5, 0.5)
-    assert RolloutSettings.from_config(config, max_inflight_tasks=3).max_concurrent == 3
-    params = settings.sampling.with_seed(1)
-    assert params.num_logprobs == 0 and not params.return_sampling_mask
-    with pytest.raises(ValueError, match="max_inflight_tasks=0"):
-        RolloutSettings.from_config(AsyncDistillationConfig(max_inflight_tasks=0))

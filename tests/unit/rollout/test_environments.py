@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from rlasync.algorithms.grpo.loop import AsyncRolloutLoop, PromptLease
 from rlasync.config import AsyncGRPOConfig
 from rlasync.metrics import MetricSink
 from rlasync.rollout.environments import append_to_last_message, probe_environments
-from rlasync.rollout.loop import AsyncRolloutLoop, PromptLease
 
 BUILT = []
 RESETS = []

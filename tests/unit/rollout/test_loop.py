@@ -7,17 +7,17 @@ import random
 import numpy as np
 import pytest
 
-from rlasync.config import AsyncGRPOConfig
-from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError
-from rlasync.records import Rollout, TurnRecord
-from rlasync.rewards import RewardFunctionError
-from rlasync.rollout.concurrency import ConcurrencyController
-from rlasync.rollout.loop import (
+from rlasync.algorithms.grpo.loop import (
     AsyncRolloutLoop,
     PromptLease,
     build_training_sequences,
     retry_backoff_s,
 )
+from rlasync.config import AsyncGRPOConfig
+from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError
+from rlasync.records import Rollout, TurnRecord
+from rlasync.rewards import RewardFunctionError
+from rlasync.rollout.concurrency import ConcurrencyController
 
 EOS = 2
 VOCAB = 100

@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
+from rlasync.algorithms.grpo.loop import AsyncRolloutLoop
 from rlasync.config import AsyncGRPOConfig
 from rlasync.engine.base import RequestRejectedError
 from rlasync.records import GroupOutcome, PromptLease, RolloutGroup, TurnRecord
 from rlasync.rewards.calling import RewardTimeoutError, call_reward_funcs
-from rlasync.rollout.loop import AsyncRolloutLoop
 from rlasync.rollout.scheduler import short_error
 from rlasync.rollout.scoring import score_group
 from rlasync.rollout.tools import TIMEOUT_METRIC, ToolCallTracker, execute_tool_calls, make_tool_call

@@ -3,8 +3,8 @@
 
 import random
 
+from rlasync.algorithms.grpo.loop import build_training_sequences, reconciliation_tally
 from rlasync.records import TurnRecord
-from rlasync.rollout.loop import build_training_sequences, reconciliation_tally
 
 
 def turn(prompt, output):

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
+from rlasync.algorithms.grpo.loop import AsyncRolloutLoop, PromptLease
 from rlasync.config import AsyncGRPOConfig
 from rlasync.metrics import MetricSink
-from rlasync.rollout.loop import AsyncRolloutLoop, PromptLease
 
 
 def add(a: int, b: int) -> int:

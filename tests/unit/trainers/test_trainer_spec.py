@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+from rlasync.algorithms import registry
 from rlasync.config import AsyncDistillationConfig, AsyncGRPOConfig
 from rlasync.rewards import last_number_reward
 from rlasync.trainers import AsyncDistillationTrainer, AsyncGRPOTrainer
@@ -21,8 +22,10 @@ def grpo(tmp_path, **changes):
 
 def test_grpo_spec(tmp_path):
     spec = grpo(tmp_path).build_spec(None)
-    assert spec.rollout.kind == "grpo" and spec.rollout.reward_funcs == [last_number_reward]
-    assert spec.learner.objective == "grpo" and spec.horizon == 3 and spec.model == "some/model"
+    assert spec.algorithm is registry.get("grpo") and spec.rollout.reward_funcs == [last_number_reward]
+    assert spec.rollout.loop_kwargs == {"reward_funcs": [last_number_reward]}  # no tools, no environments
+    assert spec.algorithm.reward_actors and not spec.algorithm.teachers and spec.algorithm.group_size(spec.config) == 8
+    assert spec.horizon == 3 and spec.model == "some/model"
     assert spec.queue.num_rows == 10 and spec.queue.num_epochs is None  # max_steps ends the run: endless stream
     assert spec.hang_timeout_s == spec.config.rollout_worker_timeout and spec.start_step == 0 and spec.version == 0
     assert set(spec.requests) == {"generation", "learner", "rollout", "reward", "queue"}
@@ -41,9 +44,12 @@ def test_distillation_spec(tmp_path):
     )
     trainer = AsyncDistillationTrainer(model="student", args=args, train_dataset=ROWS)
     spec = trainer.build_spec(None)
-    assert spec.rollout.kind == "distill" and spec.rollout.name == "distillation rollout actor"
+    assert (
+        spec.algorithm is registry.get("distillation") and spec.algorithm.rollout_name == "distillation rollout actor"
+    )
+    assert spec.algorithm.teachers and spec.algorithm.group_size(args) == 1 and spec.algorithm.engine_arg == "student"
     assert spec.horizon == 5 and spec.learner.max_steps == 5  # the epoch ceiling: 10 rows / 2 per step
-    assert spec.learner.objective == "distill" and spec.learner.teacher_ids == ["a", "b"]
+    assert spec.learner.teacher_ids == ["a", "b"] and spec.rollout.loop_kwargs == {"max_inflight_tasks": 8}
     assert [t.base_url for t in spec.teachers.values()] == ["http://localhost:1", "http://localhost:2"]
     assert spec.hang_timeout_s == args.heartbeat_stale_after_s and spec.hang_setting == "heartbeat_stale_after_s"
     assert "reward" not in spec.requests and spec.requests["teacher client"][0] == 2
