@@ -42,9 +42,9 @@ torch)  # carry .devicekit, two H200s: GPU tests, weight sync (bench/weight_sync
 onegpu)  # carry .devicekit, one H200: GPU tests (one rank of FSDP2 at world sizes 2/4/8 included), GRPO sharing the GPU over CUDA IPC, distillation on one GPU
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
-    RLASYNC_FAKE_PG_OUT=$out/fsdp_fake_pg.jsonl run gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/engine/test_async_scheduling.py tests/unit/algorithms/distill/test_learner_step.py
-    run e2e_ipc 120 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
-    run e2e_distill_1gpu 120 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --share-gpu --out "$out/e2e_distill_h200.json"
+    RLASYNC_FAKE_PG_OUT=$out/fsdp_fake_pg.jsonl run gpu_tests 280 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/engine/test_async_scheduling.py tests/unit/algorithms/distill/test_learner_step.py
+    run e2e_ipc 150 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
+    run e2e_distill_1gpu 170 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --share-gpu --out "$out/e2e_distill_h200.json"
     ;;
 distill)  # carry .devicekit (none when warm): on-policy distillation end to end
     [ -d /tmp/site/ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1

@@ -300,8 +300,8 @@ def check_teacher_ids(dataset: Any, teacher_ids: Sequence[str]) -> None:
     """With several teachers (MOPD), every row's `teacher_id` must name one of `teacher_ids`: a sized dataset's
     whole column is read (a `datasets.Dataset` column is one read), a streaming one's first rows. `ValueError`
     naming the unknown values, their first rows and the configured teachers; one teacher scores every row."""
-    from rlasync.data.streaming import is_streaming
     from rlasync.algorithms.distill.routing import TEACHER_ID_COLUMN
+    from rlasync.data.streaming import is_streaming
 
     if len(teacher_ids) < 2:
         return

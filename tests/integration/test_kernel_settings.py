@@ -23,8 +23,8 @@ OLD_VARIABLES = (
 
 def test_a_kernel_choice_in_the_config_reaches_the_learner_rank(ray_cluster, tiny_model_dir, tmp_path, monkeypatch):
     from actors.learner import LearnerActor
+    from rlasync.algorithms.grpo.spec import GRPO
     from rlasync.config import load_config
-    from rlasync.learner import LearnerSettings
     from tests.integration.test_learner_group import make_samples
 
     for name in OLD_VARIABLES:
@@ -44,7 +44,7 @@ def test_a_kernel_choice_in_the_config_reaches_the_learner_rank(ray_cluster, tin
             'kernels.flex_kernel_options={"BLOCK_M1": 32}',
         ],
     )
-    settings = LearnerSettings.from_config(config, objective="grpo", token_budget=64)
+    settings = GRPO.learner_settings(config, token_budget=64)
     ray = ray_cluster
 
     @ray.remote(num_cpus=0)

@@ -301,7 +301,7 @@ def test_settings_carry_the_choice_and_pad_rows_when_compiled(tmp_path):
     with pytest.raises(ValueError, match="row_bucket=-1"):
         dataclasses.replace(settings, row_bucket=-1)
     kernels = grpo_config(tmp_path, kernels={"tree_attention": "varlen", "head_keep": "probs"}).kernels
-    chosen = LearnerSettings.from_config(grpo_config(tmp_path, kernels=kernels), objective="grpo", token_budget=64)
+    chosen = GRPO.learner_settings(grpo_config(tmp_path, kernels=kernels), token_budget=64)
     assert chosen.kernels == kernels and settings.kernels.tree_attention == "auto"  # the config's kernels section
 
 
