@@ -8,8 +8,9 @@
     rlasync models prepare smollm2-135m-instruct              convert a shipped model to a cached HF folder
 
 Each subcommand imports its heavy dependencies only when it runs. An error is one line, `error: <what> (<where>)`
-(the traceback with `--verbose`); exit codes: 2 bad input (known before any actor starts), 1 a failed run, 130
-interrupted.
+(the traceback with `--verbose`); exit codes: 2 bad input (known before any actor starts), 1 a failed run,
+128 + the signal number when SIGINT (130), SIGTERM (143) or SIGHUP (129) stopped the run (after a final checkpoint,
+whose path is printed; a second signal exits at once).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def _train(argv: Sequence[str]) -> int:
     import time
 
     from rlasync.console import quiet_actors, run_summary
+    from rlasync.driver.signals import RunInterrupted
 
     quiet_actors(args.verbose)  # before Ray starts: local workers inherit the environment
     logging.basicConfig(
@@ -144,6 +146,9 @@ def _train(argv: Sequence[str]) -> int:
         return _fail(exc, 2, args.verbose)
     try:  # a failed run (exit 1)
         state = trainer.train(resume_from_checkpoint=args.resume)
+    except RunInterrupted as exc:  # SIGINT / SIGTERM / SIGHUP: a final checkpoint was written (rlasync.driver.signals)
+        print(f"error: {exc.message()}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"error: interrupted; resume with --resume (checkpoints in {run.config.output_dir})", file=sys.stderr)
         return 130

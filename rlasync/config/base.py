@@ -325,6 +325,11 @@ class TrainerConfig(TrainingArgumentsFields):
     """Per-call limit of each tool call; past it the model gets a tool error message and the call counts as a
     failure (`tools/timeout_count`). None: no limit."""
 
+    shutdown_grace_s: float = 25.0
+    """SIGINT / SIGTERM / SIGHUP of the driver: the run stops admitting, trains what it took, writes a final
+    checkpoint and tears the actors down within this many seconds, else exits at once (a second signal exits at
+    once). The default fits Kubernetes' 30-s terminationGracePeriodSeconds (deploy/ sets it)."""
+
     # ---- actor system (rlasync) ----
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Actor counts and resources (see `ClusterConfig`); `--set cluster.num_learners=2`."""
@@ -425,6 +430,9 @@ class TrainerConfig(TrainingArgumentsFields):
         _positive_int(self, "weight_sync_steps")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
             raise ValueError(f"num_completions_to_print={self.num_completions_to_print}: must be >= 0 or None")
+        grace = self.shutdown_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace > 0:
+            raise ValueError(f"shutdown_grace_s={grace!r}: must be a number of seconds > 0 (default 25)")
         for name in ("watchdog_timeout_s", "reward_timeout_s", "tool_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
