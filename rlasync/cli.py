@@ -1,7 +1,8 @@
 """The `rlasync` command line.
 
-    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]] [--verbose] [--json]   train (local Ray
-                                                            cluster, or RAY_ADDRESS); a progress bar, then a summary
+    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]] [--overwrite_output_dir] [--verbose] [--json]
+                                                            train (local Ray cluster, or RAY_ADDRESS); a progress
+                                                            bar, then a summary; one run per output_dir
     rlasync plot RUN_DIR [--out FILE.png]                   the diagnostic panels of a run's metrics.jsonl
     rlasync check-model MODEL_PATH      is this architecture supported by tree packing? (exit 0 = yes)
     rlasync config show [CONFIG.yaml] [--set key=value ...]   print the resolved config as JSON
@@ -118,6 +119,11 @@ def _train(argv: Sequence[str]) -> int:
         help="resume from a checkpoint folder (default: the latest checkpoint-* in output_dir)",
     )
     parser.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="start afresh in an output_dir that holds an earlier run's checkpoints (they are removed)",
+    )
+    parser.add_argument(
         "--verbose",
         action="store_true",
         help="print the traceback of an error, INFO logs and the actors' start-up output",
@@ -128,6 +134,7 @@ def _train(argv: Sequence[str]) -> int:
     import time
 
     from rlasync.console import quiet_actors, run_summary
+    from rlasync.driver.run_lock import check_run_folder
     from rlasync.driver.signals import RunInterrupted
 
     quiet_actors(args.verbose)  # before Ray starts: local workers inherit the environment
@@ -137,8 +144,12 @@ def _train(argv: Sequence[str]) -> int:
     )
     started = time.monotonic()
     try:  # bad input: everything known before the first actor exists (exit 2)
-        run, trainer = _build_trainer(args.path, args.overrides)
+        overrides = args.overrides + (["overwrite_output_dir=true"] if args.overwrite_output_dir else [])
+        run, trainer = _build_trainer(args.path, overrides)
         trainer.preflight()
+        check_run_folder(
+            run.config.output_dir, args.resume or run.config.resume_from_checkpoint, run.config.overwrite_output_dir
+        )
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -325,6 +325,9 @@ class TrainerConfig(TrainingArgumentsFields):
     """Per-call limit of each tool call; past it the model gets a tool error message and the call counts as a
     failure (`tools/timeout_count`). None: no limit."""
 
+    overwrite_output_dir: bool = False
+    """transformers' field: a fresh run (no resume) into an `output_dir` holding another run's checkpoints is
+    refused unless this is set; then the old checkpoint folders are removed when the run starts."""
     shutdown_grace_s: float = 25.0
     """SIGINT / SIGTERM / SIGHUP of the driver: the run stops admitting, trains what it took, writes a final
     checkpoint and tears the actors down within this many seconds, else exits at once (a second signal exits at
