@@ -37,6 +37,7 @@ from rlasync.driver import (
     server_engine_kwargs,
     step_budget,
 )
+from rlasync.driver.checkpoint import config_changes
 from rlasync.driver.signals import interrupted_error
 from rlasync.weights.adapter import lora_engine_kwargs
 
@@ -46,10 +47,14 @@ logger = logging.getLogger(__name__)
 def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dict[str, Any]:
     """Run `spec` on Ray; `state` (the trainer's) is updated as the run goes and returned at the end; `actor_ids`
     (the trainer's) lists every actor created, also when the run fails."""
+    changes = config_changes(spec.resume_dir, spec.config.to_dict())
+    if changes:  # before Ray starts
+        logger.warning("resuming from %s with a changed config: %s", spec.resume_dir, "; ".join(changes))
     guard = ShutdownGuard(spec.config.shutdown_grace_s, spec.config.output_dir)  # entered once Ray is up
     with Cluster(spec, actor_ids, guard) as cluster:
         loop = cluster.build(state)
         loop.stop_request, guard.loop_running = guard.request, True  # a signal now ends with a final checkpoint
+        loop.checkpointer.run_config = spec.config.to_dict()  # run_config.json: a later resume names what changed
         try:
             final = asyncio.run(loop.run(spec.start_step, cluster.version))
             if guard.request.requested:  # the signal came as the run ended: its final checkpoint is written

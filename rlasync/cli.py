@@ -134,6 +134,7 @@ def _train(argv: Sequence[str]) -> int:
     import time
 
     from rlasync.console import quiet_actors, run_summary
+    from rlasync.driver.checkpoint import Checkpointer
     from rlasync.driver.run_lock import check_run_folder
     from rlasync.driver.signals import RunInterrupted
 
@@ -147,9 +148,10 @@ def _train(argv: Sequence[str]) -> int:
         overrides = args.overrides + (["overwrite_output_dir=true"] if args.overwrite_output_dir else [])
         run, trainer = _build_trainer(args.path, overrides)
         trainer.preflight()
-        check_run_folder(
-            run.config.output_dir, args.resume or run.config.resume_from_checkpoint, run.config.overwrite_output_dir
-        )
+        resume = args.resume or run.config.resume_from_checkpoint
+        check_run_folder(run.config.output_dir, resume, run.config.overwrite_output_dir)
+        if resume:  # a bad or corrupt resume point is bad input too; train() gets the folder found here
+            args.resume = Checkpointer(run.config.output_dir).resume_dir(resume)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
