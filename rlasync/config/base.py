@@ -314,8 +314,8 @@ class TrainerConfig(TrainingArgumentsFields):
     # ---- progress watchdog and user-code timeouts (rlasync; docs/algorithms.md §2.1, §3.2) ----
     watchdog_timeout_s: float | None = None
     """No training step for this long stops the run with the reason (zero reward spread, prompts too long, a tool
-    that never returns, ...); None derives it: max(rollout_worker_timeout / heartbeat_stale_after_s, 5 x the slowest
-    step so far)."""
+    that never returns, ...); None derives it: max(rollout_worker_timeout / heartbeat_stale_after_s, 5 x the median
+    step so far), at most 4 x that floor."""
     watchdog_action: str = "error"
     """"error": the watchdog stops the run; "warn": it logs the reason once per bound and the run goes on."""
     reward_timeout_s: float | None = 300.0
