@@ -103,6 +103,18 @@ def _plot(argv: Sequence[str]) -> int:
 
 
 def _train(argv: Sequence[str]) -> int:
+    """`rlasync train`; SIGTERM / SIGHUP before the run's own handlers exit 128 + signal, as SIGINT does (the
+    previous handlers are restored on the way out)."""
+    from rlasync.driver.signals import interrupt_early
+
+    restore = interrupt_early()
+    try:
+        return _train_command(argv)
+    finally:
+        restore()
+
+
+def _train_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rlasync train",
         description="Train with async GRPO (or, with `trainer: distillation`, on-policy distillation) from a run file "
@@ -152,6 +164,9 @@ def _train(argv: Sequence[str]) -> int:
         check_run_folder(run.config.output_dir, resume, run.config.overwrite_output_dir)
         if resume:  # a bad or corrupt resume point is bad input too; train() gets the folder found here
             args.resume = Checkpointer(run.config.output_dir).resume_dir(resume)
+    except RunInterrupted as exc:
+        print(f"error: {exc.message()}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -169,6 +169,27 @@ class ShutdownGuard:
             raise RunInterrupted(signum, newest_checkpoint(self.output_dir), self.output_dir)
 
 
+def interrupt_early(signals: tuple[int, ...] = tuple(s for s in SIGNALS if s != signal.SIGINT)) -> Callable[[], None]:
+    """Before a run's `ShutdownGuard` (the CLI reading the config, preflight): SIGTERM and SIGHUP raise
+    `RunInterrupted` (exit 128 + signal) where the main thread is, as SIGINT raises `KeyboardInterrupt`. Returns a
+    function that restores the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise RunInterrupted(signum)
+
+    previous = {signum: signal.getsignal(signum) for signum in signals}
+    for signum in signals:
+        signal.signal(signum, _raise)
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    return restore
+
+
 def interrupted_error(request: ShutdownRequest, checkpoint: str | None, output_dir: str | None) -> RunInterrupted:
     """The `RunInterrupted` a step loop raises after its final checkpoint (`checkpoint`, else the newest one)."""
     assert request.signum is not None
@@ -182,6 +203,7 @@ __all__ = [
     "RunInterrupted",
     "ShutdownGuard",
     "ShutdownRequest",
+    "interrupt_early",
     "interrupted_error",
     "newest_checkpoint",
     "signal_name",

@@ -141,5 +141,6 @@ def test_sigint_sighup_sigterm_write_a_final_checkpoint_resume_continues_and_a_s
         assert not list(output_dir.glob("*.tmp")), "a partial checkpoint folder was left"
         assert f"interrupted by {sig.name}" in out and str(final) in out, out[-4000:]
         assert "SIGTERM received at time" not in out, "Ray's C++ handler ran"  # its stack dump
+        assert "__ray_ready__ failed" not in out, out[-4000:]  # the teardown prints nothing that reads as an error
         assert steps[-1] > last and not (output_dir / ".rlasync.lock").exists()
         last = steps[-1]

@@ -128,3 +128,19 @@ def test_shutdown_grace_s_must_be_positive():
     assert AsyncGRPOConfig().shutdown_grace_s == 25.0
     with pytest.raises(ValueError, match="shutdown_grace_s=0"):
         AsyncGRPOConfig(shutdown_grace_s=0)
+
+
+def test_before_the_run_sigterm_and_sighup_raise_like_sigint():
+    from rlasync.driver.signals import interrupt_early
+
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    restore = interrupt_early()
+    try:
+        with pytest.raises(RunInterrupted) as info:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1.0)
+        assert info.value.exit_code == 129
+        assert signal.getsignal(signal.SIGINT) == previous[signal.SIGINT]  # Ctrl-C keeps KeyboardInterrupt
+    finally:
+        restore()
+    assert {signum: signal.getsignal(signum) for signum in SIGNALS} == previous
