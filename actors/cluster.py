@@ -29,6 +29,7 @@ from actors.fanout import Timeouts, actor_id, call_all, call_all_async, get_all,
 from rlasync.config.vocab import EngineKind
 from rlasync.driver import (
     RunSpec,
+    ShutdownGuard,
     Taken,
     check_actor_health,
     check_resources,
@@ -36,6 +37,8 @@ from rlasync.driver import (
     server_engine_kwargs,
     step_budget,
 )
+from rlasync.driver.checkpoint import config_changes
+from rlasync.driver.signals import interrupted_error
 from rlasync.weights.adapter import lora_engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -44,10 +47,19 @@ logger = logging.getLogger(__name__)
 def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dict[str, Any]:
     """Run `spec` on Ray; `state` (the trainer's) is updated as the run goes and returned at the end; `actor_ids`
     (the trainer's) lists every actor created, also when the run fails."""
-    with Cluster(spec, actor_ids) as cluster:
+    changes = config_changes(spec.resume_dir, spec.config.to_dict())
+    if changes:  # before Ray starts
+        logger.warning("resuming from %s with a changed config: %s", spec.resume_dir, "; ".join(changes))
+    guard = ShutdownGuard(spec.config.shutdown_grace_s, spec.config.output_dir)  # entered once Ray is up
+    with Cluster(spec, actor_ids, guard) as cluster:
         loop = cluster.build(state)
+        loop.stop_request, guard.loop_running = guard.request, True  # a signal now ends with a final checkpoint
+        loop.checkpointer.run_config = spec.config.to_dict()  # run_config.json: a later resume names what changed
         try:
-            return asyncio.run(loop.run(spec.start_step, cluster.version))
+            final = asyncio.run(loop.run(spec.start_step, cluster.version))
+            if guard.request.requested:  # the signal came as the run ended: its final checkpoint is written
+                raise interrupted_error(guard.request, None, spec.config.output_dir)
+            return final
         except ray.exceptions.RayActorError as exc:  # the queue, a learner rank, restarts used up: stop-and-resume
             name = dead_actor_name(exc, cluster.names) or f"an actor ({exc.actor_id})"
             raise died_error(name, exc, spec.config.output_dir) from exc
@@ -61,8 +73,9 @@ async def _get(refs: Any, timeout: float) -> Any:
 class Cluster:
     """Creates, wires and removes the actors of one run (a context manager: `with Cluster(spec) as cluster`)."""
 
-    def __init__(self, spec: RunSpec, actor_ids: list[str] | None = None) -> None:
+    def __init__(self, spec: RunSpec, actor_ids: list[str] | None = None, guard: ShutdownGuard | None = None) -> None:
         self.spec, self.config = spec, spec.config
+        self.guard = guard  # the signal handlers: installed after ray.init (Ray's C++ SIGTERM handler would abort)
         self.timeouts = Timeouts.from_cluster(spec.config.cluster)  # every deadline of a call to the actors
         self.actor_ids = actor_ids if actor_ids is not None else []
         self.handles: list[Any] = []
@@ -80,11 +93,15 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         self.started_ray = connect(self.config.cluster.ray_address)
+        if self.guard is not None:
+            self.guard.__enter__()
         try:
             nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
             check_resources(self.spec.requests, ray.cluster_resources(), autoscaling=not self.started_ray, nodes=nodes)
         except BaseException:
             self._disconnect()
+            if self.guard is not None:
+                self.guard.uninstall()
             raise
         return self
 
@@ -93,6 +110,8 @@ class Cluster:
             self.remove()
         finally:
             self._disconnect()
+            if self.guard is not None:  # after the teardown: a signal during it ends the process within the grace
+                self.guard.uninstall()
 
     def _disconnect(self) -> None:
         if self.started_ray:

@@ -172,7 +172,9 @@ def wait_until_dead(
     kill has not landed yet) is asked again. This works on a Ray Client (`ray://`) driver too (no state API)."""
     deadline, alive = time.monotonic() + timeout_s, list(handles)
     while alive:
-        pings = dict(zip(remote_all(alive, "__ray_ready__"), alive))
+        # no retries: a retried ping of a killed restartable actor makes the raylet print "Task ...__ray_ready__
+        # failed ... killed by ray.kill", which reads as an error on a clean shutdown
+        pings = {handle.__ray_ready__.options(max_task_retries=0).remote(): handle for handle in alive}
         done, pending = ray.wait(list(pings), num_returns=len(pings), timeout=max(deadline - time.monotonic(), 0.0))
         alive = [pings[ref] for ref in pending]
         for ref in done:

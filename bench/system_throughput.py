@@ -183,7 +183,8 @@ def stage_system(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         sets.append("cluster.engine_kwargs=" + json.dumps(VLLM_ENGINE_KWARGS))
     sets += args.set or []
-    command = [sys.executable, "-m", "rlasync", "train", str(CONFIG)] + [x for s in sets for x in ("--set", s)]
+    command = [sys.executable, "-m", "rlasync", "train", str(CONFIG), "--overwrite_output_dir"]  # a rerun replaces it
+    command += [x for s in sets for x in ("--set", s)]
     started = time.time()
     subprocess.run(command, check=True, cwd=ROOT)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -1,15 +1,17 @@
 """The `rlasync` command line.
 
-    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]] [--verbose] [--json]   train (local Ray
-                                                            cluster, or RAY_ADDRESS); a progress bar, then a summary
+    rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]] [--overwrite_output_dir] [--verbose] [--json]
+                                                            train (local Ray cluster, or RAY_ADDRESS); a progress
+                                                            bar, then a summary; one run per output_dir
     rlasync plot RUN_DIR [--out FILE.png]                   the diagnostic panels of a run's metrics.jsonl
     rlasync check-model MODEL_PATH      is this architecture supported by tree packing? (exit 0 = yes)
     rlasync config show [CONFIG.yaml] [--set key=value ...]   print the resolved config as JSON
     rlasync models prepare smollm2-135m-instruct              convert a shipped model to a cached HF folder
 
 Each subcommand imports its heavy dependencies only when it runs. An error is one line, `error: <what> (<where>)`
-(the traceback with `--verbose`); exit codes: 2 bad input (known before any actor starts), 1 a failed run, 130
-interrupted.
+(the traceback with `--verbose`); exit codes: 2 bad input (known before any actor starts), 1 a failed run,
+128 + the signal number when SIGINT (130), SIGTERM (143) or SIGHUP (129) stopped the run (after a final checkpoint,
+whose path is printed; a second signal exits at once).
 """
 
 from __future__ import annotations
@@ -101,6 +103,18 @@ def _plot(argv: Sequence[str]) -> int:
 
 
 def _train(argv: Sequence[str]) -> int:
+    """`rlasync train`; SIGTERM / SIGHUP before the run's own handlers exit 128 + signal, as SIGINT does (the
+    previous handlers are restored on the way out)."""
+    from rlasync.driver.signals import interrupt_early
+
+    restore = interrupt_early()
+    try:
+        return _train_command(argv)
+    finally:
+        restore()
+
+
+def _train_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rlasync train",
         description="Train with async GRPO (or, with `trainer: distillation`, on-policy distillation) from a run file "
@@ -117,6 +131,11 @@ def _train(argv: Sequence[str]) -> int:
         help="resume from a checkpoint folder (default: the latest checkpoint-* in output_dir)",
     )
     parser.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="start afresh in an output_dir that holds an earlier run's checkpoints (they are removed)",
+    )
+    parser.add_argument(
         "--verbose",
         action="store_true",
         help="print the traceback of an error, INFO logs and the actors' start-up output",
@@ -127,6 +146,9 @@ def _train(argv: Sequence[str]) -> int:
     import time
 
     from rlasync.console import quiet_actors, run_summary
+    from rlasync.driver.checkpoint import Checkpointer
+    from rlasync.driver.run_lock import check_run_folder
+    from rlasync.driver.signals import RunInterrupted
 
     quiet_actors(args.verbose)  # before Ray starts: local workers inherit the environment
     logging.basicConfig(
@@ -135,8 +157,16 @@ def _train(argv: Sequence[str]) -> int:
     )
     started = time.monotonic()
     try:  # bad input: everything known before the first actor exists (exit 2)
-        run, trainer = _build_trainer(args.path, args.overrides)
+        overrides = args.overrides + (["overwrite_output_dir=true"] if args.overwrite_output_dir else [])
+        run, trainer = _build_trainer(args.path, overrides)
         trainer.preflight()
+        resume = args.resume or run.config.resume_from_checkpoint
+        check_run_folder(run.config.output_dir, resume, run.config.overwrite_output_dir)
+        if resume:  # a bad or corrupt resume point is bad input too; train() gets the folder found here
+            args.resume = Checkpointer(run.config.output_dir).resume_dir(resume)
+    except RunInterrupted as exc:
+        print(f"error: {exc.message()}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
@@ -144,6 +174,9 @@ def _train(argv: Sequence[str]) -> int:
         return _fail(exc, 2, args.verbose)
     try:  # a failed run (exit 1)
         state = trainer.train(resume_from_checkpoint=args.resume)
+    except RunInterrupted as exc:  # SIGINT / SIGTERM / SIGHUP: a final checkpoint was written (rlasync.driver.signals)
+        print(f"error: {exc.message()}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"error: interrupted; resume with --resume (checkpoints in {run.config.output_dir})", file=sys.stderr)
         return 130

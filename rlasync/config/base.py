@@ -314,8 +314,8 @@ class TrainerConfig(TrainingArgumentsFields):
     # ---- progress watchdog and user-code timeouts (rlasync; docs/algorithms.md §2.1, §3.2) ----
     watchdog_timeout_s: float | None = None
     """No training step for this long stops the run with the reason (zero reward spread, prompts too long, a tool
-    that never returns, ...); None derives it: max(rollout_worker_timeout / heartbeat_stale_after_s, 5 x the slowest
-    step so far)."""
+    that never returns, ...); None derives it: max(rollout_worker_timeout / heartbeat_stale_after_s, 5 x the median
+    step so far), at most 4 x that floor."""
     watchdog_action: str = "error"
     """"error": the watchdog stops the run; "warn": it logs the reason once per bound and the run goes on."""
     reward_timeout_s: float | None = 300.0
@@ -324,6 +324,14 @@ class TrainerConfig(TrainingArgumentsFields):
     tool_timeout_s: float | None = 120.0
     """Per-call limit of each tool call; past it the model gets a tool error message and the call counts as a
     failure (`tools/timeout_count`). None: no limit."""
+
+    overwrite_output_dir: bool = False
+    """transformers' field: a fresh run (no resume) into an `output_dir` holding another run's checkpoints is
+    refused unless this is set; then the old checkpoint folders are removed when the run starts."""
+    shutdown_grace_s: float = 25.0
+    """SIGINT / SIGTERM / SIGHUP of the driver: the run stops admitting, trains what it took, writes a final
+    checkpoint and tears the actors down within this many seconds, else exits at once (a second signal exits at
+    once). The default fits Kubernetes' 30-s terminationGracePeriodSeconds (deploy/ sets it)."""
 
     # ---- actor system (rlasync) ----
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -430,6 +438,9 @@ class TrainerConfig(TrainingArgumentsFields):
         _positive_int(self, "weight_sync_steps")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
             raise ValueError(f"num_completions_to_print={self.num_completions_to_print}: must be >= 0 or None")
+        grace = self.shutdown_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace > 0:
+            raise ValueError(f"shutdown_grace_s={grace!r}: must be a number of seconds > 0 (default 25)")
         for name in ("watchdog_timeout_s", "reward_timeout_s", "tool_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):

@@ -84,7 +84,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ValueError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
+    except DuplicateKeyError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -93,6 +95,30 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a mapping of config fields, got {type(data).__name__}")
     return data
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping that names one key twice (PyYAML keeps the last silently)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key written twice in one mapping, naming both lines."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise DuplicateKeyError(
+                    f"the key {key!r} is written twice (line {first} and line {line}); keep one of them"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def check_keys(data: Mapping[str, Any], config_class: type, prefix: str = "") -> None:

@@ -6,11 +6,13 @@ trainer builds for `actors.cluster` (which owns every Ray call).
     checkpoint.py  Checkpointer: checkpoint-N folders (written through .tmp), pruning, the resume point
     spec.py        RunSpec: rollout kind and arguments, learner objective, teachers, queue settings, horizon
     resources.py   check_resources: what the actors ask for against what the Ray cluster has
+    signals.py     ShutdownGuard: SIGINT / SIGTERM / SIGHUP -> a final checkpoint within shutdown_grace_s
 """
 
 from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, Taken, WeightTransport
 from rlasync.driver.resources import actor_requests, check_resources
+from rlasync.driver.signals import RunInterrupted, ShutdownGuard, ShutdownRequest
 from rlasync.driver.spec import (
     LearnerSpec,
     RolloutSpec,
@@ -30,8 +32,11 @@ __all__ = [
     "LearnerSpec",
     "NoProgressError",
     "RolloutSpec",
+    "RunInterrupted",
     "RunSpec",
     "SampleQueue",
+    "ShutdownGuard",
+    "ShutdownRequest",
     "StepLoop",
     "StepSettings",
     "Taken",

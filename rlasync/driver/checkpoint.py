@@ -1,13 +1,15 @@
 """`Checkpointer`: where a run's checkpoints go and which one a run resumes from.
 
     <output_dir>/checkpoint-<step>/      rollout_state.json (first, as TRL), the learners' files (model, tokenizer,
-                                         optimizer), trainer_state.json (last: it marks the checkpoint complete)
+                                         optimizer), run_config.json (the config: a resume names what changed),
+                                         trainer_state.json (last: it marks the checkpoint complete)
 
 A checkpoint is written under `checkpoint-<step>.tmp` and renamed once complete, so a run killed while saving
-leaves no `checkpoint-<step>` that looks finished; `resume_from_checkpoint=True` takes the newest one that holds
+leaves no `checkpoint-<step>` that looks finished (a save that fails removes its `.tmp` folder; a full disk is
+`CheckpointSaveError` naming the folder, the space and the newest intact checkpoint); `resume_from_checkpoint=True` takes the newest one that holds
 `trainer_state.json` and logs the incomplete ones it skipped. `save_total_limit` keeps the newest complete ones. A checkpoint with an unreadable file (truncated safetensors,
 `optimizer.pt`, a JSON file) is reported naming the file (`verify_checkpoint`, headers only), and skipped by
-`resume_from_checkpoint=True`.
+`resume_from_checkpoint=True`; so is a complete one whose model weights are missing (`missing_weights`).
 Pure Python: the queue and the learners are the step loop's async protocols.
 """
 
@@ -29,6 +31,36 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.json"
 TMP_SUFFIX = ".tmp"
+RUN_CONFIG = "run_config.json"
+"""The run's config as `TrainerConfig.to_dict()` wrote it, in each checkpoint: a resume compares it to its own."""
+RESUME_FREE = frozenset(
+    {
+        "output_dir",
+        "resume_from_checkpoint",
+        "overwrite_output_dir",
+        "max_steps",
+        "num_train_epochs",
+        "logging_steps",
+        "logging_first_step",
+        "save_steps",
+        "save_strategy",
+        "save_total_limit",
+        "report_to",
+        "run_name",
+        "project",
+        "disable_tqdm",
+        "log_level",
+        "log_completions",
+        "num_completions_to_print",
+        "shutdown_grace_s",
+        "watchdog_timeout_s",
+        "watchdog_action",
+        "push_to_hub",
+        "hub_model_id",
+        "cluster",
+    }
+)
+"""Fields a resumed run may change without a word: the horizon, the cadences, the sinks, the actor layout."""
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -88,6 +120,30 @@ def _check_torch_file(path: Path) -> str | None:
         return f"truncated or not a torch.save archive ({exc})"
 
 
+WEIGHT_INDEXES = (
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors.index.json",
+)
+
+
+def missing_weights(path: Path) -> str | None:
+    """Why a complete checkpoint (or model folder) has no loadable weights: no `*.safetensors` / `*.bin` file, or
+    a shard its index lists is absent; None when they are there."""
+    for index_name in WEIGHT_INDEXES:
+        index = path / index_name
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map") or {}
+            absent = sorted({shard for shard in weight_map.values() if not (path / shard).is_file()})
+            if absent:
+                return (
+                    f"{index_name} lists {', '.join(absent[:3])}, which {'is' if len(absent) == 1 else 'are'} missing"
+                )
+    if not any(path.glob("*.safetensors")) and not any(p.name != "training_args.bin" for p in path.glob("*.bin")):
+        return "no model weights: model.safetensors (or adapter_model.safetensors, or an index's shards) is missing"
+    return None
+
+
 def verify_checkpoint(checkpoint_dir: str | Path) -> None:
     """Raise `CorruptCheckpointError` naming the first file of the checkpoint that is unreadable: its JSON files,
     the model's safetensors files (header and length) and the optimizer / scheduler archives. Reads headers only,
@@ -95,6 +151,13 @@ def verify_checkpoint(checkpoint_dir: str | Path) -> None:
     path = Path(checkpoint_dir)
     for json_file in sorted(path.glob("*.json")):
         read_json(json_file)
+    if is_complete(path):
+        missing = missing_weights(path)
+        if missing is not None:
+            raise CorruptCheckpointError(
+                f"{path} is incomplete ({missing}): the checkpoint cannot be resumed; resume from an earlier "
+                "checkpoint-* (--resume <dir>) or delete this one"
+            )
     checks = [(f, _check_safetensors) for f in sorted(path.glob("*.safetensors"))]
     checks += [(f, _check_torch_file) for f in sorted(path.glob("*.pt")) + sorted(path.glob("*.bin"))]
     for file, check in checks:
@@ -145,6 +208,7 @@ class Checkpointer:
     def __init__(self, output_dir: str | Path, save_total_limit: int | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.save_total_limit = save_total_limit
+        self.run_config: dict[str, Any] | None = None  # written as run_config.json into each checkpoint when set
 
     # ---- finding checkpoints ------------------------------------------------------------------------------------
 
@@ -209,17 +273,42 @@ class Checkpointer:
         final = self.path(step)
         tmp = final.with_name(final.name + TMP_SUFFIX)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that was killed
-        tmp.mkdir(parents=True)
-        write_rollout_state(tmp, RolloutState.from_dict(await queue.rollout_state()))  # before the model, as TRL does
-        # every rank takes part in gathering the full state (FSDP2); rank 0 writes it
-        await learners.save(str(tmp), tokenizer)
-        (tmp / TRAINER_STATE).write_text(json.dumps({**_plain(state), "global_step": step}) + "\n")
+        try:
+            tmp.mkdir(parents=True)
+            write_rollout_state(tmp, RolloutState.from_dict(await queue.rollout_state()))  # before the model (TRL)
+            # every rank takes part in gathering the full state (FSDP2); rank 0 writes it
+            await learners.save(str(tmp), tokenizer)
+            if self.run_config is not None:
+                (tmp / RUN_CONFIG).write_text(json.dumps(self.run_config, default=str, sort_keys=True) + "\n")
+            (tmp / TRAINER_STATE).write_text(json.dumps({**_plain(state), "global_step": step}) + "\n")
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # no partial folder left behind
+            if _is_disk_error(exc):
+                raise CheckpointSaveError(self._save_failure(step, exc)) from exc
+            raise
         if final.exists():  # an older checkpoint of the same step (a run restarted from an earlier one)
             shutil.rmtree(final)
         tmp.rename(final)
         self.prune()
         logger.info("saved %s", final)
         return str(final)
+
+    def _save_failure(self, step: int, exc: BaseException) -> str:
+        """The message of a save the disk refused: the folder, the space free and needed, the newest intact one."""
+        complete = self.complete_checkpoints()
+        newest = complete[-1] if complete else None
+        try:
+            free = f"{shutil.disk_usage(self.output_dir).free / 1e9:.2f} GB free"
+        except OSError:
+            free = "free space unknown"
+        need = f"about {folder_bytes(newest) / 1e9:.2f} GB needed (the size of {newest.name})" if newest else ""
+        where = f"the newest intact checkpoint is {newest} (resume with --resume)" if newest else "no intact checkpoint"
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        return (
+            f"saving checkpoint-{step} into {self.output_dir} failed ({reason}): {free}"
+            f"{', ' + need if need else ''}; the partial folder was removed and {where}. Free space there, or "
+            "set output_dir to a larger disk"
+        )
 
     def prune(self) -> None:
         """Keep the newest `save_total_limit` complete checkpoints (incomplete ones are never counted or kept)."""
@@ -228,6 +317,43 @@ class Checkpointer:
             return
         for old in self.complete_checkpoints()[:-limit]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint the disk could not take (full, quota); the message names the folder, the space and the newest
+    intact checkpoint."""
+
+
+DISK_ERRORS = ("No space left on device", "Disk quota exceeded", "ENOSPC", "EDQUOT", "File too large")
+
+
+def _is_disk_error(exc: BaseException) -> bool:
+    """An out-of-space error, raised here or inside a learner (a Ray task error carries its text)."""
+    if isinstance(exc, OSError) and exc.errno in (28, 122, 27):  # ENOSPC, EDQUOT, EFBIG
+        return True
+    return isinstance(exc, Exception) and any(text in str(exc) for text in DISK_ERRORS)
+
+
+def folder_bytes(path: Path) -> int:
+    """The bytes of the files under `path`."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def config_changes(resume_dir: str | Path | None, config: dict[str, Any]) -> list[str]:
+    """The fields of `config` (a `to_dict()`) that differ from the checkpoint's run_config.json, as
+    "name: old -> new" (the horizon, cadences, sinks and `cluster` are free to change: `RESUME_FREE`); [] when the
+    checkpoint has no run_config.json (written before it was saved)."""
+    if resume_dir is None or not (Path(resume_dir) / RUN_CONFIG).is_file():
+        return []
+    saved = read_json(Path(resume_dir) / RUN_CONFIG)
+    if not isinstance(saved, dict):
+        return []
+    current = json.loads(json.dumps(config, default=str))  # the same JSON round trip as the saved one
+    return [
+        f"{name}: {saved[name]!r} -> {current[name]!r}"
+        for name in sorted(set(saved) & set(current) - RESUME_FREE)
+        if saved[name] != current[name]
+    ]
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
@@ -244,12 +370,17 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "RUN_CONFIG",
     "TRAINER_STATE",
+    "CheckpointSaveError",
     "Checkpointer",
     "CorruptCheckpointError",
     "checkpoint_step",
+    "config_changes",
+    "folder_bytes",
     "resumed_trainer_state",
     "is_complete",
+    "missing_weights",
     "read_json",
     "read_step",
     "verify_checkpoint",

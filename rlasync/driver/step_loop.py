@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlasync.driver.checkpoint import Checkpointer
 from rlasync.driver.protocols import Fleet, LearnerGroup, MetricItems, SampleQueue, WeightTransport
+from rlasync.driver.signals import ShutdownRequest, interrupted_error
 from rlasync.driver.watchdog import NoProgressError, Watchdog, WatchdogSettings
 from rlasync.metrics import MetricSink
 from rlasync.metrics.perf import StepPerf, system_generation_rate
@@ -179,6 +180,10 @@ class StepLoop:
         self.perf = perf if perf is not None else StepPerf()
         self.log_inbox = log_inbox if log_inbox is not None else []  # trainer.log(...) while the run goes
         self._last_saved_step: int | None = None
+        self._last_saved_path: str | None = None
+        self.stop_request: ShutdownRequest | None = (
+            None  # set by the Cluster: a signal stops the run (driver/signals.py)
+        )
         self.watchdog = Watchdog(settings.watchdog_settings())
         self.elastic = elastic
         self.model = LazyModel(
@@ -206,7 +211,9 @@ class StepLoop:
             if len(self.window):
                 self._log(step, self.window.reduce())
             if step > start_step and not self._saved_at(step):
-                await self._save(step)  # the final model, however the run ended normally
+                await self._save(step)  # the final model, however the run ended normally (or on a signal)
+            if self._stopping():  # a signal: the final checkpoint is written, the caller tears the actors down
+                raise interrupted_error(self.stop_request, self._last_saved_path, str(self.checkpointer.output_dir))
             if s.horizon is None:
                 ts.max_steps = step  # an epoch run's length, known now
             self.run_state["queue"] = await self.queue.state()  # epoch accounting, for callers
@@ -224,8 +231,11 @@ class StepLoop:
         s = self.settings
         last_step_end: float | None = None
         start = step
-        while s.horizon is None or step < s.horizon:
+        while (s.horizon is None or step < s.horizon) and not self._stopping():
             refs, wait_s, take_items, tokens = await self.take()
+            if not refs and self._stopping():
+                logger.info("a signal stopped the run after step %d", step)
+                break
             if not refs:
                 logger.info("the prompt stream is exhausted after %d steps", step)
                 if step == start:
@@ -299,13 +309,21 @@ class StepLoop:
             if taken.refs:
                 refs += taken.refs
                 tokens += taken.num_tokens
+                if self._stopping():  # what was taken is trained (a short step): nothing taken is lost
+                    break
                 continue
+            if self._stopping():
+                break
             healths = await self.fleet.check_health(s.hang_timeout_s)
             state = await self.queue.state()
             if state["done"] and state["queue_size"] == 0 and state["inflight_groups"] == 0:
                 break
             self.watchdog.check(state, list(healths or ()))
         return refs, waited, items, tokens
+
+    def _stopping(self) -> bool:
+        """Whether a signal asked the run to stop (no new samples are admitted; the final checkpoint follows)."""
+        return self.stop_request is not None and self.stop_request.requested
 
     async def _nothing_trained(self) -> None:
         """The stream ended before this run trained a step: when groups were consumed (all dropped), say why."""
@@ -321,7 +339,7 @@ class StepLoop:
     async def _save(self, step: int) -> None:
         saved = {**self.run_state, "num_tokens": self.perf.num_tokens, "log_history": self.trainer_state.log_history}
         path = await self.checkpointer.save(step, saved, self.queue, self.learners, self.tokenizer)
-        self._last_saved_step = step
+        self._last_saved_step, self._last_saved_path = step, path
         self.control.should_save = False
         self._event("on_save", checkpoint=path)
 

@@ -8,8 +8,12 @@ heartbeat), then raises `NoProgressError` with it, or, with `watchdog_action="wa
 keeps going.
 
     bound = watchdog_timeout_s                                        when set
-          = max(floor, RATE_FACTOR × the slowest step so far)         else (floor: rollout_worker_timeout /
-                                                                            heartbeat_stale_after_s)
+          = max(floor, min(RATE_FACTOR × the median step so far,      else (floor: rollout_worker_timeout /
+                           BOUND_CAP × floor))                              heartbeat_stale_after_s)
+
+The derived bound follows the typical step, not the slowest one, and is capped, so a run whose steps keep slowing
+cannot push it out of reach; such a run is reported as it slows (a warning with the recent step times, when a step
+takes SLOWDOWN_FACTOR × the median of the earlier ones).
 
 Pure Python: no ray, no torch; time comes from an injectable clock.
 """
@@ -26,7 +30,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 RATE_FACTOR = 5.0
-"""The derived bound is this many times the slowest step measured so far (never below the floor)."""
+"""The derived bound is this many times the median step measured so far (never below the floor)."""
+BOUND_CAP = 4.0
+"""... and never above this many times the floor (set watchdog_timeout_s for runs with longer steps)."""
+SLOWDOWN_FACTOR = 3.0
+"""A step this many times the median of the earlier ones (with at least MIN_STEPS_FOR_SLOWDOWN of them) is warned."""
+MIN_STEPS_FOR_SLOWDOWN = 3
 WATCHDOG_ACTIONS = ("error", "warn")
 SLOW_CALL_FRACTION = 0.5
 """A tool call or a generation request older than this fraction of the bound is named in the reason."""
@@ -60,7 +69,8 @@ class Watchdog:
         self.settings = settings
         self._clock = clock
         self._last_progress = clock()
-        self._slowest_step_s = 0.0
+        self._step_times: list[float] = []
+        self._warned_slow_s = 0.0
         self._baseline: dict[str, Counter[str]] | None = {"outcomes": Counter(), "causes": Counter()}
         self.steps = 0
 
@@ -68,20 +78,50 @@ class Watchdog:
         s = self.settings
         if s.timeout_s is not None:
             return s.timeout_s
-        return max(s.floor_s, RATE_FACTOR * self._slowest_step_s)
+        return max(s.floor_s, min(RATE_FACTOR * self.median_step_s(), BOUND_CAP * s.floor_s))
+
+    def median_step_s(self) -> float:
+        """The median duration of the steps so far (0 before the first)."""
+        times = sorted(self._step_times)
+        if not times:
+            return 0.0
+        middle = len(times) // 2
+        return times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
 
     def _bound_text(self) -> str:
         s = self.settings
         if s.timeout_s is not None:
             return f"watchdog_timeout_s={s.timeout_s:g}"
-        if RATE_FACTOR * self._slowest_step_s > s.floor_s:
-            return f"{RATE_FACTOR:g} x the slowest step so far ({self._slowest_step_s:.0f} s)"
+        if RATE_FACTOR * self.median_step_s() >= BOUND_CAP * s.floor_s:
+            return f"the cap, {BOUND_CAP:g} x {s.floor_setting}={s.floor_s:g}; set watchdog_timeout_s for longer steps"
+        if RATE_FACTOR * self.median_step_s() > s.floor_s:
+            return f"{RATE_FACTOR:g} x the median step so far ({self.median_step_s():.0f} s)"
         return f"{s.floor_setting}={s.floor_s:g}"
 
     def step_done(self) -> None:
-        """A step completed: restart the clock, measure the step, forget the counts (taken again at the next wait)."""
+        """A step completed: restart the clock, measure the step, forget the counts (taken again at the next wait);
+        a step much slower than the earlier ones is warned (with the recent step times)."""
         now = self._clock()
-        self._slowest_step_s = max(self._slowest_step_s, now - self._last_progress)
+        step_s = now - self._last_progress
+        earlier = self.median_step_s()
+        if (
+            len(self._step_times) >= MIN_STEPS_FOR_SLOWDOWN
+            and step_s >= SLOWDOWN_FACTOR * earlier > 0
+            and step_s >= 2 * self._warned_slow_s
+        ):
+            recent = ", ".join(_secs(t) for t in [*self._step_times[-5:], step_s])
+            logger.warning(
+                "step %d took %s s, %.0f x the median of the earlier steps (%s s): the run is slowing down "
+                "(recent step times, s: %s); the watchdog's bound stays at %s s",
+                self.steps + 1,
+                _secs(step_s),
+                step_s / earlier,
+                _secs(earlier),
+                recent,
+                _secs(self.bound_s()),
+            )
+            self._warned_slow_s = step_s
+        self._step_times.append(step_s)
         self._last_progress = now
         self._baseline = None
         self.steps += 1

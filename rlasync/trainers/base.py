@@ -1,8 +1,8 @@
 """What both trainers share: TRL's `args` / `state` / `callbacks`, the model as a path the actors can load, and
 `train()`, which builds a `RunSpec` (pure) and makes the one call into `actors/` that runs it on Ray.
 
-    trainer.train()  ->  preflight()  ->  resume point (Checkpointer)  ->  build_spec (subclass)
-                     ->  actors.cluster.launch(spec)
+    trainer.train()  ->  preflight()  ->  the folder's lock (driver/run_lock.py)  ->  resume point (Checkpointer)
+                     ->  build_spec (subclass)  ->  actors.cluster.launch(spec)
 
 `preflight()` (rlasync.trainers.preflight) checks in seconds what is known before Ray starts: the model, the
 teachers, output_dir, report_to, the prompts against max_model_len and the token budget.
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlasync.driver import Checkpointer, RunSpec
 from rlasync.driver.elastic import ElasticBounds, ResizeRequests
+from rlasync.driver.run_lock import claim_run_folder
 from rlasync.pipeline import RolloutState
 from rlasync.trainers.optimizers import optimizer_overrides
 from rlasync.trainers.surface import TrainerSurface, estimated_max_steps
@@ -88,6 +89,7 @@ class AsyncTrainerBase(TrainerSurface):
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         self.preflight()
+        lock = claim_run_folder(self.args, resume_from_checkpoint)  # one run per folder (driver/run_lock.py)
         checkpointer = Checkpointer(self.args.output_dir, self.args.save_total_limit)
         spec = self.build_spec(checkpointer.resume_dir(resume_from_checkpoint))
         spec.trainer_state, spec.log_inbox = self.state, self._log_inbox
@@ -103,6 +105,7 @@ class AsyncTrainerBase(TrainerSurface):
             run_state = launch(spec, state=self.run_state, actor_ids=self.actor_ids)
         finally:
             self._training = False
+            lock.release()
         output = self._train_output(run_state, time.perf_counter() - started, spec.start_step)
         if self.args.push_to_hub:
             self.push_to_hub()

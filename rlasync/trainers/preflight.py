@@ -4,7 +4,12 @@ the fix), so that what is known up front fails in seconds instead of after Ray a
     model / teacher_model   an alias (known?), a local folder (exists? config.json? a tokenizer?), or a hub id
                             (in the local cache, or the hub reachable: offline is said plainly); a local teacher
                             shares the student's vocabulary (`check_same_vocabulary`)
-    output_dir              created, a probe file written and removed
+    model weights           a local model folder holds its weights (not only config.json)
+    engine_kwargs           integer settings are positive integers; the built-in engine knows every key and its
+                            kv_cache_tokens holds one request of max_model_len
+    max_completion_length   below max_model_len (refused), and not capped for the checked prompts (warned)
+    output_dir              named (not empty), created, a probe file written and removed; room for a checkpoint
+                            (refused) and for two (warned): rlasync.trainers.disk
     report_to               every sink known and importable (`rlasync.metrics.sinks.check_report_to`)
     prompts                 the first rows render with the chat template within the engine's max_model_len
                             (`cluster.engine_kwargs.max_model_len`, else the model's max_position_embeddings)
@@ -31,9 +36,12 @@ from urllib.parse import urlparse
 from rlasync.config.vocab import EngineKind
 from rlasync.data.prompts import NUM_ROWS_CHECKED, PROMPT_COLUMN, leased_row_problem, render_prompt
 from rlasync.data.streaming import first_rows
+from rlasync.driver.checkpoint import missing_weights
+from rlasync.driver.run_lock import check_output_dir_named
 from rlasync.metrics.sinks import check_report_to
 from rlasync.model.registry import ALIASES, is_alias, resolve_model
 from rlasync.trainers.checks import check_same_vocabulary
+from rlasync.trainers.disk import check_disk
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +99,12 @@ def _check_folder(path: Path, name: str, field: str, need_tokenizer: bool) -> st
         raise ValueError(
             f"{where} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it there with "
             "`tokenizer.save_pretrained(folder)`, or pass processing_class=tokenizer"
+        )
+    missing = missing_weights(path)
+    if missing is not None:
+        raise ValueError(
+            f"{where} holds config.json but {missing.removeprefix('no model weights: ')}: save the whole model there "
+            "with `model.save_pretrained(folder)`, or finish copying it"
         )
     return str(path)
 
@@ -173,6 +187,63 @@ def model_config(source: str) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+INT_ENGINE_KWARGS = ("max_model_len", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size")
+
+
+def torch_engine_kwargs() -> set[str]:
+    """The keyword arguments `TorchEngine.__init__` takes, read from its source (importing it takes seconds)."""
+    import ast
+
+    source = Path(__file__).parents[1] / "engine" / "torch_engine.py"
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == "TorchEngine":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    args = item.args
+                    return {a.arg for a in args.args + args.kwonlyargs} - {"self", "model"}
+    return set()
+
+
+def check_engine_kwargs(config: Any) -> None:
+    """`cluster.engine_kwargs`: integer settings are positive integers (named, not "invalid literal for int()"),
+    the built-in engine knows every key, and its KV cache holds one request of max_model_len."""
+    kwargs = config.cluster.engine_kwargs or {}
+    for key in INT_ENGINE_KWARGS:
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(
+                f"cluster.engine_kwargs.{key}={value!r}: must be a positive integer (tokens or sequences), e.g. "
+                f"--set cluster.engine_kwargs.{key}={2048 if key != 'max_num_seqs' else 32}"
+            )
+    if config.cluster.engine != EngineKind.TORCH.value:
+        return
+    known = torch_engine_kwargs()
+    unknown = sorted(set(kwargs) - known - {"dtype"})
+    if known and unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"cluster.engine_kwargs has {', '.join(map(repr, unknown))}, unknown to the built-in engine "
+            f"(cluster.engine='torch'){hint}; it takes {', '.join(sorted(known))}"
+        )
+    cache, limit = kwargs.get("kv_cache_tokens"), kwargs.get("max_model_len")
+    if cache is not None and limit is not None and cache < limit:
+        raise ValueError(
+            f"cluster.engine_kwargs.kv_cache_tokens={cache} is below max_model_len={limit}: one request of "
+            f"max_model_len would not fit the KV cache; raise kv_cache_tokens to >= {limit} or lower max_model_len"
+        )
+
+
+def check_completion_fit(config: Any, limit: int | None) -> None:
+    """`max_completion_length` leaves room for a prompt within the engine's `max_model_len`."""
+    if limit is not None and config.max_completion_length >= limit:
+        raise ValueError(
+            f"max_completion_length={config.max_completion_length} is not below max_model_len={limit} (the engine's "
+            "prompt + completion limit): no prompt would fit; lower max_completion_length or raise "
+            "cluster.engine_kwargs.max_model_len"
+        )
 
 
 def max_model_len(config: Any, model_cfg: dict[str, Any]) -> int | None:
@@ -259,6 +330,17 @@ def check_prompt_fit(config: Any, lengths: Sequence[int], limit: int | None) -> 
                 limit,
             )
         lengths = [n for n in lengths if n < limit]
+    if limit is not None and lengths and max(lengths) + config.max_completion_length > limit:
+        logger.warning(
+            "max_completion_length=%d: with the longest of the first %d prompts (%d tokens) a completion is capped "
+            "at %d tokens by max_model_len=%d (raise cluster.engine_kwargs.max_model_len to %d to allow it)",
+            config.max_completion_length,
+            len(lengths),
+            max(lengths),
+            limit - max(lengths),
+            limit,
+            max(lengths) + config.max_completion_length,
+        )
     budget = config.token_budget
     if budget is None or budget <= 0:
         return
@@ -279,7 +361,9 @@ def check_prompt_fit(config: Any, lengths: Sequence[int], limit: int | None) -> 
 
 
 def check_output_dir(output_dir: str | os.PathLike) -> None:
-    """Create `output_dir` and write and remove a probe file in it; `ValueError` naming it when that fails."""
+    """Create `output_dir` and write and remove a probe file in it; `ValueError` naming it when that fails (or when
+    it is empty: the run would land in the current directory)."""
+    check_output_dir_named(output_dir)
     path = Path(output_dir)
     probe = path / f".rlasync-write-probe-{os.getpid()}"
     try:
@@ -335,8 +419,10 @@ def run_preflight(trainer: Any) -> None:
     check_output_dir(config.output_dir)
     check_report_to(config.report_to)
     check_teacher_ids(trainer.train_dataset, list(getattr(trainer, "teachers", {})))
+    check_engine_kwargs(config)
     given_tokenizer = trainer.given_processing_class
     source = check_model_source(trainer.model_path, "model", need_tokenizer=given_tokenizer is None)
+    check_disk(config, source, lora=getattr(trainer, "peft_config", None) is not None)
     for teacher in getattr(trainer, "teachers", {}).values():
         if teacher.model is not None:
             path = check_model_source(teacher.model, f"teacher_model[{teacher.teacher_id!r}]", need_tokenizer=False)
@@ -344,10 +430,14 @@ def run_preflight(trainer: Any) -> None:
                 check_same_vocabulary(source, path, teacher.teacher_id)
     tokenizer = given_tokenizer if given_tokenizer is not None else load_tokenizer(source)
     lengths = prompt_lengths(tokenizer, trainer.train_dataset, config, getattr(trainer, "tools", None))
-    check_prompt_fit(config, lengths, max_model_len(config, model_config(source)))
+    limit = max_model_len(config, model_config(source))
+    check_prompt_fit(config, lengths, limit)
+    check_completion_fit(config, limit)
 
 
 __all__ = [
+    "check_completion_fit",
+    "check_engine_kwargs",
     "check_model_source",
     "check_output_dir",
     "check_prompt_fit",

@@ -186,7 +186,30 @@ FILE_CASES = [
     ("teacher for grpo", lambda tmp, m: run_file(tmp, m, teacher_model="x"), "add `trainer: distillation`"),
     ("trainer kind", lambda tmp, m: run_file(tmp, m, trainer="ppo"), "trainer='ppo'"),
     ("unknown key", lambda tmp, m: run_file(tmp, m, num_generation=4), "did you mean 'num_generations'"),
+    ("empty dataset", lambda tmp, m: _jsonl(tmp, m, b""), r"empty.jsonl'?: the dataset is empty \(0 rows\)"),
+    ("empty task", lambda tmp, m: run_file(tmp, m, dataset={"name": "arithmetic", "size": 0}), "empty \\(0 rows\\)"),
+    (
+        "bad byte",
+        lambda tmp, m: _jsonl(tmp, m, b'{"prompt": "a"}\n{"prompt": "b\xff"}\n'),
+        r"rows.jsonl'?: line 2, column 14: byte 0xff is not UTF-8",
+    ),
+    (
+        "bad json line",
+        lambda tmp, m: _jsonl(tmp, m, b'{"prompt": "a"}\n{"prompt": \n'),
+        r"rows.jsonl'?: line 2 is not JSON",
+    ),
+    (
+        "duplicate key",
+        lambda tmp, m: _write(tmp / "dup.yaml", Path(run_file(tmp, m)).read_text() + "max_steps: 3\n"),
+        r"dup.yaml: the key 'max_steps' is written twice \(line \d+ and line \d+\)",
+    ),
 ]
+
+
+def _jsonl(tmp_path, tiny_model, data):
+    name = "empty.jsonl" if not data else "rows.jsonl"
+    (tmp_path / name).write_bytes(data)
+    return run_file(tmp_path, tiny_model, dataset={"name": "json", "path": str(tmp_path / name)})
 
 
 def _write(path, text):
@@ -237,6 +260,16 @@ def _unwritable_output(tmp_path, tiny_model):
     return {"output_dir": str(tmp_path / "a_file" / "out")}
 
 
+def _no_weights(tmp_path, tiny_model):
+    """A model folder whose copy stopped before the weights: config.json and the tokenizer only."""
+    folder = tmp_path / "no_weights"
+    folder.mkdir()
+    for file in Path(tiny_model).iterdir():
+        if not file.name.endswith(".safetensors"):
+            (folder / file.name).write_bytes(file.read_bytes())
+    return {"model": str(folder)}
+
+
 PREFLIGHT_CASES = [
     (
         "alias typo",
@@ -270,6 +303,27 @@ PREFLIGHT_CASES = [
         "positions",
         lambda t, m: {"rows": [{"prompt": [{"role": "user", "content": " ".join(["1"] * 300)}]}]},
         "longer than max_model_len=256",
+    ),
+    ("no weights", _no_weights, "holds config.json but model.safetensors .* is missing"),
+    (
+        "max_model_len not a number",
+        lambda t, m: {"engine_kwargs": {"max_model_len": "abc"}},
+        r"cluster.engine_kwargs.max_model_len='abc': must be a positive integer",
+    ),
+    (
+        "unknown engine kwarg",
+        lambda t, m: {"engine_kwargs": {"max_model_length": 128}},
+        r"'max_model_length', unknown to the built-in engine .*did you mean 'max_model_len'",
+    ),
+    (
+        "kv cache below max_model_len",
+        lambda t, m: {"engine_kwargs": {"max_model_len": 128, "kv_cache_tokens": 64}},
+        "kv_cache_tokens=64 is below max_model_len=128",
+    ),
+    (
+        "completion above max_model_len",
+        lambda t, m: {"max_completion_length": 200, "token_budget": None},
+        "max_completion_length=200 is not below max_model_len=128",
     ),
 ]
 
@@ -434,6 +488,81 @@ def test_cli_a_failed_run_is_exit_1_and_keyboard_interrupt_exit_130(tmp_path, ti
     monkeypatch.setitem(sys.modules, "actors.cluster", types.SimpleNamespace(launch=interrupted))
     code, line = cli(capsys, path)
     assert code == 130 and "interrupted; resume with --resume" in line
+
+
+def test_cli_a_signal_is_exit_128_plus_the_signal_naming_the_final_checkpoint(
+    tmp_path, tiny_model, capsys, monkeypatch
+):
+    from rlasync.driver.signals import RunInterrupted
+
+    def terminated(spec, *, state, actor_ids):
+        raise RunInterrupted(15, str(tmp_path / "out" / "checkpoint-3"))
+
+    monkeypatch.setitem(sys.modules, "actors.cluster", types.SimpleNamespace(launch=terminated))
+    code, line = cli(capsys, run_file(tmp_path, tiny_model))
+    assert code == 143 and "interrupted by SIGTERM: final checkpoint" in line and "checkpoint-3" in line
+
+
+def test_cli_one_run_per_folder(tmp_path, tiny_model, capsys, no_launch):
+    path = run_file(tmp_path, tiny_model)
+    code, line = cli(capsys, path, "--set", "output_dir=")
+    assert code == 2 and "output_dir='' is empty" in line
+    (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)
+    code, line = cli(capsys, path)
+    assert (
+        code == 2 and "holds checkpoints of an earlier run (checkpoint-2)" in line and "--overwrite_output_dir" in line
+    )
+    assert not no_launch
+    code, line = cli(capsys, path, "--overwrite_output_dir")  # accepted: it reaches the launch (the trap: exit 1)
+    assert code == 1 and "bad input reached actors.cluster.launch" in line
+    assert not (tmp_path / "out" / "checkpoint-2").exists() and not (tmp_path / "out" / ".rlasync.lock").exists()
+
+
+def test_cli_a_bad_resume_point_is_exit_2(tmp_path, tiny_model, capsys, no_launch):
+    path = run_file(tmp_path, tiny_model)
+    code, line = cli(capsys, path, "--resume", str(tmp_path / "nowhere"))
+    assert code == 2 and "nowhere' is not a directory" in line
+    code, line = cli(capsys, path, "--resume")
+    assert code == 2 and "holds no complete checkpoint" in line
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 2}')  # complete, but no model.safetensors
+    code, line = cli(capsys, path, "--resume", str(checkpoint))
+    assert code == 2 and "checkpoint-2 is incomplete (no model weights: model.safetensors" in line
+    assert not no_launch
+
+
+def test_a_resume_names_the_changed_config_fields(tmp_path):
+    from rlasync.driver.checkpoint import RUN_CONFIG, config_changes
+
+    saved = AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=4, max_steps=10).to_dict()
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(saved, default=str))
+    resumed = AsyncGRPOConfig(output_dir=str(tmp_path / "x"), num_generations=8, max_steps=20, temperature=0.7)
+    assert config_changes(tmp_path, resumed.to_dict()) == ["num_generations: 4 -> 8", "temperature: 1.0 -> 0.7"]
+    assert config_changes(tmp_path / "old_checkpoint_without_it", resumed.to_dict()) == []
+
+
+def test_preflight_refuses_an_output_dir_without_room_for_a_checkpoint_and_warns_below_two(
+    tmp_path, tiny_model, monkeypatch, caplog, no_launch
+):
+    import shutil
+
+    from rlasync.trainers.disk import checkpoint_bytes, parameter_count
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path / "out"))
+    params = parameter_count(tiny_model)
+    need = checkpoint_bytes(config, tiny_model)
+    assert params and need == params * (4 + 8) + 10_000_000  # float32 weights + AdamW's two fp32 moments
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("rlasync.trainers.disk.shutil.disk_usage", lambda path: usage._replace(free=need // 2))
+    raises_fast(
+        r"output_dir=.*out' has 0.0\d GB free, but one checkpoint needs about 0.0\d GB",
+        _grpo(tiny_model, tmp_path).train,
+    )
+    monkeypatch.setattr("rlasync.trainers.disk.shutil.disk_usage", lambda path: usage._replace(free=need * 3 // 2))
+    with caplog.at_level("WARNING"):
+        _grpo(tiny_model, tmp_path).preflight()
+    assert "room for one checkpoint" in caplog.text and "but not two" in caplog.text
 
 
 class FakeRayTaskError(Exception):

@@ -129,7 +129,8 @@ def test_cli_train_ends_with_the_summary_not_a_dict(tmp_path, monkeypatch, capsy
         def train(self, resume_from_checkpoint=None):
             return {"global_step": 10, "policy_version": 10}
 
-    run = SimpleNamespace(config=SimpleNamespace(output_dir=str(out)))
+    config = SimpleNamespace(output_dir=str(out), resume_from_checkpoint=None, overwrite_output_dir=True)  # a rerun
+    run = SimpleNamespace(config=config)
     monkeypatch.setattr(cli, "_build_trainer", lambda path, overrides: (run, Trainer()))
     monkeypatch.setattr("rlasync.console.quiet_actors", lambda verbose: {})  # leave this process's environment alone
     assert cli.main(["train", "run.yaml"]) == 0

@@ -115,3 +115,13 @@ def test_the_manifests_run_as_written():
     assert (DEPLOY.parent / config).is_file() and "COPY --chown=ray:users configs ./configs" in dockerfile
     for name in ("rayjob.yaml", "raycluster.yaml", "pvc.yaml", "Dockerfile"):
         assert not re.search(r"YOUR_|CHANGEME|TODO|<[A-Z_]+>", (DEPLOY / name).read_text()), name
+
+
+def test_every_pod_gives_the_driver_its_shutdown_grace():
+    """SIGTERM on pod deletion: the driver needs `shutdown_grace_s` for its final checkpoint before the SIGKILL."""
+    from rlasync.config import AsyncGRPOConfig
+
+    spec = load("raycluster.yaml")["spec"]
+    pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+    grace = AsyncGRPOConfig().shutdown_grace_s
+    assert all(pod["terminationGracePeriodSeconds"] >= grace + 5 for pod in pods)

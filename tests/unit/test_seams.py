@@ -32,6 +32,7 @@ THIRD_PARTY_PRIVATES = {
     "_schema": "an aten op's schema (torch's documented way to read its mutable arguments)",
     "_attn_implementation": "transformers' config field for the attention implementation in use",
     "_replace": "NamedTuple._replace (public API of named tuples)",
+    "_exit": "os._exit: the documented way to leave at once (a second signal, the shutdown grace period)",
 }
 
 

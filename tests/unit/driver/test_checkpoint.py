@@ -4,6 +4,7 @@ save_total_limit pruning; and the metrics file of a resumed run keeps one record
 import asyncio
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,7 @@ def save(checkpointer, step, learners=None, **state):
 
 def complete(path, step):
     path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"{}")  # an empty, well-formed safetensors file
     (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
 
 
@@ -56,12 +58,32 @@ def test_a_checkpoint_is_written_under_tmp_and_renamed_when_complete(tmp_path):
     assert read_step(path) == 4
 
 
-def test_a_failed_save_leaves_no_checkpoint_that_looks_complete(tmp_path):
+def test_a_failed_save_leaves_no_checkpoint_that_looks_complete_and_no_partial_folder(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         save(Checkpointer(tmp_path), 4, Learners(fail=True))
-    assert not (tmp_path / "checkpoint-4").exists() and (tmp_path / "checkpoint-4.tmp").is_dir()
+    assert not (tmp_path / "checkpoint-4").exists() and not (tmp_path / "checkpoint-4.tmp").exists()
+    (tmp_path / "checkpoint-4.tmp").mkdir()  # a leftover of a save that was killed (SIGKILL: no clean-up)
     save(Checkpointer(tmp_path), 4)  # a later save of the same step replaces the leftover
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+
+
+def test_a_save_the_disk_refuses_names_the_folder_the_space_and_the_newest_intact_checkpoint(tmp_path):
+    from rlasync.driver.checkpoint import CheckpointSaveError
+
+    save(Checkpointer(tmp_path), 2)
+
+    class FullDisk(Learners):
+        async def save(self, directory, tokenizer):
+            (Path(directory) / "model.safetensors").write_text("half")
+            raise RuntimeError("ray::LearnerActor.save() ...\nSafetensorError: No space left on device (os error 28)")
+
+    with pytest.raises(CheckpointSaveError) as info:
+        save(Checkpointer(tmp_path), 4, FullDisk())
+    message = str(info.value)
+    assert f"saving checkpoint-4 into {tmp_path} failed (SafetensorError: No space left on device" in message
+    assert "GB free" in message and "GB needed (the size of checkpoint-2)" in message
+    assert f"the newest intact checkpoint is {tmp_path / 'checkpoint-2'}" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
 
 
 def test_resume_true_takes_the_newest_complete_checkpoint_and_logs_the_skipped_ones(tmp_path, caplog):
@@ -72,6 +94,13 @@ def test_resume_true_takes_the_newest_complete_checkpoint_and_logs_the_skipped_o
     with caplog.at_level(logging.WARNING):
         assert Checkpointer(tmp_path).resume_dir(True) == str(tmp_path / "checkpoint-10")
     assert "checkpoint-12" in caplog.text
+
+
+def test_a_checkpoint_holds_the_run_config_when_given(tmp_path):
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.run_config = {"num_generations": 4, "cluster": {"num_learners": 1}}
+    path = save(checkpointer, 1)
+    assert json.loads((Path(path) / "run_config.json").read_text()) == checkpointer.run_config
 
 
 def test_resume_errors_and_plain_values(tmp_path):

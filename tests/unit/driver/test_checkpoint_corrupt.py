@@ -96,3 +96,20 @@ def test_a_trainer_state_without_a_step_is_named(tmp_path):
     (tmp_path / "trainer_state.json").write_text('{"policy_version": 3}')
     with pytest.raises(CorruptCheckpointError, match="trainer_state.json has no integer 'global_step'"):
         read_step(tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["no weights", "a missing shard"])
+def test_a_complete_checkpoint_without_its_weights_is_named_and_skipped(tmp_path, layout):
+    older = make_checkpoint(tmp_path / "checkpoint-2", 2, tmp_path)
+    newer = make_checkpoint(tmp_path / "checkpoint-4", 4, tmp_path)
+    (newer / "model.safetensors").unlink()
+    if layout == "a missing shard":
+        (newer / "model-00001-of-00002.safetensors").write_bytes(safetensors_bytes())
+        index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        (newer / "model.safetensors.index.json").write_text(json.dumps(index))
+        match = "lists model-00002-of-00002.safetensors, which is missing"
+    else:
+        match = "no model weights: model.safetensors"
+    with pytest.raises(CorruptCheckpointError, match=match):
+        verify_checkpoint(newer)
+    assert Checkpointer(tmp_path).resume_dir(True) == str(older)

@@ -196,20 +196,20 @@ class Clock:
         return self.now
 
 
-def test_the_bound_is_the_floor_then_a_multiple_of_the_slowest_step():
+def test_the_bound_is_the_floor_then_a_multiple_of_the_median_step():
     clock = Clock()
     dog = Watchdog(WatchdogSettings(floor_s=300.0), clock)
     assert dog.bound_s() == 300.0
     clock.now = 100.0
     dog.step_done()
     assert dog.bound_s() == 500.0  # 5 x the 100-s step
-    clock.now = 110.0
+    clock.now = 220.0
     dog.step_done()
-    assert dog.bound_s() == 500.0  # the slowest step counts
-    clock.now = 600.0
-    dog.check({"outcomes": {}})  # 490 s waited: within the bound
-    clock.now = 611.0
-    with pytest.raises(NoProgressError, match=r"bound 500 s: 5 x the slowest step so far \(100 s\)"):
+    assert dog.bound_s() == 550.0  # 5 x the median of 100 and 120 s
+    clock.now = 760.0
+    dog.check({"outcomes": {}})  # 540 s waited: within the bound
+    clock.now = 771.0
+    with pytest.raises(NoProgressError, match=r"bound 550 s: 5 x the median step so far \(110 s\)"):
         dog.check({"outcomes": {}})
     assert Watchdog(WatchdogSettings(timeout_s=7.0), clock).bound_s() == 7.0
 
@@ -244,3 +244,21 @@ def test_settings_from_config_read_the_watchdog_fields():
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AsyncGRPOConfig(output_dir="x", **bad)
+
+
+def test_the_bound_cannot_grow_without_limit_and_a_slowing_run_is_warned(caplog):
+    """A one-row dataset whose steps slow from 5 s to 150 s: the bound follows the median step, capped at 4 x the
+    floor, and the slowdown is warned with the step times before the run stalls."""
+    clock = Clock()
+    dog = Watchdog(WatchdogSettings(floor_s=30.0), clock)
+    with caplog.at_level("WARNING"):
+        for step_s in (5, 5, 5, 6, 40, 150, 150, 150, 150, 150):
+            clock.now += step_s
+            dog.step_done()
+    assert dog.bound_s() == 120.0  # 5 x the median (150 s) is 750 s: capped at 4 x the 30-s floor
+    warnings = [r.getMessage() for r in caplog.records if "slowing down" in r.getMessage()]
+    assert len(warnings) == 2 and "step 5 took 40 s" in warnings[0] and "step 6 took 150 s" in warnings[1]
+    assert "recent step times, s: 5.0, 5.0, 5.0, 6.0, 40" in warnings[1]
+    clock.now += 121.0
+    with pytest.raises(NoProgressError, match=r"bound 120 s: the cap, 4 x rollout_worker_timeout=30"):
+        dog.check({"outcomes": {}})

@@ -77,6 +77,7 @@ def test_train_makes_one_launch_call_with_the_spec_and_resumes_from_the_newest_c
     done.mkdir()
     (done / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
     (done / "rollout_state.json").write_text(json.dumps({"prompt_index": 5, "model_version": 4}))
+    (done / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"{}")  # a complete one holds its weights
     (tmp_path / "checkpoint-3").mkdir()  # incomplete: skipped
     assert trainer.train(resume_from_checkpoint=True)["global_step"] == 3
     spec = calls[1]
