@@ -165,13 +165,13 @@ class RowTimer:
 
 
 def apply_update(step: Any) -> tuple[float, float]:
-    """The end of an optimizer step shared by the learner steps (`step` has `optimizer`, `scheduler`, `_clip`,
-    `max_grad_norm`, `_sync`, `global_step`): clip, optimizer step, scheduler step, zero the gradients. Returns
+    """The end of an optimizer step shared by the learner steps (`step` has `optimizer`, `scheduler`,
+    `clip_grad_norm`, `max_grad_norm`, `sync`, `global_step`): clip, optimizer step, scheduler step, zero the gradients. Returns
     (grad norm before clipping, seconds of clip + optimizer step)."""
     start = time.perf_counter()
-    grad_norm = float(step._clip(step.max_grad_norm))
+    grad_norm = float(step.clip_grad_norm(step.max_grad_norm))
     step.optimizer.step()
-    step._sync()
+    step.sync()
     optimizer_s = time.perf_counter() - start
     step.scheduler.step()
     step.optimizer.zero_grad(set_to_none=True)

@@ -153,11 +153,12 @@ def file_imports(path: Path, module_level_only: bool = False) -> dict[Path, bool
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            add(_loaded_files(target))
-            for alias in node.names:  # `from package import submodule`
-                submodule = _module_file(f"{target}.{alias.name}")
-                if submodule is not None:
-                    add({submodule: True})
+            submodules = [_module_file(f"{target}.{alias.name}") for alias in node.names]
+            loaded = _loaded_files(target)
+            if all(submodules):  # `from package import submodule`: the package is only entered on the way
+                loaded = {file: False for file in loaded}
+            add(loaded)
+            add({submodule: True for submodule in submodules if submodule is not None})
     project = (REPO / "rlasync", REPO / "actors")
     return {f: named for f, named in found.items() if any(f.is_relative_to(root) for root in project)}
 
@@ -208,6 +209,8 @@ def test_the_import_graph_sees_lazy_and_relative_imports(tmp_path):
     learner = REPO / "rlasync" / "learner" / "learner.py"
     assert file_imports(learner)[REPO / "rlasync" / "learner" / "objectives.py"] is True
     assert file_imports(learner)[REPO / "rlasync" / "__init__.py"] is False  # entered on the way to rlasync.learner
+    registry = file_imports(REPO / "rlasync" / "model" / "registry.py")  # `from rlasync import envs`: a submodule
+    assert registry[REPO / "rlasync" / "envs.py"] is True and registry[REPO / "rlasync" / "__init__.py"] is False
     assert is_rollout_code(REPO / "rlasync" / "rollout" / "scheduler.py")
     assert is_rollout_code(REPO / "rlasync" / "algorithms" / "distill" / "loop.py")
     assert not is_rollout_code(REPO / "rlasync" / "algorithms" / "distill" / "objective.py")

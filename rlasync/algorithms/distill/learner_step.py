@@ -188,7 +188,7 @@ class DistillLearnerStep:
         self.autocast_dtype = autocast_dtype
         self.reduce_stats = reduce_stats
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self._clip = clip_grad_norm or (lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.clip_grad_norm = clip_grad_norm or (lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.global_step = 0
 
     def loss(self, row: DistillRowTensors, grad_accum_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,7 +236,7 @@ class DistillLearnerStep:
         out.update(step_metrics(self, total_loss, grad_norm, fwd_s, fwd_bwd_s, optimizer_s, len(rows)))
         return out
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

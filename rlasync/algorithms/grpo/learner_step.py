@@ -62,7 +62,7 @@ class GrpoLearnerStep:
         self.max_grad_norm = max_grad_norm
         self.num_ranks = num_ranks
         self.device = torch.device(device)
-        self._clip = clip_grad_norm or (
+        self.clip_grad_norm = clip_grad_norm or (
             lambda max_norm: torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], max_norm
             )
@@ -127,7 +127,7 @@ class GrpoLearnerStep:
             defer_metrics=True,
         )
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

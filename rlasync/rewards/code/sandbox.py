@@ -49,13 +49,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlasync import envs
+
 logger = logging.getLogger(__name__)
 
 SANDBOX_DIR = "/sandbox"
 """Where the private temporary directory is mounted inside the sandbox (also mounted at /tmp)."""
-CONCURRENCY_ENV = "RLASYNC_SANDBOX_CONCURRENCY"
 UNSANDBOXED_ENV = "RLASYNC_SANDBOX_ALLOW_UNSANDBOXED"
-"""Set to 1 to let the default sandbox (`code_reward`, `run_python`) run programs unsandboxed when bwrap fails."""
+"""Set to 1 to let the default sandbox (`code_reward`, `run_python`) run programs unsandboxed when bwrap fails
+(declared in rlasync.envs, read there)."""
 _HARNESS = (Path(__file__).with_name("harness.py")).read_text(encoding="utf-8")
 _NOBODY = 65534
 _SANDBOX_ENV = {
@@ -182,7 +184,7 @@ class Sandbox:
             return found
         allowed = self.allow_unsandboxed
         if allowed is None:
-            allowed = os.environ.get(UNSANDBOXED_ENV, "").strip().lower() in ("1", "true", "yes")
+            allowed = envs.RLASYNC_SANDBOX_ALLOW_UNSANDBOXED
         if allowed:
             _warn_unsandboxed(reason)
             return "unsandboxed"
@@ -201,16 +203,8 @@ class Sandbox:
 
 
 def default_concurrency() -> int:
-    value = os.environ.get(CONCURRENCY_ENV)
-    if value:
-        try:
-            number = int(value)
-        except ValueError:
-            number = 0
-        if number < 1:
-            raise ValueError(f"{CONCURRENCY_ENV}={value!r}: must be a positive integer")
-        return number
-    return max(1, min(4, os.cpu_count() or 1))
+    """`$RLASYNC_SANDBOX_CONCURRENCY` (rlasync.envs), else min(4, CPUs)."""
+    return envs.RLASYNC_SANDBOX_CONCURRENCY
 
 
 _slots_lock = threading.Lock()

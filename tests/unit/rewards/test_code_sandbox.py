@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from rlasync import envs as envs_module
 from rlasync.rewards import call_reward_funcs
 from rlasync.rewards.code import (
     CodeReward,
@@ -317,7 +318,8 @@ def test_without_bubblewrap_it_refuses_unless_unsandboxed_is_allowed(monkeypatch
 
 
 _AS_ANOTHER_USER = """
-import importlib.util, json, sys
+import importlib.util, json, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
 sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sandbox)
@@ -346,6 +348,9 @@ def test_as_another_user_the_sandbox_uses_a_user_namespace():
         box.chmod(0o755)
         for name in ("sandbox.py", "harness.py"):
             (box / name).write_text((Path(sandbox_module.__file__).parent / name).read_text())
+        (box / "rlasync").mkdir()  # the one rlasync module sandbox.py imports (stdlib only): the declared variables
+        (box / "rlasync" / "__init__.py").write_text("")
+        (box / "rlasync" / "envs.py").write_text(Path(envs_module.__file__).read_text())
         (box / "check.py").write_text(_AS_ANOTHER_USER)
         done = subprocess.run(
             [
