@@ -11,6 +11,28 @@ from typing import Any
 from rlasync.rollout.tools import tools_by_name
 
 
+def _refuse_trl_workers(rollout_worker: Any, weight_transfer: Any) -> None:
+    """TRL's `rollout_worker` / `weight_transfer` hooks (objects run in TRL's accelerate process) have no place in
+    rlasync, whose rollouts and weight syncs are Ray actors: accepted at TRL's default (None), refused otherwise."""
+    for name, value, fix in (
+        (
+            "rollout_worker",
+            rollout_worker,
+            "pass loop_cls= (a subclass of the rollout loop, docs/algorithms.md) to customise rollouts",
+        ),
+        (
+            "weight_transfer",
+            weight_transfer,
+            "choose the weight transport with `cluster.weight_sync_backend` in the config",
+        ),
+    ):
+        if value is not None:
+            raise ValueError(
+                f"{name}={type(value).__name__}(...) is not supported: rlasync runs its rollouts and weight syncs "
+                f"as Ray actors; leave {name}=None (TRL's default) and {fix}"
+            )
+
+
 def _checked_tools(tools: Sequence[Callable[..., Any]] | None) -> list[Callable[..., Any]] | None:
     """`tools` as a list, checked before any actor starts: callables, uniquely named, and picklable (they travel
     to the rollout actors like the reward functions)."""

@@ -37,7 +37,7 @@ from rlasync.data.streaming import is_streaming
 from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, actor_requests
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.trainers.base import AsyncTrainerBase
-from rlasync.trainers.checks import check_same_vocabulary
+from rlasync.trainers.checks import _refuse_trl_workers, check_same_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +54,19 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         model: Any,
         args: AsyncDistillationConfig | None = None,
         train_dataset: Any = None,
-        teacher_model: str | Mapping[str, str] | None = None,
         processing_class: Any = None,
         callbacks: Sequence[Any] | None = None,
-        loop_cls: type[AsyncDistillationLoop] | None = None,
-        peft_config: Any = None,
         optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+        rollout_worker: Any = None,
+        weight_transfer: Any = None,
+        *,
+        teacher_model: str | Mapping[str, str] | None = None,
+        loop_cls: type[AsyncDistillationLoop] | None = None,
     ) -> None:
+        # TRL 1.16's parameters in TRL's positional order (TRL has no `teacher_model`: its teacher is a server);
+        # rlasync's additions are keyword-only
+        _refuse_trl_workers(rollout_worker, weight_transfer)
         args = args if args is not None else AsyncDistillationConfig()
         if not isinstance(args, AsyncDistillationConfig):
             raise ValueError(

@@ -33,7 +33,13 @@ from rlasync.driver.step_loop import TAKE_POLL_S
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.rollout.environments import EnvironmentFactory
 from rlasync.trainers.base import AsyncTrainerBase
-from rlasync.trainers.checks import _check_picklable, _checked_environment_factory, _checked_tools, _may_own_reward
+from rlasync.trainers.checks import (
+    _check_picklable,
+    _checked_environment_factory,
+    _checked_tools,
+    _may_own_reward,
+    _refuse_trl_workers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +58,17 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         train_dataset: Any = None,
         processing_class: Any = None,
         callbacks: Sequence[Any] | None = None,
-        loop_cls: type[AsyncRolloutLoop] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
-        peft_config: Any = None,
-        optimizers: tuple[Any, Any] = (None, None),
+        rollout_worker: Any = None,
+        weight_transfer: Any = None,
+        *,
+        loop_cls: type[AsyncRolloutLoop] | None = None,
     ) -> None:
+        # TRL 1.16's parameters in TRL's positional order; rlasync's additions are keyword-only
+        _refuse_trl_workers(rollout_worker, weight_transfer)
         self._begin_init(args if args is not None else AsyncGRPOConfig(), loop_cls)
         self.peft_config = _checked_peft_config(peft_config)  # a peft.LoraConfig: adapters only (docs/design.md §3)
         train_dataset = self._check_inputs(reward_funcs, train_dataset, tools, environment_factory)
