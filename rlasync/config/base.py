@@ -27,6 +27,12 @@ from rlasync.config.vocab import (
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Sampling limits (the built-in engine's sampler scales float32 logits: `x / repetition_penalty / temperature`).
+# Below MIN_TEMPERATURE every sampled log-prob is exactly 0 in float32 for logit gaps above ~2e-3 nats (the draw is
+# the argmax and the policy gradient vanishes); near 1e-38 `x / T` overflows to inf and the sampler drops the top
+# token. The repetition penalty divides or multiplies the logits: its range keeps `x / penalty / T` finite.
+MIN_TEMPERATURE = 1e-4
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 LR_SCHEDULERS = (
     "constant",
     "constant_with_warmup",
@@ -417,9 +423,10 @@ class TrainerConfig(TrainingArgumentsFields):
                 "allowance (max_staleness steps of tokens; synchronous at 0), not a sample count; set max_staleness instead"
             )
         _positive_int(self, "max_completion_length")
-        if not self.temperature > 0:
+        if not self.temperature >= MIN_TEMPERATURE:
             raise ValueError(
-                f"temperature={self.temperature}: must be > 0 (use a small value such as 1e-3 for near-greedy)"
+                f"temperature={self.temperature}: the smallest supported is {MIN_TEMPERATURE:g} (below it float32 "
+                "sampling is exactly greedy, every sampled log-prob is 0 and nothing can be learnt from it)"
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
@@ -427,8 +434,12 @@ class TrainerConfig(TrainingArgumentsFields):
             raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 disables top-k)")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p}: must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty}: must be > 0 (1.0 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty}: must be in [{low:g}, {high:g}] (1.0 disables it; "
+                "beyond that range the penalised logits overflow float32)"
+            )
         if not self.vllm_server_timeout > 0:
             raise ValueError(f"vllm_server_timeout={self.vllm_server_timeout}: must be > 0 seconds")
 

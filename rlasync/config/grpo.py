@@ -28,6 +28,11 @@ from rlasync.config.base import (  # noqa: F401 - re-exported: these lived here 
 
 logger = logging.getLogger(__name__)
 
+# GRPO needs different completions within a group. Measured on CPU with a tiny random model (flat logits): at
+# temperature 1e-3 all 8 completions of a group were identical, at 1e-2 six of 8 were distinct.
+GRPO_MIN_TEMPERATURE = 1e-2
+GRPO_MIN_TOP_P = 1e-2
+
 
 @dataclass
 class AsyncGRPOConfig(TrainerConfig):
@@ -123,9 +128,29 @@ class AsyncGRPOConfig(TrainerConfig):
             raise ValueError(
                 f"num_generations={self.num_generations}: GRPO compares rollouts within a group, use at least 2"
             )
+        self._check_group_diversity()  # first: GRPO's floors are above the sampler's (base.MIN_TEMPERATURE)
         super()._check_sampling()
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 0 or None")
+
+    def _check_group_diversity(self) -> None:
+        """Settings that make (almost) every rollout of a group the same argmax completion are refused: such groups have
+        no reward spread, are dropped, and the run would train nothing while looking busy."""
+        why = "the completions of a group come out the same greedy one, no group has reward spread, nothing trains"
+        if self.temperature < GRPO_MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature={self.temperature}: GRPO's smallest supported temperature is {GRPO_MIN_TEMPERATURE:g} "
+                f"(below it {why}); use temperature >= {GRPO_MIN_TEMPERATURE:g}"
+            )
+        if self.top_k == 1:
+            raise ValueError(f"top_k=1 keeps only the argmax: {why}; use top_k >= 2, or 0 (off)")
+        if self.top_p < GRPO_MIN_TOP_P:
+            raise ValueError(
+                f"top_p={self.top_p}: GRPO's smallest supported top_p is {GRPO_MIN_TOP_P:g} (below it the nucleus "
+                f"is the argmax alone at almost every position: {why})"
+            )
+        if self.min_p == 1:
+            raise ValueError(f"min_p={self.min_p} keeps only the argmax: {why}; use min_p < 1 (e.g. 0.05)")
 
     def _check_loss(self) -> None:
         _at_least(self, "epsilon", 0.0)

@@ -117,6 +117,14 @@ CONFIG_CASES = [
     (["per_device_train_batch_size=1.5"], "per_device_train_batch_size"),
     (["rollout_worker_timeout=0"], "rollout_worker_timeout=0"),
     (["strict_dataset=maybe"], "strict_dataset"),
+    # sampling limits (issue 34): each refused before Ray with the smallest (largest) supported value named
+    (["temperature=1e-9"], r"temperature=1e-09: GRPO's smallest supported temperature is 0.01"),
+    (["temperature=0.005"], r"smallest supported temperature is 0.01"),
+    (["top_k=1"], "top_k=1 keeps only the argmax"),
+    (["top_p=1e-9"], r"top_p=1e-09: GRPO's smallest supported top_p is 0.01"),
+    (["min_p=1.0"], r"min_p=1.0 keeps only the argmax.*min_p < 1"),
+    (["repetition_penalty=1e-9"], r"repetition_penalty=1e-09: must be in \[0.01, 100\]"),
+    (["repetition_penalty=1e9"], r"repetition_penalty=1000000000.0: must be in \[0.01, 100\]"),
 ]
 
 
@@ -131,6 +139,8 @@ def test_a_bad_config_value_names_the_field(overrides, match):
         (["beta=2"], "beta must be in"),
         (['teacher_server_urls={"t": "localhost:1"}'], r"teacher_server_urls\['t'\]"),
         (["teacher_top_k=-1"], "teacher_top_k=-1"),
+        (["temperature=1e-9"], r"temperature=1e-09: the smallest supported is 0.0001"),
+        (["repetition_penalty=500"], r"repetition_penalty=500.0: must be in \[0.01, 100\]"),
     ],
 )
 def test_a_bad_distillation_value_names_the_field(overrides, match):
