@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.algorithms.distill.loop import AsyncDistillationLoop
 from rlasync.config.distill import AsyncDistillationConfig
@@ -37,6 +37,9 @@ from rlasync.data.streaming import is_streaming
 from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, actor_requests
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.trainers.base import AsyncTrainerBase
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 from rlasync.trainers.checks import check_same_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -58,7 +61,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         processing_class: Any = None,
         callbacks: Sequence[Any] | None = None,
         loop_cls: type[AsyncDistillationLoop] | None = None,
-        peft_config: Any = None,
+        peft_config: PeftConfig | None = None,
         optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
         args = args if args is not None else AsyncDistillationConfig()
@@ -165,7 +168,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
 __all__ = ["AsyncDistillationTrainer", "check_same_vocabulary"]
 
 
-def _checked_peft_config(peft_config: Any) -> Any:
+def _checked_peft_config(peft_config: object) -> PeftConfig | None:
     """`rlasync.weights.adapter.check_peft_config`, imported only when a peft_config is given (it needs torch)."""
     if peft_config is None:
         return None

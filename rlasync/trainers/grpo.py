@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.algorithms.grpo.loop import AsyncRolloutLoop
 from rlasync.config import AsyncGRPOConfig
@@ -33,6 +33,9 @@ from rlasync.driver.step_loop import TAKE_POLL_S
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.rollout.environments import EnvironmentFactory
 from rlasync.trainers.base import AsyncTrainerBase
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 from rlasync.trainers.checks import _check_picklable, _checked_environment_factory, _checked_tools, _may_own_reward
 
 logger = logging.getLogger(__name__)
@@ -55,7 +58,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         loop_cls: type[AsyncRolloutLoop] | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
-        peft_config: Any = None,
+        peft_config: PeftConfig | None = None,
         optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
         self._begin_init(args if args is not None else AsyncGRPOConfig(), loop_cls)
@@ -162,7 +165,7 @@ __all__ = [
 ]
 
 
-def _checked_peft_config(peft_config: Any) -> Any:
+def _checked_peft_config(peft_config: object) -> PeftConfig | None:
     """`rlasync.weights.adapter.check_peft_config`, imported only when a peft_config is given (it needs torch)."""
     if peft_config is None:
         return None
