@@ -13,12 +13,15 @@ import asyncio
 import logging
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.fanout import actor_id
 from rlasync.data.prompts import leased_row_problem
 from rlasync.pipeline import QueueEntry
 from rlasync.records import DROP_REASONS, GroupOutcome, PromptLease
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_S = 5.0
@@ -131,7 +134,7 @@ class LoopHost:
 
     loop: Any
     index: int
-    config: Any
+    config: TrainerConfig
     dataset: Any
     queue: Any
     items: list[tuple[str, Any]]
@@ -139,7 +142,9 @@ class LoopHost:
     error: str | None = None
     kind = "rollout actor"
 
-    def _host(self, index: int, config: Any, tokenizer: Any, dataset: Any, queue: Any, group_size: int) -> Any:
+    def _host(
+        self, index: int, config: TrainerConfig, tokenizer: Any, dataset: Any, queue: Any, group_size: int
+    ) -> Any:
         """The state every host keeps (call first in `__init__`): sets `self.source` (the queue's leases of
         `group_size`) and returns the tokenizer, loaded if given as a path."""
         logging.basicConfig(level=logging.INFO)

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from actors.engine_channel import EngineChannel
 from actors.loop_host import LoopHost, QueueGroupSink, QueueSampleSink
 from actors.restart import RestartableLoop
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ class RolloutActor(RestartableLoop, LoopHost):
         self,
         *,
         index: int,
-        config: Any,
+        config: TrainerConfig,
         tokenizer: Any,
         dataset: Any,
         queue: Any,

@@ -11,9 +11,12 @@ Adding an algorithm touches its folder and one line here (or one `register` call
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlasync.algorithms.spec import Algorithm
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 BUILTIN = (
     "rlasync.algorithms.grpo.spec:GRPO",
@@ -65,7 +68,7 @@ def get(name: str) -> Algorithm:
     raise ValueError(f"unknown algorithm {name!r}: use one of {names()} (or register one: rlasync.algorithms.registry)")
 
 
-def for_config(config: Any) -> Algorithm:
+def for_config(config: TrainerConfig) -> Algorithm:
     """The spec whose `config_cls` `config` is an instance of (a user subclass included; the closest class wins)."""
     _load_builtin()
     matches = [spec for spec in _REGISTRY.values() if isinstance(config, spec.config_cls)]

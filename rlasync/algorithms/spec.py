@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from peft import PeftConfig
+
     from rlasync.config.base import TrainerConfig
+    from rlasync.learner.settings import LearnerSettings
 
 SinkKind = Literal["groups", "samples"]
 """What a rollout loop puts: a `GroupResult` of scored groups ("groups") or one sample per lease ("samples")."""
@@ -82,9 +85,9 @@ class Algorithm:
         token_budget: int,
         max_steps: int | None = None,
         teacher_ids: Sequence[str] | None = None,
-        peft_config: Any = None,
+        peft_config: PeftConfig | None = None,
         optimizer_overrides: dict[str, Any] | None = None,
-    ) -> Any:
+    ) -> LearnerSettings:
         """The `LearnerSettings` every learner rank gets: this algorithm's objective class and loss settings."""
         from rlasync.learner.settings import LearnerSettings
 

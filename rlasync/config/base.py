@@ -527,13 +527,13 @@ def _parse_json_dict(name: str, value: Any) -> dict[str, Any] | None:
     raise ValueError(f"{name}: expected a dict or a JSON object string, got {type(value).__name__}")
 
 
-def _positive_int(config: Any, name: str) -> None:
+def _positive_int(config: TrainerConfig, name: str) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r}: must be a positive integer")
 
 
-def _steps_or_ratio(config: Any, name: str) -> None:
+def _steps_or_ratio(config: TrainerConfig, name: str) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value <= 0:
         raise ValueError(f"{name}={value!r}: must be a positive step count, or a fraction of max_steps in (0, 1)")
@@ -543,7 +543,7 @@ def _steps_or_ratio(config: Any, name: str) -> None:
         setattr(config, name, int(value))
 
 
-def _at_least(config: Any, name: str, low: float) -> None:
+def _at_least(config: TrainerConfig, name: str, low: float) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < low:
         raise ValueError(f"{name}={value!r}: must be a number >= {low}")

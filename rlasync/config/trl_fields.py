@@ -235,7 +235,7 @@ def _enum_value(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
-def check_training_arguments(config: Any) -> None:
+def check_training_arguments(config: TrainingArgumentsFields) -> None:
     """Refuse a non-default value of every `UNSUPPORTED` field, check the honoured ones, apply `log_level`."""
     defaults = {
         name: f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]

@@ -18,9 +18,12 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.driver.checkpoint import CHECKPOINT_PREFIX
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +88,11 @@ def clear_previous_run(output_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def claim_run_folder(config: Any, resume: Any) -> RunLock:
+def claim_run_folder(config: TrainerConfig, resume: bool | str | None) -> RunLock:
     """What `train()` does first: `check_run_folder`, take the lock, and with `overwrite_output_dir` on a fresh run
     remove the earlier run's checkpoints. Returns the held lock (released when the run ends; one left by a run
     that failed before it started is stale for any later run: its holder is this process or a dead one)."""
-    overwrite = bool(getattr(config, "overwrite_output_dir", False))
+    overwrite = bool(config.overwrite_output_dir)
     check_run_folder(config.output_dir, resume, overwrite)
     lock = RunLock(config.output_dir)
     lock.acquire()

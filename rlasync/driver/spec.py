@@ -32,6 +32,8 @@ from rlasync.pipeline import RolloutState, initial_tokens_per_step
 from rlasync.pipeline.settings import QueueSettings
 
 if TYPE_CHECKING:
+    from peft import PeftConfig
+
     from rlasync.algorithms.spec import Algorithm
     from rlasync.config.base import TrainerConfig
 
@@ -69,7 +71,9 @@ class LearnerSpec:
 
     max_steps: int | None = None
     teacher_ids: list[str] | None = None
-    peft_config: Any = None  # a peft.LoraConfig (checked by the trainer): LoRA training with adapter syncs
+    peft_config: PeftConfig | None = (
+        None  # a peft.LoraConfig (checked by the trainer): LoRA training with adapter syncs
+    )
     optimizer_overrides: dict[str, Any] | None = None
     """The trainer's `optimizers=`: OptimizerSettings fields (optimizer_cls, optimizer_kwargs, scheduler_factory)."""
 

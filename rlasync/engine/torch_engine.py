@@ -45,7 +45,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -67,6 +67,9 @@ from rlasync.engine.scheduler import Scheduler, SchedulerOutput
 from rlasync.engine.weights import PlannedLoader, load_sync
 from rlasync.records import TurnRecord
 from rlasync.weights.adapter import AdapterMerger, adapter_base
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -579,7 +582,7 @@ def _eos_ids(model: Any, eos_token_ids: Sequence[int] | int | None) -> frozenset
     return frozenset(int(token) for token in eos_token_ids)
 
 
-def _model_shape(config: Any) -> tuple[int, int, int, int]:
+def _model_shape(config: PretrainedConfig) -> tuple[int, int, int, int]:
     """(num_layers, num_heads, num_kv_heads, head_dim)."""
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)

@@ -49,7 +49,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.vllm_engine_lora import RuntimeAdapters, lora_request
@@ -64,6 +64,9 @@ from rlasync.engine.vllm_outputs import (  # noqa: F401 - re-exported: these liv
 from rlasync.engine.vllm_worker import DEFAULT_CHUNK_BYTES, EXTENSION_QUALNAME
 from rlasync.records import TurnRecord
 from rlasync.weights.adapter import adapter_base
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +117,7 @@ def _stat_logger_factory(gauges: _Gauges) -> Any:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class RlasyncStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
             self.engine_index = engine_index
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:

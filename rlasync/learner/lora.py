@@ -12,14 +12,17 @@ per-layer sharding see the same module tree as without LoRA; only the adapters r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlasync.weights.adapter import adapter_base, is_adapter_checkpoint
 
+if TYPE_CHECKING:
+    from peft import PeftConfig
 
-def wrap_with_lora(model: torch.nn.Module, peft_config: Any, adapter_dir: str | None = None) -> Any:
+
+def wrap_with_lora(model: torch.nn.Module, peft_config: PeftConfig | None, adapter_dir: str | None = None) -> Any:
     """`model` with LoRA layers (a `PeftModel`): the adapter of `adapter_dir` (a checkpoint, trainable) when it holds
     one, else a fresh one from `peft_config`. Only adapter parameters require grad."""
     from peft import PeftModel, get_peft_model

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.config.base import TrainerConfig, check_checkpointing_layers
 from rlasync.config.kernels import KernelSettings
 from rlasync.learner.step import OptimizerSettings
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class LearnerSettings:
     per_device_train_batch_size: int = 8
     temperature: float = 1.0
     max_grad_norm: float = 1.0
-    peft_config: Any = None  # a peft.LoraConfig: train adapters only (rlasync.learner.lora)
+    peft_config: PeftConfig | None = None  # a peft.LoraConfig: train adapters only (rlasync.learner.lora)
     lora_sync: str = "adapter"  # with peft_config: "adapter" (send A/B only) or "merged" (full merged weights)
     gpu_share: float = 1.0  # the learner's part of its GPU (cluster.learner_num_gpus < 1: it shares it)
     kernels: KernelSettings = dataclasses.field(default_factory=KernelSettings)  # the config's `kernels` section
@@ -83,7 +86,7 @@ class LearnerSettings:
         token_budget: int,
         max_steps: int | None = None,
         teacher_ids: list[str] | None = None,
-        peft_config: Any = None,
+        peft_config: PeftConfig | None = None,
         optimizer_overrides: dict[str, Any] | None = None,
     ) -> LearnerSettings:
         """The common fields of the user's config, with the algorithm's `objective` class and `loss` settings (its

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,9 @@ from rlasync.model.tree_mask import (  # noqa: F401 - re-exported: these lived h
     build_tree_attention,
     dense_tree_mask,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ATTENTION_NAME = "rlasync_tree"
 ALLOWED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -76,7 +79,7 @@ def check_tree_attention_support(model: torch.nn.Module) -> None:
         )
 
 
-def check_layer_types(config: Any) -> None:
+def check_layer_types(config: PretrainedConfig) -> None:
     """Refuse (`ValueError`) a config whose text `layer_types` include anything but full / sliding / linear
     attention."""
     text = _text_config_of(config)
@@ -90,7 +93,7 @@ def check_layer_types(config: Any) -> None:
         )
 
 
-def has_linear_attention(model_or_config: Any) -> bool:
+def has_linear_attention(model_or_config: torch.nn.Module | PretrainedConfig) -> bool:
     """Whether the model (or config) has linear-attention layers: it must then be trained padding-free (each sample
     its own chain, `TreeRow(share_prefixes=False)`), docs/algorithms.md §4.3."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -202,7 +205,7 @@ def _text_config(model: torch.nn.Module) -> Any:
     return _text_config_of(model.config)
 
 
-def _text_config_of(config: Any) -> Any:
+def _text_config_of(config: PretrainedConfig) -> PretrainedConfig:
     get_text_config = getattr(config, "get_text_config", None)
     return get_text_config() if get_text_config is not None else config
 

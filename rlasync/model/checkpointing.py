@@ -21,9 +21,12 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ def plan_checkpointing(
 
 
 def activation_bytes_per_token(
-    config: Any, compute_bytes: int, residual_bytes: int | None = None
+    config: PretrainedConfig, compute_bytes: int, residual_bytes: int | None = None
 ) -> tuple[float, float]:
     """(full, checkpointed) bytes one decoder layer keeps per token until backward, from the text config.
 

@@ -35,7 +35,7 @@ Shape legend: M loss terms, H hidden size, V vocabulary, K extra ids per term, C
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ import torch.nn.functional as F
 from rlasync.model.head_kernels import HeadMath, check_dynamic, fused, reduce_dtype, sparse_fixup, transform
 from rlasync.model.head_matmul import accumulate_matmul, matmul_to
 from rlasync.model.head_probs import _add_factored_weight_grad, _factored_chunk_grads, _probs_chunk_grad
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CHUNK_ELEMENTS = 1 << 27  # the CPU default chunk: about 2^27 logits per [m, V] buffer
 WORKSPACE_BYTES_PER_LOGIT = 16  # working memory of a chunk per logit (raw logits, grad-logits, float32 temporaries)
@@ -65,7 +68,7 @@ class LogitTransform:
     softcap: float | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> LogitTransform:
+    def from_config(cls, config: PretrainedConfig) -> LogitTransform:
         """Read the logit scale and final-logit softcap a transformers config declares (1 / none by default).
 
         Scale: `logit_scale` (Cohere), `output_multiplier`, `lm_head_multiplier`, or `1 / logits_scaling` (Granite;
@@ -371,7 +374,7 @@ def _head_backward(
     mean_logit,
     kept,
     kept_z,
-    config,
+    config: _HeadConfig,
     grad_logprobs,
     grad_entropy,
     grad_extra,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class QueueSettings:
     row; `num_rows` is then 0 and `num_epochs` None (`max_steps` run: the stream repeats) or 1 (one pass)."""
 
     @classmethod
-    def from_config(cls, config: Any, *, num_rows: int, tokens_per_step: int = 0) -> QueueSettings:
+    def from_config(cls, config: TrainerConfig, *, num_rows: int, tokens_per_step: int = 0) -> QueueSettings:
         """With `max_steps > 0` the stream is endless (the step count ends the run); else it holds
         `num_train_epochs` epochs over distinct prompts."""
         num_epochs = None if config.max_steps > 0 else config.num_train_epochs
@@ -37,7 +40,7 @@ class QueueSettings:
         )
 
     @classmethod
-    def for_dataset(cls, config: Any, dataset: Any) -> QueueSettings:
+    def for_dataset(cls, config: TrainerConfig, dataset: Any) -> QueueSettings:
         """`from_config` for an indexed dataset (its length) or a streaming one (one pass, or repeated under
         `max_steps`; see `rlasync.data.streaming`)."""
         from rlasync.data.streaming import is_streaming
@@ -62,5 +65,5 @@ class QueueSettings:
 __all__ = ["QueueSettings"]
 
 
-def _steps_per_version(config: Any) -> int:
-    return int(getattr(config, "weight_sync_steps", 1) or 1)
+def _steps_per_version(config: TrainerConfig) -> int:
+    return int(config.weight_sync_steps or 1)

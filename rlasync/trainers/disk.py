@@ -16,7 +16,10 @@ import math
 import shutil
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ def parameter_count(model_dir: str | Path) -> int | None:
     return total
 
 
-def checkpoint_bytes(config: Any, model_dir: str | Path, lora: bool = False) -> int | None:
+def checkpoint_bytes(config: TrainerConfig, model_dir: str | Path, lora: bool = False) -> int | None:
     """One checkpoint's estimated size (model in the trainer's `dtype`, fp32 AdamW moments, small files); None
     when the model is not a local folder of safetensors, or the run is LoRA (an adapter-only checkpoint)."""
     if lora:
@@ -58,7 +61,7 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def check_disk(config: Any, model_dir: str | Path, lora: bool = False) -> None:
+def check_disk(config: TrainerConfig, model_dir: str | Path, lora: bool = False) -> None:
     """`ValueError` when `output_dir` has less free space than one checkpoint; a warning below two."""
     need = checkpoint_bytes(config, model_dir, lora)
     if need is None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.algorithms.distill.loop import AsyncDistillationLoop
 from rlasync.config.distill import AsyncDistillationConfig
@@ -38,6 +38,9 @@ from rlasync.driver import LearnerSpec, RolloutSpec, RunSpec, TeacherSpec, actor
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.trainers.base import AsyncTrainerBase
 from rlasync.trainers.checks import _refuse_trl_workers, check_same_vocabulary
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         processing_class: Any = None,
         callbacks: Sequence[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
-        peft_config: Any = None,
+        peft_config: PeftConfig | None = None,
         rollout_worker: Any = None,
         weight_transfer: Any = None,
         *,
@@ -171,7 +174,7 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
 __all__ = ["AsyncDistillationTrainer", "check_same_vocabulary"]
 
 
-def _checked_peft_config(peft_config: Any) -> Any:
+def _checked_peft_config(peft_config: object) -> PeftConfig | None:
     """`rlasync.weights.adapter.check_peft_config`, imported only when a peft_config is given (it needs torch)."""
     if peft_config is None:
         return None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.algorithms.grpo.loop import AsyncRolloutLoop
 from rlasync.config import AsyncGRPOConfig
@@ -40,6 +40,9 @@ from rlasync.trainers.checks import (
     _may_own_reward,
     _refuse_trl_workers,
 )
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         processing_class: Any = None,
         callbacks: Sequence[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
-        peft_config: Any = None,
+        peft_config: PeftConfig | None = None,
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory] | None = None,
         rollout_worker: Any = None,
@@ -173,7 +176,7 @@ __all__ = [
 ]
 
 
-def _checked_peft_config(peft_config: Any) -> Any:
+def _checked_peft_config(peft_config: object) -> PeftConfig | None:
     """`rlasync.weights.adapter.check_peft_config`, imported only when a peft_config is given (it needs torch)."""
     if peft_config is None:
         return None

@@ -30,7 +30,7 @@ import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from rlasync.config.vocab import EngineKind
@@ -42,6 +42,9 @@ from rlasync.metrics.sinks import check_report_to
 from rlasync.model.registry import ALIASES, is_alias, resolve_model
 from rlasync.trainers.checks import check_same_vocabulary
 from rlasync.trainers.disk import check_disk
+
+if TYPE_CHECKING:
+    from rlasync.config.base import ClusterConfig, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -206,10 +209,10 @@ def torch_engine_kwargs() -> set[str]:
     return set()
 
 
-def check_engine_kwargs(config: Any) -> None:
+def check_engine_kwargs(cluster: ClusterConfig) -> None:
     """`cluster.engine_kwargs`: integer settings are positive integers (named, not "invalid literal for int()"),
     the built-in engine knows every key, and its KV cache holds one request of max_model_len."""
-    kwargs = config.cluster.engine_kwargs or {}
+    kwargs = cluster.engine_kwargs or {}
     for key in INT_ENGINE_KWARGS:
         value = kwargs.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -217,7 +220,7 @@ def check_engine_kwargs(config: Any) -> None:
                 f"cluster.engine_kwargs.{key}={value!r}: must be a positive integer (tokens or sequences), e.g. "
                 f"--set cluster.engine_kwargs.{key}={2048 if key != 'max_num_seqs' else 32}"
             )
-    if config.cluster.engine != EngineKind.TORCH.value:
+    if cluster.engine != EngineKind.TORCH.value:
         return
     known = torch_engine_kwargs()
     unknown = sorted(set(kwargs) - known - {"dtype"})
@@ -236,7 +239,7 @@ def check_engine_kwargs(config: Any) -> None:
         )
 
 
-def check_completion_fit(config: Any, limit: int | None) -> None:
+def check_completion_fit(config: TrainerConfig, limit: int | None) -> None:
     """`max_completion_length` leaves room for a prompt within the engine's `max_model_len`."""
     if limit is not None and config.max_completion_length >= limit:
         raise ValueError(
@@ -246,13 +249,13 @@ def check_completion_fit(config: Any, limit: int | None) -> None:
         )
 
 
-def max_model_len(config: Any, model_cfg: dict[str, Any]) -> int | None:
+def max_model_len(cluster: ClusterConfig, model_cfg: dict[str, Any]) -> int | None:
     """The engine's prompt + output limit: `cluster.engine_kwargs.max_model_len`, else the model's positions
     (the built-in engine's and vLLM's default); None when unknown (an external server)."""
-    kwargs = config.cluster.engine_kwargs or {}
+    kwargs = cluster.engine_kwargs or {}
     if kwargs.get("max_model_len"):
         return int(kwargs["max_model_len"])
-    if EngineKind(config.cluster.engine).traits.remote:  # the server's limit, known once it answers
+    if EngineKind(cluster.engine).traits.remote:  # the server's limit, known once it answers
         return None
     text_cfg = model_cfg.get("text_config") or {}
     for key in POSITION_KEYS:
@@ -278,7 +281,11 @@ def load_tokenizer(source: str, field: str = "model") -> Any:
 
 
 def prompt_lengths(
-    tokenizer: Any, dataset: Any, config: Any, tools: Sequence[Any] | None = None, num_rows: int = NUM_ROWS_CHECKED
+    tokenizer: Any,
+    dataset: Any,
+    config: TrainerConfig,
+    tools: Sequence[Any] | None = None,
+    num_rows: int = NUM_ROWS_CHECKED,
 ) -> list[int]:
     """Rendered token counts of the first `num_rows` prompts (chat template, generation prompt appended)."""
     if getattr(tokenizer, "chat_template", True) is None:
@@ -308,7 +315,7 @@ def prompt_lengths(
     return lengths
 
 
-def check_prompt_fit(config: Any, lengths: Sequence[int], limit: int | None) -> None:
+def check_prompt_fit(config: TrainerConfig, lengths: Sequence[int], limit: int | None) -> None:
     """Every checked prompt too long for the engine is an error, some too long a warning (those rows fail and are
     counted); then one sample of the longest prompt that fits must fit `token_budget`."""
     if not lengths:
@@ -419,7 +426,7 @@ def run_preflight(trainer: Any) -> None:
     check_output_dir(config.output_dir)
     check_report_to(config.report_to)
     check_teacher_ids(trainer.train_dataset, list(getattr(trainer, "teachers", {})))
-    check_engine_kwargs(config)
+    check_engine_kwargs(config.cluster)
     given_tokenizer = trainer.given_processing_class
     source = check_model_source(trainer.model_path, "model", need_tokenizer=given_tokenizer is None)
     check_disk(config, source, lora=getattr(trainer, "peft_config", None) is not None)
@@ -430,7 +437,7 @@ def run_preflight(trainer: Any) -> None:
                 check_same_vocabulary(source, path, teacher.teacher_id)
     tokenizer = given_tokenizer if given_tokenizer is not None else load_tokenizer(source)
     lengths = prompt_lengths(tokenizer, trainer.train_dataset, config, getattr(trainer, "tools", None))
-    limit = max_model_len(config, model_config(source))
+    limit = max_model_len(config.cluster, model_config(source))
     check_prompt_fit(config, lengths, limit)
     check_completion_fit(config, limit)
 

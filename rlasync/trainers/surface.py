@@ -32,9 +32,13 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.driver.model_proxy import LazyModel, load_plain
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
+    from rlasync.pipeline.settings import QueueSettings
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ def _train_output_cls() -> type:
 class TrainerSurface:
     """Mixin of `AsyncTrainerBase`: the transformers-shaped state, callbacks and model access."""
 
-    args: Any
+    args: TrainerConfig
     model_path: str
     processing_class: Any
     run_state: dict[str, Any]
@@ -499,7 +503,7 @@ class TrainerSurface:
         self._event("on_log", logs=values)
 
 
-def estimated_max_steps(config: Any, queue: Any) -> int:
+def estimated_max_steps(config: TrainerConfig, queue: QueueSettings) -> int:
     """An epoch run's step count (`max_steps=-1`), for `state.max_steps`: its samples, `num_train_epochs x rows x
     num_generations` (a distillation row is one sample), over a step's `per_device_train_batch_size x
     gradient_accumulation_steps x cluster.num_learners` (TRL's step), rounded up; 0 when unknown (a streaming

@@ -19,12 +19,15 @@ import json
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlasync.config.vocab import EngineKind, LoraMode, LoraSync, parse_lora_sync
 from rlasync.weights.plan import ManifestEntry, TensorStream, foreach_copy, transfer_name
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 ADAPTER_NAME_PREFIX = "rlasync-v"  # vLLM adapters are named rlasync-v{k}: the k-th adapter sync of this engine
@@ -53,7 +56,7 @@ def is_adapter_checkpoint(path: str | None) -> bool:
 # ---- the user's config ----------------------------------------------------------------------------------------
 
 
-def check_peft_config(peft_config: Any, field: str = "peft_config") -> Any:
+def check_peft_config(peft_config: object, field: str = "peft_config") -> PeftConfig | None:
     """`peft_config` checked for what rlasync supports (a `peft.LoraConfig`, adapters on linear layers of the
     decoder only); returns it. `ValueError` names the field and the fix otherwise."""
     if peft_config is None:
@@ -92,7 +95,7 @@ def check_lora_sync(value: str, field: str = "cluster.lora_sync") -> LoraSync:
     return parse_lora_sync(value, field)
 
 
-def lora_engine_kwargs(peft_config: Any, engine: str, *, max_loras: int, lora_dir: str) -> dict[str, Any]:
+def lora_engine_kwargs(peft_config: PeftConfig, engine: str, *, max_loras: int, lora_dir: str) -> dict[str, Any]:
     """What an engine of kind `engine` needs to receive adapters of `peft_config` (merged into `engine_kwargs`), by
     its traits (`rlasync.config.vocab.EngineTraits`): vLLM in-process is started with `enable_lora`, `max_loras`,
     `max_lora_rank`; an engine of runtime adapters writes them under `lora_dir` (a folder a `vllm serve` must be

@@ -86,17 +86,87 @@ def test_every_document_reference_resolves():
     assert not foreign, f"references to documents outside the repository: {foreign[:20]}"
 
 
-def test_no_untyped_args_object_in_the_core():
-    """Components take typed settings or the typed config, never an `args: Any` read with getattr."""
+UNTYPED = {"Any", "typing.Any", "Any | None", "None | Any", "Optional[Any]", "typing.Optional[Any]"}
+
+
+def _is_untyped(annotation: ast.expr | None) -> bool:
+    """Missing, or `Any` in any spelling (a quoted annotation is read as its text)."""
+    if annotation is None:
+        return True
+    text = annotation.value if isinstance(annotation, ast.Constant) else ast.unparse(annotation)
+    return str(text).replace(" ", "") in {u.replace(" ", "") for u in UNTYPED}
+
+
+def _is_config_name(name: str) -> bool:
+    return name in ("config", "args", "cfg") or name.endswith("_config")
+
+
+def _untyped_configs(source: str, where: str) -> list[str]:
+    """Parameters of every function (sync or async, methods included) named `config`, `args`, `cfg` or `*_config`
+    whose annotation is missing or `Any` (`Any | None`, `Optional[Any]` too), and class attributes named `config`,
+    `args` or `cfg` annotated `Any`; plus `getattr(args, ...)` reads. `*args: Any` (forwarded positionals) is not a
+    config object and is not counted."""
     found = []
-    for path in _sources("rlasync"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                for arg in arguments:
-                    if arg.arg == "args" and (arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
-                        found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
-            if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and node.args:
-                if ast.unparse(node.args[0]) in ("args", "self.args"):
-                    found.append(f"{path.relative_to(REPO)}:{node.lineno} getattr({ast.unparse(node.args[0])}, ...)")
-    assert not found, f"untyped args objects: {found}"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            for arg in arguments:
+                if _is_config_name(arg.arg) and _is_untyped(arg.annotation):
+                    found.append(f"{where}:{node.lineno} {node.name}({arg.arg})")
+        if isinstance(node, ast.ClassDef):
+            for statement in node.body:
+                if (
+                    isinstance(statement, ast.AnnAssign)
+                    and isinstance(statement.target, ast.Name)
+                    and statement.target.id in ("config", "args", "cfg")
+                    and _is_untyped(statement.annotation)
+                ):
+                    found.append(f"{where}:{statement.lineno} {node.name}.{statement.target.id}")
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and node.args:
+            if ast.unparse(node.args[0]) in ("args", "self.args"):
+                found.append(f"{where}:{node.lineno} getattr({ast.unparse(node.args[0])}, ...)")
+    return found
+
+
+def test_the_untyped_config_scan_catches_planted_examples():
+    planted = (
+        "from typing import Any, Optional\n"
+        "def a(config: Any): ...\n"
+        "async def b(*, args): ...\n"
+        "class C:\n"
+        "    config: Any\n"
+        "    def m(self, cfg: Any | None = None): ...\n"
+        "    async def n(self, model_config: Optional[Any] = None): ...\n"
+        "def q(vllm_config: 'Any'): ...\n"
+        "def d(args):\n"
+        "    return getattr(args, 'x')\n"
+    )
+    found = _untyped_configs(planted, "planted.py")
+    assert sorted(f.split(" ", 1)[1] for f in found) == sorted(
+        [
+            "a(config)",
+            "b(args)",
+            "C.config",
+            "m(cfg)",
+            "n(model_config)",
+            "q(vllm_config)",
+            "d(args)",
+            "getattr(args, ...)",
+        ]
+    ), found
+    typed = (
+        "from typing import Any\n"
+        "def a(config: TrainerConfig, *args: Any, peft_config: PeftConfig | None = None, **kwargs: Any): ...\n"
+        "class C:\n"
+        "    config: TrainerConfig\n"
+        "    settings: Any\n"
+    )
+    assert _untyped_configs(typed, "typed.py") == []
+
+
+def test_no_untyped_args_object_in_the_core():
+    """Components take typed settings or the typed config, never a `config: Any` / `args: Any` read with getattr."""
+    found = []
+    for path in _sources("rlasync", "actors"):
+        found += _untyped_configs(path.read_text(), str(path.relative_to(REPO)))
+    assert not found, f"untyped config objects (type them: TrainerConfig, the component's settings, ...): {found}"

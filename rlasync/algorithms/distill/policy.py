@@ -15,7 +15,7 @@ import logging
 import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlasync.algorithms.distill.routing import TeacherRouter
 from rlasync.algorithms.distill.samples import DEFAULT_TEACHER_ID, DistillationSample, build_distillation_sample
@@ -28,6 +28,9 @@ from rlasync.rollout.engine_pool import EnginePool
 from rlasync.rollout.protocols import Collected, PolicyBase
 from rlasync.rollout.sequences import is_clipped, tokenizer_eos_ids
 from rlasync.rollout.settings import RolloutSettings
+
+if TYPE_CHECKING:
+    from rlasync.config.base import TrainerConfig
 
 logger = logging.getLogger("rlasync.algorithms.distill.loop")  # the loop's logger, as before the split
 SEED_BITS = 63
@@ -63,7 +66,7 @@ class DistillationPolicy(PolicyBase):
     def _init_policy(
         self,
         *,
-        config: Any,
+        config: TrainerConfig,
         tokenizer: Any,
         settings: RolloutSettings,
         scoring: TeacherSettings,

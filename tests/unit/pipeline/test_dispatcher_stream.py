@@ -126,7 +126,7 @@ def test_random_interleavings_consume_every_position_once_like_the_indexed_dispa
 
 def test_queue_settings_and_service_for_a_streaming_dataset():
     class Config:
-        max_steps, num_train_epochs, max_staleness = -1, 3.0, 2
+        max_steps, num_train_epochs, max_staleness, weight_sync_steps = -1, 3.0, 2, 1
 
     rows = Rows(3)
     settings = QueueSettings.for_dataset(Config, rows)
