@@ -2,7 +2,7 @@
 centering over the sampler's top-K, SGD and active gradient clipping, on the same samples, lands on the same
 weights at every world size. The 2- and 4-rank weights are gathered the way a weight sync gathers them
 (`Learner.weight_stream` -> `rlasync.weights.plan.stream_parameters`): every parameter of the manifest exactly once,
-in manifest order, with its full shape, each gathered tensor released before the next is gathered (no
+in manifest order, with its full shape, one all-gather per parameter, each gathered tensor released before the next is gathered (no
 whole-model materialisation).
 
 Why the weights must agree: the step is one micro-batch at every world size (the token budget holds all the samples
@@ -115,19 +115,35 @@ def make_samples(model_dir: Path) -> list:
 
 
 def gathered_weights(learner) -> dict[str, torch.Tensor]:
-    """The weight sync's gather, checked: each manifest entry once, in order, full shape; the stream keeps no
-    reference to a tensor it has yielded once it has moved on (one parameter gathered at a time)."""
+    """The weight sync's gather, checked: each manifest entry once, in order, full shape, from exactly one
+    all-gather per parameter when sharded (none with one rank); the stream keeps no reference to a tensor it has
+    yielded once it has moved on (one parameter gathered at a time)."""
+    from torch.distributed.tensor import DTensor
+
     manifest = learner.weight_manifest()
     weights: dict[str, torch.Tensor] = {}
+    gathers: list[tuple[int, ...]] = []
+    full_tensor = DTensor.full_tensor
+
+    def counted(self, *args, **kwargs):
+        gathers.append(tuple(self.shape))
+        return full_tensor(self, *args, **kwargs)
+
     previous = None
-    for entry, (name, tensor) in zip(manifest, learner.weight_stream(), strict=True):
-        assert previous is None or previous() is None, f"the stream still holds the tensor before {name}"
-        assert name == entry.name and name not in weights, name
-        assert tuple(tensor.shape) == tuple(entry.shape), name
-        assert not hasattr(tensor, "full_tensor"), name  # a plain (gathered) tensor, not a shard
-        weights[name] = tensor.clone()
-        previous = weakref.ref(tensor)
-        del tensor
+    DTensor.full_tensor = counted
+    try:
+        for entry, (name, tensor) in zip(manifest, learner.weight_stream(), strict=True):
+            assert previous is None or previous() is None, f"the stream still holds the tensor before {name}"
+            assert name == entry.name and name not in weights, name
+            assert tuple(tensor.shape) == tuple(entry.shape), name
+            assert not isinstance(tensor, DTensor), name  # a plain (gathered) tensor, not a shard
+            weights[name] = tensor.clone()
+            previous = weakref.ref(tensor)
+            del tensor
+    finally:
+        DTensor.full_tensor = full_tensor
+    sharded = learner.world_size > 1
+    assert gathers == ([tuple(entry.shape) for entry in manifest] if sharded else []), gathers
     return weights
 
 
