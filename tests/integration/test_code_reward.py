@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,12 @@ def test_code_reward_runs_in_the_reward_actor(ray_cluster, tiny_model_dir, tmp_p
     assert len(list(pids.iterdir())) == 1, "scored by one process: the RewardActor's"
     assert int(next(pids.iterdir()).name) != os.getpid()
     # The RewardActor was killed with executions in flight (groups scored past the last step): their sandboxes died
-    # with it (--die-with-parent), their directories are swept by the next execution on this machine.
+    # with it (--die-with-parent), their directories are swept by the next execution on this machine once the
+    # actor's process is gone (ray.kill returns before the process has exited on a loaded machine).
+    reward_pid = int(next(pids.iterdir()).name)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{reward_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     sandbox_module._last_sweep[0] = -math.inf
     assert Sandbox().run("print(1)").stdout == "1\n"
     assert set(Path(tempfile.gettempdir()).glob("rlasync-sandbox-*")) <= sandbox_dirs_before
