@@ -15,6 +15,9 @@ from rlasync.packing import TreeRow, pack
 from rlasync.records import RolloutSample
 
 TOL = 1e-5
+# Gradients are sums over every token and head, whose float32 order depends on the intra-op thread split: on a
+# loaded 2-core CI machine dt_bias's gradient (magnitude ~1) differed from the per-sample forward's by 1.03e-5.
+GRAD_TOL = 5e-5
 
 
 def tiny_qwen3_next(seed=0):
@@ -98,7 +101,7 @@ def test_padding_free_logprobs_and_gradients_equal_the_per_sample_forward(shared
     assert ref_grads.keys() == tree_grads.keys() and any("linear_attn" in n for n in ref_grads)
     for name in ref_grads:  # relative to the parameter's largest gradient (these reach ~10 with large weights)
         scale = max(1.0, ref_grads[name].abs().max().item())
-        assert (ref_grads[name] - tree_grads[name]).abs().max().item() <= TOL * scale, name
+        assert (ref_grads[name] - tree_grads[name]).abs().max().item() <= GRAD_TOL * scale, name
 
 
 def test_a_row_that_shares_a_prefix_is_refused_with_the_layout_that_works():
