@@ -8,11 +8,7 @@ Ray with the settings to every actor: the learner's kernel switches are the conf
 the actors of an existing cluster (`ray job submit`, KubeRay). No other module of rlasync/, actors/ or bench/ reads
 an `RLASYNC_*` variable (tests/unit/test_envs.py).
 
-    RLASYNC_CACHE                      Path   ~/.cache/rlasync   where model aliases are prepared (`models/<alias>`,
-                                                                  rlasync.model.registry)
-    RLASYNC_SANDBOX_CONCURRENCY        int    min(4, CPUs)       programs run at once per process (rlasync.rewards.code)
-    RLASYNC_SANDBOX_ALLOW_UNSANDBOXED  bool   false              run model-written programs WITHOUT isolation where no
-                                                                  sandbox works (a warning each process)
+    RLASYNC_CACHE   Path   ~/.cache/rlasync   where model aliases are prepared (`models/<alias>`, rlasync.model.registry)
 
 Imports nothing of rlasync.
 """
@@ -41,25 +37,6 @@ def _cache_dir(raw: str | None) -> Path:
     return Path(raw).expanduser() if raw else Path.home() / ".cache" / "rlasync"
 
 
-def _positive_int(name: str, default: Callable[[], int]) -> Callable[[str | None], int]:
-    def parse(raw: str | None) -> int:
-        if not raw:
-            return default()
-        try:
-            number = int(raw)
-        except ValueError:
-            number = 0
-        if number < 1:
-            raise ValueError(f"{name}={raw!r}: must be a positive integer")
-        return number
-
-    return parse
-
-
-def _flag(raw: str | None) -> bool:
-    return (raw or "").strip().lower() in ("1", "true", "yes")
-
-
 VARIABLES: dict[str, Variable] = {
     variable.name: variable
     for variable in (
@@ -70,27 +47,11 @@ VARIABLES: dict[str, Variable] = {
             "where model aliases are prepared, under models/<alias> (rlasync.model.registry)",
             _cache_dir,
         ),
-        Variable(
-            "RLASYNC_SANDBOX_CONCURRENCY",
-            int,
-            "min(4, CPUs)",
-            "model-written programs run at once per process (rlasync.rewards.code)",
-            _positive_int("RLASYNC_SANDBOX_CONCURRENCY", lambda: max(1, min(4, os.cpu_count() or 1))),
-        ),
-        Variable(
-            "RLASYNC_SANDBOX_ALLOW_UNSANDBOXED",
-            bool,
-            "false",
-            "run model-written programs without isolation where no sandbox works (rlasync.rewards.code; warns)",
-            _flag,
-        ),
     )
 }
 
 if TYPE_CHECKING:
     RLASYNC_CACHE: Path
-    RLASYNC_SANDBOX_CONCURRENCY: int
-    RLASYNC_SANDBOX_ALLOW_UNSANDBOXED: bool
 
 
 def read(name: str) -> Any:

@@ -22,8 +22,9 @@ Without a working bwrap, `Sandbox.run` raises `SandboxUnavailableError` (what to
 sandbox was built with `allow_unsandboxed=True`: then the program runs as a plain child (same limits, environment
 and working directory, its own session) with a warning, and it can reach the network and the host's files.
 
-Concurrency: executions hold a slot of a per-process semaphore (`max_concurrent`, default
-`RLASYNC_SANDBOX_CONCURRENCY` or min(4, CPUs)), so a RewardActor process never runs more sandboxes at once.
+Concurrency: executions hold a slot of a per-process semaphore (`max_concurrent`, default min(4, CPUs)), so a
+RewardActor process never runs more sandboxes at once. Both choices are fields of the `Sandbox`, which travels with
+the reward function (or tool) to the actor that runs it; no environment variable is read.
 """
 
 from __future__ import annotations
@@ -49,15 +50,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlasync import envs
-
 logger = logging.getLogger(__name__)
 
 SANDBOX_DIR = "/sandbox"
 """Where the private temporary directory is mounted inside the sandbox (also mounted at /tmp)."""
-UNSANDBOXED_ENV = "RLASYNC_SANDBOX_ALLOW_UNSANDBOXED"
-"""Set to 1 to let the default sandbox (`code_reward`, `run_python`) run programs unsandboxed when bwrap fails
-(declared in rlasync.envs, read there)."""
 _HARNESS = (Path(__file__).with_name("harness.py")).read_text(encoding="utf-8")
 _NOBODY = 65534
 _SANDBOX_ENV = {
@@ -154,14 +150,13 @@ class Sandbox:
                        prefix is mounted read-only, so its installed packages can be imported
     allow_unsandboxed: with no working bubblewrap, run programs as plain child processes (with a warning) instead
                        of raising `SandboxUnavailableError`; the program can then use the network and read the host
-                       (None: only when the environment variable RLASYNC_SANDBOX_ALLOW_UNSANDBOXED=1)
     max_concurrent:    executions at once in this process, shared by every Sandbox with the same value
-                       (None: `RLASYNC_SANDBOX_CONCURRENCY`, else min(4, the machine's CPUs))
+                       (None: min(4, the machine's CPUs))
     """
 
     limits: Limits = field(default_factory=Limits)
     python: str | None = None
-    allow_unsandboxed: bool | None = None
+    allow_unsandboxed: bool = False
     max_concurrent: int | None = None
 
     def __post_init__(self) -> None:
@@ -182,15 +177,12 @@ class Sandbox:
         found, reason = _probe(self.interpreter)
         if found:
             return found
-        allowed = self.allow_unsandboxed
-        if allowed is None:
-            allowed = envs.RLASYNC_SANDBOX_ALLOW_UNSANDBOXED
-        if allowed:
+        if self.allow_unsandboxed:
             _warn_unsandboxed(reason)
             return "unsandboxed"
         raise SandboxUnavailableError(
             f"cannot run code in a sandbox: {reason}. Either fix that, or build the reward/tool with "
-            f"Sandbox(allow_unsandboxed=True) (or set {UNSANDBOXED_ENV}=1) to run model-written programs WITHOUT "
+            f"Sandbox(allow_unsandboxed=True) to run model-written programs WITHOUT "
             "isolation (network and host files reachable; only resource limits apply)"
         )
 
@@ -203,8 +195,8 @@ class Sandbox:
 
 
 def default_concurrency() -> int:
-    """`$RLASYNC_SANDBOX_CONCURRENCY` (rlasync.envs), else min(4, CPUs)."""
-    return envs.RLASYNC_SANDBOX_CONCURRENCY
+    """Executions at once per process when a Sandbox names none: min(4, CPUs)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 _slots_lock = threading.Lock()

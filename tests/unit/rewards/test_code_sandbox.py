@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from rlasync import envs as envs_module
 from rlasync.rewards import call_reward_funcs
 from rlasync.rewards.code import (
     CodeReward,
@@ -302,7 +301,6 @@ def test_limits_and_sandbox_fields_are_checked():
 
 def test_without_bubblewrap_it_refuses_unless_unsandboxed_is_allowed(monkeypatch):
     monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
-    monkeypatch.delenv(sandbox_module.UNSANDBOXED_ENV, raising=False)
     sandbox_module._probe.cache_clear()
     try:
         with pytest.raises(SandboxUnavailableError, match="apt-get install bubblewrap"):
@@ -318,8 +316,7 @@ def test_without_bubblewrap_it_refuses_unless_unsandboxed_is_allowed(monkeypatch
 
 
 _AS_ANOTHER_USER = """
-import importlib.util, json, os, sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
 sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sandbox)
@@ -348,9 +345,6 @@ def test_as_another_user_the_sandbox_uses_a_user_namespace():
         box.chmod(0o755)
         for name in ("sandbox.py", "harness.py"):
             (box / name).write_text((Path(sandbox_module.__file__).parent / name).read_text())
-        (box / "rlasync").mkdir()  # the one rlasync module sandbox.py imports (stdlib only): the declared variables
-        (box / "rlasync" / "__init__.py").write_text("")
-        (box / "rlasync" / "envs.py").write_text(Path(envs_module.__file__).read_text())
         (box / "check.py").write_text(_AS_ANOTHER_USER)
         done = subprocess.run(
             [
