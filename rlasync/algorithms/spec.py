@@ -44,8 +44,7 @@ class Algorithm:
     reward_actors: the loop may score through the RewardActor pool (`cluster.num_reward_actors`)
     teachers:      the loop gets the TeacherScorers (`teachers=`, teacher id -> engine)
     rollout_name / queue_name / hang_setting: the rollout actors' name in errors, the queue actor's name, and
-                   the config field a hang names
-    hang_timeout:  the hang limit (seconds) from the config
+                   the config field that holds the hang limit (seconds; `hang_timeout(config)` reads it)
     trainer_names: the names a run file's `trainer:` may use for it (besides `name`)
     trainer:       "module:Class" of its trainer (what `rlasync train RUN.yaml` builds; "" for none)
     """
@@ -56,7 +55,6 @@ class Algorithm:
     objective: type | str
     loss: Callable[[TrainerConfig], Any]
     group_size: Callable[[TrainerConfig], int]
-    hang_timeout: Callable[[TrainerConfig], float | None]
     engine_arg: str = "engine"
     sink: SinkKind = "groups"
     reward_actors: bool = False
@@ -70,6 +68,10 @@ class Algorithm:
     def __post_init__(self) -> None:
         if self.sink not in ("groups", "samples"):
             raise ValueError(f"Algorithm {self.name!r}: sink={self.sink!r}, use 'groups' or 'samples'")
+
+    def hang_timeout(self, config: TrainerConfig) -> float | None:
+        """The hang limit of a run of `config`: its `hang_setting` field."""
+        return getattr(config, self.hang_setting)
 
     def objective_cls(self) -> type:
         """The learner objective class (a "module:Class" string imported here)."""

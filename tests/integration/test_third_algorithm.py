@@ -122,10 +122,6 @@ def num_generations(config):
     return int(config.num_generations)
 
 
-def rollout_worker_timeout(config):
-    return config.rollout_worker_timeout
-
-
 REINFORCE_LOO = Algorithm(
     name="reinforce_loo",
     config_cls=ReinforceConfig,
@@ -133,7 +129,6 @@ REINFORCE_LOO = Algorithm(
     objective=ReinforceObjective,
     loss=reinforce_loss,
     group_size=num_generations,
-    hang_timeout=rollout_worker_timeout,
     reward_actors=True,
 )
 

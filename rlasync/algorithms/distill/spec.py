@@ -23,10 +23,6 @@ def group_size(config: AsyncDistillationConfig) -> int:
     return 1
 
 
-def hang_timeout(config: AsyncDistillationConfig) -> float | None:
-    return config.heartbeat_stale_after_s
-
-
 DISTILL = Algorithm(
     name="distill",
     config_cls=AsyncDistillationConfig,
@@ -34,7 +30,6 @@ DISTILL = Algorithm(
     objective="rlasync.algorithms.distill.objective:DistillationObjective",
     loss=loss_settings,
     group_size=group_size,
-    hang_timeout=hang_timeout,
     engine_arg="student",
     sink="samples",
     teachers=True,
@@ -45,4 +40,4 @@ DISTILL = Algorithm(
     trainer_names=("distillation",),
 )
 
-__all__ = ["DISTILL", "group_size", "hang_timeout", "loss_settings"]
+__all__ = ["DISTILL", "group_size", "loss_settings"]

@@ -18,10 +18,6 @@ def loss_settings(config: AsyncGRPOConfig) -> Any:
     return LossConfig.from_config(config)
 
 
-def hang_timeout(config: AsyncGRPOConfig) -> float | None:
-    return config.rollout_worker_timeout
-
-
 GRPO = Algorithm(
     name="grpo",
     config_cls=AsyncGRPOConfig,
@@ -29,7 +25,6 @@ GRPO = Algorithm(
     objective="rlasync.algorithms.grpo.objective:GrpoObjective",
     loss=loss_settings,
     group_size=group_size,
-    hang_timeout=hang_timeout,
     engine_arg="engine",
     sink="groups",
     reward_actors=True,
@@ -39,4 +34,4 @@ GRPO = Algorithm(
     hang_setting="rollout_worker_timeout",
 )
 
-__all__ = ["GRPO", "group_size", "hang_timeout", "loss_settings"]
+__all__ = ["GRPO", "group_size", "loss_settings"]
