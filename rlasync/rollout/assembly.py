@@ -3,8 +3,12 @@ policy (`AsyncRolloutLoop`, `AsyncDistillationLoop`), and the helpers both assem
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from rlasync.metrics import MetricSink
+from rlasync.records import MetricsCallback
 from rlasync.rollout.engine_pool import EnginePool
 from rlasync.rollout.protocols import Admission, PromptSource, Sink
 from rlasync.rollout.scheduler import TaskScheduler
@@ -20,6 +24,37 @@ class ScheduledLoop:
 
     scheduler: TaskScheduler[Any]
     engine_pool: EnginePool
+    retryable_exceptions: tuple[type[BaseException], ...]
+
+    def _init_engine_pool(
+        self,
+        engines: Any,
+        *,
+        max_concurrent: int,
+        max_attempts: int,
+        metrics_callback: MetricsCallback | None,
+        stats_interval_s: float | None,
+        clock: Callable[[], float],
+        sleep: Callable[[float], Awaitable[Any]],
+        controller: Any = None,
+    ) -> None:
+        """What every assembly starts with: the counters, the metric sink (or the caller's `metrics_callback`) and
+        the `EnginePool` over `engines` retrying the loop's `retryable_exceptions`."""
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.metrics = MetricSink()
+        self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
+        self.engine_pool = EnginePool(
+            engines,
+            max_concurrent=max_concurrent,
+            emit=self.emit,  # type: ignore[attr-defined]  (the policy's, mixed in by the assembly)
+            counters=self.counters,
+            max_attempts=max_attempts,
+            retryable_exceptions=self.retryable_exceptions,
+            stats_interval_s=stats_interval_s,
+            controller=controller,
+            clock=clock,
+            sleep=sleep,
+        )
 
     async def run(self) -> None:
         """Run until `stop()`, until the prompts are exhausted and every task is done, or a failure (re-raised

@@ -36,7 +36,6 @@ No torch, no ray.
 from __future__ import annotations
 
 import asyncio
-import collections
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -45,10 +44,8 @@ from typing import TYPE_CHECKING, Any
 from rlasync.algorithms.distill.policy import FAILED_TASK_METRIC, DistillationPolicy
 from rlasync.algorithms.distill.settings import TeacherSettings, resolve_max_inflight_tasks, rollout_settings
 from rlasync.engine.base import Engine, EngineError
-from rlasync.metrics import MetricSink
 from rlasync.records import MetricsCallback
 from rlasync.rollout.assembly import ScheduledLoop, class_override, one_config
-from rlasync.rollout.engine_pool import EnginePool
 from rlasync.rollout.protocols import PromptSource, Sink
 from rlasync.rollout.scheduler import TaskScheduler
 
@@ -90,16 +87,11 @@ class AsyncDistillationLoop(ScheduledLoop, DistillationPolicy):
     ) -> None:
         config = one_config(config, args, type(self).__name__)
         settings = rollout_settings(config, max_inflight_tasks=max_inflight_tasks)  # type: ignore[arg-type]
-        self.counters: collections.Counter[str] = collections.Counter()
-        self.metrics = MetricSink()
-        self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
-        self.engine_pool = EnginePool(
+        self._init_engine_pool(
             student,
             max_concurrent=settings.max_concurrent,
-            emit=self.emit,
-            counters=self.counters,
             max_attempts=class_override(self, "max_request_attempts", settings.max_request_attempts),
-            retryable_exceptions=self.retryable_exceptions,
+            metrics_callback=metrics_callback,
             stats_interval_s=None,
             clock=clock,
             sleep=sleep,

@@ -56,7 +56,6 @@ keys as in docs/algorithms.md §8.2/8.3: per rollout `rollout/duration_s`, `roll
 from __future__ import annotations
 
 import asyncio
-import collections
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -65,12 +64,11 @@ from typing import TYPE_CHECKING, Any
 from rlasync.algorithms.grpo.policy import GroupSink, RewardScorer, RolloutContext, RolloutPolicy
 from rlasync.algorithms.grpo.settings import rollout_settings
 from rlasync.engine.base import EngineError
-from rlasync.metrics import MetricSink
 from rlasync.records import GroupOutcome, MetricsCallback, PromptLease
 from rlasync.rewards.calling import RewardFunc
 from rlasync.rollout.assembly import ScheduledLoop, class_override, one_config
 from rlasync.rollout.concurrency import ConcurrencyController
-from rlasync.rollout.engine_pool import EnginePool, retry_backoff_s
+from rlasync.rollout.engine_pool import retry_backoff_s
 from rlasync.rollout.environments import EnvironmentFactory
 from rlasync.rollout.groups import GroupResult
 from rlasync.rollout.protocols import Admission, OpenAdmission, PromptSource
@@ -127,16 +125,11 @@ class AsyncRolloutLoop(ScheduledLoop, RolloutPolicy):
     ) -> None:
         config = one_config(config, args, type(self).__name__)
         settings = rollout_settings(config)  # type: ignore[arg-type]
-        self.counters: collections.Counter[str] = collections.Counter()
-        self.metrics = MetricSink()
-        self._metrics_callback = metrics_callback if metrics_callback is not None else self.metrics.update
-        self.engine_pool = EnginePool(
+        self._init_engine_pool(
             engine,
             max_concurrent=settings.max_concurrent,
-            emit=self.emit,
-            counters=self.counters,
             max_attempts=class_override(self, "max_generation_attempts", settings.max_request_attempts),
-            retryable_exceptions=self.retryable_exceptions,
+            metrics_callback=metrics_callback,
             stats_interval_s=self.engine_stats_interval_s,
             controller=controller,
             clock=clock,
