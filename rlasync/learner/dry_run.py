@@ -10,7 +10,7 @@
     measure_in_subprocess(...)                           the same in a fresh process (a process joins one process
                                                          group; the peak is this rank's alone), its result parsed
     estimate_rank_memory(model, settings, world_size,..)  without a GPU: the analytic estimate (formula below)
-    synthetic_samples(...)                               GRPO samples that fill a step's rows at the token budget
+    step_shape(...), synthetic_samples(...)              GRPO samples that fill a step's rows at the token budget
 
 The estimate (bytes of one rank; P parameters, w the weights' element size, N the FSDP world size):
 
@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 GIB = 2**30
 RESULT_PREFIX = "RESULT "
+MAX_PROMPT = 256  # the synthetic prompts' length at most (step_shape)
 FSDP_UNSHARDED_LAYERS = 2  # FSDP2 holds the layer it runs and the one it prefetches unsharded
 
 
@@ -100,13 +101,19 @@ def synthetic_samples(
 
 
 def step_shape(token_budget: int, group_size: int, max_completion_length: int) -> tuple[int, int]:
-    """(prompt_len, completion_len) of the synthetic groups for rows of `token_budget` tokens: completions of at
-    most `max_completion_length` filling half the row, a prompt of up to a quarter (a tree-packed group takes
-    prompt + group_size x completion tokens of its row)."""
-    if token_budget < 4:
-        raise ValueError(f"token_budget={token_budget}: the dry run needs rows of at least 4 tokens")
-    completion = max(1, min(max_completion_length, token_budget // (2 * max(1, group_size))))
-    prompt = max(1, min(token_budget - group_size * completion, token_budget // 4))
+    """(prompt_len, completion_len) of synthetic groups that fill rows of `token_budget` tokens with as many
+    completion tokens as `max_completion_length` allows: the worst case of a step (every row full, the LM head's
+    terms nearly all of it). A short prompt (token_budget / 32, at most MAX_PROMPT tokens), then k = ceil(budget /
+    (prompt + group_size x max_completion_length)) groups per row with completions of (budget / k - prompt) /
+    group_size tokens (a tree-packed group takes prompt + group_size x completion tokens of its row)."""
+    if token_budget < 4 or group_size < 1 or max_completion_length < 1:
+        raise ValueError(
+            f"token_budget={token_budget}, group_size={group_size}, max_completion_length={max_completion_length}: "
+            "the dry run needs rows of at least 4 tokens, groups of at least 1 and completions of at least 1 token"
+        )
+    prompt = max(1, min(MAX_PROMPT, token_budget // 32))
+    per_row = -(-token_budget // (prompt + group_size * max_completion_length))
+    completion = max(1, min(max_completion_length, (token_budget // per_row - prompt) // group_size))
     return prompt, completion
 
 

@@ -135,3 +135,36 @@ def test_the_engine_kv_cache_is_sized_as_the_built_in_engine_sizes_it():
     )
     with pytest.raises(ValueError, match="kv_cache_tokens=100 is below max_model_len=4096"):
         kv_cache_tokens(100, max_model_len=4096, max_num_seqs=1, bytes_per_token=1, budget_bytes=1)
+
+
+def test_with_a_gpu_the_learner_rank_is_measured_on_samples_that_fill_its_rows(capsys, monkeypatch):
+    """The measured branch, with the GPU and the child process stood in for: what the rank is handed, and how its
+    peak enters the plan."""
+    import types
+
+    import torch
+
+    import rlasync.learner.dry_run as rank
+
+    calls = []
+
+    def measured(model, settings, world_size, samples, *, steps):
+        calls.append((settings, world_size, samples, steps))
+        return {"peak_gib": 3.0, "world_size": world_size}
+
+    monkeypatch.setattr(rank, "measure_in_subprocess", measured)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: types.SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "Stand-in GPU")
+    code, out = dry_run(capsys, str(REPO / "configs/countdown_gpu.yaml"), "--json")
+    assert code == 0, out
+    plan = json.loads(out.strip().splitlines()[-1])
+    ((settings, world_size, samples, steps),) = calls
+    assert world_size == 1 and steps == 2 and settings.token_budget == 16384 and settings.bf16
+    groups, completion = len({s.group_id for s in samples}), int(samples[0].completion_mask.sum())
+    assert len(samples) == 8 * groups and completion <= 1024  # num_generations per group; max_completion_length
+    assert groups * (len(samples[0]) + 7 * completion) == 16384  # one row of token_budget, full (step_shape)
+    assert {len(s) for s in samples} == {len(samples[0])} and samples[0].sampler_topk_ids.shape[1] == 8
+    learner = next(a for a in plan["actors"] if a["label"] == "learner rank 0")
+    assert learner["memory_bytes"] == int(3.5 * GIB) and learner["note"].startswith("measured")
+    assert plan["learner"]["measured"] and plan["gpu_memory_source"] == "torch.cuda: Stand-in GPU"
