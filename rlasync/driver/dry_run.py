@@ -124,7 +124,7 @@ class DryRunPlan:
         for actor in self.actors:
             where = f"GPU {','.join(map(str, actor.gpu_ids))}" if actor.gpu_ids else "CPU"
             memory = f"{actor.memory_bytes / GIB:7.2f} GiB  {actor.note}" if actor.gpu_ids else actor.note
-            lines.append(f"  {actor.label:<24} {actor.cpus:g} CPU  {actor.gpus:g} GPU  -> {where:<8} {memory}".rstrip())
+            lines.append(f"  {actor.label:<30} {actor.cpus:g} CPU  {actor.gpus:g} GPU  -> {where:<8} {memory}".rstrip())
         if self.learner:
             lines.append(f"learner rank 0 of {self.learner['world_size']}: {self.learner['summary']}")
         cpus = sum(a.cpus for a in self.actors)

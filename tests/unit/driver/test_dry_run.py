@@ -48,7 +48,7 @@ def dry_run(capsys, *args: str) -> tuple[int, str]:
 def test_quickstart_prints_the_cpu_placement_and_fits(capsys):
     code, out = dry_run(capsys, str(REPO / "configs/quickstart.yaml"))
     assert code == 0, out
-    for line in ("generation actor 0       0.5 CPU  0 GPU  -> CPU", "learner rank 0", "rollout actor 0", "queue"):
+    for line in ("generation actor 0             0.5 CPU  0 GPU  -> CPU", "learner rank 0", "rollout actor 0", "queue"):
         assert line in out, out
     assert "host memory estimated" in out and "fits: 0 GPU(s), 1.35 CPUs" in out, out
 
