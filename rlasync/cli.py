@@ -210,7 +210,9 @@ def _dry_run(args: argparse.Namespace) -> int:
     from rlasync.driver.dry_run import dry_run
 
     try:
-        return dry_run(args.path, args.overrides, gpu_memory_gib=args.gpu_memory_gib, as_json=args.json)
+        return dry_run(
+            args.path, args.overrides, gpu_memory_gib=args.gpu_memory_gib, as_json=args.json, verbose=args.verbose
+        )
     except Exception as exc:
         return _fail(exc, 2, args.verbose)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -162,10 +163,17 @@ def load_model_config(model: str, *, field_name: str = "model", trust_remote_cod
         ) from None
 
 
+_PARAMS: dict[str, int] = {}  # config JSON -> parameter count (a plan asks once per engine and teacher)
+
+
 def _params(model_config: PretrainedConfig) -> int:
+    """The model's parameter count (built once per distinct config, on the meta device)."""
     from rlasync.learner.dry_run import meta_model
 
-    return sum(p.numel() for p in meta_model(model_config, "float32").parameters())
+    key = model_config.to_json_string()
+    if key not in _PARAMS:
+        _PARAMS[key] = sum(p.numel() for p in meta_model(model_config, "float32").parameters())
+    return _PARAMS[key]
 
 
 # ---- actors, GPUs, engines ----------------------------------------------------------------------------------------
@@ -263,7 +271,13 @@ def engine_memory(
 
 
 def learner_memory(
-    spec: RunSpec, model_config: PretrainedConfig, settings: LearnerSettings, *, gpu_bytes: float, measure: bool
+    spec: RunSpec,
+    model_config: PretrainedConfig,
+    settings: LearnerSettings,
+    *,
+    gpu_bytes: float,
+    measure: bool,
+    verbose: bool = False,
 ) -> tuple[dict[str, Any], str | None]:
     """The learner rank's figures ({"world_size", "peak_bytes", "summary", ...}) and a failure, if measuring failed."""
     from rlasync.learner.dry_run import estimate_rank_memory, meta_model
@@ -287,8 +301,13 @@ def learner_memory(
         )
         try:
             result = measure_in_subprocess(spec.model, settings, world_size, samples, steps=2)
-        except Exception as exc:
-            return figures, f"learner rank 0: the measured step failed: {exc}"
+        except Exception as exc:  # out of memory, or a failure of the step itself: its last error line
+            if verbose:
+                print(exc, file=sys.stderr)
+            errors = [line.strip() for line in str(exc).splitlines() if "Error" in line or "error" in line]
+            figures.update(peak_bytes=0, measured=False, summary="the measured step failed")
+            why = errors[-1] if errors else str(exc)
+            return figures, f"learner rank 0: the measured step failed: {why} (--verbose prints its whole output)"
         figures.update(result, peak_bytes=int(result["peak_gib"] * GIB), measured=True)
         figures["summary"] = (
             f"peak {result['peak_gib']:.2f} GiB measured (2 steps of {len(samples)} synthetic samples in "
@@ -312,10 +331,16 @@ def learner_memory(
 
 
 def plan_run(
-    spec: RunSpec, config_path: str, *, gpu_memory_gib: float | None = None, measure: bool = True
+    spec: RunSpec,
+    config_path: str,
+    *,
+    gpu_memory_gib: float | None = None,
+    measure: bool = True,
+    verbose: bool = False,
 ) -> DryRunPlan:
     """The plan of `spec` (a trainer's `build_spec(None)`): actors placed, their memory, the learner rank's peak.
-    `measure`: run one learner rank on this machine's GPU when there is one (else the estimate)."""
+    `measure`: run one learner rank on this machine's GPU when there is one (else the estimate); `verbose`: print
+    the whole output of a measured step that failed."""
     import torch
 
     config, cluster = spec.config, spec.config.cluster
@@ -344,7 +369,7 @@ def plan_run(
     plan = DryRunPlan(config_path, spec.algorithm.name, spec.model, _params(model_config), actors, gpu_bytes, source)
     used = [0.0] * plan.num_gpus
     plan.learner, failure = learner_memory(
-        spec, model_config, settings, gpu_bytes=gpu_bytes, measure=has_gpu and measure
+        spec, model_config, settings, gpu_bytes=gpu_bytes, measure=has_gpu and measure, verbose=verbose
     )
     if failure:
         plan.failures.append(failure)
@@ -376,7 +401,14 @@ def plan_run(
     return plan
 
 
-def dry_run(path: str, overrides: Sequence[str], *, gpu_memory_gib: float | None = None, as_json: bool = False) -> int:
+def dry_run(
+    path: str,
+    overrides: Sequence[str],
+    *,
+    gpu_memory_gib: float | None = None,
+    as_json: bool = False,
+    verbose: bool = False,
+) -> int:
     """`rlasync train PATH --dry-run`: build the trainer as a run does, plan it, print; 0 fits, 1 does not."""
     from rlasync.data import build_dataset
     from rlasync.runfile import load_run
@@ -384,7 +416,7 @@ def dry_run(path: str, overrides: Sequence[str], *, gpu_memory_gib: float | None
     run = load_run(path, overrides)
     trainer = run.build_trainer(build_dataset(run.dataset))
     spec = trainer.build_spec(None)
-    plan = plan_run(spec, path, gpu_memory_gib=gpu_memory_gib)
+    plan = plan_run(spec, path, gpu_memory_gib=gpu_memory_gib, verbose=verbose)
     print(json.dumps(plan.to_dict(), default=str) if as_json else plan.describe())
     return 1 if plan.problems() else 0
 

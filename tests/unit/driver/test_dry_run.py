@@ -168,3 +168,24 @@ def test_with_a_gpu_the_learner_rank_is_measured_on_samples_that_fill_its_rows(c
     learner = next(a for a in plan["actors"] if a["label"] == "learner rank 0")
     assert learner["memory_bytes"] == int(3.5 * GIB) and learner["note"].startswith("measured")
     assert plan["learner"]["measured"] and plan["gpu_memory_source"] == "torch.cuda: Stand-in GPU"
+
+
+def test_a_measured_step_that_runs_out_of_memory_is_a_layout_that_does_not_fit(capsys, monkeypatch):
+    import types
+
+    import torch
+
+    import rlasync.learner.dry_run as rank
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError(
+            "the dry run's learner rank failed (exit 1):\n...\ntorch.OutOfMemoryError: CUDA out of memory."
+        )
+
+    monkeypatch.setattr(rank, "measure_in_subprocess", out_of_memory)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: types.SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "Stand-in GPU")
+    code, out = dry_run(capsys, str(REPO / "configs/countdown_gpu.yaml"))
+    assert code == 1, out
+    assert "learner rank 0: the measured step failed: torch.OutOfMemoryError: CUDA out of memory." in out, out
