@@ -290,10 +290,11 @@ def learner_memory(
 
         group = spec.algorithm.group_size(config)
         prompt, completion = step_shape(settings.token_budget, group, config.max_completion_length)
-        per_rank = settings.token_budget * config.gradient_accumulation_steps
+        # the whole step, every rank's rows: each rank plans them all and trains its own (as a real rank does)
+        per_step = settings.token_budget * config.gradient_accumulation_steps * world_size
         samples = synthetic_samples(
             int(model_config.vocab_size),
-            groups=max(1, -(-per_rank // (prompt + group * completion))),
+            groups=max(1, -(-per_step // (prompt + group * completion))),
             group_size=group,
             prompt_len=prompt,
             completion_len=completion,

@@ -164,6 +164,9 @@ def test_with_a_gpu_the_learner_rank_is_measured_on_samples_that_fill_its_rows(c
     groups, completion = len({s.group_id for s in samples}), int(samples[0].completion_mask.sum())
     assert len(samples) == 8 * groups and completion <= 1024  # num_generations per group; max_completion_length
     assert groups * (len(samples[0]) + 7 * completion) == 16384  # one row of token_budget, full (step_shape)
+    four_ranks = dry_run(capsys, str(REPO / "configs/countdown_gpu.yaml"), "--set", "cluster.num_learners=4")
+    assert four_ranks[0] == 0 and calls[-1][1] == 4, four_ranks[1]
+    assert len(calls[-1][2]) == 4 * len(samples)  # the whole step: every rank's row (each rank plans them all)
     assert {len(s) for s in samples} == {len(samples[0])} and samples[0].sampler_topk_ids.shape[1] == 8
     learner = next(a for a in plan["actors"] if a["label"] == "learner rank 0")
     assert learner["memory_bytes"] == int(3.5 * GIB) and learner["note"].startswith("measured")
