@@ -1,7 +1,7 @@
 """`rlasync train CONFIG --dry-run`: the plan of a run and whether it fits its GPUs, without Ray or any actor.
 
-    plan_run(trainer, ...)  the trainer's own `build_spec` (the RunSpec a real run launches: its actor requests,
-                            model, teachers) -> one `ActorPlan` per actor in the Cluster's spawn order (engines,
+    plan_run(spec, ...)     a trainer's own `build_spec(None)` (the RunSpec a real run launches: its actor
+                            requests, model, teachers) -> one `ActorPlan` per actor in the Cluster's spawn order (engines,
                             teachers, learner ranks, queue, reward actors, rollout actors), each GPU actor placed
                             on GPUs as Ray packs them (a fraction shares a GPU with other fractions, first fit; a
                             whole number takes whole GPUs) with its memory:

@@ -192,3 +192,23 @@ def test_a_measured_step_that_runs_out_of_memory_is_a_layout_that_does_not_fit(c
     code, out = dry_run(capsys, str(REPO / "configs/countdown_gpu.yaml"))
     assert code == 1, out
     assert "learner rank 0: the measured step failed: torch.OutOfMemoryError: CUDA out of memory." in out, out
+
+
+def test_distillation_places_its_local_teacher_as_an_engine(capsys):
+    code, out = dry_run(
+        capsys,
+        str(REPO / "configs/distill_quickstart.yaml"),
+        "--json",
+        "--set",
+        "cluster.generation_num_gpus=0.25",
+        "--set",
+        "cluster.learner_num_gpus=0.5",
+    )
+    assert code == 0, out
+    plan = json.loads(out.strip().splitlines()[-1])
+    actors = {a["label"]: a for a in plan["actors"]}
+    assert plan["algorithm"] == "distill" and plan["num_gpus"] == 1, plan
+    teacher, student = actors["teacher 'default'"], actors["generation actor 0"]
+    assert teacher["gpu_ids"] == student["gpu_ids"] == actors["learner rank 0"]["gpu_ids"] == [0]
+    assert "KV cache" in teacher["note"] and teacher["memory_bytes"] > 0.25 * GIB  # weights + KV + CUDA context
+    assert "distillation rollout actor 0" in actors and "estimated" in plan["learner"]["summary"]
