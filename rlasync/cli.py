@@ -141,7 +141,9 @@ def _train_command(argv: Sequence[str]) -> int:
         action="store_true",
         help="print the traceback of an error, INFO logs and the actors' start-up output",
     )
-    parser.add_argument("--json", action="store_true", help="end with the final state as one JSON line, not a summary")
+    parser.add_argument(
+        "--json", action="store_true", help="end with the final state (with --dry-run: the plan) as one JSON line"
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -296,7 +298,10 @@ def _first(text: str) -> str:
 
 
 COMMANDS = {
-    "train": (_train, "train from a run file: `rlasync train configs/quickstart.yaml --set max_steps=2`"),
+    "train": (
+        _train,
+        "train from a run file: `rlasync train configs/quickstart.yaml --set max_steps=2` (`--dry-run`: does it fit?)",
+    ),
     "plot": (_plot, "draw a run's diagnostic panels from its metrics.jsonl: `rlasync plot outputs/quickstart`"),
     "check-model": (_check_model, "compare tree-packed and unpacked log-probs of a model; exit non-zero on mismatch"),
     "config": (_config, "resolve a YAML config with --set overrides and print it"),
