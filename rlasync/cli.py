@@ -3,6 +3,7 @@
     rlasync train RUN.yaml [--set key=value ...] [--resume [CHECKPOINT]] [--overwrite_output_dir] [--verbose] [--json]
                                                             train (local Ray cluster, or RAY_ADDRESS); a progress
                                                             bar, then a summary; one run per output_dir
+    rlasync train RUN.yaml --dry-run [--gpu-memory-gib G]   no Ray, no actors: placement, memory, fit (exit 1: no fit)
     rlasync plot RUN_DIR [--out FILE.png]                   the diagnostic panels of a run's metrics.jsonl
     rlasync check-model MODEL_PATH      is this architecture supported by tree packing? (exit 0 = yes)
     rlasync config show [CONFIG.yaml] [--set key=value ...]   print the resolved config as JSON
@@ -140,8 +141,25 @@ def _train_command(argv: Sequence[str]) -> int:
         action="store_true",
         help="print the traceback of an error, INFO logs and the actors' start-up output",
     )
-    parser.add_argument("--json", action="store_true", help="end with the final state as one JSON line, not a summary")
+    parser.add_argument(
+        "--json", action="store_true", help="end with the final state (with --dry-run: the plan) as one JSON line"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="start no Ray and no actor: print each actor's placement, the learner rank's peak memory (measured on "
+        "this GPU under a fake process group, else estimated), the engines' KV cache and whether the layout fits its "
+        "GPUs; exit 0 if it fits, 1 if not",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="with --dry-run: the memory of each GPU (default: this machine's GPU, else an H200's 139.8 GiB)",
+    )
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return _dry_run(args)
     import logging
     import time
 
@@ -187,6 +205,18 @@ def _train_command(argv: Sequence[str]) -> int:
     else:
         print(run_summary(run.config.output_dir, state, time.monotonic() - started))
     return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """`rlasync train CONFIG --dry-run` (rlasync.driver.dry_run): 0 fits, 1 does not, 2 bad input."""
+    from rlasync.driver.dry_run import dry_run
+
+    try:
+        return dry_run(
+            args.path, args.overrides, gpu_memory_gib=args.gpu_memory_gib, as_json=args.json, verbose=args.verbose
+        )
+    except Exception as exc:
+        return _fail(exc, 2, args.verbose)
 
 
 def _build_trainer(path: str, overrides: Sequence[str]) -> tuple[Any, Any]:
@@ -268,7 +298,10 @@ def _first(text: str) -> str:
 
 
 COMMANDS = {
-    "train": (_train, "train from a run file: `rlasync train configs/quickstart.yaml --set max_steps=2`"),
+    "train": (
+        _train,
+        "train from a run file: `rlasync train configs/quickstart.yaml --set max_steps=2` (`--dry-run`: does it fit?)",
+    ),
     "plot": (_plot, "draw a run's diagnostic panels from its metrics.jsonl: `rlasync plot outputs/quickstart`"),
     "check-model": (_check_model, "compare tree-packed and unpacked log-probs of a model; exit non-zero on mismatch"),
     "config": (_config, "resolve a YAML config with --set overrides and print it"),

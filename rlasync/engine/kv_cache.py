@@ -9,6 +9,43 @@ index live in `rlasync.engine.paged_attention.KVPool`; block `b` owns the pool's
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+"""The built-in engine's KV budget on the CPU when `kv_cache_tokens` is not given."""
+
+
+def kv_shape(config: PretrainedConfig) -> tuple[int, int, int, int]:
+    """(num_layers, num_heads, num_kv_heads, head_dim) of a decoder's (transformers) config."""
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    return int(config.num_hidden_layers), num_heads, num_kv_heads, head_dim
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """KV cache bytes of one token: a key and a value per layer and KV head."""
+    return num_layers * 2 * num_kv_heads * head_dim * element_size
+
+
+def kv_cache_tokens(
+    requested: int | None, *, max_model_len: int, max_num_seqs: int, bytes_per_token: int, budget_bytes: int
+) -> int:
+    """The built-in engine's KV budget in tokens (before rounding up to whole blocks): `requested`
+    (`kv_cache_tokens`) when given, else what `budget_bytes` holds (on CUDA: `gpu_memory_utilization` of the
+    GPU's memory minus what is in use when the engine builds its pool), never more than every request at full
+    length (`max_num_seqs * max_model_len`), never less than one (`max_model_len`)."""
+    if requested is None:
+        return max(min(budget_bytes // bytes_per_token, max_num_seqs * max_model_len), max_model_len)
+    if requested < max_model_len:
+        raise ValueError(
+            f"kv_cache_tokens={requested} is below max_model_len={max_model_len}: a request of max_model_len "
+            "tokens could never run"
+        )
+    return requested
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

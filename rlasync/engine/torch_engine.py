@@ -51,7 +51,14 @@ import torch
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import decode_batch_sizes
-from rlasync.engine.kv_cache import BlockAllocator, num_blocks_for
+from rlasync.engine.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    BlockAllocator,
+    kv_bytes_per_token,
+    kv_shape,
+    num_blocks_for,
+)
+from rlasync.engine.kv_cache import kv_cache_tokens as kv_budget_tokens
 from rlasync.engine.mixed_graphs import mixed_token_counts
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, choose_layout, register_paged_attention
 from rlasync.engine.request import Request
@@ -73,7 +80,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # CPU; on CUDA 8192 (fewer, fuller prefill steps, as vLLM's throughput default)
 DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 FINISH_ABORT = "abort"
@@ -584,10 +590,7 @@ def _eos_ids(model: Any, eos_token_ids: Sequence[int] | int | None) -> frozenset
 
 def _model_shape(config: PretrainedConfig) -> tuple[int, int, int, int]:
     """(num_layers, num_heads, num_kv_heads, head_dim)."""
-    num_heads = int(config.num_attention_heads)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
-    return int(config.num_hidden_layers), num_heads, num_kv_heads, head_dim
+    return kv_shape(config)
 
 
 def _choose_layout(model: Any, device: torch.device, backend: str, block_size: int | None) -> tuple[str, int]:
@@ -607,19 +610,17 @@ def _build_pool(
 ) -> KVPool:
     num_layers, _, num_kv_heads, head_dim = _model_shape(model.config)
     dtype = next(model.parameters()).dtype
-    bytes_per_token = KVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
-    if kv_cache_tokens is None:
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = int(gpu_memory_utilization * total) - (total - free)
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        # never more than every request at full length, never less than one
-        kv_cache_tokens = max(min(budget // bytes_per_token, max_num_seqs * max_model_len), max_model_len)
-    elif kv_cache_tokens < max_model_len:
-        raise ValueError(
-            f"kv_cache_tokens={kv_cache_tokens} is below max_model_len={max_model_len}: a request of max_model_len "
-            "tokens could never run"
-        )
-    num_blocks = num_blocks_for(kv_cache_tokens, block_size)
+    bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype.itemsize)
+    budget = DEFAULT_CPU_KV_CACHE_BYTES
+    if kv_cache_tokens is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(gpu_memory_utilization * total) - (total - free)
+    tokens = kv_budget_tokens(
+        kv_cache_tokens,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        bytes_per_token=bytes_per_token,
+        budget_bytes=budget,
+    )
+    num_blocks = num_blocks_for(tokens, block_size)
     return KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
