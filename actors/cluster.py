@@ -178,7 +178,17 @@ class Cluster:
             samples_per_step=samples_per_step,
             state=state,
             pools=RayPools(self, weights, fleet, queue, state),
+            evaluate=self.evaluation(),
         )
+
+    def evaluation(self) -> Any:
+        """The evaluation over the rollout actors (`spec.eval_dataset`; actors/evaluation.py), or None."""
+        if self.spec.eval_dataset is None:
+            return None
+        from actors.evaluation import RayEvaluation
+
+        generations = getattr(self.config, "num_generations_eval", None) or self.spec.algorithm.group_size(self.config)
+        return RayEvaluation(lambda: self.rollouts, self.spec.eval_dataset, generations, self.timeouts.train_step)
 
     def spawn(self, actor_cls: Any, label: str, kind: str, name: str | None = None, **options: Any) -> Any:
         """One actor: `num_cpus` / `num_gpus` (and `name`) are Ray options, the rest its constructor's keywords;
