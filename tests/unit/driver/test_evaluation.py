@@ -166,3 +166,9 @@ def test_an_epoch_schedule_evaluates_the_final_step_once(tmp_path):
     first, second = asyncio.run(scenario())
     assert first == [3, 6]  # step 6 was just evaluated: not twice
     assert second == [7]
+
+
+def test_the_console_shows_an_evaluations_reward():
+    from rlasync.console import metrics_text
+
+    assert metrics_text({"eval/reward": 0.5, "eval/generation_s": 3.0}) == "eval reward 0.500"
