@@ -88,3 +88,35 @@ def test_train_makes_one_launch_call_with_the_spec_and_resumes_from_the_newest_c
 def test_distillation_refuses_a_grpo_config():
     with pytest.raises(ValueError, match="args must be an AsyncDistillationConfig"):
         AsyncDistillationTrainer(model="m", args=AsyncGRPOConfig(max_steps=1), train_dataset=ROWS)
+
+
+def test_two_local_teachers_fit_a_two_core_machine_with_the_default_requests(tmp_path):
+    """MOPD with two local teachers: a student engine, two TeacherScorers, a learner, a rollout actor and the queue
+    ask for at most 2 CPUs with the cluster defaults (the README's promise), and the resource check passes."""
+    from rlasync.driver import check_resources
+
+    args = AsyncDistillationConfig(output_dir=str(tmp_path), max_steps=2)
+    trainer = AsyncDistillationTrainer(
+        model="org/student", args=args, train_dataset=ROWS, teacher_model={"math": "org/t1", "code": "org/t2"}
+    )
+    requests = trainer.build_spec(None).requests
+    assert requests["teacher"][:2] == (2, args.cluster.teacher_num_cpus)
+    assert requests["generation"][0] == 1  # the student's engine alone; teachers are their own role
+    assert sum(count * cpus for count, cpus, _ in requests.values()) <= 2.0
+    check_resources(requests, {"CPU": 2.0}, autoscaling=False, nodes=[{"CPU": 2.0}])  # raises when short
+
+
+def test_a_short_cluster_names_the_teacher_fields(tmp_path):
+    from rlasync.driver import check_resources
+
+    args = AsyncDistillationConfig(output_dir=str(tmp_path), max_steps=2)
+    args.cluster.teacher_num_cpus = 1.0
+    trainer = AsyncDistillationTrainer(
+        model="org/student", args=args, train_dataset=ROWS, teacher_model={"a": "org/t1", "b": "org/t2"}
+    )
+    with pytest.raises(ValueError, match=r"2 teacher x 1 \(cluster.teacher_num_cpus\)"):
+        check_resources(trainer.build_spec(None).requests, {"CPU": 2.0}, autoscaling=False)
+    gpus = {"teacher": (2, 0.1, 1.0), "generation": (1, 0.1, 1.0)}
+    with pytest.raises(ValueError, match=r"cluster.generation_num_gpus\)") as error:
+        check_resources(gpus, {"CPU": 2.0, "GPU": 1.0}, autoscaling=False)
+    assert "teacher_num_gpus" not in str(error.value)  # no such field: a local teacher's GPUs are the engines'
