@@ -262,7 +262,7 @@ class Cluster:
                 engine=t.engine,
                 base_url=t.base_url,
                 engine_kwargs=cluster.engine_kwargs if t.is_local else server_engine_kwargs(self.config, None),
-                num_cpus=cluster.generation_num_cpus,
+                num_cpus=cluster.teacher_num_cpus,
                 num_gpus=cluster.generation_num_gpus if t.is_local else 0.0,
             )
             for teacher_id, t in self.spec.teachers.items()
@@ -502,6 +502,11 @@ class RayFleet:
         await self.ensure_running()
         drained = await call_all_async(self.handles, "drain_metrics", timeout=self.timeouts.call)
         return [item for items in drained for item in items]
+
+    async def drain_completions(self) -> list[Any]:
+        """`log_completions`: every rollout actor's sample of the window's completions."""
+        drained = await call_all_async(self.handles, "drain_completions", timeout=self.timeouts.call)
+        return [row for rows in drained for row in rows]
 
     async def stop(self) -> None:
         await call_all_async(self.handles, "stop", timeout=self.timeouts.stop)

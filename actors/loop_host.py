@@ -129,7 +129,7 @@ class QueueSampleSink:
 
 class LoopHost:
     """Mixed into a Ray actor whose `__init__` calls `_host(...)` and sets `self.loop` (with `self.items.extend` as
-    its metrics callback): `start`, `health`, `drain_metrics`, `evaluate`, `stop`; for elastic pools `set_engines`,
+    its metrics callback): `start`, `health`, `drain_metrics`, `drain_completions`, `evaluate`, `stop`; for elastic pools `set_engines`,
     `engine_report` and `owner` (docs/design.md §4)."""
 
     loop: Any
@@ -230,6 +230,12 @@ class LoopHost:
         return await evaluate_rows(
             self.loop, indexed_rows(dataset, indices), num_generations=num_generations, policy_version=policy_version
         )
+
+    def drain_completions(self) -> list[Any]:
+        """`log_completions`: the sample of completions scored since the last drain (`CompletionRow`s; none when
+        the loop keeps no sample)."""
+        samples = getattr(self.loop, "completion_samples", None)
+        return samples.drain() if samples is not None else []
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
         items, self.items[:] = list(self.items), []

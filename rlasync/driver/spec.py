@@ -193,7 +193,17 @@ class RunSpec:
             elastic=elastic,
             initial_model=self.model,
             evaluations=self._evaluations(evaluate),
+            completions=self._completions(fleet),
         )
+
+    def _completions(self, fleet: Fleet) -> Any:
+        """`log_completions` (GRPO): one table per logged window, drained from the fleet's rollout actors."""
+        drain = getattr(fleet, "drain_completions", None)
+        if not getattr(self.config, "log_completions", False) or drain is None or not self.algorithm.reward_actors:
+            return None
+        from rlasync.rollout.completions_log import StepCompletionsPrinter
+
+        return StepCompletionsPrinter(drain, self.config.num_completions_to_print)
 
     def _evaluations(self, evaluate: Callable[[int], Awaitable[dict[str, float]]] | None) -> Any:
         schedule = EvalSchedule.from_config(self.config, self.horizon, self.eval_steps_per_epoch)

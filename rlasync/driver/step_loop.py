@@ -158,12 +158,15 @@ class StepLoop:
         elastic: Any = None,
         initial_model: str | None = None,
         evaluations: Any = None,
+        completions: Any = None,
     ) -> None:
         """`state`: the run's dict (updated in place, returned by `run`); `trainer_state`: the transformers
         `TrainerState` the callbacks get (a new one when None); `perf`: the throughput / MFU estimator; `elastic`:
         an `rlasync.driver.elastic.ElasticController` (`after_step(step, window) -> metric items`: resizes pools);
         `initial_model`: the folder the run started from (the callbacks' `model` before the first checkpoint);
-        `evaluations`: an `rlasync.driver.evaluation.BackgroundEvaluations` (evaluation during training)."""
+        `evaluations`: an `rlasync.driver.evaluation.BackgroundEvaluations` (evaluation during training);
+        `completions`: a `rlasync.rollout.completions_log.StepCompletionsPrinter` (`log_completions`: one table per
+        logged window)."""
         from transformers import TrainerControl, TrainerState
 
         from rlasync.driver.model_proxy import LazyModel, latest_checkpoint_source
@@ -190,6 +193,7 @@ class StepLoop:
         self.watchdog = Watchdog(settings.watchdog_settings())
         self.elastic = elastic
         self.evaluations = evaluations
+        self.completions = completions
         self.model = LazyModel(
             latest_checkpoint_source(checkpointer.output_dir, initial_model),
             getattr(callback_args, "dtype", "auto"),
@@ -288,6 +292,8 @@ class StepLoop:
                 self.window.update(await self.elastic.after_step(step, self.window.reduce(clear=False)))
             if step % s.logging_steps == 0 or (s.logging_first_step and step == 1) or self.control.should_log:
                 self._log(step, self.window.reduce())
+                if self.completions is not None:  # log_completions: this window's completions, one table
+                    await self.completions.after_log(step)
             if (s.save_steps is not None and step % s.save_steps == 0) or self.control.should_save:
                 await self._save(step)
             if self.control.should_training_stop:

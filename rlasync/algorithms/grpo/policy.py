@@ -33,7 +33,7 @@ from rlasync.data.prompts import render_prompt, row_prompt
 from rlasync.engine.base import RequestRejectedError
 from rlasync.records import MetricItem, PromptLease, Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from rlasync.rewards.calling import RewardFunc, RewardTimeoutError
-from rlasync.rollout.completions_log import print_group
+from rlasync.rollout.completions_log import CompletionSampler
 from rlasync.rollout.engine_pool import EnginePool, resolve
 from rlasync.rollout.environments import (
     EnvironmentFactory,
@@ -151,6 +151,9 @@ class RolloutPolicy(PolicyBase):
         self._generated_tokens_unreported = 0
         self._rate_window_start = clock()
         self._scoring = 0  # groups being scored now (rollout/score_queue_size)
+        self.completion_samples = (  # log_completions: this window's sample, drained by the driver's table
+            CompletionSampler(settings.num_completions_to_print) if settings.log_completions else None
+        )
 
     _metrics_callback: Callable[[list[MetricItem]], Any]
     counters: collections.Counter[str]
@@ -389,15 +392,13 @@ class RolloutPolicy(PolicyBase):
     async def _score(self, group: GroupState, rollout_group: Any, policy_version: int, started: float) -> Collected:
         scored = await self.reward_group(rollout_group, drop_zero_std_groups=self.drop_zero_std_groups)
         score_s = self._clock() - started
-        if self.settings.log_completions:
-            print_group(
+        if self.completion_samples is not None:
+            self.completion_samples.add_group(
                 rollout_group.prompts[0] if rollout_group.prompts else "",
                 rollout_group.completions,
                 [None if r != r else float(r) for r in scored.rewards],
                 scored.advantages.tolist(),
-                group_id=rollout_group.group_id,
-                policy_version=rollout_group.policy_version,
-                limit=self.settings.num_completions_to_print,
+                rollout_group.policy_version,
             )
         rollout_tokens = sum(len(s.input_ids) for sequences in rollout_group.completions_sequences for s in sequences)
         result = GroupResult(group.lease, policy_version, scored, num_rollout_tokens=rollout_tokens)
