@@ -1,7 +1,7 @@
 """Evaluation during training end to end (CPU, tiny random Llama, the session's Ray cluster): with an eval_dataset
 and eval_steps=2, a 4-step run logs eval/reward at steps 2 and 4 (scored in the RewardActor pool), fires
 on_evaluate with transformers' names, its steps are not slower by more than an evaluation's own generation time,
-and trainer.evaluate() works after train()."""
+and trainer.evaluate() works after train(). The same run prints one log_completions table per logging step."""
 
 import json
 import sys
@@ -34,7 +34,7 @@ class Evaluated:
         self.calls.append((state.global_step, dict(metrics)))
 
 
-def test_evaluation_during_training_and_after(ray_cluster, tiny_model_dir, tmp_path):
+def test_evaluation_during_training_and_after(ray_cluster, tiny_model_dir, tmp_path, capsys):
     from rlasync import AsyncGRPOTrainer
     from rlasync.config import AsyncGRPOConfig
     from rlasync.data import arithmetic_dataset
@@ -53,6 +53,8 @@ def test_evaluation_during_training_and_after(ray_cluster, tiny_model_dir, tmp_p
         gradient_checkpointing=False,
         top_k=16,
         seed=0,
+        log_completions=True,  # and one completions table per logging step, from the rollout actors' samples
+        num_completions_to_print=2,
         cluster={
             "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
             "collective_timeout_s": 60.0,
@@ -69,6 +71,8 @@ def test_evaluation_during_training_and_after(ray_cluster, tiny_model_dir, tmp_p
         callbacks=[seen],
     )
     trainer.train()
+    out = capsys.readouterr().out
+    assert sum(f"step {step}" in out for step in (1, 2, 3, 4)) == 4 and out.count("advantage") == 4, out[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/reward" in r]
     assert [r["step"] for r in evals] == [2, 4]
