@@ -13,6 +13,7 @@ one evaluation. No torch, no ray.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,6 +24,7 @@ from rlasync.data.prompts import row_prompt
 from rlasync.records import PromptLease
 from rlasync.rollout.groups import GroupState
 
+logger = logging.getLogger(__name__)
 EVAL_PREFIX = "eval/"
 EVAL_GROUP_ID_BASE = -1_000_000_000
 """Group ids of evaluation groups are negative (never a lease's): `EVAL_GROUP_ID_BASE - row_index`."""
@@ -38,6 +40,7 @@ class EvalTally:
     columns: dict[str, list[float]] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)
     num_prompts: int = 0
+    failed_prompts: int = 0
     generation_s: float = 0.0
     policy_version: int = -1
 
@@ -50,6 +53,7 @@ class EvalTally:
             columns=columns,
             lengths=[*self.lengths, *other.lengths],
             num_prompts=self.num_prompts + other.num_prompts,
+            failed_prompts=self.failed_prompts + other.failed_prompts,
             generation_s=max(self.generation_s, other.generation_s),
             policy_version=max(self.policy_version, other.policy_version),
         )
@@ -57,7 +61,7 @@ class EvalTally:
     def metrics(self) -> dict[str, float]:
         """The `eval/` metrics: `eval/reward` (mean summed reward of the scored rollouts), `eval/reward_std`,
         `eval/rewards/<name>/mean` per reward column, `eval/completions/mean_length` (tokens), `eval/num_prompts`,
-        `eval/num_completions`, `eval/generation_s` and `eval/policy_version` (the policy the engines served when
+        `eval/num_completions`, `eval/failed_prompts` (only when some failed), `eval/generation_s` and `eval/policy_version` (the policy the engines served when
         the evaluation started)."""
         out: dict[str, float] = {}
         if self.rewards:
@@ -70,6 +74,8 @@ class EvalTally:
         if self.lengths:
             out["completions/mean_length"] = sum(self.lengths) / len(self.lengths)
         out["num_prompts"] = float(self.num_prompts)
+        if self.failed_prompts:
+            out["failed_prompts"] = float(self.failed_prompts)
         out["num_completions"] = float(len(self.lengths))
         out["generation_s"] = self.generation_s
         out["policy_version"] = float(self.policy_version)
@@ -99,7 +105,9 @@ async def evaluate_rows(
 ) -> EvalTally:
     """Generate `num_generations` completions for each `(row_index, row)` with `policy` (a GRPO `RolloutPolicy`:
     its `run_task` and `reward_group`) and score them; at most `max_concurrent` rollouts (default: the policy's
-    `settings.max_concurrent`) in flight. A row whose prompt is malformed raises `ValueError` naming it."""
+    `settings.max_concurrent`) in flight. A row whose rollouts or scoring fail as the policy's group failures do
+    (a rejected request, a reward past its timeout) is counted in `failed_prompts` and left out, as training drops
+    such a group; a row whose prompt is malformed raises `ValueError` naming it, other errors propagate."""
     if num_generations < 1:
         raise ValueError(f"num_generations_eval={num_generations}: use at least 1 completion per eval prompt")
     rows = list(rows)
@@ -115,14 +123,21 @@ async def evaluate_rows(
     async def one_row(row_index: int, row: Mapping[str, Any]) -> Any:
         lease = PromptLease(EVAL_GROUP_ID_BASE - row_index, row_index, row)
         group = GroupState.for_lease(lease, row_prompt(row, row_index), num_generations)
-        await asyncio.gather(*(rollout(group, index) for index in range(num_generations)))
-        rollout_group = group.rollout_group(policy_version, policy.provides_rollout_rewards, clock())
-        scored = await policy.reward_group(rollout_group, drop_zero_std_groups=False)
+        try:
+            await asyncio.gather(*(rollout(group, index) for index in range(num_generations)))
+            rollout_group = group.rollout_group(policy_version, policy.provides_rollout_rewards, clock())
+            scored = await policy.reward_group(rollout_group, drop_zero_std_groups=False)
+        except Exception as error:
+            if not policy.is_group_failure(error):
+                raise
+            logger.warning("evaluation: eval_dataset row %d failed (%s: %s)", row_index, type(error).__name__, error)
+            return None
         return rollout_group, scored
 
     results = await asyncio.gather(*(one_row(index, row) for index, row in rows))
     tally = EvalTally(num_prompts=len(rows), policy_version=policy_version)
-    for rollout_group, scored in results:
+    tally.failed_prompts = sum(result is None for result in results)
+    for rollout_group, scored in filter(None, results):
         tally.rewards += [float(r) for r in scored.rewards if _finite(float(r))]
         for name, values in zip(scored.reward_table.names, scored.reward_table.values, strict=True):
             tally.columns.setdefault(name, []).extend(float(v) for v in values if _finite(v))

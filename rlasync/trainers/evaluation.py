@@ -48,6 +48,17 @@ def checked_eval_dataset(eval_dataset: Any, config: TrainerConfig | None) -> Any
     return eval_dataset
 
 
+def check_eval_prompts(lengths: list[int], limit: int | None) -> None:
+    """Every eval prompt must fit the engine (`lengths`: rendered token counts; `limit`: max_model_len): a too
+    long one would fail its evaluation group at every evaluation."""
+    too_long = [index for index, length in enumerate(lengths) if limit is not None and length >= limit]
+    if too_long:
+        raise ValueError(
+            f"eval_dataset rows {too_long[:10]} render to {max(lengths[i] for i in too_long)} tokens or more, not "
+            f"less than max_model_len={limit}: drop or shorten them, or raise cluster.engine_kwargs.max_model_len"
+        )
+
+
 def steps_per_epoch(config: TrainerConfig, dataset: Any) -> int:
     """An epoch's optimizer steps, estimated: `rows x num_generations` samples over a step's `B x GA x P` (steps by
     tokens vary in size); 0 for a streaming dataset (no length)."""
@@ -140,4 +151,4 @@ class EvaluationMixin:
                 await closing
 
 
-__all__ = ["EvaluationMixin", "checked_eval_dataset", "steps_per_epoch"]
+__all__ = ["EvaluationMixin", "check_eval_prompts", "checked_eval_dataset", "steps_per_epoch"]

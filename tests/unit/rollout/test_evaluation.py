@@ -123,3 +123,20 @@ def test_zero_generations_is_refused(char_tokenizer, scripted_engine):
     loop = make_loop(char_tokenizer, scripted_engine(char_tokenizer, echo_script), reward_funcs=[right_answer])
     with pytest.raises(ValueError, match="num_generations_eval=0"):
         asyncio.run(evaluate_rows(loop, eval_rows(1), num_generations=0, policy_version=0))
+
+
+def test_a_row_the_engine_rejects_is_counted_and_left_out(char_tokenizer, scripted_engine):
+    engine = scripted_engine(char_tokenizer, echo_script, max_model_len=40)
+    loop = make_loop(char_tokenizer, engine, reward_funcs=[right_answer])
+    rows = [*eval_rows(2), (2, {"prompt": [{"role": "user", "content": "say 4" + " pad" * 20}], "answer": "4"})]
+    metrics = asyncio.run(evaluate_rows(loop, rows, num_generations=2, policy_version=0)).metrics()
+    assert metrics["eval/failed_prompts"] == 1 and metrics["eval/num_completions"] == 4  # rows 0 and 1 only
+    assert metrics["eval/rewards/right_answer/mean"] == 0.5
+
+
+def test_eval_prompts_longer_than_the_engine_are_refused_before_the_run():
+    from rlasync.trainers.evaluation import check_eval_prompts
+
+    check_eval_prompts([10, 20], 128)
+    with pytest.raises(ValueError, match=r"eval_dataset rows \[1\] render to 300 tokens.*max_model_len=128"):
+        check_eval_prompts([10, 300], 128)

@@ -120,3 +120,24 @@ def test_a_short_cluster_names_the_teacher_fields(tmp_path):
     with pytest.raises(ValueError, match=r"cluster.generation_num_gpus\)") as error:
         check_resources(gpus, {"CPU": 2.0, "GPU": 1.0}, autoscaling=False)
     assert "teacher_num_gpus" not in str(error.value)  # no such field: a local teacher's GPUs are the engines'
+
+
+def test_an_eval_dataset_reaches_the_spec_and_bad_ones_are_refused(tmp_path):
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=3, eval_strategy="steps", eval_steps=1)
+    make = lambda eval_dataset: AsyncGRPOTrainer(  # noqa: E731
+        model="some/model", reward_funcs=last_number_reward, args=args, train_dataset=ROWS, eval_dataset=eval_dataset
+    )
+    spec = make(ROWS[:3]).build_spec(None)
+    assert spec.eval_dataset == ROWS[:3] and spec.eval_steps_per_epoch == 10  # 10 rows x 8 generations / 8 a step
+    assert grpo(tmp_path).build_spec(None).eval_dataset is None
+    for bad, message in [
+        (None, "pass eval_dataset= to the trainer"),  # eval_strategy="steps" without one
+        ([], "eval_dataset is empty"),
+        ({"a": ROWS}, "a dict of several eval datasets is not supported"),
+        ([{"question": "q"}], "no 'prompt' column"),
+        ([{"prompt": "What is 1 + 1?"}], "row 0: the prompt is a plain string"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make(bad)
+    with pytest.raises(ValueError, match="not supported by distillation"):
+        AsyncDistillationConfig(output_dir=str(tmp_path), eval_strategy="epoch")
