@@ -112,12 +112,15 @@ class BackgroundEvaluations:
             )
             return False
         self.last_started = step
-        self.running.append((step, asyncio.ensure_future(self._timed(version))))
+        self.running.append((step, asyncio.ensure_future(self._timed(step, version))))
         return True
 
-    async def _timed(self, version: int) -> dict[str, float]:
+    async def _timed(self, step: int, version: int) -> dict[str, float]:
         started = self.clock()
-        metrics = dict(await self.evaluate(version))
+        try:
+            metrics = dict(await self.evaluate(version))
+        except Exception as exc:  # raised by finished(): the run stops, saying it was the evaluation
+            raise RuntimeError(f"the evaluation of step {step} (eval_dataset) failed: {exc}") from exc
         metrics["eval/wall_s"] = self.clock() - started
         return metrics
 

@@ -172,3 +172,17 @@ def test_the_console_shows_an_evaluations_reward():
     from rlasync.console import metrics_text
 
     assert metrics_text({"eval/reward": 0.5, "eval/generation_s": 3.0}) == "eval reward 0.500"
+
+
+def test_a_failed_evaluation_is_reported_as_the_evaluation_of_its_step():
+    async def broken(version):
+        raise KeyError("answer")
+
+    async def scenario():
+        evaluations = BackgroundEvaluations(broken, EvalSchedule(2))
+        evaluations.after_step(2, 3)
+        await asyncio.sleep(0)
+        return evaluations.finished()
+
+    with pytest.raises(RuntimeError, match=r"the evaluation of step 2 \(eval_dataset\) failed: 'answer'"):
+        asyncio.run(scenario())
