@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from actors.fanout import remote_all
 from rlasync.rollout.evaluation import EvalTally, split_rows
 
 
@@ -34,10 +35,8 @@ class RayEvaluation:
     async def __call__(self, version: int) -> dict[str, float]:
         handles = list(self.rollouts())
         shares = split_rows(self.num_rows, len(handles))
-        refs = [
-            handle.evaluate.remote(self.dataset_ref, share, self.num_generations, version)
-            for handle, share in zip(handles, shares, strict=False)
-        ]
+        each = [(share, self.num_generations, version) for share in shares]
+        refs = remote_all(handles[: len(shares)], "evaluate", self.dataset_ref, each=each)
         tallies = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
         total = EvalTally(policy_version=version)
         for tally in tallies:
