@@ -109,3 +109,13 @@ def test_the_rollout_loop_samples_completions_instead_of_printing_each_group(cap
     asyncio.run(loop.run())
     assert capsys.readouterr().out == ""  # no table per group
     assert loop.completion_samples.seen == 20 and len(loop.completion_samples.drain()) == 3
+    args.log_completions = False
+    quiet = AsyncRolloutLoop(
+        config=args,
+        tokenizer=FakeTokenizer(),
+        engine=FakeEngine(),
+        prompt_source=FakePromptSource(rows(1)),
+        sink=ListSink(),
+        reward_funcs=[parity_reward],
+    )
+    assert quiet.completion_samples is None  # off by default

@@ -724,17 +724,6 @@ def test_a_remote_reward_scorer_gives_the_same_groups_as_scoring_in_the_loop():
     assert local.metrics.reduce().keys() == remote_loop.metrics.reduce().keys()
 
 
-def test_log_completions_samples_the_window_for_the_drivers_table_instead_of_printing_each_group(capsys):
-    loop = make_loop(num_rows=2, args=config(log_completions=True, num_completions_to_print=8))
-    asyncio.run(loop.run())
-    assert capsys.readouterr().out == ""  # TRL prints one table per logging step (the driver's), not per group
-    rows = loop.completion_samples.drain()
-    assert len(rows) == 8 and {row.prompt for row in rows} == {"q0", "q1"}  # 2 groups x 4 completions
-    quiet = make_loop(num_rows=2)
-    asyncio.run(quiet.run())
-    assert quiet.completion_samples is None  # off by default
-
-
 # ---- the config -------------------------------------------------------------------------------------------
 
 
