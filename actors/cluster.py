@@ -178,7 +178,17 @@ class Cluster:
             samples_per_step=samples_per_step,
             state=state,
             pools=RayPools(self, weights, fleet, queue, state),
+            evaluate=self.evaluation(),
         )
+
+    def evaluation(self) -> Any:
+        """The evaluation over the rollout actors (`spec.eval_dataset`; actors/evaluation.py), or None."""
+        if self.spec.eval_dataset is None:
+            return None
+        from actors.evaluation import RayEvaluation
+
+        generations = getattr(self.config, "num_generations_eval", None) or self.spec.algorithm.group_size(self.config)
+        return RayEvaluation(lambda: self.rollouts, self.spec.eval_dataset, generations, self.timeouts.train_step)
 
     def spawn(self, actor_cls: Any, label: str, kind: str, name: str | None = None, **options: Any) -> Any:
         """One actor: `num_cpus` / `num_gpus` (and `name`) are Ray options, the rest its constructor's keywords;
@@ -252,7 +262,7 @@ class Cluster:
                 engine=t.engine,
                 base_url=t.base_url,
                 engine_kwargs=cluster.engine_kwargs if t.is_local else server_engine_kwargs(self.config, None),
-                num_cpus=cluster.generation_num_cpus,
+                num_cpus=cluster.teacher_num_cpus,
                 num_gpus=cluster.generation_num_gpus if t.is_local else 0.0,
             )
             for teacher_id, t in self.spec.teachers.items()
@@ -492,6 +502,11 @@ class RayFleet:
         await self.ensure_running()
         drained = await call_all_async(self.handles, "drain_metrics", timeout=self.timeouts.call)
         return [item for items in drained for item in items]
+
+    async def drain_completions(self) -> list[Any]:
+        """`log_completions`: every rollout actor's sample of the window's completions."""
+        drained = await call_all_async(self.handles, "drain_completions", timeout=self.timeouts.call)
+        return [row for rows in drained for row in rows]
 
     async def stop(self) -> None:
         await call_all_async(self.handles, "stop", timeout=self.timeouts.stop)

@@ -129,7 +129,7 @@ class QueueSampleSink:
 
 class LoopHost:
     """Mixed into a Ray actor whose `__init__` calls `_host(...)` and sets `self.loop` (with `self.items.extend` as
-    its metrics callback): `start`, `health`, `drain_metrics`, `stop`; for elastic pools `set_engines`,
+    its metrics callback): `start`, `health`, `drain_metrics`, `drain_completions`, `evaluate`, `stop`; for elastic pools `set_engines`,
     `engine_report` and `owner` (docs/design.md §4)."""
 
     loop: Any
@@ -219,6 +219,23 @@ class LoopHost:
     def owner(self) -> str:
         """The owner name the queue holds this actor's leases under (`release_owner`)."""
         return self.source.owner
+
+    async def evaluate(self, dataset: Any, indices: list[int], num_generations: int, policy_version: int) -> Any:
+        """Evaluate the rows `indices` of the held-out `dataset` with this loop's policy, next to its training
+        rollouts (rlasync.rollout.evaluation: the same engines and reward path); returns an `EvalTally`."""
+        from rlasync.rollout.evaluation import evaluate_rows, indexed_rows
+
+        if not callable(getattr(self.loop, "reward_group", None)):
+            raise TypeError(f"{type(self.loop).__name__} cannot evaluate: eval_dataset needs a GRPO rollout loop")
+        return await evaluate_rows(
+            self.loop, indexed_rows(dataset, indices), num_generations=num_generations, policy_version=policy_version
+        )
+
+    def drain_completions(self) -> list[Any]:
+        """`log_completions`: the sample of completions scored since the last drain (`CompletionRow`s; none when
+        the loop keeps no sample)."""
+        samples = getattr(self.loop, "completion_samples", None)
+        return samples.drain() if samples is not None else []
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
         items, self.items[:] = list(self.items), []

@@ -31,6 +31,7 @@ PROGRESS_KEYS = (
     ("rollout/queue_size", "queue", "{:.0f}"),
     ("sample/staleness_mean", "stale", "{:.2f}"),
     ("perf/step_s", "step", "{:.1f}s"),
+    ("eval/reward", "eval reward", "{:.3f}"),  # an evaluation's record (eval_dataset)
 )
 """(metric, label, format) of the numbers after the bar, in order."""
 

@@ -111,7 +111,8 @@ def metrics_file(run: str | Path) -> Path:
 
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl, one per step (the last written wins: a re-run that appended the same step
-    again is not drawn twice), sorted by step; unreadable lines are skipped."""
+    again is not drawn twice; an evaluation's record, only `eval/` keys, joins its step's), sorted by step;
+    unreadable lines are skipped."""
     by_step: dict[int, dict[str, Any]] = {}
     for line in metrics_file(path).read_text().splitlines():
         try:
@@ -119,7 +120,9 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
         if isinstance(record, dict) and _number(record.get("step")) is not None:
-            by_step[int(record["step"])] = record
+            step = int(record["step"])
+            evaluation = all(key == "step" or key.startswith("eval/") for key in record)
+            by_step[step] = {**by_step.get(step, {}), **record} if evaluation else record
     return [by_step[step] for step in sorted(by_step)]
 
 

@@ -71,6 +71,9 @@ class ClusterConfig:
     learner_num_cpus: float = 0.5
     learner_num_gpus: float = 0.0
     queue_num_cpus: float = 0.1
+    teacher_num_cpus: float = 0.25
+    """CPUs of each TeacherScorer (distillation: a local teacher, whose GPUs are `generation_num_gpus`, or a
+    `vllm serve` client); the default lets a student engine and two local teachers (MOPD) fit a 2-core machine."""
     collective_timeout_s: float = 300.0
     """Every collective (training group, weight broadcast) fails with an error after this long instead of hanging."""
     weight_sync_backend: str = AUTO
@@ -139,6 +142,7 @@ class ClusterConfig:
             "learner_num_gpus",
             "queue_num_cpus",
             "reward_num_cpus",
+            "teacher_num_cpus",
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")

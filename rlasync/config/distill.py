@@ -64,6 +64,11 @@ class AsyncDistillationConfig(TrainerConfig):
 
     def _validate(self) -> None:
         super()._validate()
+        if self.eval_strategy != "no":
+            raise ValueError(
+                f"eval_strategy={self.eval_strategy!r} is not supported by distillation (evaluation during training "
+                "measures the reward of AsyncGRPOTrainer's eval_dataset); leave eval_strategy='no'"
+            )
         self._check_teachers()
         self._check_loss()
 

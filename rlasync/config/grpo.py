@@ -52,6 +52,9 @@ class AsyncGRPOConfig(TrainerConfig):
     # ---- generation ----
     num_generations: int = 8
     """G: rollouts per prompt (a group)."""
+    num_generations_eval: int | None = None
+    """Completions per prompt of an evaluation (`eval_dataset`; TRL's GRPOConfig field); None: `num_generations`.
+    1 is allowed (an evaluation measures, it does not compare within a group)."""
     max_tool_calling_iterations: int | None = None
 
     # ---- loss ----
@@ -115,8 +118,8 @@ class AsyncGRPOConfig(TrainerConfig):
                 f"fork_threshold_tokens={self.fork_threshold_tokens} is not supported: rlasync forks a new training "
                 "sequence on any re-tokenization drift (docs/algorithms.md §3.3); leave the default or set 0"
             )
-        for name in ("logging_steps", "save_steps"):
-            if getattr(self, name) < 1 and self.max_steps <= 0:
+        for name in ("logging_steps", "save_steps", "eval_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1 and self.max_steps <= 0:
                 raise ValueError(
                     f"{name}={getattr(self, name)} is a fraction of max_steps, but max_steps=-1 (GRPO's prompt "
                     "stream has no known length): set max_steps, or give a step count"
@@ -127,6 +130,10 @@ class AsyncGRPOConfig(TrainerConfig):
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations={self.num_generations}: GRPO compares rollouts within a group, use at least 2"
+            )
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ValueError(
+                f"num_generations_eval={self.num_generations_eval}: use at least 1, or None (then num_generations)"
             )
         self._check_group_diversity()  # first: GRPO's floors are above the sampler's (base.MIN_TEMPERATURE)
         super()._check_sampling()

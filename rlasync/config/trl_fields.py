@@ -7,7 +7,8 @@ rlasync has no use for: each is accepted with TRL's default (so that a TRL confi
   local folder), `resume_from_checkpoint` (`train()`'s default), `log_level` (the `rlasync` loggers), `do_train`
   (transformers' Trainer does not read it either), `disable_tqdm` (read by the console progress callbacks),
   `torch_compile` / `torch_compile_backend` / `torch_compile_mode` (the learner compiles each decoder layer;
-  setting a backend or mode turns `torch_compile` on, as in transformers);
+  setting a backend or mode turns `torch_compile` on, as in transformers), `eval_strategy` / `eval_steps`
+  (evaluation during training on the trainer's `eval_dataset`: rlasync.driver.evaluation);
 - refused: any other value than the default raises `ValueError` at config time, naming the field, saying that it
   is not supported and what to use instead (`UNSUPPORTED`).
 
@@ -24,7 +25,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_EVAL = "rlasync trains only (no evaluation loop); evaluate a saved checkpoint separately"
+_EVAL = (
+    "rlasync evaluates held-out reward with eval_dataset= and eval_strategy / eval_steps (num_generations_eval); "
+    "the other evaluation settings of transformers' Trainer have no counterpart"
+)
 _ACCEL = "rlasync places and distributes the model itself (actors, FSDP2 over `cluster.num_learners`)"
 _DATA = "prompts reach the rollout actors through the StalenessQueue, not a DataLoader; leave it at the default"
 _HUB = "push_to_hub writes to a local folder (no network); leave it at the default"
@@ -60,8 +64,6 @@ UNSUPPORTED: dict[str, str] = {
     "eval_delay": _EVAL,
     "eval_do_concat_batches": _EVAL,
     "eval_on_start": _EVAL,
-    "eval_steps": _EVAL,
-    "eval_strategy": _EVAL,
     "eval_use_gather_object": _EVAL,
     "fp16_full_eval": _EVAL,
     "fsdp": _ACCEL + "; FSDP2 is used whenever cluster.num_learners > 1",
@@ -108,6 +110,7 @@ UNSUPPORTED: dict[str, str] = {
 
 LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 SAVE_STRATEGIES = ("steps", "no")
+EVAL_STRATEGIES = ("no", "steps", "epoch")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """`torch_compile_mode` values (`torch.compile`'s modes; rlasync.model.loading.COMPILE_MODES)."""
 
@@ -129,6 +132,12 @@ class TrainingArgumentsFields:
     hub_model_id: str | None = None
     """`push_to_hub`'s target: a local path, or a hub id (written under `<output_dir>/hub/<hub_model_id>`)."""
     resume_from_checkpoint: str | None = None
+    eval_strategy: str = "no"
+    """Evaluation during training on the trainer's `eval_dataset` (rlasync.driver.evaluation): "no", "steps" (every
+    `eval_steps`) or "epoch" (after every epoch)."""
+    eval_steps: float | None = None
+    """Steps between evaluations with eval_strategy="steps"; None: `logging_steps`; a fraction in (0, 1): of
+    `max_steps` (transformers' rules)."""
     torch_compile: bool = False
     """Compile each decoder layer of the learner (regional `torch.compile`; a compile failure falls back to eager
     layers with one warning). Off by default, as in TRL: the first steps then pay the compile time."""
@@ -176,8 +185,6 @@ class TrainingArgumentsFields:
     eval_delay: float = 0
     eval_do_concat_batches: bool = True
     eval_on_start: bool = False
-    eval_steps: float | None = None
-    eval_strategy: str = "no"
     eval_use_gather_object: bool = False
     fp16_full_eval: bool = False
     fsdp: Any = None
@@ -258,6 +265,17 @@ def check_training_arguments(config: TrainingArgumentsFields) -> None:
             f"save_strategy={config.save_strategy!r} is not supported: use 'steps' (every save_steps) or 'no' "
             "(only the final checkpoint)"
         )
+    config.eval_strategy = _enum_value(config.eval_strategy)
+    if config.eval_strategy not in EVAL_STRATEGIES:
+        raise ValueError(
+            f"eval_strategy={config.eval_strategy!r}: use one of {', '.join(map(repr, EVAL_STRATEGIES))} "
+            "(with eval_dataset= given to the trainer)"
+        )
+    if config.eval_steps is not None and not config.eval_steps > 0:
+        raise ValueError(
+            f"eval_steps={config.eval_steps}: use a step count >= 1, a fraction of max_steps in (0, 1), or None "
+            "(then logging_steps)"
+        )
     config.log_level = _enum_value(config.log_level)
     if config.log_level not in LOG_LEVELS:
         raise ValueError(f"log_level={config.log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
@@ -292,6 +310,7 @@ def _literal(raw: str) -> Any:
 
 
 __all__ = [
+    "EVAL_STRATEGIES",
     "LOG_LEVELS",
     "SAVE_STRATEGIES",
     "UNSUPPORTED",

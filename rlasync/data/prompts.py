@@ -30,6 +30,40 @@ _CONVERSATIONAL_HELP = (
     "(e.g. `dataset.map(...)`)."
 )
 
+TEMPLATE_MARKERS = (
+    "<|im_start|>",  # ChatML (Qwen, SmolLM, ...)
+    "<|start_header_id|>",  # Llama 3
+    "<|begin_of_text|>",
+    "[INST]",  # Llama 2 / Mistral
+    "<start_of_turn>",  # Gemma
+    "<|user|>",  # Phi-3, Zephyr
+    "<|assistant|>",
+    "<|im_sep|>",  # Phi-4
+    "<｜User｜>",  # DeepSeek
+)
+"""Chat-template tokens that mark a string prompt as already rendered with a chat template."""
+
+_PRETEMPLATED_HELP = (
+    "Prompts must be conversational (TRL's format): rlasync applies the tokenizer's chat template itself, so a "
+    "string that already went through a chat template would be templated twice if wrapped in a user message. "
+    "Keep the raw text of each turn instead: build the prompt from the un-templated column (e.g. `lambda row: "
+    '{"prompt": [{"role": "user", "content": row["question"]}]}`), or split the rendered string back into its '
+    'messages [{"role": "system", ...}, {"role": "user", ...}] without the template tokens.'
+)
+
+
+def template_marker(prompt: str) -> str | None:
+    """The first chat-template token found in a string prompt (it is pre-templated), or None."""
+    return next((marker for marker in TEMPLATE_MARKERS if marker in prompt), None)
+
+
+def _string_prompt_help(prompt: Any) -> str:
+    """The fix for a non-conversational prompt: for a pre-templated string, not the wrapping that would template it
+    twice."""
+    if isinstance(prompt, str) and template_marker(prompt) is not None:
+        return f"It already holds the chat template token {template_marker(prompt)!r}. {_PRETEMPLATED_HELP}"
+    return _CONVERSATIONAL_HELP
+
 
 def is_conversational(prompt: Any) -> bool:
     """Whether `prompt` is a non-empty list of `{"role", "content"}` messages (it may also carry tool calls)."""
@@ -42,7 +76,7 @@ def validate_prompt(prompt: Any, row_index: int | None = None) -> None:
     where = f"row {row_index}: " if row_index is not None else ""
     problem = _conversational_problem(prompt)
     if problem is not None:
-        raise ValueError(f"{where}{problem}. {_CONVERSATIONAL_HELP}")
+        raise ValueError(f"{where}{problem}. {_string_prompt_help(prompt)}")
     image = _image_part(prompt)
     if image is not None:
         raise ValueError(f"{where}{image}: vision-language training is not supported (rlasync trains on text only)")

@@ -11,6 +11,18 @@ logger = logging.getLogger(__name__)
 ActorRequests = dict[str, tuple[int, float, float]]
 """Per actor role: (count, CPUs each, GPUs each)."""
 
+SETTINGS = {
+    ("teacher", "GPU"): "generation_num_gpus",  # a local teacher runs the generation engine's kind on its GPUs
+    ("teacher client", "CPU"): "teacher_num_cpus",
+    ("teacher client", "GPU"): "generation_num_gpus",
+}
+"""The `cluster.*` field of a role's CPUs / GPUs where it is not `<role>_num_cpus` / `<role>_num_gpus`."""
+
+
+def setting(role: str, kind: str) -> str:
+    """The `cluster` field that sets `kind` ("CPU" / "GPU") for each actor of `role`."""
+    return SETTINGS.get((role, kind), f"{role}_num_{kind.lower()}s")
+
 
 def actor_requests(cluster: Any) -> ActorRequests:
     """GRPO's roles, as the Cluster spawns them, from the config's `cluster` section."""
@@ -43,11 +55,10 @@ def check_resources(
         for kind in need
         if need[kind] > available.get(kind, 0.0) + 1e-9
     }
-    field = {"CPU": "num_cpus", "GPU": "num_gpus"}
     parts = []
     for kind, (wanted, have) in short.items():
         roles = ", ".join(
-            f"{count} {role} x {each[0 if kind == 'CPU' else 1]:g} (cluster.{role}_{field[kind]})"
+            f"{count} {role} x {each[0 if kind == 'CPU' else 1]:g} (cluster.{setting(role, kind)})"
             for role, (count, *each) in requests.items()
             if count and each[0 if kind == "CPU" else 1]
         )
@@ -98,8 +109,8 @@ def gpu_layout_hint(requests: Mapping[str, tuple[int, float, float]], gpus: floa
     share = int(gpus / total * 100) / 100  # rounded down: the sum never exceeds the cluster
     if share <= 0:
         return ""
-    fields = ", ".join(f"cluster.{role}_num_gpus={share:g}" for role, _ in users)
+    fields = ", ".join(dict.fromkeys(f"cluster.{setting(role, 'GPU')}={share:g}" for role, _ in users))
     return f"; on {gpus:g} GPU(s) this layout fits: {fields}"
 
 
-__all__ = ["ActorRequests", "actor_requests", "check_resources", "first_fit", "gpu_layout_hint"]
+__all__ = ["ActorRequests", "actor_requests", "check_resources", "first_fit", "gpu_layout_hint", "setting"]

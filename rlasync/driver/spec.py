@@ -10,6 +10,7 @@ checkpoint's step, policy version and prompt position).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from rlasync.driver.elastic import (
     Resizable,
     ResizeRequests,
 )
+from rlasync.driver.evaluation import BackgroundEvaluations, EvalSchedule
 from rlasync.driver.protocols import Fleet, LearnerGroup, SampleQueue, WeightTransport
 from rlasync.driver.resources import ActorRequests
 from rlasync.driver.step_loop import StepLoop, StepSettings
@@ -106,6 +108,10 @@ class RunSpec:
     """`trainer.log(logs)` during the run: the StepLoop records these into the next window."""
     resize_requests: ResizeRequests | None = None
     """`trainer.resize(...)` during the run: pool sizes the StepLoop's elastic hook applies after the next step."""
+    eval_dataset: Any = None
+    """Held-out prompts evaluated during training (`eval_strategy`), by the rollout actors (rlasync.driver.evaluation)."""
+    eval_steps_per_epoch: int = 0
+    """An epoch's steps, estimated (`eval_strategy="epoch"`); 0: unknown (a streaming dataset: only at the end)."""
 
     @property
     def hang_setting(self) -> str:
@@ -137,11 +143,13 @@ class RunSpec:
         samples_per_step: int | None,
         state: dict[str, Any],
         pools: Resizable | None = None,
+        evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None,
     ) -> StepLoop:
         """The run's StepLoop over the Cluster's adapters: the config's sinks (the records after the starting step,
         of an interrupted or an earlier run, are replaced: one record per step), its checkpointer, the callbacks (called with the config as TRL's `args`);
         with `pools` (the Cluster's resizable pools) the elastic hook: `resize_requests`, and the policy when
-        `cluster.elastic`."""
+        `cluster.elastic`; with `evaluate` (the Cluster's evaluation over the rollout actors) and an eval strategy,
+        evaluations in the background (rlasync.driver.evaluation)."""
         config = self.config
         elastic = None
         if pools is not None:
@@ -184,7 +192,24 @@ class RunSpec:
             log_inbox=self.log_inbox,
             elastic=elastic,
             initial_model=self.model,
+            evaluations=self._evaluations(evaluate),
+            completions=self._completions(fleet),
         )
+
+    def _completions(self, fleet: Fleet) -> Any:
+        """`log_completions` (GRPO): one table per logged window, drained from the fleet's rollout actors."""
+        drain = getattr(fleet, "drain_completions", None)
+        if not getattr(self.config, "log_completions", False) or drain is None or not self.algorithm.reward_actors:
+            return None
+        from rlasync.rollout.completions_log import StepCompletionsPrinter
+
+        return StepCompletionsPrinter(drain, self.config.num_completions_to_print)
+
+    def _evaluations(self, evaluate: Callable[[int], Awaitable[dict[str, float]]] | None) -> Any:
+        schedule = EvalSchedule.from_config(self.config, self.horizon, self.eval_steps_per_epoch)
+        if evaluate is None or (schedule.every is None and not schedule.at_end):
+            return None
+        return BackgroundEvaluations(evaluate, schedule)
 
 
 def step_perf(model_path: str, config: TrainerConfig) -> StepPerf:

@@ -3,9 +3,10 @@
     on_train_begin, on_epoch_begin ->
     take (token target, or a sample count) -> on_step_begin -> learners train -> on_substep_end (per accumulated
     micro-batch but the last), on_pre_optimizer_step, on_optimizer_step -> finish_step -> every weight_sync_steps:
-    sync -> on_step_end -> drain the rollout metrics -> every logging_steps (or when a callback set
-    control.should_log): log a window (on_log) -> every save_steps (or control.should_save): checkpoint (on_save)
-    -> ... -> on_epoch_end, on_train_end
+    sync -> on_step_end -> a due evaluation starts in the background (rlasync.driver.evaluation; its metrics are
+    logged with on_log + on_evaluate when they arrive) -> drain the rollout metrics -> every logging_steps (or when
+    a callback set control.should_log): log a window (on_log) -> every save_steps (or control.should_save):
+    checkpoint (on_save) -> ... -> the evaluations still running -> on_epoch_end, on_train_end
 
 until the horizon (`max_steps`), the end of the prompt stream, or a callback's `control.should_training_stop`;
 then the last window is logged and the final model saved (unless that step was just saved). Callbacks are
@@ -62,7 +63,7 @@ EVENTS = (
     "on_save",
     "on_epoch_end",
     "on_train_end",
-)  # on_init_end is the trainer's; no evaluation events (rlasync has no evaluation loop)
+)  # on_init_end is the trainer's; on_evaluate fires (with an eval_dataset) when an evaluation's metrics arrive
 
 
 @dataclass(frozen=True)
@@ -156,11 +157,16 @@ class StepLoop:
         log_inbox: list[dict[str, float]] | None = None,
         elastic: Any = None,
         initial_model: str | None = None,
+        evaluations: Any = None,
+        completions: Any = None,
     ) -> None:
         """`state`: the run's dict (updated in place, returned by `run`); `trainer_state`: the transformers
         `TrainerState` the callbacks get (a new one when None); `perf`: the throughput / MFU estimator; `elastic`:
         an `rlasync.driver.elastic.ElasticController` (`after_step(step, window) -> metric items`: resizes pools);
-        `initial_model`: the folder the run started from (the callbacks' `model` before the first checkpoint)."""
+        `initial_model`: the folder the run started from (the callbacks' `model` before the first checkpoint);
+        `evaluations`: an `rlasync.driver.evaluation.BackgroundEvaluations` (evaluation during training);
+        `completions`: a `rlasync.rollout.completions_log.StepCompletionsPrinter` (`log_completions`: one table per
+        logged window)."""
         from transformers import TrainerControl, TrainerState
 
         from rlasync.driver.model_proxy import LazyModel, latest_checkpoint_source
@@ -186,6 +192,8 @@ class StepLoop:
         )
         self.watchdog = Watchdog(settings.watchdog_settings())
         self.elastic = elastic
+        self.evaluations = evaluations
+        self.completions = completions
         self.model = LazyModel(
             latest_checkpoint_source(checkpointer.output_dir, initial_model),
             getattr(callback_args, "dtype", "auto"),
@@ -210,6 +218,9 @@ class StepLoop:
             step = await self._steps(start_step, version)
             if len(self.window):
                 self._log(step, self.window.reduce())
+            if self.evaluations is not None and not self._stopping():  # the evaluations still running, logged
+                for eval_step, metrics in await self.evaluations.finish(step, self.run_state["policy_version"]):
+                    self._log_eval(eval_step, metrics)
             if step > start_step and not self._saved_at(step):
                 await self._save(step)  # the final model, however the run ended normally (or on a signal)
             if self._stopping():  # a signal: the final checkpoint is written, the caller tears the actors down
@@ -220,6 +231,8 @@ class StepLoop:
             self._event("on_epoch_end")
             self._event("on_train_end")
         finally:
+            if self.evaluations is not None:
+                self.evaluations.cancel()
             for sink in self.sinks:
                 sink.close()
         return dict(self.run_state)
@@ -268,6 +281,10 @@ class StepLoop:
             if s.horizon is None and self.trainer_state.max_steps and step >= self.trainer_state.max_steps:
                 self.trainer_state.max_steps = step + 1  # the epoch estimate was short: the run goes on
             self._event("on_step_end", metrics=step_window.reduce())
+            if self.evaluations is not None:  # a due evaluation starts in the background; finished ones are logged
+                self.evaluations.after_step(step, version)
+                for eval_step, metrics in self.evaluations.finished():
+                    self._log_eval(eval_step, metrics)
             self.window.update(system_generation_rate(list(await self.fleet.drain_metrics()), step_s))
             while self.log_inbox:
                 self.window.update(self.log_inbox.pop(0))
@@ -275,6 +292,8 @@ class StepLoop:
                 self.window.update(await self.elastic.after_step(step, self.window.reduce(clear=False)))
             if step % s.logging_steps == 0 or (s.logging_first_step and step == 1) or self.control.should_log:
                 self._log(step, self.window.reduce())
+                if self.completions is not None:  # log_completions: this window's completions, one table
+                    await self.completions.after_log(step)
             if (s.save_steps is not None and step % s.save_steps == 0) or self.control.should_save:
                 await self._save(step)
             if self.control.should_training_stop:
@@ -350,6 +369,18 @@ class StepLoop:
         self.trainer_state.log_history.append({**record, "step": step})
         self.control.should_log = False
         self._event("on_log", logs=dict(record))
+
+    def _log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation's `eval/` metrics, a record of their own tagged with the step that was evaluated (sinks,
+        `log_history`, `on_log`), then `on_evaluate` with transformers' names (`eval_reward`, ...)."""
+        from rlasync.rollout.evaluation import trainer_metric_names
+
+        record = {k: v for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        for sink in self.sinks:
+            sink.write(step, record)
+        self.trainer_state.log_history.append({**record, "step": step})
+        self._event("on_log", logs=dict(record))
+        self._event("on_evaluate", metrics=trainer_metric_names(record))
 
     def _processing_class(self) -> Any:
         """The tokenizer object the callbacks get (the run may carry only its local folder: loaded once, here; the

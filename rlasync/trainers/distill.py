@@ -118,15 +118,16 @@ class AsyncDistillationTrainer(AsyncTrainerBase):
         return {teacher_id: TeacherSpec(teacher_id, model=path, engine=engine) for teacher_id, path in models.items()}
 
     def _actor_requests(self) -> dict[str, tuple[int, float, float]]:
-        """GRPO's roles without reward actors, plus one TeacherScorer per teacher (a local one takes a generation
-        actor's resources; a `vllm serve` client only its CPUs)."""
+        """GRPO's roles without reward actors, plus one TeacherScorer per teacher (`cluster.teacher_num_cpus`
+        each; a local one also a generation actor's GPUs, a `vllm serve` client none)."""
         c = self.args.cluster
         requests = {role: value for role, value in actor_requests(c).items() if role != "reward"}
         local = sum(1 for spec in self.teachers.values() if spec.is_local)
         remote = len(self.teachers) - local
-        requests["generation"] = (c.num_generation_actors + local, c.generation_num_cpus, c.generation_num_gpus)
+        if local:
+            requests["teacher"] = (local, c.teacher_num_cpus, c.generation_num_gpus)
         if remote:
-            requests["teacher client"] = (remote, c.generation_num_cpus, 0.0)
+            requests["teacher client"] = (remote, c.teacher_num_cpus, 0.0)
         return requests
 
     @property

@@ -40,6 +40,7 @@ from rlasync.trainers.checks import (
     _may_own_reward,
     _refuse_trl_workers,
 )
+from rlasync.trainers.evaluation import EvaluationMixin, checked_eval_dataset, steps_per_epoch
 
 if TYPE_CHECKING:
     from peft import PeftConfig
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class AsyncGRPOTrainer(AsyncTrainerBase):
+class AsyncGRPOTrainer(EvaluationMixin, AsyncTrainerBase):
     """Asynchronous GRPO (TRL's `AsyncGRPOTrainer` API). Subclass and set `loop_cls` to customise rollouts."""
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -69,12 +70,14 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
         weight_transfer: Any = None,
         *,
         loop_cls: type[AsyncRolloutLoop] | None = None,
+        eval_dataset: Any = None,
     ) -> None:
         # TRL 1.16's parameters in TRL's positional order; rlasync's additions are keyword-only
         _refuse_trl_workers(rollout_worker, weight_transfer)
         self._begin_init(args if args is not None else AsyncGRPOConfig(), loop_cls)
         self.peft_config = _checked_peft_config(peft_config)  # a peft.LoraConfig: adapters only (docs/design.md §3)
         train_dataset = self._check_inputs(reward_funcs, train_dataset, tools, environment_factory)
+        self.eval_dataset = checked_eval_dataset(eval_dataset, self.args)
         self._end_init(model, train_dataset, processing_class, callbacks, optimizers)
 
     # ---- checks -------------------------------------------------------------------------------------------------
@@ -160,6 +163,8 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
             queue=QueueSettings.for_dataset(args, self.train_dataset),
             horizon=args.max_steps if args.max_steps > 0 else None,
             requests=actor_requests(args.cluster),
+            eval_dataset=self.eval_dataset,
+            eval_steps_per_epoch=steps_per_epoch(args, self.train_dataset),
         )
 
 

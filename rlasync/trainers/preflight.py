@@ -440,6 +440,11 @@ def run_preflight(trainer: Any) -> None:
     limit = max_model_len(config.cluster, model_config(source))
     check_prompt_fit(config, lengths, limit)
     check_completion_fit(config, limit)
+    if getattr(trainer, "eval_dataset", None) is not None:  # the held-out prompts render and fit as well
+        from rlasync.trainers.evaluation import check_eval_prompts
+
+        tools, rows = getattr(trainer, "tools", None), len(trainer.eval_dataset)
+        check_eval_prompts(prompt_lengths(tokenizer, trainer.eval_dataset, config, tools, num_rows=rows), limit)
 
 
 __all__ = [

@@ -86,7 +86,7 @@ def test_minimal_training_script_with_mopd_routing(pickle_by_value, tiny_model_d
     fields = docs.fields(tmp_path, teacher_top_k=4, beta=1.0)
     for grpo_only in ("num_generations", "num_sampler_logprobs"):
         fields.pop(grpo_only)
-    fields["cluster"] = {**fields["cluster"], "generation_num_cpus": 0.3}  # student + 2 teachers on 2 CPUs
+    # the default CPU requests: student + 2 teachers on 2 CPUs
     trainer = AsyncDistillationTrainer(
         model=tiny_model_dir,
         train_dataset=dataset,

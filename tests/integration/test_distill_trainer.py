@@ -169,8 +169,7 @@ def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_
             cluster={
                 "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
                 "collective_timeout_s": 60.0,
-                "generation_num_cpus": 0.3,
-            },  # student + 2 teachers fit 2 CPUs
+            },  # the default CPU requests: student + 2 teachers fit 2 CPUs
         )
 
     teachers = {"student_like": tiny_model_dir, "sharp": teacher_dir}

@@ -403,6 +403,14 @@ def test_preflight_names_an_uninstalled_sink(tmp_path, tiny_model, monkeypatch):
     )
 
 
+def test_preflight_refuses_an_eval_prompt_longer_than_the_engine(tmp_path, tiny_model, no_launch):
+    long = [{"prompt": [{"role": "user", "content": " ".join(["1"] * 200)}], "answer": "1"}]
+    trainer = _grpo(tiny_model, tmp_path)
+    trainer.eval_dataset = ROWS[:2] + long  # as AsyncGRPOTrainer(..., eval_dataset=...) keeps it
+    raises_fast(r"eval_dataset rows \[2\] render to \d+ tokens or more.*max_model_len=128", trainer.train)
+    assert not no_launch
+
+
 def test_preflight_passes_a_good_run_and_warns_of_some_long_prompts(tmp_path, tiny_model, no_launch, caplog):
     rows = ROWS + [{"prompt": [{"role": "user", "content": " ".join(["1"] * 200)}], "answer": "1"}]
     trainer = _grpo(tiny_model, tmp_path, rows=rows)
@@ -547,7 +555,14 @@ def test_a_resume_names_the_changed_config_fields(tmp_path):
 
     saved = AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=4, max_steps=10).to_dict()
     (tmp_path / RUN_CONFIG).write_text(json.dumps(saved, default=str))
-    resumed = AsyncGRPOConfig(output_dir=str(tmp_path / "x"), num_generations=8, max_steps=20, temperature=0.7)
+    resumed = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "x"),
+        num_generations=8,
+        max_steps=20,
+        temperature=0.7,
+        eval_strategy="steps",  # the evaluation cadence may change on a resume without a word
+        eval_steps=5,
+    )
     assert config_changes(tmp_path, resumed.to_dict()) == ["num_generations: 4 -> 8", "temperature: 1.0 -> 0.7"]
     assert config_changes(tmp_path / "old_checkpoint_without_it", resumed.to_dict()) == []
 

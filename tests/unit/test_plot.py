@@ -57,3 +57,19 @@ def test_cli_plot(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli.main(["plot", str(tmp_path / "empty")]) == 2
     assert "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_an_evaluation_record_joins_its_step_and_a_rerun_replaces_it(tmp_path):
+    lines = [
+        {"step": 1, "reward": 0.1},
+        {"step": 2, "reward": 0.2, "loss": 1.0},
+        {"step": 2, "eval/reward": 0.5},  # the evaluation of step 2, logged when it arrived
+        {"step": 2, "reward": 0.3},  # a re-run of step 2 replaces the step (its evaluation too)
+        {"step": 4, "eval/reward": 0.6},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    records = load_metrics(tmp_path)
+    assert records == [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.3}, {"step": 4, "eval/reward": 0.6}]
+    lines.pop(3)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    assert load_metrics(tmp_path)[1] == {"step": 2, "reward": 0.2, "loss": 1.0, "eval/reward": 0.5}

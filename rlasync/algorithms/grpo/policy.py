@@ -33,7 +33,7 @@ from rlasync.data.prompts import render_prompt, row_prompt
 from rlasync.engine.base import RequestRejectedError
 from rlasync.records import MetricItem, PromptLease, Rollout, RolloutGroup, TrainingSequence, TurnRecord
 from rlasync.rewards.calling import RewardFunc, RewardTimeoutError
-from rlasync.rollout.completions_log import print_group
+from rlasync.rollout.completions_log import CompletionSampler
 from rlasync.rollout.engine_pool import EnginePool, resolve
 from rlasync.rollout.environments import (
     EnvironmentFactory,
@@ -45,7 +45,7 @@ from rlasync.rollout.environments import (
 from rlasync.rollout.groups import NOT_REWARD_KWARGS, GroupResult, GroupState, RolloutOutcome
 from rlasync.rollout.protocols import Collected, PolicyBase
 from rlasync.rollout.rollout_metrics import group_metrics, rollout_metrics
-from rlasync.rollout.scoring import default_compute_advantages, score_group
+from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
 from rlasync.rollout.sequences import build_training_sequences, tokenizer_eos_ids
 from rlasync.rollout.settings import RolloutSettings
 from rlasync.rollout.tools import PARSE_FAILURE_METRIC, ToolCallTracker, run_tool_loop, tools_by_name
@@ -151,6 +151,9 @@ class RolloutPolicy(PolicyBase):
         self._generated_tokens_unreported = 0
         self._rate_window_start = clock()
         self._scoring = 0  # groups being scored now (rollout/score_queue_size)
+        self.completion_samples = (  # log_completions: this window's sample, drained by the driver's table
+            CompletionSampler(settings.num_completions_to_print) if settings.log_completions else None
+        )
 
     _metrics_callback: Callable[[list[MetricItem]], Any]
     counters: collections.Counter[str]
@@ -355,7 +358,10 @@ class RolloutPolicy(PolicyBase):
         finally:
             self._scoring -= 1
 
-    async def _score(self, group: GroupState, rollout_group: Any, policy_version: int, started: float) -> Collected:
+    async def reward_group(self, rollout_group: Any, *, drop_zero_std_groups: bool) -> ScoredGroup:
+        """Rewards, advantages and samples of a finished group: the reward functions here, or their table from the
+        `reward_scorer` (a RewardActor) within `reward_timeout_s`. Training and evaluation
+        (rlasync.rollout.evaluation) score through it."""
         reward_funcs, columns = self.reward_funcs, None
         timeout_s = self.settings.reward_timeout_s
         if self.reward_scorer is not None:  # reward functions run elsewhere (a RewardActor): their table comes back
@@ -374,24 +380,25 @@ class RolloutPolicy(PolicyBase):
                     f"the reward actor did not score a group within reward_timeout_s={timeout_s:g} s"
                 ) from None
             reward_funcs, columns = [], list(zip(table.names, table.values))
-        scored = await score_group(
+        return await score_group(
             rollout_group,
             reward_funcs,
             compute_advantages=self.compute_advantages,
             extra_columns=columns,
-            drop_zero_std_groups=self.drop_zero_std_groups,
+            drop_zero_std_groups=drop_zero_std_groups,
             reward_timeout_s=timeout_s,
         )
+
+    async def _score(self, group: GroupState, rollout_group: Any, policy_version: int, started: float) -> Collected:
+        scored = await self.reward_group(rollout_group, drop_zero_std_groups=self.drop_zero_std_groups)
         score_s = self._clock() - started
-        if self.settings.log_completions:
-            print_group(
+        if self.completion_samples is not None:
+            self.completion_samples.add_group(
                 rollout_group.prompts[0] if rollout_group.prompts else "",
                 rollout_group.completions,
                 [None if r != r else float(r) for r in scored.rewards],
                 scored.advantages.tolist(),
-                group_id=rollout_group.group_id,
-                policy_version=rollout_group.policy_version,
-                limit=self.settings.num_completions_to_print,
+                rollout_group.policy_version,
             )
         rollout_tokens = sum(len(s.input_ids) for sequences in rollout_group.completions_sequences for s in sequences)
         result = GroupResult(group.lease, policy_version, scored, num_rollout_tokens=rollout_tokens)

@@ -6,7 +6,7 @@ import pytest
 
 from rlasync import envs
 from rlasync.data import is_conversational, render_prompt, row_prompt, validate_prompt, validate_prompt_dataset
-from rlasync.data.prompts import leased_row_problem
+from rlasync.data.prompts import leased_row_problem, template_marker
 
 REPO = Path(__file__).resolve().parents[3]
 USER = [{"role": "user", "content": "What is 1 + 2?"}]
@@ -25,6 +25,27 @@ def test_a_plain_string_prompt_is_refused_with_the_conversion():
     message = str(info.value)
     assert "row 0" in message and "plain string" in message and "conversational" in message
     assert '[{"role": "user", "content": row["prompt"]}]' in message
+
+
+@pytest.mark.parametrize(
+    "rendered",
+    [
+        "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n",
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 1 + 2?<|eot_id|>",
+        "<s>[INST] What is 1 + 2? [/INST]",
+    ],
+)
+def test_a_pre_templated_string_prompt_is_not_told_to_wrap_it_in_a_user_message(rendered):
+    """Wrapping a string that already went through a chat template in a user message would template it twice: the
+    hint names the template token and asks for the raw text instead."""
+    with pytest.raises(ValueError) as info:
+        validate_prompt_dataset([{"prompt": rendered}])
+    message = str(info.value)
+    assert "row 0" in message and "plain string" in message and "templated twice" in message
+    assert template_marker(rendered) in message
+    assert '"content": row["prompt"]' not in message  # the wrapping that would template it twice
+    assert '"content": row["question"]' in message  # the un-templated column instead
+    assert template_marker("What is <|im_start|> for?") == "<|im_start|>" and template_marker("What is 1?") is None
 
 
 @pytest.mark.parametrize(

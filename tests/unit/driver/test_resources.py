@@ -47,6 +47,7 @@ def test_too_few_gpus_names_a_shared_layout_that_fits():
     message = str(info.value)
     assert "3 GPUs but the Ray cluster has 1" in message
     hint = message.split("this layout fits: ")[1]
-    assert hint == "cluster.learner_num_gpus=0.33, cluster.generation_num_gpus=0.33, cluster.teacher_num_gpus=0.33"
+    # a local teacher's GPUs are set by generation_num_gpus (there is no teacher_num_gpus): named once
+    assert hint == "cluster.learner_num_gpus=0.33, cluster.generation_num_gpus=0.33"
     shared = {role: (count, cpus, 0.33 if gpus else 0.0) for role, (count, cpus, gpus) in requests.items()}
     check_resources(shared, {"CPU": 16.0, "GPU": 1.0}, autoscaling=False, nodes=[{"CPU": 16.0, "GPU": 1.0}])  # fits

@@ -724,16 +724,6 @@ def test_a_remote_reward_scorer_gives_the_same_groups_as_scoring_in_the_loop():
     assert local.metrics.reduce().keys() == remote_loop.metrics.reduce().keys()
 
 
-def test_log_completions_prints_each_scored_group(capsys):
-    loop = make_loop(num_rows=2, args=config(log_completions=True, num_completions_to_print=2))
-    asyncio.run(loop.run())
-    out = capsys.readouterr().out
-    assert "group 0 (policy v" in out and "group 1 (policy v" in out and "q0" in out and "q1" in out
-    quiet = make_loop(num_rows=2)
-    asyncio.run(quiet.run())
-    assert "group 0" not in capsys.readouterr().out  # off by default
-
-
 # ---- the config -------------------------------------------------------------------------------------------
 
 

@@ -88,3 +88,56 @@ def test_train_makes_one_launch_call_with_the_spec_and_resumes_from_the_newest_c
 def test_distillation_refuses_a_grpo_config():
     with pytest.raises(ValueError, match="args must be an AsyncDistillationConfig"):
         AsyncDistillationTrainer(model="m", args=AsyncGRPOConfig(max_steps=1), train_dataset=ROWS)
+
+
+def test_two_local_teachers_fit_a_two_core_machine_with_the_default_requests(tmp_path):
+    """MOPD with two local teachers: a student engine, two TeacherScorers, a learner, a rollout actor and the queue
+    ask for at most 2 CPUs with the cluster defaults (the README's promise), and the resource check passes."""
+    from rlasync.driver import check_resources
+
+    args = AsyncDistillationConfig(output_dir=str(tmp_path), max_steps=2)
+    trainer = AsyncDistillationTrainer(
+        model="org/student", args=args, train_dataset=ROWS, teacher_model={"math": "org/t1", "code": "org/t2"}
+    )
+    requests = trainer.build_spec(None).requests
+    assert requests["teacher"][:2] == (2, args.cluster.teacher_num_cpus)
+    assert requests["generation"][0] == 1  # the student's engine alone; teachers are their own role
+    assert sum(count * cpus for count, cpus, _ in requests.values()) <= 2.0
+    check_resources(requests, {"CPU": 2.0}, autoscaling=False, nodes=[{"CPU": 2.0}])  # raises when short
+
+
+def test_a_short_cluster_names_the_teacher_fields(tmp_path):
+    from rlasync.driver import check_resources
+
+    args = AsyncDistillationConfig(output_dir=str(tmp_path), max_steps=2)
+    args.cluster.teacher_num_cpus = 1.0
+    trainer = AsyncDistillationTrainer(
+        model="org/student", args=args, train_dataset=ROWS, teacher_model={"a": "org/t1", "b": "org/t2"}
+    )
+    with pytest.raises(ValueError, match=r"2 teacher x 1 \(cluster.teacher_num_cpus\)"):
+        check_resources(trainer.build_spec(None).requests, {"CPU": 2.0}, autoscaling=False)
+    gpus = {"teacher": (2, 0.1, 1.0), "generation": (1, 0.1, 1.0)}
+    with pytest.raises(ValueError, match=r"cluster.generation_num_gpus\)") as error:
+        check_resources(gpus, {"CPU": 2.0, "GPU": 1.0}, autoscaling=False)
+    assert "teacher_num_gpus" not in str(error.value)  # no such field: a local teacher's GPUs are the engines'
+
+
+def test_an_eval_dataset_reaches_the_spec_and_bad_ones_are_refused(tmp_path):
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=3, eval_strategy="steps", eval_steps=1)
+    make = lambda eval_dataset: AsyncGRPOTrainer(  # noqa: E731
+        model="some/model", reward_funcs=last_number_reward, args=args, train_dataset=ROWS, eval_dataset=eval_dataset
+    )
+    spec = make(ROWS[:3]).build_spec(None)
+    assert spec.eval_dataset == ROWS[:3] and spec.eval_steps_per_epoch == 10  # 10 rows x 8 generations / 8 a step
+    assert grpo(tmp_path).build_spec(None).eval_dataset is None
+    for bad, message in [
+        (None, "pass eval_dataset= to the trainer"),  # eval_strategy="steps" without one
+        ([], "eval_dataset is empty"),
+        ({"a": ROWS}, "a dict of several eval datasets is not supported"),
+        ([{"question": "q"}], "no 'prompt' column"),
+        ([{"prompt": "What is 1 + 1?"}], "row 0: the prompt is a plain string"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make(bad)
+    with pytest.raises(ValueError, match="not supported by distillation"):
+        AsyncDistillationConfig(output_dir=str(tmp_path), eval_strategy="epoch")
