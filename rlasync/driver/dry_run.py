@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rlasync.config.vocab import EngineKind
 from rlasync.driver.spec import RunSpec, engine_dtype, step_budget
 
 if TYPE_CHECKING:
@@ -180,18 +181,23 @@ def _params(model_config: PretrainedConfig) -> int:
 
 
 def expand_actors(spec: RunSpec) -> list[ActorPlan]:
-    """One ActorPlan per actor of `spec.requests`, in the Cluster's spawn order; local teachers are the
-    generation role's entries past `cluster.num_generation_actors` (distillation's requests count them there)."""
-    requests, cluster = spec.requests, spec.config.cluster
-    order = ["generation", "learner", "queue", "reward", "rollout"]
+    """One ActorPlan per actor of `spec.requests`, in the Cluster's spawn order; distillation's requests hold its
+    local teachers as the "teacher" role and its `vllm serve` teacher clients as "teacher client", in the order of
+    `spec.teachers`."""
+    requests = spec.requests
+    order = ["generation", "teacher", "teacher client", "learner", "queue", "reward", "rollout"]
     roles = order + [role for role in requests if role not in order]
-    local_teachers = [tid for tid, t in (spec.teachers or {}).items() if t.is_local]
+    teachers = {
+        "teacher": [tid for tid, t in (spec.teachers or {}).items() if t.is_local],
+        "teacher client": [tid for tid, t in (spec.teachers or {}).items() if not t.is_local],
+    }
     actors = []
     for role in roles:
         count, cpus, gpus = requests.get(role, (0, 0.0, 0.0))
         for i in range(count):
-            if role == "generation" and i >= cluster.num_generation_actors:
-                label = f"teacher {local_teachers[i - cluster.num_generation_actors]!r}"
+            if role in teachers:
+                names = teachers[role]
+                label = f"teacher {names[i]!r}" if i < len(names) else f"{role} {i}"
             elif role == "learner":
                 label = f"learner rank {i}"
             elif role == "queue":
@@ -243,9 +249,9 @@ def engine_memory(
     kwargs = {**DEFAULT_ENGINE_SETTINGS, **(engine_kwargs or {})}
     utilization = float(kwargs["gpu_memory_utilization"])
     weights = _params(model_config) * element_size
-    if engine == "vllm_server":  # a client of an external server: the model is not here
+    if engine == EngineKind.VLLM_SERVER:  # a client of an external server: the model is not here
         return int(CUDA_CONTEXT_GIB * GIB), "a vllm serve client (the server's memory is not on this GPU)"
-    if engine == "vllm":
+    if engine == EngineKind.VLLM:
         total = int(utilization * gpu_bytes)
         return total, f"vLLM reserves gpu_memory_utilization {utilization:g} x GPU (weights {weights / GIB:.2f} GiB)"
     layers, _, kv_heads, head_dim = kv_shape(model_config)
