@@ -202,19 +202,26 @@ def test_a_killed_learner_queue_or_engine_stops_the_run_naming_it_and_resume_con
     assert alive(resumed.actor_ids) == []
 
 
-def test_a_frozen_generation_actor_is_named(ray_cluster, tiny_model_dir, tmp_path):
+def test_a_frozen_generation_actor_is_named_within_the_hang_bound_with_when_it_last_answered(
+    ray_cluster, tiny_model_dir, tmp_path
+):
+    bound_s = 8.0  # rollout_worker_timeout: the hang bound
     trainer, kill = grpo_trainer(
-        tiny_model_dir, tmp_path, "GenerationActor", step=2, sig=signal.SIGSTOP, rollout_worker_timeout=8.0
+        tiny_model_dir, tmp_path, "GenerationActor", step=2, sig=signal.SIGSTOP, rollout_worker_timeout=bound_s
     )
     try:
         with pytest.raises(RuntimeError) as info:
             trainer.train()
+        stopped_after = time.monotonic() - kill.killed_at
     finally:
         if kill.pid is not None:
-            os.kill(kill.pid, signal.SIGCONT)
+            os.kill(kill.pid, signal.SIGCONT)  # no stopped process left behind
     message = str(info.value)
     assert message.startswith("generation actor 0 made no progress"), message
-    assert "rollout loop is hung" not in message
+    assert "rollout loop is hung" not in message and "queue actor" not in message
+    assert "it last answered" in message and " s ago (" in message, message
+    # the bound, the 10-s probe and a loaded machine's polls; not the 300-s default nor a weight sync's deadline
+    assert stopped_after < bound_s + 40, f"the run took {stopped_after:.0f} s to stop after the SIGSTOP"
 
 
 def test_a_killed_teacher_is_restarted_and_the_distillation_run_finishes(ray_cluster, tiny_model_dir, tmp_path):
