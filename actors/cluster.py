@@ -24,9 +24,17 @@ from typing import Any
 import ray
 
 from actors.cluster_elastic import RayPools
-from actors.cluster_faults import blame, dead_actor_name, died_error, probe_engines, restart_options
+from actors.cluster_faults import (
+    RestartWatch,
+    blame,
+    dead_actor_name,
+    died_error,
+    probe_engines,
+    restart_options,
+)
 from actors.cluster_weights import RayWeightSync, connect_weights
 from actors.fanout import Timeouts, actor_id, call_all, call_all_async, get_all, in_thread, wait_until_dead
+from actors.reaper import start_reaper, stop_reaper
 from rlasync.config.vocab import EngineKind
 from rlasync.driver import (
     RunSpec,
@@ -86,6 +94,7 @@ class Cluster:
         self.engines: list[Any] = []
         self.dataset_ref: Any = None
         self.started_ray = False
+        self.reaper: Any = None  # the local cluster's processes die with the driver (actors/reaper.py)
         self.version = spec.version
         self.engine_count = self.rollout_count = 0  # actors of each pool made so far (they name the next one)
         self.engine_options: dict[str, Any] = {}
@@ -96,6 +105,8 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         self.started_ray = connect(self.config.cluster.ray_address)
+        if self.started_ray:
+            self.reaper = start_reaper(ray.get_runtime_context().get_session_name())
         if self.guard is not None:
             self.guard.__enter__()
         try:
@@ -120,6 +131,8 @@ class Cluster:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+            stop_reaper(self.reaper)  # it kills what the session left behind (its agents) and exits
+            self.reaper = None
 
     def remove(self) -> None:
         """Stop the rollout loops politely (bounded), then kill every actor this run made and wait (bounded) until
@@ -174,6 +187,11 @@ class Cluster:
             output_dir=self.config.output_dir,
             heal=weights.heal,
             answered_at=self.answered_at,
+            watches=[
+                RestartWatch(kind, handles, self.names, self.timeouts.build)
+                for kind, handles in (("reward", rewards), ("teacher", list(teachers.values())))
+                if handles
+            ],
         )
         return spec.step_loop(
             queue=RayQueue(queue, self.timeouts),
@@ -447,12 +465,14 @@ class RayFleet:
         output_dir: str = ".",
         heal: Callable[[], Awaitable[Any]] | None = None,
         answered_at: dict[str, float | None] | None = None,
+        watches: Sequence[Any] = (),
     ) -> None:
         self.handles, self.name, self.setting, self.timeouts = handles, name, setting, timeouts
         self.engines, self.names, self.output_dir = list(engines), names or {}, output_dir
         self.heal = heal  # brings back generation actors Ray restarted (RayWeightSync.heal)
         self.restarts = 0
         self.answered_at = answered_at if answered_at is not None else {}  # engine name -> its last answer (wall)
+        self.watches = list(watches)  # RestartWatch: reward actors and teachers Ray restarted, reported
 
     async def _call(self, index: int, ref: Any, timeout: float) -> Any:
         try:
@@ -517,7 +537,10 @@ class RayFleet:
     async def drain_metrics(self) -> list[tuple[str, Any]]:
         await self.ensure_running()
         drained = await call_all_async(self.handles, "drain_metrics", timeout=self.timeouts.call)
-        return [item for items in drained for item in items]
+        restarts = [item for watch in self.watches for item in watch.check()]
+        if self.restarts:  # rollout actors Ray restarted, counted by ensure_running
+            restarts.append(("faults/rollout_restarts", float(self.restarts)))
+        return [item for items in drained for item in items] + restarts
 
     async def stop(self) -> None:
         await call_all_async(self.handles, "stop", timeout=self.timeouts.stop)

@@ -14,6 +14,7 @@ ones that cannot be restarted (docs/design.md §4).
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +24,8 @@ import ray
 
 from actors.fanout import Timeouts, actor_id, remote_all
 from rlasync.driver.checkpoint import Checkpointer
+
+logger = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3  # per actor and run: a crash that repeats (a reward that kills its process) stops the run
 RESTARTABLE_KINDS = ("rollout", "reward", "teacher", "generation")
@@ -150,9 +153,47 @@ def blame(
     return died_error(name, error, output_dir)
 
 
+class RestartWatch:
+    """Restarts Ray makes without the driver's help (reward actors and teachers: stateless, their calls resent),
+    reported like the others: a warning per restart and `faults/<kind>_restarts` (the count so far) in the next
+    step's metrics. Each actor answers `incarnation()` with a token its constructor drew; a new token is a restart.
+    `check()` never blocks: one call per actor stays in flight and is read when it has answered (a restarting
+    actor's waits for the restart)."""
+
+    def __init__(self, kind: str, handles: list[Any], names: dict[str, str], timeout_s: float) -> None:
+        self.kind, self.handles, self.names = kind, list(handles), names
+        self.tokens: list[str | None] = list(ray.get(remote_all(self.handles, "incarnation"), timeout=timeout_s))
+        self.pending: dict[int, Any] = {}
+        self.restarts = 0
+
+    def check(self) -> list[tuple[str, float]]:
+        """Read the answered calls (a changed token: warned and counted), send the next ones; the metric items."""
+        for index, handle in enumerate(self.handles):
+            ref = self.pending.get(index)
+            if ref is not None:
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue
+                try:
+                    token = ray.get(ref, timeout=0)
+                except Exception:  # dead for good (its callers report it) or a failed call: asked again
+                    token = None
+                if token is not None and token != self.tokens[index]:
+                    self.tokens[index] = token
+                    self.restarts += 1
+                    logger.warning(
+                        "%s was restarted after it died: Ray resent its calls (%s restarts so far: %d)",
+                        self.names.get(actor_id(handle), f"{self.kind} actor {index}"),
+                        self.kind,
+                        self.restarts,
+                    )
+            self.pending[index] = handle.incarnation.remote()
+        return [(f"faults/{self.kind}_restarts", float(self.restarts))] if self.restarts else []
+
+
 __all__ = [
     "MAX_RESTARTS",
     "FrozenActorError",
+    "RestartWatch",
     "answered_text",
     "blame",
     "dead_actor_name",

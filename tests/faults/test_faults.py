@@ -134,6 +134,10 @@ def test_a_killed_rollout_or_reward_actor_is_restarted_and_the_epoch_is_consumed
     assert_exactly_once(state["queue"])
     restarted = [row for row in actor_table(trainer.actor_ids) if row["ActorClassName"] == class_name]
     assert restarted and restarted[0]["NumRestarts"] >= 1
+    metric = {"RolloutActor": "faults/rollout_restarts", "RewardActor": "faults/reward_restarts"}[class_name]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    counts = [r[metric] for r in records if metric in r]
+    assert counts and counts[-1] >= 1, f"no record of the restart ({metric})"
     assert (tmp_path / f"checkpoint-{state['global_step']}" / "trainer_state.json").is_file()  # the final model
     assert alive(trainer.actor_ids) == []
 
