@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -23,9 +24,17 @@ from typing import Any
 import ray
 
 from actors.cluster_elastic import RayPools
-from actors.cluster_faults import dead_actor_name, died_error, probe_engines, restart_options
+from actors.cluster_faults import (
+    RestartWatch,
+    blame,
+    dead_actor_name,
+    died_error,
+    probe_engines,
+    restart_options,
+)
 from actors.cluster_weights import RayWeightSync, connect_weights
 from actors.fanout import Timeouts, actor_id, call_all, call_all_async, get_all, in_thread, wait_until_dead
+from actors.reaper import start_reaper, stop_reaper
 from rlasync.config.vocab import EngineKind
 from rlasync.driver import (
     RunSpec,
@@ -39,6 +48,7 @@ from rlasync.driver import (
 )
 from rlasync.driver.checkpoint import config_changes
 from rlasync.driver.signals import interrupted_error
+from rlasync.driver.watchdog import silent_engines
 from rlasync.weights.adapter import lora_engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -61,8 +71,8 @@ def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dic
                 raise interrupted_error(guard.request, None, spec.config.output_dir)
             return final
         except ray.exceptions.RayActorError as exc:  # the queue, a learner rank, restarts used up: stop-and-resume
-            name = dead_actor_name(exc, cluster.names) or f"an actor ({exc.actor_id})"
-            raise died_error(name, exc, spec.config.output_dir) from exc
+            timeouts, answered = cluster.timeouts, cluster.answered_at  # a frozen generation actor is named first
+            raise blame(exc, cluster.names, cluster.engines, spec.config.output_dir, timeouts.probe, answered) from exc
 
 
 async def _get(refs: Any, timeout: float) -> Any:
@@ -84,15 +94,19 @@ class Cluster:
         self.engines: list[Any] = []
         self.dataset_ref: Any = None
         self.started_ray = False
+        self.reaper: Any = None  # the local cluster's processes die with the driver (actors/reaper.py)
         self.version = spec.version
         self.engine_count = self.rollout_count = 0  # actors of each pool made so far (they name the next one)
         self.engine_options: dict[str, Any] = {}
         self.rollout_parts: tuple[Any, dict[str, Any], list[Any]] = (None, {}, [])
+        self.answered_at: dict[str, float | None] = {}  # engine name -> when it last answered (a frozen one's error)
 
     # ---- connect and remove -------------------------------------------------------------------------------------
 
     def __enter__(self) -> Cluster:
         self.started_ray = connect(self.config.cluster.ray_address)
+        if self.started_ray:
+            self.reaper = start_reaper(ray.get_runtime_context().get_session_name())
         if self.guard is not None:
             self.guard.__enter__()
         try:
@@ -117,6 +131,8 @@ class Cluster:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+            stop_reaper(self.reaper)  # it kills what the session left behind (its agents) and exits
+            self.reaper = None
 
     def remove(self) -> None:
         """Stop the rollout loops politely (bounded), then kill every actor this run made and wait (bounded) until
@@ -154,6 +170,8 @@ class Cluster:
             cluster=cluster,
             names=self.names,
             output_dir=self.config.output_dir,
+            hang_s=spec.hang_timeout_s,
+            answered_at=self.answered_at,
         )
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
         state["policy_version"] = self.version
@@ -168,6 +186,12 @@ class Cluster:
             names=self.names,
             output_dir=self.config.output_dir,
             heal=weights.heal,
+            answered_at=self.answered_at,
+            watches=[
+                RestartWatch(kind, handles, self.names, self.timeouts.build)
+                for kind, handles in (("reward", rewards), ("teacher", list(teachers.values())))
+                if handles
+            ],
         )
         return spec.step_loop(
             queue=RayQueue(queue, self.timeouts),
@@ -450,11 +474,15 @@ class RayFleet:
         names: dict[str, str] | None = None,
         output_dir: str = ".",
         heal: Callable[[], Awaitable[Any]] | None = None,
+        answered_at: dict[str, float | None] | None = None,
+        watches: Sequence[Any] = (),
     ) -> None:
         self.handles, self.name, self.setting, self.timeouts = handles, name, setting, timeouts
         self.engines, self.names, self.output_dir = list(engines), names or {}, output_dir
         self.heal = heal  # brings back generation actors Ray restarted (RayWeightSync.heal)
         self.restarts = 0
+        self.answered_at = answered_at if answered_at is not None else {}  # engine name -> its last answer (wall)
+        self.watches = list(watches)  # RestartWatch: reward actors and teachers Ray restarted, reported
 
     async def _call(self, index: int, ref: Any, timeout: float) -> Any:
         try:
@@ -487,21 +515,42 @@ class RayFleet:
         for index, rollout in enumerate(self.handles):
             name = f"{self.name} {index}"
             health = await self._call(index, rollout.health.remote(), self.timeouts.health)
+            self._note_answers(health)
             try:
                 check_actor_health(name, health, stale_after_s, self.setting)
             except RuntimeError as exc:
                 dead = dead_actor_name(health.get("error") or "", self.names)
                 if dead is not None:
                     raise died_error(dead, health["error"], self.output_dir, seen_by=name) from exc
-                await in_thread(probe_engines, self.engines, self.names, name, self.output_dir, self.timeouts.probe)
+                await self._probe(name)
                 raise
             healths.append((name, health))
+        silent = silent_engines(healths, stale_after_s)
+        if silent:  # requests wait on an engine that answered nothing for the hang bound: frozen ones are named
+            await self._probe(f"{', '.join(n for n, _ in healths)} (waiting on {', '.join(silent)})")
         return healths
+
+    async def _probe(self, seen_by: str) -> None:
+        await in_thread(
+            probe_engines, self.engines, self.names, seen_by, self.output_dir, self.timeouts.probe, self.answered_at
+        )
+
+    def _note_answers(self, health: dict[str, Any]) -> None:
+        """Keep, per engine, the newest time any rollout actor had an answer from it (for the frozen engine's error)."""
+        now = time.time()
+        for entry in health.get("engines") or ():
+            name, age = entry["name"], entry.get("answered_age_s")
+            at = None if age is None else now - float(age)
+            known = self.answered_at.get(name)
+            self.answered_at[name] = known if at is None or (known is not None and known > at) else at
 
     async def drain_metrics(self) -> list[tuple[str, Any]]:
         await self.ensure_running()
         drained = await call_all_async(self.handles, "drain_metrics", timeout=self.timeouts.call)
-        return [item for items in drained for item in items]
+        restarts = [item for watch in self.watches for item in watch.check()]
+        if self.restarts:  # rollout actors Ray restarted, counted by ensure_running
+            restarts.append(("faults/rollout_restarts", float(self.restarts)))
+        return [item for items in drained for item in items] + restarts
 
     async def drain_completions(self) -> list[Any]:
         """`log_completions`: every rollout actor's sample of the window's completions."""

@@ -14,6 +14,9 @@ ones that cannot be restarted (docs/design.md §4).
 
 from __future__ import annotations
 
+import logging
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ import ray
 
 from actors.fanout import Timeouts, actor_id, remote_all
 from rlasync.driver.checkpoint import Checkpointer
+
+logger = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3  # per actor and run: a crash that repeats (a reward that kills its process) stops the run
 RESTARTABLE_KINDS = ("rollout", "reward", "teacher", "generation")
@@ -70,32 +75,127 @@ def dead_actor_name(error: BaseException | str, names: dict[str, str]) -> str | 
     return None
 
 
-def frozen_error(name: str, seen_by: str, output_dir: str | Path, probe_s: float = Timeouts.probe) -> RuntimeError:
-    return RuntimeError(
+def answered_text(name: str, answered_at: dict[str, float | None] | None, now: float | None = None) -> str:
+    """When `name` last answered, from `answered_at` (engine name -> wall-clock time, None: reported, never
+    answered): "; it last answered 42 s ago (22:41:07 UTC)", "; no rollout actor has had an answer from it", or ""
+    (not known)."""
+    if not answered_at or name not in answered_at:
+        return ""
+    at = answered_at[name]
+    if at is None:
+        return "; no rollout actor has had an answer from it"
+    now = time.time() if now is None else now
+    wall = datetime.fromtimestamp(at, tz=UTC).strftime("%H:%M:%S UTC")
+    return f"; it last answered {max(now - at, 0.0):.0f} s ago ({wall})"
+
+
+class FrozenActorError(RuntimeError):
+    """An actor did not answer a probe: frozen (SIGSTOPped) or its event loop blocked; the message names it."""
+
+
+def frozen_error(
+    name: str, seen_by: str, output_dir: str | Path, probe_s: float = Timeouts.probe, answered: str = ""
+) -> FrozenActorError:
+    """`answered`: when it last answered (`answered_text`), or ""."""
+    return FrozenActorError(
         f"{name} made no progress: it did not answer a stats call within {probe_s:.0f} s while {seen_by} "
-        f"waited for it (frozen, e.g. SIGSTOPped, or its event loop is blocked); {resume_hint(output_dir)}"
+        f"waited for it (frozen, e.g. SIGSTOPped, or its event loop is blocked){answered}; {resume_hint(output_dir)}"
     )
 
 
 def probe_engines(
-    engines: list[Any], names: dict[str, str], seen_by: str, output_dir: str | Path, probe_s: float = Timeouts.probe
+    engines: list[Any],
+    names: dict[str, str],
+    seen_by: str,
+    output_dir: str | Path,
+    probe_s: float = Timeouts.probe,
+    answered_at: dict[str, float | None] | None = None,
 ) -> None:
     """Raise naming the first generation actor that does not answer a stats call within `probe_s` (frozen) or is
-    dead; return when every one answers. Blocking: the engines are asked at once."""
+    dead; return when every one answers. Blocking: the engines are asked at once. `answered_at`: per name, when it
+    last answered (wall clock; `RayFleet.answered_at`), said in the error."""
+    if not engines:
+        return
     refs = remote_all(engines, "stats")
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=probe_s)
     for ref, engine in zip(refs, engines, strict=True):
         name = names.get(actor_id(engine), "a generation actor")
         if ref in pending:
-            raise frozen_error(name, seen_by, output_dir, probe_s)
+            raise frozen_error(name, seen_by, output_dir, probe_s, answered_text(name, answered_at))
         try:
             ray.get(ref, timeout=0)
         except ray.exceptions.RayActorError as exc:
             raise died_error(name, exc, output_dir, seen_by=seen_by) from exc
 
 
+def blame(
+    error: ray.exceptions.RayActorError,
+    names: dict[str, str],
+    engines: list[Any],
+    output_dir: str | Path,
+    probe_s: float = Timeouts.probe,
+    answered_at: dict[str, float | None] | None = None,
+) -> RuntimeError:
+    """The error that stops a run on `error` (an actor's call failed): a frozen or dead generation actor first (a
+    frozen engine makes the actors waiting on it fail in turn, e.g. a lost connection: the engine is the cause),
+    else the actor `error` names: "<name> died (...)", or for `ActorUnavailableError` "<name> stopped answering"."""
+    name = dead_actor_name(error, names) or f"an actor ({error.actor_id})"
+    try:
+        probe_engines(engines, names, f"the driver (after {name} failed)", output_dir, probe_s, answered_at)
+    except RuntimeError as named:
+        return named
+    if isinstance(error, ray.exceptions.ActorUnavailableError):
+        first = (str(error).strip().splitlines() or [""])[0]
+        return RuntimeError(
+            f"{name} stopped answering (ActorUnavailableError: {first[:300]}): frozen, overloaded or unreachable; "
+            f"{resume_hint(output_dir)}"
+        )
+    return died_error(name, error, output_dir)
+
+
+class RestartWatch:
+    """Restarts Ray makes without the driver's help (reward actors and teachers: stateless, their calls resent),
+    reported like the others: a warning per restart and `faults/<kind>_restarts` (the count so far) in the next
+    step's metrics. Each actor answers `incarnation()` with a token its constructor drew; a new token is a restart.
+    `check()` never blocks: one call per actor stays in flight and is read when it has answered (a restarting
+    actor's waits for the restart)."""
+
+    def __init__(self, kind: str, handles: list[Any], names: dict[str, str], timeout_s: float) -> None:
+        self.kind, self.handles, self.names = kind, list(handles), names
+        self.tokens: list[str | None] = list(ray.get(remote_all(self.handles, "incarnation"), timeout=timeout_s))
+        self.pending: dict[int, Any] = {}
+        self.restarts = 0
+
+    def check(self) -> list[tuple[str, float]]:
+        """Read the answered calls (a changed token: warned and counted), send the next ones; the metric items."""
+        for index, handle in enumerate(self.handles):
+            ref = self.pending.get(index)
+            if ref is not None:
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue
+                try:
+                    token = ray.get(ref, timeout=0)
+                except Exception:  # dead for good (its callers report it) or a failed call: asked again
+                    token = None
+                if token is not None and token != self.tokens[index]:
+                    self.tokens[index] = token
+                    self.restarts += 1
+                    logger.warning(
+                        "%s was restarted after it died: Ray resent its calls (%s restarts so far: %d)",
+                        self.names.get(actor_id(handle), f"{self.kind} actor {index}"),
+                        self.kind,
+                        self.restarts,
+                    )
+            self.pending[index] = handle.incarnation.remote()
+        return [(f"faults/{self.kind}_restarts", float(self.restarts))] if self.restarts else []
+
+
 __all__ = [
     "MAX_RESTARTS",
+    "FrozenActorError",
+    "RestartWatch",
+    "answered_text",
+    "blame",
     "dead_actor_name",
     "died_error",
     "frozen_error",

@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from actors.cluster_faults import MAX_RESTARTS, died_error, probe_engines, resume_hint
+from actors.cluster_faults import MAX_RESTARTS, FrozenActorError, died_error, probe_engines, resume_hint
 from actors.fanout import Timeouts, actor_id, call_all, get_all, in_thread, remote_all
 from rlasync.weights.transport import TransportPlan, WeightTransportNotOpen, choose_transport
 
@@ -137,9 +137,13 @@ class RayWeightSync:
         cluster: Any = None,
         names: dict[str, str] | None = None,
         output_dir: str = ".",
+        hang_s: float | None = None,
+        answered_at: dict[str, float | None] | None = None,
     ) -> None:
         self.learners, self.engines, self.queue, self.timeouts = learners, engines, queue, timeouts
         self.cluster, self.names, self.output_dir = cluster, names or {}, output_dir
+        self.hang_s = hang_s  # a sync still loading after this probes its engines: a frozen one stops the run
+        self.answered_at = answered_at if answered_at is not None else {}  # engine name -> its last answer (wall)
         self.version = -1  # the newest version this transport published
         self.restarts = 0
         self._watches: dict[int, Any] = {}  # engine index -> its `watch()` call, which fails when the engine dies
@@ -273,16 +277,25 @@ class RayWeightSync:
         sends = remote_all(self.learners, "send_weights")
         loads = remote_all(self.engines, "sync_weights", ticket, version + 1)
         try:
-            results = get_all(sends + loads, self.timeouts.weight_sync)  # fails at once when an engine died
+            results = self._wait(sends, loads)  # fails at once when an engine died; a frozen one is named
         except Exception as exc:
             finish = False  # a learner still blocked in its send would hold the finish call back: the run stops
+            if isinstance(exc, FrozenActorError):
+                raise
             dead = self._dead_engines(exc, sends, loads)
             if dead:
                 finish = True  # every call of this sync has ended
                 raise EngineRestarted(dead, exc) from exc
             if not isinstance(exc, ray.exceptions.RayActorError):  # a frozen (or dead) engine is named instead
                 try:
-                    probe_engines(self.engines, self.names, "the weight sync", self.output_dir, self.timeouts.probe)
+                    probe_engines(
+                        self.engines,
+                        self.names,
+                        "the weight sync",
+                        self.output_dir,
+                        self.timeouts.probe,
+                        self.answered_at,
+                    )
                 except RuntimeError as named:
                     raise named from exc
             raise
@@ -302,6 +315,26 @@ class RayWeightSync:
             "perf/weight_sync_calls_s": (loaded - started - barrier_s) - max(p["total_s"] for p in phases),
             "perf/weight_sync_finish_s": ended - loaded,
         }
+
+    def _wait(self, sends: list[Any], loads: list[Any]) -> list[Any]:
+        """Every call of one sync (`get_all`: the first failure raises). Past the hang bound (`hang_s`) the engines
+        still loading are probed: one that does not answer is frozen (`FrozenActorError`, with when it last
+        answered), so the run stops within the bound rather than at the sync's deadline. Records the answers."""
+        refs, deadline = sends + loads, self.timeouts.weight_sync
+        if self.hang_s is None or self.hang_s >= deadline:
+            results = get_all(refs, deadline)
+        else:
+            try:
+                results = get_all(refs, self.hang_s)
+            except ray.exceptions.GetTimeoutError:
+                waiting = [engine for engine, ref in zip(self.engines, loads) if not ray.wait([ref], timeout=0)[0]]
+                probe_engines(
+                    waiting, self.names, "the weight sync", self.output_dir, self.timeouts.probe, self.answered_at
+                )
+                results = get_all(refs, deadline - self.hang_s)
+        now = time.time()
+        self.answered_at.update({self._name(index): now for index in range(len(self.engines))})
+        return results
 
     def _dead_engines(self, exc: BaseException, sends: list[Any], loads: list[Any]) -> list[int]:
         """After a failed sync: the engines that died (empty: not an engine death, e.g. a frozen engine or a dead

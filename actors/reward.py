@@ -12,6 +12,7 @@ rollout loop surfaces it like a local failure.
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import ray
@@ -25,6 +26,7 @@ class RewardActor:
         logging.basicConfig(level=logging.INFO)
         self.reward_funcs = list(reward_funcs)
         self.num_groups = 0
+        self._incarnation = uuid.uuid4().hex  # a new one when Ray restarts this actor
 
     async def score(
         self, *, prompts: Any, completions: Any, completion_ids: Any, reward_kwargs: dict[str, Any]
@@ -37,6 +39,11 @@ class RewardActor:
             completion_ids=completion_ids,
             reward_kwargs=reward_kwargs,
         )
+
+    def incarnation(self) -> str:
+        """The token this incarnation's constructor drew: the driver sees a Ray restart by it changing
+        (actors/cluster_faults.py `RestartWatch`)."""
+        return self._incarnation
 
     def stats(self) -> dict[str, int]:
         return {"groups_scored": self.num_groups}

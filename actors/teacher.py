@@ -12,6 +12,7 @@ actor joins no weight-sync group.
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import ray
@@ -40,6 +41,7 @@ class TeacherScorer:
         self.teacher_id = teacher_id
         self.engine = make_engine(engine, model, base_url=base_url, dtype=dtype, **(engine_kwargs or {}))
         self.num_scored = 0
+        self._incarnation = uuid.uuid4().hex  # a new one when Ray restarts this actor
 
     async def score(self, token_ids: list[int], prompt_length: int, top_k: int, temperature: float = 1.0) -> Any:
         """The engine's teacher-forced `score` at `temperature` (`teacher_temperature`)."""
@@ -48,6 +50,11 @@ class TeacherScorer:
 
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
+
+    def incarnation(self) -> str:
+        """The token this incarnation's constructor drew: the driver sees a Ray restart by it changing
+        (actors/cluster_faults.py `RestartWatch`)."""
+        return self._incarnation
 
     def stats(self) -> dict[str, Any]:
         return {"teacher_id": self.teacher_id, "scored": self.num_scored}

@@ -130,8 +130,10 @@ def check_actor_health(
         raise RuntimeError(f"{name} failed: {health['error']}")
     age = health.get("heartbeat_age_s", 0.0)
     if health.get("running") and age > stale_after_s:
+        last = time.strftime("%H:%M:%S UTC", time.gmtime(time.time() - age))
         raise RuntimeError(
-            f"{name}: no heartbeat for {age:.0f} s (> {setting}={stale_after_s}): the rollout loop is hung"
+            f"{name}: no heartbeat for {age:.0f} s (> {setting}={stale_after_s}; its last at {last}): "
+            "the rollout loop is hung"
         )
 
 

@@ -15,6 +15,10 @@ The derived bound follows the typical step, not the slowest one, and is capped, 
 cannot push it out of reach; such a run is reported as it slows (a warning with the recent step times, when a step
 takes SLOWDOWN_FACTOR × the median of the earlier ones).
 
+Conclusive evidence stops the run before the bound: NO_SIGNAL_GROUPS groups in a row (since the last step, none
+trained) with zero reward spread mean the rewards give GRPO nothing to learn from (a constant reward function, an
+environment whose reward never varies), so the run stops at once with the same reason (warned once with "warn").
+
 Pure Python: no ray, no torch; time comes from an injectable clock.
 """
 
@@ -37,6 +41,9 @@ SLOWDOWN_FACTOR = 3.0
 """A step this many times the median of the earlier ones (with at least MIN_STEPS_FOR_SLOWDOWN of them) is warned."""
 MIN_STEPS_FOR_SLOWDOWN = 3
 WATCHDOG_ACTIONS = ("error", "warn")
+NO_SIGNAL_GROUPS = 64
+"""This many groups in a row with zero reward spread (and none trained) stop the run before the bound: a task whose
+groups carry signal at rate p gives 64 in a row with probability (1 - p)^64 (under 4% for p = 5%)."""
 SLOW_CALL_FRACTION = 0.5
 """A tool call or a generation request older than this fraction of the bound is named in the reason."""
 
@@ -72,6 +79,7 @@ class Watchdog:
         self._step_times: list[float] = []
         self._warned_slow_s = 0.0
         self._baseline: dict[str, Counter[str]] | None = {"outcomes": Counter(), "causes": Counter()}
+        self._warned_no_signal = False
         self.steps = 0
 
     def bound_s(self) -> float:
@@ -124,6 +132,7 @@ class Watchdog:
         self._step_times.append(step_s)
         self._last_progress = now
         self._baseline = None
+        self._warned_no_signal = False
         self.steps += 1
 
     def check(self, queue_state: Mapping[str, Any], healths: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> None:
@@ -134,16 +143,33 @@ class Watchdog:
         waited = self._clock() - self._last_progress
         bound = self.bound_s()
         if waited <= bound:
-            return
+            no_signal = self.no_signal_groups(queue_state)
+            if no_signal < NO_SIGNAL_GROUPS or self._warned_no_signal:
+                return
+            self._warned_no_signal = True  # "warn": once per wait; the bound still applies
+            opening = (
+                f"no training step completed in {_secs(waited)} s and the last {no_signal} groups in a row had no "
+                f"learning signal ({NO_SIGNAL_GROUPS} in a row are conclusive: stopped before the bound, "
+                f"{_secs(bound)} s: {self._bound_text()}): "
+            )
+        else:
+            opening = (
+                f"no training step completed in {_secs(waited)} s (bound {_secs(bound)} s: {self._bound_text()}): "
+            )
+            self._last_progress = self._clock()  # "warn": one warning per bound
         message = (
-            f"no training step completed in {_secs(waited)} s (bound {_secs(bound)} s: {self._bound_text()}): "
+            opening
             + self.reason(queue_state, healths, bound)
             + ". Set watchdog_timeout_s to change the bound, or watchdog_action='warn' to keep going."
         )
         if self.settings.action == "error":
             raise NoProgressError(message)
         logger.warning("%s", message)
-        self._last_progress = self._clock()  # one warning per bound
+
+    def no_signal_groups(self, queue_state: Mapping[str, Any]) -> int:
+        """Groups with zero reward spread since the last step, when no group trained since (else 0)."""
+        outcomes = _counts(queue_state)["outcomes"] - (self._baseline or {}).get("outcomes", Counter())
+        return 0 if outcomes.get("trained", 0) else int(outcomes.get("zero_std", 0))
 
     def reason(
         self,
@@ -241,11 +267,40 @@ def _health_reasons(healths: Sequence[tuple[str, Mapping[str, Any]]], bound_s: f
             )
         request = health.get("oldest_request") or None
         if request and float(request.get("age_s", 0.0)) > slow:
+            engine = request.get("name") or f"generation engine {request.get('engine')}"
             reasons.append(
-                f"{name}: generation engine {request.get('engine')} has not answered a request in "
-                f"{float(request['age_s']):.0f} s (the generation actor may be frozen or overloaded)"
+                f"{name}: {engine} has not answered a request in {float(request['age_s']):.0f} s "
+                "(the generation actor may be frozen or overloaded)"
             )
     return reasons
+
+
+def engine_silence(healths: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per engine name, across the rollout actors' health reports (`engines`, from `EnginePool.answer_report`):
+    `answered_age_s` (seconds since it last answered any of them; None: none has had an answer from it),
+    `silent_s` (that age, or while it never answered, how long the youngest pool has had it) and `inflight`
+    (requests waiting on it, summed)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for _, health in healths:
+        for entry in health.get("engines") or ():
+            name = str(entry.get("name"))
+            answered = entry.get("answered_age_s")
+            silent = float(answered if answered is not None else entry.get("joined_age_s") or 0.0)
+            known = merged.setdefault(name, {"answered_age_s": None, "silent_s": silent, "inflight": 0})
+            known["inflight"] += int(entry.get("inflight") or 0)
+            known["silent_s"] = min(known["silent_s"], silent)
+            if answered is not None:
+                previous = known["answered_age_s"]
+                known["answered_age_s"] = float(answered) if previous is None else min(previous, float(answered))
+    return merged
+
+
+def silent_engines(healths: Sequence[tuple[str, Mapping[str, Any]]], bound_s: float) -> list[str]:
+    """The engines with requests waiting on them that answered none of the rollout actors for longer than `bound_s`
+    (frozen, or far slower than the hang bound): the driver probes them and names a frozen one."""
+    return sorted(
+        name for name, seen in engine_silence(healths).items() if seen["inflight"] > 0 and seen["silent_s"] > bound_s
+    )
 
 
 def _heartbeats(healths: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
@@ -258,4 +313,14 @@ def _heartbeats(healths: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     return "; " + ", ".join(parts)
 
 
-__all__ = ["RATE_FACTOR", "WATCHDOG_ACTIONS", "NoProgressError", "Watchdog", "WatchdogSettings", "explain"]
+__all__ = [
+    "RATE_FACTOR",
+    "WATCHDOG_ACTIONS",
+    "NO_SIGNAL_GROUPS",
+    "NoProgressError",
+    "Watchdog",
+    "WatchdogSettings",
+    "engine_silence",
+    "explain",
+    "silent_engines",
+]

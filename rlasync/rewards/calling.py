@@ -18,7 +18,11 @@ threads are few, later calls that only waited for a thread are not mistaken for 
 `bool` is not accepted as a reward (convert with `float(...)`): a list of booleans usually means a check
 was returned where a score was meant. Infinite values are rejected; NaN counts as `None`. A function that
 raises, returns the wrong number of values or a value of another type fails the group with a
-`RewardFunctionError` naming the function.
+`RewardFunctionError` naming the function (its column name and where it is defined, `hook_name`).
+
+Each function gets its own copies of the argument lists (`completions` copied deeply: its messages are dicts), so
+a function that modifies its inputs changes neither the group nor what the other functions see; the modification
+is warned once per function, naming the argument, and said in its error when its rewards do not fit.
 
 Each function becomes one column of a `RewardTable`; other sources (an environment's `get_reward`, a
 loop-provided rollout reward) are added as further named columns. A rollout's reward is the sum of its
@@ -29,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import functools
 import inspect
+import logging
 import math
 import numbers
 import threading
@@ -48,6 +54,7 @@ RewardColumns = Mapping[str, Sequence[float | None]] | Iterable[tuple[str, Seque
 """Extra named reward columns, `G` values each (`None` = not scored)."""
 
 RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+logger = logging.getLogger(__name__)
 
 
 class RewardFunctionError(ValueError):
@@ -97,6 +104,22 @@ def reward_func_name(func: RewardFunc) -> str:
     return name if isinstance(name, str) and name else type(func).__name__
 
 
+def hook_name(hook: Any) -> str:
+    """Where a user's hook (a reward function, a tool, an environment method) is defined, for its errors:
+    "my_module.my_reward", "my_module.MyEnv.reset", "my_module.Scorer.__call__" for a callable object (a
+    `functools.partial`: the function it wraps)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    target = hook if inspect.isfunction(hook) or inspect.ismethod(hook) or inspect.isclass(hook) else None
+    if target is None and callable(hook) and not inspect.isbuiltin(hook):
+        cls = type(hook)
+        return f"{cls.__module__}.{cls.__qualname__}.__call__"
+    target = target if target is not None else hook
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    return f"{module}.{qualname}" if module else str(qualname)
+
+
 def unique_names(names: Iterable[str]) -> list[str]:
     """Make names unique in order: the first `x` stays `x`, later ones become `x_2`, `x_3`, ..."""
     taken: set[str] = set()
@@ -131,17 +154,31 @@ async def call_reward_funcs(
     extra = reward_column_items(extra_columns)
     names = unique_names([reward_func_name(func) for func in reward_funcs] + [name for name, _ in extra])
     func_names, extra_names = names[: len(reward_funcs)], names[len(reward_funcs) :]
+    own = [_own_copy(kwargs) for _ in reward_funcs]  # each function its own lists: a modification stays there
     calls = (
-        _timed(_call_reward_func(func, kwargs, name), name, timeout_s) for func, name in zip(reward_funcs, func_names)
+        _timed(_call_reward_func(func, given, name), name, timeout_s)
+        for func, given, name in zip(reward_funcs, own, func_names)
     )
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
     for outcome in outcomes:
         if isinstance(outcome, RewardTimeoutError):
             raise outcome
-    rows = [
-        _to_column(outcome, f"reward function '{name}'", num_rollouts)
-        for name, outcome in zip(func_names, outcomes, strict=True)
-    ]
+    rows = []
+    for func, given, name, outcome in zip(reward_funcs, own, func_names, outcomes, strict=True):
+        source = f"reward function '{name}' ({hook_name(func)})"
+        changed = _modified(kwargs, given)
+        try:
+            rows.append(_to_column(outcome, source, num_rollouts))
+        except RewardFunctionError as exc:
+            if changed:
+                raise RewardFunctionError(f"{exc}; it modified its argument {changed}") from exc.__cause__
+            raise
+        if changed:
+            _warn_once(
+                source,
+                f"{source} modified its argument {changed}: it was given a copy, so the group is unchanged; "
+                "reward functions should not modify their inputs",
+            )
     rows += [
         _to_column(values, f"reward column '{name}'", num_rollouts)
         for name, (_, values) in zip(extra_names, extra, strict=True)
@@ -170,6 +207,40 @@ def _reward_call_kwargs(
             "rename the column(s)"
         )
     return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **reward_kwargs}
+
+
+def _own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One function's arguments: every per-rollout list copied (`completions` deeply), so what it modifies stays
+    in its copy."""
+    return {
+        name: copy.deepcopy(values) if name == "completions" else list(values) if isinstance(values, list) else values
+        for name, values in kwargs.items()
+    }
+
+
+def _modified(original: Mapping[str, Any], given: Mapping[str, Any]) -> str | None:
+    """How a function changed its copy of the arguments ("'completions' (4 entries -> 0)"), else None."""
+    for name, values in original.items():
+        mine = given[name]
+        if not isinstance(values, list) or mine is values:
+            continue
+        if len(mine) != len(values):
+            return f"'{name}' ({len(values)} entries -> {len(mine)})"
+        if name == "completions":
+            if mine != values:
+                return f"'{name}' (its contents)"
+        elif any(a is not b for a, b in zip(mine, values)):
+            return f"'{name}' (entries replaced)"
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("%s", message)
 
 
 _threads_lock = threading.Lock()

@@ -72,11 +72,12 @@ class ScheduledLoop:
 
     def health_report(self) -> dict[str, Any]:
         """What the rollout actor's health adds for the watchdog (docs/algorithms.md §2.1): tasks in flight, the
-        oldest unanswered generation request, the last group failure and the policy's own `progress()` (GRPO:
-        the oldest tool call still running)."""
+        oldest unanswered generation request, when each engine last answered (`engines`), the last group failure
+        and the policy's own `progress()` (GRPO: the oldest tool call still running)."""
         report: dict[str, Any] = {
             "num_inflight": self.num_inflight,
             "oldest_request": self.engine_pool.oldest_request(),
+            "engines": self.engine_pool.answer_report(),
             "last_failure": self.scheduler.last_failure,
         }
         progress = getattr(self.scheduler.policy, "progress", None)

@@ -6,6 +6,11 @@
     pool.cap                             the controller's concurrency cap (None until it has seen stats)
     pool.add_engines / remove_engines    elastic pools: a removed engine gets no new request, its requests in
                                          flight finish (`inflight_on`), `served` counts each engine's answers
+    pool.answer_report()                 per engine: its name, requests in flight, seconds since it last answered
+                                         (a request or a stats call): the driver names a frozen engine from it
+
+A stats call that does not answer within `stats_timeout_s` is given up (the cap stays): a frozen engine must not
+freeze the loop's heartbeat, which would blame the loop instead of the engine.
 
 Retries (docs/algorithms.md §2.5): `retryable_exceptions` (`EngineError`, `TimeoutError`, `ConnectionError`) are retried up to
 `max_attempts` tries with the backoff 1, 2, 4, 8, 16, 16, ... s; each retry is logged, counted in
@@ -52,6 +57,7 @@ class EnginePool:
     emit:             where retry counts and engine gauges go (`MetricsCallback`)
     counters:         the loop's counters (retries are counted there)
     stats_interval_s: seconds between stats polls; None never polls (the cap then stays None)
+    stats_timeout_s:  a stats call unanswered within this is given up (logged; the cap stays)
     controller:       a ConcurrencyController to use; else one is built from the first stats
     """
 
@@ -65,6 +71,7 @@ class EnginePool:
         max_attempts: int = 30,
         retryable_exceptions: tuple[type[BaseException], ...] = RETRYABLE_EXCEPTIONS,
         stats_interval_s: float | None = 5.0,
+        stats_timeout_s: float = 10.0,
         controller: ConcurrencyController | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
@@ -75,13 +82,15 @@ class EnginePool:
         self.max_concurrent = max_concurrent
         self.max_attempts = max_attempts
         self.retryable_exceptions = retryable_exceptions
-        self.stats_interval_s = stats_interval_s
+        self.stats_interval_s, self.stats_timeout_s = stats_interval_s, stats_timeout_s
         self.controller = controller
         self.counters = counters if counters is not None else collections.Counter()
         self._emit, self._clock, self._sleep = emit, clock, sleep
         self._load: dict[int, int] = {id(engine): 0 for engine in self.engines}  # id(engine) -> requests in flight
         self._served: dict[int, int] = {id(engine): 0 for engine in self.engines}  # id(engine) -> requests answered
         self._inflight: dict[int, tuple[Any, float]] = {}  # request number -> (engine, start time)
+        self._joined: dict[int, float] = {id(engine): clock() for engine in self.engines}
+        self._answered: dict[int, float] = {}  # id(engine) -> when it last answered a request or a stats call
         self._request_numbers = 0
         self._next = 0
         self._next_stats_at = -float("inf")
@@ -104,6 +113,7 @@ class EnginePool:
             self.engines.append(engine)
             self._load.setdefault(id(engine), 0)
             self._served.setdefault(id(engine), 0)
+            self._joined.setdefault(id(engine), self._clock())
 
     def remove_engines(self, engines: Sequence[Any]) -> None:
         """These engines get no new request (a retry picks another one); their requests in flight finish."""
@@ -157,6 +167,7 @@ class EnginePool:
         try:
             record = await resolve(engine.generate(prompt_ids, sampling))
             self._served[id(engine)] += 1
+            self._answered[id(engine)] = self._clock()
             return record
         finally:
             self._load[id(engine)] -= 1
@@ -169,7 +180,21 @@ class EnginePool:
             return None
         engine, started = min(self._inflight.values(), key=lambda entry: entry[1])
         index = next((i for i, known in enumerate(self.engines) if known is engine), -1)  # -1: removed since
-        return {"engine": index, "age_s": self._clock() - started}
+        return {"engine": index, "name": engine_name(engine, index), "age_s": self._clock() - started}
+
+    def answer_report(self) -> list[dict[str, Any]]:
+        """Per engine of the pool: `name`, `inflight` (requests unanswered), `answered_age_s` (seconds since it last
+        answered a request or a stats call; None: never since it joined) and `joined_age_s`."""
+        now = self._clock()
+        return [
+            {
+                "name": engine_name(engine, index),
+                "inflight": self._load.get(id(engine), 0),
+                "answered_age_s": now - self._answered[id(engine)] if id(engine) in self._answered else None,
+                "joined_age_s": now - self._joined.get(id(engine), now),
+            }
+            for index, engine in enumerate(self.engines)
+        ]
 
     async def observe(self, completed: int) -> None:
         """Every `stats_interval_s`: feed the engines' gauges to the concurrency controller (built from the first
@@ -181,7 +206,16 @@ class EnginePool:
         try:
             if not all(callable(getattr(engine, "stats", None)) for engine in self.engines):
                 raise NotImplementedError("an engine has no stats()")
-            stats = [await resolve(engine.stats()) for engine in self.engines]
+            stats = []
+            for engine in self.engines:
+                try:
+                    stats.append(await asyncio.wait_for(resolve(engine.stats()), self.stats_timeout_s))
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"{engine_name(engine, len(stats))} did not answer a stats call within "
+                        f"{self.stats_timeout_s:g} s"
+                    ) from None
+                self._answered[id(engine)] = self._clock()
         except NotImplementedError as exc:
             logger.warning("engines report no load stats (%s); concurrency stays at max_concurrent_rollouts", exc)
             self.stats_interval_s = None
@@ -194,4 +228,10 @@ class EnginePool:
         self._emit(self.controller.observe(stats, completed))
 
 
-__all__ = ["RETRY_METRIC", "EnginePool", "resolve", "retry_backoff_s"]
+def engine_name(engine: Any, index: int) -> str:
+    """How an engine is named in reports: its `name` (an EngineChannel's: "generation actor 0"), else its index."""
+    name = getattr(engine, "name", None)
+    return name if isinstance(name, str) and name else f"engine {index}"
+
+
+__all__ = ["RETRY_METRIC", "EnginePool", "engine_name", "resolve", "retry_backoff_s"]

@@ -31,11 +31,13 @@ built rarely and reset many times. Nothing here imports ray or torch.
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlasync.rewards.calling import hook_name
 from rlasync.rollout.tools import call_tool
 
 ENVIRONMENT_COLUMN = "environment"
@@ -43,6 +45,22 @@ ENVIRONMENT_COLUMN = "environment"
 RESERVED_METHODS = frozenset({"reset", "get_reward"})
 
 EnvironmentFactory = Callable[[], Any]
+
+
+class EnvironmentHookError(ValueError):
+    """An environment's factory, `reset` or `get_reward` raised; the message names it (`hook_name`), the row and
+    the original error (chained). It stops the rollout loop like any error of user code."""
+
+
+async def call_hook(hook: Callable[..., Any], arguments: Mapping[str, Any], executor: Executor, what: str) -> Any:
+    """`call_tool(hook, arguments, executor)` with an error that names the hook: "environment my_module.MyEnv.reset
+    (row 3) raised ValueError: ..."."""
+    try:
+        return await call_tool(hook, arguments, executor)
+    except Exception as exc:
+        raise EnvironmentHookError(
+            f"environment {hook_name(hook)} ({what}) raised {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 @dataclass(eq=False)
@@ -102,7 +120,12 @@ def probe_environments(
                 f"{where} is a {type(factory).__name__}; it must be a zero-argument callable that builds an "
                 "environment (e.g. the environment class itself)"
             )
-        instance = factory()
+        try:
+            instance = factory()
+        except Exception as exc:
+            raise EnvironmentHookError(
+                f"{where} ({hook_name(factory)}) raised {type(exc).__name__} when called to build an environment: {exc}"
+            ) from exc
         cls = type(instance)
         if not callable(getattr(cls, "reset", None)):
             raise ValueError(
@@ -195,16 +218,24 @@ async def run_in_environment(
     executor: Executor,
     emit: Callable[[list[Any]], Any],
     clock: Callable[[], float],
+    row_index: int = -1,
 ) -> tuple[Any, tuple[str, float | None] | None, list[dict[str, Any]]]:
     """One rollout inside an environment (docs/algorithms.md §3.4): an instance from the spec's pool is reset with the row (its
     observation appended to the last prompt message), serves its methods as tools next to the standalone ones
     (`generate(prompt, tools, instance)`), and after the rollout gives `get_reward()` before going back to the
     pool. An instance whose rollout failed or was cancelled is dropped (a tool thread may still be using it).
     Returns the rollout, `(class name, reward)` when the class owns a reward (else None) and the prompt used."""
-    environment = spec.acquire()
+    try:
+        environment = spec.acquire()
+    except Exception as exc:
+        raise EnvironmentHookError(
+            f"environment_factory {hook_name(spec.factory)} (building another {spec.name}) raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     reset_started = clock()
     kwargs = reset_kwargs(row, multi_environment=spec.key is not None)
-    observation = await call_tool(environment.reset, kwargs, executor)
+    where = f"row {row_index}" if row_index >= 0 else "a dataset row"
+    observation = await call_hook(environment.reset, kwargs, executor, f"reset(**row) with the columns of {where}")
     emit([("env/reset_s", (clock() - reset_started, 1.0))])
     if observation is not None:
         prompt = append_to_last_message(prompt, observation)
@@ -212,8 +243,13 @@ async def run_in_environment(
     env_reward = None
     if spec.owns_reward:
         reward_started = clock()
-        value = await call_tool(environment.get_reward, {}, executor)
+        value = await call_hook(environment.get_reward, {}, executor, f"get_reward() after the rollout of {where}")
         emit([("env/reward_s", (clock() - reward_started, 1.0))])
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise EnvironmentHookError(
+                f"environment {hook_name(environment.get_reward)} returned {value!r} ({type(value).__name__}) "
+                f"after the rollout of {where}: return a number (int or float), or None to leave it unscored"
+            )
         env_reward = (spec.name, None if value is None else float(value))
     spec.release(environment)
     return rollout, env_reward, prompt
@@ -221,7 +257,9 @@ async def run_in_environment(
 
 __all__ = [
     "ENVIRONMENT_COLUMN",
+    "EnvironmentHookError",
     "EnvironmentSpec",
+    "call_hook",
     "append_to_last_message",
     "environment_for",
     "probe_environments",

@@ -39,6 +39,7 @@ from rlasync.rewards.calling import (
     RewardFunc,
     RewardTable,
     call_reward_funcs,
+    hook_name,
     reward_column_items,
 )
 
@@ -179,15 +180,15 @@ def _group_reward_columns(
 
 
 def _run_compute_advantages(compute_advantages: ComputeAdvantages, group: RolloutGroup) -> np.ndarray:
+    where = f"compute_advantages ({hook_name(compute_advantages)})"
     advantages = np.asarray(compute_advantages(group), dtype=np.float64)
     if advantages.shape != (len(group),):
         raise ValueError(
-            f"compute_advantages must return one advantage per rollout, shape ({len(group)},); "
-            f"got shape {advantages.shape}"
+            f"{where} must return one advantage per rollout, shape ({len(group)},); got shape {advantages.shape}"
         )
     if not np.isfinite(advantages).all():
         raise ValueError(
-            f"compute_advantages returned non-finite advantages {advantages.tolist()}; "
+            f"{where} returned non-finite advantages {advantages.tolist()}; "
             "give unscorable rollouts (NaN reward) advantage 0"
         )
     return advantages

@@ -38,8 +38,10 @@ from typing import Any
 
 from rlasync.engine.base import RequestRejectedError
 from rlasync.records import MetricValue, Rollout, TurnRecord
+from rlasync.rewards.calling import hook_name
 
 logger = logging.getLogger(__name__)
+_warned_tools: set[str] = set()  # tools whose first exception was logged (once each: the model sees every one)
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -295,6 +297,17 @@ async def execute_tool_calls(
             results.num_failures += 1
             results.metrics.append((f"tools/{name}/failure_count", 1.0))
             result = {"error": str(exc)}
+            if name not in _warned_tools:
+                _warned_tools.add(name)
+                logger.warning(
+                    "tool `%s` (%s) raised %s: %s; the model gets the error as the tool's answer (counted in "
+                    "tools/%s/failure_count; this warning is logged once per tool)",
+                    name,
+                    hook_name(tool),
+                    type(exc).__name__,
+                    exc,
+                    name,
+                )
         finally:
             if tracker is not None and token is not None:
                 tracker.end(token)

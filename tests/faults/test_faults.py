@@ -6,7 +6,9 @@ generation                 restarted by Ray; its failed requests are retried, th
                            transport and sends it the current policy, and the run finishes (1 and 2 engines)
 learner, queue, generation stop-and-resume: the run stops within a bound with an error naming the dead actor and
 (restarts used up)         the checkpoint to resume from; `train(resume_from_checkpoint=True)` continues there
-a frozen (SIGSTOPped) generation actor is named as such, not reported as a hung rollout loop
+a frozen (SIGSTOPped) generation actor is named as such within the hang bound, with when it last answered, whether
+a weight sync or the rollouts' requests wait on it (not a hung rollout loop, nor an actor that lost it); the
+restarts of rollout and reward actors are reported (faults/*_restarts)
 """
 
 import json
@@ -134,6 +136,10 @@ def test_a_killed_rollout_or_reward_actor_is_restarted_and_the_epoch_is_consumed
     assert_exactly_once(state["queue"])
     restarted = [row for row in actor_table(trainer.actor_ids) if row["ActorClassName"] == class_name]
     assert restarted and restarted[0]["NumRestarts"] >= 1
+    metric = {"RolloutActor": "faults/rollout_restarts", "RewardActor": "faults/reward_restarts"}[class_name]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    counts = [r[metric] for r in records if metric in r]
+    assert counts and counts[-1] >= 1, f"no record of the restart ({metric})"
     assert (tmp_path / f"checkpoint-{state['global_step']}" / "trainer_state.json").is_file()  # the final model
     assert alive(trainer.actor_ids) == []
 
@@ -202,19 +208,35 @@ def test_a_killed_learner_queue_or_engine_stops_the_run_naming_it_and_resume_con
     assert alive(resumed.actor_ids) == []
 
 
-def test_a_frozen_generation_actor_is_named(ray_cluster, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("weight_sync_steps", [1, 100], ids=["seen-by-the-weight-sync", "seen-by-the-rollouts"])
+def test_a_frozen_generation_actor_is_named_within_the_hang_bound_with_when_it_last_answered(
+    ray_cluster, tiny_model_dir, tmp_path, weight_sync_steps
+):
+    bound_s = 8.0  # rollout_worker_timeout: the hang bound
     trainer, kill = grpo_trainer(
-        tiny_model_dir, tmp_path, "GenerationActor", step=2, sig=signal.SIGSTOP, rollout_worker_timeout=8.0
+        tiny_model_dir,
+        tmp_path,
+        "GenerationActor",
+        step=2,
+        sig=signal.SIGSTOP,
+        rollout_worker_timeout=bound_s,
+        weight_sync_steps=weight_sync_steps,  # 100: no sync after the freeze, the rollouts' requests wait on it
     )
     try:
         with pytest.raises(RuntimeError) as info:
             trainer.train()
+        stopped_after = time.monotonic() - kill.killed_at
     finally:
         if kill.pid is not None:
-            os.kill(kill.pid, signal.SIGCONT)
+            os.kill(kill.pid, signal.SIGCONT)  # no stopped process left behind
     message = str(info.value)
     assert message.startswith("generation actor 0 made no progress"), message
-    assert "rollout loop is hung" not in message
+    assert "rollout loop is hung" not in message and "queue actor" not in message
+    assert "it last answered" in message and " s ago (" in message, message
+    seen_by = "the weight sync" if weight_sync_steps == 1 else "rollout actor 0"
+    assert f"while {seen_by}" in message, message
+    # the bound, the 10-s probe and a loaded machine's polls; not the 300-s default nor a weight sync's deadline
+    assert stopped_after < bound_s + 40, f"the run took {stopped_after:.0f} s to stop after the SIGSTOP"
 
 
 def test_a_killed_teacher_is_restarted_and_the_distillation_run_finishes(ray_cluster, tiny_model_dir, tmp_path):

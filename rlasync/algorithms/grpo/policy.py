@@ -319,7 +319,7 @@ class RolloutPolicy(PolicyBase):
             return await self._checked_generate_one(prompt, tools, lease.group_id)
 
         rollout, env_reward, prompt = await run_in_environment(
-            spec, lease.row, prompt, self.tools, generate, self.tool_executor(), self.emit, self._clock
+            spec, lease.row, prompt, self.tools, generate, self.tool_executor(), self.emit, self._clock, lease.row_index
         )
         return RolloutOutcome(rollout, self._clock() - started, env_reward, prompt)
 

@@ -12,7 +12,10 @@ def test_an_error_names_the_actor():
 
 def test_a_stale_heartbeat_while_running_is_a_hang():
     health = {"error": None, "running": True, "heartbeat_age_s": 301.0}
-    with pytest.raises(RuntimeError, match=r"rollout actor 0: no heartbeat for 301 s \(> rollout_worker_timeout=300"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"rollout actor 0: no heartbeat for 301 s \(> rollout_worker_timeout=300.0; its last at \d\d:\d\d:\d\d UTC\)",
+    ):
         check_actor_health("rollout actor 0", health, 300.0)
     with pytest.raises(RuntimeError, match="heartbeat_stale_after_s=300"):
         check_actor_health("distillation rollout actor 0", health, 300.0, setting="heartbeat_stale_after_s")

@@ -6,6 +6,7 @@ import logging
 import time
 
 import pytest
+from transformers import TrainerState  # noqa: F401  (the step loop imports it when built: not in the timed runs)
 
 from rlasync.driver import Checkpointer, NoProgressError, StepLoop, StepSettings, Taken, Watchdog, WatchdogSettings
 
@@ -262,3 +263,46 @@ def test_the_bound_cannot_grow_without_limit_and_a_slowing_run_is_warned(caplog)
     clock.now += 121.0
     with pytest.raises(NoProgressError, match=r"bound 120 s: the cap, 4 x rollout_worker_timeout=30"):
         dog.check({"outcomes": {}})
+
+
+def zero_spread(groups, trained=0):
+    return {"outcomes": {"zero_std": groups, "trained": trained}, "causes": {"zero_std/constant": groups}}
+
+
+def test_conclusive_evidence_stops_a_no_signal_run_before_the_bound(caplog):
+    from rlasync.driver.watchdog import NO_SIGNAL_GROUPS
+
+    clock = Clock()
+    dog = Watchdog(WatchdogSettings(floor_s=300.0), clock)
+    clock.now = 5.0
+    dog.step_done()
+    dog.check(zero_spread(10))  # the baseline after a step: groups before the wait do not count
+    clock.now = 20.0
+    dog.check(zero_spread(10 + NO_SIGNAL_GROUPS - 1))  # one short: goes on
+    clock.now = 25.0
+    with pytest.raises(NoProgressError) as info:
+        dog.check(zero_spread(10 + NO_SIGNAL_GROUPS))
+    message = str(info.value)
+    assert message.startswith(
+        f"no training step completed in 20 s and the last {NO_SIGNAL_GROUPS} groups in a row had no learning signal "
+        f"({NO_SIGNAL_GROUPS} in a row are conclusive: stopped before the bound, 300 s"
+    )
+    assert f"{NO_SIGNAL_GROUPS} groups in a row had zero reward spread" in message
+
+
+def test_a_trained_group_or_a_step_means_the_evidence_is_not_conclusive(caplog):
+    clock = Clock()
+    dog = Watchdog(WatchdogSettings(floor_s=300.0), clock)
+    dog.check(zero_spread(0))
+    clock.now = 10.0
+    dog.check(zero_spread(500, trained=1))  # a group trained since the last step: a step is coming
+    dog.step_done()
+    dog.check(zero_spread(500, trained=1))  # the new baseline
+    clock.now = 20.0
+    dog.check(zero_spread(530, trained=1))
+    warn = Watchdog(WatchdogSettings(floor_s=300.0, action="warn"), clock)
+    warn.check(zero_spread(0))
+    with caplog.at_level("WARNING"):
+        warn.check(zero_spread(100))
+        warn.check(zero_spread(200))  # once per wait
+    assert sum("no learning signal" in r.getMessage() for r in caplog.records) == 1

@@ -162,7 +162,8 @@ def test_raising_function_is_named_and_chained():
     def broken(**kwargs):
         raise KeyError("solution")
 
-    with pytest.raises(RewardFunctionError, match=r"reward function 'broken' raised KeyError") as info:
+    where = r"\(tests\.unit\.rewards\.test_calling\.test_raising_function_is_named_and_chained\.<locals>\.broken\)"
+    with pytest.raises(RewardFunctionError, match=rf"reward function 'broken' {where} raised KeyError") as info:
         score([ones, broken])
     assert isinstance(info.value, ValueError)
     assert isinstance(info.value.__cause__, KeyError)
@@ -185,7 +186,7 @@ def test_bad_return_values_are_named(returned, message):
     def bad(**kwargs):
         return returned
 
-    with pytest.raises(RewardFunctionError, match=message):
+    with pytest.raises(RewardFunctionError, match=message.replace("'bad'", r"'bad' \([\w.<>]+\.bad\)")):
         score([bad])
 
 
@@ -204,3 +205,76 @@ def test_reward_table_column_lookup():
     assert table.num_rollouts == 2
     assert table.column("a")[0] == 1.0
     assert table.totals()[0] == 1.0 and math.isnan(table.totals()[1])
+
+
+class Judge:
+    def __call__(self, completions, **kwargs):
+        raise ValueError("no verdict")
+
+
+def test_the_error_names_where_the_function_is_defined_also_for_a_callable_object_or_a_partial():
+    from rlasync.rewards.calling import hook_name
+
+    def base(scale, **kwargs):
+        raise ValueError("broken")
+
+    assert hook_name(Judge()) == "tests.unit.rewards.test_calling.Judge.__call__"
+    assert hook_name(functools.partial(ones, scale=1)) == "tests.unit.rewards.test_calling.ones"
+    assert hook_name(Judge.__call__) == "tests.unit.rewards.test_calling.Judge.__call__"
+    with pytest.raises(RewardFunctionError, match=r"'Judge' \(tests\.unit\.rewards\.test_calling\.Judge\.__call__\)"):
+        score([Judge()])
+
+
+def test_a_function_that_modifies_its_inputs_changes_neither_the_group_nor_the_other_functions(caplog):
+    completions = [[dict(m) for m in c] for c in COMPLETIONS]
+    kwargs = {"solution": ["1", "2", "3"]}
+    seen = []
+
+    def clears(completions, solution, **kwargs):
+        scores = [1.0, 0.0, 2.0]
+        completions.clear()
+        solution.reverse()
+        return scores
+
+    def edits(completions, **kwargs):
+        completions[0][-1]["content"] = "edited"
+        return [0.0] * 3
+
+    def reads(completions, solution, **kwargs):
+        seen.append(([c[-1]["content"] for c in completions], list(solution)))
+        return [0.0] * 3
+
+    with caplog.at_level("WARNING"):
+        table = asyncio.run(
+            call_reward_funcs(
+                [clears, edits, reads],
+                prompts=PROMPTS,
+                completions=completions,
+                completion_ids=COMPLETION_IDS,
+                reward_kwargs=kwargs,
+            )
+        )
+    assert table.totals().tolist() == [1.0, 0.0, 2.0]
+    assert completions == COMPLETIONS and kwargs == {"solution": ["1", "2", "3"]}  # the group is unchanged
+    assert seen == [(["c0", "c1", "c2"], ["1", "2", "3"])]
+    assert (
+        "reward function 'clears' (" in caplog.text
+        and "modified its argument 'completions' (3 entries -> 0)" in caplog.text
+    )
+    assert (
+        "reward function 'edits' (" in caplog.text
+        and "modified its argument 'completions' (its contents)" in caplog.text
+    )
+
+
+def test_a_wrong_length_after_modifying_an_input_names_the_function_and_the_argument():
+    def pops(completions, **kwargs):
+        completions.pop()
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError) as info:
+        score([pops])
+    message = str(info.value)
+    assert message.startswith("reward function 'pops' (tests.unit.rewards.test_calling.")
+    assert "returned 2 rewards for 3 completions" in message
+    assert message.endswith("it modified its argument 'completions' (3 entries -> 2)")

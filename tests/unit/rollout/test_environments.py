@@ -9,7 +9,7 @@ import pytest
 from rlasync.algorithms.grpo.loop import AsyncRolloutLoop, PromptLease
 from rlasync.config import AsyncGRPOConfig
 from rlasync.metrics import MetricSink
-from rlasync.rollout.environments import append_to_last_message, probe_environments
+from rlasync.rollout.environments import EnvironmentHookError, append_to_last_message, probe_environments
 
 BUILT = []
 RESETS = []
@@ -293,3 +293,50 @@ def test_observations_append_to_string_and_block_contents_without_mutating():
         {"type": "text", "text": "Q"},
         {"type": "image"},
     ]
+
+
+class BadReset(Counter):
+    def reset(self, **row):
+        raise KeyError("start")
+
+
+class BadReward(Counter):
+    def get_reward(self):
+        return "ten"
+
+
+def broken_factory():
+    raise OSError("no board")
+
+
+@pytest.mark.parametrize(
+    "factory, expected",
+    [
+        (
+            BadReset,
+            r"environment tests\.unit\.rollout\.test_environments\.BadReset\.reset \(reset\(\*\*row\) with the "
+            r"columns of row 0\) raised KeyError: 'start'",
+        ),
+        (
+            BadReward,
+            r"environment tests\.unit\.rollout\.test_environments\.BadReward\.get_reward returned 'ten' \(str\) "
+            r"after the rollout of row 0: return a number",
+        ),
+    ],
+    ids=["reset-raises", "get-reward-not-a-number"],
+)
+def test_an_environment_hook_that_fails_is_named_with_the_row(char_tokenizer, scripted_engine, factory, expected):
+    rows = [{"prompt": [{"role": "user", "content": "A"}]}]
+    loop = build_loop(char_tokenizer, scripted_engine(char_tokenizer, lambda prompt, turn: "x"), rows, factory)
+    with pytest.raises(EnvironmentHookError, match=expected) as info:
+        asyncio.run(loop.run())
+    assert factory is BadReward or isinstance(info.value.__cause__, KeyError)
+
+
+def test_a_factory_that_raises_is_named():
+    with pytest.raises(
+        EnvironmentHookError,
+        match=r"environment_factory\['b'\] \(tests\.unit\.rollout\.test_environments\.broken_factory\) raised "
+        r"OSError when called to build an environment: no board",
+    ):
+        probe_environments({"b": broken_factory})

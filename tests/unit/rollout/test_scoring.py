@@ -202,8 +202,10 @@ def test_compute_advantages_hook_sees_rewards_and_runs_for_dropped_groups():
     [([0.0], r"one advantage per rollout, shape \(2,\); got shape \(1,\)"), ([0.0, math.nan], "non-finite")],
 )
 def test_bad_compute_advantages_output_is_refused(advantages, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         score(make_group(one_row_each(2)), [two_reward], compute_advantages=lambda group: advantages)
+    where = "compute_advantages (tests.unit.rollout.test_scoring.test_bad_compute_advantages_output_is_refused."
+    assert str(info.value).startswith(where + "<locals>.<lambda>)")  # the hook is named where it is defined
 
 
 def test_environment_rollout_and_extra_columns_are_reward_sources():

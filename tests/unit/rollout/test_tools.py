@@ -186,8 +186,14 @@ def test_an_unknown_tool_is_a_failure_without_latency():
     assert "tools/latency_s" not in values
 
 
-def test_a_raising_tool_is_a_failure_with_its_error_and_a_latency():
-    messages, calls, failures, metrics = run([make_tool_call("explode"), make_tool_call("add", {"a": 1})])
+def test_a_raising_tool_is_a_failure_with_its_error_and_a_latency(caplog, monkeypatch):
+    monkeypatch.setattr("rlasync.rollout.tools._warned_tools", set())
+    with caplog.at_level("WARNING"):
+        messages, calls, failures, metrics = run([make_tool_call("explode"), make_tool_call("add", {"a": 1})])
+        run([make_tool_call("explode")])
+    warned = [r.getMessage() for r in caplog.records if "explode" in r.getMessage()]
+    assert len(warned) == 1, warned  # once per tool
+    assert warned[0].startswith("tool `explode` (tests.unit.rollout.test_tools.explode) raised RuntimeError: boom")
     assert messages[0] == {"role": "tool", "name": "explode", "content": str({"error": "boom"})}
     assert messages[1]["name"] == "add" and "error" in messages[1]["content"]  # missing argument b
     assert (calls, failures) == (2, 2)
