@@ -66,6 +66,19 @@ def test_death_messages_name_the_actor_and_the_checkpoint(tmp_path):
     assert dead_actor_name("ValueError: ab12", names) is None
 
 
+def test_a_death_by_node_loss_names_the_node(tmp_path):
+    from actors.cluster_faults import died_error, lost_node
+
+    cause = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: LearnerActor\n\tip: 10.0.0.7\n"
+        "The actor died because its node has died. Node Id: 26a2935707301563a2b0\n"
+    )
+    assert lost_node(cause) == "26a2935707301563a2b0 (10.0.0.7)"
+    assert lost_node("The actor died unexpectedly before finishing this task.") is None
+    message = str(died_error("learner rank 0", cause, tmp_path))
+    assert message.startswith("learner rank 0 died (its node 26a2935707301563a2b0 (10.0.0.7) was lost: The actor died")
+
+
 def test_the_service_records_owners_and_releases_a_dead_owners_live_leases():
     service = QueueService.create(QueueSettings(5, 1.0, max_staleness=100, tokens_per_step=10**6))
     first = asyncio.run(service.next_group(2, 0.0)).lease
