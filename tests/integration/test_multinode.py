@@ -281,6 +281,8 @@ class TestNodeLoss:
         assert_exactly_once(state["queue"])
         assert state["global_step"] > 2
         records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        queued = next(r for r in records if r["step"] == 2)["rollout/queue_size"]
+        assert queued > 0, "no sample was queued when the node was lost"  # owned by the queue (head), not the node
         restarts = [r["faults/generation_restarts"] for r in records if "faults/generation_restarts" in r]
         assert restarts and restarts[-1] >= 1, "the driver did not re-sync a restarted engine"
         versions = [r["policy_version"] for r in records]

@@ -91,3 +91,31 @@ def test_the_service_records_owners_and_releases_a_dead_owners_live_leases():
     assert state.leased_groups == 1 and state.released_by_owner == {"rollout actor 0": 2}
     again = sorted(asyncio.run(service.next_group(2, 0.0)).lease.position for _ in range(2))
     assert again == sorted(lease.position for lease in mine) and other.position not in again
+
+
+def test_the_sinks_send_samples_by_value_so_the_queue_owns_them():
+    """A rollout actor's samples reach the queue inside the call, not as ObjectRefs (which the rollout actor would
+    own: lost with its node, docs/design.md §4 "Nodes"); the queue actor `ray.put`s them and owns them."""
+    from types import SimpleNamespace
+
+    from actors.loop_host import QueueGroupSink, QueueSampleSink
+
+    class Sample:
+        group_id, prompt_id, policy_version, num_trained_tokens, row_index = 3, 3, 1, 4, 0
+
+        def __len__(self):
+            return 8
+
+    sent = []
+
+    async def put_group(entries):
+        sent.append(entries)
+
+    queue = SimpleNamespace(put_group=SimpleNamespace(remote=put_group))
+    source = SimpleNamespace(taken=lambda group_id: None)
+    samples = [Sample(), Sample()]
+    result = SimpleNamespace(group_id=3, dropped=False, scored=SimpleNamespace(samples=samples))
+    asyncio.run(QueueGroupSink(queue, source).put(result))
+    asyncio.run(QueueSampleSink(queue, source).put(samples[0]))
+    assert [[entry.payload for entry in entries] for entries in sent] == [samples, [samples[0]]]
+    assert all(entry.payload is sample for entry, sample in zip(sent[0], samples, strict=True))
