@@ -11,7 +11,8 @@ node group; a node is lost mid-run by killing its raylet, as a crash):
 
 The autoscaler (`FakeAutoscalingCluster`: `ray start --head` with the fake multi-node provider, the worker groups of
 deploy/raycluster.yaml, the run configured as deploy/rayjob.yaml's entrypoint): the elastic policy asks for a second
-engine, the autoscaler adds a generation node for it, it joins the weight transport; idle nodes are removed.
+engine, the autoscaler adds a generation node for it, it joins the weight transport and serves; removed again, its
+node is idle and the autoscaler removes it; every worker node goes once the run ends.
 
 `cluster.resources` keeps each role on its nodes (the queue on the head, with the driver: the samples it owns live
 there). Marked `standalone_cluster` (each test starts its own Ray cluster, not the session's): `.ci/run` runs the
@@ -490,13 +491,15 @@ def test_the_autoscaler_adds_a_generation_node_for_the_elastic_policy_and_remove
 ):
     """The worker groups of deploy/raycluster.yaml under the real autoscaler, the run configured as deploy/rayjob.yaml
     configures it (`cluster.resources`, `cluster.elastic`): the learner waits on rollouts (max_staleness 0), so at
-    the first decision the policy asks for a second engine; it is pending until the autoscaler adds a generation node,
-    then joins the weight transport and serves; when the run ends every worker node is idle and removed."""
+    the policy's first decision (step 6) it asks for a second engine; the engine is pending until the autoscaler adds
+    a generation node, then joins the weight transport and serves. At step 10 the pool shrinks again
+    (`trainer.resize`: on CPU the learner always waits, so the policy itself would not): the engine is drained and
+    removed, and its node, idle, is removed by the autoscaler; so is every worker node once the run ends."""
     _, timeline = autoscaling
     cluster = {
         **rayjob_cluster_overrides(),  # resources per role, elastic: true
         "max_generation_actors": 2,  # rayjob.yaml's 4, bounded for a 2-core machine
-        "elastic_interval_steps": 2,
+        "elastic_interval_steps": 6,  # decides at step 6 (grow), then quiet until step 13, then at 18 (past the end)
         "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
         "collective_timeout_s": 120.0,  # a new engine waits for its node (seconds here, minutes for a GPU pod)
     }
@@ -507,7 +510,8 @@ def test_the_autoscaler_adds_a_generation_node_for_the_elastic_policy_and_remove
     def record(args, state, control, **kwargs):
         up_at_step[state.global_step] = timeline.alive_nodes()
 
-    trainer.callbacks += [StepLog(timeline), type("Nodes", (), {"on_step_end": staticmethod(record)})()]
+    shrink = AtStep(timeline, 10, lambda: trainer.resize(generation=1))
+    trainer.callbacks += [StepLog(timeline), type("Nodes", (), {"on_step_end": staticmethod(record)})(), shrink]
     try:
         state = trainer.train()
         timeline.log("the run ended: its actors are gone")
@@ -520,14 +524,17 @@ def test_the_autoscaler_adds_a_generation_node_for_the_elastic_policy_and_remove
         timeline.print("autoscaler")
 
     assert_exactly_once(state["queue"])
-    (added, *_) = [event for event in trainer.run_state["elastic_events"] if event["action"] == "add_engine"]
-    assert added["actor"] == "generation actor 1" and added["step"] >= 2 and added["policy_version"] > 0
+    assert shrink.done_at == 10 and state["global_step"] > 10
+    events = trainer.run_state["elastic_events"]
+    assert [event["action"] for event in events] == ["add_engine", "remove_engine"], events
+    added, removed = events
+    assert added["actor"] == removed["actor"] == "generation actor 1" and added["step"] == 6
+    assert removed["requests"] > 0, "the engine on the autoscaled node served no request"
+    assert removed["weights_version"] == removed["policy_version"] > added["policy_version"] > 0  # kept in sync
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    grown = [r["step"] for r in records if r["elastic/generation_actors"] == 2.0]
-    assert grown and grown[-1] == state["global_step"], "the second engine did not stay to the end"
-    versions = [r["policy_version"] for r in records if r["step"] >= grown[0]]
-    assert versions[-1] > added["policy_version"], "no weight sync reached the pool after the new engine joined"
-    first, last = up_at_step[min(up_at_step)], up_at_step[state["global_step"]]
+    sizes = [r["elastic/generation_actors"] for r in records]
+    assert sizes[:5] == [1.0] * 5 and sizes[5:9] == [2.0] * 4 and set(sizes[10:]) == {1.0}, sizes  # steps 6-9: 2
+    first, grown = up_at_step[min(up_at_step)], up_at_step[9]
     assert sorted(first) == ["generation#1", "head#1", "learner#1", "rollout#1"], first  # one node per group
-    assert sorted(last) == ["generation#1", "generation#2", "head#1", "learner#1", "rollout#1"], last
+    assert sorted(grown) == ["generation#1", "generation#2", "head#1", "learner#1", "rollout#1"], grown
     assert left == ["head#1"], "idle worker nodes were not removed"
