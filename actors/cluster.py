@@ -47,6 +47,7 @@ from rlasync.driver import (
     step_budget,
 )
 from rlasync.driver.checkpoint import config_changes
+from rlasync.driver.resources import check_custom_resources
 from rlasync.driver.signals import interrupted_error
 from rlasync.driver.watchdog import silent_engines
 from rlasync.weights.adapter import lora_engine_kwargs
@@ -112,6 +113,9 @@ class Cluster:
         try:
             nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
             check_resources(self.spec.requests, ray.cluster_resources(), autoscaling=not self.started_ray, nodes=nodes)
+            counts = {role: count for role, (count, *_) in self.spec.requests.items()}
+            counts["teacher"] = len(self.spec.teachers or {})
+            check_custom_resources(self.config.cluster.resources or {}, counts, nodes, not self.started_ray)
         except BaseException:
             self._disconnect()
             if self.guard is not None:
@@ -216,11 +220,15 @@ class Cluster:
 
     def spawn(self, actor_cls: Any, label: str, kind: str, name: str | None = None, **options: Any) -> Any:
         """One actor: `num_cpus` / `num_gpus` (and `name`) are Ray options, the rest its constructor's keywords;
-        `label` names it in errors ("learner rank 0"), `kind` decides whether Ray restarts it (actors/cluster_faults.py)."""
+        `label` names it in errors ("learner rank 0"), `kind` decides whether Ray restarts it (actors/cluster_faults.py)
+        and which custom resources it asks for (`cluster.resources[kind]`)."""
         handle_options = {k: v for k, v in options.items() if k in ("num_cpus", "num_gpus")}
         init = {k: v for k, v in options.items() if k not in ("num_cpus", "num_gpus")}
         if name is not None:
             handle_options["name"] = name
+        custom = self.config.cluster.role_resources(kind)  # cluster.resources: the nodes this role may run on
+        if custom:
+            handle_options["resources"] = custom
         handle = actor_cls.options(**handle_options, **restart_options(kind)).remote(**init)
         self.handles.append(handle)
         self.actor_ids.append(actor_id(handle))

@@ -9,12 +9,17 @@ ones that cannot be restarted (docs/design.md §4).
                                                       (actors/cluster_weights.py `EngineRestarts`)
     stop-and-resume                                   the queue, the learner ranks, and any actor whose restarts are
                                                       used up: the run stops with an error that names the dead actor
-                                                      and the checkpoint to resume from
+                                                      (and its node, when the node was lost) and the checkpoint to
+                                                      resume from
+
+A node lost from a multi-node cluster kills every actor on it at once: the restartable ones are restarted by Ray on
+a node that has their resources (`cluster.resources` keeps a role on its group of nodes) and handled as above.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,6 +32,9 @@ from rlasync.driver.checkpoint import Checkpointer
 
 logger = logging.getLogger(__name__)
 
+NODE_DIED = re.compile(r"its node has died\.\s*Node Id:\s*([0-9a-f]+)")
+NODE_IP = re.compile(r"^\s*ip:\s*(\S+)", re.MULTILINE)
+NODE_DEATH_WAIT_S = 10.0  # how long a dead actor's error waits for Ray to say whether its node is gone
 MAX_RESTARTS = 3  # per actor and run: a crash that repeats (a reward that kills its process) stops the run
 RESTARTABLE_KINDS = ("rollout", "reward", "teacher", "generation")
 RETRIED_KINDS = ("rollout", "reward", "teacher")  # Ray resends their calls; a generation call fails (retried above it)
@@ -57,7 +65,43 @@ def died_error(
     if isinstance(cause, BaseException):
         first = f"{type(cause).__name__}: {first}"
     where = f"seen by {seen_by}: " if seen_by else ""
-    return RuntimeError(f"{name} died ({where}{first[:300]}); {resume_hint(output_dir)}")
+    node = lost_node(cause)
+    lost = f"its node {node} was lost: " if node else ""
+    if not lost and isinstance(cause, ray.exceptions.RayActorError) and cause.actor_id:
+        lost = node_of(cause.actor_id)
+    return RuntimeError(f"{name} died ({lost}{where}{first[:300]}); {resume_hint(output_dir)}")
+
+
+def node_of(dead_actor_id: str, wait_s: float = NODE_DEATH_WAIT_S) -> str:
+    """ "its node N (ip) was lost: " when the actor's node is dead, else "on node N (ip): " once Ray marks the actor
+    dead (its process died, the node lives on) or after `wait_s` (a call fails on a closed connection before Ray's
+    health checks declare a lost node dead); "" when Ray no longer knows the actor."""
+    from ray._private.state import actors  # the GCS's actor table (no dashboard needed)
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            row = actors(actor_id=dead_actor_id)
+            node_id, ip = row["Address"]["NodeID"], row["Address"].get("IPAddress")
+        except Exception:
+            return ""
+        named = node_id + (f" ({ip})" if ip else "")
+        if not {node["NodeID"]: node.get("Alive") for node in ray.nodes()}.get(node_id, False):
+            return f"its node {named} was lost: "
+        if row.get("State") == "DEAD" or time.monotonic() >= deadline:
+            return f"on node {named}: "
+        time.sleep(0.5)
+
+
+def lost_node(cause: BaseException | str) -> str | None:
+    """The node id (and address) of a death Ray reports as its node's ("The actor died because its node has died.
+    Node Id: ...", "ip: ..."), else None."""
+    text = str(cause)
+    found = NODE_DIED.search(text)
+    if found is None:
+        return None
+    ip = NODE_IP.search(text)
+    return found.group(1) + (f" ({ip.group(1)})" if ip else "")
 
 
 def dead_actor_name(error: BaseException | str, names: dict[str, str]) -> str | None:
@@ -199,6 +243,8 @@ __all__ = [
     "dead_actor_name",
     "died_error",
     "frozen_error",
+    "lost_node",
+    "node_of",
     "probe_engines",
     "restart_options",
     "resume_hint",

@@ -50,6 +50,10 @@ GRADIENT_CHECKPOINTING_KWARGS = ("use_reentrant",)
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
 
 
+RESOURCE_ROLES = ("learner", "generation", "rollout", "reward", "queue", "teacher")
+"""The actor roles `ClusterConfig.resources` names (the kinds the Cluster spawns)."""
+
+
 @dataclass
 class ClusterConfig:
     """How many of each actor the trainer starts and what each asks Ray for (the `cluster` section).
@@ -120,6 +124,13 @@ class ClusterConfig:
     """Upper bound of the rollout pool when resized (None: `num_rollout_actors`, no growth)."""
     elastic_interval_steps: int = 5
     """With `elastic`: steps between two decisions of the policy (and after each change)."""
+    resources: dict[str, dict[str, float]] | None = None
+    """Custom Ray resources each actor of a role asks for, besides its CPUs/GPUs: `{role: {resource: amount}}` with
+    roles learner, generation, rollout, reward, queue, teacher. A node started with that resource
+    (`ray start --resources='{"learner_node": 1}'`, a KubeRay group's `rayStartParams.resources`) is the only kind
+    of node the role's actors are placed on, also when Ray re-places them after a node is lost, and the resource
+    an autoscaler adds a node of that group for: e.g. `{learner: {learner_node: 1}, generation: {generation_node:
+    1}}` puts the learner ranks and the engines on their own groups of nodes (deploy/README.md)."""
 
     def __post_init__(self) -> None:
         if self.num_rollout_actors is None:
@@ -131,6 +142,7 @@ class ClusterConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cluster.{name}={value!r}: must be a positive integer")
         self._check_elastic()
+        self._check_resources()
         reward_actors = self.num_reward_actors
         if isinstance(reward_actors, bool) or not isinstance(reward_actors, int) or reward_actors < 0:
             raise ValueError(f"cluster.num_reward_actors={self.num_reward_actors!r}: must be an integer >= 0")
@@ -209,6 +221,33 @@ class ClusterConfig:
                 "cluster.elastic=True but neither pool can change size: set cluster.max_generation_actors "
                 "or cluster.max_rollout_actors above num_*_actors (or min_*_actors below it)"
             )
+
+    def _check_resources(self) -> None:
+        """`resources`: a dict (or its JSON text) of known roles, each a dict of resource names to amounts >= 0."""
+        if self.resources is None:
+            return
+        if isinstance(self.resources, str):
+            self.resources = _parse_json_dict("cluster.resources", self.resources)
+        if not isinstance(self.resources, dict):
+            raise ValueError(f"cluster.resources={self.resources!r}: must be a dict {{role: {{resource: amount}}}}")
+        for role, wanted in self.resources.items():
+            if role not in RESOURCE_ROLES:
+                raise ValueError(f"cluster.resources.{role}: unknown role; the roles are {', '.join(RESOURCE_ROLES)}")
+            if not isinstance(wanted, dict):
+                raise ValueError(f"cluster.resources.{role}={wanted!r}: must be a dict {{resource: amount}}")
+            for name, amount in wanted.items():
+                if name in ("CPU", "GPU"):
+                    where = f"cluster.{role}_num_{name.lower()}s"
+                    raise ValueError(f"cluster.resources.{role}.{name}: CPUs and GPUs are {where}, not a resource")
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"cluster.resources.{role}: resource name {name!r} must be a non-empty string")
+                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+                    raise ValueError(f"cluster.resources.{role}.{name}={amount!r}: must be a number >= 0")
+            self.resources[role] = {name: float(amount) for name, amount in wanted.items()}
+
+    def role_resources(self, role: str) -> dict[str, float]:
+        """The custom Ray resources one actor of `role` asks for (`resources`; empty when none)."""
+        return dict((self.resources or {}).get(role, {}))
 
     def pool_bounds(self, pool: str) -> tuple[int, int]:
         """`(min, max)` actors of the "generation" or "rollout" pool (max None: the starting count)."""

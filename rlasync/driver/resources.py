@@ -84,6 +84,43 @@ def check_resources(
         raise ValueError(message)
 
 
+def check_custom_resources(
+    custom: Mapping[str, Mapping[str, float]],
+    counts: Mapping[str, int],
+    nodes: Sequence[Mapping[str, float]],
+    autoscaling: bool,
+) -> None:
+    """`cluster.resources` against the cluster's live nodes (each node's resources): every custom resource a role
+    asks for must be on a node with at least one actor's amount, and the nodes together must hold `count` actors'
+    worth (`counts`: actors per role; a role not in it counts 1). Short: a `ValueError` naming the role, the
+    resource and the nodes that have it, or on an autoscaling cluster a warning (the pending actors are what makes
+    it add a node of the group that has the resource)."""
+    problems = []
+    for role, wanted in custom.items():
+        count = counts.get(role, 1)
+        if not count:
+            continue
+        for name, amount in wanted.items():
+            held = [float(node.get(name, 0.0)) for node in nodes]
+            if amount > 0 and max(held, default=0.0) + 1e-9 < amount:
+                problems.append(
+                    f"cluster.resources.{role}.{name}={amount:g}: no node has {amount:g} {name!r} "
+                    f"(nodes with it: {sum(h > 0 for h in held)}); start nodes with --resources='{{\"{name}\": N}}'"
+                )
+            elif count * amount > sum(held) + 1e-9:
+                problems.append(
+                    f"cluster.resources.{role}.{name}: {count} {role} actors x {amount:g} need {count * amount:g} "
+                    f"{name!r} but the nodes have {sum(held):g} in all"
+                )
+    if not problems:
+        return
+    message = "; ".join(problems)
+    if autoscaling:
+        logger.warning("%s, unless the cluster scales up", message)
+    else:
+        raise ValueError(message)
+
+
 def first_fit(requests: Mapping[str, tuple[int, float, float]], nodes: Sequence[Mapping[str, float]]) -> str | None:
     """Place every actor on a node, largest GPU (then CPU) demand first, on the first node with room (as Ray's
     scheduler would, roughly); the first actor that fits nowhere ("learner 1 (2 GPUs, 1 CPU)"), else None."""
@@ -113,4 +150,12 @@ def gpu_layout_hint(requests: Mapping[str, tuple[int, float, float]], gpus: floa
     return f"; on {gpus:g} GPU(s) this layout fits: {fields}"
 
 
-__all__ = ["ActorRequests", "actor_requests", "check_resources", "first_fit", "gpu_layout_hint", "setting"]
+__all__ = [
+    "ActorRequests",
+    "actor_requests",
+    "check_custom_resources",
+    "check_resources",
+    "first_fit",
+    "gpu_layout_hint",
+    "setting",
+]

@@ -5,8 +5,10 @@ deploy/Dockerfile builds (no pip at pod start), output_dir is on the shared volu
 the learner's, token auth is on, and no placeholder is left."""
 
 import copy
+import json
 import lzma
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,52 @@ def test_every_pod_gives_the_driver_its_shutdown_grace():
     pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
     grace = AsyncGRPOConfig().shutdown_grace_s
     assert all(pod["terminationGracePeriodSeconds"] >= grace + 5 for pod in pods)
+
+
+def offered(params):
+    """A KubeRay `rayStartParams.resources` value ('"{\\"x\\": 1}"': a JSON string in quotes) as a dict."""
+    return json.loads(json.loads(params["resources"])) if "resources" in params else {}
+
+
+def test_each_role_of_the_job_lands_on_its_own_group_and_the_elastic_pool_fits_it():
+    """rayjob.yaml's run (its config with the entrypoint's `--set`s: `cluster.resources`, `cluster.elastic`) against
+    the groups it runs on: each role asks for a custom resource exactly one group (or the head) offers, an actor's
+    amount fits a pod, and the pools at their largest fit the groups' maxReplicas. tests/integration/test_multinode.py
+    runs these groups (read from raycluster.yaml) and this `cluster.resources` under Ray's autoscaler."""
+    from rlasync.runfile import load_run
+
+    job = load("rayjob.yaml")["spec"]
+    words = shlex.split(job["entrypoint"])
+    path = DEPLOY.parent / words[words.index("train") + 1].removeprefix("/home/ray/rlasync/")
+    run = load_run(path, [word for flag, word in zip(words, words[1:], strict=False) if flag == "--set"])
+    cluster, spec = run.config.cluster, job["rayClusterSpec"]
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    resources = {"head": offered(spec["headGroupSpec"]["rayStartParams"])}
+    resources.update({name: offered(g["rayStartParams"]) for name, g in groups.items()})
+    names = [name for held in resources.values() for name in held]
+    assert len(names) == len(set(names)) == len(resources), resources  # one resource of its own per group
+    biggest = {
+        "learner": cluster.num_learners,
+        "generation": cluster.pool_bounds("generation")[1],
+        "rollout": cluster.pool_bounds("rollout")[1],
+        "queue": 1,
+    }
+    home = {"learner": "learner", "generation": "generation", "rollout": "rollout", "queue": "head"}
+    for role, group in home.items():
+        wanted = cluster.role_resources(role)
+        assert wanted and {g for g, held in resources.items() if set(wanted) & set(held)} == {group}, (role, wanted)
+        per_pod = min(resources[group][name] // amount for name, amount in wanted.items())
+        assert per_pod >= 1, (role, wanted, resources[group])
+        pods = groups[group]["maxReplicas"] if group in groups else 1
+        assert biggest[role] <= pods * per_pod, (role, biggest[role], pods, per_pod)
+    assert cluster.elastic and cluster.pool_bounds("generation")[1] > cluster.num_generation_actors
+    for group in groups.values():
+        assert 0 <= group["minReplicas"] <= group["maxReplicas"], group["groupName"]
+    options = spec["autoscalerOptions"]
+    assert options["upscalingMode"] in ("Default", "Conservative", "Aggressive")
+    assert 0 < options["idleTimeoutSeconds"] <= 600  # idle pods go; a GPU pod's start is minutes, so not at once
+    gpus = {
+        n: g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)
+        for n, g in groups.items()
+    }
+    assert cluster.learner_num_gpus <= gpus["learner"] and cluster.generation_num_gpus <= gpus["generation"]

@@ -51,3 +51,23 @@ def test_too_few_gpus_names_a_shared_layout_that_fits():
     assert hint == "cluster.learner_num_gpus=0.33, cluster.generation_num_gpus=0.33"
     shared = {role: (count, cpus, 0.33 if gpus else 0.0) for role, (count, cpus, gpus) in requests.items()}
     check_resources(shared, {"CPU": 16.0, "GPU": 1.0}, autoscaling=False, nodes=[{"CPU": 16.0, "GPU": 1.0}])  # fits
+
+
+def test_custom_resources_no_node_has_are_an_error_on_a_local_cluster_and_a_warning_elsewhere(caplog):
+    from rlasync.driver.resources import check_custom_resources
+
+    nodes = [{"CPU": 1.0, "head_node": 1.0}, {"CPU": 1.0, "learner_node": 1.0}, {"CPU": 2.0, "generation_node": 1.0}]
+    fits = {
+        "learner": {"learner_node": 1.0},
+        "generation": {"generation_node": 0.5},
+        "rollout": {"generation_node": 0.5},
+    }
+    check_custom_resources(fits, {"learner": 1, "generation": 1, "rollout": 1}, nodes, autoscaling=False)
+    with pytest.raises(ValueError, match=r"cluster\.resources\.learner\.gpu_node=1: no node has 1 'gpu_node'"):
+        check_custom_resources({"learner": {"gpu_node": 1.0}}, {"learner": 1}, nodes, autoscaling=False)
+    with pytest.raises(ValueError, match=r"2 learner actors x 1 need 2 'learner_node' but the nodes have 1 in all"):
+        check_custom_resources({"learner": {"learner_node": 1.0}}, {"learner": 2}, nodes, autoscaling=False)
+    check_custom_resources({"reward": {"gpu_node": 1.0}}, {"reward": 0}, nodes, autoscaling=False)  # no actor: fine
+    with caplog.at_level("WARNING"):
+        check_custom_resources({"generation": {"generation_node": 2.0}}, {}, nodes, autoscaling=True)
+    assert "no node has 2 'generation_node'" in caplog.text and "unless the cluster scales up" in caplog.text

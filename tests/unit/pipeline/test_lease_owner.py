@@ -66,6 +66,19 @@ def test_death_messages_name_the_actor_and_the_checkpoint(tmp_path):
     assert dead_actor_name("ValueError: ab12", names) is None
 
 
+def test_a_death_by_node_loss_names_the_node(tmp_path):
+    from actors.cluster_faults import died_error, lost_node
+
+    cause = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: LearnerActor\n\tip: 10.0.0.7\n"
+        "The actor died because its node has died. Node Id: 26a2935707301563a2b0\n"
+    )
+    assert lost_node(cause) == "26a2935707301563a2b0 (10.0.0.7)"
+    assert lost_node("The actor died unexpectedly before finishing this task.") is None
+    message = str(died_error("learner rank 0", cause, tmp_path))
+    assert message.startswith("learner rank 0 died (its node 26a2935707301563a2b0 (10.0.0.7) was lost: The actor died")
+
+
 def test_the_service_records_owners_and_releases_a_dead_owners_live_leases():
     service = QueueService.create(QueueSettings(5, 1.0, max_staleness=100, tokens_per_step=10**6))
     first = asyncio.run(service.next_group(2, 0.0)).lease
@@ -78,3 +91,31 @@ def test_the_service_records_owners_and_releases_a_dead_owners_live_leases():
     assert state.leased_groups == 1 and state.released_by_owner == {"rollout actor 0": 2}
     again = sorted(asyncio.run(service.next_group(2, 0.0)).lease.position for _ in range(2))
     assert again == sorted(lease.position for lease in mine) and other.position not in again
+
+
+def test_the_sinks_send_samples_by_value_so_the_queue_owns_them():
+    """A rollout actor's samples reach the queue inside the call, not as ObjectRefs (which the rollout actor would
+    own: lost with its node, docs/design.md §4 "Nodes"); the queue actor `ray.put`s them and owns them."""
+    from types import SimpleNamespace
+
+    from actors.loop_host import QueueGroupSink, QueueSampleSink
+
+    class Sample:
+        group_id, prompt_id, policy_version, num_trained_tokens, row_index = 3, 3, 1, 4, 0
+
+        def __len__(self):
+            return 8
+
+    sent = []
+
+    async def put_group(entries):
+        sent.append(entries)
+
+    queue = SimpleNamespace(put_group=SimpleNamespace(remote=put_group))
+    source = SimpleNamespace(taken=lambda group_id: None)
+    samples = [Sample(), Sample()]
+    result = SimpleNamespace(group_id=3, dropped=False, scored=SimpleNamespace(samples=samples))
+    asyncio.run(QueueGroupSink(queue, source).put(result))
+    asyncio.run(QueueSampleSink(queue, source).put(samples[0]))
+    assert [[entry.payload for entry in entries] for entries in sent] == [samples, [samples[0]]]
+    assert all(entry.payload is sample for entry, sample in zip(sent[0], samples, strict=True))
