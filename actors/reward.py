@@ -5,7 +5,9 @@
 
 Advantages, zero-std dropping and the samples stay in the rollout loop (its `compute_advantages` hook), so a
 pool only moves the reward computation (math verification, model-based rewards, sandboxes) off the rollout
-actors. A function that raises, returns the wrong length or a non-number raises `RewardFunctionError` here; the
+actors. It is an async actor: groups from every rollout actor are scored concurrently on its event loop, so a reward
+model (`rlasync.rewards.RewardModel`, loaded here once, on the actor's GPU share `cluster.reward_num_gpus`) merges
+the groups that arrive within its `max_wait_s` into one batch. A function that raises, returns the wrong length or a non-number raises `RewardFunctionError` here; the
 rollout loop surfaces it like a local failure.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 import ray
 
 from rlasync.rewards import RewardTable, call_reward_funcs
+from rlasync.rewards.model import REQUEST_SOURCE
 
 
 @ray.remote
@@ -27,9 +30,16 @@ class RewardActor:
         self.num_groups = 0
 
     async def score(
-        self, *, prompts: Any, completions: Any, completion_ids: Any, reward_kwargs: dict[str, Any]
+        self,
+        *,
+        prompts: Any,
+        completions: Any,
+        completion_ids: Any,
+        reward_kwargs: dict[str, Any],
+        source: str | None = None,
     ) -> RewardTable:
         self.num_groups += 1
+        REQUEST_SOURCE.set(source)  # this call's own context: a reward model's batcher counts the senders it merges
         return await call_reward_funcs(
             self.reward_funcs,
             prompts=prompts,

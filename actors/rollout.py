@@ -36,16 +36,18 @@ SINKS = {"groups": QueueGroupSink, "samples": QueueSampleSink}
 
 
 class _RewardPool:
-    """The loop's `reward_scorer`: each group goes to the next RewardActor (round-robin)."""
+    """The loop's `reward_scorer`: each group goes to the next RewardActor (round-robin), named by its sender (a
+    reward model's batches count the rollout actors they merge)."""
 
-    def __init__(self, handles: list[Any]) -> None:
+    def __init__(self, handles: list[Any], source: str | None = None) -> None:
         self.handles = list(handles)
         self.next = 0
+        self.source = source
 
     def __call__(self, **group: Any) -> Any:
         handle = self.handles[self.next % len(self.handles)]
         self.next += 1
-        return handle.score.remote(**group)
+        return handle.score.remote(**group, source=self.source)
 
 
 class _RemoteTeacher:
@@ -85,7 +87,7 @@ class RolloutActor(RestartableLoop, LoopHost):
         tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=group_size)
         parts: dict[str, Any] = {engine_arg: [EngineChannel(h, f"generation actor {i}") for i, h in enumerate(engines)]}
         if reward_actors:
-            parts["reward_scorer"] = _RewardPool(reward_actors)
+            parts["reward_scorer"] = _RewardPool(reward_actors, source=f"{actor_name} {index}")
         if teachers is not None:
             parts["teachers"] = {teacher_id: _RemoteTeacher(handle) for teacher_id, handle in teachers.items()}
         self.loop = loop_cls(
