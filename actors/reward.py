@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from rlasync.rewards import RewardTable, call_reward_funcs
-from rlasync.rewards.model import REQUEST_SOURCE
+from rlasync.rewards.model import set_request_source
 
 
 @ray.remote
@@ -39,7 +39,7 @@ class RewardActor:
         source: str | None = None,
     ) -> RewardTable:
         self.num_groups += 1
-        REQUEST_SOURCE.set(source)  # this call's own context: a reward model's batcher counts the senders it merges
+        set_request_source(source)  # this call's own context: a reward model's batcher counts the senders it merges
         return await call_reward_funcs(
             self.reward_funcs,
             prompts=prompts,

@@ -6,7 +6,13 @@ reward model's own tokenizer and template, and the length-sorted forward (torch)
 process that scores. Importing this package loads neither torch nor transformers.
 """
 
-from rlasync.rewards.model.batcher import REQUEST_SOURCE, BatchRecord, RequestBatcher, RewardModelError
+from rlasync.rewards.model.batcher import (
+    REQUEST_SOURCE,
+    BatchRecord,
+    RequestBatcher,
+    RewardModelError,
+    set_request_source,
+)
 from rlasync.rewards.model.reward_model import RewardModel, as_reward_model, reward_model_folder
 
 __all__ = [
@@ -17,4 +23,5 @@ __all__ = [
     "RewardModelError",
     "as_reward_model",
     "reward_model_folder",
+    "set_request_source",
 ]

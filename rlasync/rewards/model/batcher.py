@@ -27,6 +27,13 @@ REQUEST_SOURCE: contextvars.ContextVar[Any] = contextvars.ContextVar("rlasync_re
 """Who sends the requests made in this context (a RewardActor sets it to the calling rollout actor's name)."""
 
 
+def set_request_source(source: Any) -> None:
+    """Name the sender of the requests made from now on in this context (a RewardActor's `score` call: the rollout
+    actor that sent the group). A function, so that code pickled by value (a Ray actor class) need not carry the
+    context variable itself."""
+    REQUEST_SOURCE.set(source)
+
+
 class RewardModelError(RewardFunctionError):
     """A reward model failed to score a batch; every request of the batch gets it (the cause is chained)."""
 

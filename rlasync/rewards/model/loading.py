@@ -13,20 +13,25 @@ logger = logging.getLogger(__name__)
 
 def load_scorer(reward: Any) -> RewardModelScorer:
     """The reward model of `reward` (a `RewardModel`: its source and settings), loaded on its device in its dtype, with its tokenizer."""
+    # the concrete modules, not transformers' lazy attributes: those race when another thread (a sync reward
+    # function in the same actor) resolves them at the same moment (AttributeError on a half-imported module)
     import transformers
+    from transformers.models.auto.configuration_auto import AutoConfig
+    from transformers.models.auto.modeling_auto import AutoModelForSequenceClassification
+    from transformers.models.auto.tokenization_auto import AutoTokenizer
 
     device = resolve_device(reward.device)
     dtype = resolve_dtype(reward.dtype, device)
     source = reward.source
     if isinstance(source, str):
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype)
+        model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype)
     else:
         config_dict = dict(source["config"])
         model_type = config_dict.pop("model_type", None)
-        config = transformers.AutoConfig.for_model(model_type, **config_dict)
+        config = AutoConfig.for_model(model_type, **config_dict)
         model_cls = getattr(transformers, source["class_name"], None)
         if model_cls is None:
-            model = transformers.AutoModelForSequenceClassification.from_config(config)
+            model = AutoModelForSequenceClassification.from_config(config)
         else:
             model = model_cls(config)
         missing, unexpected = model.load_state_dict(source["state_dict"], strict=False)
@@ -38,7 +43,7 @@ def load_scorer(reward: Any) -> RewardModelScorer:
             )
     tokenizer = reward.tokenizer
     if tokenizer is None or isinstance(tokenizer, str):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer if tokenizer is not None else source)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer if tokenizer is not None else source)
     scorer = RewardModelScorer(
         model,
         tokenizer,

@@ -3,6 +3,7 @@ call, each gets its own results in its order, a full batch does not wait, later 
 failing score function fails every request of its batch with a named error while the batcher keeps serving."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -30,7 +31,7 @@ def batcher(recorder, max_wait_s=0.05, max_items=100):
 
 def test_concurrent_requests_within_the_wait_bound_share_one_call():
     recorder = Recorder()
-    merger = batcher(recorder)
+    merger = batcher(recorder, max_wait_s=5.0, max_items=6)  # goes when the 6th item arrives, well within 5 s
 
     async def main():
         async def send(items, source, delay_s):
@@ -59,19 +60,30 @@ def test_a_full_batch_goes_at_once_and_late_requests_form_the_next():
     assert first == [[10.0, 20.0], [30.0]] and elapsed < 2.0  # 3 items waiting: no 5 s wait
     assert recorder.calls == [[1, 2, 3]]
 
-    recorder2 = Recorder(delay_s=0.2)
-    merger2 = batcher(recorder2, max_wait_s=0.01)
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def blocking(items):  # the first forward holds until the late requests have arrived
+        calls.append(list(items))
+        started.set()
+        assert release.wait(30)
+        return [float(item) * 10 for item in items]
+
+    records = []
+    merger2 = RequestBatcher(blocking, name="rm", max_wait_s=0.01, max_items=100, on_batch=records.append)
 
     async def staggered():
-        async def late(items):
-            await asyncio.sleep(0.1)  # arrives while the first batch is being scored
-            return await merger2.submit(items)
-
-        return await asyncio.gather(merger2.submit([1]), late([2]), late([3]))
+        first = asyncio.ensure_future(merger2.submit([1]))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        late = [asyncio.ensure_future(merger2.submit([2])), asyncio.ensure_future(merger2.submit([3]))]
+        await asyncio.sleep(0.05)  # both are waiting while the first forward runs
+        release.set()
+        return await asyncio.gather(first, *late)
 
     assert asyncio.run(staggered()) == [[10.0], [20.0], [30.0]]
-    assert recorder2.calls == [[1], [2, 3]]
-    assert [record.sources for record in recorder2.records] == [1, 2]  # unnamed senders count one each
+    assert calls == [[1], [2, 3]]
+    assert [record.sources for record in records] == [1, 2]  # unnamed senders count one each
 
 
 def test_a_failing_forward_reaches_every_waiting_request_named_and_the_batcher_goes_on():

@@ -226,3 +226,15 @@ def test_trainer_turns_a_folder_into_a_reward_model_on_a_reward_actor(rm_dir):
         AsyncGRPOTrainer(
             model="unused", reward_funcs="org/rm", args=config, train_dataset=arithmetic_dataset(8, seed=0)
         )
+
+
+def test_reward_num_gpus_is_checked_and_asked_of_ray():
+    from rlasync.config import AsyncGRPOConfig
+    from rlasync.driver import actor_requests
+
+    config = AsyncGRPOConfig(output_dir="unused", cluster={"num_reward_actors": 2, "reward_num_gpus": 0.25})
+    assert actor_requests(config.cluster)["reward"] == (2, config.cluster.reward_num_cpus, 0.25)
+    assert AsyncGRPOConfig(output_dir="unused", cluster={"reward_num_gpus": 2}).cluster.reward_num_gpus == 2
+    for bad, message in ((-0.5, "must be >= 0"), (1.5, "whole number of GPUs")):
+        with pytest.raises(ValueError, match=rf"cluster.reward_num_gpus={bad}.*{message}"):
+            AsyncGRPOConfig(output_dir="unused", cluster={"reward_num_gpus": bad})
