@@ -149,7 +149,11 @@ class AsyncGRPOTrainer(AsyncTrainerBase):
     def _loop_kwargs(self) -> dict[str, Any]:
         """The loop's own arguments: the reward functions, and tools / environments only when set (a `loop_cls`
         with a narrower `__init__` keeps working without them)."""
-        kwargs: dict[str, Any] = {"reward_funcs": self.reward_funcs}
+        from rlasync.rewards.model import RewardModel
+
+        # the RewardActor pool scores a reward model: the rollout actors' copies travel without a loaded model's weights
+        light = [f.without_weights() if isinstance(f, RewardModel) else f for f in self.reward_funcs]
+        kwargs: dict[str, Any] = {"reward_funcs": light if self.args.cluster.num_reward_actors else self.reward_funcs}
         if self.tools:
             kwargs["tools"] = self.tools
         if self.environment_factory is not None:

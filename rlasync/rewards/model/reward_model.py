@@ -122,7 +122,7 @@ class RewardModel:
         self._reset_process_state()
 
     def __repr__(self) -> str:
-        where = self.source if isinstance(self.source, str) else "a loaded model"
+        where = self.source if isinstance(self.source, str) else "a loaded model" if self.source else "no weights"
         return f"RewardModel({where!r}, name={self.__name__!r})"
 
     # ---- the reward function ----------------------------------------------------------------------------------
@@ -147,10 +147,24 @@ class RewardModel:
                     self._scorer = await asyncio.to_thread(self.load)
         return await self._batcher.submit(list(zip(prompts, completions, strict=True)))
 
+    def without_weights(self) -> RewardModel:
+        """A copy that names this reward model but carries no loaded model's weights (for the rollout actors, which
+        hand the groups to the RewardActor pool and never score themselves); a folder source is kept."""
+        copy = RewardModel.__new__(RewardModel)
+        copy.__setstate__(self.__getstate__())
+        if not isinstance(copy.source, str):
+            copy.source = None
+        return copy
+
     def load(self) -> Any:
         """The `RewardModelScorer` of this reward model in this process (loads it; `__call__` does so once)."""
         from rlasync.rewards.model.loading import load_scorer
 
+        if self.source is None:
+            raise RuntimeError(
+                f"reward model '{self.__name__}': this copy carries no weights (made by without_weights() for a "
+                "rollout actor); it is scored in the RewardActor pool (cluster.num_reward_actors >= 1)"
+            )
         return load_scorer(self)
 
     def _score_batch(self, samples: list[tuple[Any, Any]]) -> list[float]:

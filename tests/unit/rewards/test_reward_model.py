@@ -238,3 +238,37 @@ def test_reward_num_gpus_is_checked_and_asked_of_ray():
     for bad, message in ((-0.5, "must be >= 0"), (1.5, "whole number of GPUs")):
         with pytest.raises(ValueError, match=rf"cluster.reward_num_gpus={bad}.*{message}"):
             AsyncGRPOConfig(output_dir="unused", cluster={"reward_num_gpus": bad})
+
+
+def test_rollout_actors_get_a_copy_without_the_loaded_weights(rm_dir):
+    from rlasync import AsyncGRPOConfig, AsyncGRPOTrainer, RewardModel
+    from rlasync.data import arithmetic_dataset
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    config = AsyncGRPOConfig(output_dir="unused", max_steps=1)
+    trainer = AsyncGRPOTrainer(
+        model="unused", reward_funcs=model, args=config, train_dataset=arithmetic_dataset(8, seed=0)
+    )
+    (full,) = trainer.reward_funcs
+    (light,) = trainer._loop_kwargs()["reward_funcs"]
+    assert isinstance(full, RewardModel) and full.source["state_dict"]  # the RewardActor pool gets the weights
+    assert light.source is None and light.__name__ == full.__name__
+    assert len(pickle.dumps(light)) * 20 < len(pickle.dumps(full))
+    with pytest.raises(RuntimeError, match="carries no weights.*scored in the RewardActor pool"):
+        asyncio.run(light(prompts=PROMPTS, completions=COMPLETIONS))
+    assert RewardModel(rm_dir).without_weights().source == rm_dir  # a folder is kept: it weighs nothing
+
+
+def test_a_run_file_takes_a_reward_model_folder(tmp_path, rm_dir):
+    from rlasync.rewards import last_number_reward
+    from rlasync.runfile import load_run
+
+    text = (
+        "model: tiny/model\ndataset: {name: arithmetic, size: 8, seed: 1}\n"
+        f"reward_funcs: [{rm_dir}, rlasync.rewards:last_number_reward]\n"
+    )
+    (tmp_path / "run.yaml").write_text(text)
+    assert load_run(tmp_path / "run.yaml", []).build_reward_funcs() == [rm_dir, last_number_reward]
+    (tmp_path / "bad.yaml").write_text(text.replace(rm_dir, str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="import strings 'module:function'.*or folders of reward models"):
+        load_run(tmp_path / "bad.yaml", [])
