@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from rlasync.rewards import RewardTable, call_reward_funcs
-from rlasync.rewards.model import set_request_source
+from rlasync.rewards.model import RewardModel, set_request_source
 
 
 @ray.remote
@@ -27,6 +27,9 @@ class RewardActor:
     def __init__(self, *, reward_funcs: list[Any]) -> None:
         logging.basicConfig(level=logging.INFO)
         self.reward_funcs = list(reward_funcs)
+        for func in self.reward_funcs:
+            if isinstance(func, RewardModel):
+                func.prepare()  # its imports, before any group's threads run (the model loads on its first group)
         self.num_groups = 0
 
     async def score(

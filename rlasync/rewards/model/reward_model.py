@@ -147,6 +147,14 @@ class RewardModel:
                     self._scorer = await asyncio.to_thread(self.load)
         return await self._batcher.submit(list(zip(prompts, completions, strict=True)))
 
+    def prepare(self) -> None:
+        """Import what scoring needs (torch, transformers' auto classes) in this process now, without loading the
+        model. The RewardActor calls it when it starts: a first import of transformers in one thread racing another
+        thread's (a sync reward function's) fails with a partially initialised module."""
+        from transformers.models.auto import configuration_auto, modeling_auto, tokenization_auto  # noqa: F401
+
+        from rlasync.rewards.model import loading  # noqa: F401 - imports torch and the scorer
+
     def without_weights(self) -> RewardModel:
         """A copy that names this reward model but carries no loaded model's weights (for the rollout actors, which
         hand the groups to the RewardActor pool and never score themselves); a folder source is kept."""
