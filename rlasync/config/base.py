@@ -135,6 +135,7 @@ class ClusterConfig:
         if isinstance(reward_actors, bool) or not isinstance(reward_actors, int) or reward_actors < 0:
             raise ValueError(f"cluster.num_reward_actors={self.num_reward_actors!r}: must be an integer >= 0")
         for name in (
+            "reward_num_gpus",
             "rollout_num_cpus",
             "generation_num_cpus",
             "generation_num_gpus",
@@ -142,7 +143,6 @@ class ClusterConfig:
             "learner_num_gpus",
             "queue_num_cpus",
             "reward_num_cpus",
-            "reward_num_gpus",
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")

@@ -374,7 +374,6 @@ class RolloutPolicy(PolicyBase):
                     f"the reward actor did not score a group within reward_timeout_s={timeout_s:g} s"
                 ) from None
             reward_funcs, columns = [], list(zip(table.names, table.values))
-            self.emit(list(table.metrics))  # what the reward functions reported there (a reward model's batches)
         scored = await score_group(
             rollout_group,
             reward_funcs,
