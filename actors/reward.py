@@ -7,8 +7,8 @@ Advantages, zero-std dropping and the samples stay in the rollout loop (its `com
 pool only moves the reward computation (math verification, model-based rewards, sandboxes) off the rollout
 actors. It is an async actor: groups from every rollout actor are scored concurrently on its event loop, so a reward
 model (`rlasync.rewards.RewardModel`, loaded here once, on the actor's GPU share `cluster.reward_num_gpus`) merges
-the groups that arrive within its `max_wait_s` into one batch. A function that raises, returns the wrong length or a non-number raises `RewardFunctionError` here; the
-rollout loop surfaces it like a local failure.
+the groups that arrive within its `max_wait_s` into one batch. A function that raises, returns the wrong length or
+a non-number raises `RewardFunctionError` here; the rollout loop surfaces it like a local failure.
 """
 
 from __future__ import annotations

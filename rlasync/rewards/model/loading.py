@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 
 
 def load_scorer(reward: Any) -> RewardModelScorer:
-    """The reward model of `reward` (a `RewardModel`: its source and settings), loaded on its device in its dtype, with its tokenizer."""
+    """The reward model of `reward` (a `RewardModel`: its source and settings), loaded on its device in its dtype,
+    with its tokenizer."""
     # the concrete modules, not transformers' lazy attributes: those race when another thread (a sync reward
     # function in the same actor) resolves them at the same moment (AttributeError on a half-imported module)
     import transformers
