@@ -363,6 +363,7 @@ class Cluster:
                 "reward",
                 reward_funcs=self.spec.rollout.reward_funcs,
                 num_cpus=cluster.reward_num_cpus,
+                num_gpus=cluster.reward_num_gpus,
             )
             for i in range(cluster.num_reward_actors)
         ]

@@ -36,16 +36,27 @@ SINKS = {"groups": QueueGroupSink, "samples": QueueSampleSink}
 
 
 class _RewardPool:
-    """The loop's `reward_scorer`: each group goes to the next RewardActor (round-robin)."""
+    """The loop's `reward_scorer`: each group goes to the next RewardActor (round-robin), named by its sender (a
+    reward model's batches count the rollout actors they merge); the metrics its reward functions reported
+    (`RewardTable.metrics`, e.g. a reward model's batch sizes) go to `emit`, the loop's metric buffer."""
 
-    def __init__(self, handles: list[Any]) -> None:
+    def __init__(self, handles: list[Any], source: str | None = None, emit: Any = None) -> None:
         self.handles = list(handles)
         self.next = 0
+        self.source = source
+        self.emit = emit
 
     def __call__(self, **group: Any) -> Any:
         handle = self.handles[self.next % len(self.handles)]
         self.next += 1
-        return handle.score.remote(**group)
+        ref = handle.score.remote(**group, source=self.source)
+        return ref if self.emit is None else self._reported(ref)
+
+    async def _reported(self, ref: Any) -> Any:
+        table = await ref
+        if table.metrics:
+            self.emit(list(table.metrics))
+        return table
 
 
 class _RemoteTeacher:
@@ -85,7 +96,7 @@ class RolloutActor(RestartableLoop, LoopHost):
         tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=group_size)
         parts: dict[str, Any] = {engine_arg: [EngineChannel(h, f"generation actor {i}") for i, h in enumerate(engines)]}
         if reward_actors:
-            parts["reward_scorer"] = _RewardPool(reward_actors)
+            parts["reward_scorer"] = _RewardPool(reward_actors, source=f"{actor_name} {index}", emit=self.items.extend)
         if teachers is not None:
             parts["teachers"] = {teacher_id: _RemoteTeacher(handle) for teacher_id, handle in teachers.items()}
         self.loop = loop_cls(

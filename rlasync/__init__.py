@@ -24,4 +24,8 @@ def __getattr__(name: str):  # lazy: `from rlasync import AsyncGRPOTrainer, Asyn
         from rlasync.config import AsyncDistillationConfig
 
         return AsyncDistillationConfig
+    if name == "RewardModel":
+        from rlasync.rewards.model import RewardModel
+
+        return RewardModel
     raise AttributeError(f"module 'rlasync' has no attribute {name!r}")

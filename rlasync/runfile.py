@@ -4,7 +4,7 @@ A run file is a config (every `AsyncGRPOConfig` field, the `cluster` section inc
 
     model: smollm2-135m-instruct          # id, path or alias (anything `load_model` accepts)
     dataset: {name: arithmetic, size: 2000, seed: 0, max_operand: 9}
-    reward_funcs: [rlasync.rewards:last_number_reward]   # import strings "module:attribute"
+    reward_funcs: [rlasync.rewards:last_number_reward]   # import strings "module:attribute", or reward model folders
 
 `trainer:` names the algorithm (rlasync.algorithms.registry: its name or one of its `trainer_names`; GRPO is the
 default): its spec gives the config class and the trainer. On-policy distillation: `trainer: distillation` makes
@@ -20,7 +20,8 @@ and `--set model=path/to/model` work too). Nothing here imports torch or ray; bu
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,10 @@ class RunFile:
     def algorithm(self) -> Algorithm:
         return registry.get(self.trainer)
 
-    def build_reward_funcs(self) -> list[Callable[..., Any]]:
-        return [import_object(name) for name in self.reward_funcs]
+    def build_reward_funcs(self) -> list[Any]:
+        """The functions of the import strings; a reward model's folder stays a string (the trainer loads it as a
+        `RewardModel`, docs/rewards.md §2)."""
+        return [name if _is_folder(name) else import_object(name) for name in self.reward_funcs]
 
     def build_trainer(self, train_dataset: Any) -> Any:
         """The algorithm's trainer over `train_dataset` (reward functions and local teachers when the file sets
@@ -111,10 +114,10 @@ def load_run(
         return RunFile(model=model, config=config, dataset=dict(dataset), trainer=trainer, teacher_model=teacher_model)
     if isinstance(rewards, str):
         rewards = [rewards]
-    if not rewards or not all(isinstance(r, str) and ":" in r for r in rewards):
+    if not rewards or not all(isinstance(r, str) and (":" in r or _is_folder(r)) for r in rewards):
         raise ValueError(
             f"{where}`reward_funcs:` must list import strings 'module:function', e.g. "
-            f"[rlasync.rewards:last_number_reward], got {rewards!r}"
+            f"[rlasync.rewards:last_number_reward], or folders of reward models, got {rewards!r}"
         )
     return RunFile(model=model, config=config, dataset=dict(dataset), reward_funcs=list(rewards), trainer=trainer)
 
@@ -135,3 +138,8 @@ def import_object(text: str) -> Any:
     except AttributeError:
         raise ValueError(f"{text!r}: module {module_name!r} has no attribute {attribute!r}") from None
     return obj
+
+
+def _is_folder(name: str) -> bool:
+    """A `reward_funcs:` entry naming an existing folder (a reward model's) rather than a function to import."""
+    return os.path.isdir(os.path.expanduser(name))

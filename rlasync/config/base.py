@@ -69,6 +69,9 @@ class ClusterConfig:
     num_reward_actors: int = 0
     """RewardActors running the reward functions; 0 = each rollout actor runs them itself."""
     reward_num_cpus: float = 0.1
+    reward_num_gpus: float = 0.0
+    """GPUs of each RewardActor: 0 = the CPU; a fraction shares a GPU with other actors (e.g. 0.2 beside a generation
+    actor's 0.8), so a reward model (`reward_funcs="path"`, docs/rewards.md §2) runs there in bf16."""
     rollout_num_cpus: float = 0.25
     generation_num_cpus: float = 0.5
     generation_num_gpus: float = 0.0
@@ -147,6 +150,7 @@ class ClusterConfig:
         if isinstance(reward_actors, bool) or not isinstance(reward_actors, int) or reward_actors < 0:
             raise ValueError(f"cluster.num_reward_actors={self.num_reward_actors!r}: must be an integer >= 0")
         for name in (
+            "reward_num_gpus",
             "rollout_num_cpus",
             "generation_num_cpus",
             "generation_num_gpus",
@@ -158,6 +162,12 @@ class ClusterConfig:
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"cluster.{name}={getattr(self, name)!r}: must be >= 0")
+        gpus = self.reward_num_gpus
+        if isinstance(gpus, bool) or (gpus > 1 and gpus != int(gpus)):
+            raise ValueError(
+                f"cluster.reward_num_gpus={gpus!r}: a fraction below 1 shares a GPU, above 1 it must be a whole "
+                "number of GPUs (Ray cannot give 1.5)"
+            )
         if not self.collective_timeout_s > 0:
             raise ValueError(f"cluster.collective_timeout_s={self.collective_timeout_s}: must be > 0 seconds")
         self.weight_sync_backend = parse_weight_sync_backend(self.weight_sync_backend)

@@ -31,7 +31,7 @@ def actor_requests(cluster: Any) -> ActorRequests:
         "generation": (c.num_generation_actors, c.generation_num_cpus, c.generation_num_gpus),
         "learner": (c.num_learners, c.learner_num_cpus, c.learner_num_gpus),
         "rollout": (c.num_rollout_actors, c.rollout_num_cpus, 0.0),
-        "reward": (c.num_reward_actors, c.reward_num_cpus, 0.0),
+        "reward": (c.num_reward_actors, c.reward_num_cpus, c.reward_num_gpus),
         "queue": (1, c.queue_num_cpus, 0.0),
     }
 

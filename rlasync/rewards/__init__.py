@@ -3,7 +3,8 @@
 Built-ins have TRL's signatures (`f(completions, ..., **kwargs) -> list[float | None]`) and are module-level
 functions, so they pickle into a spawned rollout process. Importing this package does not load math-verify;
 `accuracy_reward` imports it on first use. `RemoteReward(url)` scores with an HTTP reward server (`rewards.remote`);
-`code_reward` runs model-written programs in a sandbox (`rewards.code`).
+`code_reward` runs model-written programs in a sandbox (`rewards.code`); `RewardModel(path)` scores with a
+sequence-classification reward model in the RewardActor pool (`rewards.model`, loaded lazily: no torch here).
 """
 
 from rlasync.rewards.accuracy_rewards import accuracy_reward, last_number_reward
@@ -17,6 +18,7 @@ from rlasync.rewards.calling import (
 from rlasync.rewards.code import CodeReward, code_reward, run_python
 from rlasync.rewards.countdown import countdown_reward
 from rlasync.rewards.format_rewards import think_format_reward
+from rlasync.rewards.model import RewardModel, RewardModelError
 from rlasync.rewards.remote import RemoteReward, RemoteRewardError, RemoteRewardStats
 from rlasync.rewards.text import completion_text
 
@@ -25,6 +27,8 @@ __all__ = [
     "RemoteReward",
     "RemoteRewardError",
     "RemoteRewardStats",
+    "RewardModel",
+    "RewardModelError",
     "RewardFunctionError",
     "RewardTable",
     "accuracy_reward",

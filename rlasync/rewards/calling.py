@@ -24,6 +24,9 @@ Each function gets its own copies of the argument lists (`completions` copied de
 a function that modifies its inputs changes neither the group nor what the other functions see; the modification
 is warned once per function, naming the argument, and said in its error when its rewards do not fit.
 
+A reward function object may also define `drain_metrics() -> [(key, value), ...]`: the items it recorded since the
+last call are drained after each group's calls into `RewardTable.metrics` and logged with the group's metrics.
+
 Each function becomes one column of a `RewardTable`; other sources (an environment's `get_reward`, a
 loop-provided rollout reward) are added as further named columns. A rollout's reward is the sum of its
 columns ignoring NaN; a rollout that no column scored gets NaN (unscorable), not 0.
@@ -71,10 +74,13 @@ class RewardTable:
 
     names:   one unique name per column (function name, environment class name, ...)
     values:  [C, G] float64; `values[k, i]` is column `k`'s reward for rollout `i`, NaN where not scored
+    metrics: metric items `(key, value)` the reward functions reported while scoring (`drain_metrics`), logged
+             with the group's metrics
     """
 
     names: tuple[str, ...]
     values: np.ndarray
+    metrics: tuple[tuple[str, Any], ...] = ()
 
     @property
     def num_rollouts(self) -> int:
@@ -184,7 +190,20 @@ async def call_reward_funcs(
         for name, (_, values) in zip(extra_names, extra, strict=True)
     ]
     values = np.stack(rows) if rows else np.empty((0, num_rollouts), dtype=np.float64)
-    return RewardTable(names=tuple(names), values=values)
+    return RewardTable(names=tuple(names), values=values, metrics=drained_metrics(reward_funcs))
+
+
+def drained_metrics(reward_funcs: Sequence[RewardFunc]) -> tuple[tuple[str, Any], ...]:
+    """The metric items of the reward functions that report some (a `drain_metrics()` method returning
+    `(key, value)` items recorded since its last call, e.g. `RewardModel`'s batch sizes), each object once."""
+    seen: set[int] = set()
+    items: list[tuple[str, Any]] = []
+    for func in reward_funcs:
+        drain = getattr(func, "drain_metrics", None)
+        if callable(drain) and id(func) not in seen:
+            seen.add(id(func))
+            items += [(str(key), value) for key, value in drain()]
+    return tuple(items)
 
 
 def reward_column_items(columns: RewardColumns | None) -> list[tuple[str, Sequence[float | None]]]:

@@ -22,7 +22,8 @@ Metric names are those of docs/algorithms.md §8.3, with no 1.16 aliases:
   `(key, value)` items, one per value, ready for `MetricSink.update`; every key is reduced by mean:
   `reward` (one item per scored summed reward), `rewards/<name>/mean` (one per scored value of the column),
   `frac_zero_std_groups` (1.0 if the group is degenerate, else 0.0) and, for a degenerate group with some
-  scored reward, `reward_zero_std_groups` (its mean reward).
+  scored reward, `reward_zero_std_groups` (its mean reward); then the items the reward functions reported
+  (`RewardTable.metrics`, e.g. a reward model's `rewards/<name>/batch_size`), reduced by their keys' rules.
 """
 
 from __future__ import annotations
@@ -234,4 +235,4 @@ def _group_metrics(table: RewardTable, rewards: np.ndarray, degenerate: bool) ->
     items += [("reward", value) for value in scored.tolist()]
     for name, column in zip(table.names, table.values, strict=True):
         items += [(f"rewards/{name}/mean", value) for value in column[~np.isnan(column)].tolist()]
-    return items
+    return items + list(table.metrics)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -106,16 +107,24 @@ class AsyncGRPOTrainer(EvaluationMixin, AsyncTrainerBase):
                 "environment_factory whose class defines get_reward, or a loop_cls whose generate_one sets "
                 "Rollout.reward and provides_rollout_rewards = True"
             )
-        for func in self.reward_funcs:
-            if isinstance(func, str | os.PathLike):
-                raise ValueError(
-                    f"reward_funcs={func!r}: reward models given by id are not supported yet; use "
-                    "rlasync.rewards.RemoteReward(url) against a server running it, or a function (a string is not "
-                    "callable)"
-                )
-            if not callable(func):
-                raise ValueError(f"reward_funcs: {func!r} is not callable (pass functions, not their names)")
+        self.reward_funcs = [_reward_model_or_func(func) for func in self.reward_funcs]
+        self._reward_models_on_actors()
         return train_dataset
+
+    def _reward_models_on_actors(self) -> None:
+        """A reward model is scored in the RewardActor pool (its GPU share, batches across rollout actors): without
+        `cluster.num_reward_actors` the run gets one RewardActor."""
+        from rlasync.rewards.model import RewardModel
+
+        models = [func.__name__ for func in self.reward_funcs if isinstance(func, RewardModel)]
+        cluster = self.args.cluster
+        if models and cluster.num_reward_actors == 0:
+            cluster.num_reward_actors = 1
+            logger.info(
+                "reward model(s) %s: scored in a RewardActor (cluster.num_reward_actors=1; set it, and "
+                "cluster.reward_num_gpus for a GPU share, to choose)",
+                models,
+            )
 
     def _placeholder_dataset(self, environment_factory: Any) -> list[dict[str, Any]]:
         """Without a dataset, a single environment supplies the prompts (docs/algorithms.md §3.4): B x GA rows with an empty
@@ -143,7 +152,11 @@ class AsyncGRPOTrainer(EvaluationMixin, AsyncTrainerBase):
     def _loop_kwargs(self) -> dict[str, Any]:
         """The loop's own arguments: the reward functions, and tools / environments only when set (a `loop_cls`
         with a narrower `__init__` keeps working without them)."""
-        kwargs: dict[str, Any] = {"reward_funcs": self.reward_funcs}
+        from rlasync.rewards.model import RewardModel
+
+        # the RewardActor pool scores a reward model: the rollout actors' copies travel without a loaded model's weights
+        light = [f.without_weights() if isinstance(f, RewardModel) else f for f in self.reward_funcs]
+        kwargs: dict[str, Any] = {"reward_funcs": light if self.args.cluster.num_reward_actors else self.reward_funcs}
         if self.tools:
             kwargs["tools"] = self.tools
         if self.environment_factory is not None:
@@ -179,6 +192,28 @@ __all__ = [
     "check_resources",
     "engine_dtype",
 ]
+
+
+def _reward_model_or_func(func: Any) -> Any:
+    """A reward function as it is; a reward model (a folder / hub id string, a loaded classification model, a
+    `RewardModel`) as a `RewardModel`; anything else is a `ValueError` naming it."""
+    from rlasync.rewards.model import as_reward_model
+
+    if isinstance(func, str) and re.fullmatch(r"[\w.]+:[\w.]+", func):
+        raise ValueError(
+            f"reward_funcs: {func!r} is an import string, and a string is not callable: pass the function itself "
+            "(import strings are for run files' `reward_funcs:`); a string in reward_funcs names a reward model folder"
+        )
+    if isinstance(func, str | os.PathLike) or not callable(func) or hasattr(func, "state_dict"):  # not for functions
+        model = as_reward_model(func)
+        if model is not None:
+            return model
+    if not callable(func):
+        raise ValueError(
+            f"reward_funcs: {func!r} is not callable; pass functions, a reward model's folder (a string), a loaded "
+            "AutoModelForSequenceClassification or rlasync.rewards.RewardModel(...)"
+        )
+    return func
 
 
 def _checked_peft_config(peft_config: object) -> PeftConfig | None:

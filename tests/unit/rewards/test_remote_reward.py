@@ -400,14 +400,14 @@ def test_json_bodies_carry_no_nan():
 
 
 @pytest.mark.parametrize("reward_funcs", ["org/reward-model", ["org/reward-model"], [last_number_reward, "org/rm"]])
-def test_the_trainer_refuses_a_reward_model_id_before_ray_starts(reward_funcs):
+def test_the_trainer_refuses_a_reward_model_id_that_is_not_local_before_ray_starts(reward_funcs):
     from rlasync.config import AsyncGRPOConfig
     from rlasync.trainers import AsyncGRPOTrainer
 
     datasets = pytest.importorskip("datasets")
     dataset = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "1 + 1?"}]], "answer": ["2"]})
     args = AsyncGRPOConfig(output_dir="unused", max_steps=1)
-    with pytest.raises(ValueError, match="reward models given by id are not supported yet") as info:
+    with pytest.raises(ValueError, match="rlasync does not download models at run time") as info:
         AsyncGRPOTrainer(model="some/model", reward_funcs=reward_funcs, args=args, train_dataset=dataset)
     message = str(info.value)
     assert "reward_funcs='org/" in message and "RemoteReward(url)" in message and "'O' is not" not in message
