@@ -256,7 +256,7 @@ def model_shares_prefixes(model: str, trust_remote_code: bool = False) -> bool:
         from rlasync.model.attention import has_linear_attention
 
         return not has_linear_attention(AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
-    except (OSError, ValueError, ImportError):
+    except (OSError, ValueError, KeyError, ImportError):
         return True
 
 

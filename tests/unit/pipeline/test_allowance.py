@@ -31,23 +31,6 @@ def test_initial_tokens_per_step_counts_a_shared_prompt_once():
         initial_tokens_per_step(256, 1, 1, group_size=0)
 
 
-def test_the_step_plan_follows_the_config():
-    from rlasync.algorithms.distill.spec import DISTILL
-    from rlasync.algorithms.grpo.spec import GRPO
-    from rlasync.config import AsyncGRPOConfig
-    from rlasync.driver.spec import step_plan
-
-    config = AsyncGRPOConfig(output_dir="/tmp/unused", token_budget=256, gradient_accumulation_steps=2)
-    plan = step_plan(config, GRPO, 2, 256)
-    assert (plan.num_ranks, plan.token_budget, plan.micro_batches) == (2, 256, 2)
-    assert plan.new_batcher().token_budget == 256 and plan.new_batcher().num_ranks == 2
-    distill = step_plan(config, DISTILL, 1, 256)
-    assert type(distill.new_batcher()).__module__ == "rlasync.algorithms.distill.batching"
-    assert step_plan(config, GRPO, 1, 0) is None  # a fixed sample count per step
-    config.max_staleness = 0
-    assert step_plan(config, GRPO, 1, 256) is None  # synchronous: a step takes what its version generated
-
-
 def test_cold_start_runs_one_group_at_a_time_until_the_first_completes():
     allowance = TokenAllowance(max_staleness=4, tokens_per_step=10_000)
     assert allowance.try_acquire(num_rollouts=4)
