@@ -274,7 +274,7 @@ def test_one_epoch_consumes_every_prompt_exactly_once(ray_cluster, tiny_model_di
 def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, tiny_model_dir, tmp_path):
     from rlasync import AsyncGRPOTrainer
 
-    config = make_config(tmp_path, max_steps=2)
+    config = make_config(tmp_path, max_steps=2, gradient_accumulation_steps=2)
     config.cluster.num_learners = 2
     config.cluster.num_rollout_actors = 2
     config.cluster.num_reward_actors = 1  # reward functions in a RewardActor, not in the rollout loops
@@ -285,6 +285,9 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
     assert len(trainer.actor_ids) == 1 + 2 + 1 + 1 + 2  # engine, learners, queue, reward actor, rollout actors
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["batch/samples_per_row"] > 0 for r in records if "batch/samples_per_row" in r)
+    # a step is GA = 2 micro-batches of one row per rank, composed by the queue as both ranks plan it (§4.5.1)
+    assert [r["batch/microbatches_per_step"] for r in records] == [2.0, 2.0]
+    assert all(r["batch/samples_per_step"] == 4 * r["batch/samples_per_row"] for r in records)
     # FSDP2 over two gloo ranks: the step's metrics are reduced over both; every sync logs its phases
     sync_keys = (
         "perf/weight_sync_s",
