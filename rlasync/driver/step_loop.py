@@ -1,8 +1,9 @@
 """`StepLoop`: the driver's loop, pure asyncio over the protocols of `rlasync.driver.protocols` (no Ray).
 
     on_train_begin, on_epoch_begin ->
-    take (the step the queue composes, a token target, or a sample count) -> on_step_begin -> learners train -> on_substep_end (per accumulated
-    micro-batch but the last), on_pre_optimizer_step, on_optimizer_step -> finish_step -> every weight_sync_steps:
+    take (the step the queue composes, a token target, or a sample count) -> on_step_begin -> learners train ->
+    on_substep_end (per accumulated micro-batch but the last), on_pre_optimizer_step, on_optimizer_step ->
+    finish_step -> every weight_sync_steps:
     sync -> on_step_end -> drain the rollout metrics -> every logging_steps (or when a callback set
     control.should_log): log a window (on_log) -> every save_steps (or control.should_save): checkpoint (on_save)
     -> ... -> on_epoch_end, on_train_end
