@@ -49,6 +49,7 @@ from rlasync.driver import (
 from rlasync.driver.checkpoint import config_changes
 from rlasync.driver.resources import check_custom_resources
 from rlasync.driver.signals import interrupted_error
+from rlasync.driver.spec import model_shares_prefixes, step_plan
 from rlasync.driver.watchdog import silent_engines
 from rlasync.weights.adapter import lora_engine_kwargs
 
@@ -162,10 +163,13 @@ class Cluster:
         engines = self.engines = self.spawn_engines()  # first: the token budget defaults to the engine's max_model_len
         teachers = self.spawn_teachers()
         max_model_len = None if self.config.token_budget is not None else self.max_model_len(engines)
-        budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len)
+        share = model_shares_prefixes(spec.model, bool(getattr(self.config, "trust_remote_code", False)))
+        group = spec.algorithm.group_size(self.config) if share else 1
+        budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len, group)
+        plan = step_plan(self.config, spec.algorithm, cluster.num_learners, budget, share)
         learners = self.spawn_learners(budget)
         connect_weights(learners, engines, cluster)
-        queue = self.spawn_queue(tokens_per_step, samples_per_step)
+        queue = self.spawn_queue(tokens_per_step, samples_per_step, plan)
         weights = RayWeightSync(
             learners,
             engines,
@@ -207,6 +211,7 @@ class Cluster:
             state=state,
             pools=RayPools(self, weights, fleet, queue, state),
             evaluate=self.evaluation(),
+            composed=plan is not None,
         )
 
     def evaluation(self) -> Any:
@@ -334,8 +339,9 @@ class Cluster:
         call_all(learners, "setup", master, timeout, spec.resume_dir, timeout=self.timeouts.build)
         return learners
 
-    def spawn_queue(self, tokens_per_step: int, samples_per_step: int | None = None) -> Any:
-        """The named StalenessQueue actor (resumed at the checkpoint's prompt position)."""
+    def spawn_queue(self, tokens_per_step: int, samples_per_step: int | None = None, plan: Any = None) -> Any:
+        """The named StalenessQueue actor (resumed at the checkpoint's prompt position); `plan`: the `StepPlan` it
+        composes the steps with."""
         from actors.staleness_queue import QueueActor
 
         spec = self.spec
@@ -344,7 +350,7 @@ class Cluster:
             "the queue actor (StalenessQueue)",
             "queue",
             name=f"{spec.queue_name}-{uuid.uuid4().hex[:8]}",
-            settings=spec.queue.with_tokens_per_step(tokens_per_step, samples_per_step),
+            settings=spec.queue.with_tokens_per_step(tokens_per_step, samples_per_step, plan),
             resume=spec.resume_state.to_dict() if spec.resume_state else None,
             num_cpus=self.config.cluster.queue_num_cpus,
         )
@@ -435,7 +441,8 @@ class RayQueue:
         result = await _get(
             self.handle.wait_take.remote(token_target, timeout_s), timeout_s + self.timeouts.take_margin
         )
-        return Taken([entry.payload for entry in result.entries], result.num_tokens, list(result.metrics.items()))
+        refs = [entry.payload for entry in result.entries]
+        return Taken(refs, result.num_tokens, list(result.metrics.items()), step_full=result.step_full)
 
     async def finish_step(self, tokens: int) -> None:
         await _get(self.handle.finish_step.remote(tokens), self.timeouts.call)

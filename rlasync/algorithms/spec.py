@@ -47,6 +47,8 @@ class Algorithm:
                    the config field that holds the hang limit (seconds; `hang_timeout(config)` reads it)
     trainer_names: the names a run file's `trainer:` may use for it (besides `name`)
     trainer:       "module:Class" of its trainer (what `rlasync train RUN.yaml` builds; "" for none)
+    step_batcher:  "module:Class" of the token-budget batcher its objective plans rows with: the queue composes
+                   each step with it (`rlasync.packing.step_plan`, docs/algorithms.md §4.5.1)
     """
 
     name: str
@@ -64,6 +66,7 @@ class Algorithm:
     hang_setting: str = "rollout_worker_timeout"
     trainer_names: Sequence[str] = ()
     trainer: str = ""
+    step_batcher: str = "rlasync.packing.planner:TokenBudgetBatcher"
 
     def __post_init__(self) -> None:
         if self.sink not in ("groups", "samples"):

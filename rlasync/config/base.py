@@ -279,6 +279,8 @@ class TrainerConfig(TrainingArgumentsFields):
     per_device_train_batch_size: int = 8
     """Samples per rank per micro-batch (B). With a token budget the planner fills rows by tokens instead."""
     gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (GA). With a token budget a step is GA micro-batches of one row per learner
+    rank, each row filled to `token_budget` unique tokens (TRL's step; docs/algorithms.md §4.5.1)."""
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -361,8 +363,11 @@ class TrainerConfig(TrainingArgumentsFields):
 
     # ---- batching and asynchrony ----
     token_budget: int | None = None
-    """Tokens per packed row; `None` -> the engine's `max_model_len`; `<= 0` -> a fixed count of
-    `per_device_train_batch_size` samples per rank."""
+    """Tokens per packed row (one learner rank's forward), a prompt shared by the row's samples counted once; a
+    step is `gradient_accumulation_steps` × (learner ranks) such rows, filled sample by sample until the next one
+    fits in no row (which then opens the next step), as TRL's TokenBudgetBatcher (docs/algorithms.md §4.5.1).
+    `None` -> the engine's `max_model_len`; `<= 0` -> a fixed count of `per_device_train_batch_size` samples per
+    rank."""
     max_staleness: int = 4
     """Drop samples produced more than this many weight versions ago; generation is held to it. 0 runs
     synchronously without waste: each version generates its step's samples, then the learner trains on them."""

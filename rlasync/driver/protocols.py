@@ -15,18 +15,21 @@ MetricItems = list[tuple[str, Any]]
 
 @dataclass
 class Taken:
-    """One poll of the queue: the refs of the fresh samples taken, their raw tokens, and the take's metrics."""
+    """One poll of the queue: the refs of the fresh samples taken, their raw tokens, and the take's metrics;
+    `step_full`: the queue composes steps and this one is complete (docs/algorithms.md §4.5.1)."""
 
     refs: list[Any] = field(default_factory=list)
     num_tokens: int = 0
     metrics: MetricItems = field(default_factory=list)
+    step_full: bool = False
 
 
 class SampleQueue(Protocol):
     """The staleness queue, learner side."""
 
     async def take(self, token_target: int, timeout_s: float) -> Taken:
-        """Fresh samples up to `token_target` raw tokens; waits at most `timeout_s` for the first one."""
+        """Fresh samples up to `token_target` raw tokens (a queue that composes steps: those of the step, then
+        `step_full`); waits at most `timeout_s` for the first one."""
         ...
 
     async def finish_step(self, tokens: int) -> None:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from rlasync.algorithms.spec import Algorithm
     from rlasync.config.base import TrainerConfig
+    from rlasync.packing.step_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class RunSpec:
     def queue_name(self) -> str:
         return self.algorithm.queue_name
 
-    def step_settings(self, tokens_per_step: int, samples_per_step: int | None) -> StepSettings:
+    def step_settings(self, tokens_per_step: int, samples_per_step: int | None, composed: bool = False) -> StepSettings:
         return StepSettings.from_config(
             self.config,
             horizon=self.horizon,
@@ -130,6 +131,7 @@ class RunSpec:
             samples_per_step=samples_per_step,
             hang_timeout_s=self.hang_timeout_s,
             hang_setting=self.hang_setting,
+            composed=composed,
         )
 
     def step_loop(
@@ -144,12 +146,14 @@ class RunSpec:
         state: dict[str, Any],
         pools: Resizable | None = None,
         evaluate: Callable[[int], Awaitable[dict[str, float]]] | None = None,
+        composed: bool = False,
     ) -> StepLoop:
         """The run's StepLoop over the Cluster's adapters: the config's sinks (the records after the starting step,
         of an interrupted or an earlier run, are replaced: one record per step), its checkpointer, the callbacks (called with the config as TRL's `args`);
         with `pools` (the Cluster's resizable pools) the elastic hook: `resize_requests`, and the policy when
         `cluster.elastic`; with `evaluate` (the Cluster's evaluation over the rollout actors) and an eval strategy,
-        evaluations in the background (rlasync.driver.evaluation)."""
+        evaluations in the background (rlasync.driver.evaluation); `composed`: the queue composes the steps (it was
+        given a `step_plan`)."""
         config = self.config
         elastic = None
         if pools is not None:
@@ -176,7 +180,7 @@ class RunSpec:
                 record for record in resumed.get("log_history", []) if record.get("step", 0) <= self.start_step
             )
         return StepLoop(
-            self.step_settings(tokens_per_step, samples_per_step),
+            self.step_settings(tokens_per_step, samples_per_step, composed),
             queue=queue,
             learners=learners,
             weights=weights,
@@ -234,16 +238,52 @@ def step_perf(model_path: str, config: TrainerConfig) -> StepPerf:
     return StepPerf(num_params=num_params, peak_flops_per_device=peak, num_devices=cluster.num_learners)
 
 
-def step_budget(config: TrainerConfig, num_learners: int, max_model_len: int | None) -> tuple[int, int, int | None]:
-    """(tokens per packed row, tokens per step, samples per step or None): the row budget is `token_budget`, else
-    the engine's `max_model_len`; a budget <= 0 means a fixed count of samples per step."""
+def step_budget(
+    config: TrainerConfig, num_learners: int, max_model_len: int | None, group_size: int = 1
+) -> tuple[int, int, int | None]:
+    """(tokens per packed row, raw tokens of the first step, samples per step or None): the row budget is
+    `token_budget`, else the engine's `max_model_len`; a budget <= 0 means a fixed count of samples per step.
+    `group_size`: samples sharing a prompt (1 when rows share nothing), for the first step's estimate."""
     budget = config.token_budget if config.token_budget is not None else max_model_len
     if budget is None:
         raise ValueError("step_budget: token_budget is None and no max_model_len was given")
     if budget > 0:
-        return budget, initial_tokens_per_step(budget, num_learners, config.gradient_accumulation_steps), None
+        ga = config.gradient_accumulation_steps
+        return budget, initial_tokens_per_step(budget, num_learners, ga, max(group_size, 1)), None
     samples_per_step = config.samples_per_step(num_learners)
     return budget, samples_per_step * 256, samples_per_step  # a first guess; finish_step corrects it
+
+
+def step_plan(
+    config: TrainerConfig, algorithm: Algorithm, num_learners: int, budget: int, share_prefixes: bool = True
+) -> StepPlan | None:
+    """How the queue composes a step (docs/algorithms.md §4.5.1): `gradient_accumulation_steps` micro-batches of
+    one row per learner, each row filled by the algorithm's batcher up to `budget` unique tokens. None for a fixed
+    sample count (`budget <= 0`) and for `max_staleness=0`, whose steps take what their version generated."""
+    from rlasync.packing.step_plan import StepPlan
+
+    if budget <= 0 or config.max_staleness < 1:
+        return None
+    return StepPlan(
+        num_ranks=num_learners,
+        token_budget=budget,
+        micro_batches=config.gradient_accumulation_steps,
+        batcher=algorithm.step_batcher,
+        share_prefixes=share_prefixes,
+    )
+
+
+def model_shares_prefixes(model: str, trust_remote_code: bool = False) -> bool:
+    """Whether the learner's rows share prefixes for this model: not for a model with linear-attention layers
+    (trained padding-free, docs/algorithms.md §4.3). True when its config cannot be read here."""
+    try:
+        from transformers import AutoConfig
+
+        from rlasync.model.attention import has_linear_attention
+
+        return not has_linear_attention(AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
+    except (OSError, ValueError, KeyError, ImportError):
+        return True
 
 
 def engine_dtype(config: TrainerConfig) -> str | None:
@@ -275,6 +315,8 @@ __all__ = [
     "RunSpec",
     "TeacherSpec",
     "engine_dtype",
+    "model_shares_prefixes",
     "server_engine_kwargs",
     "step_budget",
+    "step_plan",
 ]

@@ -1,12 +1,13 @@
 """`StepLoop`: the driver's loop, pure asyncio over the protocols of `rlasync.driver.protocols` (no Ray).
 
     on_train_begin, on_epoch_begin ->
-    take (token target, or a sample count) -> on_step_begin -> learners train -> on_substep_end (per accumulated
-    micro-batch but the last), on_pre_optimizer_step, on_optimizer_step -> finish_step -> every weight_sync_steps:
-    sync -> on_step_end -> a due evaluation starts in the background (rlasync.driver.evaluation; its metrics are
-    logged with on_log + on_evaluate when they arrive) -> drain the rollout metrics -> every logging_steps (or when
-    a callback set control.should_log): log a window (on_log) -> every save_steps (or control.should_save):
-    checkpoint (on_save) -> ... -> the evaluations still running -> on_epoch_end, on_train_end
+    take (the step the queue composes, a token target, or a sample count) -> on_step_begin -> learners train ->
+    on_substep_end (per accumulated micro-batch but the last), on_pre_optimizer_step, on_optimizer_step ->
+    finish_step -> every weight_sync_steps: sync -> on_step_end -> a due evaluation starts in the background
+    (rlasync.driver.evaluation; its metrics are logged with on_log + on_evaluate when they arrive) -> drain the
+    rollout metrics -> every logging_steps (or when a callback set control.should_log): log a window (on_log) ->
+    every save_steps (or control.should_save): checkpoint (on_save) -> ... -> the evaluations still running ->
+    on_epoch_end, on_train_end
 
 until the horizon (`max_steps`), the end of the prompt stream, or a callback's `control.should_training_stop`;
 then the last window is logged and the final model saved (unless that step was just saved). Callbacks are
@@ -69,12 +70,15 @@ EVENTS = (
 @dataclass(frozen=True)
 class StepSettings:
     """What the loop needs of the config: the horizon (None: until the prompt stream ends), the cadences, the step's
-    size (`samples_per_step` set: a fixed sample count, else `tokens_per_step` raw tokens), the hang limit and the
-    watchdog's settings (its floor defaults to the hang limit)."""
+    size (`samples_per_step` set: a fixed sample count; `composed`: what the queue composes, until it says the step
+    is full; else `tokens_per_step` raw tokens), the hang limit and the watchdog's settings (its floor defaults to
+    the hang limit)."""
 
     horizon: int | None
     tokens_per_step: int
     samples_per_step: int | None = None
+    composed: bool = False
+    """The queue composes each step as the learner plans it (docs/algorithms.md §4.5.1): take until `step_full`."""
     weight_sync_steps: int = 1
     logging_steps: int = 1
     save_steps: int | None = 500
@@ -94,6 +98,7 @@ class StepSettings:
         samples_per_step: int | None,
         hang_timeout_s: float,
         hang_setting: str = "rollout_worker_timeout",
+        composed: bool = False,
     ) -> StepSettings:
         """`hang_timeout_s` and `hang_setting` (the config field it comes from, named in messages): the trainer's
         heartbeat limit, also the watchdog's floor."""
@@ -108,6 +113,7 @@ class StepSettings:
             horizon=horizon,
             tokens_per_step=tokens_per_step,
             samples_per_step=samples_per_step,
+            composed=composed,
             weight_sync_steps=config.weight_sync_steps,
             logging_steps=config.steps_of("logging_steps", horizon),
             save_steps=save_steps,
@@ -314,19 +320,24 @@ class StepLoop:
         self._event("on_optimizer_step")
 
     async def take(self) -> tuple[list[Any], float, MetricItems, int]:
-        """Fresh samples for one step: up to the token target (or the sample count). While none comes, checks the
-        fleet's health and whether the stream ended. Returns (refs, seconds spent waiting on the queue for them,
-        take metrics, raw tokens)."""
+        """Fresh samples for one step: until the queue says the step is full (`composed`), else up to the token
+        target (or the sample count). While none comes, checks the fleet's health and whether the stream ended.
+        Returns (refs, seconds spent waiting on the queue for them, take metrics, raw tokens)."""
         s = self.settings
         refs: list[Any] = []
-        tokens, waited = 0, 0.0
+        tokens, waited, full = 0, 0.0, False
         items: MetricItems = []
-        while (tokens < s.tokens_per_step) if s.samples_per_step is None else (len(refs) < s.samples_per_step):
+        while not full and (
+            (tokens < s.tokens_per_step or s.composed) if s.samples_per_step is None else len(refs) < s.samples_per_step
+        ):
             target = s.tokens_per_step - tokens if s.samples_per_step is None else 1
             started = time.perf_counter()
             taken = await self.queue.take(max(target, 1), s.poll_s)
             waited += time.perf_counter() - started  # blocked until a fresh sample came (or the poll timed out)
             items += list(taken.metrics)
+            full = s.composed and taken.step_full
+            if full and not taken.refs:
+                break
             if taken.refs:
                 refs += taken.refs
                 tokens += taken.num_tokens

@@ -5,6 +5,7 @@ Pure numpy: importing this package never loads torch or ray (docs/algorithms.md 
   trie     TreeRow: one rank's row as a prefix trie over its samples, priced by unique tokens / load / trained
   layout   pack(row) -> PackedRow: DFS layout, subtree_end mask rule, segments, loss terms
   planner  TokenBudgetBatcher / FixedCountBatcher -> MicroBatch (one TreeRow per rank)
+  step_plan StepPlan / StepComposer: which queued samples one optimizer step takes (the learner's planner, run ahead)
   collate  pad_rows: stack a micro-batch's PackedRows into [P, ...] arrays with the broadcast scalars
   metrics  packing_metrics: the collator's batch/* and sample/* metrics
 """
@@ -20,6 +21,7 @@ from rlasync.packing.planner import (
     TokenBudgetBatcher,
     balance_groups,
 )
+from rlasync.packing.step_plan import StepComposer, StepPlan
 from rlasync.packing.trie import TreeRow
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "MicroBatch",
     "PackedRow",
     "Placement",
+    "StepComposer",
+    "StepPlan",
     "TokenBudgetBatcher",
     "TreeRow",
     "balance_groups",

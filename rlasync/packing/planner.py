@@ -154,6 +154,11 @@ class BudgetBatcher:
         self._rows[rank].add(sample)
         return closed
 
+    def would_close(self, sample: Any) -> bool:
+        """Whether pushing `sample` would close the open micro-batch (it fits in no row and is not oversize, so it
+        would open the next one); nothing changes."""
+        return 0 < len(sample) <= self.token_budget and self._place(sample) is None
+
     def plan(self, samples: Iterable[Any]) -> list[Any]:
         """Plan a finite list: every push, then a flush. Samples left over stay `pending`."""
         batches = [batch for sample in samples for batch in self.push(sample)]

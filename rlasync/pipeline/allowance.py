@@ -17,7 +17,8 @@ version generated and would otherwise grow step after step), or in samples when 
 samples of its step, one at a time (its samples ran longer than planned): the gate cannot deadlock.
 
 `tokens_per_step` is what the learner consumed in its last step (Σ raw sample lengths), published after every
-step; before the first step it is an assumption (`initial_tokens_per_step`: every row full). Until the first
+step; before the first step it is an assumption (`initial_tokens_per_step`: every row full of unique tokens, a
+group's prompt shared by its samples). Until the first
 group completes there is no per-rollout estimate, so groups start one at a time (cold start). With nothing
 queued and nothing in flight a group can always start, so the gate cannot deadlock.
 
@@ -44,16 +45,24 @@ from rlasync.pipeline._notify import Notifier
 BACKPRESSURE_METRIC = "rollout/backpressure_s"
 
 
-def initial_tokens_per_step(token_budget: int, num_learners: int, gradient_accumulation_steps: int) -> int:
-    """The assumption before the first step: every packed row is full, `token_budget × P × GA`."""
+def initial_tokens_per_step(
+    token_budget: int, num_learners: int, gradient_accumulation_steps: int, group_size: int = 1
+) -> int:
+    """The raw tokens of the first step, assumed: `GA × P` rows, each full of `token_budget` unique tokens (the
+    step's composition, docs/algorithms.md §4.5.1), where a group of `group_size` samples shares its prompt. With
+    the prompt as long as a completion, a group of G forwards G + 1 unique lengths for 2G raw ones, so a row holds
+    2G / (G + 1) times its budget in raw tokens (1 for G = 1: distillation, or a model that shares nothing). After
+    the first step the allowance follows the raw tokens the steps actually took."""
     for name, value in (
         ("token_budget", token_budget),
         ("num_learners", num_learners),
         ("gradient_accumulation_steps", gradient_accumulation_steps),
+        ("group_size", group_size),
     ):
         if value < 1:
             raise ValueError(f"initial_tokens_per_step: {name}={value} must be >= 1")
-    return token_budget * num_learners * gradient_accumulation_steps
+    rows = num_learners * gradient_accumulation_steps
+    return token_budget * rows * 2 * group_size // (group_size + 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,11 @@ Who waits for what, and what wakes it (one shared notifier; waiters re-check aft
     |                 |                                                    | release (in-flight count drops)  |
     | wait_take       | a fresh entry in the queue                         | put_group                        |
 
+With a `StepPlan` (`QueueSettings.step_plan`, max_staleness >= 1) a take composes the step (docs/algorithms.md
+§4.5.1): it runs the learner's planner over the queued entries and takes those that fill the step's micro-batches,
+whatever the token target; the entry that would open the next step stays queued, and the take says the step is
+full (`TakeResult.step_full`). `finish_step` starts the next step's composition.
+
 A take counts as training for the epoch, as in TRL (the trainer records a group when it reads its sample):
 `mark_trained` for taken entries, `mark_stale` for dropped ones (a group whose samples were all stale is
 leased again). Pure Python: no torch, no ray.
@@ -26,11 +31,13 @@ leased again). Pure Python: no torch, no ray.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
+from rlasync.packing.step_plan import StepComposer, StepPlan
 from rlasync.pipeline._notify import Notifier
 from rlasync.pipeline.allowance import TokenAllowance
 from rlasync.pipeline.dispatcher import DROP_REASONS, DropReason, PromptDispatcher, PromptLease
@@ -94,7 +101,10 @@ class QueueService:
         clock: Callable[[], float] = time.monotonic,
         steps_per_version: int = 1,
         samples_per_step: int | None = None,
+        step_plan: StepPlan | None = None,
     ) -> None:
+        """`step_plan`: compose each step as the learner plans it (see the module docstring; not with
+        max_staleness=0, whose steps take what their version generated)."""
         self.dispatcher = dispatcher
         self.max_staleness = max_staleness
         self.policy_version = policy_version
@@ -109,6 +119,7 @@ class QueueService:
             steps_per_version=steps_per_version,
             samples_per_step=samples_per_step,
         )
+        self.composer = StepComposer(step_plan) if step_plan is not None and max_staleness > 0 else None
         self._generating: dict[int, int] = {}  # group_id -> rollouts, for groups admitted and not yet back
         self.causes: Counter[str] = Counter()
         self.last_failures: dict[str, str] = {}
@@ -142,6 +153,7 @@ class QueueService:
             clock=clock,
             steps_per_version=settings.steps_per_version,
             samples_per_step=settings.samples_per_step,
+            step_plan=settings.step_plan,
         )
 
     # ---- rollout side --------------------------------------------------------------------------------------
@@ -245,14 +257,19 @@ class QueueService:
         """Take up to `token_target` raw tokens of fresh samples now (never waits; may return nothing).
 
         With S = 0 (synchronous) nothing is taken while groups of this version are in flight, and the version's last
-        step (steps of tokens) takes everything queued: all that is left of this version's samples."""
+        step (steps of tokens) takes everything queued: all that is left of this version's samples. With a step plan
+        the target is not read: the take composes the step (see the module docstring)."""
         if self.allowance.synchronous:
             if self.allowance.inflight_groups > 0 and not self.dispatcher.done:
                 return empty_take()
             if self.allowance.last_step_of_version:
                 token_target = max(token_target, self.queue.num_tokens)
-        result = self.queue.take(token_target, self.policy_version, self.max_staleness, now=now)
+        composer = self.composer
+        admit = None if composer is None else composer.offer
+        result = self.queue.take(token_target, self.policy_version, self.max_staleness, now=now, admit=admit)
         self._account(result)
+        if composer is not None and composer.full:
+            result = dataclasses.replace(result, step_full=True)
         return result
 
     async def wait_take(self, token_target: int, timeout_s: float | None) -> TakeResult:
@@ -264,7 +281,7 @@ class QueueService:
             while True:
                 result = self.take(token_target)
                 dropped.extend(result.dropped_stale)
-                if result.entries:
+                if result.entries or result.step_full:
                     break
                 if not self.allowance.learner_waiting:
                     self.allowance.learner_waiting = True  # S = 0: a served version may start a group for this step
@@ -277,8 +294,11 @@ class QueueService:
         return _with_drops(result, dropped)
 
     def finish_step(self, tokens_per_step: int) -> None:
-        """Publish the raw tokens the learner consumed in its last optimizer step."""
+        """Publish the raw tokens the learner consumed in its last optimizer step; the next take composes the next
+        step."""
         self.allowance.set_tokens_per_step(tokens_per_step)
+        if self.composer is not None:
+            self.composer.reset()
 
     def set_policy_version(self, policy_version: int) -> None:
         """The version served after a weight sync; it never goes back."""
@@ -353,4 +373,4 @@ def _with_drops(result: TakeResult, dropped: list[QueueEntry]) -> TakeResult:
     """`result` carrying every stale drop of a waiting take (earlier attempts took no entries)."""
     metrics = dict(result.metrics)
     metrics["sample/dropped_stale_count"] = float(len(dropped))
-    return TakeResult(entries=result.entries, dropped_stale=tuple(dropped), metrics=metrics)
+    return TakeResult(entries=result.entries, dropped_stale=tuple(dropped), metrics=metrics, step_full=result.step_full)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlasync.config.base import TrainerConfig
+    from rlasync.packing.step_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -19,12 +20,15 @@ class QueueSettings:
     max_staleness: int
     tokens_per_step: int = 0
     stream: Any = None
+    """A streaming dataset (`rlasync.data.streaming`): the queue leases its rows in order, each lease carrying its
+    row; `num_rows` is then 0 and `num_epochs` None (`max_steps` run: the stream repeats) or 1 (one pass)."""
     steps_per_version: int = 1
     """Optimizer steps between weight syncs (`weight_sync_steps`): what one version serves when `max_staleness=0`."""
     samples_per_step: int | None = None
     """Steps of a fixed sample count (else of `tokens_per_step` raw tokens): the unit of the synchronous budget."""
-    """A streaming dataset (`rlasync.data.streaming`): the queue leases its rows in order, each lease carrying its
-    row; `num_rows` is then 0 and `num_epochs` None (`max_steps` run: the stream repeats) or 1 (one pass)."""
+    step_plan: StepPlan | None = None
+    """How the learner plans a step (token budget, rows, micro-batches): the queue composes each step with it
+    (`rlasync.packing.step_plan`; max_staleness >= 1). None: steps of `tokens_per_step` raw tokens."""
 
     @classmethod
     def from_config(cls, config: TrainerConfig, *, num_rows: int, tokens_per_step: int = 0) -> QueueSettings:
@@ -56,10 +60,12 @@ class QueueSettings:
             steps_per_version=_steps_per_version(config),
         )
 
-    def with_tokens_per_step(self, tokens_per_step: int, samples_per_step: int | None = None) -> QueueSettings:
-        """A copy with the first step's token target (known once the engines report their max_model_len) and the
-        step's sample count when steps are a sample count."""
-        return replace(self, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step)
+    def with_tokens_per_step(
+        self, tokens_per_step: int, samples_per_step: int | None = None, step_plan: StepPlan | None = None
+    ) -> QueueSettings:
+        """A copy with the first step's token target (known once the engines report their max_model_len), the
+        step's sample count when steps are a sample count, and the step plan the queue composes steps with."""
+        return replace(self, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step, step_plan=step_plan)
 
 
 __all__ = ["QueueSettings"]

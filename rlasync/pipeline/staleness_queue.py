@@ -1,10 +1,12 @@
 """The sample buffer between rollouts and the learner: FIFO, token-targeted takes, staleness dropped at take time.
 
     put(entries)  one group's scored samples ──► [ entry, entry, ... ]  (FIFO; stamped with the enqueue time)
-    take(token_target, current_version, max_staleness)
+    take(token_target, current_version, max_staleness, admit=None)
         pop from the front; an entry with current_version − policy_version > max_staleness is dropped (and
         returned in `dropped_stale`, so its group's accounting can be updated); stop once the taken entries
         hold ≥ token_target raw tokens. At least one entry is taken whenever a fresh one is available.
+        With `admit` (a step's composer, `rlasync.packing.step_plan`) the token target is not read: fresh entries
+        are taken while `admit(entry)` says they belong to the step; the first refused one stays at the front.
 
 An entry's payload is opaque: in the StalenessQueue actor it is the Ray ObjectRef of a `RolloutSample`, never
 fetched by the queue; here it can be any object. `take` never blocks; `wait_take` is the asyncio variant that
@@ -42,6 +44,7 @@ class QueueEntry:
     num_tokens:          raw (forwarded) tokens of the sample: prompt + tools + completion
     num_trained_tokens:  tokens with a loss term
     policy_version:      the policy version the sample's group was generated under
+    input_ids:           the sample's token ids, for the step's composer (None: planned as sharing nothing)
     enqueued_at:         stamped by `StalenessQueue.put` with the queue's clock
     """
 
@@ -51,6 +54,7 @@ class QueueEntry:
     num_tokens: int
     num_trained_tokens: int = 0
     row_index: int = -1
+    input_ids: Any = None
     enqueued_at: float = math.nan
 
     @classmethod
@@ -63,16 +67,19 @@ class QueueEntry:
             num_tokens=len(sample),
             num_trained_tokens=sample.num_trained_tokens,
             row_index=sample.row_index,
+            input_ids=getattr(sample, "input_ids", None),
         )
 
 
 @dataclass(frozen=True, slots=True)
 class TakeResult:
-    """What one take returned: entries for the learner, entries dropped as stale, and the take's metrics."""
+    """What one take returned: entries for the learner, entries dropped as stale, and the take's metrics;
+    `step_full`: a composed take's step is complete (the next entry opens the next step)."""
 
     entries: tuple[QueueEntry, ...]
     dropped_stale: tuple[QueueEntry, ...]
     metrics: dict[str, MetricValue]
+    step_full: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -133,10 +140,18 @@ class StalenessQueue:
             self._num_tokens += entry.num_tokens
         self._notifier.notify()
 
-    def take(self, token_target: int, current_version: int, max_staleness: int, now: float | None = None) -> TakeResult:
-        """Pop entries until the taken raw tokens reach `token_target`; never blocks (may return nothing)."""
+    def take(
+        self,
+        token_target: int,
+        current_version: int,
+        max_staleness: int,
+        now: float | None = None,
+        admit: Callable[[QueueEntry], bool] | None = None,
+    ) -> TakeResult:
+        """Pop entries until the taken raw tokens reach `token_target` (with `admit`: while it admits them); never
+        blocks (may return nothing)."""
         tally = _Tally()
-        self._take_into(tally, token_target, current_version, max_staleness, now)
+        self._take_into(tally, token_target, current_version, max_staleness, now, admit)
         return tally.result()
 
     async def wait_take(
@@ -160,13 +175,22 @@ class StalenessQueue:
         return tally.result()
 
     def _take_into(
-        self, tally: _Tally, token_target: int, current_version: int, max_staleness: int, now: float | None
+        self,
+        tally: _Tally,
+        token_target: int,
+        current_version: int,
+        max_staleness: int,
+        now: float | None,
+        admit: Callable[[QueueEntry], bool] | None = None,
     ) -> None:
         now = self._clock() if now is None else now
-        while self._entries and (tally.tokens < token_target or not tally.entries):
-            entry = self._entries.popleft()
-            self._num_tokens -= entry.num_tokens
+        while self._entries and (admit is not None or tally.tokens < token_target or not tally.entries):
+            entry = self._entries[0]
             staleness = current_version - entry.policy_version
+            if staleness <= max_staleness and admit is not None and not admit(entry):
+                break  # it opens the next step: it stays at the front
+            self._entries.popleft()
+            self._num_tokens -= entry.num_tokens
             if staleness > max_staleness:
                 tally.dropped.append(entry)
                 continue

@@ -32,6 +32,11 @@ ACCEPTANCE_KEYS = (
 )
 
 
+FILL_FLOOR = 0.75
+"""A row closes when the next sample does not fit: what is left is less than one sample's novel tokens (a tiny
+model's prompt of ~30 tokens + 8, against a budget of 192)."""
+
+
 def digit_reward(completions, **kwargs):
     """Share of digit words in the reply: varies within a group of random completions (a learning signal)."""
     out = []
@@ -103,7 +108,7 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     trainer = AsyncGRPOTrainer(
         model=tiny_model_dir,
         reward_funcs=digit_reward,
-        args=make_config(tmp_path, save_steps=2),
+        args=make_config(tmp_path, save_steps=2, gradient_accumulation_steps=2),
         train_dataset=dataset(),
     )
     state = trainer.train()
@@ -113,6 +118,11 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     keys = set().union(*records)
     missing = [k for k in ACCEPTANCE_KEYS if k not in keys]
     assert not missing, f"missing metrics {missing}; have {sorted(keys)}"
+    # the step's composition (docs/algorithms.md §4.5.1): GA = 2 micro-batches of one row of token_budget unique
+    # tokens, filled until the next sample does not fit (on this stream TRL's rule and ours are one: P = 1)
+    assert [r["batch/microbatches_per_step"] for r in records] == [2.0, 2.0, 2.0]
+    assert all(r["batch/row_fill_frac"] >= FILL_FLOOR for r in records), [r["batch/row_fill_frac"] for r in records]
+    assert all(r["batch/samples_per_step"] == 2 * r["batch/samples_per_row"] for r in records)
     # the first step waits for the first groups to be generated and scored: that wait is measured
     assert records[0]["perf/rollout_wait_s"] > 0
     assert all(r["perf/fetch_samples_s"] >= 0 and r["perf/pack_s"] > 0 for r in records)  # the learner's own phases
@@ -147,7 +157,7 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     resumed = AsyncGRPOTrainer(
         model=tiny_model_dir,
         reward_funcs=digit_reward,
-        args=make_config(tmp_path, max_steps=4),
+        args=make_config(tmp_path, max_steps=4, gradient_accumulation_steps=2),
         train_dataset=dataset(),
     )
     state = resumed.train(resume_from_checkpoint=str(ckpt))
@@ -264,7 +274,7 @@ def test_one_epoch_consumes_every_prompt_exactly_once(ray_cluster, tiny_model_di
 def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, tiny_model_dir, tmp_path):
     from rlasync import AsyncGRPOTrainer
 
-    config = make_config(tmp_path, max_steps=2)
+    config = make_config(tmp_path, max_steps=2, gradient_accumulation_steps=2)
     config.cluster.num_learners = 2
     config.cluster.num_rollout_actors = 2
     config.cluster.num_reward_actors = 1  # reward functions in a RewardActor, not in the rollout loops
@@ -275,6 +285,9 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
     assert len(trainer.actor_ids) == 1 + 2 + 1 + 1 + 2  # engine, learners, queue, reward actor, rollout actors
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["batch/samples_per_row"] > 0 for r in records if "batch/samples_per_row" in r)
+    # a step is GA = 2 micro-batches of one row per rank, composed by the queue as both ranks plan it (§4.5.1)
+    assert [r["batch/microbatches_per_step"] for r in records] == [2.0, 2.0]
+    assert all(r["batch/samples_per_step"] == 4 * r["batch/samples_per_row"] for r in records)
     # FSDP2 over two gloo ranks: the step's metrics are reduced over both; every sync logs its phases
     sync_keys = (
         "perf/weight_sync_s",

@@ -19,7 +19,7 @@ USED_WITHOUT_IMPORT = {
     "gguf": "transformers reads the SmolLM2 alias's GGUF file with it (rlasync.model.registry)",
     "tensorboard": "torch.utils.tensorboard's SummaryWriter (rlasync.metrics.sinks) needs it",
 }
-ONLY_IN_TESTS_OR_TOOLS = {"nbclient", "nbformat", "ipykernel", "pytest", "hypothesis", "ruff", "jsonschema"}
+ONLY_IN_TESTS_OR_TOOLS = {"nbclient", "nbformat", "ipykernel", "pytest", "hypothesis", "ruff", "jsonschema", "trl"}
 """Extras for the notebook run and the dev tools: imported by tests, .ci/run and examples, not by the package."""
 
 

@@ -38,6 +38,7 @@ DISTILL = Algorithm(
     trainer="rlasync.trainers.distill:AsyncDistillationTrainer",
     hang_setting="heartbeat_stale_after_s",
     trainer_names=("distillation",),
+    step_batcher="rlasync.algorithms.distill.batching:TokenBudgetBatcher",
 )
 
 __all__ = ["DISTILL", "group_size", "loss_settings"]

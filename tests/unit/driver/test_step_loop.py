@@ -236,6 +236,35 @@ def test_a_token_target_takes_several_samples_per_step(tmp_path):
     assert [len(refs) for refs in loop.learners.trained] == [3, 3] and loop.queue.finished == [30, 30]
 
 
+class ComposingQueue(FakeQueue):
+    """A queue that composes steps: one sample per take; once `step_size` samples are out, a take says the step is
+    full (with no sample: the next one opens the next step) until `finish_step`."""
+
+    def __init__(self, journal, num_samples, step_size):
+        super().__init__(journal, num_samples=num_samples)
+        self.step_size, self.in_step = step_size, 0
+
+    async def take(self, token_target, timeout_s):
+        if self.in_step == self.step_size:
+            return Taken(step_full=True)
+        taken = await super().take(token_target, timeout_s)
+        self.in_step += len(taken.refs)
+        return taken
+
+    async def finish_step(self, tokens):
+        self.in_step = 0
+        await super().finish_step(tokens)
+
+
+def test_a_composed_step_takes_until_the_queue_says_it_is_full_then_a_short_last_step(tmp_path):
+    loop, journal, _ = make_loop(tmp_path, horizon=None, tokens_per_step=10**6)
+    loop.settings = StepSettings(horizon=None, tokens_per_step=10**6, composed=True, hang_timeout_s=42.0, poll_s=0.0)
+    loop.queue = ComposingQueue(journal, num_samples=8, step_size=3)
+    state = run(loop)
+    assert [len(refs) for refs in loop.learners.trained] == [3, 3, 2]  # not the token target: the queue's steps
+    assert state["global_step"] == 3 and loop.queue.finished == [30, 30, 20]
+
+
 def test_a_sample_count_per_step(tmp_path):
     loop, _, _ = make_loop(tmp_path, horizon=2, tokens_per_step=1, samples_per_step=4)
     run(loop)

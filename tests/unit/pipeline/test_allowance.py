@@ -21,6 +21,16 @@ def test_initial_tokens_per_step_assumes_full_rows():
         initial_tokens_per_step(0, 1, 1)
 
 
+def test_initial_tokens_per_step_counts_a_shared_prompt_once():
+    """A row of `token_budget` unique tokens holds 2G / (G + 1) times that in raw tokens when a group of G shares a
+    prompt as long as a completion: 8 samples of prompt 10 + completion 10 are 90 unique tokens, 160 raw."""
+    assert initial_tokens_per_step(90, 1, 1, group_size=8) == 160
+    assert initial_tokens_per_step(256, 1, 2, group_size=4) == 819  # 512 unique tokens, 1.6x raw
+    assert initial_tokens_per_step(256, 2, 2, group_size=1) == 1024  # nothing shared: raw = unique
+    with pytest.raises(ValueError, match="group_size=0"):
+        initial_tokens_per_step(256, 1, 1, group_size=0)
+
+
 def test_cold_start_runs_one_group_at_a_time_until_the_first_completes():
     allowance = TokenAllowance(max_staleness=4, tokens_per_step=10_000)
     assert allowance.try_acquire(num_rollouts=4)
