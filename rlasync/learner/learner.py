@@ -71,8 +71,13 @@ class Learner:
 
         if world_size > 1 and reducer is None:
             raise ValueError(f"a Learner of {world_size} ranks needs a reducer over the training group (GroupReducer)")
-        self.settings, self.rank, self.world_size = settings, rank, world_size
         self.device = torch.device(device)
+        settings = settings.resolved(cuda=self.device.type == "cuda")  # torch_compile None ("auto"): on CUDA only
+        self.settings, self.rank, self.world_size = settings, rank, world_size
+        if settings.torch_compile:
+            from rlasync.model.compilation import use_compile_cache
+
+            use_compile_cache()  # inductor's cache kept across runs, shared by the node's ranks
         self.reducer: Reducer = reducer or LocalReducer()
         on_gpu = self.device.type == "cuda"
         torch.manual_seed(settings.seed)
@@ -179,10 +184,14 @@ class Learner:
     def train_step(self, samples: Sequence[Any], fetch_s: float = 0.0) -> MetricItems:
         """One optimizer step over the step's samples (every rank gets all of them and trains its rows; a
         collective): fetch -> plan -> rows -> step -> reduce -> metrics. Rank 0 returns the items; others []."""
-        started = time.perf_counter()
+        from rlasync.model.compilation import compile_seconds
+
+        started, compiled_before = time.perf_counter(), compile_seconds()
         rows = self.objective.rows(self.objective.plan(samples), self.device, self.pad_id)
         packed_at = time.perf_counter()
         metrics = self._step(rows)
+        compile_s = compile_seconds() - compiled_before  # torch's own compile timers, over this step only
+        metrics["perf/compile_s"] = compile_s if compile_s > 0 else float("nan")  # NaN: not logged (every rank: a key)
         metrics["perf/fetch_samples_s"] = fetch_s  # the step's samples out of the object store
         metrics["perf/pack_s"] = packed_at - started  # planning and packing the micro-batches
         metrics["batch/forwarded_tokens_per_step"] = float(rows.forwarded_tokens)
