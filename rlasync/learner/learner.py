@@ -74,10 +74,11 @@ class Learner:
         self.device = torch.device(device)
         settings = settings.resolved(cuda=self.device.type == "cuda")  # torch_compile None ("auto"): on CUDA only
         self.settings, self.rank, self.world_size = settings, rank, world_size
+        self.compile_cache: str | None = None  # inductor's cache folder when the layers are compiled
         if settings.torch_compile:
             from rlasync.model.compilation import use_compile_cache
 
-            use_compile_cache()  # inductor's cache kept across runs, shared by the node's ranks
+            self.compile_cache = str(use_compile_cache())  # kept across runs, shared by the node's ranks
         self.reducer: Reducer = reducer or LocalReducer()
         on_gpu = self.device.type == "cuda"
         torch.manual_seed(settings.seed)
@@ -161,6 +162,7 @@ class Learner:
             "mixed_precision": "bf16 compute, float32 master weights" if self.mixed else None,
             "checkpointed_layers": f"{len(self.checkpoint_plan.layers)}/{self.checkpoint_plan.num_layers}",
             "compiled_layers": compiled_layer_count(self.model),
+            "compile_cache": self.compile_cache,
             "row_bucket": self.settings.row_bucket,
             "kernels": self.kernels(),
         }

@@ -330,6 +330,7 @@ def test_the_learner_checkpoints_the_chosen_layers(model_dir, tmp_path):
     assert checkpointed_layers(learner.model) == (1,) and learner.info()["checkpointed_layers"] == "1/2"
     assert learner.info()["compiled_layers"] == 0  # torch_compile unset ("auto") on the CPU: eager
     assert learner.settings.torch_compile is False and learner.settings.row_bucket == 0
+    assert learner.info()["compile_cache"] is None
     assert learner.info()["kernels"]["resolved_tree_attention"] == "dense"  # "auto" on the CPU
     assert learner.scorer.kernels is learner.settings.kernels  # handed to the model code
     auto = grpo_config(tmp_path, gradient_checkpointing=True)
@@ -411,6 +412,7 @@ def test_the_compile_time_is_logged_at_the_step_that_paid_it(model_dir, tmp_path
     )
     learner, metrics = _trained(model_dir, settings)
     assert compiled_layer_count(learner.model) == 2 and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compile_cache)
+    assert learner.info()["compile_cache"] == str(compile_cache)
     assert metrics[0]["perf/compile_s"] > 0
     assert math.isnan(metrics[1]["perf/compile_s"]) or metrics[1]["perf/compile_s"] < metrics[0]["perf/compile_s"]
     torch._dynamo.reset()
