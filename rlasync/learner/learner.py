@@ -72,15 +72,15 @@ class Learner:
         if world_size > 1 and reducer is None:
             raise ValueError(f"a Learner of {world_size} ranks needs a reducer over the training group (GroupReducer)")
         self.device = torch.device(device)
-        settings = settings.resolved(cuda=self.device.type == "cuda")  # torch_compile None ("auto"): on CUDA only
+        on_gpu = self.device.type == "cuda"
+        settings = settings.resolved(cuda=on_gpu)  # torch_compile None ("auto"): compiled layers on CUDA only
         self.settings, self.rank, self.world_size = settings, rank, world_size
-        self.compile_cache: str | None = None  # inductor's cache folder when the layers are compiled
-        if settings.torch_compile:
+        self.compile_cache: str | None = None  # inductor's cache folder, where anything compiles: the layers, and
+        if settings.torch_compile or on_gpu:  # on CUDA always the LM head's passes and FlexAttention's kernels
             from rlasync.model.compilation import use_compile_cache
 
             self.compile_cache = str(use_compile_cache())  # kept across runs, shared by the node's ranks
         self.reducer: Reducer = reducer or LocalReducer()
-        on_gpu = self.device.type == "cuda"
         torch.manual_seed(settings.seed)
         dtype, init_kwargs = model_init_options(settings.model_init_kwargs, settings.dtype, settings.trust_remote_code)  # type: ignore[arg-type]
         self.peft_model: Any = None  # with settings.peft_config: the PeftModel; self.model is the HF model inside it
