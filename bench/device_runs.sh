@@ -225,6 +225,16 @@ learner_trl8k)  # carry .pydkit .trlwheel: ours and TRL 1.16 on full 8K rows onl
     python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 110 --shapes 544x128x8@8192 --groups 40 --steps 64 --warmup 6 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_trl_8k_full.json" > "$out/tree_trl_8k_full.log" 2>&1
     grep -E "^tree|trl anchor|speedup" "$out/tree_trl_8k_full.log"
     ;;
+learner_default)  # carry .pydkit (+ .devicekit for e2e): the default config (no compile flag) vs --compile layers
+    use_pydkit || exit 1
+    # issue 35: torch_compile unset compiles the layers on CUDA; default_over_compiled should read ~1.0 (>= 0.9)
+    run tree_default 420 python3 bench/tree_packing.py --shapes 1088x256x8@4096,544x128x8@8192 --groups 40 --steps ${ROWS:-48} --warmup 4 --compile layers --default-vs-compiled --grad-ckpt auto --modes tree --out "$out/tree_default_vs_compiled.json"
+    grep -h -E "default_over_compiled" "$out/tree_default.log"
+    if [ -d .devicekit ]; then  # the whole system: the default config's async run against torch_compile=True
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
+        run e2e_default 300 python3 bench/e2e_grpo.py --steps 12 --runs async,async_compiled --out "$out/e2e_default_vs_compiled.json"
+    fi
+    ;;
 learner_agree)  # carry .pydkit: bf16 log-prob gap of tree vs padding-free (and padded) rows, each against fp32
     use_pydkit || exit 1
     # --fp32-reference: each mode's error against an fp32 forward of each sample alone (padded: a third bf16 layout)

@@ -16,10 +16,16 @@ means over steps after `--warmup` of `perf/step_s`, `perf/weight_sync_s` (+ `_pa
 Σ `perf/step_s`), read from the run's `<output_dir>/metrics.jsonl`, for the step and sync times also the medians and
 the per-step values (one slow sync shows there); and the ratio async / sync of trained tokens/s.
 
+The learner's compilation: every run leaves `torch_compile` unset (the default config: compiled layers on CUDA,
+eager on CPU) except `async_compiled` (torch_compile=True) and `async_eager` (torch_compile=False), which are the
+async run with the flag set; `--runs async,async_compiled` records `default_over_compiled_trained_tok_s`. Each run
+reports `compile_s_total` (Σ `perf/compile_s`, the steps that compiled) and `compile_steps`.
+
     python bench/e2e_grpo.py --out bench/results/e2e_grpo_h200x2.json                 # 2 GPUs, ~5 min
     python bench/e2e_grpo.py --share-gpu --out bench/results/e2e_grpo_h200x1.json     # 1 GPU
     python bench/e2e_grpo.py --device cpu --tiny --steps 2 --out /tmp/e2e_tiny.json   # smoke test, CPU
     python bench/e2e_grpo.py --trainer distill --runs async --out $OUT/e2e_distill.json  # distillation, 2 GPUs
+    python bench/e2e_grpo.py --runs async,async_compiled --out $OUT/e2e_default_vs_compiled.json
 """
 
 from __future__ import annotations
@@ -191,10 +197,17 @@ def kernel_overrides(pairs: list[str]) -> dict[str, Any]:
     return dict(parse_override(pair) for pair in pairs)
 
 
-def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, placement: str) -> Any:
+RUN_COMPILE: dict[str, bool | None] = {"async": None, "sync": None, "async_compiled": True, "async_eager": False}
+"""Each run's `torch_compile`: None leaves the field unset (the default config)."""
+
+
+def make_config(
+    args: argparse.Namespace, output_dir: Path, max_staleness: int, placement: str, torch_compile: bool | None = None
+) -> Any:
     from rlasync.config import AsyncGRPOConfig
 
     gpu = args.device == "cuda"
+    compile_flag = {} if torch_compile is None else {"torch_compile": torch_compile}
     learner_gpus, generation_gpus = {"two_gpus": (1.0, 1.0), "shared_gpu": (0.5, 0.5), "cpu": (0.0, 0.0)}[placement]
     return AsyncGRPOConfig(
         output_dir=str(output_dir),
@@ -214,6 +227,7 @@ def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, 
         dtype=args.learner_dtype,
         report_to="none",
         kernels=kernel_overrides(args.kernel),
+        **compile_flag,
         cluster={
             "num_rollout_actors": 1,
             "num_generation_actors": 1,
@@ -231,12 +245,14 @@ def make_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, 
     )
 
 
-def make_distill_config(args: argparse.Namespace, output_dir: Path, max_staleness: int, placement: str) -> Any:
+def make_distill_config(
+    args: argparse.Namespace, output_dir: Path, max_staleness: int, placement: str, torch_compile: bool | None = None
+) -> Any:
     """The same run as `make_config`, as on-policy distillation (`--trainer distill`): forward KL to the teacher's
     top-8 plus the tail bucket, one sample per prompt, the teacher hosted by a TeacherScorer actor."""
     from rlasync.config import AsyncDistillationConfig
 
-    grpo = make_config(args, output_dir, max_staleness, placement)
+    grpo = make_config(args, output_dir, max_staleness, placement, torch_compile)
     shared = {
         name: getattr(grpo, name)
         for name in (
@@ -255,6 +271,7 @@ def make_distill_config(args: argparse.Namespace, output_dir: Path, max_stalenes
             "gradient_checkpointing",
             "dtype",
             "report_to",
+            "torch_compile",
         )
     }
     cluster = {**grpo.to_dict()["cluster"]}
@@ -309,6 +326,7 @@ def summarize(metrics_path: Path, warmup: int) -> dict[str, Any]:
     seconds = sum(r["perf/step_s"] for r in timed)
     trained = sum(r["batch/trained_tokens_per_step"] for r in timed)
     dropped = [r.get("sample/dropped_stale_count", r.get("sample/dropped_stale_total")) for r in records]
+    compiled = [r for r in records if r.get("perf/compile_s") is not None]  # logged only where a step compiled
     per_step = (
         "perf/step_s",
         "perf/weight_sync_s",
@@ -328,6 +346,8 @@ def summarize(metrics_path: Path, warmup: int) -> dict[str, Any]:
         "per_step": {key: [r.get(key) for r in measured] for key in per_step},  # one slow sync shows here
         "trained_tok_s": trained / seconds if seconds > 0 else None,
         "dropped_stale_samples": sum(d for d in dropped if d is not None),
+        "compile_s_total": sum(r["perf/compile_s"] for r in compiled),
+        "compile_steps": [r["step"] for r in compiled],
     }
 
 
@@ -340,7 +360,9 @@ def run_training(
     output_dir = work / name
     shutil.rmtree(output_dir, ignore_errors=True)
     distill = args.trainer == "distill"
-    config = (make_distill_config if distill else make_config)(args, output_dir, max_staleness, placement)
+    config = (make_distill_config if distill else make_config)(
+        args, output_dir, max_staleness, placement, RUN_COMPILE[name]
+    )
     handler = _BackendLog()
     driver_log = logging.getLogger("actors")
     driver_log.setLevel(logging.INFO)
@@ -374,6 +396,7 @@ def run_training(
         driver_log.removeHandler(handler)
     result = {
         "max_staleness": max_staleness,
+        "torch_compile": "unset (auto)" if RUN_COMPILE[name] is None else RUN_COMPILE[name],
         "wall_s": time.perf_counter() - started,
         "global_step": state["global_step"],
         "weight_sync_log": handler.lines,
@@ -397,7 +420,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the means")
     parser.add_argument("--max-staleness", type=int, default=4, help="the async run's max_staleness")
-    parser.add_argument("--runs", default="async,sync", help="which runs, in order: async, sync")
+    parser.add_argument(
+        "--runs",
+        default="async,sync",
+        help="which runs, in order: async, sync (the default config), async_compiled (torch_compile=True), "
+        "async_eager (torch_compile=False)",
+    )
     parser.add_argument("--num-generations", type=int, default=None)
     parser.add_argument("--max-completion-length", type=int, default=None)
     parser.add_argument("--token-budget", type=int, default=None, help="raw tokens per step")
@@ -474,8 +502,9 @@ def main() -> None:
     warmup = max(0, min(args.warmup, args.steps - 1))
     runs = [name.strip() for name in args.runs.split(",") if name.strip()]
     staleness = {"async": args.max_staleness, "sync": 0}
+    staleness.update(async_compiled=args.max_staleness, async_eager=args.max_staleness)
     if not runs or any(name not in staleness for name in runs):
-        parser.error(f"--runs {args.runs!r}: a comma-separated list of async, sync")
+        parser.error(f"--runs {args.runs!r}: a comma-separated list of {', '.join(staleness)}")
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rlasync_e2e_"))
@@ -522,6 +551,8 @@ def main() -> None:
     tok_s = {name: run.get("trained_tok_s") for name, run in results["runs"].items()}
     if tok_s.get("async") and tok_s.get("sync"):
         results["async_over_sync_trained_tok_s"] = tok_s["async"] / tok_s["sync"]
+    if tok_s.get("async") and tok_s.get("async_compiled"):  # the default config against the explicit flag
+        results["default_over_compiled_trained_tok_s"] = tok_s["async"] / tok_s["async_compiled"]
     text = json.dumps(results, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,12 @@ forwarded tokens/s, MFU (model FLOPs: 6 x matmul params per token for the layers
 trained token for the head, attention 12 x head_dim x heads x attended pairs; peak 989 TFLOP/s dense bf16),
 and the max |Δ| between the modes' per-token log-probs.
 
+`--compile default` prepares the model as the learner does with the default config (`torch_compile` unset: compiled
+layers on CUDA, eager on the CPU; rlasync.model.compilation). `--default-vs-compiled` also times the tree mode on a
+second copy of the same weights prepared that way, in the same call, next to the explicitly compiled model
+(`--compile layers`): per shape `tree_default_config` and `default_over_compiled` (default / compiled trained
+tokens/s), at the top `default_over_compiled` (the smallest over the shapes) and `default_config_compile`.
+
     python bench/tree_packing.py --out bench/results/tree_packing_h200.json   (results: bench/results/)
 """
 
@@ -323,6 +329,16 @@ def bench_shape(model, config, shape: Shape, args, reference=None) -> dict:
     return results
 
 
+def default_config_compile(device: str) -> str:
+    """The learner's compilation of the decoder layers with a default `AsyncGRPOConfig` (`torch_compile` unset) on
+    `device`: "layers" or "none"."""
+    from rlasync.config import AsyncGRPOConfig
+    from rlasync.model.compilation import resolve_torch_compile
+
+    unset = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}["torch_compile"]
+    return "layers" if resolve_torch_compile(unset, cuda=str(device).startswith("cuda")) else "none"
+
+
 def training_options(args) -> dict:
     """`prepare_for_training` keyword arguments from --grad-ckpt / --no-grad-ckpt / --compile / --prepare-kwargs."""
     import inspect
@@ -331,10 +347,8 @@ def training_options(args) -> dict:
         raise SystemExit(f"--no-grad-ckpt contradicts --grad-ckpt {args.grad_ckpt}: give one of them")
     ckpt = args.grad_ckpt or ("none" if args.no_grad_ckpt else "all")
     accepted = set(inspect.signature(prepare_for_training).parameters) - {"model"}
-    options: dict = {
-        "gradient_checkpointing": ckpt != "none",
-        "compile": False if args.compile == "none" else args.compile,
-    }
+    chosen = default_config_compile(args.device) if args.compile == "default" else args.compile
+    options: dict = {"gradient_checkpointing": ckpt != "none", "compile": False if chosen == "none" else chosen}
     if ckpt == "auto":  # the learner's plan by memory (rlasync.model.checkpointing), made once the model is built
         options["checkpoint_layers"] = "auto"
     try:
@@ -360,7 +374,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--check-rows", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", choices=["none", "layers", "decoder"], default="layers")
+    parser.add_argument(
+        "--compile",
+        choices=["none", "layers", "decoder", "default"],
+        default="layers",
+        help="default: what the learner does with torch_compile unset (layers on CUDA, none on the CPU)",
+    )
+    parser.add_argument(
+        "--default-vs-compiled",
+        action="store_true",
+        help="also time the tree mode with the default config's compilation on a copy of the model, same call "
+        "(needs --compile layers): default_over_compiled",
+    )
     parser.add_argument("--no-grad-ckpt", action="store_true", help="same as --grad-ckpt none")
     parser.add_argument(
         "--grad-ckpt",
@@ -430,6 +455,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def compare_default_config(results: dict, default_model, config, shape: Shape, args, compiled_logprobs: dict) -> None:
+    """The tree mode on the default config's model (same weights, same samples) next to the compiled one's:
+    `tree_default_config`, `default_over_compiled` per shape and (smallest over shapes) at the top."""
+    only_tree = argparse.Namespace(**{**vars(args), "modes": "tree", "profile": None})
+    measured = bench_shape(default_model, config, shape, only_tree)
+    default_logprobs = measured.pop("_tree_logprobs", {})
+    default_model.zero_grad(set_to_none=True)
+    entry = results["shapes"][shape.name]
+    entry["tree_default_config"] = measured["tree"]
+    entry["default_over_compiled"] = measured["tree"]["trained_tokens_per_s"] / entry["tree"]["trained_tokens_per_s"]
+    common = set(default_logprobs) & set(compiled_logprobs)
+    if common:
+        entry["default_config_logprob_max_abs_diff"] = max(
+            float(np.abs(default_logprobs[k] - compiled_logprobs[k]).max()) for k in common
+        )
+    results["default_over_compiled"] = min(
+        r["default_over_compiled"] for r in results["shapes"].values() if "default_over_compiled" in r
+    )
+    print(shape.name, "default_over_compiled", entry["default_over_compiled"], flush=True)
+
+
 def kernel_settings(pairs: list[str]) -> KernelSettings:
     """`--kernel KEY=VALUE` flags as `KernelSettings` (values parsed as YAML, as `--set kernels.KEY=VALUE` is)."""
     from rlasync.config.load import parse_override
@@ -447,6 +493,11 @@ def main(argv=None) -> None:
     unknown_modes = set(args.modes.split(",")) - set(MODES)
     if unknown_modes:
         raise SystemExit(f"--modes: unknown {sorted(unknown_modes)}; choose from {', '.join(MODES)}")
+    if args.default_vs_compiled and (args.compile != "layers" or "tree" not in args.modes.split(",")):
+        raise SystemExit(
+            f"--default-vs-compiled compares the tree mode against --compile layers: got --compile {args.compile}, "
+            f"--modes {args.modes}"
+        )
     if args.trl_wheel and not Path(args.trl_wheel).is_file():
         raise SystemExit(
             f"--trl-wheel: no file {args.trl_wheel} (the TRL 1.16 wheel, e.g. .trlwheel/trl-1.16.0-py3-none-any.whl)"
@@ -481,6 +532,13 @@ def main(argv=None) -> None:
         import copy
 
         reference = copy.deepcopy(model).to("cpu", torch.float32).eval()
+    default_model = None
+    if args.default_vs_compiled:  # the same weights, prepared as the learner's default config does
+        import copy
+
+        default_model = copy.deepcopy(model)
+        default_options = {**options, "compile": {"none": False}.get(default_config_compile(args.device), "layers")}
+        default_model = prepare_for_training(default_model, **default_options).train()
     model = prepare_for_training(model, **options)
     model.train()
 
@@ -495,6 +553,7 @@ def main(argv=None) -> None:
         "static_shapes": args.static_shapes,
         "checkpointed_layers": None if plan is None else len(plan.layers),
         "compile": args.compile,
+        "default_config_compile": default_config_compile(args.device),
         "block_size": args.block_size or 128,
         "attention": args.attention,
         "prepare_for_training": {k: v for k, v in options.items()},
@@ -516,6 +575,8 @@ def main(argv=None) -> None:
         results["shapes"][shape.name] = measured
         results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
         results["mfu"] = {name: {m: r[m]["mfu"] for m in MODES if m in r} for name, r in results["shapes"].items()}
+        if default_model is not None:
+            compare_default_config(results, default_model, config, shape, args, ours_logprobs)
         if anchor is not None:
             from trl_tree_anchor import merge_anchor
 

@@ -9,6 +9,7 @@ the actors of an existing cluster (`ray job submit`, KubeRay). No other module o
 an `RLASYNC_*` variable (tests/unit/test_envs.py).
 
     RLASYNC_CACHE   Path   ~/.cache/rlasync   where model aliases are prepared (`models/<alias>`, rlasync.model.registry)
+                                              and inductor keeps compiled graphs (`inductor/`, rlasync.model.compilation)
 
 Imports nothing of rlasync.
 """
@@ -44,7 +45,8 @@ VARIABLES: dict[str, Variable] = {
             "RLASYNC_CACHE",
             Path,
             "~/.cache/rlasync",
-            "where model aliases are prepared, under models/<alias> (rlasync.model.registry)",
+            "where model aliases are prepared, under models/<alias> (rlasync.model.registry), and inductor's compile "
+            "cache, under inductor/ (rlasync.model.compilation)",
             _cache_dir,
         ),
     )

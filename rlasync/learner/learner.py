@@ -71,10 +71,16 @@ class Learner:
 
         if world_size > 1 and reducer is None:
             raise ValueError(f"a Learner of {world_size} ranks needs a reducer over the training group (GroupReducer)")
-        self.settings, self.rank, self.world_size = settings, rank, world_size
         self.device = torch.device(device)
-        self.reducer: Reducer = reducer or LocalReducer()
         on_gpu = self.device.type == "cuda"
+        settings = settings.resolved(cuda=on_gpu)  # torch_compile None ("auto"): compiled layers on CUDA only
+        self.settings, self.rank, self.world_size = settings, rank, world_size
+        self.compile_cache: str | None = None  # inductor's cache folder, where anything compiles: the layers, and
+        if settings.torch_compile or on_gpu:  # on CUDA always the LM head's passes and FlexAttention's kernels
+            from rlasync.model.compilation import use_compile_cache
+
+            self.compile_cache = str(use_compile_cache())  # kept across runs, shared by the node's ranks
+        self.reducer: Reducer = reducer or LocalReducer()
         torch.manual_seed(settings.seed)
         dtype, init_kwargs = model_init_options(settings.model_init_kwargs, settings.dtype, settings.trust_remote_code)  # type: ignore[arg-type]
         self.peft_model: Any = None  # with settings.peft_config: the PeftModel; self.model is the HF model inside it
@@ -156,6 +162,7 @@ class Learner:
             "mixed_precision": "bf16 compute, float32 master weights" if self.mixed else None,
             "checkpointed_layers": f"{len(self.checkpoint_plan.layers)}/{self.checkpoint_plan.num_layers}",
             "compiled_layers": compiled_layer_count(self.model),
+            "compile_cache": self.compile_cache,
             "row_bucket": self.settings.row_bucket,
             "kernels": self.kernels(),
         }
@@ -179,10 +186,14 @@ class Learner:
     def train_step(self, samples: Sequence[Any], fetch_s: float = 0.0) -> MetricItems:
         """One optimizer step over the step's samples (every rank gets all of them and trains its rows; a
         collective): fetch -> plan -> rows -> step -> reduce -> metrics. Rank 0 returns the items; others []."""
-        started = time.perf_counter()
+        from rlasync.model.compilation import compile_seconds
+
+        started, compiled_before = time.perf_counter(), compile_seconds()
         rows = self.objective.rows(self.objective.plan(samples), self.device, self.pad_id)
         packed_at = time.perf_counter()
         metrics = self._step(rows)
+        compile_s = compile_seconds() - compiled_before  # torch's own compile timers, over this step only
+        metrics["perf/compile_s"] = compile_s if compile_s > 0 else float("nan")  # NaN: not logged (every rank: a key)
         metrics["perf/fetch_samples_s"] = fetch_s  # the step's samples out of the object store
         metrics["perf/pack_s"] = packed_at - started  # planning and packing the micro-batches
         metrics["batch/forwarded_tokens_per_step"] = float(rows.forwarded_tokens)

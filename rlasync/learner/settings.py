@@ -38,10 +38,11 @@ class LearnerSettings:
     gradient_checkpointing: bool = True
     gradient_checkpointing_layers: str | int = "auto"  # "auto" (by memory on CUDA), "all" or a layer count
     use_reentrant: bool = False
-    torch_compile: bool = False  # each decoder layer compiled (regional); a failure falls back to eager, once
+    torch_compile: bool | None = None  # decoder layers compiled (regional); None: on CUDA only (the learner decides)
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
     row_bucket: int = 0  # > 0: pad each row's unique tokens to a multiple of it (static shapes); 0: no padding
+    # (with torch_compile=None it is the bucket of compiled layers; a learner that resolves to eager sets it to 0)
     bf16: bool = False
     fp16: bool = False
     seed: int = 42
@@ -73,8 +74,22 @@ class LearnerSettings:
             "gradient_checkpointing_layers",
             check_checkpointing_layers(self.gradient_checkpointing_layers, self.gradient_checkpointing),
         )
+        if self.torch_compile not in (None, True, False):
+            raise ValueError(f"torch_compile={self.torch_compile!r}: use True, False or None (auto: on CUDA)")
         if self.row_bucket < 0:
             raise ValueError(f"row_bucket={self.row_bucket}: use 0 (no padding) or a positive multiple of tokens")
+
+    def resolved(self, cuda: bool) -> LearnerSettings:
+        """These settings on a rank whose device is (not) CUDA: `torch_compile` a bool
+        (rlasync.model.compilation.resolve_torch_compile); `row_bucket` 0 when "auto" leaves the layers eager (its
+        bucket was chosen for compiled layers; an explicit choice keeps the given bucket)."""
+        from rlasync.model.compilation import resolve_torch_compile
+
+        compiled = resolve_torch_compile(
+            self.torch_compile, cuda=cuda, backend=self.torch_compile_backend, mode=self.torch_compile_mode
+        )
+        bucket = 0 if self.torch_compile is None and not compiled else self.row_bucket
+        return dataclasses.replace(self, torch_compile=compiled, row_bucket=bucket)
 
     @classmethod
     def from_config(
@@ -97,7 +112,7 @@ class LearnerSettings:
             optimizer = dataclasses.replace(optimizer, max_steps=max_steps)
         if optimizer_overrides:  # the trainer's optimizers=(class, scheduler factory)
             optimizer = dataclasses.replace(optimizer, **optimizer_overrides)
-        compiled = bool(config.torch_compile)
+        compiled = config.torch_compile is not False  # None ("auto") may compile: the learner resolves it
         from rlasync.model.row_shapes import row_bucket  # compiled layers see few row shapes (docs/algorithms.md §5.5)
 
         return cls(
@@ -112,7 +127,7 @@ class LearnerSettings:
             gradient_checkpointing=config.gradient_checkpointing,
             use_reentrant=config.use_reentrant,
             gradient_checkpointing_layers=config.gradient_checkpointing_layers,
-            torch_compile=compiled,
+            torch_compile=config.torch_compile,
             torch_compile_backend=config.torch_compile_backend,
             torch_compile_mode=config.torch_compile_mode,
             row_bucket=row_bucket(int(token_budget)) if compiled and getattr(objective, "bucket_rows", False) else 0,

@@ -284,3 +284,37 @@ def test_fp32_reference_reports_every_modes_error_and_fp32_modes_have_none(tmp_p
     assert set(shape["logprob_vs_fp32"]) == {"tree", "padding_free", "padded"}
     for error in shape["logprob_vs_fp32"].values():
         assert 0 <= error["mean_abs"] <= error["max_abs"] < 1e-4
+
+
+def test_the_default_configs_compilation_is_the_learners():
+    assert tree_packing.default_config_compile("cuda") == "layers"  # torch_compile unset: compiled on CUDA
+    assert tree_packing.default_config_compile("cpu") == "none"
+    args = tree_packing.build_parser().parse_args(["--compile", "default", "--device", "cpu"])
+    assert tree_packing.training_options(args)["compile"] is False
+
+
+def test_default_vs_compiled_times_the_default_config_next_to_the_compiled_model(tmp_path):
+    """On the CPU the default config is eager; the compiled side uses the aot_eager backend (a real Dynamo compile,
+    fast): both timed on the same samples, the ratio recorded per shape and at the top, the log-probs equal."""
+    out = tmp_path / "tp.json"
+    argv = ["--tiny", "--device", "cpu", "--shapes", "12x6x4@96", "--groups", "2", "--steps", "1", "--warmup", "0"]
+    with pytest.raises(SystemExit, match="--default-vs-compiled compares the tree mode against --compile layers"):
+        tree_packing.main([*argv, "--compile", "none", "--default-vs-compiled"])
+    tree_packing.main(
+        [
+            *argv,
+            "--modes",
+            "tree",
+            "--default-vs-compiled",
+            "--prepare-kwargs",
+            '{"compile_backend": "aot_eager"}',
+            "--out",
+            str(out),
+        ]
+    )
+    results = json.loads(out.read_text())
+    shape = results["shapes"]["p12_c6_g4_row96"]
+    assert results["default_config_compile"] == "none" and shape["tree_default_config"]["trained_tokens_per_s"] > 0
+    ratio = shape["tree_default_config"]["trained_tokens_per_s"] / shape["tree"]["trained_tokens_per_s"]
+    assert shape["default_over_compiled"] == pytest.approx(ratio) and results["default_over_compiled"] == ratio
+    assert shape["default_config_logprob_max_abs_diff"] < 1e-4

@@ -20,6 +20,11 @@ DOCUMENT_DEFAULTS = {
     ("AsyncGRPOConfig", "vllm_server_timeout"): "the document: 1800 s bounds readiness, requests and weight calls",
     ("AsyncGRPOConfig", "remove_unused_columns"): "the document: False (either value is accepted, same behaviour)",
 }
+# Where rlasync's default differs from TRL's on purpose (README "TRL compatibility", docs/algorithms.md §5.5); each
+# field with its reason. TRL's value, given explicitly, keeps TRL's meaning.
+DIFFERENT_ON_PURPOSE = {
+    "torch_compile": "None = auto: the learner compiles its layers on CUDA (about 2x faster), eager on the CPU",
+}
 
 
 def _defaults(cls):
@@ -38,7 +43,10 @@ def test_every_trl_field_is_accepted_with_trls_default(cls):
     different = {
         k: (ours[k], trl[k])
         for k in trl
-        if ours[k] != trl[k] and trl[k] != "<required>" and (cls.__name__, k) not in DOCUMENT_DEFAULTS
+        if ours[k] != trl[k]
+        and trl[k] != "<required>"
+        and (cls.__name__, k) not in DOCUMENT_DEFAULTS
+        and k not in DIFFERENT_ON_PURPOSE
     }
     assert not different, f"{cls.__name__} defaults differ from TRL 1.16's (ours, TRL's): {different}"
 
@@ -55,6 +63,13 @@ def test_a_trl_config_dict_builds(cls):
     values.pop("vllm_server_timeout")  # 240 and TRL's request/weight timeouts: fine either way
     config = cls(**values)
     assert config.optim == "adamw_torch_fused"
+    assert config.torch_compile is False  # TRL's value given explicitly keeps TRL's meaning: eager layers
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_the_defaults_that_differ_on_purpose_do_differ(cls):
+    trl, ours = TRL[cls.__name__], _defaults(cls)
+    assert all(ours[name] != trl[name] for name in DIFFERENT_ON_PURPOSE), "list only what differs"
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))

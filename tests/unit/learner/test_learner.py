@@ -40,7 +40,14 @@ PLANNER_KEYS = [
     "batch/row_imbalance",
 ]
 STEP_KEYS = ["batch/forwarded_tokens_per_step", "batch/microbatches_per_step", "batch/trained_tokens_per_step"]
-PERF_KEYS = ["perf/fetch_samples_s", "perf/fwd_bwd_s", "perf/fwd_s", "perf/optimizer_s", "perf/pack_s"]
+PERF_KEYS = [
+    "perf/compile_s",
+    "perf/fetch_samples_s",
+    "perf/fwd_bwd_s",
+    "perf/fwd_s",
+    "perf/optimizer_s",
+    "perf/pack_s",
+]
 GRPO_KEYS = [
     *PLANNER_KEYS,
     "batch/packing_ratio",
@@ -188,6 +195,7 @@ def check_step(learner, samples, expected_keys, unit_key, num_units):
     assert all(not torch.equal(before[name], after[name]) for name in before)  # every parameter was trained
     assert metrics["batch/samples_per_step"] == len(samples) and metrics[unit_key] == num_units
     assert metrics["perf/fetch_samples_s"] == 0.5
+    assert math.isnan(metrics["perf/compile_s"])  # the default on the CPU: eager layers, nothing compiled (not logged)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert metrics["batch/trained_tokens_per_step"] == sum(int(s.completion_mask.sum()) for s in samples)
     again = dict(learner.train_step(samples))
@@ -283,7 +291,11 @@ def test_gradient_checkpointing_layers_is_validated_by_name():
 
 
 def test_torch_compile_fields_are_honoured_and_checked():
-    assert AsyncGRPOConfig().torch_compile is False  # TRL's default
+    assert AsyncGRPOConfig().torch_compile is None  # "auto" (TRL's default is False; ours differs on purpose)
+    assert AsyncGRPOConfig(torch_compile="auto").torch_compile is None  # the YAML / command-line spelling
+    assert AsyncGRPOConfig(torch_compile=False).torch_compile is False
+    with pytest.raises(ValueError, match="torch_compile='yes': use true .compile., false .eager. or leave it unset"):
+        AsyncGRPOConfig(torch_compile="yes")
     assert AsyncGRPOConfig(torch_compile_mode="reduce-overhead").torch_compile is True  # transformers' rule
     assert AsyncGRPOConfig(torch_compile_backend="eager").torch_compile is True
     with pytest.raises(ValueError, match="torch_compile_mode='fastest': use one of"):
@@ -295,11 +307,18 @@ def test_settings_carry_the_choice_and_pad_rows_when_compiled(tmp_path):
     settings = GRPO.learner_settings(config, token_budget=8192)
     assert (settings.gradient_checkpointing_layers, settings.torch_compile) == (1, True)
     assert settings.row_bucket == row_bucket(8192) == 512
-    assert GRPO.learner_settings(grpo_config(tmp_path), token_budget=8192).row_bucket == 0
+    assert GRPO.learner_settings(grpo_config(tmp_path, torch_compile=False), token_budget=8192).row_bucket == 0
+    auto = GRPO.learner_settings(grpo_config(tmp_path), token_budget=8192)  # "auto": the rank's device decides
+    assert auto.torch_compile is None and auto.row_bucket == 512
+    assert (auto.resolved(cuda=True).torch_compile, auto.resolved(cuda=True).row_bucket) == (True, 512)
+    assert (auto.resolved(cuda=False).torch_compile, auto.resolved(cuda=False).row_bucket) == (False, 0)
+    assert settings.resolved(cuda=False).torch_compile is True  # explicit True compiles on the CPU too
     with pytest.raises(ValueError, match="gradient_checkpointing_layers='some'"):
         dataclasses.replace(settings, gradient_checkpointing_layers="some")
     with pytest.raises(ValueError, match="row_bucket=-1"):
         dataclasses.replace(settings, row_bucket=-1)
+    with pytest.raises(ValueError, match="torch_compile='on': use True, False or None"):
+        dataclasses.replace(settings, torch_compile="on")
     kernels = grpo_config(tmp_path, kernels={"tree_attention": "varlen", "head_keep": "probs"}).kernels
     chosen = GRPO.learner_settings(grpo_config(tmp_path, kernels=kernels), token_budget=64)
     assert chosen.kernels == kernels and settings.kernels.tree_attention == "auto"  # the config's kernels section
@@ -309,7 +328,9 @@ def test_the_learner_checkpoints_the_chosen_layers(model_dir, tmp_path):
     config = grpo_config(tmp_path, gradient_checkpointing=True, gradient_checkpointing_layers=1)
     learner = Learner(model_dir, GRPO.learner_settings(config, token_budget=TOKEN_BUDGET))
     assert checkpointed_layers(learner.model) == (1,) and learner.info()["checkpointed_layers"] == "1/2"
-    assert learner.info()["compiled_layers"] == 0
+    assert learner.info()["compiled_layers"] == 0  # torch_compile unset ("auto") on the CPU: eager
+    assert learner.settings.torch_compile is False and learner.settings.row_bucket == 0
+    assert learner.info()["compile_cache"] is None
     assert learner.info()["kernels"]["resolved_tree_attention"] == "dense"  # "auto" on the CPU
     assert learner.scorer.kernels is learner.settings.kernels  # handed to the model code
     auto = grpo_config(tmp_path, gradient_checkpointing=True)
@@ -326,7 +347,7 @@ def _trained(model_dir, settings, steps=2):
 def test_padded_rows_train_exactly_like_unpadded_ones(model_dir, tmp_path):
     """One step's loss and gradient norm (after it, Adam's sign-like steps on near-zero gradients amplify fp32
     round-off: later steps are not comparable; rlasync/model's tests compare the gradients themselves)."""
-    settings = GRPO.learner_settings(grpo_config(tmp_path), token_budget=TOKEN_BUDGET)
+    settings = GRPO.learner_settings(grpo_config(tmp_path, torch_compile=False), token_budget=TOKEN_BUDGET)
     (plain_metrics,) = _trained(model_dir, settings, steps=1)[1]
     padded, (padded_metrics,) = _trained(model_dir, dataclasses.replace(settings, row_bucket=16), steps=1)
     assert padded.objective.step_core.row_bucket == 16
@@ -350,13 +371,23 @@ def failing_backend():
     return name
 
 
-def test_a_compile_failure_falls_back_to_eager_layers_with_one_warning(model_dir, tmp_path, failing_backend, caplog):
+@pytest.fixture
+def compile_cache(tmp_path, monkeypatch):
+    """Inductor's cache folder under a temporary RLASYNC_CACHE (the environment restored afterwards)."""
+    monkeypatch.setenv("RLASYNC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    return tmp_path / "cache" / "inductor"
+
+
+def test_a_compile_failure_falls_back_to_eager_layers_with_one_warning(
+    model_dir, tmp_path, failing_backend, caplog, compile_cache
+):
     torch._dynamo.reset()
     settings = GRPO.learner_settings(
         grpo_config(tmp_path, torch_compile_backend=failing_backend), token_budget=TOKEN_BUDGET
     )
     assert settings.torch_compile and settings.row_bucket == row_bucket(TOKEN_BUDGET)
-    eager = GRPO.learner_settings(grpo_config(tmp_path), token_budget=TOKEN_BUDGET)
+    eager = GRPO.learner_settings(grpo_config(tmp_path, torch_compile=False), token_budget=TOKEN_BUDGET)
     learner = Learner(model_dir, settings)
     assert compiled_layer_count(learner.model) == 2  # compiled lazily: nothing traced yet
     with caplog.at_level(logging.WARNING, logger="rlasync.learner.learner"):
@@ -367,4 +398,43 @@ def test_a_compile_failure_falls_back_to_eager_layers_with_one_warning(model_dir
     reference, reference_metrics = _trained(model_dir, eager)  # the failed step left no gradient behind
     assert metrics[0]["loss"] == pytest.approx(reference_metrics[0]["loss"], rel=1e-5)
     assert metrics[0]["grad_norm"] == pytest.approx(reference_metrics[0]["grad_norm"], rel=1e-5)
+    torch._dynamo.reset()
+
+
+def test_the_compile_time_is_logged_at_the_step_that_paid_it(model_dir, tmp_path, compile_cache):
+    """A real Dynamo compile (the aot_eager backend: traced, no code generated, seconds on the CPU) is measured by
+    torch's compile timers: `perf/compile_s` > 0 at the first step, and the cache folder is the learner's."""
+    import os
+
+    torch._dynamo.reset()
+    settings = GRPO.learner_settings(
+        grpo_config(tmp_path, torch_compile_backend="aot_eager"), token_budget=TOKEN_BUDGET
+    )
+    learner, metrics = _trained(model_dir, settings)
+    assert compiled_layer_count(learner.model) == 2 and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compile_cache)
+    assert learner.info()["compile_cache"] == str(compile_cache)
+    assert metrics[0]["perf/compile_s"] > 0
+    assert math.isnan(metrics[1]["perf/compile_s"]) or metrics[1]["perf/compile_s"] < metrics[0]["perf/compile_s"]
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_an_inductor_compiled_learner_on_the_cpu_fills_the_cache_and_the_next_run_uses_it(
+    model_dir, tmp_path, compile_cache
+):
+    """torch_compile=True on the CPU (C++ inductor kernels; about a minute on this 2-core machine): compile time logged,
+    compiled graphs written under <RLASYNC_CACHE>/inductor; a second run (Dynamo reset, as in a new process) loads
+    them from there (FX graph cache hits) and pays less."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    settings = GRPO.learner_settings(grpo_config(tmp_path, torch_compile=True), token_budget=TOKEN_BUDGET)
+    _, (first,) = _trained(model_dir, settings, steps=1)
+    assert first["perf/compile_s"] > 0 and math.isfinite(first["loss"])
+    assert any(compile_cache.rglob("*.py")), "inductor wrote no compiled module into the cache folder"
+    torch._dynamo.reset()
+    counters.clear()
+    _, (second,) = _trained(model_dir, settings, steps=1)
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0 and second["perf/compile_s"] < first["perf/compile_s"]
+    assert second["loss"] == pytest.approx(first["loss"], rel=1e-5)
     torch._dynamo.reset()
