@@ -170,10 +170,23 @@ def train_teacher(task: str, steps: int, run_dir: Path) -> tuple[str, float]:
 
 def distill_config(args: argparse.Namespace, output_dir: Path, teachers: int) -> Any:
     """On-policy distillation on one GPU: learner 0.4, the student's engine and each teacher an equal share of the
-    rest; forward KL to the teacher's top-8 plus the tail bucket (beta 0), no reward term."""
+    rest; forward KL to the teacher's top-8 plus the tail bucket (beta 0), no reward term. `--device cpu`: the same
+    run small, on CPUs (a smoke test)."""
     from rlasync.config import AsyncDistillationConfig
 
+    gpu = args.device == "cuda"
     share = round(0.6 / (1 + teachers), 3)
+    cluster = {
+        "num_rollout_actors": 4 if gpu else 1,
+        "rollout_num_cpus": 1 if gpu else 0.25,
+        "generation_num_cpus": 1 if gpu else 0.25,
+        "learner_num_cpus": 1 if gpu else 0.25,
+        "teacher_num_cpus": 0.25,
+        "learner_num_gpus": 0.4 if gpu else 0.0,
+        "generation_num_gpus": share if gpu else 0.0,
+        "weight_sync_backend": "ipc" if gpu else "auto",
+        "engine_kwargs": {"max_model_len": 512, "kv_cache_tokens": 131072 if gpu else 4096, "max_num_seqs": 256},
+    }
     return AsyncDistillationConfig(
         output_dir=str(output_dir),
         max_steps=args.steps,
@@ -182,26 +195,17 @@ def distill_config(args: argparse.Namespace, output_dir: Path, teachers: int) ->
         seed=0,
         learning_rate=args.learning_rate,
         lr_scheduler_type="constant",
-        max_completion_length=48,
+        max_completion_length=48 if gpu else 8,
         temperature=1.0,
-        token_budget=8192,
+        token_budget=8192 if gpu else 256,
         max_staleness=2,
         weight_sync_steps=1,
         gradient_checkpointing=False,
-        dtype="auto",
+        dtype="auto" if gpu else "float32",
         report_to="none",
         teacher_top_k=8,
         beta=0.0,
-        cluster={
-            "num_rollout_actors": 4,
-            "rollout_num_cpus": 1,
-            "generation_num_cpus": 1,
-            "learner_num_cpus": 1,
-            "learner_num_gpus": 0.4,
-            "generation_num_gpus": share,
-            "weight_sync_backend": "ipc",
-            "engine_kwargs": {"max_model_len": 512, "kv_cache_tokens": 131072, "max_num_seqs": 256},
-        },
+        cluster=cluster,
     )
 
 
@@ -219,7 +223,7 @@ def run_distill(
     output_dir = Path(args.run_root) / name
     shutil.rmtree(output_dir, ignore_errors=True)
     trainer = AsyncDistillationTrainer(
-        model=STUDENT,
+        model=args.student,
         args=distill_config(args, output_dir, len(teachers)),
         train_dataset=datasets.Dataset.from_list(rows),
         teacher_model=dict(teachers) if len(teachers) > 1 else teachers[tasks[0]],
@@ -275,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-rows", type=int, default=20000, help="training rows per task")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--run-root", default="/tmp/distill_transfer")
+    parser.add_argument("--student", default=STUDENT, help="the student (an alias, hub id or folder)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a small smoke run")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep the student's checkpoints")
     parser.add_argument("--out", default="bench/results/distill_transfer_h200.json")
     args = parser.parse_args(argv)
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                 "train_s": seconds,
             }
     held_out = {task: eval_rows(task, args.eval_prompts) for task in needed}
-    base = evaluate_model(STUDENT, held_out, args.max_tokens)
+    base = evaluate_model(args.student, held_out, args.max_tokens)
     for task, info in teachers.items():
         info["accuracy"] = evaluate_model(info["checkpoint"], {task: held_out[task]}, args.max_tokens)[task]["accuracy"]
     merge(out, {"teachers": teachers, "student_base": {t: base[t]["accuracy"] for t in needed}})

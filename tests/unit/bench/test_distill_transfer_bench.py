@@ -90,7 +90,7 @@ def test_checkpoints_are_the_complete_ones_by_step_and_the_curve_follows_them(tm
 
 @pytest.mark.parametrize("teachers", [1, 2])
 def test_the_distillation_config_fits_one_gpu_and_has_no_reward(tmp_path, teachers):
-    args = SimpleNamespace(steps=60, eval_every=10, learning_rate=1e-5)
+    args = SimpleNamespace(steps=60, eval_every=10, learning_rate=1e-5, device="cuda")
     config = distill_transfer.distill_config(args, tmp_path, teachers)
     cluster = config.cluster
     assert cluster.learner_num_gpus + cluster.generation_num_gpus * (1 + teachers) <= 1.0 + 1e-9
