@@ -8,7 +8,8 @@ window's mean). From each run's `metrics.jsonl` (`summarize`):
     seconds_to_reward_0_9  seconds from the command's start to the first step whose sampled reward, averaged over
                            the 10 steps up to it, is >= 0.9 (None: never)
     weight_sync_max_s      the largest `perf/weight_sync_s` of any step (with `_median_s`, `_p90_s`)
-    rollout_wait_frac      mean `perf/rollout_wait_s` over mean `perf/step_s`, over the whole run
+    rollout_wait_frac      mean `perf/rollout_wait_s` over mean `perf/step_s`, over the whole run (the steps that
+                           have both: the first has no step time, its wait is the start-up's)
 
 Each engine's numbers merge into `--out` under its name (`torch`, `vllm`), so the engines may run in two calls.
 
@@ -70,9 +71,17 @@ def seconds_to_reward(
     return None, None
 
 
-def _weighted_mean(records: list[dict[str, Any]], key: str) -> float | None:
-    values = [v for _, v in _per_step(records, key) if v is not None]
-    return sum(values) / len(values) if values else None
+def wait_and_step(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """Mean `perf/rollout_wait_s` and mean `perf/step_s` over the steps that have both: the first step has no step
+    time (the driver times a step from the end of the one before), and its wait is the start-up's."""
+    pairs = [
+        (wait, step_s)
+        for (_, wait), (_, step_s) in zip(_per_step(records, "perf/rollout_wait_s"), _per_step(records, "perf/step_s"))
+        if wait is not None and step_s is not None
+    ]
+    if not pairs:
+        return None, None
+    return sum(w for w, _ in pairs) / len(pairs), sum(s for _, s in pairs) / len(pairs)
 
 
 def summarize(
@@ -83,7 +92,7 @@ def summarize(
         raise ValueError("no training records in metrics.jsonl: did the run log any step?")
     seconds, step = seconds_to_reward(records, started, threshold, window)
     syncs = [float(r["perf/weight_sync_s"]) for r in records if isinstance(r.get("perf/weight_sync_s"), int | float)]
-    wait, step_s = _weighted_mean(records, "perf/rollout_wait_s"), _weighted_mean(records, "perf/step_s")
+    wait, step_s = wait_and_step(records)
     steps = [r["step"] for r in records]
     per_step = all(b - a == 1 for a, b in zip([0, *steps], steps))
     name = f"{threshold:g}".replace(".", "_")
@@ -97,6 +106,7 @@ def summarize(
         "rollout_wait_frac": wait / step_s if wait is not None and step_s else None,
         "mean_rollout_wait_s": wait,
         "mean_step_s": step_s,
+        "first_step_rollout_wait_s": records[0].get("perf/rollout_wait_s") if steps[0] == 1 else None,
         "steps_logged": len(records),
         "last_step": steps[-1],
         "seconds_total": records[-1]["time"] - started,
@@ -105,14 +115,15 @@ def summarize(
     }
 
 
-def train_command(engine: str, run_dir: Path, steps: int | None, sets: list[str]) -> list[str]:
-    """`rlasync train configs/sums_gpu.yaml` with the engine, the output folder and per-step logging set."""
+def train_command(engine: str, run_dir: Path, steps: int | None, sets: list[str], config: Path = CONFIG) -> list[str]:
+    """`rlasync train configs/sums_gpu.yaml` (or `config`) with the engine, the output folder and per-step logging
+    set."""
     overrides = [f"output_dir={run_dir}", f"cluster.engine={engine}", "logging_steps=1"]
     if engine == "vllm":
         overrides.append("cluster.engine_kwargs=" + json.dumps(VLLM_ENGINE_KWARGS))
     if steps:
         overrides.append(f"max_steps={steps}")
-    command = [sys.executable, "-m", "rlasync", "train", str(CONFIG), "--overwrite_output_dir"]
+    command = [sys.executable, "-m", "rlasync", "train", str(config), "--overwrite_output_dir"]
     return command + [x for s in [*overrides, *sets] for x in ("--set", s)]
 
 
@@ -140,7 +151,7 @@ def hardware() -> dict[str, Any]:
 
 def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     run_dir = Path(args.run_root) / f"sums_{engine}"
-    command = train_command(engine, run_dir, args.steps, args.set or [])
+    command = train_command(engine, run_dir, args.steps, args.set or [], Path(args.config))
     print(f"--- {engine}: {' '.join(command)}", flush=True)
     started = time.time()
     done = subprocess.run(command, cwd=ROOT, check=False)
@@ -158,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="torch,vllm", help="comma-separated, run in this order: torch, vllm")
     parser.add_argument("--out", default="bench/results/sums_e2e_h200.json")
+    parser.add_argument("--config", default=str(CONFIG), help="the run file (another one: a CPU smoke test)")
     parser.add_argument("--steps", type=int, default=None, help="max_steps (default: the run file's, 200)")
     parser.add_argument("--run-root", default="/tmp/sums_e2e", help="each engine's output_dir is RUN_ROOT/sums_ENGINE")
     parser.add_argument("--threshold", type=float, default=0.9)

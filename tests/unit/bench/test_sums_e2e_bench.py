@@ -16,7 +16,8 @@ STARTED = 1_000_000.0
 
 def write_metrics(path: Path, rewards: list[float], syncs: list[float], every: int = 1) -> Path:
     """A metrics.jsonl of len(rewards) steps, one record per `every` steps holding the window's means (as the
-    trainer's reduction does), step s logged at STARTED + 30 + 2 s; an evaluation record and a blank line mixed in."""
+    trainer's reduction does), step s logged at STARTED + 30 + 2 s; an evaluation record and a blank line mixed in.
+    Per-step records: step 1 has no step time and a 30 s start-up wait (as the driver logs it)."""
     lines = []
     for end in range(every, len(rewards) + 1, every):
         window = range(end - every, end)
@@ -30,6 +31,8 @@ def write_metrics(path: Path, rewards: list[float], syncs: list[float], every: i
                 "perf/rollout_wait_s": 0.5 if end <= len(rewards) // 2 else 0.1,
             }
         )
+        if every == 1 and end == 1:
+            lines[-1].update({"perf/step_s": None, "perf/rollout_wait_s": 30.0})
     lines.insert(3, {"eval/reward": 0.5, "time": STARTED + 99})  # no step: not a training record
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n\n")
     return path
@@ -52,7 +55,9 @@ def test_seconds_to_reward_waits_for_a_full_window_at_the_threshold(tmp_path):
     assert out["weight_sync_max_s"] == pytest.approx(0.3)
     assert out["weight_sync_median_s"] == pytest.approx(0.02)
     assert out["weight_sync_max_is_per_step"] is True
-    assert out["rollout_wait_frac"] == pytest.approx((0.5 + 0.1) / 2 / 2.0)
+    # steps 2-60 (step 1 has no step time; its 30 s start-up wait is left out): 29 waits of 0.5, 30 of 0.1
+    assert out["rollout_wait_frac"] == pytest.approx((29 * 0.5 + 30 * 0.1) / 59 / 2.0)
+    assert out["first_step_rollout_wait_s"] == 30.0
     assert out["last_step"] == 60 and out["seconds_total"] == pytest.approx(150)
     assert out["reward_curve"][0] == [1, 32.0, 0.1]
 
@@ -72,6 +77,7 @@ def test_windowed_records_weigh_each_step_and_flag_the_hidden_maximum(tmp_path):
     assert out["step_at_reward_0_9"] == 40  # record 40 holds steps 31-40's mean 0.95
     assert out["weight_sync_max_s"] == pytest.approx(0.02 + 0.028)  # the window's mean, not the step's 0.3
     assert out["weight_sync_max_is_per_step"] is False
+    assert out["rollout_wait_frac"] == pytest.approx((0.5 + 0.1) / 2 / 2.0)
 
 
 def test_no_records_is_a_clear_error(tmp_path):
