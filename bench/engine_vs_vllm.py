@@ -69,6 +69,11 @@ def set_seeding(engine: Any, seeded: bool) -> None:
         engine.use_request_seeds = seeded
 
 
+def preemptions(engine: Any) -> int | None:
+    """The engine's preemption count so far (None for an engine without `stats()`)."""
+    return engine.stats().num_preemptions if hasattr(engine, "stats") else None
+
+
 async def warm_up(engine: Any, prompts: list[list[int]]) -> None:
     """Each mode at two batch sizes with 16 new tokens, before anything is timed (compiled samplers, graphs)."""
     for _, seeded, logprobs in MODES:
@@ -84,11 +89,15 @@ async def measure(engine: Any, prompts: list[list[int]], new_tokens: int, repeat
     for _ in range(repeats):
         for name, seeded, logprobs in MODES:
             set_seeding(engine, seeded)
+            before = preemptions(engine)
             t0 = time.perf_counter()
             turns = await generate_all(engine, prompts, sampling(len(prompts), new_tokens, seeded, logprobs))
             elapsed = time.perf_counter() - t0
             generated = sum(len(t.output_ids) for t in turns)
-            runs[name].append({"seconds": elapsed, "new_tokens": generated, "new_tokens_per_s": generated / elapsed})
+            run = {"seconds": elapsed, "new_tokens": generated, "new_tokens_per_s": generated / elapsed}
+            if before is not None:
+                run["preemptions"] = preemptions(engine) - before  # > 0: the KV cache was short, the run is slowed
+            runs[name].append(run)
     set_seeding(engine, True)
     return {
         name: {"runs": values, "new_tokens_per_s": statistics.median(r["new_tokens_per_s"] for r in values)}
@@ -168,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each mode per engine (the median is kept)")
+    parser.add_argument(
+        "--vllm-engine-args",
+        default=None,
+        help="JSON of more vllm.AsyncEngineArgs fields for vLLM's side, e.g. '{\"async_scheduling\": true}'",
+    )
     return parser
 
 

@@ -85,3 +85,41 @@ def test_defaults_are_the_issue_shape_and_vllm_best_mode():
     args = engine_vs_vllm.build_parser().parse_args(["--out", "/tmp/x"])
     assert (args.concurrency, args.prompt_len, args.new_tokens) == (256, 256, 256)
     assert args.engine_mode == "default" and args.json_name == "engine_vs_vllm_h200.json"
+
+
+def test_the_built_in_engine_runs_every_mode_on_a_cpu():
+    """A tiny random Qwen3 in the real TorchEngine: all four modes generate every token, without preemptions."""
+    import engine_throughput
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlasync.engine import TorchEngine
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(engine_throughput.qwen3_06b_config(tiny=True), dtype=torch.float32)
+    engine = TorchEngine(model.eval(), device="cpu", max_model_len=64, kv_cache_tokens=2048, max_num_seqs=8)
+
+    async def run():
+        try:
+            return await engine_vs_vllm.measure(engine, [[5, 6, 7, 8]] * 4, new_tokens=3, repeats=1)
+        finally:
+            await engine.close()
+
+    result = asyncio.run(run())
+    for name, _, _ in engine_vs_vllm.MODES:
+        (timed,) = result[name]["runs"]
+        assert timed["new_tokens"] == 4 * 3 and timed["preemptions"] == 0, name
+        assert result[name]["new_tokens_per_s"] > 0
+
+
+def test_vllm_engine_args_reach_the_engine_options():
+    import vllm_common
+
+    args = engine_vs_vllm.build_parser().parse_args(
+        ["--out", "/tmp/x", "--vllm-engine-args", '{"async_scheduling": true}']
+    )
+    options = vllm_common.engine_options(args)
+    assert options["async_scheduling"] is True and "compilation_config" not in options  # default mode: vLLM's own
+    assert "async_scheduling" not in vllm_common.engine_options(
+        engine_vs_vllm.build_parser().parse_args(["--out", "x"])
+    )
