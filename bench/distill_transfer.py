@@ -150,6 +150,19 @@ def curve(evaluations: dict[int, dict[str, Any]], step_times: dict[int, float], 
     ]
 
 
+def first_reaching(points: list[list[Any]], target: float) -> list[Any] | None:
+    """The first `[step, seconds, accuracy]` of a curve at or above `target`, else None."""
+    return next((point for point in points if point[2] >= target), None)
+
+
+def ends(series: list[list[Any]], count: int = 5) -> tuple[float | None, float | None]:
+    """Means of the first and of the last `count` values of a `[step, value]` series (None values left out)."""
+    values = [value for _, value in series if value is not None]
+    if not values:
+        return None, None
+    return sum(values[:count]) / len(values[:count]), sum(values[-count:]) / len(values[-count:])
+
+
 # ---- the runs ------------------------------------------------------------------------------------------------------
 
 
@@ -238,6 +251,8 @@ def run_distill(
     for step, path in checkpoints(output_dir):
         evaluations[step] = evaluate_model(str(path), {t: held_out[t] for t in tasks}, args.max_tokens)
         print(f"{name} step {step}: {json.dumps({t: evaluations[step][t]['accuracy'] for t in tasks})}", flush=True)
+    curves = {task: curve(evaluations, step_times, task) for task in tasks}
+    jsd = [[r["step"], r.get("jsd")] for r in records]
     result: dict[str, Any] = {
         "teachers": teachers,
         "train_s": train_s,
@@ -245,11 +260,13 @@ def run_distill(
         "steps": max((r["step"] for r in records), default=0),
         "rows": len(rows),
         "eval_prompts_per_task": args.eval_prompts,
-        "curves": {task: curve(evaluations, step_times, task) for task in tasks},
+        "curves": curves,
         "accuracy_start": {task: base[task]["accuracy"] for task in tasks},
         "accuracy_final": {task: evaluations[max(evaluations)][task]["accuracy"] for task in tasks},
         "samples_final": {task: evaluations[max(evaluations)][task]["samples"] for task in tasks},
-        "jsd": [[r["step"], r.get("jsd")] for r in records],
+        "reached_0_8": {task: first_reaching(curves[task], 0.8) for task in tasks},  # [step, seconds, accuracy]
+        "jsd_first5_last5": ends(jsd),  # falling when the student learns the teacher's distribution
+        "jsd": jsd,
         "teacher_jsd": {t: [[r["step"], r.get(f"teacher_jsd/{t}")] for r in records] for t in tasks if len(tasks) > 1},
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
     }

@@ -29,6 +29,7 @@ def test_distill_and_mopd_runs_write_curves_and_keys(ray_cluster, tiny_model_dir
     assert [point[0] for point in data["student_accuracy_curve"]] == [0, 1, 2]
     assert all(point[1] is not None and point[1] >= 0 for point in data["student_accuracy_curve"])
     assert data["distill"]["steps"] == 2 and [s for s, _ in data["distill"]["jsd"]] == [1, 2]
+    assert len(data["distill"]["jsd_first5_last5"]) == 2 and set(data["distill"]["reached_0_8"]) == {"sums"}
     assert set(data["mopd_curves"]) == {"sums", "diffs"}
     assert all([p[0] for p in curve] == [0, 1, 2] for curve in data["mopd_curves"].values())
     assert set(data["mopd"]["teacher_jsd"]) == {"sums", "diffs"}

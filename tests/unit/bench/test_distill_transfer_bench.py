@@ -112,3 +112,12 @@ def test_merge_keeps_earlier_runs(tmp_path):
     distill_transfer.merge(out, {"distill": {"minutes": 3.0}, "minutes": 3.0})
     distill_transfer.merge(out, {"mopd": {"minutes": 5.0}})
     assert json.loads(out.read_text()) == {"distill": {"minutes": 3.0}, "minutes": 3.0, "mopd": {"minutes": 5.0}}
+
+
+def test_first_reaching_and_jsd_ends():
+    points = [[0, 1.0, 0.1], [10, 30.0, 0.79], [20, 50.0, 0.8], [30, 70.0, 0.9]]
+    assert distill_transfer.first_reaching(points, 0.8) == [20, 50.0, 0.8]
+    assert distill_transfer.first_reaching(points, 0.95) is None
+    series = [[1, 0.9], [2, None], [3, 0.7], [4, 0.5], [5, 0.3]]
+    assert distill_transfer.ends(series, 2) == pytest.approx((0.8, 0.4))
+    assert distill_transfer.ends([[1, None]]) == (None, None)
