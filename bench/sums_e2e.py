@@ -1,0 +1,200 @@
+"""The default SmolLM2 sums run end to end, per engine: seconds from the command to reward 0.9, syncs, rollout waits.
+
+`rlasync train configs/sums_gpu.yaml` as shipped (SmolLM2-135M-Instruct, two-digit sums, learner and engine sharing
+one GPU, CUDA IPC weight sync, 200 steps), only the engine switched (`--engines torch,vllm`, one after the other)
+and every step logged (`logging_steps=1`: a metrics record per step, so the maximum sync is a step's and not a
+window's mean). From each run's `metrics.jsonl` (`summarize`):
+
+    seconds_to_reward_0_9  seconds from the command's start to the first step whose sampled reward, averaged over
+                           the 10 steps up to it, is >= 0.9 (None: never)
+    weight_sync_max_s      the largest `perf/weight_sync_s` of any step (with `_median_s`, `_p90_s`)
+    rollout_wait_frac      mean `perf/rollout_wait_s` over mean `perf/step_s`, over the whole run (the steps that
+                           have both: the first has no step time, its wait is the start-up's)
+
+Each engine's numbers merge into `--out` under its name (`torch`, `vllm`), so the engines may run in two calls.
+
+    python3 bench/sums_e2e.py --engines torch --out $OUT/sums_e2e_h200.json            # one H200
+    python3 bench/sums_e2e.py --engines vllm --out $OUT/sums_e2e_h200.json             # vLLM kit on PYTHONPATH
+    python3 bench/sums_e2e.py --metrics RUN/metrics.jsonl --started EPOCH_S --engines torch --out FILE   # recompute
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "sums_gpu.yaml"
+# vLLM in its own default mode (torch.compile with CUDA graphs), as bench/system_throughput.py runs it on this task
+VLLM_ENGINE_KWARGS = {"max_model_len": 512, "gpu_memory_utilization": 0.3, "max_num_seqs": 256}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The training records of a metrics.jsonl (lines with a `step`), in step order; evaluation records left out."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted((r for r in records if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+
+
+def _per_step(records: list[dict[str, Any]], key: str) -> list[tuple[int, float | None]]:
+    """(step, value) for every step: a record logged every k steps holds its window's mean, given to each of them."""
+    out: list[tuple[int, float | None]] = []
+    previous = 0
+    for record in records:
+        value = record.get(key)
+        value = float(value) if isinstance(value, int | float) else None
+        out += [(step, value) for step in range(previous + 1, record["step"] + 1)]
+        previous = max(previous, record["step"])
+    return out
+
+
+def seconds_to_reward(
+    records: list[dict[str, Any]], started: float, threshold: float = 0.9, window: int = 10
+) -> tuple[float | None, int | None]:
+    """(seconds from `started`, step) of the first logged step whose sampled reward averaged over the `window`
+    steps up to it reaches `threshold`; (None, None) if none does."""
+    rewards = dict(_per_step(records, "reward"))
+    for record in records:
+        step = record["step"]
+        if step < window:
+            continue
+        values = [rewards.get(s) for s in range(step - window + 1, step + 1)]
+        values = [v for v in values if v is not None]
+        if values and sum(values) / len(values) >= threshold:
+            return record["time"] - started, step
+    return None, None
+
+
+def wait_and_step(records: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """Mean `perf/rollout_wait_s` and mean `perf/step_s` over the steps that have both: the first step has no step
+    time (the driver times a step from the end of the one before), and its wait is the start-up's."""
+    pairs = [
+        (wait, step_s)
+        for (_, wait), (_, step_s) in zip(_per_step(records, "perf/rollout_wait_s"), _per_step(records, "perf/step_s"))
+        if wait is not None and step_s is not None
+    ]
+    if not pairs:
+        return None, None
+    return sum(w for w, _ in pairs) / len(pairs), sum(s for _, s in pairs) / len(pairs)
+
+
+def summarize(
+    records: list[dict[str, Any]], started: float, threshold: float = 0.9, window: int = 10
+) -> dict[str, Any]:
+    """The keys of `sums_e2e_h200.json` for one run (see the module docstring) and what they come from."""
+    if not records:
+        raise ValueError("no training records in metrics.jsonl: did the run log any step?")
+    seconds, step = seconds_to_reward(records, started, threshold, window)
+    syncs = [float(r["perf/weight_sync_s"]) for r in records if isinstance(r.get("perf/weight_sync_s"), int | float)]
+    wait, step_s = wait_and_step(records)
+    steps = [r["step"] for r in records]
+    per_step = all(b - a == 1 for a, b in zip([0, *steps], steps))
+    name = f"{threshold:g}".replace(".", "_")
+    return {
+        f"seconds_to_reward_{name}": seconds,
+        f"step_at_reward_{name}": step,
+        "weight_sync_max_s": max(syncs) if syncs else None,
+        "weight_sync_median_s": statistics.median(syncs) if syncs else None,
+        "weight_sync_p90_s": statistics.quantiles(syncs, n=10)[-1] if len(syncs) >= 2 else None,
+        "weight_sync_max_is_per_step": per_step,  # False: records are window means, a step's maximum is hidden
+        "rollout_wait_frac": wait / step_s if wait is not None and step_s else None,
+        "mean_rollout_wait_s": wait,
+        "mean_step_s": step_s,
+        "first_step_rollout_wait_s": records[0].get("perf/rollout_wait_s") if steps[0] == 1 else None,
+        "steps_logged": len(records),
+        "last_step": steps[-1],
+        "seconds_total": records[-1]["time"] - started,
+        "reward_window": window,
+        "reward_curve": [[r["step"], round(r["time"] - started, 2), r.get("reward")] for r in records],
+    }
+
+
+def train_command(engine: str, run_dir: Path, steps: int | None, sets: list[str], config: Path = CONFIG) -> list[str]:
+    """`rlasync train configs/sums_gpu.yaml` (or `config`) with the engine, the output folder and per-step logging
+    set."""
+    overrides = [f"output_dir={run_dir}", f"cluster.engine={engine}", "logging_steps=1"]
+    if engine == "vllm":
+        overrides.append("cluster.engine_kwargs=" + json.dumps(VLLM_ENGINE_KWARGS))
+    if steps:
+        overrides.append(f"max_steps={steps}")
+    command = [sys.executable, "-m", "rlasync", "train", str(config), "--overwrite_output_dir"]
+    return command + [x for s in [*overrides, *sets] for x in ("--set", s)]
+
+
+def merge(out: Path, engine: str, result: dict[str, Any]) -> None:
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data.setdefault("what", "the default SmolLM2 sums run (configs/sums_gpu.yaml) end to end, per engine")
+    data.setdefault("hardware", hardware())
+    data[engine] = result
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def hardware() -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
+    run_dir = Path(args.run_root) / f"sums_{engine}"
+    command = train_command(engine, run_dir, args.steps, args.set or [], Path(args.config))
+    print(f"--- {engine}: {' '.join(command)}", flush=True)
+    started = time.time()
+    done = subprocess.run(command, cwd=ROOT, check=False)
+    wall_s = time.time() - started
+    result: dict[str, Any] = {"command": " ".join(command[1:]), "returncode": done.returncode, "wall_s": wall_s}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        result.update(summarize(read_records(metrics), started, args.threshold, args.window))
+    checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    result["checkpoint"] = str(checkpoints[-1]) if checkpoints else None  # a teacher for bench/distill_transfer.py
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="torch,vllm", help="comma-separated, run in this order: torch, vllm")
+    parser.add_argument("--out", default="bench/results/sums_e2e_h200.json")
+    parser.add_argument("--config", default=str(CONFIG), help="the run file (another one: a CPU smoke test)")
+    parser.add_argument("--steps", type=int, default=None, help="max_steps (default: the run file's, 200)")
+    parser.add_argument("--run-root", default="/tmp/sums_e2e", help="each engine's output_dir is RUN_ROOT/sums_ENGINE")
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--window", type=int, default=10, help="steps the sampled reward is averaged over")
+    parser.add_argument("--set", action="append", help="more `--set KEY=VALUE` for the training run")
+    parser.add_argument("--metrics", default=None, help="recompute from this metrics.jsonl instead of training")
+    parser.add_argument("--started", type=float, default=None, help="with --metrics: the command's start (epoch s)")
+    args = parser.parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not engines or any(e not in ("torch", "vllm") for e in engines):
+        parser.error(f"--engines {args.engines!r}: a comma-separated list of torch, vllm")
+    if args.metrics:
+        if args.started is None or len(engines) != 1:
+            parser.error("--metrics needs --started (the command's start, epoch seconds) and one --engines name")
+        result = summarize(read_records(Path(args.metrics)), args.started, args.threshold, args.window)
+        result["metrics"] = args.metrics
+        merge(Path(args.out), engines[0], result)
+        print(json.dumps({k: v for k, v in result.items() if k != "reward_curve"}, indent=1))
+        return
+    for engine in engines:
+        result = run_engine(args, engine)
+        result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        merge(Path(args.out), engine, result)
+        print(json.dumps({k: v for k, v in result.items() if k != "reward_curve"}, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""bench/engine_vs_vllm.py's timed modes and ratios on a CPU, over fake engines that record what they were sent."""
+
+import asyncio
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "bench"))
+
+import engine_vs_vllm  # noqa: E402
+
+
+class FakeEngine:
+    """Generates `max_tokens` tokens per request (after `delay_s`); logs (seeding switch, seed, log-probs, max
+    tokens) of every request. `vllm_like`: it has vLLM's `use_request_seeds` switch."""
+
+    def __init__(self, vllm_like: bool, delay_s: float = 0.0):
+        if vllm_like:
+            self.use_request_seeds = True
+        self.delay_s, self.sent = delay_s, []
+
+    async def generate(self, prompt, params):
+        self.sent.append(
+            (getattr(self, "use_request_seeds", None), params.seed, params.num_logprobs, params.max_tokens)
+        )
+        await asyncio.sleep(self.delay_s)
+        return SimpleNamespace(output_ids=[1] * params.max_tokens)
+
+
+def test_every_mode_sends_its_seeding_policy_and_logprobs():
+    engine = FakeEngine(vllm_like=True)
+    prompts = [[5, 6, 7]] * 40
+    result = asyncio.run(engine_vs_vllm.measure(engine, prompts, new_tokens=4, repeats=2))
+    assert set(result) == {"unseeded", "unseeded_logprobs8", "seeded", "seeded_logprobs8"}
+    timed = [s for s in engine.sent if s[3] == 4]  # the warm-up asks for 16 tokens
+    assert len(timed) == 4 * 2 * 40
+    for index, (name, seeded, logprobs) in enumerate(engine_vs_vllm.MODES * 2):
+        batch = timed[index * 40 : (index + 1) * 40]
+        assert {s[2] for s in batch} == {logprobs}, name
+        assert {s[0] for s in batch} == {seeded}, name  # vLLM's switch follows the mode
+        seeds = [s[1] for s in batch]
+        assert seeds == (list(range(40)) if seeded else [None] * 40), name
+    for name in result:
+        assert len(result[name]["runs"]) == 2
+        assert result[name]["runs"][0]["new_tokens"] == 40 * 4
+    assert engine.use_request_seeds is True  # left as training runs it
+    warm = [s for s in engine.sent if s[3] == 16]
+    assert {(s[0], s[2]) for s in warm} == {(False, 0), (False, 8), (True, 0), (True, 8)}
+
+
+def test_torch_engine_side_has_no_switch_and_gets_no_seed_when_unseeded():
+    engine = FakeEngine(vllm_like=False)
+    asyncio.run(engine_vs_vllm.measure(engine, [[1, 2]] * 3, new_tokens=2, repeats=1))
+    assert not hasattr(engine, "use_request_seeds")
+    timed = [s for s in engine.sent if s[3] == 2]
+    assert [s[1] for s in timed[:3]] == [None, None, None] and [s[1] for s in timed[6:9]] == [0, 1, 2]
+
+
+def test_ratios_are_torch_over_vllm_per_mode():
+    vllm = {name: {"new_tokens_per_s": 100.0} for name, _, _ in engine_vs_vllm.MODES}
+    torch_engine = {name: {"new_tokens_per_s": 50.0 * (i + 1)} for i, (name, _, _) in enumerate(engine_vs_vllm.MODES)}
+    got = engine_vs_vllm.ratios(torch_engine, vllm)
+    assert got == {
+        "ratio_unseeded": 0.5,
+        "ratio_unseeded_logprobs8": 1.0,
+        "ratio_seeded": 1.5,
+        "ratio_seeded_logprobs8": 2.0,
+    }
+    del vllm["seeded"]
+    assert "ratio_seeded" not in engine_vs_vllm.ratios(torch_engine, vllm)
+
+
+def test_median_of_repeats_is_kept():
+    engine = FakeEngine(vllm_like=False, delay_s=0.0)
+    result = asyncio.run(engine_vs_vllm.measure(engine, [[1]] * 2, new_tokens=3, repeats=3))
+    for mode in result.values():
+        rates = sorted(r["new_tokens_per_s"] for r in mode["runs"])
+        assert mode["new_tokens_per_s"] == pytest.approx(rates[1])
+
+
+def test_defaults_are_the_issue_shape_and_vllm_best_mode():
+    args = engine_vs_vllm.build_parser().parse_args(["--out", "/tmp/x"])
+    assert (args.concurrency, args.prompt_len, args.new_tokens) == (256, 256, 256)
+    assert args.engine_mode == "default" and args.json_name == "engine_vs_vllm_h200.json"
+
+
+def test_the_built_in_engine_runs_every_mode_on_a_cpu():
+    """A tiny random Qwen3 in the real TorchEngine: all four modes generate every token, without preemptions."""
+    import engine_throughput
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlasync.engine import TorchEngine
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(engine_throughput.qwen3_06b_config(tiny=True), dtype=torch.float32)
+    engine = TorchEngine(model.eval(), device="cpu", max_model_len=64, kv_cache_tokens=2048, max_num_seqs=8)
+
+    async def run():
+        try:
+            return await engine_vs_vllm.measure(engine, [[5, 6, 7, 8]] * 4, new_tokens=3, repeats=1)
+        finally:
+            await engine.close()
+
+    result = asyncio.run(run())
+    for name, _, _ in engine_vs_vllm.MODES:
+        (timed,) = result[name]["runs"]
+        assert timed["new_tokens"] == 4 * 3 and timed["preemptions"] == 0, name
+        assert result[name]["new_tokens_per_s"] > 0
+
+
+def test_vllm_engine_args_reach_the_engine_options():
+    import vllm_common
+
+    args = engine_vs_vllm.build_parser().parse_args(
+        ["--out", "/tmp/x", "--vllm-engine-args", '{"async_scheduling": true}']
+    )
+    options = vllm_common.engine_options(args)
+    assert options["async_scheduling"] is True and "compilation_config" not in options  # default mode: vLLM's own
+    assert "async_scheduling" not in vllm_common.engine_options(
+        engine_vs_vllm.build_parser().parse_args(["--out", "x"])
+    )

@@ -1,0 +1,111 @@
+"""bench/sums_e2e.py's keys computed from a synthetic metrics.jsonl (per-step and windowed records), and its command."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "bench"))
+
+import sums_e2e  # noqa: E402
+
+STARTED = 1_000_000.0
+
+
+def write_metrics(path: Path, rewards: list[float], syncs: list[float], every: int = 1) -> Path:
+    """A metrics.jsonl of len(rewards) steps, one record per `every` steps holding the window's means (as the
+    trainer's reduction does), step s logged at STARTED + 30 + 2 s; an evaluation record and a blank line mixed in.
+    Per-step records: step 1 has no step time and a 30 s start-up wait (as the driver logs it)."""
+    lines = []
+    for end in range(every, len(rewards) + 1, every):
+        window = range(end - every, end)
+        lines.append(
+            {
+                "step": end,
+                "time": STARTED + 30 + 2 * end,
+                "reward": sum(rewards[i] for i in window) / every,
+                "perf/weight_sync_s": sum(syncs[i] for i in window) / every,
+                "perf/step_s": 2.0,
+                "perf/rollout_wait_s": 0.5 if end <= len(rewards) // 2 else 0.1,
+            }
+        )
+        if every == 1 and end == 1:
+            lines[-1].update({"perf/step_s": None, "perf/rollout_wait_s": 30.0})
+    lines.insert(3, {"eval/reward": 0.5, "time": STARTED + 99})  # no step: not a training record
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n\n")
+    return path
+
+
+def ramp(steps: int = 60) -> list[float]:
+    """Reward 0.1 for 20 steps, then 0.95 (one dip to 0.3 at step 30)."""
+    return [0.1 if s <= 20 else (0.3 if s == 30 else 0.95) for s in range(1, steps + 1)]
+
+
+def test_seconds_to_reward_waits_for_a_full_window_at_the_threshold(tmp_path):
+    syncs = [0.02] * 60
+    syncs[41] = 0.3  # one slow sync at step 42
+    records = sums_e2e.read_records(write_metrics(tmp_path / "m.jsonl", ramp(), syncs))
+    assert [r["step"] for r in records] == list(range(1, 61))
+    out = sums_e2e.summarize(records, STARTED)
+    # steps 21-30 average (9 * 0.95 + 0.3) / 10 = 0.885 < 0.9; 22-31 = 0.885 too; 31-40 is the first window >= 0.9
+    assert out["step_at_reward_0_9"] == 40
+    assert out["seconds_to_reward_0_9"] == pytest.approx(30 + 2 * 40)
+    assert out["weight_sync_max_s"] == pytest.approx(0.3)
+    assert out["weight_sync_median_s"] == pytest.approx(0.02)
+    assert out["weight_sync_max_is_per_step"] is True
+    # steps 2-60 (step 1 has no step time; its 30 s start-up wait is left out): 29 waits of 0.5, 30 of 0.1
+    assert out["rollout_wait_frac"] == pytest.approx((29 * 0.5 + 30 * 0.1) / 59 / 2.0)
+    assert out["first_step_rollout_wait_s"] == 30.0
+    assert out["last_step"] == 60 and out["seconds_total"] == pytest.approx(150)
+    assert out["reward_curve"][0] == [1, 32.0, 0.1]
+
+
+def test_a_run_that_never_reaches_the_threshold_says_none(tmp_path):
+    records = sums_e2e.read_records(write_metrics(tmp_path / "m.jsonl", [0.5] * 30, [0.01] * 30))
+    out = sums_e2e.summarize(records, STARTED)
+    assert out["seconds_to_reward_0_9"] is None and out["step_at_reward_0_9"] is None
+    assert sums_e2e.summarize(records, STARTED, threshold=0.5)["step_at_reward_0_5"] == 10
+
+
+def test_windowed_records_weigh_each_step_and_flag_the_hidden_maximum(tmp_path):
+    syncs = [0.02] * 60
+    syncs[41] = 0.3
+    records = sums_e2e.read_records(write_metrics(tmp_path / "m.jsonl", ramp(), syncs, every=10))
+    out = sums_e2e.summarize(records, STARTED)
+    assert out["step_at_reward_0_9"] == 40  # record 40 holds steps 31-40's mean 0.95
+    assert out["weight_sync_max_s"] == pytest.approx(0.02 + 0.028)  # the window's mean, not the step's 0.3
+    assert out["weight_sync_max_is_per_step"] is False
+    assert out["rollout_wait_frac"] == pytest.approx((0.5 + 0.1) / 2 / 2.0)
+
+
+def test_no_records_is_a_clear_error(tmp_path):
+    (tmp_path / "m.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no training records"):
+        sums_e2e.summarize(sums_e2e.read_records(tmp_path / "m.jsonl"), STARTED)
+
+
+def test_the_command_is_the_run_file_with_engine_and_per_step_logging(tmp_path):
+    torch_cmd = sums_e2e.train_command("torch", tmp_path / "t", None, [])
+    assert torch_cmd[1:5] == ["-m", "rlasync", "train", str(sums_e2e.CONFIG)]
+    sets = [torch_cmd[i + 1] for i, x in enumerate(torch_cmd) if x == "--set"]
+    assert sets == [f"output_dir={tmp_path / 't'}", "cluster.engine=torch", "logging_steps=1"]
+    vllm_cmd = sums_e2e.train_command("vllm", tmp_path / "v", 50, ["seed=1"])
+    sets = [vllm_cmd[i + 1] for i, x in enumerate(vllm_cmd) if x == "--set"]
+    assert "cluster.engine=vllm" in sets and "max_steps=50" in sets and sets[-1] == "seed=1"
+    (kwargs,) = [s for s in sets if s.startswith("cluster.engine_kwargs=")]
+    assert "kv_cache_tokens" not in kwargs  # the run file's TorchEngine kwargs are no vLLM arguments
+
+
+def test_recompute_from_metrics_merges_under_the_engine(tmp_path):
+    metrics = write_metrics(tmp_path / "m.jsonl", ramp(), [0.02] * 60)
+    out = tmp_path / "sums_e2e.json"
+    out.write_text(json.dumps({"torch": {"seconds_to_reward_0_9": 1.0}}))
+    argv = ["--metrics", str(metrics), "--started", str(STARTED), "--engines", "vllm", "--out", str(out)]
+    sums_e2e.main(argv)
+    data = json.loads(out.read_text())
+    assert data["torch"] == {"seconds_to_reward_0_9": 1.0}  # the other engine's numbers stay
+    assert data["vllm"]["seconds_to_reward_0_9"] == pytest.approx(110) and data["vllm"]["metrics"] == str(metrics)
+    with pytest.raises(SystemExit):
+        sums_e2e.main(["--metrics", str(metrics), "--engines", "torch", "--out", str(out)])  # no --started
