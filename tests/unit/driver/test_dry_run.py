@@ -38,10 +38,29 @@ def qwen2_7b(tmp_path):
     return folder
 
 
+RAY_INITS: list[tuple] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_init(monkeypatch):
+    """`ray.init` recorded and refused while a test of this module runs (the suite's Ray cluster may already be up
+    in this process, so "not initialised" alone would not say whether the dry run started one)."""
+    RAY_INITS.clear()
+    if "ray" in sys.modules:
+
+        def refuse(*args, **kwargs):
+            RAY_INITS.append((args, kwargs))
+            raise AssertionError("the dry run called ray.init")
+
+        monkeypatch.setattr(sys.modules["ray"], "init", refuse)
+
+
 def dry_run(capsys, *args: str) -> tuple[int, str]:
+    was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
     code = main(["train", *args, "--dry-run", "--set", "output_dir=/tmp/rlasync-dry-run-test"])
     captured = capsys.readouterr()
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized(), "the dry run must not start Ray"
+    assert not RAY_INITS, "the dry run must not start Ray"
+    assert was_up or "ray" not in sys.modules or not sys.modules["ray"].is_initialized(), "the dry run started Ray"
     return code, captured.out + captured.err
 
 
