@@ -209,7 +209,7 @@ class StepLog:
         self.nodes.log(f"trained step {state.global_step}")
 
 
-def grpo(tiny_model_dir, tmp_path, **changes):
+def grpo(tiny_model_dir, tmp_path, rows=NUM_ROWS, **changes):
     from rlasync import AsyncGRPOConfig, AsyncGRPOTrainer
     from rlasync.data import arithmetic_dataset
 
@@ -239,14 +239,14 @@ def grpo(tiny_model_dir, tmp_path, **changes):
         model=tiny_model_dir,
         reward_funcs=digit_reward,
         args=AsyncGRPOConfig(**fields),
-        train_dataset=arithmetic_dataset(NUM_ROWS, seed=0),
+        train_dataset=arithmetic_dataset(rows, seed=0),
     )
 
 
-def assert_exactly_once(queue):
+def assert_exactly_once(queue, rows=NUM_ROWS):
     outcomes = {k: v for k, v in queue["outcomes"].items() if k != "stale"}  # stale groups are leased again
-    assert queue["done"] and queue["consumed_groups"] == NUM_ROWS and queue["first_untrained_index"] == NUM_ROWS
-    assert sum(outcomes.values()) == NUM_ROWS and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
+    assert queue["done"] and queue["consumed_groups"] == rows and queue["first_untrained_index"] == rows
+    assert sum(outcomes.values()) == rows and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
     assert queue["queue_size"] == 0 and queue["inflight_groups"] == 0 and queue["leased_groups"] == 0
 
 
@@ -504,7 +504,9 @@ def test_the_autoscaler_adds_a_generation_node_for_the_elastic_policy_and_remove
         "collective_timeout_s": 120.0,  # a new engine waits for its node (seconds here, minutes for a GPU pod)
     }
     assert cluster["elastic"] is True and set(cluster["resources"]) >= {"learner", "generation", "rollout", "queue"}
-    trainer = grpo(tiny_model_dir, tmp_path, max_staleness=0, cluster=cluster)
+    # 2 x NUM_ROWS prompts: the run must outlast the shrink at step 10 (a step takes a row's budget with a shared
+    # prompt counted once, ~8 steps per 16 prompts here)
+    trainer = grpo(tiny_model_dir, tmp_path, rows=2 * NUM_ROWS, max_staleness=0, cluster=cluster)
     up_at_step = {}
 
     def record(args, state, control, **kwargs):
@@ -523,7 +525,7 @@ def test_the_autoscaler_adds_a_generation_node_for_the_elastic_policy_and_remove
     finally:
         timeline.print("autoscaler")
 
-    assert_exactly_once(state["queue"])
+    assert_exactly_once(state["queue"], rows=2 * NUM_ROWS)
     assert shrink.done_at == 10 and state["global_step"] > 10
     events = trainer.run_state["elastic_events"]
     assert [event["action"] for event in events] == ["add_engine", "remove_engine"], events
