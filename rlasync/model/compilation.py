@@ -48,10 +48,11 @@ def resolve_torch_compile(
 
 
 def default_inductor_cache_dir() -> Path:
-    """`<RLASYNC_CACHE>/inductor` (`~/.cache/rlasync/inductor` by default)."""
-    from rlasync import envs
+    """`<RLASYNC_CACHE>/inductor` (`~/.cache/rlasync/inductor` by default): under the one cache folder rlasync
+    keeps (`rlasync.model.registry.cache_dir`, beside the converted models)."""
+    from rlasync.model.registry import cache_dir
 
-    return envs.RLASYNC_CACHE / CACHE_SUBDIR
+    return cache_dir() / CACHE_SUBDIR
 
 
 def _torch_default_cache_dir() -> str | None:

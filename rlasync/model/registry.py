@@ -38,6 +38,8 @@ READY_MARKER = ".rlasync-ready-v2"  # bump when the conversion changes: older fo
 
 
 def cache_dir() -> Path:
+    """rlasync's cache folder (`RLASYNC_CACHE`): the converted models, and inductor's cache
+    (`rlasync.model.compilation`); the one place that reads the variable."""
     return envs.RLASYNC_CACHE
 
 
