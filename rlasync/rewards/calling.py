@@ -68,6 +68,27 @@ class RewardTimeoutError(RewardFunctionError):
     """A reward function did not return within `reward_timeout_s`; the message names it. Only its group fails."""
 
 
+class ProcessLocal:
+    """A reward-function object that travels (pickled to the actors that call it) while some of its attributes stay
+    in their process (a loaded model, an HTTP session, locks, counters): `_reset_process_state()` makes them, the
+    names in `_process_state` are left out when it is pickled and made afresh when it is unpickled."""
+
+    _process_state: tuple[str, ...] = ()
+
+    def _reset_process_state(self) -> None:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for key in self._process_state:
+            state.pop(key)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()
+
+
 @dataclass(frozen=True, slots=True)
 class RewardTable:
     """Per-source rewards of one group.

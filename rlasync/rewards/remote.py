@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlasync.rewards.calling import RewardFunctionError
+from rlasync.rewards.calling import ProcessLocal, RewardFunctionError
 
 if TYPE_CHECKING:
     import aiohttp
@@ -123,7 +123,7 @@ class RemoteRewardStats:
         return asdict(self)
 
 
-class RemoteReward:
+class RemoteReward(ProcessLocal):
     """A reward function scored by an HTTP server (see the module docstring for the protocols and failures).
 
     url:                 the endpoint, e.g. "http://host:8000/classify" or "http://host:9000/score"
@@ -197,21 +197,13 @@ class RemoteReward:
         self.label_index = label_index
         self._reset_process_state()
 
+    _process_state = ("stats", "_session", "_session_loop", "_slots")
+
     def _reset_process_state(self) -> None:
         self.stats = RemoteRewardStats()
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None  # one per session: a request waits here, not on the clock
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for key in ("stats", "_session", "_session_loop", "_slots"):
-            state.pop(key)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset_process_state()
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r}, protocol={self.protocol!r}, name={self.__name__!r})"

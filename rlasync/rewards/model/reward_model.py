@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlasync.rewards.calling import ProcessLocal
 from rlasync.rewards.model.batcher import BatchRecord, RequestBatcher
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -35,7 +36,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 
-class RewardModel:
+class RewardModel(ProcessLocal):
     """A sequence-classification reward model (see the module docstring).
 
     model:       a local folder (or a hub id found in the local Hugging Face cache: nothing is downloaded at run
@@ -105,21 +106,13 @@ class RewardModel:
 
     # ---- travelling: the loaded model, its batcher and its metrics stay in their process ----------------------
 
+    _process_state = ("_scorer", "_loading", "_batcher", "_metrics")
+
     def _reset_process_state(self) -> None:
         self._scorer: Any = None
         self._loading: asyncio.Lock | None = None
         self._batcher: RequestBatcher | None = None
         self._metrics: list[tuple[str, Any]] = []
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for key in ("_scorer", "_loading", "_batcher", "_metrics"):
-            state.pop(key)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset_process_state()
 
     def __repr__(self) -> str:
         where = self.source if isinstance(self.source, str) else "a loaded model" if self.source else "no weights"
