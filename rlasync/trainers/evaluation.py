@@ -12,10 +12,10 @@ evaluates the same way (rlasync.rollout.evaluation). It returns transformers' di
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import TYPE_CHECKING, Any
 
 from rlasync.rollout.evaluation import EvalTally, evaluate_rows, trainer_metric_names
+from rlasync.trainers.surface import estimated_steps
 
 if TYPE_CHECKING:
     from rlasync.config.base import TrainerConfig
@@ -66,8 +66,7 @@ def steps_per_epoch(config: TrainerConfig, dataset: Any) -> int:
         rows = len(dataset)
     except TypeError:
         return 0
-    samples = rows * getattr(config, "num_generations", 1)
-    return max(1, math.ceil(samples / config.samples_per_step(config.cluster.num_learners)))
+    return estimated_steps(config, rows, 1) or 1
 
 
 class EvaluationMixin:

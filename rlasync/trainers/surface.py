@@ -509,7 +509,12 @@ def estimated_max_steps(config: TrainerConfig, queue: QueueSettings) -> int:
     gradient_accumulation_steps x cluster.num_learners` (TRL's step), rounded up; 0 when unknown (a streaming
     dataset). The StepLoop raises it when the run goes on longer (steps by tokens vary in size) and sets the
     final step at the end."""
-    rows, epochs = getattr(queue, "num_rows", 0), getattr(queue, "num_epochs", None)
+    return estimated_steps(config, getattr(queue, "num_rows", 0), getattr(queue, "num_epochs", None))
+
+
+def estimated_steps(config: TrainerConfig, rows: int, epochs: float | None) -> int:
+    """`epochs x rows x num_generations` samples over TRL's step (`samples_per_step`), rounded up; 0 without rows
+    or epochs."""
     if not rows or not epochs:
         return 0
     samples = epochs * rows * getattr(config, "num_generations", 1)
@@ -630,6 +635,7 @@ def _versions() -> list[tuple[str, str]]:
 
 __all__ = [
     "estimated_max_steps",
+    "estimated_steps",
     "MODEL_CARD_KWARGS",
     "RESUME_ONLY",
     "LearnerOptimizer",
