@@ -19,6 +19,7 @@ from rlasync.config.vocab import REPORT_ALL, Tracker, parse_report_to
 logger = logging.getLogger(__name__)
 
 Record = dict[str, float | None]
+GLOBAL_STEP = "train/global_step"  # the step metric of transformers' tracker callbacks
 
 CONSOLE_KEYS = (
     ("reward", "reward", "{:.3f}"),
@@ -109,7 +110,24 @@ class JsonlSink:
         self._file.close()
 
 
+def tracker_names(record: Record) -> dict[str, float]:
+    """The finite values of `record` under the names transformers' tracker callbacks give a Trainer's logs (their
+    `rewrite_logs`): `train/<name>`, except evaluation metrics, which stay `eval/<name>` (`eval_<name>` becomes
+    `eval/<name>`). A TRL run and an rlasync run logged to one project share their panels."""
+    named = {}
+    for key, value in _finite(record).items():
+        if key.startswith("eval/"):
+            named[key] = value
+        elif key.startswith("eval_"):
+            named["eval/" + key[len("eval_") :]] = value
+        else:
+            named["train/" + key] = value
+    return named
+
+
 class TensorBoardSink:
+    """TensorBoard scalars under transformers' names (`tracker_names`) at their step."""
+
     def __init__(self, log_dir: str | Path, resume_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -121,9 +139,8 @@ class TensorBoardSink:
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def write(self, step: int, record: Record) -> None:
-        for key, value in record.items():
-            if value is not None and not (isinstance(value, float) and math.isnan(value)):
-                self._writer.add_scalar(key, value, step)
+        for key, value in tracker_names(record).items():
+            self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -131,7 +148,10 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """Weights & Biases: one `wandb.log` per record at its step; the run is named `run_name` and carries the config."""
+    """Weights & Biases as transformers' WandbCallback logs: every metric under `tracker_names` against the step
+    metric `train/global_step` (`define_metric(..., step_sync=True)`), not wandb's own step. An evaluation finishes in
+    the background and is logged after later steps with the step it evaluated: wandb drops a `log(step=...)` lower
+    than one already logged, while a step metric may go back. The run is named `run_name` and carries the config."""
 
     def __init__(self, run_name: str | None = None, config: dict[str, Any] | None = None) -> None:
         try:
@@ -142,10 +162,12 @@ class WandbSink:
             ) from exc
         self._wandb = wandb
         self._run = wandb.init(name=run_name, config=config) if wandb.run is None else wandb.run
+        if getattr(self._run, "define_metric", None):
+            self._run.define_metric(GLOBAL_STEP)
+            self._run.define_metric("*", step_metric=GLOBAL_STEP, step_sync=True)
 
     def write(self, step: int, record: Record) -> None:
-        clean = {k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
-        self._run.log(clean, step=step)
+        self._run.log({**tracker_names(record), GLOBAL_STEP: step})
 
     def close(self) -> None:
         self._run.finish()
@@ -157,7 +179,8 @@ def _finite(record: Record) -> dict[str, float]:
 
 class TrackioSink:
     """Trackio (TRL's default tracker; local dashboard `trackio show`): project `TRACKIO_PROJECT` (default
-    "rlasync"), the run named `run_name`, the config attached; one `log` per record at its step."""
+    "rlasync"), the run named `run_name`, the config attached; one `log` per record, under `tracker_names` with
+    `train/global_step` in it (transformers' TrackioCallback)."""
 
     def __init__(self, run_name: str | None = None, config: dict[str, Any] | None = None) -> None:
         import os
@@ -167,7 +190,7 @@ class TrackioSink:
         self._run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "rlasync"), name=run_name, config=config)
 
     def write(self, step: int, record: Record) -> None:
-        self._run.log(_finite(record), step=step)
+        self._run.log({**tracker_names(record), GLOBAL_STEP: step})
 
     def close(self) -> None:
         self._run.finish()

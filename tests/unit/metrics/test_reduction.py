@@ -90,7 +90,10 @@ def test_console_sink_shows_the_watched_numbers():
     assert stream.getvalue().strip() == "step 3/10 | reward 0.250 | step_s 1.50"
 
 
-def test_wandb_sink_logs_each_record_at_its_step_in_a_run_named_run_name(tmp_path, monkeypatch):
+def test_wandb_sink_logs_under_transformers_names_against_the_global_step_metric(tmp_path, monkeypatch):
+    """As transformers' WandbCallback: `train/<name>` (evaluation metrics `eval/<name>`) with `train/global_step` as
+    the step metric, so an evaluation logged after later steps (at the step it evaluated) is kept, where wandb drops
+    a `log(step=...)` lower than one already logged."""
     import sys
     import types
 
@@ -99,8 +102,12 @@ def test_wandb_sink_logs_each_record_at_its_step_in_a_run_named_run_name(tmp_pat
     calls = []
 
     class Run:
-        def log(self, data, step):
-            calls.append(("log", data, step))
+        def define_metric(self, name, **kwargs):
+            calls.append(("define_metric", name, kwargs))
+
+        def log(self, data, step=None):
+            assert step is None, "a step given to wandb must only grow: the step metric carries it"
+            calls.append(("log", data))
 
         def finish(self):
             calls.append(("finish",))
@@ -109,8 +116,51 @@ def test_wandb_sink_logs_each_record_at_its_step_in_a_run_named_run_name(tmp_pat
     monkeypatch.setitem(sys.modules, "wandb", fake)
     sinks = build_sinks(tmp_path, ["wandb"], console=False, run_name="exp-1", config={"learning_rate": 1e-6})
     sinks[-1].write(5, {"reward": 0.5, "loss": math.nan, "entropy": None})
+    sinks[-1].write(3, {"eval/reward": 0.75, "eval_runtime": 2.0})  # an evaluation of step 3, finished after step 5
     for sink in sinks:
         sink.close()
-    assert calls == [("init", "exp-1", {"learning_rate": 1e-6}), ("log", {"reward": 0.5}, 5), ("finish",)]
+    assert calls == [
+        ("init", "exp-1", {"learning_rate": 1e-6}),
+        ("define_metric", "train/global_step", {}),
+        ("define_metric", "*", {"step_metric": "train/global_step", "step_sync": True}),
+        ("log", {"train/reward": 0.5, "train/global_step": 5}),
+        ("log", {"eval/reward": 0.75, "eval/runtime": 2.0, "train/global_step": 3}),
+        ("finish",),
+    ]
+
+
+def test_tracker_names_are_transformers_rewrite_logs():
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    from rlasync.metrics.sinks import tracker_names
+
+    record = {"reward": 0.5, "rewards/acc/mean": 1.0, "eval_reward": 0.25, "perf/step_s": 2.0, "kl": math.nan}
+    finite = {k: v for k, v in record.items() if not math.isnan(v)}
+    assert tracker_names(record) == rewrite_logs(finite)
+    assert tracker_names({"eval/reward": 0.25, "entropy": None}) == {"eval/reward": 0.25}  # ours, already named
+
+
+def test_tensorboard_sink_writes_transformers_tags(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlasync.metrics import build_sinks
+
+    (sink,) = [
+        s for s in build_sinks(tmp_path, ["tensorboard"], console=False) if type(s).__name__ == "TensorBoardSink"
+    ]
+    sink.write(1, {"reward": 0.5, "loss": math.nan})
+    sink.write(2, {"reward": 0.75, "eval/reward": 0.25})
+    sink.close()
+    (events,) = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    assert sorted(accumulator.Tags()["scalars"]) == ["eval/reward", "train/reward"]
+    assert [(e.step, e.value) for e in accumulator.Scalars("train/reward")] == [(1, 0.5), (2, 0.75)]
+
+
+def test_build_sinks_refuses_an_unknown_tracker(tmp_path):
+    from rlasync.metrics import build_sinks
+
     with pytest.raises(ValueError, match="'trackio', 'mlflow', 'all' or 'none'"):
         build_sinks(tmp_path, ["comet_ml"])
