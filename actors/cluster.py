@@ -417,15 +417,41 @@ class Cluster:
 
 
 def connect(address: str | None) -> bool:
-    """Join the configured / existing cluster; start a local one if there is none. True if this call started it."""
+    """Join the configured / existing cluster; start a local one if there is none. True if this call started it.
+
+    Ray's own rule for an unset address: `RAY_ADDRESS`, else the cluster the last `ray start` on this machine left
+    running (joined, with a log line saying how to start one for this run instead: `ray_address: local`), else a new
+    local cluster; "local" always starts one. Only a cluster started here is shut down (and reaped) by this run,
+    and only a joined one may grow by its autoscaler."""
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        running = started_by_ray_start()
+        if running is not None:
+            logger.info(
+                "joining the Ray cluster that `ray start` left running at %s (cluster.ray_address: local starts a "
+                "cluster of this run's own instead)",
+                running,
+            )
+            address = running
+    if address is not None and address != "local":
         ray.init(address=address, log_to_driver=True)
         return False
-    ray.init(include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", include_dashboard=False, log_to_driver=True)
     return True
+
+
+def started_by_ray_start() -> str | None:
+    """The address of the cluster `ray.init()` without an address would join (the last `ray start` on this machine,
+    still running), or None when it would start one. Ray's own lookup, which has no public name: read here only."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(None)
+    except (ImportError, ConnectionError, ValueError) as exc:  # no such lookup in this Ray, or a stale address file
+        logger.debug("no running `ray start` cluster found: %s", exc)
+        return None
 
 
 # ---- the core's protocols over actor handles ----------------------------------------------------------------------

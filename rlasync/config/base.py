@@ -113,7 +113,8 @@ class ClusterConfig:
     vllm_server_url: str | None = None
     """Base URL of `vllm serve` (e.g. http://10.0.0.5:8000) when `engine` is "vllm_server"."""
     ray_address: str | None = None
-    """Join this Ray cluster (else `RAY_ADDRESS`, else an existing `ray.init`, else a new local cluster)."""
+    """Join this Ray cluster (else `RAY_ADDRESS`, else an existing `ray.init`, else the cluster the last `ray start`
+    on this machine left running, else a new local cluster); "local" starts a cluster of the run's own."""
     elastic: bool = False
     """Resize the generation and rollout pools while the run goes (rlasync.driver.elastic.ElasticPolicy): every
     `elastic_interval_steps` steps the driver adds a GenerationActor when the learner waits for samples and the
