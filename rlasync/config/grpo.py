@@ -12,6 +12,7 @@ This module imports neither torch nor ray: a config can be checked on any machin
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,6 +57,14 @@ class AsyncGRPOConfig(TrainerConfig):
     """Completions per prompt of an evaluation (`eval_dataset`; TRL's GRPOConfig field); None: `num_generations`.
     1 is allowed (an evaluation measures, it does not compare within a group)."""
     max_tool_calling_iterations: int | None = None
+
+    # ---- rewards ----
+    reward_weights: list[float] | None = None
+    """TRL's GRPOConfig field: one weight per reward function (in `reward_funcs` order; a reward model or a
+    `RemoteReward` is one function). A rollout's reward is the weighted sum of its functions' rewards with None
+    (NaN) ignored, an environment's `get_reward` column weighing 1; a rollout no function scored stays unscorable
+    (NaN reward, advantage 0), whatever the weights. None: every function weighs 1.0. The per-function metrics
+    `rewards/<name>/mean` are unweighted; `reward` is the weighted sum."""
 
     # ---- loss ----
     epsilon: float = 0.2
@@ -104,7 +113,26 @@ class AsyncGRPOConfig(TrainerConfig):
 
     def _validate(self) -> None:
         super()._validate()
+        self._check_rewards()
         self._check_loss()
+
+    def _check_rewards(self) -> None:
+        """`reward_weights`: a list of finite numbers (its length is checked against `reward_funcs` by the trainer)."""
+        weights = self.reward_weights
+        if weights is None:
+            return
+        if isinstance(weights, str | bytes | dict) or not isinstance(weights, list | tuple):
+            raise ValueError(
+                f"reward_weights={weights!r}: give a list of numbers, one per reward function (e.g. [1.0, 0.5]), "
+                "or None (every function 1.0)"
+            )
+        for weight in weights:
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+                raise ValueError(
+                    f"reward_weights={list(weights)}: {weight!r} is not a finite number; give one finite weight per "
+                    "reward function (e.g. [1.0, 0.5])"
+                )
+        self.reward_weights = [float(weight) for weight in weights]
 
     def _check_run(self) -> None:
         super()._check_run()
