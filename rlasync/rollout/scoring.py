@@ -93,9 +93,10 @@ class ScoredGroup:
         return f"{scored.size} of {self.rewards.size} rollouts scored, every reward {float(scored[0]):g} ({names})"
 
 
-def default_compute_advantages(group: RolloutGroup) -> np.ndarray:
-    """GRPO's group-normalised advantage of `group.rewards` (docs/algorithms.md §2.6.2)."""
-    return group_advantages(group.rewards)[0]
+def default_compute_advantages(group: RolloutGroup, scale_rewards: str = "group") -> np.ndarray:
+    """GRPO's group-normalised advantage of `group.rewards` (docs/algorithms.md §2.6.2); `scale_rewards="none"`
+    (TRL's field): centred only, not divided by the group std."""
+    return group_advantages(group.rewards, scale=scale_rewards != "none")[0]
 
 
 async def score_group(

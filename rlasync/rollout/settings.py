@@ -33,6 +33,7 @@ class RolloutSettings:
     log_completions / num_completions_to_print / log_completions_steps: completion printing
     reward_timeout_s / tool_timeout_s: per-call limits of the user's reward functions and tools (None: none)
     reward_weights:    one weight per reward function in a rollout's reward (TRL's `reward_weights`; None: 1 each)
+    scale_rewards:     "group" (advantages divided by the group's reward std) or "none" (centred only); TRL's field
     """
 
     group_size: int
@@ -49,6 +50,7 @@ class RolloutSettings:
     reward_timeout_s: float | None = None
     tool_timeout_s: float | None = None
     reward_weights: tuple[float, ...] | None = None
+    scale_rewards: str = "group"
 
     def __post_init__(self) -> None:
         if self.group_size < 1:

@@ -128,6 +128,8 @@ CONFIG_CASES = [
     (["reward_weights=[1, .nan]"], r"reward_weights=\[1.0, nan\]: nan is not a finite number"),
     (["reward_weights=[1, .inf]"], r"reward_weights=\[1.0, inf\]: inf is not a finite number"),
     (["reward_weights=abc"], "reward_weights"),
+    (["scale_rewards=batch"], "scale_rewards='batch' is not supported"),
+    (["multi_objective_aggregation=normalize_then_sum"], "multi_objective_aggregation='normalize_then_sum'"),
 ]
 
 

@@ -235,8 +235,9 @@ class RolloutPolicy(PolicyBase):
         return await self.engine_pool.generate(prompt_ids, sampling)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """`[G]` advantages of a scored group (`group.rewards` is set); default: GRPO's group normalisation."""
-        return default_compute_advantages(group)
+        """`[G]` advantages of a scored group (`group.rewards` is set); default: GRPO's group normalisation
+        (`scale_rewards="none"`: centred only)."""
+        return default_compute_advantages(group, self.settings.scale_rewards)
 
     def render(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None) -> list[int]:
         """The prompt ids of a conversation: the chat template with the generation prompt appended. The last

@@ -25,6 +25,7 @@ def rollout_settings(config: AsyncGRPOConfig) -> RolloutSettings:
         reward_timeout_s=config.reward_timeout_s,
         tool_timeout_s=config.tool_timeout_s,
         reward_weights=None if config.reward_weights is None else tuple(config.reward_weights),
+        scale_rewards=config.scale_rewards,
         num_sampler_logprobs=int(config.num_sampler_logprobs),
         max_tool_calling_iterations=config.max_tool_calling_iterations,
         chat_template_kwargs=config.chat_template_kwargs,

@@ -1,6 +1,8 @@
-"""`reward_weights` (TRL's GRPOConfig field): a rollout's reward is the weighted nansum of its reward columns, against
-a slow obvious reference and against TRL 1.16's own formula; the config and the trainer refuse weights that do not
-fit; the RewardActor path (columns scored elsewhere) weighs them the same as local functions."""
+"""TRL's GRPOConfig reward-combination fields. `reward_weights`: a rollout's reward is the weighted nansum of its
+reward columns, against a slow obvious reference and against TRL 1.16's own formula; the config refuses weights that
+do not fit; the RewardActor path (columns scored elsewhere) weighs them the same as local functions.
+`scale_rewards` ("group" / "none") and `multi_objective_aggregation` (the default only): the batch-wide values
+are refused by name."""
 
 import asyncio
 import math
@@ -9,10 +11,11 @@ import random
 import numpy as np
 import pytest
 
+from rlasync.algorithms.grpo.settings import rollout_settings
 from rlasync.config import AsyncGRPOConfig
 from rlasync.records import RolloutGroup, TrainingSequence
 from rlasync.rewards import RewardTable
-from rlasync.rollout.scoring import reward_weight_vector, score_group
+from rlasync.rollout.scoring import default_compute_advantages, reward_weight_vector, score_group
 
 NAN = math.nan
 
@@ -205,7 +208,64 @@ def test_config_refuses_bad_weights_naming_the_field(weights, message):
 
 
 def test_settings_carry_the_weights():
-    from rlasync.algorithms.grpo.settings import rollout_settings
-
     assert rollout_settings(AsyncGRPOConfig(reward_weights=[1, 2])).reward_weights == (1.0, 2.0)
     assert rollout_settings(AsyncGRPOConfig()).reward_weights is None
+
+
+# ---- TRL's other reward-combination fields: scale_rewards, multi_objective_aggregation ----
+
+
+@pytest.mark.parametrize(("given", "kept"), [("group", "group"), (True, "group"), ("none", "none"), (False, "none")])
+def test_scale_rewards_takes_trls_values(given, kept):
+    assert AsyncGRPOConfig(scale_rewards=given).scale_rewards == kept
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("scale_rewards", "batch", "scale_rewards='batch' is not supported by rlasync: .*use 'group'"),
+        ("scale_rewards", "std", "scale_rewards='std': use 'group'"),
+        (
+            "multi_objective_aggregation",
+            "normalize_then_sum",
+            "multi_objective_aggregation='normalize_then_sum' is not",
+        ),
+        ("multi_objective_aggregation", "sum", "multi_objective_aggregation='sum': use 'sum_then_normalize'"),
+    ],
+)
+def test_batch_wide_reward_scaling_is_refused_by_name(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncGRPOConfig(**{field: value})
+
+
+def test_scale_rewards_none_centres_without_dividing_like_trl():
+    """TRL (scale_rewards="none"): advantages = rewards - group mean; unscorable rollouts get 0."""
+    scale_rewards = rollout_settings(AsyncGRPOConfig(scale_rewards=False)).scale_rewards
+    scored = asyncio.run(
+        score_group(
+            make_group(4),
+            [accuracy, brevity],
+            reward_weights=[2.0, -1.0],
+            compute_advantages=lambda group: default_compute_advantages(group, scale_rewards),
+        )
+    )
+    rewards = np.array([1.5, -1.0, 2.0])
+    np.testing.assert_allclose(scored.advantages[[0, 1, 3]], rewards - rewards.mean())
+    assert scored.advantages[2] == 0.0
+
+
+def test_the_loop_reads_scale_rewards_from_its_settings():
+    from rlasync.algorithms.grpo.policy import RolloutPolicy
+
+    class Policy:
+        compute_advantages = RolloutPolicy.compute_advantages
+
+        def __init__(self, scale_rewards):
+            self.settings = rollout_settings(AsyncGRPOConfig(scale_rewards=scale_rewards))
+
+    group = make_group(3)
+    group.rewards = np.array([0.0, 1.0, 5.0])
+    np.testing.assert_allclose(Policy("none").compute_advantages(group), [-2.0, -1.0, 3.0])
+    np.testing.assert_allclose(
+        Policy("group").compute_advantages(group), np.array([-2.0, -1.0, 3.0]) / (np.std([0, 1, 5]) + 1e-8)
+    )
