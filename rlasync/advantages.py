@@ -1,6 +1,6 @@
 """Group-relative advantages (GRPO) and the degenerate-group rule, on numpy arrays only.
 
-A group is the `G` rollouts of one prompt. `rewards[i]` is rollout `i`'s summed reward, NaN when no reward
+A group is the `G` rollouts of one prompt. `rewards[i]` is rollout `i`'s (weighted) summed reward, NaN when no reward
 source scored it (unscorable). With `M` the scorable rollouts (docs/algorithms.md §2.6.2):
 
     m = mean(R[M]),  s = std(R[M])            population std (ddof = 0)
