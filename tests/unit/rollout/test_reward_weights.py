@@ -269,3 +269,14 @@ def test_the_loop_reads_scale_rewards_from_its_settings():
     np.testing.assert_allclose(
         Policy("group").compute_advantages(group), np.array([-2.0, -1.0, 3.0]) / (np.std([0, 1, 5]) + 1e-8)
     )
+
+
+def test_the_reward_fields_have_trl_grpo_configs_names_and_defaults():
+    """A TRL user switches by changing the import: TRL 1.16's GRPOConfig fields exist here with its defaults."""
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    ours = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}
+    for name in ("reward_weights", "scale_rewards", "multi_objective_aggregation"):
+        assert ours[name] == theirs[name], name
