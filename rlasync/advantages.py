@@ -1,13 +1,15 @@
 """Group-relative advantages (GRPO) and the degenerate-group rule, on numpy arrays only.
 
-A group is the `G` rollouts of one prompt. `rewards[i]` is rollout `i`'s summed reward, NaN when no reward
+A group is the `G` rollouts of one prompt. `rewards[i]` is rollout `i`'s (weighted) summed reward, NaN when no reward
 source scored it (unscorable). With `M` the scorable rollouts (docs/algorithms.md §2.6.2):
 
     m = mean(R[M]),  s = std(R[M])            population std (ddof = 0)
-    A_i = (R_i - m) / (s + 1e-8)   for i in M
+    A_i = (R_i - m) / (s + 1e-8)   for i in M     (scale=True: TRL's scale_rewards="group", the default)
+    A_i = R_i - m                  for i in M     (scale=False: scale_rewards="none", Dr. GRPO)
     A_i = 0                        for i not in M
 
-There is no `scale_rewards` option: the advantage is always divided by the group std. A group is degenerate
+TRL's scale_rewards="batch" (the std of the whole generation batch) has no counterpart: groups are scored one at
+a time as they finish, there is no batch at scoring time (the config refuses it). A group is degenerate
 (docs/algorithms.md §2.6.3) when fewer than two rollouts are scorable or every scored reward is equal; the rollout loop drops
 such groups, because their advantages are zero everywhere and they would cost a forward/backward for nothing.
 """
@@ -31,10 +33,11 @@ def group_reward_std(rewards: np.ndarray) -> float:
     return float(scored.std()) if scored.size else float("nan")
 
 
-def group_advantages(rewards: np.ndarray) -> tuple[np.ndarray, float]:
-    """Advantages `[G]` (float64) of one group and the group std used as divisor (NaN if nothing is scored).
+def group_advantages(rewards: np.ndarray, scale: bool = True) -> tuple[np.ndarray, float]:
+    """Advantages `[G]` (float64) of one group and the group std (the divisor when `scale`; NaN if nothing is
+    scored).
 
-    NaN rewards are left out of the mean and std and get advantage 0.
+    NaN rewards are left out of the mean and std and get advantage 0. `scale=False` only centres the rewards.
     """
     rewards = np.asarray(rewards, dtype=np.float64)
     is_scored = ~np.isnan(rewards)
@@ -43,7 +46,8 @@ def group_advantages(rewards: np.ndarray) -> tuple[np.ndarray, float]:
         return advantages, float("nan")
     scored = rewards[is_scored]
     std = float(scored.std())
-    advantages[is_scored] = (scored - scored.mean()) / (std + STD_EPSILON)
+    centred = scored - scored.mean()
+    advantages[is_scored] = centred / (std + STD_EPSILON) if scale else centred
     return advantages, std
 
 

@@ -219,7 +219,7 @@ class RolloutGroup:
     env_rewards: list[tuple[str, float] | None] = field(default_factory=list)
     rollout_rewards: list[float | None] = field(default_factory=list)
     reward_kwargs: dict[str, list[Any]] = field(default_factory=dict)
-    rewards: np.ndarray | None = None  # [G] float64 summed rewards, NaN where unscored
+    rewards: np.ndarray | None = None  # [G] float64 weighted summed rewards (reward_weights), NaN where unscored
     queued_at: float = 0.0
 
     def __len__(self) -> int:

@@ -12,6 +12,7 @@ This module imports neither torch nor ray: a config can be checked on any machin
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,6 +57,22 @@ class AsyncGRPOConfig(TrainerConfig):
     """Completions per prompt of an evaluation (`eval_dataset`; TRL's GRPOConfig field); None: `num_generations`.
     1 is allowed (an evaluation measures, it does not compare within a group)."""
     max_tool_calling_iterations: int | None = None
+
+    # ---- rewards ----
+    reward_weights: list[float] | None = None
+    """TRL's GRPOConfig field: one weight per reward function (in `reward_funcs` order; a reward model or a
+    `RemoteReward` is one function). A rollout's reward is the weighted sum of its functions' rewards with None
+    (NaN) ignored, an environment's `get_reward` column weighing 1; a rollout no function scored stays unscorable
+    (NaN reward, advantage 0), whatever the weights. None: every function weighs 1.0. The per-function metrics
+    `rewards/<name>/mean` are unweighted; `reward` is the weighted sum."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """TRL's GRPOConfig field. "sum_then_normalize" (TRL's default, the only one here): the weighted sum of the
+    reward functions is normalised within its group. TRL's "normalize_then_sum" (GDPO) ends with a normalisation
+    over the whole generation batch, which asynchronous scoring (each group as it finishes) does not have: refused."""
+    scale_rewards: str | bool = "group"
+    """TRL's GRPOConfig field: "group" / True (default): advantages are divided by the group's reward std; "none" /
+    False: only centred on the group mean (Dr. GRPO). TRL's "batch" (the whole batch's std) is refused: groups are
+    scored one at a time, there is no batch at scoring time."""
 
     # ---- loss ----
     epsilon: float = 0.2
@@ -104,7 +121,57 @@ class AsyncGRPOConfig(TrainerConfig):
 
     def _validate(self) -> None:
         super()._validate()
+        self._check_rewards()
+        self._check_reward_scaling()
         self._check_loss()
+
+    def _check_rewards(self) -> None:
+        """`reward_weights`: a list of finite numbers (its length is checked against `reward_funcs` by the trainer)."""
+        weights = self.reward_weights
+        if weights is None:
+            return
+        if isinstance(weights, str | bytes | dict) or not isinstance(weights, list | tuple):
+            raise ValueError(
+                f"reward_weights={weights!r}: give a list of numbers, one per reward function (e.g. [1.0, 0.5]), "
+                "or None (every function 1.0)"
+            )
+        for weight in weights:
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+                raise ValueError(
+                    f"reward_weights={list(weights)}: {weight!r} is not a finite number; give one finite weight per "
+                    "reward function (e.g. [1.0, 0.5])"
+                )
+        self.reward_weights = [float(weight) for weight in weights]
+
+    def _check_reward_scaling(self) -> None:
+        """`multi_objective_aggregation` and `scale_rewards`: TRL's per-group values, the batch-wide ones refused."""
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            raise ValueError(
+                "multi_objective_aggregation='normalize_then_sum' is not supported by rlasync: TRL normalises each "
+                "reward function within its group, then the weighted sum over the whole generation batch, and "
+                "asynchronous scoring has no batch (each group is scored as it finishes); leave the default "
+                "'sum_then_normalize', or override the loop's compute_advantages(group)"
+            )
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                f"multi_objective_aggregation={self.multi_objective_aggregation!r}: use 'sum_then_normalize' "
+                "(the default; 'normalize_then_sum' is not supported)"
+            )
+        scale = self.scale_rewards
+        if isinstance(scale, str) and scale.lower() in ("true", "false"):  # a command-line spelling of the bool
+            scale = scale.lower() == "true"
+        scale = {True: "group", False: "none"}.get(scale, scale) if isinstance(scale, bool) else scale
+        if scale == "batch":
+            raise ValueError(
+                "scale_rewards='batch' is not supported by rlasync: it divides by the reward std of the whole "
+                "generation batch, and asynchronous scoring has no batch (each group is scored as it finishes); use "
+                "'group' (the default: the group's std) or 'none' (no scaling)"
+            )
+        if scale not in ("group", "none"):
+            raise ValueError(
+                f"scale_rewards={self.scale_rewards!r}: use 'group' (or True, the default) or 'none' (or False)"
+            )
+        self.scale_rewards = scale
 
     def _check_run(self) -> None:
         super()._check_run()

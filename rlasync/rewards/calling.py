@@ -28,8 +28,10 @@ A reward function object may also define `drain_metrics() -> [(key, value), ...]
 last call are drained after each group's calls into `RewardTable.metrics` and logged with the group's metrics.
 
 Each function becomes one column of a `RewardTable`; other sources (an environment's `get_reward`, a
-loop-provided rollout reward) are added as further named columns. A rollout's reward is the sum of its
-columns ignoring NaN; a rollout that no column scored gets NaN (unscorable), not 0.
+loop-provided rollout reward) are added as further named columns. A rollout's reward is the weighted sum of its
+columns ignoring NaN (TRL's `(rewards_per_func * reward_weights).nansum(dim=1)`: each column's weight is its
+function's `reward_weights` entry, 1 for the other sources); a rollout that no column scored gets NaN
+(unscorable), not 0, whatever the weights (a rollout scored only by columns of weight 0 gets 0, as in TRL).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -97,11 +100,20 @@ class RewardTable:
     values:  [C, G] float64; `values[k, i]` is column `k`'s reward for rollout `i`, NaN where not scored
     metrics: metric items `(key, value)` the reward functions reported while scoring (`drain_metrics`), logged
              with the group's metrics
+    weights: [C] float64, each column's weight in `totals()`; None: every column weighs 1
     """
 
     names: tuple[str, ...]
     values: np.ndarray
     metrics: tuple[tuple[str, Any], ...] = ()
+    weights: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights is not None and np.shape(self.weights) != (len(self.names),):
+            raise ValueError(
+                f"RewardTable: {np.size(self.weights)} weight(s) for {len(self.names)} column(s) {list(self.names)}; "
+                "give one weight per column"
+            )
 
     @property
     def num_rollouts(self) -> int:
@@ -111,10 +123,18 @@ class RewardTable:
         """The `[G]` rewards of the column called `name`."""
         return self.values[self.names.index(name)]
 
+    def with_weights(self, weights: Sequence[float] | np.ndarray | None) -> RewardTable:
+        """This table with `weights` (one per column; None: all 1)."""
+        weights = None if weights is None else np.asarray(weights, dtype=np.float64)
+        return dataclasses.replace(self, weights=weights)
+
     def totals(self) -> np.ndarray:
-        """`[G]` summed reward per rollout over the columns, NaN ignored; NaN where no column scored it."""
-        unscored = np.isnan(self.values).all(axis=0)
-        totals = np.nansum(self.values, axis=0)
+        """`[G]` weighted sum per rollout over the columns, NaN ignored; NaN where no column scored it (TRL's
+        `nansum` of `rewards_per_func * reward_weights`, the unscorable rows set back to NaN)."""
+        values = np.asarray(self.values, dtype=np.float64)
+        unscored = np.isnan(values).all(axis=0)
+        weighted = values if self.weights is None else values * np.asarray(self.weights, dtype=np.float64)[:, None]
+        totals = np.nansum(weighted, axis=0)
         totals[unscored] = np.nan
         return totals
 

@@ -59,7 +59,7 @@ class EvalTally:
         )
 
     def metrics(self) -> dict[str, float]:
-        """The `eval/` metrics: `eval/reward` (mean summed reward of the scored rollouts), `eval/reward_std`,
+        """The `eval/` metrics: `eval/reward` (mean weighted summed reward of the scored rollouts), `eval/reward_std`,
         `eval/rewards/<name>/mean` per reward column, `eval/completions/mean_length` (tokens), `eval/num_prompts`,
         `eval/num_completions`, `eval/failed_prompts` (only when some failed), `eval/generation_s` and `eval/policy_version` (the policy the engines served when
         the evaluation started)."""

@@ -1,26 +1,30 @@
 """Scoring a complete group: rewards, advantages, the zero-std drop, and the samples the learner trains on.
 
     RolloutGroup ──call_reward_funcs──► RewardTable (one column per source) ──totals──► group.rewards [G]
+                                        (weighted: `reward_weights` for the functions' columns, 1 for the others)
         ──compute_advantages(group)──► advantages [G]
         ──degenerate group? (docs/algorithms.md §2.6.3)──► dropped: no samples
                                otherwise ──► one RolloutSample per TrainingSequence, the conversation's
                                              advantage stamped unchanged on each of its rows
 
-Reward columns, in order: the reward functions, one column per environment class found in `env_rewards`
-(named after the class), `rollout_reward` for `Rollout.reward` values (`group.rollout_rewards`), then the
-caller's `extra_columns` (e.g. `harness_reward`). Duplicate names get `_2`, `_3`, ... The `rollout_reward`
+Reward columns, in order: the reward functions (called here, or their `function_columns` scored elsewhere, e.g.
+by a RewardActor), one column per environment class found in `env_rewards` (named after the class),
+`rollout_reward` for `Rollout.reward` values (`group.rollout_rewards`), then the caller's `extra_columns` (e.g.
+`harness_reward`). Duplicate names get `_2`, `_3`, ... A rollout's reward is the weighted sum of its columns with NaN
+ignored (`RewardTable.totals`): the reward functions' columns weigh `reward_weights` (TRL's field, one weight per
+function; None: 1 each), every other column 1 (as TRL weighs an environment's `get_reward` column). The `rollout_reward`
 column exists only when some rollout set a reward; a non-empty `rollout_rewards` list still counts as a reward
 source, so a group where every `Rollout.reward` is None is unscorable rather than an error.
 
 Metric names are those of docs/algorithms.md §8.3, with no 1.16 aliases:
 
 * per sample (`RolloutSample.metrics`, one dict per row, averaged over trained samples by the collator):
-  `reward_trained` (the conversation's summed reward, NaN if unscorable; 1.16 called it `reward`),
+  `reward_trained` (the conversation's weighted summed reward, NaN if unscorable; 1.16 called it `reward`),
   `reward_group_std` (the advantage divisor; 1.16 `reward_std`), `rewards/<name>/group_std` per column. (The tool
   metrics are the rollout loop's, over every rollout: `rlasync.rollout.rollout_metrics.group_metrics`.)
 * per group (`ScoredGroup.metrics`, recorded by the worker for every group, dropped ones included):
   `(key, value)` items, one per value, ready for `MetricSink.update`; every key is reduced by mean:
-  `reward` (one item per scored summed reward), `rewards/<name>/mean` (one per scored value of the column),
+  `reward` (one item per scored weighted sum), `rewards/<name>/mean` (one per scored value of the column, unweighted),
   `frac_zero_std_groups` (1.0 if the group is degenerate, else 0.0) and, for a degenerate group with some
   scored reward, `reward_zero_std_groups` (its mean reward); then the items the reward functions reported
   (`RewardTable.metrics`, e.g. a reward model's `rewards/<name>/batch_size`), reduced by their keys' rules.
@@ -28,6 +32,8 @@ Metric names are those of docs/algorithms.md §8.3, with no 1.16 aliases:
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -87,9 +93,10 @@ class ScoredGroup:
         return f"{scored.size} of {self.rewards.size} rollouts scored, every reward {float(scored[0]):g} ({names})"
 
 
-def default_compute_advantages(group: RolloutGroup) -> np.ndarray:
-    """GRPO's group-normalised advantage of `group.rewards` (docs/algorithms.md §2.6.2)."""
-    return group_advantages(group.rewards)[0]
+def default_compute_advantages(group: RolloutGroup, scale_rewards: str = "group") -> np.ndarray:
+    """GRPO's group-normalised advantage of `group.rewards` (docs/algorithms.md §2.6.2); `scale_rewards="none"`
+    (TRL's field): centred only, not divided by the group std."""
+    return group_advantages(group.rewards, scale=scale_rewards != "none")[0]
 
 
 async def score_group(
@@ -98,17 +105,27 @@ async def score_group(
     *,
     compute_advantages: ComputeAdvantages | None = None,
     extra_columns: RewardColumns | None = None,
+    function_columns: RewardColumns | None = None,
+    reward_weights: Sequence[float] | None = None,
     drop_zero_std_groups: bool = True,
     reward_timeout_s: float | None = None,
 ) -> ScoredGroup:
     """Score `group`, set `group.rewards`, and build its samples unless the group is dropped.
 
-    `drop_zero_std_groups=False` keeps degenerate groups (TRL 1.16: they train with zero advantages).
-    Raises `ValueError` when the group is malformed or has no reward source, `RewardFunctionError` when a
-    reward function breaks the calling convention (`RewardTimeoutError`: not back within `reward_timeout_s`).
+    `function_columns`: the reward functions' columns already scored elsewhere (a RewardActor's table), in place
+    of calling `reward_funcs` (give one or the other). `reward_weights`: one weight per reward function (column);
+    None: 1 each. `drop_zero_std_groups=False` keeps degenerate groups (TRL 1.16: they train with zero
+    advantages). Raises `ValueError` when the group is malformed, has no reward source or `reward_weights` does
+    not fit, `RewardFunctionError` when a reward function breaks the calling convention (`RewardTimeoutError`:
+    not back within `reward_timeout_s`).
     """
     _check_group(group)
-    columns = _group_reward_columns(group, extra_columns)
+    scored_elsewhere = reward_column_items(function_columns)
+    if scored_elsewhere and reward_funcs:
+        raise ValueError("score_group: give reward_funcs or function_columns (scored elsewhere), not both")
+    num_functions = len(scored_elsewhere) if scored_elsewhere else len(reward_funcs)
+    weights = reward_weight_vector(reward_weights, num_functions)
+    columns = scored_elsewhere + _group_reward_columns(group, extra_columns)
     if not reward_funcs and not columns and not group.rollout_rewards:
         raise ValueError(
             "No reward source provided: pass reward functions, use an environment that defines `get_reward`, "
@@ -123,6 +140,8 @@ async def score_group(
         extra_columns=columns,
         timeout_s=reward_timeout_s,
     )
+    if weights is not None:  # the functions' columns come first, every other column weighs 1
+        table = table.with_weights(np.concatenate([weights, np.ones(len(table.names) - num_functions)]))
     group.rewards = table.totals()
     advantages = _run_compute_advantages(compute_advantages or default_compute_advantages, group)
     degenerate = is_degenerate_group(group.rewards)
@@ -136,6 +155,26 @@ async def score_group(
         reward_table=table,
         metrics=_group_metrics(table, group.rewards, degenerate),
     )
+
+
+def reward_weight_vector(reward_weights: Sequence[float] | None, num_functions: int) -> np.ndarray | None:
+    """`reward_weights` as a float64 array of one weight per reward function; None when not given.
+
+    Raises `ValueError` naming `reward_weights` when the count differs from the reward functions' or a weight is
+    not a finite number (TRL's rule: one weight per reward function, environments' columns weigh 1)."""
+    if reward_weights is None:
+        return None
+    weights = list(reward_weights)
+    if len(weights) != num_functions:
+        raise ValueError(
+            f"reward_weights has {len(weights)} weight(s) {weights} for {num_functions} reward function(s): give one "
+            "weight per entry of reward_funcs, in the same order (an environment's get_reward column weighs 1), or "
+            "leave reward_weights=None (every function 1.0)"
+        )
+    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w)]
+    if bad:
+        raise ValueError(f"reward_weights={weights}: every weight must be a finite number (got {bad[0]!r})")
+    return np.asarray(weights, dtype=np.float64)
 
 
 def _check_group(group: RolloutGroup) -> None:

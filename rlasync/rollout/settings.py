@@ -32,6 +32,8 @@ class RolloutSettings:
     chat_template_kwargs: extra keyword arguments of the chat template
     log_completions / num_completions_to_print / log_completions_steps: completion printing
     reward_timeout_s / tool_timeout_s: per-call limits of the user's reward functions and tools (None: none)
+    reward_weights:    one weight per reward function in a rollout's reward (TRL's `reward_weights`; None: 1 each)
+    scale_rewards:     "group" (advantages divided by the group's reward std) or "none" (centred only); TRL's field
     """
 
     group_size: int
@@ -47,6 +49,8 @@ class RolloutSettings:
     log_completions_steps: int = 100
     reward_timeout_s: float | None = None
     tool_timeout_s: float | None = None
+    reward_weights: tuple[float, ...] | None = None
+    scale_rewards: str = "group"
 
     def __post_init__(self) -> None:
         if self.group_size < 1:

@@ -33,6 +33,7 @@ from rlasync.driver.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE
 from rlasync.driver.step_loop import TAKE_POLL_S
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.rollout.environments import EnvironmentFactory
+from rlasync.rollout.scoring import reward_weight_vector
 from rlasync.trainers.base import AsyncTrainerBase
 from rlasync.trainers.checks import (
     _check_picklable,
@@ -107,6 +108,7 @@ class AsyncGRPOTrainer(EvaluationMixin, AsyncTrainerBase):
                 "environment_factory whose class defines get_reward, or a loop_cls whose generate_one sets "
                 "Rollout.reward and provides_rollout_rewards = True"
             )
+        reward_weight_vector(getattr(self.args, "reward_weights", None), len(self.reward_funcs))
         self.reward_funcs = [_reward_model_or_func(func) for func in self.reward_funcs]
         self._reward_models_on_actors()
         return train_dataset

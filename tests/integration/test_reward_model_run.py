@@ -3,7 +3,8 @@ reward model with its own tokenizer): `reward_funcs=[folder, direct_rm]` trains 
 RewardActor for it, and every logged window's `rewards/<rm>/mean` equals that of `direct_rm`, a plain function that
 scores the same completions by calling the saved model directly (`model(**tokenizer(text))`, one text at a time, on
 the text the reward model's chat template renders); the batch metrics show groups from both rollout actors merged
-into one batch."""
+into one batch. The two functions are weighted (`reward_weights`, TRL's field): every window's `reward` is the
+weighted sum of the two columns' means (both score every completion), the columns themselves unweighted."""
 
 import json
 import sys
@@ -65,6 +66,7 @@ def test_a_reward_model_folder_trains_and_scores_as_a_direct_call(ray_cluster, t
         top_k=16,
         seed=0,
         reward_timeout_s=120.0,
+        reward_weights=[0.5, 2.0],
         cluster={
             "num_rollout_actors": 2,
             "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
@@ -80,6 +82,8 @@ def test_a_reward_model_folder_trains_and_scores_as_a_direct_call(ray_cluster, t
     assert scored, records
     for record in scored:  # both columns score every completion of the same groups: equal window means
         assert record["rewards/tiny_rm/mean"] == pytest.approx(record["rewards/direct_rm/mean"], abs=1e-4), record
+        weighted = 0.5 * record["rewards/tiny_rm/mean"] + 2.0 * record["rewards/direct_rm/mean"]
+        assert record["reward"] == pytest.approx(weighted, abs=1e-4), record  # the RewardActor's table, weighted
     batches = [record for record in records if "rewards/tiny_rm/batch_size" in record]
     assert batches and all(record["rewards/tiny_rm/batch_size"] >= 4 for record in batches)  # a group is 4 texts
     assert max(record["rewards/tiny_rm/batch_sources_max"] for record in batches) >= 2, batches

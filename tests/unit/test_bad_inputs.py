@@ -125,6 +125,11 @@ CONFIG_CASES = [
     (["min_p=1.0"], r"min_p=1.0 keeps only the argmax.*min_p < 1"),
     (["repetition_penalty=1e-9"], r"repetition_penalty=1e-09: must be in \[0.01, 100\]"),
     (["repetition_penalty=1e9"], r"repetition_penalty=1000000000.0: must be in \[0.01, 100\]"),
+    (["reward_weights=[1, .nan]"], r"reward_weights=\[1.0, nan\]: nan is not a finite number"),
+    (["reward_weights=[1, .inf]"], r"reward_weights=\[1.0, inf\]: inf is not a finite number"),
+    (["reward_weights=abc"], "reward_weights"),
+    (["scale_rewards=batch"], "scale_rewards='batch' is not supported"),
+    (["multi_objective_aggregation=normalize_then_sum"], "multi_objective_aggregation='normalize_then_sum'"),
 ]
 
 
@@ -355,6 +360,16 @@ def _grpo(tiny_model, tmp_path, model=None, rows=None, engine_kwargs=None, **con
         args.cluster.engine_kwargs = None
     return AsyncGRPOTrainer(
         model=model or tiny_model, reward_funcs=last_number_reward, args=args, train_dataset=rows or ROWS
+    )
+
+
+def test_reward_weights_of_another_length_than_reward_funcs_are_refused_at_construction(tmp_path, tiny_model):
+    raises_fast(
+        r"reward_weights has 2 weight\(s\) \[1.0, 0.5\] for 1 reward function\(s\): give one weight per entry",
+        _grpo,
+        tiny_model,
+        tmp_path,
+        reward_weights=[1.0, 0.5],
     )
 
 

@@ -45,7 +45,7 @@ from rlasync.rollout.environments import (
 from rlasync.rollout.groups import NOT_REWARD_KWARGS, GroupResult, GroupState, RolloutOutcome
 from rlasync.rollout.protocols import Collected, PolicyBase
 from rlasync.rollout.rollout_metrics import group_metrics, rollout_metrics
-from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, score_group
+from rlasync.rollout.scoring import ScoredGroup, default_compute_advantages, reward_weight_vector, score_group
 from rlasync.rollout.sequences import build_training_sequences, tokenizer_eos_ids
 from rlasync.rollout.settings import RolloutSettings
 from rlasync.rollout.tools import PARSE_FAILURE_METRIC, ToolCallTracker, run_tool_loop, tools_by_name
@@ -128,6 +128,7 @@ class RolloutPolicy(PolicyBase):
         self.tokenizer, self.settings, self.engine_pool = tokenizer, settings, engine_pool
         self.reward_scorer = reward_scorer
         self.reward_funcs = _as_reward_funcs(reward_funcs)
+        reward_weight_vector(settings.reward_weights, len(self.reward_funcs))  # a misfit fails here, not per group
         self.environments: dict[str | None, EnvironmentSpec] = probe_environments(environment_factory)
         if not self.reward_funcs and not self.provides_rollout_rewards and not self.has_environment_rewards:
             raise ValueError(
@@ -234,8 +235,9 @@ class RolloutPolicy(PolicyBase):
         return await self.engine_pool.generate(prompt_ids, sampling)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """`[G]` advantages of a scored group (`group.rewards` is set); default: GRPO's group normalisation."""
-        return default_compute_advantages(group)
+        """`[G]` advantages of a scored group (`group.rewards` is set); default: GRPO's group normalisation
+        (`scale_rewards="none"`: centred only)."""
+        return default_compute_advantages(group, self.settings.scale_rewards)
 
     def render(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None) -> list[int]:
         """The prompt ids of a conversation: the chat template with the generation prompt appended. The last
@@ -384,7 +386,8 @@ class RolloutPolicy(PolicyBase):
             rollout_group,
             reward_funcs,
             compute_advantages=self.compute_advantages,
-            extra_columns=columns,
+            function_columns=columns,
+            reward_weights=self.settings.reward_weights,
             drop_zero_std_groups=drop_zero_std_groups,
             reward_timeout_s=timeout_s,
         )

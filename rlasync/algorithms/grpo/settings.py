@@ -1,6 +1,6 @@
 """GRPO's rollout settings: the common `RolloutSettings` read from an `AsyncGRPOConfig` (or a user subclass):
 groups of `num_generations`, at most `max_concurrent_rollouts` rollouts in flight, the sampler's top-K log-probs,
-the tool and reward limits, completion printing."""
+the tool and reward limits, the reward weights, completion printing."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def rollout_settings(config: AsyncGRPOConfig) -> RolloutSettings:
         heartbeat_timeout_s=config.rollout_worker_timeout,
         reward_timeout_s=config.reward_timeout_s,
         tool_timeout_s=config.tool_timeout_s,
+        reward_weights=None if config.reward_weights is None else tuple(config.reward_weights),
+        scale_rewards=config.scale_rewards,
         num_sampler_logprobs=int(config.num_sampler_logprobs),
         max_tool_calling_iterations=config.max_tool_calling_iterations,
         chat_template_kwargs=config.chat_template_kwargs,

@@ -31,8 +31,10 @@ def length_penalty(completion_ids, **kwargs):
     return [-0.1 * len(ids) for ids in completion_ids]
 
 
-def make_loop(tokenizer, engine, **kwargs):
-    args = AsyncGRPOConfig(num_generations=4, max_completion_length=16, max_concurrent_rollouts=3)
+def make_loop(tokenizer, engine, reward_weights=None, **kwargs):
+    args = AsyncGRPOConfig(
+        num_generations=4, max_completion_length=16, max_concurrent_rollouts=3, reward_weights=reward_weights
+    )
     return AsyncRolloutLoop(
         config=args,
         tokenizer=tokenizer,
@@ -69,6 +71,16 @@ def test_every_row_gets_num_generations_scored_completions(char_tokenizer, scrip
     assert metrics["eval/num_prompts"] == 4 and metrics["eval/num_completions"] == 8
     assert metrics["eval/policy_version"] == 7
     assert not loop.counters["groups_scored"]  # no training group was counted or emitted
+
+
+def test_eval_reward_is_weighted_by_reward_weights_and_the_columns_are_not(char_tokenizer, scripted_engine):
+    engine = scripted_engine(char_tokenizer, echo_script)
+    loop = make_loop(char_tokenizer, engine, reward_weights=[2.0, 0.5], reward_funcs=[right_answer, length_penalty])
+    metrics = asyncio.run(evaluate_rows(loop, eval_rows(4), num_generations=2, policy_version=0)).metrics()
+    mean_length = sum(len(turn.output_ids) for turn in engine.turns) / 8
+    assert metrics["eval/rewards/right_answer/mean"] == pytest.approx(0.5)
+    assert metrics["eval/rewards/length_penalty/mean"] == pytest.approx(-0.1 * mean_length)
+    assert metrics["eval/reward"] == pytest.approx(2.0 * 0.5 + 0.5 * -0.1 * mean_length)
 
 
 def test_scoring_goes_through_the_reward_scorer_when_the_loop_has_one(char_tokenizer, scripted_engine):

@@ -724,6 +724,39 @@ def test_a_remote_reward_scorer_gives_the_same_groups_as_scoring_in_the_loop():
     assert local.metrics.reduce().keys() == remote_loop.metrics.reduce().keys()
 
 
+def length_reward(completion_ids, **kwargs):
+    return [float(len(ids)) if ids[0] % 3 else None for ids in completion_ids]
+
+
+def test_reward_weights_reach_the_loop_and_a_remote_scorer_weighs_the_same():
+    """`reward_weights` of the config weigh the reward functions' columns, in the loop and through a
+    `reward_scorer` alike: each group's rewards are the weighted nansum of its table (TRL's formula)."""
+    from rlasync.rewards import call_reward_funcs
+
+    funcs = [parity_reward, length_reward]
+
+    async def remote(*, prompts, completions, completion_ids, reward_kwargs):
+        return await call_reward_funcs(
+            funcs, prompts=prompts, completions=completions, completion_ids=completion_ids, reward_kwargs=reward_kwargs
+        )
+
+    weights = [3.0, -0.5]
+    local = make_loop(reward_funcs=funcs, args=config(reward_weights=weights))
+    remote_loop = make_loop(reward_funcs=funcs, args=config(reward_weights=weights), reward_scorer=remote)
+    asyncio.run(local.run())
+    asyncio.run(remote_loop.run())
+    assert len(local.sink.results) == len(remote_loop.sink.results) == 6
+    for a, b in zip(local.sink.results, remote_loop.sink.results):
+        values = a.scored.reward_table.values
+        weighted = values * np.array(weights)[:, None]
+        expected = np.where(np.isnan(values).all(axis=0), np.nan, np.nansum(weighted, axis=0))
+        np.testing.assert_allclose(a.scored.rewards, expected)
+        np.testing.assert_array_equal(a.scored.rewards, b.scored.rewards)
+        np.testing.assert_array_equal(a.scored.advantages, b.scored.advantages)
+    with pytest.raises(ValueError, match=r"reward_weights has 1 weight\(s\) \[2.0\] for 2 reward function"):
+        make_loop(reward_funcs=funcs, args=config(reward_weights=[2.0]))
+
+
 # ---- the config -------------------------------------------------------------------------------------------
 
 
