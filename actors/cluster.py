@@ -471,7 +471,7 @@ class RayLearners:
 
     async def train_step(self, refs: Sequence[Any]) -> list[tuple[str, Any]]:
         entries = list(refs)
-        parts = self.splitter.split(entries) if self.splitter is not None else None
+        parts = await asyncio.to_thread(self.splitter.split, entries) if self.splitter is not None else None
         if parts is None:
             payloads = [getattr(entry, "payload", entry) for entry in entries]
             items = await call_all_async(self.handles, "train_step", payloads, timeout=self.timeouts.train_step)
