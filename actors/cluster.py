@@ -98,6 +98,7 @@ class Cluster:
         self.started_ray = False
         self.reaper: Any = None  # the local cluster's processes die with the driver (actors/reaper.py)
         self.version = spec.version
+        self.step_splitter: Any = None  # how the driver splits each step over the learner ranks (spawn_learners)
         self.engine_count = self.rollout_count = 0  # actors of each pool made so far (they name the next one)
         self.engine_options: dict[str, Any] = {}
         self.rollout_parts: tuple[Any, dict[str, Any], list[Any]] = (None, {}, [])
@@ -203,7 +204,7 @@ class Cluster:
         )
         return spec.step_loop(
             queue=RayQueue(queue, self.timeouts),
-            learners=RayLearners(learners, self.timeouts),
+            learners=RayLearners(learners, self.timeouts, self.step_splitter),
             weights=weights,
             fleet=fleet,
             tokens_per_step=tokens_per_step,
@@ -310,6 +311,7 @@ class Cluster:
     def spawn_learners(self, budget: int) -> list[Any]:
         """The learner ranks, set up (process group, model, optimizer; resumed from the spec's checkpoint)."""
         from actors.learner import LearnerActor
+        from rlasync.learner.sharing import StepSplitter
 
         spec, cluster = self.spec, self.config.cluster
         timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
@@ -336,7 +338,8 @@ class Cluster:
             for rank in range(num_learners)
         ]
         master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
-        call_all(learners, "setup", master, timeout, spec.resume_dir, timeout=self.timeouts.build)
+        infos = call_all(learners, "setup", master, timeout, spec.resume_dir, timeout=self.timeouts.build)
+        self.step_splitter = StepSplitter.for_learners(settings, num_learners, infos[0].get("share_prefixes", True))
         return learners
 
     def spawn_queue(self, tokens_per_step: int, samples_per_step: int | None = None, plan: Any = None) -> Any:
@@ -467,8 +470,8 @@ class RayQueue:
         result = await _get(
             self.handle.wait_take.remote(token_target, timeout_s), timeout_s + self.timeouts.take_margin
         )
-        refs = [entry.payload for entry in result.entries]
-        return Taken(refs, result.num_tokens, list(result.metrics.items()), step_full=result.step_full)
+        entries = list(result.entries)  # the payload refs with what the step's split plans with (RayLearners)
+        return Taken(entries, result.num_tokens, list(result.metrics.items()), step_full=result.step_full)
 
     async def finish_step(self, tokens: int) -> None:
         await _get(self.handle.finish_step.remote(tokens), self.timeouts.call)
@@ -484,13 +487,22 @@ class RayQueue:
 
 
 class RayLearners:
-    """`LearnerGroup` over the LearnerActor ranks."""
+    """`LearnerGroup` over the LearnerActor ranks. The step's `refs` are the queue's entries (`RayQueue.take`):
+    `splitter` (a `rlasync.learner.sharing.StepSplitter`) plans the step's rows once, here, and each rank is sent
+    only the refs of its own rows' samples with its share (docs/design.md §6.2); without a splitter, or for entries
+    without token ids, every rank is sent the whole step and splits it itself."""
 
-    def __init__(self, handles: list[Any], timeouts: Timeouts) -> None:
-        self.handles, self.timeouts = handles, timeouts
+    def __init__(self, handles: list[Any], timeouts: Timeouts, splitter: Any = None) -> None:
+        self.handles, self.timeouts, self.splitter = handles, timeouts, splitter
 
     async def train_step(self, refs: Sequence[Any]) -> list[tuple[str, Any]]:
-        items = await call_all_async(self.handles, "train_step", list(refs), timeout=self.timeouts.train_step)
+        entries = list(refs)
+        parts = await asyncio.to_thread(self.splitter.split, entries) if self.splitter is not None else None
+        if parts is None:
+            payloads = [getattr(entry, "payload", entry) for entry in entries]
+            items = await call_all_async(self.handles, "train_step", payloads, timeout=self.timeouts.train_step)
+        else:
+            items = await call_all_async(self.handles, "train_step", each=parts, timeout=self.timeouts.train_step)
         return items[0]
 
     async def save(self, directory: str, tokenizer: Any) -> None:

@@ -79,12 +79,13 @@ class LearnerActor:
         )
         return self.learner.info()
 
-    def train_step(self, refs: list[Any]) -> list[tuple[str, Any]]:
-        """Fetch the step's samples (ObjectRefs from the queue) and train one step; rank 0 returns the metric
-        items, the other ranks []."""
+    def train_step(self, refs: list[Any], share: Any = None) -> list[tuple[str, Any]]:
+        """Fetch this rank's samples (ObjectRefs the queue owns: those of its rows, laid out by `share`, a
+        `rlasync.learner.sharing.StepShare`; without a share the whole step's) and train one step; rank 0 returns
+        the metric items, the other ranks []."""
         started = time.perf_counter()
         samples = ray.get(refs, timeout=self.timeout_s)
-        return self.learner.train_step(samples, fetch_s=time.perf_counter() - started)
+        return self.learner.train_step(samples, fetch_s=time.perf_counter() - started, share=share)
 
     # ---- weights -----------------------------------------------------------------------------------------------
 

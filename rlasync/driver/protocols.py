@@ -1,6 +1,7 @@
 """What the step loop talks to, as async protocols: the sample queue, the learner group, the weight transport and
 the rollout fleet. `actors/cluster.py` adapts Ray actor handles to them; the unit tests use fakes. Sample refs
-(Ray object refs in a real run) are opaque here: the step loop only hands them from the queue to the learners.
+are opaque here (in a real run the queue's entries: each sample's Ray object ref with what the learner group plans
+the step's rows with, `rlasync.learner.sharing`): the step loop only hands them from the queue to the learners.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class LearnerGroup(Protocol):
     """Every learner rank, as one."""
 
     async def train_step(self, refs: Sequence[Any]) -> MetricItems:
-        """One optimizer step on the samples behind `refs`; rank 0's metric items."""
+        """One optimizer step on the samples behind `refs` (each rank gets its own rows' samples); rank 0's metric
+        items."""
         ...
 
     async def save(self, directory: str, tokenizer: Any) -> None:

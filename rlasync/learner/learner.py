@@ -2,8 +2,11 @@
 ranks, FSDP2, builds the optimizer and scheduler (resumed from a checkpoint when given), and trains one step at a
 time through its objective (`rlasync.learner.objectives`):
 
-    fetched samples -> objective.plan -> objective.rows (this rank's) -> objective.step -> reduce over ranks
-                    -> metric items (rank 0 reports; the planner's and the step's own metrics included)
+    this rank's samples + its StepShare (the driver split the step: rlasync.learner.sharing)
+        -> objective.plan (its rows, as the share lays them out) -> objective.rows -> objective.step
+        -> reduce over ranks -> metric items (rank 0 reports; the planner's and the step's own metrics included)
+
+Given the whole step instead (no share), the rank splits it itself and keeps its own part.
 
 Precision (TRL's bf16=True on a GPU with float32 trainer weights): bf16 forward/backward over float32 master
 weights (a pure-bf16 model would round away Adam steps of lr ~1e-6); the engines get bf16 weights (`wire_dtype`).
@@ -27,6 +30,7 @@ from rlasync.learner.lora import adapter_base, trainable_parameters, wrap_with_l
 from rlasync.learner.metrics import reduce_across_ranks
 from rlasync.learner.objectives import MetricItems, StepParts, make_objective
 from rlasync.learner.settings import LearnerSettings
+from rlasync.learner.sharing import StepShare
 from rlasync.learner.step import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -134,6 +138,7 @@ class Learner:
                 clip_grad_norm=self._clip,
                 autocast_dtype=torch.bfloat16 if self.mixed and world_size == 1 else None,
                 sum_across_ranks=self.reducer.sum if world_size > 1 else None,
+                all_reduce=self.reducer.all_reduce if world_size > 1 else None,
             )
         )
 
@@ -165,6 +170,7 @@ class Learner:
             "compile_cache": self.compile_cache,
             "row_bucket": self.settings.row_bucket,
             "kernels": self.kernels(),
+            "share_prefixes": bool(self.objective.share_prefixes),  # how the driver plans the step's rows
         }
 
     def kernels(self) -> dict[str, Any]:
@@ -183,13 +189,30 @@ class Learner:
 
     # ---- training ----------------------------------------------------------------------------------------------
 
-    def train_step(self, samples: Sequence[Any], fetch_s: float = 0.0) -> MetricItems:
-        """One optimizer step over the step's samples (every rank gets all of them and trains its rows; a
-        collective): fetch -> plan -> rows -> step -> reduce -> metrics. Rank 0 returns the items; others []."""
+    def train_step(self, samples: Sequence[Any], fetch_s: float = 0.0, share: StepShare | None = None) -> MetricItems:
+        """One optimizer step (a collective): `samples` are this rank's samples and `share` their layout (the
+        driver's `split_step`), or `samples` is the whole step (share None: every rank plans it and keeps its part)
+        -> plan -> rows -> step -> reduce -> metrics. Rank 0 returns the items; others []."""
+        from rlasync.learner.sharing import split_step
         from rlasync.model.compilation import compile_seconds
 
         started, compiled_before = time.perf_counter(), compile_seconds()
-        rows = self.objective.rows(self.objective.plan(samples), self.device, self.pad_id)
+        received = list(samples)
+        if share is None:
+            share = split_step(self.objective, received)[self.rank]
+            samples = [received[i] for i in share.indices]
+        elif share.rank != self.rank or share.world_size != self.world_size:
+            raise ValueError(
+                f"learner rank {self.rank} of {self.world_size} was sent the share of rank {share.rank} of "
+                f"{share.world_size}"
+            )
+        elif len(samples) != share.num_samples:
+            raise ValueError(f"learner rank {self.rank}: {len(samples)} samples for a share of {share.num_samples}")
+        self.objective.layout = share.layout
+        try:
+            rows = self.objective.rows(self.objective.plan(samples), self.device, self.pad_id)
+        finally:
+            self.objective.layout = None
         packed_at = time.perf_counter()
         metrics = self._step(rows)
         compile_s = compile_seconds() - compiled_before  # torch's own compile timers, over this step only
@@ -198,9 +221,10 @@ class Learner:
         metrics["perf/pack_s"] = packed_at - started  # planning and packing the micro-batches
         metrics["batch/forwarded_tokens_per_step"] = float(rows.forwarded_tokens)
         metrics["batch/trained_tokens_per_step"] = float(rows.trained_tokens)
+        metrics["batch/samples_per_rank_max"] = float(len(received))  # what this rank was sent (max over ranks)
+        metrics["batch/sample_tokens_per_rank_max"] = float(sum(len(sample) for sample in received))
         reduced = reduce_across_ranks(metrics, self.reducer.all_reduce)
-        items = rows.planner_items + list(reduced.items())
-        items += [("batch/samples_per_step", float(len(samples)))] + self.objective.step_items(samples)
+        items = share.planner_items + list(reduced.items()) + share.step_items
         fwd_bwd = float(reduced.get("perf/fwd_bwd_s", 0.0))  # type: ignore[arg-type]
         if fwd_bwd > 0:
             items.append(("perf/forwarded_tok_s_fwd_bwd", (float(reduced["batch/forwarded_tokens_per_step"]), fwd_bwd)))  # type: ignore[arg-type]

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,11 +68,13 @@ class StepPlan:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PlanSample:
-    """What a batcher reads of a sample (`PackableSample`'s planning part), made from a queue entry."""
+    """What a batcher reads of a sample (`PackableSample`'s planning part), made from a queue entry; `metrics`
+    (the sample's per-sample scalars) for the planner's metrics (`rlasync.learner.sharing`)."""
 
     input_ids: np.ndarray
     group_id: int
     num_trained_tokens: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -26,7 +26,7 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,9 @@ class QueueEntry:
     num_tokens:          raw (forwarded) tokens of the sample: prompt + tools + completion
     num_trained_tokens:  tokens with a loss term
     policy_version:      the policy version the sample's group was generated under
-    input_ids:           the sample's token ids, for the step's composer (None: planned as sharing nothing)
+    input_ids:           the sample's token ids, for the step's composer and the split of a step over the learner
+                         ranks (None: planned as sharing nothing; the step is not split ahead)
+    metrics:             the sample's per-sample scalars (the planner's metrics, computed where the step is split)
     enqueued_at:         stamped by `StalenessQueue.put` with the queue's clock
     """
 
@@ -55,6 +57,7 @@ class QueueEntry:
     num_trained_tokens: int = 0
     row_index: int = -1
     input_ids: Any = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
     enqueued_at: float = math.nan
 
     @classmethod
@@ -68,6 +71,7 @@ class QueueEntry:
             num_trained_tokens=sample.num_trained_tokens,
             row_index=sample.row_index,
             input_ids=getattr(sample, "input_ids", None),
+            metrics=dict(getattr(sample, "metrics", None) or {}),
         )
 
 

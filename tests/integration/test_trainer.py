@@ -288,6 +288,8 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
     # a step is GA = 2 micro-batches of one row per rank, composed by the queue as both ranks plan it (§4.5.1)
     assert [r["batch/microbatches_per_step"] for r in records] == [2.0, 2.0]
     assert all(r["batch/samples_per_step"] == 4 * r["batch/samples_per_row"] for r in records)
+    # the driver split each step: a rank was sent only its rows' samples (docs/design.md §6.2)
+    assert all(0 < r["batch/samples_per_rank_max"] < r["batch/samples_per_step"] for r in records)
     # FSDP2 over two gloo ranks: the step's metrics are reduced over both; every sync logs its phases
     sync_keys = (
         "perf/weight_sync_s",

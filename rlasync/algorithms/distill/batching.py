@@ -158,8 +158,12 @@ def collate_rows(
     rows: Sequence[DistillRow | Sequence[DistillationSample]],
     pad_token_id: int,
     teacher_ids: Sequence[str] | Mapping[str, Any] | None = None,
+    *,
+    width: int = 0,
 ) -> dict[str, np.ndarray]:
     """Pack each row's samples end to end and pad the rows to `[P, N]` (see the module docstring).
+
+    `width`: the candidates' slots at least (a rank collating its own row pads to its micro-batch's widest sample).
 
     `teacher_ids` (ids in stable order, e.g. `teacher_server_urls`): with more than one, `teacher_id_idx` `[P, N]`
     holds each token's teacher index (-1 on padding); a sample whose teacher is not listed raises `ValueError`.
@@ -175,7 +179,7 @@ def collate_rows(
     index_of = {teacher_id: index for index, teacher_id in enumerate(ids_order)}
     num_rows = len(samples_by_row)
     lengths = [sum(len(sample) for sample in samples) for samples in samples_by_row]
-    width = max(sample.width for samples in samples_by_row for sample in samples)
+    width = max(width, *(sample.width for samples in samples_by_row for sample in samples))
     longest = max(lengths)
 
     input_ids = np.full((num_rows, longest), pad_token_id, dtype=np.int64)

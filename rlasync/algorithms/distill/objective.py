@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlasync.algorithms.distill.loss import DistillLossConfig
@@ -49,38 +50,50 @@ class DistillationObjective(Objective):
             autocast_dtype=parts.autocast_dtype,
             reduce_stats=parts.sum_across_ranks,
         )
+        if parts.all_reduce is not None:
+            self.all_reduce = parts.all_reduce
 
-    def plan(self, samples: Sequence[Any]) -> list[Any]:
+    def new_batcher(self) -> Any:
         from rlasync.algorithms.distill.batching import FixedCountBatcher, TokenBudgetBatcher
 
         budget = self.settings.token_budget
         if budget > 0:
-            batcher: Any = TokenBudgetBatcher(self.world_size, budget)
-        else:
-            batcher = FixedCountBatcher(self.world_size, self.settings.per_device_train_batch_size * self.world_size)
-        batches = batcher.plan(list(samples))
-        if not batches:
-            raise ValueError(
-                f"the step's {len(samples)} distillation samples cannot fill one row per rank ({self.world_size}) "
-                f"within token_budget={budget}: raise token_budget or lower max_completion_length"
-            )
-        return batches
+            return TokenBudgetBatcher(self.world_size, budget)
+        return FixedCountBatcher(self.world_size, self.settings.per_device_train_batch_size * self.world_size)
 
-    def rows(self, batches: Sequence[Any], device: torch.device, pad_id: int) -> StepRows:
-        """Plain padding-free rows (Σ L² balanced, docs/algorithms.md §9.5), one per rank and micro-batch."""
+    def new_row(self) -> Any:
+        from rlasync.algorithms.distill.batching import DistillRow
+
+        return DistillRow()
+
+    def unfilled_message(self, num_samples: int) -> str:
+        return (
+            f"the step's {num_samples} distillation samples cannot fill one row per rank ({self.world_size}) "
+            f"within token_budget={self.settings.token_budget}: raise token_budget or lower max_completion_length"
+        )
+
+    def rows(self, rows: Sequence[Any], device: torch.device, pad_id: int) -> StepRows:
+        """Plain padding-free rows (Σ L² balanced, docs/algorithms.md §9.5), this rank's of every micro-batch; each
+        micro-batch's completion tokens over all ranks (the normaliser) and its teacher width (the candidates'
+        padding) all-reduced."""
+        from rlasync.algorithms.distill.batching import collate_rows
         from rlasync.algorithms.distill.learner_step import distill_row_tensors
         from rlasync.model.tree_mask import resolve_backend
 
         varlen = resolve_backend(self.settings.kernels.tree_attention, device) == "varlen"  # planned on the host
         teacher_ids = self.teacher_ids if len(self.teacher_ids) > 1 else None
+        n_tokens, widths = self.reduce_step_totals(
+            [float(row.num_trained_tokens) for row in rows],
+            [float(max(sample.width for sample in row.samples)) for row in rows],
+        )
         out = StepRows(rows=[], forwarded_tokens=0, trained_tokens=0)
-        for batch in batches:
-            row = distill_row_tensors(batch.collate(pad_id, teacher_ids), self.rank, device, segments=varlen)
-            out.rows.append(row)
-            out.forwarded_tokens += row.num_tokens
-            out.trained_tokens += row.num_trained_tokens
-            if self.rank == 0:
-                out.planner_items += list(batch.metrics().items())  # planner metrics already cover every rank's rows
+        for row, total, width in zip(rows, n_tokens, widths, strict=True):
+            batch = collate_rows([row], pad_id, teacher_ids, width=int(width))
+            batch["global_n_tokens"] = np.full(1, int(total), dtype=np.int64)
+            tensors = distill_row_tensors(batch, 0, device, segments=varlen)
+            out.rows.append(tensors)
+            out.forwarded_tokens += tensors.num_tokens
+            out.trained_tokens += tensors.num_trained_tokens
         return out
 
     def step(self, rows: StepRows) -> dict[str, MetricValue]:

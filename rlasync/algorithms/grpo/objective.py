@@ -42,33 +42,31 @@ class GrpoObjective(Objective):
             autocast_dtype=parts.autocast_dtype,
             row_bucket=settings.row_bucket,
         )
+        if parts.all_reduce is not None:
+            self.all_reduce = parts.all_reduce
 
-    def plan(self, samples: Sequence[Any]) -> list[Any]:
+    def new_batcher(self) -> Any:
         from rlasync.packing import FixedCountBatcher, TokenBudgetBatcher
 
         share = self.share_prefixes
         if self.settings.token_budget > 0:
-            batcher: Any = TokenBudgetBatcher(self.world_size, self.settings.token_budget, share_prefixes=share)
-        else:
-            batcher = FixedCountBatcher(
-                self.world_size, self.settings.per_device_train_batch_size, share_prefixes=share
-            )
-        batches = batcher.plan(list(samples))
-        if not batches:
-            raise ValueError(f"the step's {len(samples)} samples cannot fill one row per rank ({self.world_size})")
-        return batches
+            return TokenBudgetBatcher(self.world_size, self.settings.token_budget, share_prefixes=share)
+        return FixedCountBatcher(self.world_size, self.settings.per_device_train_batch_size, share_prefixes=share)
 
-    def rows(self, batches: Sequence[Any], device: torch.device, pad_id: int) -> StepRows:
-        out = StepRows(rows=[], forwarded_tokens=0, trained_tokens=0, global_terms=[])
-        for batch in batches:
-            packed = batch.pack()
-            mine = packed[self.rank]
-            out.rows.append(mine)
-            out.global_terms.append(float(sum(len(row.target_ids) for row in packed)))  # type: ignore[union-attr]
+    def new_row(self) -> Any:
+        from rlasync.packing import TreeRow
+
+        return TreeRow(self.share_prefixes)
+
+    def rows(self, rows: Sequence[Any], device: torch.device, pad_id: int) -> StepRows:
+        """This rank's rows packed; each micro-batch's loss terms over all ranks (the normaliser) all-reduced."""
+        from rlasync.packing.layout import pack
+
+        out = StepRows(rows=[pack(row) for row in rows], forwarded_tokens=0, trained_tokens=0)
+        for mine in out.rows:
             out.forwarded_tokens += len(mine.input_ids)
             out.trained_tokens += len(mine.target_ids)
-            if self.rank == 0:
-                out.planner_items += list(batch.metrics().items())  # planner metrics already cover every rank's rows
+        out.global_terms, _ = self.reduce_step_totals([float(len(mine.target_ids)) for mine in out.rows])
         return out
 
     def step(self, rows: StepRows) -> dict[str, MetricValue]:

@@ -39,7 +39,13 @@ PLANNER_KEYS = [
     "batch/row_tokens_max",
     "batch/row_imbalance",
 ]
-STEP_KEYS = ["batch/forwarded_tokens_per_step", "batch/microbatches_per_step", "batch/trained_tokens_per_step"]
+STEP_KEYS = [
+    "batch/forwarded_tokens_per_step",
+    "batch/microbatches_per_step",
+    "batch/sample_tokens_per_rank_max",
+    "batch/samples_per_rank_max",
+    "batch/trained_tokens_per_step",
+]
 PERF_KEYS = [
     "perf/compile_s",
     "perf/fetch_samples_s",
@@ -198,6 +204,8 @@ def check_step(learner, samples, expected_keys, unit_key, num_units):
     assert math.isnan(metrics["perf/compile_s"])  # the default on the CPU: eager layers, nothing compiled (not logged)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert metrics["batch/trained_tokens_per_step"] == sum(int(s.completion_mask.sum()) for s in samples)
+    assert metrics["batch/samples_per_rank_max"] == len(samples)  # one rank: it is sent the whole step
+    assert metrics["batch/sample_tokens_per_rank_max"] == sum(len(s) for s in samples)
     again = dict(learner.train_step(samples))
     assert again[unit_key] == 0  # the same groups / prompts again: none is new
     return metrics
