@@ -1,4 +1,5 @@
-"""The fault suite reuses the integration fixtures (one Ray local cluster per session, the tiny random Llama)."""
+"""The fault suite reuses the integration fixtures (one Ray local cluster per session, the tiny random Llama, the
+by-value pickling of a test module)."""
 
 import importlib.util
 from pathlib import Path
@@ -11,3 +12,4 @@ _spec.loader.exec_module(_integration)
 
 ray_cluster = _integration.ray_cluster
 tiny_model_dir = _integration.tiny_model_dir
+pickle_by_value = _integration.pickle_by_value

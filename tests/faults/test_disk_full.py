@@ -3,11 +3,10 @@ stops naming the folder, the space and the newest intact checkpoint, which is ke
 
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.usefixtures("pickle_by_value")]
 
 
 @pytest.fixture
@@ -40,19 +39,16 @@ class FillAfterFirstSave:
 def test_a_save_on_a_full_disk_names_the_folder_and_keeps_the_previous_checkpoint(
     ray_cluster, tiny_model_dir, small_disk
 ):
-    import ray.cloudpickle
-
     from rlasync import AsyncGRPOTrainer
     from rlasync.driver.checkpoint import CheckpointSaveError
-    from tests.faults import test_faults
-    from tests.faults.test_faults import dataset, digit_reward, make_config
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.cloudpickle.register_pickle_by_value(test_faults)
+    from tests.faults.test_faults import NUM_ROWS, make_config
+    from tests.integration.tiny_runs import arithmetic_rows, digit_reward
 
     output_dir = small_disk / "run"
     args = make_config(output_dir, max_steps=4, save_steps=1)
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=args, train_dataset=dataset())
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=args, train_dataset=arithmetic_rows(NUM_ROWS)
+    )
     trainer.callbacks.append(FillAfterFirstSave(small_disk))
     with pytest.raises(CheckpointSaveError) as info:
         trainer.train()

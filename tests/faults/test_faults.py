@@ -14,62 +14,25 @@ restarts of rollout and reward actors are reported (faults/*_restarts)
 import json
 import os
 import signal
-import sys
 import time
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults]
+from tests.integration.tiny_runs import (
+    arithmetic_rows,
+    assert_exactly_once,
+    digit_reward,
+    tiny_distill_config,
+    tiny_grpo_config,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.usefixtures("pickle_by_value")]
 
 NUM_ROWS = 24
 
 
-def digit_reward(completions, **kwargs):
-    out = []
-    for completion in completions:
-        words = completion[-1]["content"].split()
-        out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
 def make_config(tmp_path, **changes):
-    from rlasync.config import AsyncGRPOConfig
-
-    fields = dict(
-        output_dir=str(tmp_path),
-        max_steps=-1,
-        num_train_epochs=1.0,
-        num_generations=4,
-        max_completion_length=8,
-        token_budget=96,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        temperature=1.0,
-        top_k=16,
-        seed=0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
-    )
-    fields.update(changes)
-    return AsyncGRPOConfig(**fields)
-
-
-def dataset(n=NUM_ROWS):
-    from rlasync.data import arithmetic_dataset
-
-    return arithmetic_dataset(n, seed=0)
+    return tiny_grpo_config(tmp_path, **{"max_steps": -1, "num_train_epochs": 1.0, "token_budget": 96, **changes})
 
 
 def actor_table(actor_ids):
@@ -105,20 +68,15 @@ def alive(actor_ids):
     return [row["ActorID"] for row in actor_table(actor_ids) if row["State"] != "DEAD"]
 
 
-def assert_exactly_once(queue):
-    outcomes = {k: v for k, v in queue["outcomes"].items() if k != "stale"}  # stale groups are leased again
-    assert queue["done"] and queue["consumed_groups"] == NUM_ROWS and queue["first_untrained_index"] == NUM_ROWS
-    assert sum(outcomes.values()) == NUM_ROWS and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
-    assert queue["queue_size"] == 0 and queue["inflight_groups"] == 0 and queue["leased_groups"] == 0
-
-
 def grpo_trainer(tiny_model_dir, tmp_path, class_name, step, sig=signal.SIGKILL, cluster=None, **changes):
     from rlasync import AsyncGRPOTrainer
 
     args = make_config(tmp_path, **changes)
     for key, value in (cluster or {}).items():
         setattr(args.cluster, key, value)
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=args, train_dataset=dataset())
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=args, train_dataset=arithmetic_rows(NUM_ROWS)
+    )
     kill = KillAt(trainer.actor_ids, class_name, step, sig)
     trainer.callbacks.append(kill)
     return trainer, kill
@@ -133,7 +91,7 @@ def test_a_killed_rollout_or_reward_actor_is_restarted_and_the_epoch_is_consumed
     trainer, kill = grpo_trainer(tiny_model_dir, tmp_path, class_name, step=2, cluster=cluster)
     state = trainer.train()
     assert kill.pid is not None, "the run ended before the kill"
-    assert_exactly_once(state["queue"])
+    assert_exactly_once(state["queue"], NUM_ROWS)
     restarted = [row for row in actor_table(trainer.actor_ids) if row["ActorClassName"] == class_name]
     assert restarted and restarted[0]["NumRestarts"] >= 1
     metric = {"RolloutActor": "faults/rollout_restarts", "RewardActor": "faults/reward_restarts"}[class_name]
@@ -153,7 +111,7 @@ def test_a_killed_generation_actor_is_restarted_synced_and_the_epoch_is_consumed
     )
     state = trainer.train()
     assert kill.pid is not None, "the run ended before the kill"
-    assert_exactly_once(state["queue"])
+    assert_exactly_once(state["queue"], NUM_ROWS)
     restarted = [row for row in actor_table(trainer.actor_ids) if row["ActorClassName"] == "GenerationActor"]
     assert len(restarted) == engines and max(row["NumRestarts"] for row in restarted) >= 1
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -197,7 +155,7 @@ def test_a_killed_learner_queue_or_engine_stops_the_run_naming_it_and_resume_con
         model=tiny_model_dir,
         reward_funcs=digit_reward,
         args=make_config(tmp_path, max_steps=4),
-        train_dataset=dataset(),
+        train_dataset=arithmetic_rows(NUM_ROWS),
     )
     state = resumed.train(resume_from_checkpoint=True)
     assert state["global_step"] == 4
@@ -241,27 +199,13 @@ def test_a_frozen_generation_actor_is_named_within_the_hang_bound_with_when_it_l
 
 def test_a_killed_teacher_is_restarted_and_the_distillation_run_finishes(ray_cluster, tiny_model_dir, tmp_path):
     """A TeacherScorer is stateless: Ray restarts it and retries the scoring calls, and the run reaches max_steps."""
-    from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
+    from rlasync import AsyncDistillationTrainer
 
-    args = AsyncDistillationConfig(
-        output_dir=str(tmp_path),
-        max_steps=4,
-        max_completion_length=8,
-        token_budget=192,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        teacher_top_k=4,
-        seed=0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
-    )
     trainer = AsyncDistillationTrainer(
-        model=tiny_model_dir, args=args, train_dataset=dataset(64), teacher_model=tiny_model_dir
+        model=tiny_model_dir,
+        args=tiny_distill_config(tmp_path, max_steps=4),
+        train_dataset=arithmetic_rows(64),
+        teacher_model=tiny_model_dir,
     )
     kill = KillAt(trainer.actor_ids, "TeacherScorer", step=2)
     trainer.callbacks.append(kill)

@@ -1,4 +1,5 @@
-"""Integration fixtures: one Ray local cluster for the session, a tiny random Llama with a tiny tokenizer."""
+"""Integration fixtures: one Ray local cluster for the session, a tiny random Llama with a tiny tokenizer, and the
+by-value pickling of a test module for the actors (the tiny runs' shared pieces are in tiny_runs.py)."""
 
 import json
 import os
@@ -19,6 +20,15 @@ def ray_cluster():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pickle_by_value(ray_cluster, request):
+    """Ship the requesting test module's functions and classes, and tiny_runs.py's, to the actors by value; a module
+    asks for it with `pytestmark = [..., pytest.mark.usefixtures("pickle_by_value")]`."""
+    from tests.integration.tiny_runs import pickle_by_value
+
+    pickle_by_value(request.module)
 
 
 @pytest.fixture(scope="session")

@@ -2,57 +2,32 @@
 checked up front is dropped, counted as "filtered" and the epoch still consumes every row exactly once; with
 `strict_dataset=True` the run stops with an error naming the row."""
 
-import sys
-
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.tiny_runs import digit_reward, tiny_grpo_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
 BAD_ROW = 5
 
 
-def digit_reward(completions, **kwargs):
-    out = []
-    for completion in completions:
-        words = completion[-1]["content"].split()
-        out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_rewards_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
 def trainer_with_a_bad_row(tiny_model_dir, tmp_path, monkeypatch, **changes):
     from rlasync import AsyncGRPOTrainer
-    from rlasync.config import AsyncGRPOConfig
     from rlasync.data import arithmetic_dataset
 
     # as if the bad row lay past the NUM_ROWS_CHECKED rows validated up front
     monkeypatch.setattr("rlasync.trainers.grpo.validate_prompt_dataset", lambda dataset: None)
     rows = arithmetic_dataset(8, seed=0).to_list()
     rows[BAD_ROW] = {**rows[BAD_ROW], "prompt": "What is 1 + 1?"}  # a plain string: not conversational
-    config = AsyncGRPOConfig(
-        output_dir=str(tmp_path),
+    config = tiny_grpo_config(
+        tmp_path,
         max_steps=-1,
         num_train_epochs=1.0,
         num_generations=2,
         max_completion_length=6,
-        token_budget=192,
-        learning_rate=1e-2,
-        save_steps=100,
-        gradient_checkpointing=False,
-        top_k=16,
+        max_staleness=4,  # AsyncGRPOConfig's default, not the tiny runs' 2
         num_sampler_logprobs=4,
-        seed=0,
         rollout_worker_timeout=60.0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
         **changes,
     )
     return AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=rows)

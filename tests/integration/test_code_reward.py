@@ -7,18 +7,20 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.integration.tiny_runs import tiny_grpo_config
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
         shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
     ),
+    pytest.mark.usefixtures("pickle_by_value"),
 ]
 
 
@@ -34,16 +36,8 @@ def reference_or_wrong(completions, solution, tests, pid_dir, **kwargs):
     return code_reward(programs, tests=tests)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_rewards_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
 def test_code_reward_runs_in_the_reward_actor(ray_cluster, tiny_model_dir, tmp_path):
     from rlasync import AsyncGRPOTrainer
-    from rlasync.config import AsyncGRPOConfig
     from rlasync.data import code_dataset
     from rlasync.rewards.code import Sandbox
     from rlasync.rewards.code import sandbox as sandbox_module
@@ -51,23 +45,15 @@ def test_code_reward_runs_in_the_reward_actor(ray_cluster, tiny_model_dir, tmp_p
     pids = tmp_path / "pids"
     pids.mkdir()
     sandbox_dirs_before = set(Path(tempfile.gettempdir()).glob("rlasync-sandbox-*"))
-    config = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "run"),
+    config = tiny_grpo_config(
+        tmp_path / "run",
         max_steps=2,
-        num_generations=4,
-        max_completion_length=8,
         token_budget=512,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        seed=0,
+        top_k=0,  # AsyncGRPOConfig's default (no top-k), not the tiny runs' 16
         reward_timeout_s=120.0,
         cluster={
             "num_reward_actors": 1,
             "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 4096, "max_model_len": 256},
-            "collective_timeout_s": 60.0,
         },
     )
     rows = code_dataset(32, seed=0).add_column("pid_dir", [str(pids)] * 32)

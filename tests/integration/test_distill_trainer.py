@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 
+from tests.integration.tiny_runs import tiny_distill_config
+
 pytestmark = pytest.mark.integration
 
 K = 4
@@ -85,26 +87,10 @@ STEPS = 12
 
 
 def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
-    from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
+    from rlasync import AsyncDistillationTrainer
     from rlasync.data import arithmetic_dataset
 
-    args = AsyncDistillationConfig(
-        output_dir=str(tmp_path),
-        max_steps=STEPS,
-        max_completion_length=8,
-        token_budget=192,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        teacher_top_k=K,
-        seed=0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
-    )
+    args = tiny_distill_config(tmp_path, max_steps=STEPS, teacher_top_k=K)
     dataset = arithmetic_dataset(64, seed=0)
     trainer = AsyncDistillationTrainer(
         model=tiny_model_dir, args=args, train_dataset=dataset, teacher_model=teacher_dir
@@ -147,29 +133,21 @@ def test_distillation_run_lowers_the_jsd_to_the_teacher(ray_cluster, tiny_model_
 def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
     """MOPD through the actors: rows name their teacher (`teacher_id`), both TeacherScorers score, the learner logs
     per-teacher metrics; then the run resumes from its checkpoint at its step and policy version."""
-    from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
+    from rlasync import AsyncDistillationTrainer
     from rlasync.data import arithmetic_dataset
 
     rows = arithmetic_dataset(32, seed=1)
     dataset = [{**rows[i], "teacher_id": "sharp" if i % 2 else "student_like"} for i in range(len(rows))]
 
-    def config(max_steps):
-        return AsyncDistillationConfig(
-            output_dir=str(tmp_path),
+    def config(max_steps):  # the tiny run's cluster: its default CPU requests fit student + 2 teachers on 2 CPUs
+        return tiny_distill_config(
+            tmp_path,
             max_steps=max_steps,
             max_completion_length=6,
             token_budget=160,
-            learning_rate=1e-2,
-            logging_steps=1,
             save_steps=2,
             max_staleness=1,
-            gradient_checkpointing=False,
             teacher_top_k=K,
-            seed=0,
-            cluster={
-                "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-                "collective_timeout_s": 60.0,
-            },  # the default CPU requests: student + 2 teachers fit 2 CPUs
         )
 
     teachers = {"student_like": tiny_model_dir, "sharp": teacher_dir}
@@ -200,26 +178,10 @@ def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_
 def test_distillation_with_max_staleness_zero_runs_synchronously(ray_cluster, tiny_model_dir, teacher_dir, tmp_path):
     """max_staleness=0 (docs/algorithms.md §2.3.4) for distillation: each version generates its step's samples, the
     run finishes and nothing is dropped as stale."""
-    from rlasync import AsyncDistillationConfig, AsyncDistillationTrainer
+    from rlasync import AsyncDistillationTrainer
     from rlasync.data import arithmetic_dataset
 
-    args = AsyncDistillationConfig(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        max_completion_length=8,
-        token_budget=192,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=0,
-        gradient_checkpointing=False,
-        teacher_top_k=K,
-        seed=0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
-    )
+    args = tiny_distill_config(tmp_path, max_steps=3, max_staleness=0, teacher_top_k=K)
     trainer = AsyncDistillationTrainer(
         model=tiny_model_dir, args=args, train_dataset=arithmetic_dataset(64, seed=0), teacher_model=teacher_dir
     )

@@ -3,26 +3,14 @@ gets a second of each mid-run (`trainer.resize` from a callback), loses them aga
 every prompt consumed exactly once; the added engine served requests holding the current policy version."""
 
 import json
-import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.tiny_runs import assert_exactly_once, digit_reward, tiny_grpo_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
 NUM_ROWS = 16
-
-
-def digit_reward(completions, **kwargs):
-    return [
-        sum(w.isdigit() for w in c[-1]["content"].split()) / max(len(c[-1]["content"].split()), 1) for c in completions
-    ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class Resize:
@@ -41,27 +29,15 @@ class Resize:
 def test_engines_and_rollout_actors_join_and_leave_and_every_prompt_is_consumed_once(
     ray_cluster, tiny_model_dir, tmp_path
 ):
-    from rlasync import AsyncGRPOConfig, AsyncGRPOTrainer
+    from rlasync import AsyncGRPOTrainer
     from rlasync.data import arithmetic_dataset
 
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path),
+    args = tiny_grpo_config(
+        tmp_path,
         max_steps=-1,
         num_train_epochs=1.0,
-        num_generations=4,
-        max_completion_length=8,
         token_budget=64,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        temperature=1.0,
-        top_k=16,
-        seed=0,
         cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
             "generation_num_cpus": 0.3,
             "max_generation_actors": 2,
             "max_rollout_actors": 2,
@@ -75,11 +51,7 @@ def test_engines_and_rollout_actors_join_and_leave_and_every_prompt_is_consumed_
         trainer.resize(generation=2)
     state = trainer.train()
 
-    queue = state["queue"]
-    outcomes = {k: v for k, v in queue["outcomes"].items() if k != "stale"}  # stale groups are leased again
-    assert queue["done"] and queue["consumed_groups"] == NUM_ROWS and queue["first_untrained_index"] == NUM_ROWS
-    assert sum(outcomes.values()) == NUM_ROWS and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
-    assert queue["queue_size"] == 0 and queue["inflight_groups"] == 0 and queue["leased_groups"] == 0
+    assert_exactly_once(state["queue"], NUM_ROWS)
 
     events = {event["action"]: event for event in trainer.run_state["elastic_events"]}
     assert list(events) == ["add_engine", "add_rollout", "remove_rollout", "remove_engine"]

@@ -4,26 +4,12 @@ on_evaluate with transformers' names, its steps are not slower by more than an e
 and trainer.evaluate() works after train(). The same run prints one log_completions table per logging step."""
 
 import json
-import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.tiny_runs import digit_reward, tiny_grpo_config
 
-
-def digit_reward(completions, **kwargs):
-    out = []
-    for completion in completions:
-        words = completion[-1]["content"].split()
-        out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_rewards_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
 
 class Evaluated:
@@ -36,30 +22,19 @@ class Evaluated:
 
 def test_evaluation_during_training_and_after(ray_cluster, tiny_model_dir, tmp_path, capsys):
     from rlasync import AsyncGRPOTrainer
-    from rlasync.config import AsyncGRPOConfig
     from rlasync.data import arithmetic_dataset
 
-    config = AsyncGRPOConfig(
-        output_dir=str(tmp_path),
+    config = tiny_grpo_config(
+        tmp_path,
         max_steps=4,
-        num_generations=4,
         num_generations_eval=2,
         eval_strategy="steps",
         eval_steps=2,
-        max_completion_length=8,
-        token_budget=192,
-        logging_steps=1,
-        save_steps=100,
-        gradient_checkpointing=False,
-        top_k=16,
-        seed=0,
+        learning_rate=1e-6,  # AsyncGRPOConfig's default, not the tiny runs' 1e-2
+        max_staleness=4,  # AsyncGRPOConfig's default, not the tiny runs' 2
         log_completions=True,  # and one completions table per logging step, from the rollout actors' samples
         num_completions_to_print=2,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-            "num_reward_actors": 1,
-        },
+        cluster={"num_reward_actors": 1},
     )
     seen = Evaluated()
     trainer = AsyncGRPOTrainer(

@@ -3,27 +3,13 @@ trains the adapters, syncs them to the built-in engine, writes adapter checkpoin
 one; two FSDP2 ranks (gloo) train and save a LoRA adapter."""
 
 import json
-import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.tiny_runs import digit_reward, tiny_grpo_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 pytest.importorskip("peft")
-
-
-def digit_reward(completions, **kwargs):
-    out = []
-    for completion in completions:
-        words = completion[-1]["content"].split()
-        out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_rewards_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def lora():
@@ -33,30 +19,7 @@ def lora():
 
 
 def make_config(tmp_path, **changes):
-    from rlasync.config import AsyncGRPOConfig
-
-    fields = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        num_generations=4,
-        max_completion_length=8,
-        token_budget=192,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=2,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        temperature=1.0,
-        top_k=16,
-        num_sampler_logprobs=4,
-        seed=0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
-    )
-    fields.update(changes)
-    return AsyncGRPOConfig(**fields)
+    return tiny_grpo_config(tmp_path, **{"max_steps": 2, "save_steps": 2, "num_sampler_logprobs": 4, **changes})
 
 
 def test_lora_run_trains_adapters_syncs_them_and_resumes(ray_cluster, tiny_model_dir, tmp_path):

@@ -3,19 +3,11 @@ with LoRA r=32 on every linear layer of the decoder and adapter syncs to the bui
 the run, and the final checkpoint is an adapter that peft loads on the base model."""
 
 import json
-import sys
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("pickle_by_value")]
 pytest.importorskip("peft")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_smollm2_lora_quickstart_reward_rises(ray_cluster, tmp_path):

@@ -40,6 +40,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.integration.tiny_runs import assert_exactly_once, digit_reward, pickle_by_value, tiny_grpo_config
+
 pytestmark = [pytest.mark.integration, pytest.mark.standalone_cluster]
 
 NUM_ROWS = 16
@@ -54,12 +56,6 @@ FAST_NODE_DEATH = {  # a lost node is declared dead within ~2 s (Ray's default: 
     "health_check_failure_threshold": 3,
     "health_check_initial_delay_ms": 0,
 }
-
-
-def digit_reward(completions, **kwargs):
-    return [
-        sum(w.isdigit() for w in c[-1]["content"].split()) / max(len(c[-1]["content"].split()), 1) for c in completions
-    ]
 
 
 class Timeline:
@@ -180,10 +176,8 @@ class Nodes(Timeline):
 
 @pytest.fixture(scope="class")
 def nodes():
-    import ray.cloudpickle
-
     nodes = Nodes()
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    pickle_by_value(sys.modules[__name__])
     yield nodes
     nodes.close()
 
@@ -209,45 +203,21 @@ class StepLog:
         self.nodes.log(f"trained step {state.global_step}")
 
 
-def grpo(tiny_model_dir, tmp_path, rows=NUM_ROWS, **changes):
-    from rlasync import AsyncGRPOConfig, AsyncGRPOTrainer
+def grpo(tiny_model_dir, tmp_path, rows=NUM_ROWS, cluster=None, **changes):
+    from rlasync import AsyncGRPOTrainer
     from rlasync.data import arithmetic_dataset
 
-    fields = dict(
-        output_dir=str(tmp_path),
-        max_steps=-1,
-        num_train_epochs=1.0,
-        num_generations=4,
-        max_completion_length=8,
-        token_budget=64,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        temperature=1.0,
-        top_k=16,
-        seed=0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-            "resources": RESOURCES,
-        },
+    args = tiny_grpo_config(
+        tmp_path,
+        **{"max_steps": -1, "num_train_epochs": 1.0, "token_budget": 64, **changes},
+        cluster={"resources": RESOURCES, **(cluster or {})},
     )
-    fields.update(changes)
     return AsyncGRPOTrainer(
         model=tiny_model_dir,
         reward_funcs=digit_reward,
-        args=AsyncGRPOConfig(**fields),
+        args=args,
         train_dataset=arithmetic_dataset(rows, seed=0),
     )
-
-
-def assert_exactly_once(queue, rows=NUM_ROWS):
-    outcomes = {k: v for k, v in queue["outcomes"].items() if k != "stale"}  # stale groups are leased again
-    assert queue["done"] and queue["consumed_groups"] == rows and queue["first_untrained_index"] == rows
-    assert sum(outcomes.values()) == rows and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
-    assert queue["queue_size"] == 0 and queue["inflight_groups"] == 0 and queue["leased_groups"] == 0
 
 
 class TestNodeLoss:
@@ -279,7 +249,7 @@ class TestNodeLoss:
             "RolloutActor": ["generation-1"],
             "QueueActor": ["head"],
         }
-        assert_exactly_once(state["queue"])
+        assert_exactly_once(state["queue"], NUM_ROWS)
         assert state["global_step"] > 2
         records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         queued = next(r for r in records if r["step"] == 2)["rollout/queue_size"]

@@ -9,6 +9,8 @@ import threading
 import pytest
 from aiohttp import web
 
+from tests.integration.tiny_runs import tiny_grpo_config
+
 pytestmark = pytest.mark.integration
 
 
@@ -61,27 +63,7 @@ def server(request):
 
 
 def make_config(tmp_path):
-    from rlasync.config import AsyncGRPOConfig
-
-    config = AsyncGRPOConfig(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        num_generations=4,
-        max_completion_length=8,
-        token_budget=192,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        temperature=1.0,
-        top_k=16,
-        seed=0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
-    )
+    config = tiny_grpo_config(tmp_path, max_steps=2)
     config.cluster.num_reward_actors = 1  # the RewardActor pool holds the RemoteReward
     return config
 

@@ -7,13 +7,13 @@ into one batch. The two functions are weighted (`reward_weights`, TRL's field): 
 weighted sum of the two columns' means (both score every completion), the columns themselves unweighted."""
 
 import json
-import sys
 
 import pytest
 
+from tests.integration.tiny_runs import tiny_grpo_config
 from tests.unit.rewards.test_reward_model import save_tiny_reward_model
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
 _LOADED = {}
 
@@ -38,40 +38,17 @@ def direct_rm(prompts, completions, rm_dir, **kwargs):
     return rewards
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_rewards_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
 def test_a_reward_model_folder_trains_and_scores_as_a_direct_call(ray_cluster, tiny_model_dir, tmp_path):
     from rlasync import AsyncGRPOTrainer
-    from rlasync.config import AsyncGRPOConfig
     from rlasync.data import arithmetic_dataset
 
     rm_dir = save_tiny_reward_model(tmp_path / "tiny_rm")
-    config = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "run"),
+    config = tiny_grpo_config(
+        tmp_path / "run",
         max_steps=2,
-        num_generations=4,
-        max_completion_length=8,
-        token_budget=192,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        temperature=1.0,
-        top_k=16,
-        seed=0,
         reward_timeout_s=120.0,
         reward_weights=[0.5, 2.0],
-        cluster={
-            "num_rollout_actors": 2,
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
+        cluster={"num_rollout_actors": 2},
     )
     rows = arithmetic_dataset(64, seed=0).add_column("rm_dir", [rm_dir] * 64)
     trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=[rm_dir, direct_rm], args=config, train_dataset=rows)

@@ -10,7 +10,6 @@ workers cannot import this test module).
 """
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 
@@ -26,8 +25,9 @@ from rlasync.config import AsyncGRPOConfig
 from rlasync.learner.step import apply_update, step_metrics
 from rlasync.model import packed_row_to_tensors, packed_token_scores
 from rlasync.trainers import AsyncGRPOTrainer
+from tests.integration.tiny_runs import digit_reward, tiny_grpo_fields
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
 NUM_GENERATIONS = 4
 
@@ -138,23 +138,7 @@ class ReinforceTrainer(AsyncGRPOTrainer):
     loop_cls = LeaveOneOutLoop
 
 
-def digit_reward(completions, **kwargs):
-    """Share of digit words in the reply: varies within a group of random completions (a learning signal)."""
-    out = []
-    for completion in completions:
-        words = completion[-1]["content"].split()
-        out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
-    return out
-
-
 # ---- the test ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_leave_one_out_is_the_mean_of_the_others():
@@ -167,24 +151,7 @@ def test_a_test_defined_algorithm_trains_three_steps_through_the_real_actors(ray
     registry.register(REINFORCE_LOO)  # the one registry call
     assert registry.get("reinforce_loo") is REINFORCE_LOO
     config = ReinforceConfig(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=8,
-        token_budget=192,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        temperature=1.0,
-        top_k=16,
-        seed=0,
-        cluster={
-            "num_reward_actors": 1,
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
+        **tiny_grpo_fields(tmp_path, max_steps=3, num_generations=NUM_GENERATIONS, cluster={"num_reward_actors": 1})
     )
     assert registry.for_config(config) is REINFORCE_LOO
     trainer = ReinforceTrainer(

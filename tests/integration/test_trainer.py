@@ -2,12 +2,13 @@
 checkpoint + resume, errors surfaced from train(), and every actor gone afterwards."""
 
 import json
-import sys
 import time
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.tiny_runs import arithmetic_rows, digit_reward, tiny_grpo_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
 ACCEPTANCE_KEYS = (
     "reward",
@@ -37,15 +38,6 @@ FILL_FLOOR = 0.75
 model's prompt of ~30 tokens + 8, against a budget of 192)."""
 
 
-def digit_reward(completions, **kwargs):
-    """Share of digit words in the reply: varies within a group of random completions (a learning signal)."""
-    out = []
-    for completion in completions:
-        words = completion[-1]["content"].split()
-        out.append(sum(w.isdigit() for w in words) / max(len(words), 1))
-    return out
-
-
 def raising_reward(completions, **kwargs):
     raise ZeroDivisionError("boom in the reward")
 
@@ -54,44 +46,8 @@ def short_reward(completions, **kwargs):
     return [0.0]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_rewards_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
 def make_config(tmp_path, **changes):
-    from rlasync.config import AsyncGRPOConfig
-
-    fields = dict(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        num_generations=4,
-        max_completion_length=8,
-        token_budget=192,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_steps=100,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        temperature=1.0,
-        top_k=16,
-        num_sampler_logprobs=4,
-        seed=0,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
-    )
-    fields.update(changes)
-    return AsyncGRPOConfig(**fields)
-
-
-def dataset(n=64):
-    from rlasync.data import arithmetic_dataset
-
-    return arithmetic_dataset(n, seed=0)
+    return tiny_grpo_config(tmp_path, **{"max_steps": 3, "num_sampler_logprobs": 4, **changes})
 
 
 def alive(ray, actor_ids):
@@ -109,7 +65,7 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
         model=tiny_model_dir,
         reward_funcs=digit_reward,
         args=make_config(tmp_path, save_steps=2, gradient_accumulation_steps=2),
-        train_dataset=dataset(),
+        train_dataset=arithmetic_rows(),
     )
     state = trainer.train()
     assert state["global_step"] == 3
@@ -158,7 +114,7 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
         model=tiny_model_dir,
         reward_funcs=digit_reward,
         args=make_config(tmp_path, max_steps=4, gradient_accumulation_steps=2),
-        train_dataset=dataset(),
+        train_dataset=arithmetic_rows(),
     )
     state = resumed.train(resume_from_checkpoint=str(ckpt))
     assert state["global_step"] == 4 and state["policy_version"] == 3 + 1 + 2
@@ -182,7 +138,7 @@ def test_reward_errors_surface_from_train_and_actors_are_removed(
     from rlasync import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=reward, args=make_config(tmp_path), train_dataset=dataset()
+        model=tiny_model_dir, reward_funcs=reward, args=make_config(tmp_path), train_dataset=arithmetic_rows()
     )
     with pytest.raises(RuntimeError, match="rollout actor 0 failed") as info:
         trainer.train()
@@ -197,7 +153,7 @@ def test_max_staleness_zero_trains_only_fresh_samples_and_counts_drops(ray_clust
         model=tiny_model_dir,
         reward_funcs=digit_reward,
         args=make_config(tmp_path, max_staleness=0),
-        train_dataset=dataset(),
+        train_dataset=arithmetic_rows(),
     )
     assert trainer.train()["global_step"] == 3
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -230,7 +186,7 @@ def test_max_staleness_zero_is_synchronous_a_slow_learner_wastes_nothing(ray_clu
         model=tiny_model_dir,
         reward_funcs=digit_reward,
         args=make_config(tmp_path, max_staleness=0, max_steps=3),
-        train_dataset=dataset(),
+        train_dataset=arithmetic_rows(),
         callbacks=[slow],
     )
     assert trainer.train()["global_step"] == 3
@@ -253,7 +209,7 @@ def test_one_epoch_consumes_every_prompt_exactly_once(ray_cluster, tiny_model_di
 
     from rlasync import AsyncGRPOTrainer
 
-    rows = dataset(12).to_list()
+    rows = arithmetic_rows(12).to_list()
     rows.append({**rows[0], "prompt": [{"role": "user", "content": " ".join(["1"] * 200)}]})
     config = make_config(tmp_path, max_steps=-1, num_train_epochs=1.0)
     trainer = AsyncGRPOTrainer(
@@ -279,7 +235,9 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
     config.cluster.num_rollout_actors = 2
     config.cluster.num_reward_actors = 1  # reward functions in a RewardActor, not in the rollout loops
     config.cluster.learner_num_cpus = 0.25
-    trainer = AsyncGRPOTrainer(model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=dataset())
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=arithmetic_rows()
+    )
     state = trainer.train()
     assert state["global_step"] == 2 and state["policy_version"] == 3
     assert len(trainer.actor_ids) == 1 + 2 + 1 + 1 + 2  # engine, learners, queue, reward actor, rollout actors
@@ -317,17 +275,13 @@ def test_weights_shared_by_handle_reach_the_engine(ray_cluster, tiny_model_dir, 
 
     from rlasync import AsyncGRPOTrainer
 
-    cluster = {
-        "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-        "collective_timeout_s": 60.0,
-        "weight_sync_backend": "ipc",
-    }
+    cluster = {"weight_sync_backend": "ipc"}  # merged into the tiny run's cluster
     before = set(Path("/dev/shm").glob("rlasync-weights-*")) if Path("/dev/shm").is_dir() else set()
     trainer = AsyncGRPOTrainer(
         model=tiny_model_dir,
         reward_funcs=digit_reward,
         args=make_config(tmp_path, max_staleness=0, max_steps=2, cluster=cluster),
-        train_dataset=dataset(),
+        train_dataset=arithmetic_rows(),
     )
     assert trainer.train()["global_step"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

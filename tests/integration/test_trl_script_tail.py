@@ -3,16 +3,16 @@ without top_k (`top_p=0.95`: the candidate sets are the nuclei, renormalised on 
 TRL's Trainer fires with a model that loads, and then the tail of TRL's own `trl/scripts/grpo.py` unchanged."""
 
 import json
-import sys
 import types
 
 import pytest
 from transformers import TrainerCallback, TrainerState
 
-from tests.integration.test_trainer import dataset, digit_reward, make_config
+from tests.integration.test_trainer import make_config
+from tests.integration.tiny_runs import arithmetic_rows, digit_reward
 from tests.unit.trainers.test_trl_script_tail import transformers_metrics_tail, trl_grpo_script_tail
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
 
 class Events(TrainerCallback):
@@ -32,20 +32,17 @@ class Events(TrainerCallback):
         return object.__getattribute__(self, name)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_rewards_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules["tests.integration.test_trainer"])
-
-
 def test_trl_script_tail_after_a_real_run_with_top_p_alone(ray_cluster, tiny_model_dir, tmp_path):
     from rlasync import AsyncGRPOTrainer
 
     events = Events()
     config = make_config(tmp_path, max_steps=2, top_k=0, top_p=0.95, push_to_hub=False, hub_model_id="me/tiny-grpo")
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=dataset(), callbacks=[events]
+        model=tiny_model_dir,
+        reward_funcs=digit_reward,
+        args=config,
+        train_dataset=arithmetic_rows(),
+        callbacks=[events],
     )
     assert trainer.processing_class.chat_template  # usable before train(): the model's tokenizer
     result = trainer.train()

@@ -2,47 +2,31 @@
 for zero spread, so no step ever trains; `train()` raises the zero-spread reason within the bound instead of
 spinning forever (docs/algorithms.md §2.1)."""
 
-import sys
 import time
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.tiny_runs import tiny_grpo_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
 
 def constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pickle_rewards_by_value(ray_cluster):
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
 def test_a_constant_reward_stops_the_run_with_the_zero_spread_reason(ray_cluster, tiny_model_dir, tmp_path):
     from rlasync import AsyncGRPOTrainer
-    from rlasync.config import AsyncGRPOConfig
     from rlasync.data import arithmetic_dataset
 
     bound_s = 15.0
-    config = AsyncGRPOConfig(
-        output_dir=str(tmp_path),
+    config = tiny_grpo_config(
+        tmp_path,
         max_steps=3,
-        num_generations=4,
-        max_completion_length=8,
-        token_budget=192,
-        max_staleness=2,
-        gradient_checkpointing=False,
-        top_k=16,
+        learning_rate=1e-6,  # AsyncGRPOConfig's default, not the tiny runs' 1e-2
+        save_steps=500,  # AsyncGRPOConfig's default, not the tiny runs' 100
         num_sampler_logprobs=4,
-        seed=0,
         watchdog_timeout_s=bound_s,
-        cluster={
-            "engine_kwargs": {"max_num_seqs": 16, "kv_cache_tokens": 2048, "max_model_len": 128},
-            "collective_timeout_s": 60.0,
-        },
     )
     trainer = AsyncGRPOTrainer(
         model=tiny_model_dir, reward_funcs=constant_reward, args=config, train_dataset=arithmetic_dataset(64, seed=0)
