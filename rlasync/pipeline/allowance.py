@@ -339,7 +339,10 @@ class TokenAllowance:
         if num_tokens < 0:
             raise ValueError(f"finish_group: a group cannot produce {num_tokens} tokens")
         if queued and not scored:
-            raise ValueError("finish_group: a queued group was scored (scored=False is for a group that failed)")
+            raise ValueError(
+                "finish_group: queued=True with scored=False; a queued group was scored "
+                "(scored=False is for a group that failed after generating: pass queued=False)"
+            )
         self._leave_flight(num_rollouts, "finish_group")
         self._completed_rollouts += num_rollouts
         self._completed_tokens += num_tokens
