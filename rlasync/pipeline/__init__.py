@@ -2,7 +2,8 @@
 
     PromptDispatcher  which prompt each new group generates; epochs; the resume position (dispatcher.py)
     StalenessQueue    FIFO of scored samples, token-targeted takes, stale samples dropped at take (staleness_queue.py)
-    TokenAllowance    generation held to S steps of tokens ahead of training, synchronous at S = 0 (allowance.py)
+    TokenAllowance    generation held to S steps of tokens ahead of training (in-flight work counted at the learned
+                      keep rate), synchronous at S = 0 (allowance.py)
     QueueService      the three wired together: what the Ray actor forwards to (service.py)
     RolloutState      rollout_state.json (resume.py)
 
@@ -11,6 +12,8 @@ Importing this package never loads torch or ray.
 
 from rlasync.pipeline.allowance import (
     BACKPRESSURE_METRIC,
+    KEEP_RATE_FLOOR,
+    KEEP_RATE_METRIC,
     AcquireResult,
     TokenAllowance,
     initial_tokens_per_step,
@@ -23,6 +26,8 @@ from rlasync.pipeline.staleness_queue import QueueEntry, StalenessQueue, TakeRes
 __all__ = [
     "BACKPRESSURE_METRIC",
     "DROP_REASONS",
+    "KEEP_RATE_FLOOR",
+    "KEEP_RATE_METRIC",
     "ROLLOUT_STATE_FILENAME",
     "AcquireResult",
     "DropReason",

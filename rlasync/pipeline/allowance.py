@@ -3,7 +3,54 @@
     allowance      = max_staleness × tokens_per_step                       (S >= 1)
     queued_tokens  = raw tokens of scored samples in the queue
     inflight_tokens = (#rollouts in flight) × mean raw tokens per completed rollout (running mean)
-    a new group may start  ⇔  queued_tokens + inflight_tokens < allowance
+    keep_rate      = estimated fraction of completed rollout tokens that entered the queue (below)
+    counted        = inflight_tokens × keep_rate + 2 standard deviations of that (below), at most inflight_tokens
+    a new group may start  ⇔  queued_tokens + counted < allowance
+
+The keep rate. A group dropped after scoring (zero reward spread, `finish_group(..., queued=False)`) generated
+tokens that never enter the queue; when the task is nearly solved most groups are. Counting the rollouts in flight
+at their full expected tokens holds the queue short of the allowance by (1 − k) × inflight_tokens (k the true keep
+rate), so the gate admits too little and the learner waits. The gate counts them at what they are expected to queue
+instead, as DAPO's dynamic sampling over-provisions its batches. The estimate is an exponentially weighted,
+token-weighted mean over scored groups (token-weighted because the gate counts tokens: in-flight tokens × k̂ is then
+the expected queued tokens even when dropped groups are shorter or longer than kept ones):
+
+    kept ← β·kept + (tokens the group queued);  done ← β·done + (tokens the group generated);  β = 1 − 1/128
+    keep_rate = max(1/16, kept / done),  1.0 before the first group is scored
+
+At the first scored group `kept` and `done` start as 16 groups of its size, all kept: a prior of 1.0 that weighs
+16 groups, so a cold start behaves as before and the first few drops do not swing it; the prior decays like any
+observation. The window, 128 groups: the estimate's relative standard error is about √((1 − k) / (k·255)), 13% at
+k = 0.2 (36% with 16 groups), and the rollouts in flight scale as 1 / k̂, so a noisy estimate over-admits
+(`bench/keep_rate_sim.py` at k = 0.2: 21–24% of the queued samples went stale with a 16-group window, 2–4% with
+128). 128 groups are a few steps (the SmolLM2 sums run trains ~18 groups a step: 1.66k trained tokens of ~11.5-token
+completions), so the estimate still follows a keep rate that falls over tens of steps as the task is solved. Only
+scored groups count: a failed, filtered, released or cancelled group left flight without saying anything about the
+keep rate.
+
+The margin. Each group in flight is kept or dropped whole, independently: n groups of g tokens queue
+g × Binomial(n, k), whose standard deviation is g·√(n·k·(1 − k)). Whenever generation outpaces training the gate runs
+at its threshold, so counting the mean alone lets about half the marginal admissions find more than the allowance
+ahead of them, and their samples go stale. Two standard deviations on top make that rare (the simulation: 2–4% of the
+queued samples dropped as stale at k = 0.2, as many as at k = 1, against 16–17% with the mean alone), and cost
+nothing when nothing is dropped (k = 1: the spread is 0, the gate is the one before the keep rate). The count never
+exceeds the in-flight tokens themselves: the gate admits at least what it admitted before.
+
+The floor (1/16) bounds the over-provisioning: counted ≥ inflight_tokens / 16, so the rollouts in flight never hold
+more than 16 × the allowance, which is also the most a sudden rise of the keep rate to 1 can overshoot (what
+overshoots goes stale and is dropped at take, below). Below a keep rate of 1/16 (fewer than one group in 16 kept;
+the watchdog stops a run after 64 zero-spread groups in a row) the gate holds generation back again and the learner
+may wait: the task is all but solved. The floor is a constant, not a setting: what it bounds is in units of the
+allowance, which `max_staleness` already sets.
+
+Staleness. A group admitted while queued + k̂ × inflight < allowance finds ahead of it, in expectation, queued +
+k × inflight tokens that reach the learner before its own samples (the queue is FIFO). With k̂ ≈ k that is below
+the allowance, S steps of tokens, so its samples are trained within S versions of its admission, as with k = 1: the
+expected queued tokens plus the in-flight tokens that will be queued stay below the allowance, not the allowance / k
+(the more rollouts in flight, the more of them are dropped). A keep rate under-estimated for a while (it rose faster
+than the window follows), or more groups kept than the margin covers, overshoots; samples that end up older than S
+versions are dropped at take time (§2.7), so the trained staleness never exceeds `max_staleness`: that bound is the
+queue's, the keep rate only moves how close to it the queue runs.
 
 `max_staleness=0` is synchronous (docs/algorithms.md §2.3.4): each policy version generates the samples of the steps
 it serves (`steps_per_version` = weight_sync_steps) and no more, so nothing is generated while the learner trains
@@ -16,6 +63,15 @@ version generated and would otherwise grow step after step), or in samples when 
 (`samples_per_step`). Once a version's budget is taken, a group starts only while the learner still waits for
 samples of its step, one at a time (its samples ran longer than planned): the gate cannot deadlock.
 
+The synchronous gate counts in-flight rollouts at full, not at the keep rate (the estimate is still kept and
+published). A version's budget is what its steps train, and nothing generated under it may outlive it: a group
+over-provisioned for the expected drops that is kept after all either grows the version's last step (it takes
+everything queued, so the step size drifts up, which the fixed step size prevents) or, in steps of samples, sits in
+the queue past the weight sync and is dropped as stale: generation spent for nothing. Dropped groups cost time, not
+samples: the version generates until its steps are full (dropped groups do not count against the budget), and the
+learner waiting for it is what the synchronous mode is (no generation overlaps training). So exactly-once and the
+no-deadlock argument above are unchanged.
+
 `tokens_per_step` is what the learner consumed in its last step (Σ raw sample lengths), published after every
 step; before the first step it is an assumption (`initial_tokens_per_step`: every row full of unique tokens, a
 group's prompt shared by its samples). Until the first
@@ -23,6 +79,7 @@ group completes there is no per-rollout estimate, so groups start one at a time 
 queued and nothing in flight a group can always start, so the gate cannot deadlock.
 
     try_acquire(G) ──► G rollouts in flight ──finish_group(G, tokens, queued)──► queued tokens ──consumed()──►
+                                   │     (queued or dropped after scoring: both feed the keep rate)
                                    └──────────cancel_group(G)──────────► gone (nothing generated is counted)
 
 Groups are counted, not named: the gate is admitted before a prompt is leased, so there is no group id yet
@@ -36,6 +93,7 @@ the actor serialises calls. Pure Python: no torch, no ray.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +101,15 @@ from dataclasses import dataclass
 from rlasync.pipeline._notify import Notifier
 
 BACKPRESSURE_METRIC = "rollout/backpressure_s"
+KEEP_RATE_METRIC = "rollout/keep_rate"
+KEEP_RATE_FLOOR = 1 / 16
+"""The keep rate's floor: in-flight rollouts never hold more than allowance / floor tokens (module docstring)."""
+KEEP_RATE_WINDOW = 128
+"""Groups the keep rate's exponentially weighted mean remembers (β = 1 − 1/window)."""
+KEEP_RATE_PRIOR_GROUPS = 16
+"""The prior keep rate 1.0 weighs as much as this many groups of the first completed group's size."""
+KEEP_RATE_MARGIN_SD = 2.0
+"""The in-flight tokens are counted at their expected queued tokens plus this many standard deviations."""
 
 
 def initial_tokens_per_step(
@@ -80,6 +147,9 @@ class TokenAllowance:
     tokens_per_step:   the initial assumption, replaced by `set_tokens_per_step` after each step
     clock:             seconds, for the waited time of `acquire`
     steps_per_version: optimizer steps between weight syncs (`weight_sync_steps`); read only when S = 0
+    keep_rate_floor:   the keep rate's floor, in (0, 1]; 1.0 counts in-flight rollouts at full (no keep rate)
+    keep_rate_window:  groups the keep rate remembers (module docstring)
+    keep_rate_margin_sd: standard deviations of the in-flight groups' kept tokens counted on top of their mean
     """
 
     def __init__(
@@ -90,11 +160,23 @@ class TokenAllowance:
         notifier: Notifier | None = None,
         steps_per_version: int = 1,
         samples_per_step: int | None = None,
+        keep_rate_floor: float = KEEP_RATE_FLOOR,
+        keep_rate_window: int = KEEP_RATE_WINDOW,
+        keep_rate_margin_sd: float = KEEP_RATE_MARGIN_SD,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
         if steps_per_version < 1:
             raise ValueError(f"steps_per_version={steps_per_version}: must be >= 1 (weight_sync_steps)")
+        if not 0 < keep_rate_floor <= 1:
+            raise ValueError(f"keep_rate_floor={keep_rate_floor}: must be in (0, 1] (1 counts in-flight work at full)")
+        if keep_rate_window < 1:
+            raise ValueError(f"keep_rate_window={keep_rate_window}: must be >= 1 (groups the keep rate remembers)")
+        self.keep_rate_floor = keep_rate_floor
+        self.keep_rate_window = keep_rate_window
+        if keep_rate_margin_sd < 0:
+            raise ValueError(f"keep_rate_margin_sd={keep_rate_margin_sd}: must be >= 0 (standard deviations)")
+        self.keep_rate_margin_sd = keep_rate_margin_sd
         self.max_staleness = max_staleness
         self.steps_per_version = steps_per_version
         self.samples_per_step = samples_per_step
@@ -111,6 +193,8 @@ class TokenAllowance:
         self._completed_rollouts = 0
         self._completed_tokens = 0
         self.completed_groups = 0
+        self._kept_weight = 0.0  # decayed tokens that scored groups queued (the keep rate's numerator)
+        self._scored_weight = 0.0  # decayed tokens that scored groups generated (its denominator)
 
     # ---- the gate ------------------------------------------------------------------------------------------
 
@@ -137,7 +221,7 @@ class TokenAllowance:
     def _sync_used(self) -> float:
         if self.samples_per_step is not None:
             return self.taken + self.queued_samples + self._inflight_rollouts
-        return self.taken + self.queued_tokens + self.inflight_tokens
+        return self.taken + self.queued_tokens + self.counted_inflight_tokens
 
     def _sync_open(self) -> bool:
         if self.taken >= self.allowance_tokens:
@@ -156,9 +240,34 @@ class TokenAllowance:
 
     @property
     def inflight_tokens(self) -> float:
-        """Estimated raw tokens of the rollouts in flight (0 before any estimate exists)."""
+        """Estimated raw tokens the rollouts in flight generate (0 before any estimate exists)."""
         mean = self.mean_tokens_per_rollout
         return 0.0 if mean is None else self._inflight_rollouts * mean
+
+    @property
+    def keep_rate_estimate(self) -> float:
+        """The exponentially weighted fraction of scored groups' tokens that entered the queue, unfloored; the prior
+        1.0 before the first group is scored (module docstring)."""
+        return 1.0 if self._scored_weight <= 0 else self._kept_weight / self._scored_weight
+
+    @property
+    def keep_rate(self) -> float:
+        """The keep rate the gate uses: the estimate, floored at `keep_rate_floor` (`rollout/keep_rate`)."""
+        return max(self.keep_rate_floor, min(1.0, self.keep_rate_estimate))
+
+    @property
+    def counted_inflight_tokens(self) -> float:
+        """The in-flight tokens as the gate counts them (S >= 1): what they are expected to queue, `keep_rate` of
+        them, plus `keep_rate_margin_sd` standard deviations of that (each group in flight is kept or dropped
+        whole, independently: n groups of g tokens queue g·Binomial(n, k)), never more than all of them; at full
+        when S = 0 (module docstring)."""
+        full = self.inflight_tokens
+        keep = self.keep_rate
+        if self.synchronous or keep >= 1.0 or self._inflight_groups == 0:
+            return full
+        group_tokens = full / self._inflight_groups
+        spread = group_tokens * math.sqrt(self._inflight_groups * keep * (1.0 - keep))
+        return min(full, full * keep + self.keep_rate_margin_sd * spread)
 
     @property
     def inflight_groups(self) -> int:
@@ -174,7 +283,7 @@ class TokenAllowance:
             return self._sync_open()
         if self.completed_groups == 0:
             return self._inflight_groups == 0
-        return self.queued_tokens + self.inflight_tokens < self.allowance_tokens
+        return self.queued_tokens + self.counted_inflight_tokens < self.allowance_tokens
 
     def start_group(self, num_rollouts: int) -> None:
         """Count a group of `num_rollouts` as in flight, without checking the gate (`try_acquire` checks)."""
@@ -214,19 +323,32 @@ class TokenAllowance:
     # ---- what moves tokens ---------------------------------------------------------------------------------
 
     def finish_group(
-        self, num_rollouts: int, num_tokens: int, queued: bool = True, num_samples: int | None = None
+        self,
+        num_rollouts: int,
+        num_tokens: int,
+        queued: bool = True,
+        num_samples: int | None = None,
+        scored: bool = True,
     ) -> None:
         """A group of `num_rollouts` completed with `num_tokens` raw tokens of samples in all.
 
         `queued=False` for a group dropped after scoring (zero std): its tokens update the per-rollout estimate
-        but never enter the queue.
+        and count as dropped in the keep rate, but never enter the queue. `scored=False` (with `queued=False`) for
+        a group that generated tokens and then failed: the per-rollout estimate only, not the keep rate.
         """
         if num_tokens < 0:
             raise ValueError(f"finish_group: a group cannot produce {num_tokens} tokens")
+        if queued and not scored:
+            raise ValueError(
+                "finish_group: queued=True with scored=False; a queued group was scored "
+                "(scored=False is for a group that failed after generating: pass queued=False)"
+            )
         self._leave_flight(num_rollouts, "finish_group")
         self._completed_rollouts += num_rollouts
         self._completed_tokens += num_tokens
         self.completed_groups += 1
+        if scored:
+            self._observe_keep(num_tokens if queued else 0, num_tokens)
         if queued:
             self.queued_tokens += num_tokens
             self.queued_samples += num_rollouts if num_samples is None else num_samples
@@ -259,6 +381,16 @@ class TokenAllowance:
         """Publish the raw tokens the learner consumed in its last step; the allowance follows."""
         self.tokens_per_step = _positive_tokens(tokens_per_step)
         self._notifier.notify()
+
+    def _observe_keep(self, kept_tokens: int, tokens: int) -> None:
+        """One scored group into the keep rate's weighted mean (module docstring)."""
+        if tokens <= 0:
+            return  # nothing generated: no weight either way
+        if self._scored_weight <= 0:  # the prior 1.0, worth KEEP_RATE_PRIOR_GROUPS groups of this size
+            self._kept_weight = self._scored_weight = float(tokens * KEEP_RATE_PRIOR_GROUPS)
+        decay = 1.0 - 1.0 / self.keep_rate_window
+        self._kept_weight = decay * self._kept_weight + kept_tokens
+        self._scored_weight = decay * self._scored_weight + tokens
 
     def _leave_flight(self, num_rollouts: int, action: str) -> None:
         if self._inflight_groups == 0 or not 1 <= num_rollouts <= self._inflight_rollouts:

@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 
 from rlasync.packing.step_plan import StepComposer, StepPlan
 from rlasync.pipeline._notify import Notifier
-from rlasync.pipeline.allowance import TokenAllowance
-from rlasync.pipeline.dispatcher import DROP_REASONS, DropReason, PromptDispatcher, PromptLease
+from rlasync.pipeline.allowance import KEEP_RATE_FLOOR, KEEP_RATE_METRIC, TokenAllowance
+from rlasync.pipeline.dispatcher import DROP_REASONS, DropReason, GroupOutcome, PromptDispatcher, PromptLease
 from rlasync.pipeline.resume import RolloutState
 from rlasync.pipeline.settings import QueueSettings
 from rlasync.pipeline.staleness_queue import QueueEntry, StalenessQueue, TakeResult, check_group_entries, empty_take
@@ -83,6 +83,8 @@ class QueueState:
     causes: dict[str, int] = field(default_factory=dict)  # dropped groups per "outcome/cause" (zero_std/no_reward, ...)
     last_failures: dict[str, str] = field(default_factory=dict)  # "outcome/cause" -> the last drop's detail
     released_by_owner: dict[str, int] = field(default_factory=dict)  # leases given back for a dead (restarted) owner
+    keep_rate: float = 1.0  # the allowance's keep rate: generated tokens expected to reach the queue (floored)
+    counted_inflight_tokens: float = 0.0  # in-flight tokens as the gate counts them (× keep_rate when S >= 1)
 
     def to_dict(self) -> dict[str, int | float | bool]:
         return asdict(self)
@@ -102,9 +104,11 @@ class QueueService:
         steps_per_version: int = 1,
         samples_per_step: int | None = None,
         step_plan: StepPlan | None = None,
+        keep_rate_floor: float = KEEP_RATE_FLOOR,
     ) -> None:
         """`step_plan`: compose each step as the learner plans it (see the module docstring; not with
-        max_staleness=0, whose steps take what their version generated)."""
+        max_staleness=0, whose steps take what their version generated). `keep_rate_floor`: the allowance's (1.0
+        counts in-flight rollouts at full, as before the keep rate: `bench/keep_rate_sim.py` compares)."""
         self.dispatcher = dispatcher
         self.max_staleness = max_staleness
         self.policy_version = policy_version
@@ -118,6 +122,7 @@ class QueueService:
             notifier=self._notifier,
             steps_per_version=steps_per_version,
             samples_per_step=samples_per_step,
+            keep_rate_floor=keep_rate_floor,
         )
         self.composer = StepComposer(step_plan) if step_plan is not None and max_staleness > 0 else None
         self._generating: dict[int, int] = {}  # group_id -> rollouts, for groups admitted and not yet back
@@ -228,8 +233,8 @@ class QueueService:
                 self.last_failures[key] = str(detail)[:500]
         num_rollouts = self._generating_rollouts(group_id, "drop_group")
         del self._generating[group_id]
-        if num_tokens > 0:
-            self.allowance.finish_group(num_rollouts, num_tokens, queued=False)
+        if num_tokens > 0:  # only a scored group's drop feeds the keep rate; a failed one's tokens, the mean only
+            self.allowance.finish_group(num_rollouts, num_tokens, queued=False, scored=reason == GroupOutcome.ZERO_STD)
         else:
             self.allowance.cancel_group(num_rollouts)
         self.dispatcher.mark_dropped(group_id, reason)  # last: it raises when a whole epoch was filtered
@@ -258,7 +263,13 @@ class QueueService:
 
         With S = 0 (synchronous) nothing is taken while groups of this version are in flight, and the version's last
         step (steps of tokens) takes everything queued: all that is left of this version's samples. With a step plan
-        the target is not read: the take composes the step (see the module docstring)."""
+        the target is not read: the take composes the step (see the module docstring). Every take's metrics carry
+        the allowance's keep rate (`rollout/keep_rate`, a gauge)."""
+        result = self._take(token_target, now)
+        result.metrics[KEEP_RATE_METRIC] = self.allowance.keep_rate
+        return result
+
+    def _take(self, token_target: int, now: float | None) -> TakeResult:
         if self.allowance.synchronous:
             if self.allowance.inflight_groups > 0 and not self.dispatcher.done:
                 return empty_take()
@@ -338,6 +349,8 @@ class QueueService:
             causes=dict(self.causes),
             last_failures=dict(self.last_failures),
             released_by_owner=dict(self.released_by_owner),
+            keep_rate=self.allowance.keep_rate,
+            counted_inflight_tokens=self.allowance.counted_inflight_tokens,
         )
 
     # ---- internals -----------------------------------------------------------------------------------------

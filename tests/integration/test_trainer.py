@@ -16,6 +16,7 @@ ACCEPTANCE_KEYS = (
     "perf/step_s",
     "perf/rollout_wait_s",
     "rollout/backpressure_s",
+    "rollout/keep_rate",
     "sample/staleness_mean",
     "rollout/queue_size",
     "batch/packing_ratio",
