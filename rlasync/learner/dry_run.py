@@ -329,8 +329,9 @@ def estimate_rank_memory(
     compute_bytes = 2 if mixed else weight_bytes
     # FSDP2's policy casts the parameters and each layer's inputs to bf16: the residual stream is bf16 too
     residual_bytes = weight_bytes if autocast or not mixed else compute_bytes
-    compiled = bool(settings.resolved(cuda=on_gpu).torch_compile)
-    tokens = padded_length(settings.token_budget, settings.row_bucket) if settings.token_budget > 0 else 0
+    resolved = settings.resolved(cuda=on_gpu)  # as the learner: torch_compile None compiles on CUDA only
+    compiled = bool(resolved.torch_compile)
+    tokens = padded_length(settings.token_budget, resolved.row_bucket) if settings.token_budget > 0 else 0
     if tokens <= 0:  # fixed-count rows: size them as per_device_train_batch_size samples of the model's context
         tokens = settings.per_device_train_batch_size * int(getattr(model.config, "max_position_embeddings", 2048))
     terms = min(tokens, terms_per_row) if terms_per_row else tokens
