@@ -12,7 +12,8 @@
                                        vLLM: gpu_memory_utilization x GPU (what vLLM reserves)
                               learner  one rank's peak: measured (a GPU here and a GRPO run:
                                        `rlasync.learner.dry_run.measure_in_subprocess`, one rank under torch's
-                                       fake process group) or estimated (`estimate_rank_memory`, its formula)
+                                       fake process group) or estimated (`estimate_rank_memory`, its formula,
+                                       for rows of the measured step's shape: `step_shape`, `terms_per_row`)
                             + CUDA_CONTEXT_GIB per process on a GPU
     DryRunPlan.problems()   each GPU whose actors need more than it has, each fractional actor that needs more
                             than its share (Ray packs other actors into the rest), each measurement that failed
@@ -321,8 +322,19 @@ def learner_memory(
             f"{settings.token_budget}-token rows{', fake process group' if world_size > 1 else ''})"
         )
         return figures, None
+    terms = None  # the row's loss terms: GRPO rows as the measured step fills them, else every token of the row
+    if spec.algorithm.sink == "groups" and settings.token_budget > 0:
+        from rlasync.learner.dry_run import step_shape, terms_per_row
+
+        group = spec.algorithm.group_size(config)
+        prompt, completion = step_shape(settings.token_budget, group, config.max_completion_length)
+        terms = terms_per_row(settings.token_budget, group, prompt, completion)
     estimate = estimate_rank_memory(
-        meta_model(model_config, settings.dtype), settings, world_size, gpu_bytes=gpu_bytes if on_gpu else None
+        meta_model(model_config, settings.dtype),
+        settings,
+        world_size,
+        gpu_bytes=gpu_bytes if on_gpu else None,
+        terms_per_row=terms,
     )
     if not on_gpu:
         why = "the learner runs on the CPU (cluster.learner_num_gpus=0): host memory estimated"

@@ -10,15 +10,35 @@
     measure_in_subprocess(...)                           the same in a fresh process (a process joins one process
                                                          group; the peak is this rank's alone), its result parsed
     estimate_rank_memory(model, settings, world_size,..)  without a GPU: the analytic estimate (formula below)
+    lm_head_bytes(...), terms_per_row(...)               its LM head term; the loss terms of a packed row
     step_shape(...), synthetic_samples(...)              GRPO samples that fill a step's rows at the token budget
 
-The estimate (bytes of one rank; P parameters, w the weights' element size, N the FSDP world size):
+The estimate (bytes of one rank at its peak, the backward of the LM head, when every layer's activations and the
+head's buffers are alive; P parameters in w-byte elements, N the FSDP world size, T the row's tokens (token_budget
+padded to row_bucket), M its loss terms, c the compute element size: 2 under bf16 mixed precision, else w):
 
-    (P*w weights + P_trainable*w gradients + P_trainable*4*2 AdamW moments) / N      training_state_bytes
-    + 4 chunked-LM-head buffers of [min(chunk, token_budget), vocab] float32         (rlasync.model.checkpointing)
-    + activations of one token_budget row: the layers the learner's checkpoint plan keeps whole at the full
-      per-token estimate, the checkpointed ones at their input, one recomputed layer   plan_checkpointing
-    + with N > 1: two decoder layers unsharded in the compute dtype (FSDP2's all-gather and its prefetch)
+    (P*w weights + P*w gradients + 2*P*w AdamW moments) / N                        sharded_state_bytes
+    + one row's activations under the learner's checkpoint plan (k of L layers):   (rlasync.model.checkpointing)
+      (L - k) * (full*T + fixed) + k * input*T + (full*T + fixed if k)             the plan: plan_for_model's
+      full: what a compiled layer saves (compiled_activation_bytes_per_token;      compiled_activation_bytes_
+      Qwen3-0.6B in bf16: 45 KB per token) or the eager estimate (activation_       per_token, activation_bytes_
+      bytes_per_token); fixed: autocast's bf16 weight copies (one rank only)       per_token
+      + T*H final-norm input + M*H head input
+    + the chunked LM head at its backward: on a GPU the kept [M, V] logits and     lm_head_bytes
+      one chunk's grad-logits in c bytes (chunked and kept by the free memory, as
+      the head does), on the CPU its float32 chunk buffers; + the [V, H] weight grad
+    + with N > 1: the FSDP2 root (embedding, head, final norm: gathered from its   (P - L*layer) * c
+      forward to its backward) and two decoder layers unsharded, in c bytes        + 2*layer * c
+
+FSDP2's MixedPrecisionPolicy casts the parameters and each layer's input to bf16, so under it the whole layer,
+residual stream included, is bf16; with one rank, autocast keeps a float32 residual stream and saves a bf16 copy of
+each layer's weights. The "auto" checkpoint plan is the learner's own, made from its planner's figures, which err
+high (`planner_bytes_per_token`): where they fit it checkpoints nothing, where they do not it checkpoints enough
+layers for them, so the memory counted here stays under the planner's budget. Against tests/gpu/
+test_fsdp_fake_pg_gpu.py (Qwen3-0.6B shape, bf16 over float32 weights, compiled layers, 8192-token rows of 5120
+terms; an H200): 17.66 / 15.44 / 14.33 GiB at 2 / 4 / 8 ranks, measured 17.71 / 15.56 / 14.38
+(bench/results/fsdp_fake_pg_h200.json): 0.3-0.8% low, the small buffers (masks, row tensors, rotary tables) not
+counted (tests/unit/learner/test_dry_run_rank.py holds it within 5%).
 
 Run as a script (what `measure_in_subprocess` starts): `python -m rlasync.learner.dry_run ARGS.pkl` prints
 `RESULT {json}`.
@@ -207,24 +227,69 @@ def measure_in_subprocess(
 
 @dataclass(frozen=True)
 class RankEstimate:
-    """The analytic memory of one learner rank (bytes) and its parts."""
+    """The analytic memory of one learner rank (bytes) at its peak, the backward of the LM head, and its parts."""
 
-    state_bytes: int  # weights + gradients + optimizer moments (sharded) + the LM head's buffers
+    state_bytes: int  # weights + gradients + optimizer moments, sharded over the ranks
     activation_bytes: int  # one row at the token budget under the checkpoint plan
-    unsharded_bytes: int  # FSDP2's unsharded layers (0 with one rank)
+    head_bytes: int  # the chunked LM head at its backward: kept logits, a chunk's grad-logits, the weight's grad
+    unsharded_bytes: int  # FSDP2's unsharded root (embedding, head, final norm) and layers (0 with one rank)
     checkpointed_layers: int
     num_layers: int
+    compiled: bool = False  # compiled decoder layers (their saved activations), else eager ones
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_bytes + self.unsharded_bytes
+        return self.state_bytes + self.activation_bytes + self.head_bytes + self.unsharded_bytes
 
     def describe(self) -> str:
+        layers = "compiled" if self.compiled else "eager"
         return (
-            f"{self.total_bytes / GIB:.2f} GiB = {self.state_bytes / GIB:.2f} weights/grads/AdamW/head "
-            f"+ {self.activation_bytes / GIB:.2f} activations ({self.checkpointed_layers} of {self.num_layers} layers "
-            f"checkpointed) + {self.unsharded_bytes / GIB:.2f} FSDP unsharded layers"
+            f"{self.total_bytes / GIB:.2f} GiB = {self.state_bytes / GIB:.2f} weights/grads/AdamW "
+            f"+ {self.activation_bytes / GIB:.2f} activations ({self.checkpointed_layers} of {self.num_layers} "
+            f"{layers} layers checkpointed) + {self.head_bytes / GIB:.2f} LM head "
+            f"+ {self.unsharded_bytes / GIB:.2f} FSDP unsharded"
         )
+
+
+def lm_head_bytes(
+    terms: int,
+    vocab: int,
+    hidden: int,
+    *,
+    matmul_bytes: int,
+    weight_bytes: int,
+    free_bytes: float | None,
+    compiled: bool = True,
+) -> int:
+    """What the chunked LM head (`rlasync.model.head.chunked_token_scores`) holds at its backward for a row of `terms`
+    loss terms, with its own defaults. On a GPU with `free_bytes` free: chunks of `free_bytes / 8` of working memory,
+    the raw [chunk, V] logits of the first chunks kept within `free_bytes / 4` (a whole row, on a large GPU), then
+    one chunk's grad-logits (and its recomputed logits when it was not kept), plus the fused passes' float32
+    temporaries when they are not compiled. On the CPU (`free_bytes` None): nothing kept, HEAD_BUFFERS [chunk, V]
+    float32 buffers of `default_chunk_size` terms. Then the head weight's gradient ([V, H] in the weight's dtype
+    with one chunk, a float32 accumulator with several) and, when the matmuls run in another dtype (autocast), the
+    weight's copy in it."""
+    from rlasync.model.checkpointing import HEAD_BUFFERS
+    from rlasync.model.head import plan_chunk_size
+
+    terms = max(1, int(terms))
+    cpu = torch.device("cpu")
+    if free_bytes is None:
+        chunk = plan_chunk_size(terms, vocab, cpu)
+        kept_terms, working = 0, HEAD_BUFFERS * chunk * vocab * 4
+    else:
+        free = max(1, int(free_bytes))
+        chunk = plan_chunk_size(terms, vocab, cpu, chunk_bytes=max(1, free // 8))
+        chunks = -(-terms // chunk)
+        kept = min(chunks, (free // 4) // (chunk * vocab * matmul_bytes))
+        kept_terms = min(terms, kept * chunk)
+        working = chunk * vocab * matmul_bytes * (1 if kept >= chunks else 2)
+        if not compiled:
+            working += 2 * chunk * vocab * 4
+    single = terms <= chunk
+    grad_weight = vocab * hidden * (weight_bytes if single else 4)
+    cast = vocab * hidden * matmul_bytes if matmul_bytes != weight_bytes else 0
+    return int(kept_terms * vocab * matmul_bytes + working + grad_weight + cast)
 
 
 def estimate_rank_memory(
@@ -233,50 +298,88 @@ def estimate_rank_memory(
     world_size: int,
     *,
     gpu_bytes: float | None,
+    terms_per_row: int | None = None,
 ) -> RankEstimate:
-    """The formula of the module docstring for `model` (built on the meta device in the learner's dtype): the
-    checkpoint plan is the one the learner would make on a GPU of `gpu_bytes` (its `gpu_share` of it), or every
-    layer with checkpointing on and no GPU."""
+    """The formula of the module docstring for `model` (built on the meta device in the learner's dtype) on a GPU
+    of `gpu_bytes` (its `gpu_share` of it; None: the learner runs on the CPU). `terms_per_row`: the loss terms of a
+    row (default: every token of the row, the worst case). The checkpoint plan is the one the learner makes:
+    "auto" on a GPU weighs the planner's own per-layer figures (`planner_bytes_per_token`, which err high), so the
+    plan may checkpoint more layers than the activations counted here need."""
     from rlasync.model.checkpointing import (
-        HEAD_BUFFERS,
         MEMORY_FRACTION,
         activation_bytes_per_token,
+        compiled_activation_bytes_per_token,
         decoder_layer_params,
         decoder_layers,
         plan_checkpointing,
+        planner_bytes_per_token,
+        sharded_state_bytes,
         spread,
         training_state_bytes,
     )
-    from rlasync.model.head import default_chunk_size
     from rlasync.model.row_shapes import padded_length
 
+    on_gpu = gpu_bytes is not None
     layers = decoder_layers(model)
     num_layers = len(layers)
+    layer_params = decoder_layer_params(layers[0])
     weight_bytes = next(model.parameters()).element_size()
-    mixed = gpu_bytes is not None and settings.bf16 and weight_bytes == 4
+    mixed = on_gpu and settings.bf16 and weight_bytes == 4  # as the Learner: bf16 compute over float32 weights
+    autocast = mixed and world_size == 1  # one rank: autocast; several: FSDP2's MixedPrecisionPolicy
     compute_bytes = 2 if mixed else weight_bytes
-    tokens = padded_length(settings.token_budget, settings.row_bucket) if settings.token_budget > 0 else 0
+    # FSDP2's policy casts the parameters and each layer's inputs to bf16: the residual stream is bf16 too
+    residual_bytes = weight_bytes if autocast or not mixed else compute_bytes
+    resolved = settings.resolved(cuda=on_gpu)  # as the learner: torch_compile None compiles on CUDA only
+    compiled = bool(resolved.torch_compile)
+    tokens = padded_length(settings.token_budget, resolved.row_bucket) if settings.token_budget > 0 else 0
     if tokens <= 0:  # fixed-count rows: size them as per_device_train_batch_size samples of the model's context
         tokens = settings.per_device_train_batch_size * int(getattr(model.config, "max_position_embeddings", 2048))
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    head_full = HEAD_BUFFERS * default_chunk_size(vocab) * vocab * 4  # what training_state_bytes counts
-    head_row = HEAD_BUFFERS * min(default_chunk_size(vocab), tokens) * vocab * 4  # a row has `tokens` terms at most
-    state = training_state_bytes(model, world_size=world_size) - head_full + head_row
-    full, saved = activation_bytes_per_token(model.config, compute_bytes, weight_bytes)
-    fixed = compute_bytes * decoder_layer_params(layers[0]) if mixed and world_size == 1 else 0.0
+    terms = min(tokens, terms_per_row) if terms_per_row else tokens
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    state = sharded_state_bytes(model, world_size=world_size)
+    per_token = compiled_activation_bytes_per_token if compiled else activation_bytes_per_token
+    full, saved = per_token(model.config, compute_bytes, residual_bytes)
+    fixed = compute_bytes * layer_params if autocast else 0  # autocast's bf16 weight copies, saved per layer
     choice = settings.gradient_checkpointing_layers
     if not settings.gradient_checkpointing:
         count = 0
-    elif choice == "all" or (choice == "auto" and gpu_bytes is None):
-        count = num_layers
-    elif isinstance(choice, int):
+    elif isinstance(choice, int) and not isinstance(choice, bool):
         count = len(spread(choice, num_layers))
-    else:  # "auto" on a GPU: the fewest layers whose activations fit the learner's part of it
-        available = gpu_bytes * MEMORY_FRACTION * settings.gpu_share - state
-        count = len(plan_checkpointing(num_layers, tokens, full, saved, available, layer_fixed_bytes=fixed).layers)
-    whole = (full * tokens + fixed) * (num_layers - count) + saved * tokens * count + (full * tokens if count else 0)
-    unsharded = FSDP_UNSHARDED_LAYERS * compute_bytes * decoder_layer_params(layers[0]) if world_size > 1 else 0
-    return RankEstimate(int(state), int(whole), int(unsharded), count, num_layers)
+    elif choice == "all" or not on_gpu or settings.token_budget <= 0:
+        count = num_layers  # the learner's "auto" without a GPU or without a token budget
+    else:  # "auto" on a GPU: the learner's plan, from the planner's figures (plan_for_model)
+        plan_full, plan_saved, plan_fixed = planner_bytes_per_token(model, autocast=autocast)
+        available = gpu_bytes * MEMORY_FRACTION * settings.gpu_share - training_state_bytes(
+            model, world_size=world_size
+        )
+        plan = plan_checkpointing(num_layers, tokens, plan_full, plan_saved, available, layer_fixed_bytes=plan_fixed)
+        count = len(plan.layers)
+    whole = full * tokens + fixed
+    activations = (num_layers - count) * whole + count * saved * tokens + (whole if count else 0)
+    activations += tokens * hidden * residual_bytes + terms * hidden * compute_bytes  # final norm input, head input
+    unsharded = 0
+    if world_size > 1:  # the root's parameters stay gathered from forward to backward; a layer and its prefetch
+        root = sum(p.numel() for p in model.parameters()) - num_layers * layer_params
+        unsharded = (root + FSDP_UNSHARDED_LAYERS * layer_params) * compute_bytes
+    head_weight_bytes = compute_bytes if world_size > 1 else weight_bytes  # FSDP2 gathers it in the compute dtype
+    free = gpu_bytes * settings.gpu_share - (state + activations + unsharded) if on_gpu else None
+    head = lm_head_bytes(
+        terms,
+        int(vocab),
+        int(hidden),
+        matmul_bytes=compute_bytes,
+        weight_bytes=head_weight_bytes,
+        free_bytes=free,
+        compiled=on_gpu and settings.kernels.head_compile,
+    )
+    return RankEstimate(int(state), int(activations), head, int(unsharded), count, num_layers, compiled)
+
+
+def terms_per_row(token_budget: int, group_size: int, prompt_len: int, completion_len: int) -> int:
+    """The loss terms of a row of `token_budget` tokens packed with whole groups of `group_size` completions of
+    `completion_len` tokens after a shared prompt of `prompt_len` (one term per completion token)."""
+    groups = max(1, token_budget // (prompt_len + group_size * completion_len))
+    return min(token_budget, groups * group_size * completion_len)
 
 
 def meta_model(model_config: PretrainedConfig, dtype: str) -> torch.nn.Module:
@@ -314,11 +417,13 @@ __all__ = [
     "NoReduce",
     "RankEstimate",
     "estimate_rank_memory",
+    "lm_head_bytes",
     "measure_in_subprocess",
     "measure_rank",
     "meta_model",
     "step_shape",
     "synthetic_samples",
+    "terms_per_row",
 ]
 
 

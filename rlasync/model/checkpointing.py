@@ -5,6 +5,7 @@ rows needs about 10 GB of activations without it, and an H200 has 141 GB. So the
 layers as it must:
 
     activation_bytes_per_token(config, ...)     -> (full, checkpointed) bytes one layer keeps per token
+    compiled_activation_bytes_per_token(...)    -> the same for a torch.compile'd layer (what it saves, no margin)
     activation_memory_budget(model, device,...) -> bytes left for activations (device x fraction - static state)
     plan_checkpointing(num_layers, tokens, ...) -> CheckpointPlan: the fewest layers that fit, spread evenly
     apply_checkpoint_plan(model, plan.layers)   -> per-layer switch (the model's checkpointing already enabled)
@@ -132,13 +133,65 @@ def activation_bytes_per_token(
     return full, float(hidden * residual_bytes)
 
 
-def training_state_bytes(model: torch.nn.Module, *, world_size: int = 1, optimizer_states: int = ADAM_STATES) -> int:
-    """Weights, gradients and optimizer state one rank holds (FSDP2 shards all three over `world_size`), plus the
-    chunked LM head's buffers."""
+def compiled_activation_bytes_per_token(
+    config: PretrainedConfig, compute_bytes: int, residual_bytes: int | None = None
+) -> tuple[float, float]:
+    """(full, checkpointed) bytes one torch.compile'd decoder layer keeps per token until backward.
+
+    Inductor's min-cut partitioner recomputes the elementwise ops in backward, so a compiled layer keeps less than an
+    eager one (`activation_bytes_per_token`): counted with saved-tensor hooks on a compiled Qwen3 layer (bf16, float32,
+    and bf16 autocast over float32 weights; the same graph partition on the CPU as on CUDA), per token: the layer's
+    input and the attention residual in the residual dtype (2H); the two norms' outputs, the q/k projections and
+    their rotated copies, v, the attention output and the MLP's gate, up and product in the compute dtype (2H + 3q
+    + 3kv + 3I); float32 statistics: two norm rstd, the q/k-norm rstd and the attention log-sum-exp (2 + 2NH + KVH).
+    No margin: this is what the graph saves (a model without q/k norms saves q + kv fewer elements, so it errs high
+    there). A checkpointed layer keeps its input (H, residual dtype).
+    """
+    text = getattr(config, "get_text_config", lambda: config)()
+    hidden = int(text.hidden_size)
+    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    residual_bytes = residual_bytes or compute_bytes
+    compute = 2 * hidden + 3 * q + 3 * kv + 3 * intermediate
+    full = 2 * hidden * residual_bytes + compute * compute_bytes + 4 * (2 + 2 * heads + kv_heads)
+    return float(full), float(hidden * residual_bytes)
+
+
+def planner_bytes_per_token(model: torch.nn.Module, *, autocast: bool) -> tuple[float, float, float]:
+    """(full, checkpointed, fixed) bytes per layer the "auto" plan weighs (`plan_for_model`): the eager estimate
+    (`activation_bytes_per_token`, which errs high) in the weights' dtype, or in bf16 under `autocast`, whose bf16
+    weight copies are the fixed part."""
+    weight_bytes = next(model.parameters()).element_size()
+    compute_bytes = 2 if autocast else weight_bytes
+    full, saved = activation_bytes_per_token(model.config, compute_bytes, weight_bytes)
+    fixed = compute_bytes * decoder_layer_params(decoder_layers(model)[0]) if autocast else 0.0
+    return full, saved, fixed
+
+
+def sharded_state_bytes(
+    model: torch.nn.Module,
+    *,
+    world_size: int = 1,
+    optimizer_states: int = ADAM_STATES,
+    moment_bytes: int | None = None,
+) -> int:
+    """Weights, gradients and `optimizer_states` moments per trainable parameter that one rank holds (FSDP2 shards all
+    three over `world_size`). The gradients are in the parameters' dtype, and so are torch's AdamW moments
+    (`zeros_like(param)`) unless `moment_bytes` says otherwise."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     grads = sum(p.numel() * p.element_size() for p in trainable)
-    states = sum(p.numel() * 4 * optimizer_states for p in trainable)
+    states = sum(p.numel() * (moment_bytes or p.element_size()) * optimizer_states for p in trainable)
+    return (weights + grads + states) // max(1, world_size)
+
+
+def training_state_bytes(model: torch.nn.Module, *, world_size: int = 1, optimizer_states: int = ADAM_STATES) -> int:
+    """What the "auto" plan reserves before activations: the sharded training state (`sharded_state_bytes`, its
+    moments counted as float32) plus the chunked LM head's CPU-sized buffers."""
+    state = sharded_state_bytes(model, world_size=world_size, optimizer_states=optimizer_states, moment_bytes=4)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_bytes = 0
     if head is not None and getattr(head, "weight", None) is not None:
@@ -146,7 +199,7 @@ def training_state_bytes(model: torch.nn.Module, *, world_size: int = 1, optimiz
 
         vocab = int(head.weight.shape[0])
         head_bytes = HEAD_BUFFERS * default_chunk_size(vocab) * vocab * 4
-    return (weights + grads + states) // max(1, world_size) + head_bytes
+    return state + head_bytes
 
 
 def activation_memory_budget(
@@ -207,10 +260,7 @@ def plan_for_model(
         return CheckpointPlan(num_layers, tuple(range(num_layers)), "cpu")
     if tokens <= 0:  # fixed-count rows: their size is not known before the step
         return CheckpointPlan(num_layers, tuple(range(num_layers)), "no token_budget")
-    weight_bytes = next(model.parameters()).element_size()
-    compute_bytes = 2 if autocast else weight_bytes
-    full, saved = activation_bytes_per_token(model.config, compute_bytes, weight_bytes)
-    fixed = compute_bytes * decoder_layer_params(layers[0]) if autocast else 0.0  # autocast's saved weight copies
+    full, saved, fixed = planner_bytes_per_token(model, autocast=autocast)
     if not 0 < gpu_share <= 1:
         raise ValueError(f"gpu_share={gpu_share}: must be in (0, 1] (the learner's part of its GPU)")
     available = activation_memory_budget(model, device, world_size=world_size, fraction=MEMORY_FRACTION * gpu_share)
@@ -243,9 +293,12 @@ __all__ = [
     "activation_memory_budget",
     "apply_checkpoint_plan",
     "checkpointed_layers",
+    "compiled_activation_bytes_per_token",
     "decoder_layers",
     "plan_checkpointing",
     "plan_for_model",
+    "planner_bytes_per_token",
+    "sharded_state_bytes",
     "spread",
     "training_state_bytes",
 ]

@@ -48,11 +48,11 @@ def rank_samples(world_size: int, vocab_size: int):
     return synthetic_samples(vocab_size, groups=10 * world_size, group_size=8, prompt_len=544, completion_len=128)
 
 
-@pytest.fixture(scope="module")
-def qwen3_06b_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def qwen3_06b_config():
+    """The Qwen3-0.6B shape (tests/unit/learner/test_dry_run_rank.py estimates this rank's memory from it)."""
+    from transformers import Qwen3Config
 
-    config = Qwen3Config(
+    return Qwen3Config(
         hidden_size=1024,
         num_hidden_layers=28,
         num_attention_heads=16,
@@ -64,6 +64,13 @@ def qwen3_06b_dir(tmp_path_factory):
         max_position_embeddings=40960,
         rope_theta=1_000_000.0,
     )
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    config = qwen3_06b_config()
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -12,8 +12,11 @@ from rlasync.model.checkpointing import (
     CheckpointPlan,
     activation_bytes_per_token,
     checkpointed_layers,
+    compiled_activation_bytes_per_token,
     plan_checkpointing,
     plan_for_model,
+    planner_bytes_per_token,
+    sharded_state_bytes,
     spread,
     training_state_bytes,
 )
@@ -120,7 +123,7 @@ def _tiny(family, dtype=torch.float32, num_layers=2):
     return enable_tree_attention(model).train()
 
 
-def _saved_bytes_per_token(model, tokens, autocast):
+def _saved_bytes_per_token(model, tokens, autocast, compile_backend=None):
     """Bytes of the per-token tensors one decoder layer saves for backward (weights, their autocast copies and the
     dense [N, N] mask excluded: the mask is shared by every layer and is not built on a GPU)."""
     hidden = torch.randn(1, tokens, model.config.hidden_size, dtype=model.dtype, requires_grad=True)
@@ -134,9 +137,12 @@ def _saved_bytes_per_token(model, tokens, autocast):
             seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
+    layer = model.model.layers[0]
+    if compile_backend is not None:
+        layer = torch.compile(layer, backend=compile_backend)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model.model.layers[0](
+            layer(
                 hidden,
                 attention_mask=tree.full_mask,
                 position_ids=positions,
@@ -156,6 +162,50 @@ def test_the_estimate_errs_high_but_not_by_much(family, precision):
     full, saved = activation_bytes_per_token(model.config, compute, 2 if precision == "bfloat16" else 4)
     assert measured <= full <= 1.6 * measured
     assert saved == model.config.hidden_size * (2 if precision == "bfloat16" else 4)
+
+
+@pytest.mark.parametrize(
+    "family, precision",
+    [("qwen3", "bfloat16"), ("qwen3", "bf16_autocast"), ("qwen3", "float32"), ("llama", "bfloat16")],
+)
+def test_a_compiled_layer_saves_what_the_compiled_estimate_counts(family, precision):
+    """torch.compile'd layers (the learner's on a GPU) keep less than eager ones: the partition inductor uses
+    (aot_eager_decomp_partition: the same min-cut partitioner without code generation) saves what
+    `compiled_activation_bytes_per_token` counts for Qwen3, and less for Llama (no q/k norms: it errs high)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    model = _tiny(family, dtype)
+    autocast = precision == "bf16_autocast"
+    compiled = _saved_bytes_per_token(model, 96, autocast, compile_backend="aot_eager_decomp_partition")
+    eager = _saved_bytes_per_token(model, 96, autocast)
+    compute = 4 if precision == "float32" else 2
+    full, saved = compiled_activation_bytes_per_token(model.config, compute, 2 if precision == "bfloat16" else 4)
+    assert compiled < 0.8 * eager, "a compiled layer must recompute its elementwise ops instead of saving them"
+    if family == "qwen3":
+        assert full == pytest.approx(compiled, rel=0.03)
+    else:
+        assert compiled <= full <= 1.25 * compiled
+    assert saved == model.config.hidden_size * (2 if precision == "bfloat16" else 4)
+
+
+def test_the_training_state_shards_and_keeps_adam_moments_in_the_parameters_dtype():
+    params = sum(p.numel() for p in _tiny("llama").parameters())
+    assert sharded_state_bytes(_tiny("llama")) == params * 16  # float32: weights, grads, two moments
+    assert sharded_state_bytes(_tiny("llama"), world_size=4) == params * 4
+    bf16 = _tiny("llama", torch.bfloat16)
+    assert sharded_state_bytes(bf16) == params * 8  # torch's AdamW moments are zeros_like(param): bf16 too
+    head = training_state_bytes(bf16) - sharded_state_bytes(bf16, moment_bytes=4)
+    assert head > 0 and sharded_state_bytes(bf16, moment_bytes=4) == params * 12  # the planner's reserve
+
+
+def test_planner_bytes_per_token_are_the_eager_estimate_the_plan_weighs():
+    model = _tiny("qwen3")
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert planner_bytes_per_token(model, autocast=False) == (*activation_bytes_per_token(model.config, 4, 4), 0.0)
+    full, saved, fixed = planner_bytes_per_token(model, autocast=True)
+    assert (full, saved) == activation_bytes_per_token(model.config, 2, 4) and fixed == 2 * layer
 
 
 def test_training_state_counts_weights_grads_adam_and_head_buffers():
