@@ -108,7 +108,7 @@ class AsyncGRPOTrainer(EvaluationMixin, AsyncTrainerBase):
                 "environment_factory whose class defines get_reward, or a loop_cls whose generate_one sets "
                 "Rollout.reward and provides_rollout_rewards = True"
             )
-        reward_weight_vector(getattr(self.args, "reward_weights", None), len(self.reward_funcs))
+        reward_weight_vector(self.args.reward_weights, len(self.reward_funcs))
         self.reward_funcs = [_reward_model_or_func(func) for func in self.reward_funcs]
         self._reward_models_on_actors()
         return train_dataset

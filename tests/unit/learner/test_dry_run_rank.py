@@ -132,6 +132,7 @@ def test_the_cpu_estimate_is_within_5_percent_of_the_peaks_measured_on_an_h200()
 
     from rlasync.algorithms.grpo.objective import GrpoObjective
     from rlasync.model.row_shapes import padded_length
+    from rlasync.packing.layout import pack
 
     record = Path(__file__).resolve().parents[3] / "bench" / "results" / "fsdp_fake_pg_h200.json"
     measured = json.loads(record.read_text())["peak_gib_by_world_size"]
@@ -142,7 +143,7 @@ def test_the_cpu_estimate_is_within_5_percent_of_the_peaks_measured_on_an_h200()
     assert set(measured) == {"2", "4", "8"}
     for world_size, peak_gib in measured.items():
         n = int(world_size)
-        rows = [b.pack()[0] for b in GrpoObjective(s, 0, n).plan(gpu.rank_samples(n, 151936))]
+        rows = [pack(row) for row in GrpoObjective(s, 0, n).plan(gpu.rank_samples(n, 151936))]  # rank 0's rows
         assert {padded_length(len(r.input_ids), s.row_bucket) for r in rows} == {s.token_budget}  # full rows
         terms = max(len(r.target_ids) for r in rows)
         estimate = estimate_rank_memory(model, s, n, gpu_bytes=DEFAULT_GPU_MEMORY_GIB * GIB, terms_per_row=terms)
