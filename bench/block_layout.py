@@ -85,13 +85,15 @@ def layouts(block_size: int) -> dict[str, dict]:
     }
 
 
-def block_counts(packed, block_size: int) -> dict[str, int]:
-    """One packed row's FlexAttention block counts (full attention), as `tree_block_mask` builds them."""
+def block_counts(packed, block_size: int, real: np.ndarray | None = None) -> dict[str, int]:
+    """One packed row's FlexAttention block counts (full attention), as `tree_block_mask` builds them; the pairs a
+    block computes beyond the real tokens' visible ones (`real`: [N] bool, False on padding; None: no padding) are
+    its waste."""
     partial, full = tree_block_sparsity(
         torch.as_tensor(packed.subtree_end), torch.as_tensor(packed.position_ids), None, block_size
     )
     nonempty = (partial | full).numpy()
-    pairs = block_pairs(packed.subtree_end, block_size)
+    pairs = block_pairs(packed.subtree_end, block_size, real=real)
     wasted = np.where(nonempty, block_size**2 - pairs, 0)
     diagonal = np.eye(nonempty.shape[0], dtype=bool)
     return {
@@ -104,16 +106,21 @@ def block_counts(packed, block_size: int) -> dict[str, int]:
     }
 
 
-def block_pairs(subtree_end: np.ndarray, block_size: int, key_block_size: int | None = None) -> np.ndarray:
+def block_pairs(
+    subtree_end: np.ndarray, block_size: int, key_block_size: int | None = None, real: np.ndarray | None = None
+) -> np.ndarray:
     """[nq, nk] int64 visible pairs per (query block, key block) (key blocks of `key_block_size`, default the same):
-    key k is seen by the queries [k, subtree_end[k])."""
+    key k is seen by the queries [k, subtree_end[k]). With `real` ([N] bool), only pairs of two real tokens count."""
     key_block_size = key_block_size or block_size
     n = subtree_end.shape[0]
+    real = np.ones(n, dtype=bool) if real is None else real
+    before = np.concatenate([[0], np.cumsum(real)])  # before[x]: real tokens among the first x
     num_q, num_k = -(-n // block_size), -(-n // key_block_size)
     keys = np.arange(n)
     lo = np.arange(num_q) * block_size  # query block i holds queries [lo_i, lo_i + B)
-    seen = np.minimum(subtree_end[:, None], np.minimum(lo + block_size, n)[None, :]) - np.maximum(keys[:, None], lo)
-    per_key = np.clip(seen, 0, None)  # [N, nq] queries of block i that see key k
+    upper = np.minimum(subtree_end[:, None], np.minimum(lo + block_size, n)[None, :])
+    lower = np.maximum(keys[:, None], lo)
+    per_key = np.where(upper > lower, before[upper] - before[np.minimum(lower, n)], 0) * real[:, None]  # [N, nq]
     padded = np.zeros((num_k * key_block_size, num_q), dtype=np.int64)
     padded[:n] = per_key
     return padded.reshape(num_k, key_block_size, num_q).sum(1).T  # [query block, key block]
@@ -139,8 +146,8 @@ def row_counts(rows, block_size: int, align: dict | None) -> dict:
     totals = {"tokens": 0, "padding": 0, "visible_pairs": 0, "trained": 0}
     for row in rows:
         packed = pack(row)
-        aligned = packed if align is None else align_blocks(packed, block_size, **align)
-        counts = block_counts(aligned, block_size)
+        aligned = packed if align is None else align_blocks(packed, block_size, **align, pad_token_id=-1)
+        counts = block_counts(aligned, block_size, real=aligned.input_ids >= 0)
         totals["tokens"] += packed.num_tokens
         totals["padding"] += aligned.num_tokens - packed.num_tokens
         totals["visible_pairs"] += packed.load

@@ -140,9 +140,10 @@ def align_blocks(
 
     `at="segments"`: every segment start (a root or a child of a branching node); `"roots"`: only the roots (the
     groups). A start needing more than `max_pad` padding tokens (default `block_size - 1`: none skipped) stays where
-    it falls. The padding goes just before the start, as single-token leaves of the start's parent (roots before a
-    root): under the tree rule a padding key is seen by its own query only, and a real query sees exactly the keys it
-    saw before, so log-probs and gradients are unchanged. `load` stays the real tokens' attention cost; loss terms
+    it falls. The padding goes just before the start, as one chain hanging off the start's parent (a new root before
+    a root), inside the block the start closes: under the tree rule a padding key is seen by the padding queries of
+    its chain only, and a real query sees exactly the keys it saw before, so log-probs and gradients are unchanged
+    (the varlen backend sees one more short segment per chain). `load` stays the real tokens' attention cost; loss terms
     are moved with their tokens (`shift_labels` -100 on padding).
     """
     if block_size < 1:
@@ -171,11 +172,16 @@ def align_blocks(
     is_pad[moved] = False
     new_parents = np.full(n, -1, dtype=np.int64)
     new_parents[moved] = np.where(parents >= 0, moved[np.maximum(parents, 0)], -1)
-    owner = np.repeat(np.flatnonzero(pads_before), pads_before[pads_before > 0])  # the start each pad precedes
-    new_parents[is_pad] = np.where(parents[owner] >= 0, moved[np.maximum(parents[owner], 0)], -1)
     depths = np.zeros(n, dtype=np.int64)
     depths[moved] = row.position_ids
-    depths[is_pad] = np.where(new_parents[is_pad] >= 0, depths[np.maximum(new_parents[is_pad], 0)] + 1, 0)
+    starts_padded = np.flatnonzero(pads_before)
+    runs = pads_before[starts_padded]
+    owner = np.repeat(starts_padded, runs)  # the start each padding token precedes
+    step = np.arange(owner.shape[0]) - np.repeat(np.cumsum(runs) - runs, runs)  # 0, 1, .. within each run
+    pad_index = np.flatnonzero(is_pad)
+    base = np.where(parents[owner] >= 0, moved[np.maximum(parents[owner], 0)], -1)
+    new_parents[pad_index] = np.where(step == 0, base, pad_index - 1)  # a chain off the start's parent
+    depths[pad_index] = np.where(base >= 0, depths[np.maximum(base, 0)] + 1, 0) + step
     input_ids = np.full(n, pad_token_id, dtype=np.int64)
     input_ids[moved] = row.input_ids
     shift_labels = np.full(n, IGNORE_INDEX, dtype=np.int64)

@@ -53,8 +53,16 @@ def test_the_counts_are_the_block_mask_and_the_dense_mask(shared, align, expecte
     nonempty, full, partial, pairs = brute_counts(packed, 128)
     assert (nonempty, full, partial) == expected
     assert np.array_equal(block_layout.block_pairs(packed.subtree_end, 128), pairs)
-    pads = packed.input_ids == -1  # a padding query sees its root path (its parent's keys and itself), no more
+    pads = packed.input_ids == -1  # a padding query sees its root path (its parent's keys and its chain), no more
     assert pairs.sum() == packed.load + (packed.position_ids[pads] + 1).sum()
+    real_pairs = block_layout.block_pairs(packed.subtree_end, 128, real=~pads)
+    assert real_pairs.sum() == packed.load and (real_pairs <= pairs).all()
+    real = np.flatnonzero(~pads)
+    dense = dense_tree_mask(torch.as_tensor(packed.subtree_end)).numpy()
+    for q_block, k_block in [(10, 5), (40, 38), (60, 60)]:  # a few blocks, real pairs from the dense mask
+        q = real[(real >= 128 * q_block) & (real < 128 * q_block + 128)]
+        k = real[(real >= 128 * k_block) & (real < 128 * k_block + 128)]
+        assert real_pairs[q_block, k_block] == dense[np.ix_(q, k)].sum()
 
 
 def test_the_script_writes_its_json_with_the_command(tmp_path):

@@ -46,3 +46,14 @@ def test_aligned_rows_give_the_same_logprobs_under_flex_block_masks(make_model, 
         reference = packed_token_scores(model, packed_row_to_tensors(row), **kwargs).logprobs
         aligned = packed_token_scores(model, packed_row_to_tensors(align_blocks(row, 16)), **kwargs).logprobs
     assert (aligned - reference).abs().max().item() <= TOL
+
+
+def test_aligned_rows_plan_and_score_on_the_varlen_backend(make_model, scenarios):
+    """Each padding chain is a segment of its own for the varlen tree attention (its CPU reference loop)."""
+    model = enable_tree_attention(make_model("qwen3")).train()
+    seqs, prompts = scenarios("mixed")
+    row = packed_row(seqs, prompts)
+    reference = _scores_and_grads(model, packed_row_to_tensors(row), backend="dense")
+    aligned = packed_row_to_tensors(align_blocks(row, 8), segments=True)
+    assert aligned.segments.num_segments > len(row.tree_cu_seqlens_q) - 1
+    _assert_same(reference, _scores_and_grads(model, aligned, backend="varlen"))
