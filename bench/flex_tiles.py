@@ -10,6 +10,9 @@ row `bench/tree_packing.py` plans for a shape, random bf16 q/k/v of one layer (1
   <name>             a `kernel_options` dict (tiles, warps, stages, ROWS_GUARANTEED_SAFE, ...) from the sweep below
   autotune           `torch.compile(mode="max-autotune-no-cudagraphs")` of flex alone: inductor picks the tiles
   block64            the default tiles over a BlockMask of 64-token blocks instead of 128 (fewer wasted pairs)
+  aligned            the default tiles over the same row with its segment starts on 128-token block boundaries
+                     (invisible padding, rlasync.packing.align_blocks): fewer partial blocks, a longer row; compared
+                     with the default at the real tokens (aligned_roots: only the groups aligned; bench/block_layout.py)
   varlen             not flex: the varlen backend (FlashAttention varlen, each root-path segment against its
                      gathered ancestors; rlasync.model.segment_attention)
 
@@ -44,7 +47,7 @@ from tree_packing import make_samples, parse_shapes, plan_rows  # noqa: E402
 from rlasync.model import packed_row_to_tensors  # noqa: E402
 from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity  # noqa: E402
 from rlasync.model.segment_attention import segment_plan  # noqa: E402
-from rlasync.packing import pack  # noqa: E402
+from rlasync.packing import align_blocks, pack  # noqa: E402
 
 SWEEP: dict[str, dict] = {
     "rows_safe": {"ROWS_GUARANTEED_SAFE": True},  # NaN on an H200: the last block's padding queries see no key
@@ -75,7 +78,8 @@ SWEEP: dict[str, dict] = {
     "flash": {"BACKEND": "FLASH"},
     "flash_block64": {"BACKEND": "FLASH"},  # the same over 64-token mask blocks
 }
-SPECIAL = ("default", "autotune", "block64", "varlen")
+SPECIAL = ("default", "autotune", "block64", "varlen", "aligned", "aligned_roots")
+ALIGNED = {"aligned": "segments", "aligned_roots": "roots"}  # config -> align_blocks(at=...), 128-token blocks
 
 
 def attended_pairs(subtree_end: torch.Tensor) -> int:
@@ -90,10 +94,16 @@ def computed_pairs(subtree_end: torch.Tensor, position_ids: torch.Tensor, block_
     return int((partial | full).sum()) * block_size * block_size
 
 
-def first_row(shape, device):
-    samples = make_samples(shape, max(1, shape.row_tokens // (shape.prompt + shape.group * shape.completion)), 1000, 0)
-    row = plan_rows(samples, shape.row_tokens, share=True)[0]
-    return packed_row_to_tensors(pack(row), device)
+def first_row(shape, device, shared_prefix: int = 0, align_at: str | None = None):
+    """The first row bench/tree_packing.py plans for `shape` (completions opening with `shared_prefix` common tokens),
+    as tensors; `align_at`: its segment starts ("segments") or groups ("roots") aligned to 128-token blocks, padding
+    tokens -1."""
+    groups = max(1, shape.row_tokens // (shape.prompt + shape.group * shape.completion))
+    row = plan_rows(make_samples(shape, groups, 1000, 0, shared_prefix), shape.row_tokens, share=True)[0]
+    packed = pack(row)
+    if align_at:
+        packed = align_blocks(packed, 128, at=align_at, pad_token_id=-1)
+    return packed_row_to_tensors(packed, device)
 
 
 def time_ms(fn, iters: int, device) -> float:
@@ -155,6 +165,33 @@ def run_config(name, options, q, k, v, grad, masks, iters, device):
     return result, out.detach(), [t.grad.detach().clone() for t in (q, k, v)]
 
 
+def block_counts(row) -> dict[str, int]:
+    """The row's 128-token FlexAttention blocks (full attention)."""
+    partial, full = tree_block_sparsity(row.subtree_end, row.position_ids, None, 128)
+    return {"nonempty": int((partial | full).sum()), "full": int(full.sum()), "partial": int(partial.sum())}
+
+
+def run_aligned(name, shape, args, tensors, pairs, iters, device):
+    """Config `name` of ALIGNED: the same q/k/v/grad placed at the aligned row's real positions (zeros on padding),
+    the default tiles over its mask; output and gradients read back at the real positions."""
+    aligned = first_row(shape, device, args.shared_completion_prefix, ALIGNED[name])
+    real = torch.nonzero(aligned.input_ids >= 0).squeeze(1)
+
+    def place(t):
+        out = torch.zeros(*t.shape[:2], aligned.num_tokens, t.shape[-1], device=t.device, dtype=t.dtype)
+        out[:, :, real] = t.detach()
+        return out.requires_grad_(t.requires_grad)
+
+    q, k, v, grad = (place(t) for t in tensors)
+    mask = tree_block_mask(aligned.subtree_end, aligned.position_ids, None, 128)
+    entry, out, grads = run_config(name, None, q, k, v, grad, {128: mask}, iters, device)
+    entry["tokens"] = aligned.num_tokens
+    entry["padding"] = int(aligned.num_tokens - real.shape[0])
+    entry["computed_over_attended_128"] = computed_pairs(aligned.subtree_end, aligned.position_ids, 128) / pairs
+    entry["blocks_128"] = block_counts(aligned)
+    return entry, out[:, :, real], [g[:, :, real] for g in grads]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="544x128x8@8192", help="PROMPTxCOMPLETIONxGROUP@ROW_TOKENS")
@@ -162,6 +199,13 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="2 query heads, 1 KV head, head dim 16, a 64x16x4@512 row")
+    parser.add_argument(
+        "--shared-completion-prefix",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a group's completions open with the same K tokens (1: branches of exactly the completion length)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -180,7 +224,7 @@ def main(argv=None) -> None:
         names.remove("default")
     names.insert(0, "default")  # the reference the others are checked against
 
-    row = first_row(shape, device)
+    row = first_row(shape, device, args.shared_completion_prefix)
     n = row.num_tokens
     masks = {b: tree_block_mask(row.subtree_end, row.position_ids, None, b) for b in (64, 128)}
     masks["segments"] = segment_plan(row.subtree_end.cpu(), row.position_ids.cpu()).to(device)
@@ -201,12 +245,14 @@ def main(argv=None) -> None:
         "torch": torch.__version__,
         "row": {
             "shape": shape.name,
+            "shared_completion_prefix": args.shared_completion_prefix,
             "tokens": n,
             "attended_pairs": pairs,
             "heads": heads,
             "kv_heads": kv_heads,
             "head_dim": head_dim,
             "dtype": str(dtype).replace("torch.", ""),
+            "blocks_128": block_counts(row),
             "computed_over_attended": {
                 str(b): computed_pairs(row.subtree_end, row.position_ids, b) / pairs for b in (64, 128)
             },
@@ -217,7 +263,10 @@ def main(argv=None) -> None:
     for name in names:
         options = SWEEP.get(name)
         try:
-            entry, out, grads = run_config(name, options, q, k, v, grad, masks, args.iters, device)
+            if name in ALIGNED:
+                entry, out, grads = run_aligned(name, shape, args, (q, k, v, grad), pairs, args.iters, device)
+            else:
+                entry, out, grads = run_config(name, options, q, k, v, grad, masks, args.iters, device)
         except Exception as exc:  # a tile the kernel refuses (shared memory, divisibility): recorded, next one
             results["configs"][name] = {"options": options, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             print(f"{name}: {results['configs'][name]['error']}", flush=True)

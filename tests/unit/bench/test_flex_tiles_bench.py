@@ -45,13 +45,27 @@ def test_the_harness_runs_forward_on_cpu_and_records_refused_options(tmp_path, m
     monkeypatch.setattr(flex_tiles, "run_config", refuse_bad)
     out = tmp_path / "flex.json"
     flex_tiles.main(
-        ["--tiny", "--device", "cpu", "--configs", "default,block64,bad,varlen", "--iters", "1", "--out", str(out)]
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--configs",
+            "default,block64,bad,varlen,aligned",
+            "--iters",
+            "1",
+            "--out",
+            str(out),
+        ]
     )
     result = json.loads(out.read_text())
     assert result["row"]["attended_pairs"] > 0 and result["row"]["computed_over_attended"]["128"] >= 1
     assert result["configs"]["default"]["fwd_ms"] > 0 and "fwd_bwd_ms" not in result["configs"]["default"]
     assert result["configs"]["block64"]["max_abs_diff_vs_default"] < 1e-4  # same attention, other blocks
     assert result["configs"]["varlen"]["max_abs_diff_vs_default"] < 1e-4  # the segment path (its reference loop here)
+    aligned = result["configs"]["aligned"]  # the row with padded segment starts, read back at its real tokens
+    assert aligned["max_abs_diff_vs_default"] < 1e-4 and aligned["padding"] > 0
+    assert aligned["tokens"] == result["row"]["tokens"] + aligned["padding"]
+    assert aligned["blocks_128"]["nonempty"] == aligned["blocks_128"]["full"] + aligned["blocks_128"]["partial"]
     assert result["configs"]["bad"] == {
         "options": {"BLOCK_M": 48},
         "error": "ValueError: BLOCK_M must divide the sparse block size",
