@@ -10,6 +10,8 @@ row `bench/tree_packing.py` plans for a shape, random bf16 q/k/v of one layer (1
   <name>             a `kernel_options` dict (tiles, warps, stages, ROWS_GUARANTEED_SAFE, ...) from the sweep below
   autotune           `torch.compile(mode="max-autotune-no-cudagraphs")` of flex alone: inductor picks the tiles
   block64            the default tiles over a BlockMask of 64-token blocks instead of 128 (fewer wasted pairs)
+  q128_kv64          a BlockMask of 128-query x 64-key blocks (density 0.72 vs 0.66 on the 8K row,
+                     bench/block_layout.py), the backward's dK/dV tiles narrowed to 64 keys so they divide it
   aligned            the default tiles over the same row with its segment starts on 128-token block boundaries
                      (invisible padding, rlasync.packing.align_blocks): fewer partial blocks, a longer row; compared
                      with the default at the real tokens (aligned_roots: only the groups aligned; bench/block_layout.py)
@@ -77,7 +79,11 @@ SWEEP: dict[str, dict] = {
     # FlashAttention-4's CuTe DSL kernels behind FlexAttention (needs the flash-attn-4 package; Hopper or later)
     "flash": {"BACKEND": "FLASH"},
     "flash_block64": {"BACKEND": "FLASH"},  # the same over 64-token mask blocks
+    # 128-query x 64-key mask blocks: every key tile must divide 64 (forward BLOCK_N, backward BLOCK_N1 and BLOCK_N2)
+    "q128_kv64": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 128, "BLOCK_N2": 64},
+    "q128_kv64_m1_32": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 128, "BLOCK_N2": 64},
 }
+RECTANGULAR = {"q128_kv64": (128, 64), "q128_kv64_m1_32": (128, 64)}  # config -> its mask's (query, key) blocks
 SPECIAL = ("default", "autotune", "block64", "varlen", "aligned", "aligned_roots")
 ALIGNED = {"aligned": "segments", "aligned_roots": "roots"}  # config -> align_blocks(at=...), 128-token blocks
 
@@ -138,7 +144,7 @@ def run_config(name, options, q, k, v, grad, masks, iters, device):
     else:
         mode = "max-autotune-no-cudagraphs" if name == "autotune" else None
         attention = torch.compile(flex_attention, dynamic=False, mode=mode)
-        mask = masks[64 if name.endswith("block64") else 128]
+        mask = masks[RECTANGULAR.get(name, 64 if name.endswith("block64") else 128)]
         kwargs = {"block_mask": mask, "enable_gqa": q.shape[1] != k.shape[1]}
         if options:
             kwargs["kernel_options"] = options
@@ -163,6 +169,40 @@ def run_config(name, options, q, k, v, grad, masks, iters, device):
     result["fwd_bwd_ms"] = time_ms(forward_backward, iters, device)
     out = forward_backward()
     return result, out.detach(), [t.grad.detach().clone() for t in (q, k, v)]
+
+
+def rectangular_block_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor, q_block: int, kv_block: int):
+    """The tree rule's BlockMask (full attention) over `q_block`-query x `kv_block`-key blocks, as
+    `rlasync.model.block_mask.tree_block_mask` builds the square one: key block j reaches query block i iff
+    j * kv_block <= (i + 1) * q_block - 1 and i * q_block < max subtree_end over the block; full iff every key of j
+    precedes every query of i and min subtree_end >= (i + 1) * q_block."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from rlasync.model.block_mask import tree_mask_mod
+
+    n = subtree_end.shape[0]
+    nq, nk = -(-n // q_block), -(-n // kv_block)
+    pad = nk * kv_block - n
+    end_max = F.pad(subtree_end, (0, pad), value=0).view(nk, kv_block).amax(1)
+    end_min = F.pad(subtree_end, (0, pad), value=n).view(nk, kv_block).amin(1)
+    q_lo = torch.arange(nq, device=subtree_end.device)[:, None] * q_block
+    k_lo = torch.arange(nk, device=subtree_end.device)[None, :] * kv_block
+    nonempty = (k_lo <= q_lo + q_block - 1) & (q_lo < end_max[None, :])
+    full = (k_lo + kv_block - 1 <= q_lo) & (q_lo + q_block <= end_min[None, :]) & nonempty
+    partial = nonempty & ~full
+
+    def ordered(blocks):
+        order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+        return blocks.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=tree_mask_mod(subtree_end, position_ids, None, max(nq * q_block, nk * kv_block)),
+        seq_lengths=(n, n),
+    )
 
 
 def block_counts(row) -> dict[str, int]:
@@ -227,6 +267,8 @@ def main(argv=None) -> None:
     row = first_row(shape, device, args.shared_completion_prefix)
     n = row.num_tokens
     masks = {b: tree_block_mask(row.subtree_end, row.position_ids, None, b) for b in (64, 128)}
+    for blocks in set(RECTANGULAR.values()):
+        masks[blocks] = rectangular_block_mask(row.subtree_end, row.position_ids, *blocks)
     masks["segments"] = segment_plan(row.subtree_end.cpu(), row.position_ids.cpu()).to(device)
     pairs = attended_pairs(row.subtree_end)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -254,7 +296,14 @@ def main(argv=None) -> None:
             "dtype": str(dtype).replace("torch.", ""),
             "blocks_128": block_counts(row),
             "computed_over_attended": {
-                str(b): computed_pairs(row.subtree_end, row.position_ids, b) / pairs for b in (64, 128)
+                **{str(b): computed_pairs(row.subtree_end, row.position_ids, b) / pairs for b in (64, 128)},
+                **{
+                    f"{q}x{k}": int(masks[(q, k)].kv_num_blocks.sum() + masks[(q, k)].full_kv_num_blocks.sum())
+                    * q
+                    * k
+                    / pairs
+                    for q, k in set(RECTANGULAR.values())
+                },
             },
         },
         "configs": {},
