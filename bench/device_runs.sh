@@ -224,6 +224,30 @@ learner_headdyn)  # carry .pydkit: the LM head compiled with only the chunk leng
     run head_tests 90 python3 -m pytest -q -p no:cacheprovider tests/unit/model/test_head_devices.py tests/unit/model/test_head_dynamic.py
     (cd "$out" && tar czf logs.tgz *.log profiles && rm -rf *.log profiles)
     ;;
+flex_align)  # carry .pydkit: FlexAttention alone (one layer) on a row with block-aligned segment starts, and on 128x64 mask blocks, vs the row as packed
+    use_pydkit || exit 1
+    # issue 35: does a partial block cost more than a full one? Same q/k/v at the real tokens, the default tiles;
+    # and 128-query x 64-key mask blocks (denser: 0.72 vs 0.66 of the computed pairs visible) with 64-key tiles
+    ft="python3 bench/flex_tiles.py --iters 20"
+    run flex_align_8k 150 $ft --shape 544x128x8@8192 --configs default,aligned,aligned_roots,q128_kv64,q128_kv64_m1_32 --out "$out/flex_align_8k.json"
+    run flex_align_8k_shared 120 $ft --shape 544x128x8@8192 --shared-completion-prefix 1 --configs default,aligned --out "$out/flex_align_8k_shared.json"
+    run flex_align_4k_shared 120 $ft --shape 1088x256x8@4096 --shared-completion-prefix 1 --configs default,aligned --out "$out/flex_align_4k_shared.json"
+    grep -h -E "^(default|aligned|q128)" "$out"/flex_align_*.log
+    ;;
+learner_align)  # carry .pydkit: tree rows with segment starts on 128-token mask blocks (tree_aligned) next to the plain tree rows, same call
+    use_pydkit || exit 1
+    # issue 35: bench/block_layout.py counts -7% nonempty / -39% partial blocks at 8K (-6% / -41% at 4K) for +6.1% (+2.0%)
+    # padding tokens when branches are exactly 128 / 256 tokens (--shared-completion-prefix 1), and on the benchmark's
+    # own rows (branches of 129) -3% nonempty / -21% partial for +4.5% padding aligning only the groups (roots)
+    tp="python3 bench/tree_packing.py --groups 40 --steps ${ROWS:-24} --warmup 4 --compile layers --grad-ckpt auto --check-rows 2 --modes tree --block-align 128"
+    run align_shared 330 $tp --shapes 1088x256x8@4096,544x128x8@8192 --shared-completion-prefix 1 --out "$out/tree_align_shared.json"
+    run align_roots_8k 200 $tp --shapes 544x128x8@8192 --block-align-at roots --out "$out/tree_align_roots_8k.json"
+    python3 -c 'import json, sys
+for f in sys.argv[1:]:
+    for n, s in json.load(open(f))["shapes"].items():
+        print(f.split("/")[-1], n, "aligned/tree", s.get("tree_aligned_over_tree"), "mfu", s["tree"]["mfu"], s["tree_aligned"]["mfu"], "blocks", s["tree"]["mask_blocks_per_row"], s["tree_aligned"]["mask_blocks_per_row"], "dlogprob", s.get("tree_aligned_logprob_max_abs_diff"))' "$out"/tree_align_*.json
+    (cd "$out" && tar czf logs.tgz *.log && rm -f *.log)
+    ;;
 learner_trl8k)  # carry .pydkit .trlwheel: ours and TRL 1.16 on full 8K rows only, one call (the headline speedup)
     use_pydkit || exit 1
     python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 110 --shapes 544x128x8@8192 --groups 40 --steps 64 --warmup 6 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_trl_8k_full.json" > "$out/tree_trl_8k_full.log" 2>&1

@@ -73,13 +73,21 @@ def parse_shapes(text: str) -> list[Shape]:
     return shapes
 
 
-def make_samples(shape: Shape, num_groups: int, vocab: int, seed: int) -> list[RolloutSample]:
+def make_samples(shape: Shape, num_groups: int, vocab: int, seed: int, shared_prefix: int = 0) -> list[RolloutSample]:
+    """`num_groups` GRPO groups of random tokens: one prompt, `shape.group` completions. `shared_prefix` K > 0: a
+    group's completions open with the same K tokens (as a reasoning model's "<think>" does), so its trie branches
+    K tokens later and each branch is `completion - K + 1` tokens (K = 0: `completion + 1`, the prompt's last token
+    forwarded once per completion because it predicts a different first token)."""
+    if not 0 <= shared_prefix < shape.completion:
+        raise ValueError(f"shared_prefix={shared_prefix}: use 0 <= K < the completion length {shape.completion}")
     rng = np.random.default_rng(seed)
     samples = []
     for group in range(num_groups):
         prompt = rng.integers(0, vocab, shape.prompt)
+        opening = rng.integers(0, vocab, shared_prefix)
         for _ in range(shape.group):
             completion = rng.integers(0, vocab, shape.completion)
+            completion[:shared_prefix] = opening
             ids = np.concatenate([prompt, completion])
             mask = np.concatenate([np.zeros(shape.prompt, np.int8), np.ones(shape.completion, np.int8)])
             lps = np.where(mask == 1, -rng.random(len(ids)), 0.0).astype(np.float32)

@@ -11,6 +11,9 @@ The model has the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 heads, 8 KV heads
                 root-path segments), next to --attention's backend (default flex on CUDA) in the same call
   tree_probs    (when asked for) the tree rows with the LM head keeping probabilities (keep_as="probs"), and
   tree_logits   with it keeping logits (kernels.head_keep="logits"): the head's A/B in one process
+  tree_aligned  (with --block-align N) the same tree rows with their segment starts put on multiples of N by
+                invisible padding (rlasync.packing.align_blocks; bench/block_layout.py counts the blocks), next to
+                tree in the same call: `tree_aligned_over_tree`, the FlexAttention blocks of both, the padding
 
 Every mode uses the same model code (tree attention, chunked LM head on trained positions only), gradient
 checkpointing on, and a loss that touches every trained token. Reported: trained (completion) tokens/s,
@@ -61,9 +64,10 @@ from rlasync.model import (  # noqa: E402
     packed_token_scores,
     prepare_for_training,
 )
-from rlasync.packing import pack  # noqa: E402
+from rlasync.model.block_mask import tree_block_sparsity  # noqa: E402
+from rlasync.packing import align_blocks, pack  # noqa: E402
 
-MODES = ("tree", "tree_varlen", "tree_probs", "tree_logits", "padding_free", "padded")
+MODES = ("tree", "tree_varlen", "tree_probs", "tree_logits", "tree_aligned", "padding_free", "padded")
 
 
 @dataclass
@@ -158,6 +162,7 @@ class TreeMode:
         backend: str = "auto",
         head_keep: str | None = None,
         kernels: KernelSettings | None = None,
+        align: dict | None = None,
     ):
         self.rows = rows
         kernels = KernelSettings.of(kernels)  # the learner's `kernels.*` settings (--kernel)
@@ -165,6 +170,9 @@ class TreeMode:
             kernels = dataclasses.replace(kernels, head_keep=head_keep)
         self.head_keep = kernels.head_keep
         self.packed = [pack(r) for r in rows]
+        if align:  # segment starts on block boundaries (`align_blocks` keyword arguments)
+            self.packed = [align_blocks(p, **align) for p in self.packed]
+        self.padding_per_row = float(np.mean([p.num_tokens - r.num_tokens for p, r in zip(self.packed, rows)]))
         started = time.perf_counter()  # varlen: the segment plan, made on the host as the learner does per row
         self.tensors = [packed_row_to_tensors(p, device, segments=backend == "varlen") for p in self.packed]
         self.to_device_ms = 1e3 * (time.perf_counter() - started) / max(1, len(rows))
@@ -174,6 +182,18 @@ class TreeMode:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def block_counts(self, block_size: int) -> dict[str, float]:
+        """Per row, the FlexAttention mask blocks (full attention) of the rows as forwarded."""
+        totals = {"nonempty": 0, "full": 0, "partial": 0}
+        for p in self.packed:
+            partial, full = tree_block_sparsity(
+                torch.as_tensor(p.subtree_end), torch.as_tensor(p.position_ids), None, block_size
+            )
+            totals["nonempty"] += int((partial | full).sum())
+            totals["full"] += int(full.sum())
+            totals["partial"] += int(partial.sum())
+        return {key: value / max(1, len(self.packed)) for key, value in totals.items()}
 
     def scores(self, model, i: int):
         tensors = self.tensors[i]
@@ -266,17 +286,19 @@ def fp32_reference_logprobs(reference, samples, keys: set[int], device) -> dict[
 
 
 def bench_shape(model, config, shape: Shape, args, reference=None) -> dict:
-    samples = make_samples(shape, args.groups, config.vocab_size, args.seed)
+    samples = make_samples(shape, args.groups, config.vocab_size, args.seed, args.shared_completion_prefix)
+    align = {"block_size": args.block_align, "at": args.block_align_at} if args.block_align else None
 
-    def tree_mode(share: bool, backend: str, head_keep: str | None = None):
+    def tree_mode(share: bool, backend: str, head_keep: str | None = None, align: dict | None = None):
         rows = plan_rows(samples, shape.row_tokens, share=share)
-        return TreeMode(rows, args.device, args.block_size, backend, head_keep, kernel_settings(args.kernel))
+        return TreeMode(rows, args.device, args.block_size, backend, head_keep, kernel_settings(args.kernel), align)
 
     builders = {
         "tree": lambda: tree_mode(True, args.attention),
         "tree_varlen": lambda: tree_mode(True, "varlen"),  # the varlen backend next to --attention's, same call
         "tree_probs": lambda: tree_mode(True, args.attention, "probs"),  # the head keeping probabilities, same call
         "tree_logits": lambda: tree_mode(True, args.attention, "logits"),
+        "tree_aligned": lambda: tree_mode(True, args.attention, align=align),  # the A/B of --block-align, same call
         "padding_free": lambda: tree_mode(False, args.attention),
         "padded": lambda: PaddedMode(padded_batches(samples, shape.row_tokens, args.device)),
     }
@@ -289,6 +311,9 @@ def bench_shape(model, config, shape: Shape, args, reference=None) -> dict:
         results[name] = run_mode(model, mode, config, args.steps, args.warmup, args.device)
         if isinstance(mode, TreeMode):
             results[name]["row_to_device_ms"] = mode.to_device_ms
+            if name in ("tree", "tree_aligned"):
+                results[name]["padding_per_row"] = mode.padding_per_row
+                results[name]["mask_blocks_per_row"] = mode.block_counts(args.block_size or 128)
         model.zero_grad(set_to_none=True)
         logprobs[name] = per_sample_logprobs(model, mode, args.check_rows)
         print(name, json.dumps(results[name]), flush=True)
@@ -301,6 +326,14 @@ def bench_shape(model, config, shape: Shape, args, reference=None) -> dict:
 
         results["profile"] = profile_tree(
             model, modes["tree"], config, shape.name, args.profile, args.profile_steps, args.device
+        )
+    if "tree" in modes and "tree_aligned" in modes:
+        aligned = logprobs["tree_aligned"]
+        results["tree_aligned_over_tree"] = (
+            results["tree_aligned"]["trained_tokens_per_s"] / results["tree"]["trained_tokens_per_s"]
+        )
+        results["tree_aligned_logprob_max_abs_diff"] = max(
+            (float(np.abs(aligned[k] - lps).max()) for k, lps in logprobs["tree"].items() if k in aligned), default=None
         )
     others = [name for name in ("padding_free", "padded") if name in modes]
     if "tree" not in modes or not others:
@@ -438,6 +471,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--profile-steps", type=int, default=3, help="tree-mode rows profiled per shape")
     parser.add_argument(
+        "--block-align",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time mode tree_aligned: the tree rows with segment starts on multiples of N tokens by invisible "
+        "padding (rlasync.packing.align_blocks), next to tree in the same call (0: off)",
+    )
+    parser.add_argument(
+        "--block-align-at",
+        choices=["segments", "roots"],
+        default="segments",
+        help="which starts --block-align aligns: every segment (branches and groups) or only the groups' roots",
+    )
+    parser.add_argument(
+        "--shared-completion-prefix",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a group's completions open with the same K tokens, so branches are completion - K + 1 tokens "
+        "(1: branches of exactly the completion length, the block-aligned best case; bench/block_layout.py)",
+    )
+    parser.add_argument(
         "--attention",
         choices=["auto", "flex", "varlen", "dense"],
         default="auto",
@@ -493,6 +548,14 @@ def main(argv=None) -> None:
     unknown_modes = set(args.modes.split(",")) - set(MODES)
     if unknown_modes:
         raise SystemExit(f"--modes: unknown {sorted(unknown_modes)}; choose from {', '.join(MODES)}")
+    if args.block_align < 0:
+        raise SystemExit(f"--block-align: {args.block_align} must be >= 0 (0: off)")
+    if args.block_align and "tree_aligned" not in args.modes.split(","):  # the A/B in one call
+        args.modes = ",".join(dict.fromkeys([*args.modes.split(","), "tree_aligned"]))
+    if "tree_aligned" in args.modes.split(",") and not args.block_align:
+        raise SystemExit("--modes tree_aligned needs --block-align N (the block size to align to, e.g. 128)")
+    if args.shared_completion_prefix and args.trl_wheel:
+        raise SystemExit("--shared-completion-prefix: the TRL anchor builds its own samples without it; drop one")
     if args.default_vs_compiled and (args.compile != "layers" or "tree" not in args.modes.split(",")):
         raise SystemExit(
             f"--default-vs-compiled compares the tree mode against --compile layers: got --compile {args.compile}, "
@@ -555,6 +618,9 @@ def main(argv=None) -> None:
         "compile": args.compile,
         "default_config_compile": default_config_compile(args.device),
         "block_size": args.block_size or 128,
+        "block_align": args.block_align or None,
+        "block_align_at": args.block_align_at if args.block_align else None,
+        "shared_completion_prefix": args.shared_completion_prefix,
         "attention": args.attention,
         "prepare_for_training": {k: v for k, v in options.items()},
         "peak_flops_assumed": PEAK_BF16_FLOPS,

@@ -17,8 +17,9 @@ Kt sampler top-k width, C sampling-mask width.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -122,6 +123,97 @@ def sample_positions(row: TreeRow) -> list[np.ndarray]:
     """Per sample, the packed index ([L_i] int64) of each of its positions, in `pack(row)`'s layout."""
     packed_of_node = _packed_of_node(_preorder(row))
     return [packed_of_node[nodes] for nodes in row.sample_nodes]
+
+
+def align_blocks(
+    row: PackedRow,
+    block_size: int,
+    max_pad: int | None = None,
+    at: Literal["segments", "roots"] = "segments",
+    pad_token_id: int = 0,
+) -> PackedRow:
+    """`row` with invisible padding tokens inserted so that segment starts fall on multiples of `block_size`.
+
+    A FlexAttention block mask of `block_size`-token blocks computes every nonempty block whole and evaluates the
+    mask per element in its partial blocks; a segment (a branch, a group) that starts on a block boundary leaves
+    fewer of both, at the price of the padding tokens every other layer forwards (bench/block_layout.py counts it).
+
+    `at="segments"`: every segment start (a root or a child of a branching node); `"roots"`: only the roots (the
+    groups). A start needing more than `max_pad` padding tokens (default `block_size - 1`: none skipped) stays where
+    it falls. The padding goes just before the start, as one chain hanging off the start's parent (a new root before
+    a root), inside the block the start closes: under the tree rule a padding key is seen by the padding queries of
+    its chain only, and a real query sees exactly the keys it saw before, so log-probs and gradients are unchanged
+    (the varlen backend sees one more short segment per chain). `load` stays the real tokens' attention cost; loss terms
+    are moved with their tokens (`shift_labels` -100 on padding).
+    """
+    if block_size < 1:
+        raise ValueError(f"align_blocks: block_size must be >= 1, got {block_size}")
+    max_pad = block_size - 1 if max_pad is None else max_pad
+    if max_pad < 0:
+        raise ValueError(f"align_blocks: max_pad must be >= 0 (or None for block_size - 1), got {max_pad}")
+    if at not in ("segments", "roots"):
+        raise ValueError(f"align_blocks: at must be 'segments' or 'roots', got {at!r}")
+    parents = _parents(row.subtree_end)
+    starts = row.tree_cu_seqlens_q[1:-1].astype(np.int64)
+    if at == "roots":
+        starts = starts[parents[starts] < 0]
+    pads_before = np.zeros(row.num_tokens, dtype=np.int64)
+    offset = 0
+    for start in starts.tolist():
+        need = -(start + offset) % block_size
+        if need <= max_pad:
+            pads_before[start] = need
+            offset += need
+    if offset == 0:
+        return row
+    moved = np.arange(row.num_tokens, dtype=np.int64) + np.cumsum(pads_before)
+    n = row.num_tokens + offset
+    is_pad = np.ones(n, dtype=bool)
+    is_pad[moved] = False
+    new_parents = np.full(n, -1, dtype=np.int64)
+    new_parents[moved] = np.where(parents >= 0, moved[np.maximum(parents, 0)], -1)
+    depths = np.zeros(n, dtype=np.int64)
+    depths[moved] = row.position_ids
+    starts_padded = np.flatnonzero(pads_before)
+    runs = pads_before[starts_padded]
+    owner = np.repeat(starts_padded, runs)  # the start each padding token precedes
+    step = np.arange(owner.shape[0]) - np.repeat(np.cumsum(runs) - runs, runs)  # 0, 1, .. within each run
+    pad_index = np.flatnonzero(is_pad)
+    base = np.where(parents[owner] >= 0, moved[np.maximum(parents[owner], 0)], -1)
+    new_parents[pad_index] = np.where(step == 0, base, pad_index - 1)  # a chain off the start's parent
+    depths[pad_index] = np.where(base >= 0, depths[np.maximum(base, 0)] + 1, 0) + step
+    input_ids = np.full(n, pad_token_id, dtype=np.int64)
+    input_ids[moved] = row.input_ids
+    shift_labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    shift_labels[moved] = row.shift_labels
+    segments = _segments(new_parents)
+    return dataclasses.replace(
+        row,
+        input_ids=input_ids,
+        position_ids=depths,
+        subtree_end=_subtree_end(new_parents.tolist()),
+        shift_labels=shift_labels,
+        tree_cu_seqlens_q=segments.cu_seqlens_q,
+        tree_kv_index=segments.kv_index,
+        tree_cu_seqlens_k=segments.cu_seqlens_k,
+        tree_max_seqlens=segments.max_seqlens,
+        token_index=moved[row.token_index],
+    )
+
+
+def _parents(subtree_end: np.ndarray) -> np.ndarray:
+    """[N] int64 parent of each token (-1 for a root) from the layout's subtree ranges: the nearest earlier token
+    whose subtree still holds it."""
+    ends = subtree_end.tolist()
+    parents = np.full(len(ends), -1, dtype=np.int64)
+    open_ranges: list[int] = []
+    for k in range(len(ends)):
+        while open_ranges and ends[open_ranges[-1]] <= k:
+            open_ranges.pop()
+        if open_ranges:
+            parents[k] = open_ranges[-1]
+        open_ranges.append(k)
+    return parents
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------

@@ -236,6 +236,29 @@ def test_tree_varlen_runs_next_to_the_flex_tree_and_agrees_with_it(tmp_path):
     assert "tree_varlen" in results["mfu"]["p12_c6_g4_row96"]
 
 
+def test_block_align_times_the_aligned_rows_next_to_the_tree_and_they_agree(tmp_path):
+    """--block-align adds mode tree_aligned in the same call: padded rows, fewer or as many mask blocks on this shape
+    (branches of 6 tokens with a shared first completion token), the same log-probs (float32)."""
+    out = tmp_path / "tp.json"
+    argv = ["--tiny", "--device", "cpu", "--compile", "none", "--shapes", "11x6x4@96", "--groups", "2"]
+    argv += ["--steps", "1", "--warmup", "0", "--modes", "tree", "--block-size", "8", "--out", str(out)]
+    tree_packing.main([*argv, "--block-align", "8", "--shared-completion-prefix", "1"])
+    results = json.loads(out.read_text())
+    shape = results["shapes"]["p11_c6_g4_row96"]
+    assert results["block_align"] == 8 and results["shared_completion_prefix"] == 1
+    tree, aligned = shape["tree"], shape["tree_aligned"]
+    assert tree["padding_per_row"] == 0 and aligned["padding_per_row"] > 0
+    assert aligned["mask_blocks_per_row"]["partial"] < tree["mask_blocks_per_row"]["partial"]
+    assert shape["tree_aligned_over_tree"] == pytest.approx(
+        aligned["trained_tokens_per_s"] / tree["trained_tokens_per_s"]
+    )
+    assert shape["tree_aligned_logprob_max_abs_diff"] < 1e-5
+    with pytest.raises(SystemExit, match="needs --block-align"):
+        tree_packing.main([*argv[:-4], "--modes", "tree,tree_aligned"])
+    with pytest.raises(SystemExit, match="TRL anchor builds its own samples"):
+        tree_packing.main([*argv, "--shared-completion-prefix", "1", "--trl-wheel", str(tmp_path / "x.whl")])
+
+
 def test_the_fp32_reference_scores_each_trained_token_from_its_prefix_alone():
     """fp32_reference_logprobs against the obvious loop: one forward per trained token over the tokens before it."""
     model, mode = tiny_tree_mode()
