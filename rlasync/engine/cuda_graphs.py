@@ -47,19 +47,8 @@ class DecodeGraphs:
         size = self.batch_sizes[-1]
         on = dict(device=device)
         # the graphs' inputs live in two flat device buffers, filled from two pinned host buffers per step (`stage`)
-        self.host64 = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.zeros(size * (2 + self.max_blocks) + 1, dtype=torch.int32, pin_memory=True)
-        stage_decode(
-            self.host64.numpy(),
-            self.host32.numpy(),
-            [],
-            [],
-            [],
-            size,
-            pool.block_size,
-            pool.null_block,
-            self.max_blocks,
-        )
+        self.staging = DecodeStaging(size, pool.block_size, pool.null_block, self.max_blocks, pin_memory=True)
+        self.host64, self.host32 = self.staging.host64, self.staging.host32
         self.dev64 = self.host64.to(device)
         self.dev32 = self.host32.to(device)
         self.input_ids, self.positions, self.slot_mapping = self.dev64
@@ -125,17 +114,7 @@ class DecodeGraphs:
         size = self.padded_size(len(token_ids))
         if self._copied is not None:  # asynchronous scheduling: the last step's copies may still read the host buffers
             self._copied.synchronize()
-        stage_decode(
-            self.host64.numpy(),
-            self.host32.numpy(),
-            token_ids,
-            positions,
-            block_ids,
-            size,
-            self.pool.block_size,
-            self.pool.null_block,
-            self.max_blocks,
-        )
+        self.staging.stage(token_ids, positions, block_ids, size)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self._copied = torch.cuda.Event()
@@ -169,6 +148,34 @@ def capture_graphs(
             graphs[size] = (graph, output)
     torch.cuda.synchronize()
     return graphs
+
+
+class DecodeStaging:
+    """The host buffers of the decode graphs' inputs (`stage_decode`'s layout) for batches up to `capacity` rows,
+    pinned for asynchronous copies on CUDA; `stage` fills them for one step."""
+
+    def __init__(self, capacity: int, block_size: int, null_block: int, max_blocks: int, pin_memory: bool = False):
+        self.capacity, self.block_size, self.null_block, self.max_blocks = capacity, block_size, null_block, max_blocks
+        self.host64 = torch.zeros(3, capacity, dtype=torch.int64, pin_memory=pin_memory)
+        self.host32 = torch.zeros(capacity * (2 + max_blocks) + 1, dtype=torch.int32, pin_memory=pin_memory)
+        self._np64, self._np32 = self.host64.numpy(), self.host32.numpy()
+        self.stage([], [], [], capacity)
+
+    def stage(
+        self, token_ids: Sequence[int], positions: Sequence[int], block_ids: Sequence[Sequence[int]], size: int
+    ) -> None:
+        """Fill the buffers for a decode step padded to `size` rows (`stage_decode`)."""
+        stage_decode(
+            self._np64,
+            self._np32,
+            token_ids,
+            positions,
+            block_ids,
+            size,
+            self.block_size,
+            self.null_block,
+            self.max_blocks,
+        )
 
 
 def stage_decode(
