@@ -14,6 +14,9 @@ per-request bookkeeping) is a large share of it. That host side runs the same on
     launches, the forward's time in it, the sampler call's time in it (the eager sampler computes on the CPU here;
     on CUDA it only launches kernels), and the rest: `host_ms` = period - forward, `host_excl_sampler_ms` = period -
     forward - sampler (medians over the steps; means too);
+  * Python's garbage collections inside those periods (`gc_ms_mean`, `gc_collections_per_step`): every step
+    allocates per request, and a full collection walks the whole heap (`--freeze-heap`: freeze it first, as the
+    GenerationActor does once its engine is built; vLLM's engine core does the same);
   * each of the four modes: unseeded / seeded (a seed per request) x 0 / 8 log-probs;
   * a cProfile top list of one decode phase (steps run inline on the profiled thread).
 
@@ -30,6 +33,7 @@ import argparse
 import asyncio
 import cProfile
 import datetime
+import gc
 import io
 import json
 import platform
@@ -46,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlasync.engine import SamplingParams, TorchEngine  # noqa: E402
 from rlasync.engine import sampler as sampler_module  # noqa: E402
+from rlasync.metrics.gc_pauses import freeze_heap  # noqa: E402
 
 MODES = (("unseeded", False, 0), ("unseeded_logprobs8", False, 8), ("seeded", True, 0), ("seeded_logprobs8", True, 8))
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,12 +82,29 @@ class Clock:
         self.current: dict | None = None
 
     def start(self, num_chunks: int, decode_only: bool) -> None:
-        self.current = {"t": time.perf_counter(), "chunks": num_chunks, "decode": decode_only, "fwd": 0.0, "smp": 0.0}
+        self.current = {
+            "t": time.perf_counter(),
+            "chunks": num_chunks,
+            "decode": decode_only,
+            "fwd": 0.0,
+            "smp": 0.0,
+            "gc": 0.0,
+            "gcn": 0,
+        }
         self.steps.append(self.current)
 
     def add(self, key: str, seconds: float) -> None:
         if self.current is not None:
             self.current[key] += seconds
+
+    def gc_callback(self, phase: str, info: dict) -> None:
+        """Python's collections, timed into the step they fall in (any thread)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif getattr(self, "_gc_started", None) is not None:
+            self.add("gc", time.perf_counter() - self._gc_started)
+            self.add("gcn", 1)
+            self._gc_started = None
 
 
 class CpuDecodeGraphs:
@@ -211,6 +233,12 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode (steps of all repeats pooled)")
     parser.add_argument("--skip", type=int, default=2, help="decode steps skipped at the start of each run")
+    parser.add_argument(
+        "--freeze-heap",
+        action="store_true",
+        help="gc.freeze() after each engine is built (what the GenerationActor does): full collections then walk only "
+        "what the runs allocate",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a busy box)")
     parser.add_argument("--profile-top", type=int, default=40, help="cProfile rows (0: no profile)")
     parser.add_argument("--profile-mode", default="unseeded_logprobs8")
@@ -240,8 +268,10 @@ def main() -> None:
         "vocab": args.vocab,
         "runs": {},
     }
+    entry["freeze_heap"] = args.freeze_heap
     clock = Clock()
     timed_sampler(clock)
+    gc.callbacks.append(clock.gc_callback)
     for level in levels:
         engine = TorchEngine(
             tiny_llama(args.vocab, max_len),
@@ -249,12 +279,15 @@ def main() -> None:
             max_model_len=max_len,
             kv_cache_tokens=level * max_len + 1024,
             max_num_seqs=level,
+            max_num_batched_tokens=level * args.prompt_len,  # every prompt in one step: then all decode together
             async_scheduling=args.path == "graphs",
             compiled_sampler=False,
         )
         instrument(engine, clock, args.path, args.vocab, max_len, level)
         prompts = prompts_all[:level]
         asyncio.run(generate_all(engine, prompts[:8], 4, False, 8))  # warm-up
+        if args.freeze_heap:
+            freeze_heap()
         for name, seeded, logprobs in modes:
             pooled = Clock()
             for _ in range(args.repeats):
@@ -270,16 +303,16 @@ def main() -> None:
     _write(args, entry)
 
 
-def _runs_steps(clock: Clock, concurrency: int, skip: int) -> list[tuple[float, float, float]]:
+def _runs_steps(clock: Clock, concurrency: int, skip: int) -> list[tuple]:
     steps = clock.steps
     rows = []
     for step, nxt in zip(steps, steps[1:]):
         if step["decode"] and step["chunks"] == concurrency and nxt["decode"] and nxt["chunks"] == concurrency:
-            rows.append((nxt["t"] - step["t"], step["fwd"], step["smp"]))
+            rows.append((nxt["t"] - step["t"], step["fwd"], step["smp"], step["gc"], step["gcn"]))
     return rows[skip:]
 
 
-def decode_stats_pooled(rows: list[tuple[float, float, float]]) -> dict:
+def decode_stats_pooled(rows: list[tuple]) -> dict:
     if not rows:
         return {"decode_steps": 0}
 
@@ -300,6 +333,8 @@ def decode_stats_pooled(rows: list[tuple[float, float, float]]) -> dict:
         "host_excl_sampler_ms": med(host_excl),
         "host_ms_mean": mean(host),
         "host_excl_sampler_ms_mean": mean(host_excl),
+        "gc_ms_mean": mean([r[3] for r in rows]),
+        "gc_collections_per_step": round(statistics.fmean(r[4] for r in rows), 2),
     }
 
 

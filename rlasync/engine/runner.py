@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +61,9 @@ class LaunchedStep:
     ready: Any = None  # a CUDA event recorded after the copy to `packed`
 
 
-@dataclass(frozen=True, slots=True)
-class SampledToken:
+class SampledToken(NamedTuple):
+    """One request's sampled token (a named tuple: one is made per request and step, so it is cheap to build)."""
+
     token_id: int
     logprob: float
     top_logprobs: dict[int, float] | None  # the top-N processed log-probs (num_logprobs = N), finite ones only
@@ -187,8 +188,11 @@ class ModelRunner:
             return [None] * len(step.samples)
         if step.ready is not None:
             step.ready.synchronize()
-        sampled = iter(unpack_rows(step.packed.tolist(), step.result, step.params))
-        return [next(sampled) if samples else None for samples in step.samples]
+        sampled = unpack_rows(step.packed.tolist(), step.result, step.params)
+        if len(sampled) == len(step.samples):  # every chunk samples (a decode step)
+            return sampled
+        rows = iter(sampled)
+        return [next(rows) if samples else None for samples in step.samples]
 
     def forward(self, chunks: Sequence[ChunkInput], feedback_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, V] float32 at the last position of each chunk that samples (S of them), in chunk order;
@@ -256,18 +260,20 @@ class ModelRunner:
 
         params = [spec.params for spec in specs]
         seeds = [spec.seed for spec in specs]
-        if all(spec.slot is not None for spec in specs):
-            batch, steps = self.slots.batch([spec.slot for spec in specs], params, seeds, [s.step for s in specs])
+        slots = [spec.slot for spec in specs]
+        if None not in slots:
+            batch, steps = self.slots.batch(slots, params, seeds, [s.step for s in specs])
+            wants_candidates = self.slots.wants_candidates(slots)
         else:
             batch = BatchSampling.from_params(params, seeds, self.device)
             steps = torch.tensor([spec.step for spec in specs], dtype=torch.int64, device=self.device)
+            wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
         seen = None
         if any(spec.seen_ids is not None for spec in specs):
             rows = [row for row, spec in enumerate(specs) for _ in spec.seen_ids or ()]
             ids = [token for spec in specs for token in spec.seen_ids or ()]
             seen = torch.zeros(len(specs), logits.shape[1], dtype=torch.bool, device=self.device)
             seen[torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)] = True
-        wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
         if self.compiled_sampler:
             try:
                 return sample_compiled(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
@@ -328,17 +334,24 @@ def unpack_rows(rows: list[list[float]], result: object, params: Sequence[Sampli
     c = result.candidate_ids.shape[1] if result.candidate_ids is not None else 0
     has_topn = result.topn_ids is not None
     has_candidates = result.candidate_ids is not None and result.num_candidates is not None
+    begin = 2 + 2 * n  # the candidates' first column
+    neg_inf = float("-inf")
     out = []
+    append = out.append
+    # one pass per row and as few objects as it can: this runs for every request at every step
     for row, p in zip(rows, params):
         top = None
-        if p.num_logprobs > 0 and has_topn:
-            pairs = zip(row[2 : 2 + p.num_logprobs], row[2 + n : 2 + n + p.num_logprobs])
-            top = {int(i): float(lp) for i, lp in pairs if lp != float("-inf")}
+        k = p.num_logprobs
+        if k > 0 and has_topn:
+            logprobs = row[2 + n : 2 + n + k]  # Python floats already (`tolist` of float64)
+            if neg_inf in logprobs:  # ranked: -inf only pads a row with fewer than k candidates
+                top = {int(i): lp for i, lp in zip(row[2 : 2 + k], logprobs) if lp != neg_inf}
+            else:
+                top = dict(zip(map(int, row[2 : 2 + k]), logprobs))
         candidates = None
-        if p.filters and p.return_sampling_mask and has_candidates:
-            begin = 2 + 2 * n
+        if has_candidates and p.return_sampling_mask and p.filters:
             candidates = [int(i) for i in row[begin : begin + int(row[begin + c])]]
-        out.append(SampledToken(int(row[0]), float(row[1]), top, candidates))
+        append(SampledToken(int(row[0]), float(row[1]), top, candidates))
     return out
 
 

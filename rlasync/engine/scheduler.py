@@ -116,15 +116,29 @@ class Scheduler:
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        running = self.running
+        block_size = self.allocator.block_size
+        chunks = output.chunks
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            start = request.num_computed_tokens
+            num_tokens = len(request.token_ids)
+            num_new = min(num_tokens - start, budget)
             if num_new == 0:  # async scheduling: its last token is being sampled by the step in flight
                 index += 1
                 continue
-            while not self._reserve(request, request.num_computed_tokens + num_new):
-                victim = self.running.pop()
+            end = start + num_new
+            keys = request.prompt_block_keys
+            if end <= len(request.block_ids) * block_size and (not keys or start >= len(keys) * block_size):
+                # the common decode: its blocks hold the new tokens and its full prompt blocks are registered
+                # (`_reserve` and `_schedule_chunk` would do nothing else)
+                chunks.append(ScheduledChunk(request, start, num_new, end == num_tokens))
+                budget -= num_new
+                index += 1
+                continue
+            while not self._reserve(request, end):
+                victim = running.pop()
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:

@@ -489,13 +489,12 @@ class TorchEngine:
         inputs = [self._overlapped_input(chunk, previous) for chunk in output.chunks]
         step = await asyncio.to_thread(self._runner.launch, inputs, previous.step if previous else None)
         launched = InFlight(output, step)
-        row = 0
+        rows = launched.rows
         for chunk in output.chunks:
             if not chunk.samples:
                 continue
             request = chunk.request
-            launched.rows[request] = row
-            row += 1
+            rows[request] = len(rows)
             if request.num_output_tokens + 1 < request.max_output_tokens:  # not its last token by length
                 request.add_pending()
         self._scheduler.complete(output)
@@ -503,18 +502,15 @@ class TorchEngine:
         return launched
 
     def _overlapped_input(self, chunk: Any, previous: InFlight | None) -> ChunkInput:
-        chunk_input = self._chunk_input(chunk)
         request = chunk.request
         if not request.num_pending:
-            return chunk_input
+            return self._chunk_input(chunk)
         if request.num_pending != 1 or chunk.end != request.num_tokens or previous is None:
             raise RuntimeError(
                 f"request {request.request_id}: a step covers {request.num_pending} token(s) still in flight "
                 f"(chunk {chunk.start}:{chunk.end} of {request.num_tokens})"
             )
-        return ChunkInput(
-            chunk_input.token_ids, chunk_input.start, chunk_input.block_ids, chunk_input.sample, previous.rows[request]
-        )
+        return self._chunk_input(chunk, previous.rows[request])
 
     def _fail_steps(self, exc: Exception, *steps: InFlight | SchedulerOutput | None) -> None:
         """A step raised: fail the unfinished requests of `steps` (the loop goes on)."""
@@ -538,16 +534,19 @@ class TorchEngine:
             self._finish(request, reason)
 
     @staticmethod
-    def _chunk_input(chunk: Any) -> ChunkInput:
+    def _chunk_input(chunk: Any, feedback_row: int | None = None) -> ChunkInput:
         request = chunk.request
         sample = None
+        start = chunk.start
+        token_ids = request.token_ids
         if chunk.samples:
             params = request.params
-            seen = list(request.token_ids) if params.repetition_penalty != 1.0 else None
-            sample = SampleSpec(params, request.seed, request.num_output_tokens, seen, request.slot)
+            seen = list(token_ids) if params.repetition_penalty != 1.0 else None
+            step = len(token_ids) - len(request.prompt_ids)  # num_output_tokens
+            sample = SampleSpec(params, request.seed, step, seen, request.slot)
         # the block list itself, not a copy: it only changes in `schedule()` (between steps), and a request dropped
         # during the step gets a new, empty list
-        return ChunkInput(request.token_ids[chunk.start : chunk.end], chunk.start, request.block_ids, sample)
+        return ChunkInput(token_ids[start : start + chunk.num_tokens], start, request.block_ids, sample, feedback_row)
 
 
 # ---- construction helpers -----------------------------------------------------------------------------------------
