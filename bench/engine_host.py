@@ -179,7 +179,9 @@ def instrument(engine: TorchEngine, clock: Clock, path: str, vocab: int, max_mod
     launch = runner.launch
 
     def timed_launch(chunks, previous=None):
-        clock.start(len(chunks), all(len(chunk.token_ids) == 1 for chunk in chunks))
+        # every prompt is prefilled in one step (max_num_batched_tokens), so a step is all prefill or all decode:
+        # its first and last chunks tell which (a check of every chunk would add to the host time measured)
+        clock.start(len(chunks), bool(chunks) and len(chunks[0].token_ids) == 1 == len(chunks[-1].token_ids))
         return launch(chunks, previous)
 
     runner.launch = timed_launch
@@ -242,6 +244,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a busy box)")
     parser.add_argument("--profile-top", type=int, default=40, help="cProfile rows (0: no profile)")
     parser.add_argument("--profile-mode", default="unseeded_logprobs8")
+    parser.add_argument("--commit", default=None, help="the commit to record (default: this checkout's HEAD)")
     parser.add_argument("--label", default="run", help="the JSON key of this run (e.g. before / after)")
     parser.add_argument("--out", default=str(ROOT / "bench/results/engine_host_cpu.json"))
     parser.add_argument("--profile-out", default=str(ROOT / "bench/results/profiles"))
@@ -258,7 +261,7 @@ def main() -> None:
     prompts_all = prompts_all.tolist()
     entry: dict = {
         "command": " ".join(["python3", *sys.argv]),
-        "commit": git_commit(),
+        "commit": args.commit or git_commit(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "hardware": platform.processor() or platform.machine(),
         "torch": torch.__version__,

@@ -224,8 +224,8 @@ class Scheduler:
         """The step of `output` ran: its tokens' KV is in the cache (requests dropped meanwhile are skipped)."""
         for chunk in output.chunks:
             request = chunk.request
-            if not request.is_finished and request.block_ids:
-                request.num_computed_tokens = chunk.end
+            if request.finish_reason is None and request.block_ids:  # not finished, not preempted
+                request.num_computed_tokens = chunk.start + chunk.num_tokens
 
     def preempt_all(self) -> list[Request]:
         """Preempt every running request (their KV is invalid, e.g. after a weight update); order is kept."""

@@ -445,8 +445,7 @@ class TorchEngine:
             return
         self._num_steps += 1
         self._scheduler.complete(output)
-        for chunk, token in zip(output.chunks, sampled):
-            self._append(chunk.request, token)
+        self._append_all(output.chunks, sampled)
 
     async def _run_overlapped(self) -> None:
         """Run steps with the model lock held, each launched before the previous one is read, until none is left to
@@ -470,8 +469,7 @@ class TorchEngine:
                         )
                 if inflight is not None:
                     sampled = await asyncio.to_thread(self._runner.collect, inflight.step)
-                    for chunk, token in zip(inflight.output.chunks, sampled):
-                        self._append(chunk.request, token)
+                    self._append_all(inflight.output.chunks, sampled)
                 inflight = launched
                 if inflight is None:
                     return
@@ -503,9 +501,10 @@ class TorchEngine:
 
     def _overlapped_input(self, chunk: Any, previous: InFlight | None) -> ChunkInput:
         request = chunk.request
-        if not request.num_pending:
+        pending = request.num_pending
+        if not pending:
             return self._chunk_input(chunk)
-        if request.num_pending != 1 or chunk.end != request.num_tokens or previous is None:
+        if pending != 1 or chunk.start + chunk.num_tokens != len(request.token_ids) or previous is None:
             raise RuntimeError(
                 f"request {request.request_id}: a step covers {request.num_pending} token(s) still in flight "
                 f"(chunk {chunk.start}:{chunk.end} of {request.num_tokens})"
@@ -525,13 +524,18 @@ class TorchEngine:
                 if not chunk.request.is_finished:
                     self._fail(chunk.request, error)
 
-    def _append(self, request: Request, token: SampledToken | None) -> None:
-        if token is None or request.is_finished:
-            return
-        self._num_generated_tokens += 1
-        reason = request.append(token.token_id, token.logprob, token.top_logprobs, token.candidates)
-        if reason is not None:
-            self._finish(request, reason)
+    def _append_all(self, chunks: Sequence[Any], sampled: Sequence[SampledToken | None]) -> None:
+        """Record a step's sampled tokens (None: the chunk did not sample) and finish the requests they end."""
+        for chunk, token in zip(chunks, sampled):
+            if token is None:
+                continue
+            request = chunk.request
+            if request.finish_reason is not None:  # finished (or aborted) while the step ran
+                continue
+            self._num_generated_tokens += 1
+            reason = request.append(*token)  # (token_id, logprob, top_logprobs, candidates)
+            if reason is not None:
+                self._finish(request, reason)
 
     @staticmethod
     def _chunk_input(chunk: Any, feedback_row: int | None = None) -> ChunkInput:
