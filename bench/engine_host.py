@@ -10,10 +10,11 @@ per-request bookkeeping) is a large share of it. That host side runs the same on
     `cuda_graphs.py`), with the graph replay replaced by a stand-in that returns fixed logits: the staging, the copies
     and the feedback of the previous step's ids run as on CUDA, the forward costs ~0. `--path eager`: the engine as
     it runs on the CPU (reference attention, `build_metadata`, synchronous steps), its forward timed and subtracted;
-  * per decode step (full batch, every request feeding one token, steady state): the period between consecutive
-    launches, the forward's time in it, the sampler call's time in it (the eager sampler computes on the CPU here;
-    on CUDA it only launches kernels), and the rest: `host_ms` = period - forward, `host_excl_sampler_ms` = period -
-    forward - sampler (medians over the steps; means too);
+  * per decode step (full batch, every request feeding one token, steady state): the process's CPU time between
+    consecutive launches (`time.process_time`: the machine may be shared, and CPU time does not count the time the
+    process waits for a core; `step_wall_ms` is the wall period), the forward's CPU time in it, the sampler call's
+    (the eager sampler computes on the CPU here; on CUDA it only launches kernels), and the rest: `host_cpu_ms` =
+    step - forward, `host_excl_sampler_cpu_ms` = step - forward - sampler (medians over the steps; means too);
   * Python's garbage collections inside those periods (`gc_ms_mean`, `gc_collections_per_step`): every step
     allocates per request, and a full collection walks the whole heap (`--freeze-heap`: freeze it first, as the
     GenerationActor does once its engine is built; vLLM's engine core does the same);
@@ -84,6 +85,7 @@ class Clock:
     def start(self, num_chunks: int, decode_only: bool) -> None:
         self.current = {
             "t": time.perf_counter(),
+            "c": time.process_time(),
             "chunks": num_chunks,
             "decode": decode_only,
             "fwd": 0.0,
@@ -142,9 +144,9 @@ class CpuDecodeGraphs:
         self.dev32.copy_(self.stager.host32)
         if feedback is not None:
             self.input_ids.index_copy_(0, *feedback)
-        start = time.perf_counter()
+        start = time.process_time()
         logits = self.logits  # the replay: GPU work
-        self.clock.add("fwd", time.perf_counter() - start)
+        self.clock.add("fwd", time.process_time() - start)
         return logits
 
 
@@ -159,21 +161,21 @@ def instrument(engine: TorchEngine, clock: Clock, path: str, vocab: int, max_mod
         decoder_forward = runner.decoder.forward
 
         def timed_decoder(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.process_time()
             try:
                 return decoder_forward(*args, **kwargs)
             finally:
-                clock.add("fwd", time.perf_counter() - start)
+                clock.add("fwd", time.process_time() - start)
 
         runner.decoder.forward = timed_decoder
         logits = runner._logits
 
         def timed_logits(hidden):
-            start = time.perf_counter()
+            start = time.process_time()
             try:
                 return logits(hidden)
             finally:
-                clock.add("fwd", time.perf_counter() - start)
+                clock.add("fwd", time.process_time() - start)
 
         runner._logits = timed_logits
     launch = runner.launch
@@ -192,11 +194,11 @@ def timed_sampler(clock: Clock):
     sample = sampler_module.sample
 
     def wrapped(*args, **kwargs):
-        start = time.perf_counter()
+        start = time.process_time()
         try:
             return sample(*args, **kwargs)
         finally:
-            clock.add("smp", time.perf_counter() - start)
+            clock.add("smp", time.process_time() - start)
 
     sampler_module.sample = wrapped
 
@@ -311,7 +313,7 @@ def _runs_steps(clock: Clock, concurrency: int, skip: int) -> list[tuple]:
     rows = []
     for step, nxt in zip(steps, steps[1:]):
         if step["decode"] and step["chunks"] == concurrency and nxt["decode"] and nxt["chunks"] == concurrency:
-            rows.append((nxt["t"] - step["t"], step["fwd"], step["smp"], step["gc"], step["gcn"]))
+            rows.append((nxt["c"] - step["c"], step["fwd"], step["smp"], step["gc"], step["gcn"], nxt["t"] - step["t"]))
     return rows[skip:]
 
 
@@ -329,13 +331,14 @@ def decode_stats_pooled(rows: list[tuple]) -> dict:
     host_excl = [r[0] - r[1] - r[2] for r in rows]
     return {
         "decode_steps": len(rows),
-        "step_ms": med([r[0] for r in rows]),
-        "forward_ms": med([r[1] for r in rows]),
-        "sampler_ms": med([r[2] for r in rows]),
-        "host_ms": med(host),
-        "host_excl_sampler_ms": med(host_excl),
-        "host_ms_mean": mean(host),
-        "host_excl_sampler_ms_mean": mean(host_excl),
+        "step_wall_ms": med([r[5] for r in rows]),
+        "step_cpu_ms": med([r[0] for r in rows]),
+        "forward_cpu_ms": med([r[1] for r in rows]),
+        "sampler_cpu_ms": med([r[2] for r in rows]),
+        "host_cpu_ms": med(host),
+        "host_excl_sampler_cpu_ms": med(host_excl),
+        "host_cpu_ms_mean": mean(host),
+        "host_excl_sampler_cpu_ms_mean": mean(host_excl),
         "gc_ms_mean": mean([r[3] for r in rows]),
         "gc_collections_per_step": round(statistics.fmean(r[4] for r in rows), 2),
     }

@@ -30,7 +30,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SCORE_CHUNK_ROWS = 256  # LM-head rows per chunk in `score`: bounds the [rows, vocab] float32 logits
 
 
-@dataclass(frozen=True, slots=True)
+# `SampleSpec` and `ChunkInput` are never changed once made; they are not frozen dataclasses only because a frozen
+# one's `__init__` costs ~5x a plain one's, and the engine makes one of each per request per step
+
+
+@dataclass(slots=True)
 class SampleSpec:
     params: SamplingParams
     seed: int
@@ -39,7 +43,7 @@ class SampleSpec:
     slot: int | None = None  # the request's row in the per-slot sampling tensors (None: built for this step)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkInput:
     """One request's part of a step: `token_ids` at positions `start...`, its blocks, and what to sample."""
 

@@ -493,7 +493,8 @@ class TorchEngine:
                 continue
             request = chunk.request
             rows[request] = len(rows)
-            if request.num_output_tokens + 1 < request.max_output_tokens:  # not its last token by length
+            token_ids = request.token_ids
+            if len(token_ids) - len(request.prompt_ids) + 1 < request.max_output_tokens:  # not its last by length
                 request.add_pending()
         self._scheduler.complete(output)
         self._num_steps += 1
