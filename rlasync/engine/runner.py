@@ -192,7 +192,7 @@ class ModelRunner:
             return [None] * len(step.samples)
         if step.ready is not None:
             step.ready.synchronize()
-        sampled = unpack_rows(step.packed.tolist(), step.result, step.params)
+        sampled = unpack_packed(step.packed, step.result, step.params)
         if len(sampled) == len(step.samples):  # every chunk samples (a decode step)
             return sampled
         rows = iter(sampled)
@@ -322,7 +322,7 @@ def _on_device(device: torch.device) -> Any:
 def pack_result(result: object) -> torch.Tensor:
     """The sampler's batched tensors as one [B, W] float64 tensor (ids are exact in float64), so a step's results
     leave the device in one copy: token id, log-prob, then top-N ids and log-probs, then candidates and their count
-    (the parts present, in that order; `unpack_rows` reads them back)."""
+    (the parts present, in that order; `unpack_packed` reads them back)."""
     parts = [result.token_ids[:, None], result.logprobs[:, None]]
     for extra in (result.topn_ids, result.topn_logprobs, result.candidate_ids):
         if extra is not None:
@@ -332,33 +332,45 @@ def pack_result(result: object) -> torch.Tensor:
     return torch.cat([part.to(torch.float64) for part in parts], dim=1)
 
 
-def unpack_rows(rows: list[list[float]], result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
-    """`pack_result`'s rows (as Python lists) -> one `SampledToken` per row; `result` gives the parts' widths."""
+def unpack_packed(packed: torch.Tensor, result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """`pack_result`'s tensor (on the host) -> one `SampledToken` per row; `result` gives the parts' widths.
+
+    Runs for every request at every step, so it reads the packed tensor by columns (one `tolist` per part, ids
+    converted to int64 in bulk) and does per row only what needs a Python object of its own."""
     n = result.topn_ids.shape[1] if result.topn_ids is not None else 0
     c = result.candidate_ids.shape[1] if result.candidate_ids is not None else 0
     has_topn = result.topn_ids is not None
     has_candidates = result.candidate_ids is not None and result.num_candidates is not None
-    begin = 2 + 2 * n  # the candidates' first column
+    token_ids = packed[:, 0].to(torch.int64).tolist()
+    logprobs = packed[:, 1].tolist()
+    if has_topn:
+        top_ids = packed[:, 2 : 2 + n].to(torch.int64).tolist()
+        top_logprobs = packed[:, 2 + n : 2 + 2 * n].tolist()  # Python floats (`tolist` of float64)
+    if has_candidates:
+        begin = 2 + 2 * n  # the candidates' first column, their count after them
+        candidate_ids = packed[:, begin : begin + c].to(torch.int64).tolist()
+        counts = packed[:, begin + c].to(torch.int64).tolist()
     neg_inf = float("-inf")
     out = []
     append = out.append
-    # one pass per row and as few objects as it can: this runs for every request at every step
-    for row, p in zip(rows, params):
+    for row, p in enumerate(params):
         top = None
         k = p.num_logprobs
         if k > 0 and has_topn:
-            logprobs = row[2 + n : 2 + n + k]  # Python floats already (`tolist` of float64)
-            if neg_inf in logprobs:  # ranked: -inf only pads a row with fewer than k candidates
-                top = {int(i): lp for i, lp in zip(row[2 : 2 + k], logprobs) if lp != neg_inf}
+            ids, lps = top_ids[row], top_logprobs[row]
+            if k < n:
+                ids, lps = ids[:k], lps[:k]
+            if neg_inf in lps:  # ranked: -inf only pads a row with fewer than k candidates
+                top = {i: lp for i, lp in zip(ids, lps) if lp != neg_inf}
             else:
-                top = dict(zip(map(int, row[2 : 2 + k]), logprobs))
+                top = dict(zip(ids, lps))
         candidates = None
         if has_candidates and p.return_sampling_mask and p.filters:
-            candidates = [int(i) for i in row[begin : begin + int(row[begin + c])]]
-        append(SampledToken(int(row[0]), float(row[1]), top, candidates))
+            candidates = candidate_ids[row][: counts[row]]
+        append(SampledToken(token_ids[row], logprobs[row], top, candidates))
     return out
 
 
 def _unpack(result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
     """The sampler's batched tensors -> one `SampledToken` per row (Python values), through one device copy."""
-    return unpack_rows(pack_result(result).tolist(), result, params)
+    return unpack_packed(pack_result(result).cpu(), result, params)
