@@ -392,6 +392,12 @@ engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the TorchEngine ov
     run engine_vs_vllm 480 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 420
     grep -h -E '"(ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
     ;;
+engine_host)  # carry .pydkit (or none after kits, warm): the TorchEngine's side of engine_vs_vllm alone after the host-side cuts (issue 35), heap frozen as in GRPO then not, ~2 x 2 min; compare with engine_vs_vllm_h200.json's vLLM numbers
+    use_pydkit || exit 1
+    run engine_torch_frozen 280 python3 bench/engine_vs_vllm.py --skip-vllm --out "$out" --json-name engine_vs_vllm_torch_h200.json --budget-s 250
+    run engine_torch_unfrozen 280 python3 bench/engine_vs_vllm.py --skip-vllm --no-freeze-heap --out "$out" --json-name engine_vs_vllm_torch_unfrozen_h200.json --budget-s 250
+    grep -h -A5 '"torch_engine_new_tokens_per_s"' "$out"/engine_vs_vllm_torch*_h200.json
+    ;;
 e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the default sums run with the TorchEngine, 200 steps: seconds to reward 0.9, syncs, rollout waits (~4.5 min); its checkpoint is distill_transfer's teacher
     export PYTHONPATH=$PWD:/tmp/site
     smollm2_ready || exit 1

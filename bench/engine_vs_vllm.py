@@ -9,7 +9,13 @@ random prompt tokens, 256 new tokens each, EOS ignored, temperature 1. The seedi
 `use_request_seeds=False`, its engine's own random stream; the TorchEngine draws a random seed per request). The
 JSON's `ratio_<mode>` is the TorchEngine's median new tokens/s over vLLM's.
 
+The TorchEngine runs as in GRPO's GenerationActor: once it is built, the process's heap is frozen (`gc.freeze`,
+`rlasync.metrics.gc_pauses.freeze_heap`), so Python's full collections walk only what the runs allocate (vLLM's
+engine core freezes its own the same way); `--no-freeze-heap` leaves it (the collections' time is recorded either
+way, `gc`). `--skip-vllm` measures the TorchEngine alone (no vLLM kit needed; no ratios).
+
     python3 bench/engine_vs_vllm.py --out $OUT       # GPU, vLLM kit on PYTHONPATH: $OUT/engine_vs_vllm_h200.json
+    python3 bench/engine_vs_vllm.py --out $OUT --skip-vllm --json-name engine_vs_vllm_torch_h200.json
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from vllm_common import (  # noqa: E402
 )
 
 from rlasync.engine import SamplingParams  # noqa: E402
+from rlasync.metrics.gc_pauses import GcPauseMonitor, freeze_heap  # noqa: E402
 
 WHAT = "the built-in TorchEngine over vLLM 0.25 (its best mode), 256 x 256 -> 256, seeded and unseeded, one process"
 # (name, per-request seeds, log-probs per position)
@@ -133,13 +140,19 @@ async def phase_torch_engine(ctx: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=args.concurrency,
     )
     startup_s = time.perf_counter() - t0
+    frozen = None if args.no_freeze_heap else freeze_heap()  # as the GenerationActor does once its engine is built
     prompts = random_prompts(args.concurrency, args.prompt_len, ctx["model"]["vocab_size"], seed=11)
+    collections = GcPauseMonitor()
     try:
         result = await measure(engine, prompts, args.new_tokens, args.repeats)
         result["runner_info"] = engine.runner_info()
     finally:
+        result_gc = collections.take()
+        collections.close()
         await engine.close()
     result["startup_s"] = startup_s
+    result["gc_frozen_objects"] = frozen
+    result["gc"] = result_gc  # Python's collections during the warm-up and the timed runs
     return result
 
 
@@ -152,7 +165,7 @@ async def main_gpu(run: Run) -> None:
     run.result["vllm_mode"] = summary["vllm_mode"] = f"{run.args.engine_mode}: {VLLM_MODES[run.args.engine_mode]}"
     summary["shape"] = f"{run.args.concurrency} x {run.args.prompt_len} -> {run.args.new_tokens}"
     vllm = None
-    if await start_vllm(run, ctx):
+    if not run.args.skip_vllm and await start_vllm(run, ctx):
         try:
             vllm = await run.phase("vllm", phase_vllm, ctx)
         finally:
@@ -177,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each mode per engine (the median is kept)")
+    parser.add_argument("--skip-vllm", action="store_true", help="the TorchEngine alone (no ratios)")
+    parser.add_argument(
+        "--no-freeze-heap",
+        action="store_true",
+        help="leave the heap unfrozen once the TorchEngine is built (the GenerationActor freezes it)",
+    )
     parser.add_argument(
         "--vllm-engine-args",
         default=None,

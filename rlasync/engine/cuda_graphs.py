@@ -47,19 +47,8 @@ class DecodeGraphs:
         size = self.batch_sizes[-1]
         on = dict(device=device)
         # the graphs' inputs live in two flat device buffers, filled from two pinned host buffers per step (`stage`)
-        self.host64 = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.zeros(size * (2 + self.max_blocks) + 1, dtype=torch.int32, pin_memory=True)
-        stage_decode(
-            self.host64.numpy(),
-            self.host32.numpy(),
-            [],
-            [],
-            [],
-            size,
-            pool.block_size,
-            pool.null_block,
-            self.max_blocks,
-        )
+        self.staging = DecodeStaging(size, pool.block_size, pool.null_block, self.max_blocks, pin_memory=True)
+        self.host64, self.host32 = self.staging.host64, self.staging.host32
         self.dev64 = self.host64.to(device)
         self.dev32 = self.host32.to(device)
         self.input_ids, self.positions, self.slot_mapping = self.dev64
@@ -125,17 +114,7 @@ class DecodeGraphs:
         size = self.padded_size(len(token_ids))
         if self._copied is not None:  # asynchronous scheduling: the last step's copies may still read the host buffers
             self._copied.synchronize()
-        stage_decode(
-            self.host64.numpy(),
-            self.host32.numpy(),
-            token_ids,
-            positions,
-            block_ids,
-            size,
-            self.pool.block_size,
-            self.pool.null_block,
-            self.max_blocks,
-        )
+        self.staging.stage(token_ids, positions, block_ids, size)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self._copied = torch.cuda.Event()
@@ -171,6 +150,51 @@ def capture_graphs(
     return graphs
 
 
+class DecodeStaging:
+    """The host buffers of the decode graphs' inputs (`stage_decode`'s layout) for batches up to `capacity` rows,
+    pinned for asynchronous copies on CUDA; `stage` fills them for one step as `stage_decode` does.
+
+    Consecutive decode steps mostly hold the same requests in the same rows with the same blocks (a request takes
+    a new block every `block_size` tokens), so the block table is written incrementally: a row is rewritten only when
+    its request's block list is another list object or has another length than at its last write. This relies on the
+    scheduler's contract for `Request.block_ids`: a list only grows in place (blocks appended) or is replaced."""
+
+    def __init__(self, capacity: int, block_size: int, null_block: int, max_blocks: int, pin_memory: bool = False):
+        self.capacity, self.block_size, self.null_block, self.max_blocks = capacity, block_size, null_block, max_blocks
+        self.host64 = torch.zeros(3, capacity, dtype=torch.int64, pin_memory=pin_memory)
+        self.host32 = torch.zeros(capacity * (2 + max_blocks) + 1, dtype=torch.int32, pin_memory=pin_memory)
+        self._np64, self._np32 = self.host64.numpy(), self.host32.numpy()
+        self._table = self._np32[2 * capacity + 1 :].reshape(capacity, max_blocks)
+        self._table[:] = null_block
+        self._source: list[Sequence[int] | None] = [None] * capacity  # the block list each row was last written from
+        self._filled = [0] * capacity  # the row's entries before its null padding
+        self.rows_written = 0  # table rows (re)written (for tests)
+        self.stage([], [], [], capacity)
+
+    def stage(
+        self, token_ids: Sequence[int], positions: Sequence[int], block_ids: Sequence[Sequence[int]], size: int
+    ) -> None:
+        """Fill the buffers for a decode step padded to `size` rows (`stage_decode`)."""
+        n = len(token_ids)
+        table, source, filled, null = self._table, self._source, self._filled, self.null_block
+        for row in range(n):
+            blocks = block_ids[row]
+            count = len(blocks)
+            if source[row] is blocks and filled[row] == count:
+                continue
+            table[row, :count] = blocks
+            if filled[row] > count:
+                table[row, count : filled[row]] = null
+            source[row], filled[row] = blocks, count
+            self.rows_written += 1
+        for row in range(n, size):  # padding rows read only the null block
+            if filled[row]:
+                table[row, : filled[row]] = null
+                filled[row] = 0
+            source[row] = None
+        _stage_rows(self._np64, self._np32, token_ids, positions, size, self.block_size, self.null_block)
+
+
 def stage_decode(
     host64: np.ndarray,
     host32: np.ndarray,
@@ -187,20 +211,35 @@ def stage_decode(
 
     host64 [3, S] int64: input ids, positions, slot mapping; host32 [S * (2 + max_blocks) + 1] int32: seq_lens [S],
     seq_start_loc [S + 1], block_tables [S, max_blocks]."""
+    capacity = host64.shape[1]
+    table = host32[2 * capacity + 1 :].reshape(capacity, max_blocks)
+    table[:size] = null_block
+    for row, blocks in enumerate(block_ids):
+        table[row, : len(blocks)] = blocks
+    _stage_rows(host64, host32, token_ids, positions, size, block_size, null_block)
+
+
+def _stage_rows(
+    host64: np.ndarray,
+    host32: np.ndarray,
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    size: int,
+    block_size: int,
+    null_block: int,
+) -> None:
+    """`stage_decode` past the block table (filled already): ids, positions, slot mapping, lengths."""
     n = len(token_ids)
     capacity = host64.shape[1]
     ids, pos, slots = host64
     seq_lens = host32[:capacity]
     seq_start_loc = host32[capacity : 2 * capacity + 1]
-    table = host32[2 * capacity + 1 :].reshape(capacity, max_blocks)
+    table = host32[2 * capacity + 1 :].reshape(capacity, -1)
     ids[:size] = 0
     pos[:size] = 0
-    table[:size] = null_block
     if n:
         ids[:n] = token_ids
         pos[:n] = positions
-        for row, blocks in enumerate(block_ids):
-            table[row, : len(blocks)] = blocks
     p = pos[:n]
     slots[:n] = table[np.arange(n), p // block_size].astype(np.int64) * block_size + p % block_size
     slots[n:size] = null_block * block_size

@@ -75,23 +75,28 @@ class Request:
     ) -> str | None:
         """Record one sampled token (into the first pending placeholder, if any); returns the finish reason when
         this token ends the request, else None. A request that finishes drops its remaining placeholders."""
-        if self.num_pending:
-            self.token_ids[len(self.token_ids) - self.num_pending] = token_id
-            self.num_pending -= 1
+        # runs for every request at every step: locals instead of the properties
+        token_ids = self.token_ids
+        pending = self.num_pending
+        if pending:
+            token_ids[len(token_ids) - pending] = token_id
+            pending -= 1
+            self.num_pending = pending
         else:
-            self.token_ids.append(token_id)
+            token_ids.append(token_id)
         self.output_log_probs.append(logprob)
         if self.sampler_logprobs is not None:
             self.sampler_logprobs.append(top_logprobs or {})
         if self.sampling_mask is not None:
             self.sampling_mask.append(candidates if candidates is not None else [])
-        reason = None
         if token_id in self.stop_ids:
             reason = FINISH_STOP
-        elif self.num_output_tokens - self.num_pending >= self.max_output_tokens:
+        elif len(token_ids) - len(self.prompt_ids) - pending >= self.max_output_tokens:  # num_output_tokens - pending
             reason = FINISH_LENGTH
-        if reason is not None and self.num_pending:
-            del self.token_ids[len(self.token_ids) - self.num_pending :]
+        else:
+            return None
+        if pending:
+            del token_ids[len(token_ids) - pending :]
             self.num_pending = 0
         return reason
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SCORE_CHUNK_ROWS = 256  # LM-head rows per chunk in `score`: bounds the [rows, vocab] float32 logits
 
 
-@dataclass(frozen=True, slots=True)
+# `SampleSpec` and `ChunkInput` are never changed once made; they are not frozen dataclasses only because a frozen
+# one's `__init__` costs ~5x a plain one's, and the engine makes one of each per request per step
+
+
+@dataclass(slots=True)
 class SampleSpec:
     params: SamplingParams
     seed: int
@@ -39,7 +43,7 @@ class SampleSpec:
     slot: int | None = None  # the request's row in the per-slot sampling tensors (None: built for this step)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkInput:
     """One request's part of a step: `token_ids` at positions `start...`, its blocks, and what to sample."""
 
@@ -61,8 +65,9 @@ class LaunchedStep:
     ready: Any = None  # a CUDA event recorded after the copy to `packed`
 
 
-@dataclass(frozen=True, slots=True)
-class SampledToken:
+class SampledToken(NamedTuple):
+    """One request's sampled token (a named tuple: one is made per request and step, so it is cheap to build)."""
+
     token_id: int
     logprob: float
     top_logprobs: dict[int, float] | None  # the top-N processed log-probs (num_logprobs = N), finite ones only
@@ -187,8 +192,11 @@ class ModelRunner:
             return [None] * len(step.samples)
         if step.ready is not None:
             step.ready.synchronize()
-        sampled = iter(unpack_rows(step.packed.tolist(), step.result, step.params))
-        return [next(sampled) if samples else None for samples in step.samples]
+        sampled = unpack_packed(step.packed, step.result, step.params)
+        if len(sampled) == len(step.samples):  # every chunk samples (a decode step)
+            return sampled
+        rows = iter(sampled)
+        return [next(rows) if samples else None for samples in step.samples]
 
     def forward(self, chunks: Sequence[ChunkInput], feedback_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, V] float32 at the last position of each chunk that samples (S of them), in chunk order;
@@ -256,18 +264,20 @@ class ModelRunner:
 
         params = [spec.params for spec in specs]
         seeds = [spec.seed for spec in specs]
-        if all(spec.slot is not None for spec in specs):
-            batch, steps = self.slots.batch([spec.slot for spec in specs], params, seeds, [s.step for s in specs])
+        slots = [spec.slot for spec in specs]
+        if None not in slots:
+            batch, steps = self.slots.batch(slots, params, seeds, [s.step for s in specs])
+            wants_candidates = self.slots.wants_candidates(slots)
         else:
             batch = BatchSampling.from_params(params, seeds, self.device)
             steps = torch.tensor([spec.step for spec in specs], dtype=torch.int64, device=self.device)
+            wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
         seen = None
         if any(spec.seen_ids is not None for spec in specs):
             rows = [row for row, spec in enumerate(specs) for _ in spec.seen_ids or ()]
             ids = [token for spec in specs for token in spec.seen_ids or ()]
             seen = torch.zeros(len(specs), logits.shape[1], dtype=torch.bool, device=self.device)
             seen[torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)] = True
-        wants_candidates = any(p.filters and p.return_sampling_mask for p in params)
         if self.compiled_sampler:
             try:
                 return sample_compiled(logits, batch, steps, seen_tokens=seen, return_candidates=wants_candidates)
@@ -312,7 +322,7 @@ def _on_device(device: torch.device) -> Any:
 def pack_result(result: object) -> torch.Tensor:
     """The sampler's batched tensors as one [B, W] float64 tensor (ids are exact in float64), so a step's results
     leave the device in one copy: token id, log-prob, then top-N ids and log-probs, then candidates and their count
-    (the parts present, in that order; `unpack_rows` reads them back)."""
+    (the parts present, in that order; `unpack_packed` reads them back)."""
     parts = [result.token_ids[:, None], result.logprobs[:, None]]
     for extra in (result.topn_ids, result.topn_logprobs, result.candidate_ids):
         if extra is not None:
@@ -322,26 +332,45 @@ def pack_result(result: object) -> torch.Tensor:
     return torch.cat([part.to(torch.float64) for part in parts], dim=1)
 
 
-def unpack_rows(rows: list[list[float]], result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
-    """`pack_result`'s rows (as Python lists) -> one `SampledToken` per row; `result` gives the parts' widths."""
+def unpack_packed(packed: torch.Tensor, result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """`pack_result`'s tensor (on the host) -> one `SampledToken` per row; `result` gives the parts' widths.
+
+    Runs for every request at every step, so it reads the packed tensor by columns (one `tolist` per part, ids
+    converted to int64 in bulk) and does per row only what needs a Python object of its own."""
     n = result.topn_ids.shape[1] if result.topn_ids is not None else 0
     c = result.candidate_ids.shape[1] if result.candidate_ids is not None else 0
     has_topn = result.topn_ids is not None
     has_candidates = result.candidate_ids is not None and result.num_candidates is not None
+    token_ids = packed[:, 0].to(torch.int64).tolist()
+    logprobs = packed[:, 1].tolist()
+    if has_topn:
+        top_ids = packed[:, 2 : 2 + n].to(torch.int64).tolist()
+        top_logprobs = packed[:, 2 + n : 2 + 2 * n].tolist()  # Python floats (`tolist` of float64)
+    if has_candidates:
+        begin = 2 + 2 * n  # the candidates' first column, their count after them
+        candidate_ids = packed[:, begin : begin + c].to(torch.int64).tolist()
+        counts = packed[:, begin + c].to(torch.int64).tolist()
+    neg_inf = float("-inf")
     out = []
-    for row, p in zip(rows, params):
+    append = out.append
+    for row, p in enumerate(params):
         top = None
-        if p.num_logprobs > 0 and has_topn:
-            pairs = zip(row[2 : 2 + p.num_logprobs], row[2 + n : 2 + n + p.num_logprobs])
-            top = {int(i): float(lp) for i, lp in pairs if lp != float("-inf")}
+        k = p.num_logprobs
+        if k > 0 and has_topn:
+            ids, lps = top_ids[row], top_logprobs[row]
+            if k < n:
+                ids, lps = ids[:k], lps[:k]
+            if neg_inf in lps:  # ranked: -inf only pads a row with fewer than k candidates
+                top = {i: lp for i, lp in zip(ids, lps) if lp != neg_inf}
+            else:
+                top = dict(zip(ids, lps))
         candidates = None
-        if p.filters and p.return_sampling_mask and has_candidates:
-            begin = 2 + 2 * n
-            candidates = [int(i) for i in row[begin : begin + int(row[begin + c])]]
-        out.append(SampledToken(int(row[0]), float(row[1]), top, candidates))
+        if has_candidates and p.return_sampling_mask and p.filters:
+            candidates = candidate_ids[row][: counts[row]]
+        append(SampledToken(token_ids[row], logprobs[row], top, candidates))
     return out
 
 
 def _unpack(result: object, params: Sequence[SamplingParams]) -> list[SampledToken]:
     """The sampler's batched tensors -> one `SampledToken` per row (Python values), through one device copy."""
-    return unpack_rows(pack_result(result).tolist(), result, params)
+    return unpack_packed(pack_result(result).cpu(), result, params)

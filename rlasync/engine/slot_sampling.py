@@ -6,6 +6,10 @@ GPU), the runner keeps one row per request slot (`Request.slot`, assigned by the
 of each field on the device, written only when a slot changes owner, and a step's batch is an `index_select` of its
 slots (one small copy of the slot indices and token steps per step). The host keeps a mirror of the rows for the
 batch's plan (which sampler stages run), so the result is the same `BatchSampling` `from_params` builds.
+
+Consecutive decode steps mostly hold the same requests in the same order: when a step's slots are those of the step
+before and no slot was written since, the previous step's batch (its gathered device rows, plan and log-prob width)
+is reused and only the token steps are copied.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ class SlotSampling:
         self._owner: list[tuple[SamplingParams, int] | None] = [None] * capacity
         self._rows: list[tuple[float, int, float, float, float]] = [(1.0, 0, 1.0, 0.0, 1.0)] * capacity
         self._num_logprobs = [0] * capacity
+        self._wants_candidates = [False] * capacity  # the owner filters and asks for its sampling mask
         self.num_writes = 0  # slot rows written (for tests: only when a slot changes owner)
+        self.num_reused = 0  # steps that reused the previous step's batch (for tests)
+        self._last: tuple[tuple[int, ...], BatchSampling, bool] | None = None  # (slots, batch, wants candidates)
 
     def batch(
         self, slots: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
@@ -52,9 +59,21 @@ class SlotSampling:
             raise ValueError(
                 f"SlotSampling.batch: {len(slots)} slots, {len(params)} params, {len(seeds)} seeds, {len(steps)} steps"
             )
-        stale = [i for i, slot in enumerate(slots) if self._stale(slot, params[i], seeds[i])]
+        owner = self._owner
+        stale = []
+        for i, slot in enumerate(slots):
+            if not 0 <= slot < self.capacity:
+                raise ValueError(f"SlotSampling: slot {slot} is outside [0, {self.capacity})")
+            held = owner[slot]
+            if held is None or held[0] is not params[i] or held[1] != seeds[i]:
+                stale.append(i)
         if stale:
             self._write([slots[i] for i in stale], [params[i] for i in stale], [seeds[i] for i in stale])
+        key = tuple(slots)
+        last = self._last
+        if last is not None and last[0] == key:  # same rows as the step before, none rewritten since
+            self.num_reused += 1
+            return last[1], host_to_device(list(steps), torch.int64, self.device)
         index_and_steps = host_to_device([list(slots), list(steps)], torch.int64, self.device)
         index = index_and_steps[0]
         floats = self.floats.index_select(1, index)
@@ -62,13 +81,17 @@ class SlotSampling:
         rows = [self._rows[slot] for slot in slots]
         plan = _Plan.of(*zip(*rows)) if rows else _Plan.of([], [], [], [], [])
         num_logprobs = max((self._num_logprobs[slot] for slot in slots), default=0)
-        return BatchSampling.from_packed(floats, ints, num_logprobs, plan), index_and_steps[1]
+        batch = BatchSampling.from_packed(floats, ints, num_logprobs, plan)
+        self._last = (key, batch, any(self._wants_candidates[slot] for slot in slots))
+        return batch, index_and_steps[1]
 
-    def _stale(self, slot: int, params: SamplingParams, seed: int) -> bool:
-        if not 0 <= slot < self.capacity:
-            raise ValueError(f"SlotSampling: slot {slot} is outside [0, {self.capacity})")
-        owner = self._owner[slot]
-        return owner is None or owner[0] is not params or owner[1] != seed
+    def wants_candidates(self, slots: Sequence[int]) -> bool:
+        """Whether some owner of `slots` filters (top-k/top-p/min-p) and asks for its sampling mask (owners as of
+        the last `batch`, which writes them)."""
+        last = self._last
+        if last is not None and last[0] == tuple(slots):
+            return last[2]
+        return any(self._wants_candidates[slot] for slot in slots)
 
     def _write(self, slots: list[int], params: list[SamplingParams], seeds: list[int]) -> None:
         if len(set(slots)) != len(slots):
@@ -83,6 +106,8 @@ class SlotSampling:
                 float(p.repetition_penalty),
             )
             self._num_logprobs[slot] = int(p.num_logprobs)
+            self._wants_candidates[slot] = bool(p.filters and p.return_sampling_mask)
+        self._last = None  # a rewritten slot may be in the last batch
         rows = [self._rows[slot] for slot in slots]
         index = host_to_device(slots, torch.int64, self.device)
         floats = host_to_device(

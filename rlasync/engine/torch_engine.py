@@ -445,8 +445,7 @@ class TorchEngine:
             return
         self._num_steps += 1
         self._scheduler.complete(output)
-        for chunk, token in zip(output.chunks, sampled):
-            self._append(chunk.request, token)
+        self._append_all(output.chunks, sampled)
 
     async def _run_overlapped(self) -> None:
         """Run steps with the model lock held, each launched before the previous one is read, until none is left to
@@ -470,8 +469,7 @@ class TorchEngine:
                         )
                 if inflight is not None:
                     sampled = await asyncio.to_thread(self._runner.collect, inflight.step)
-                    for chunk, token in zip(inflight.output.chunks, sampled):
-                        self._append(chunk.request, token)
+                    self._append_all(inflight.output.chunks, sampled)
                 inflight = launched
                 if inflight is None:
                     return
@@ -489,32 +487,30 @@ class TorchEngine:
         inputs = [self._overlapped_input(chunk, previous) for chunk in output.chunks]
         step = await asyncio.to_thread(self._runner.launch, inputs, previous.step if previous else None)
         launched = InFlight(output, step)
-        row = 0
+        rows = launched.rows
         for chunk in output.chunks:
             if not chunk.samples:
                 continue
             request = chunk.request
-            launched.rows[request] = row
-            row += 1
-            if request.num_output_tokens + 1 < request.max_output_tokens:  # not its last token by length
+            rows[request] = len(rows)
+            token_ids = request.token_ids
+            if len(token_ids) - len(request.prompt_ids) + 1 < request.max_output_tokens:  # not its last by length
                 request.add_pending()
         self._scheduler.complete(output)
         self._num_steps += 1
         return launched
 
     def _overlapped_input(self, chunk: Any, previous: InFlight | None) -> ChunkInput:
-        chunk_input = self._chunk_input(chunk)
         request = chunk.request
-        if not request.num_pending:
-            return chunk_input
-        if request.num_pending != 1 or chunk.end != request.num_tokens or previous is None:
+        pending = request.num_pending
+        if not pending:
+            return self._chunk_input(chunk)
+        if pending != 1 or chunk.start + chunk.num_tokens != len(request.token_ids) or previous is None:
             raise RuntimeError(
                 f"request {request.request_id}: a step covers {request.num_pending} token(s) still in flight "
                 f"(chunk {chunk.start}:{chunk.end} of {request.num_tokens})"
             )
-        return ChunkInput(
-            chunk_input.token_ids, chunk_input.start, chunk_input.block_ids, chunk_input.sample, previous.rows[request]
-        )
+        return self._chunk_input(chunk, previous.rows[request])
 
     def _fail_steps(self, exc: Exception, *steps: InFlight | SchedulerOutput | None) -> None:
         """A step raised: fail the unfinished requests of `steps` (the loop goes on)."""
@@ -529,25 +525,33 @@ class TorchEngine:
                 if not chunk.request.is_finished:
                     self._fail(chunk.request, error)
 
-    def _append(self, request: Request, token: SampledToken | None) -> None:
-        if token is None or request.is_finished:
-            return
-        self._num_generated_tokens += 1
-        reason = request.append(token.token_id, token.logprob, token.top_logprobs, token.candidates)
-        if reason is not None:
-            self._finish(request, reason)
+    def _append_all(self, chunks: Sequence[Any], sampled: Sequence[SampledToken | None]) -> None:
+        """Record a step's sampled tokens (None: the chunk did not sample) and finish the requests they end."""
+        for chunk, token in zip(chunks, sampled):
+            if token is None:
+                continue
+            request = chunk.request
+            if request.finish_reason is not None:  # finished (or aborted) while the step ran
+                continue
+            self._num_generated_tokens += 1
+            reason = request.append(*token)  # (token_id, logprob, top_logprobs, candidates)
+            if reason is not None:
+                self._finish(request, reason)
 
     @staticmethod
-    def _chunk_input(chunk: Any) -> ChunkInput:
+    def _chunk_input(chunk: Any, feedback_row: int | None = None) -> ChunkInput:
         request = chunk.request
         sample = None
+        start = chunk.start
+        token_ids = request.token_ids
         if chunk.samples:
             params = request.params
-            seen = list(request.token_ids) if params.repetition_penalty != 1.0 else None
-            sample = SampleSpec(params, request.seed, request.num_output_tokens, seen, request.slot)
+            seen = list(token_ids) if params.repetition_penalty != 1.0 else None
+            step = len(token_ids) - len(request.prompt_ids)  # num_output_tokens
+            sample = SampleSpec(params, request.seed, step, seen, request.slot)
         # the block list itself, not a copy: it only changes in `schedule()` (between steps), and a request dropped
         # during the step gets a new, empty list
-        return ChunkInput(request.token_ids[chunk.start : chunk.end], chunk.start, request.block_ids, sample)
+        return ChunkInput(token_ids[start : start + chunk.num_tokens], start, request.block_ids, sample, feedback_row)
 
 
 # ---- construction helpers -----------------------------------------------------------------------------------------

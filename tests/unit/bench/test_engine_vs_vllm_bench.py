@@ -123,3 +123,33 @@ def test_vllm_engine_args_reach_the_engine_options():
     assert "async_scheduling" not in vllm_common.engine_options(
         engine_vs_vllm.build_parser().parse_args(["--out", "x"])
     )
+
+
+@pytest.mark.parametrize("no_freeze", [False, True])
+def test_the_torch_engine_phase_freezes_the_heap_as_the_generation_actor_does(tmp_path, no_freeze):
+    """`phase_torch_engine` on a tiny random Qwen3 folder: the heap is frozen once the engine is built (unless
+    --no-freeze-heap) and the collections of the timed runs are recorded."""
+    import gc
+
+    import engine_throughput
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(engine_throughput.qwen3_06b_config(tiny=True)).save_pretrained(tmp_path / "m")
+    args = engine_vs_vllm.build_parser().parse_args(
+        ["--out", str(tmp_path), "--concurrency", "3", "--prompt-len", "4", "--new-tokens", "2", "--repeats", "1"]
+        + ["--max-model-len", "64"]
+        + (["--no-freeze-heap"] if no_freeze else [])
+    )
+    ctx = {"args": args, "model": {"path": str(tmp_path / "m"), "vocab_size": 512}}
+    try:
+        result = asyncio.run(engine_vs_vllm.phase_torch_engine(ctx))
+    finally:
+        gc.unfreeze()
+    if no_freeze:
+        assert result["gc_frozen_objects"] is None
+    else:
+        assert result["gc_frozen_objects"] > 10_000  # torch's and transformers' objects at least
+    assert set(result["gc"]) == {"gc_max_s", "gc_total_s", "gc_collections"}
+    assert result["seeded"]["runs"][0]["new_tokens"] == 3 * 2

@@ -226,3 +226,42 @@ def test_async_cancelled_request_frees_its_blocks_and_slot_while_others_go_on():
     records, victim = asyncio.run(run())
     assert victim.cancelled()
     assert all(len(r.output_ids) == 40 for r in records)
+
+
+def test_the_incremental_decode_staging_holds_in_a_real_run_with_preemptions():
+    """The decode graphs stage their block table incrementally (`cuda_graphs.DecodeStaging`), trusting that a
+    request's block list only grows in place or is replaced. In an overlapped CPU run with preemptions, arrivals and
+    chunked prefill, every decode step's staging equals `stage_decode` from scratch."""
+    import numpy as np
+
+    from rlasync.engine.cuda_graphs import DecodeStaging, stage_decode
+    from rlasync.engine.kv_cache import num_blocks_for
+
+    engine = make_engine(
+        tiny_model("llama", init=0.05),
+        async_scheduling=True,
+        kv_cache_tokens=128,
+        max_num_batched_tokens=16,
+        block_size=4,
+        max_num_seqs=8,
+    )
+    pool = engine._runner.pool
+    max_blocks = num_blocks_for(engine.max_model_len, pool.block_size)
+    staging = DecodeStaging(8, pool.block_size, pool.null_block, max_blocks)
+    forward, checked = engine._runner.forward, []
+
+    def spy(chunks, feedback_ids=None):
+        if all(len(chunk.token_ids) == 1 for chunk in chunks):
+            args = ([c.token_ids[0] for c in chunks], [c.start for c in chunks], [c.block_ids for c in chunks])
+            staging.stage(*args, 8)
+            want64 = np.zeros((3, 8), dtype=np.int64)
+            want32 = np.zeros(8 * (2 + max_blocks) + 1, dtype=np.int32)
+            stage_decode(want64, want32, *args, 8, pool.block_size, pool.null_block, max_blocks)
+            assert (staging.host64.numpy() == want64).all() and (staging.host32.numpy() == want32).all()
+            checked.append(len(chunks))
+        return forward(chunks, feedback_ids)
+
+    engine._runner.forward = spy
+    asyncio.run(staggered(engine, jobs_of(12)))
+    assert engine.stats().num_preemptions > 0 and len(checked) > 10
+    assert staging.rows_written < sum(checked)  # rows were reused, not rewritten every step

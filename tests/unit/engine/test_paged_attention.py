@@ -150,6 +150,54 @@ def test_staged_decode_inputs_equal_build_metadata():
     assert table[:size].tolist() == meta.block_tables.tolist()
 
 
+def test_incremental_decode_staging_equals_stage_decode_over_changing_steps():
+    """`DecodeStaging` rewrites only the block-table rows whose block list changed (another list, or grown in place);
+    over steps where requests grow, finish, get replaced, shift rows and the batch shrinks and grows, every step's
+    buffers equal `stage_decode`'s from scratch on the step's rows."""
+    import random
+
+    import numpy as np
+
+    from rlasync.engine.cuda_graphs import DecodeStaging, stage_decode
+
+    block_size, null, max_blocks, capacity = 4, 99, 6, 8
+    staging = DecodeStaging(capacity, block_size, null, max_blocks)
+    rng = random.Random(0)
+    requests = [{"blocks": [rng.randrange(90)], "pos": rng.randrange(block_size)} for _ in range(6)]
+    for step in range(60):
+        for request in requests:  # one token each; a new block when the last one is full
+            request["pos"] += 1
+            if request["pos"] >= len(request["blocks"]) * block_size and len(request["blocks"]) < max_blocks:
+                request["blocks"].append(rng.randrange(90))  # grown in place, as Scheduler._reserve does
+            request["pos"] = min(request["pos"], len(request["blocks"]) * block_size - 1)
+        if step % 7 == 3 and requests:
+            requests.pop(rng.randrange(len(requests)))  # finished: later rows shift up
+        if step % 5 == 1 and len(requests) < capacity:
+            requests.insert(rng.randrange(len(requests) + 1), {"blocks": [rng.randrange(90)], "pos": 0})
+        if step % 11 == 6 and requests:
+            requests[0]["blocks"] = [rng.randrange(90)]  # replaced (preempted and readmitted)
+            requests[0]["pos"] = 0
+        n = len(requests)
+        size = next(s for s in (1, 2, 4, 8) if s >= n) if n else 1
+        token_ids = [rng.randrange(50) for _ in range(n)]
+        positions = [r["pos"] for r in requests]
+        blocks = [r["blocks"] for r in requests]
+        staging.stage(token_ids, positions, blocks, size)
+        want64 = np.full((3, capacity), -5, dtype=np.int64)
+        want32 = np.full(capacity * (2 + max_blocks) + 1, -5, dtype=np.int32)
+        stage_decode(want64, want32, token_ids, positions, blocks, size, block_size, null, max_blocks)
+        got64, got32 = staging.host64.numpy(), staging.host32.numpy()
+        assert (got64[:, :size] == want64[:, :size]).all(), step
+        assert (got32[:size] == want32[:size]).all(), step
+        assert (got32[capacity : capacity + size + 1] == want32[capacity : capacity + size + 1]).all(), step
+        got_table = got32[2 * capacity + 1 :].reshape(capacity, max_blocks)[:size]
+        want_table = want32[2 * capacity + 1 :].reshape(capacity, max_blocks)[:size]
+        assert (got_table == want_table).all(), step
+    written = staging.rows_written
+    staging.stage(token_ids, positions, blocks, size)  # the same step again: no row rewritten
+    assert staging.rows_written == written
+
+
 if __name__ == "__main__":
     import sys
 

@@ -85,3 +85,53 @@ def test_packed_results_unpack_to_the_sampler_tensors():
             assert token.candidates  # a non-empty candidate set
         else:
             assert token.candidates is None
+
+
+def test_a_step_with_the_same_slots_reuses_the_last_batch_until_a_slot_is_rewritten():
+    slots = SlotSampling(8, "cpu")
+    order = [6, 0, 3, 1]
+    first, _ = slots.batch(order, PARAMS, SEEDS, [0, 4, 9, 2])
+    again, steps = slots.batch(order, PARAMS, SEEDS, [1, 5, 10, 3])
+    assert again is first and slots.num_reused == 1
+    assert steps.tolist() == [1, 5, 10, 3]  # the steps are always this step's
+    assert_same_batch(again, BatchSampling.from_params(PARAMS, SEEDS, "cpu"))
+    new = SamplingParams(temperature=0.5, top_k=2)  # slot 6 changes owner: the batch is rebuilt
+    changed, _ = slots.batch(order, [new, *PARAMS[1:]], SEEDS, [0, 0, 0, 0])
+    assert slots.num_reused == 1
+    assert_same_batch(changed, BatchSampling.from_params([new, *PARAMS[1:]], SEEDS, "cpu"))
+    swapped = [0, 6, 3, 1]  # the same slots in another order: rebuilt
+    params = [PARAMS[1], new, PARAMS[2], PARAMS[3]]
+    seeds = [SEEDS[1], SEEDS[0], SEEDS[2], SEEDS[3]]
+    batch, _ = slots.batch(swapped, params, seeds, [0, 0, 0, 0])
+    assert slots.num_reused == 1
+    assert_same_batch(batch, BatchSampling.from_params(params, seeds, "cpu"))
+    for subset in (swapped, [6], [1, 3], [0]):
+        owners = [params[swapped.index(slot)] for slot in subset]
+        want = any(p.filters and p.return_sampling_mask for p in owners)
+        assert slots.wants_candidates(subset) == want, subset
+    plain = SamplingParams(temperature=1.0, top_k=3, return_sampling_mask=False)  # filters, no mask asked
+    slots.batch([2], [plain], [5], [0])
+    assert not slots.wants_candidates([2]) and slots.wants_candidates([2, 6])
+
+
+def test_unpacked_top_logprobs_keep_the_rank_order_and_drop_the_padding_of_short_candidate_sets():
+    """A row asking for more log-probs than it has candidates (top_k=2, 4 log-probs) reports only the finite ones;
+    the others report N entries, best first."""
+    params = [
+        SamplingParams(temperature=1.0, top_k=2, num_logprobs=4),
+        SamplingParams(temperature=1.0, num_logprobs=4),
+        SamplingParams(temperature=0.0, num_logprobs=2),
+    ]
+    torch.manual_seed(2)
+    logits = torch.randn(3, 30) * 2
+    result = sample(logits, BatchSampling.from_params(params, [1, 2, 3], "cpu"), torch.zeros(3, dtype=torch.int64))
+    tokens = _unpack(result, params)
+    short, full, greedy = (list(t.top_logprobs.items()) for t in tokens)
+    assert len(short) == 2 and len(full) == 4 and len(greedy) == 2
+    for row, items in enumerate((short, full, greedy)):
+        n = params[row].num_logprobs
+        assert [i for i, _ in items] == result.topn_ids[row, : len(items)].tolist()
+        assert [lp for _, lp in items] == result.topn_logprobs[row, : len(items)].tolist()
+        assert result.topn_logprobs[row, len(items) : n].eq(float("-inf")).all()
+        assert all(type(i) is int and type(lp) is float for i, lp in items)
+        assert [lp for _, lp in items] == sorted((lp for _, lp in items), reverse=True)
