@@ -152,7 +152,7 @@ class CpuDecodeGraphs:
 
 def instrument(engine: TorchEngine, clock: Clock, path: str, vocab: int, max_model_len: int, concurrency: int):
     """Wrap the runner's launch / forward / sampler calls with the clock; `--path graphs` installs the stand-in."""
-    runner = engine._runner
+    runner = engine.runner
     if path == "graphs":
         from rlasync.engine.cuda_graphs import decode_batch_sizes
 
@@ -168,7 +168,7 @@ def instrument(engine: TorchEngine, clock: Clock, path: str, vocab: int, max_mod
                 clock.add("fwd", time.process_time() - start)
 
         runner.decoder.forward = timed_decoder
-        logits = runner._logits
+        logits = runner.logits
 
         def timed_logits(hidden):
             start = time.process_time()
@@ -177,7 +177,7 @@ def instrument(engine: TorchEngine, clock: Clock, path: str, vocab: int, max_mod
             finally:
                 clock.add("fwd", time.process_time() - start)
 
-        runner._logits = timed_logits
+        runner.logits = timed_logits
     launch = runner.launch
 
     def timed_launch(chunks, previous=None):
@@ -351,7 +351,7 @@ def profile(engine: TorchEngine, prompts, args, level: int) -> str:
     async def inline(fn, *a, **kw):  # the profiler records its own thread only
         return fn(*a, **kw)
 
-    runner = engine._runner
+    runner = engine.runner
     launch = runner.launch
     profiler = cProfile.Profile()
     started = []

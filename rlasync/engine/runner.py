@@ -129,7 +129,7 @@ class ModelRunner:
                 with _on_device(device):
                     self.graphs = DecodeGraphs(
                         self.decoder,
-                        self._logits,
+                        self.logits,
                         pool,
                         device,
                         cuda_graph_sizes,
@@ -145,7 +145,7 @@ class ModelRunner:
                 with _on_device(device):
                     self.mixed = MixedGraphs(
                         self.decoder,
-                        self._logits,
+                        self.logits,
                         pool,
                         device,
                         mixed_graph_tokens,
@@ -231,7 +231,7 @@ class ModelRunner:
             use_cache=False,
             paged_attention=meta,
         ).last_hidden_state[0]
-        return self._logits(hidden.index_select(0, rows))
+        return self.logits(hidden.index_select(0, rows))
 
     def _feedback(
         self, chunks: Sequence[ChunkInput], lengths: list[int], feedback_ids: torch.Tensor | None
@@ -250,7 +250,7 @@ class ModelRunner:
         index = host_to_device([[p for p, _ in pairs], [r for _, r in pairs]], torch.int64, self.device)
         return index[0], feedback_ids.index_select(0, index[1])
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head.weight, getattr(self.head, "bias", None)).float()
 
     def sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampledToken]:
@@ -301,7 +301,7 @@ class ModelRunner:
             k = min(top_k, self.vocab_size)
             topk_ids, topk_logprobs, token_logprobs = [], [], []
             for begin in range(0, hidden.shape[0], SCORE_CHUNK_ROWS):
-                logits = self._logits(hidden[begin : begin + SCORE_CHUNK_ROWS])
+                logits = self.logits(hidden[begin : begin + SCORE_CHUNK_ROWS])
                 logprobs = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
                 token_logprobs.append(logprobs.gather(1, targets[begin : begin + SCORE_CHUNK_ROWS, None])[:, 0])
                 if k > 0:

@@ -296,6 +296,11 @@ class TorchEngine:
             },
         )
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner (read it, or wrap its `launch` / `logits` to time them: the benches' instrumentation)."""
+        return self._runner
+
     def runner_info(self) -> dict[str, Any]:
         """What the model runner chose (read-only): attention backend, decode CUDA graphs, compiled sampler."""
         runner = self._runner
