@@ -473,8 +473,8 @@ class RayQueue:
         entries = list(result.entries)  # the payload refs with what the step's split plans with (RayLearners)
         return Taken(entries, result.num_tokens, list(result.metrics.items()), step_full=result.step_full)
 
-    async def finish_step(self, tokens: int) -> None:
-        await _get(self.handle.finish_step.remote(tokens), self.timeouts.call)
+    async def finish_step(self, tokens: int, unplanned: int = 0) -> None:
+        await _get(self.handle.finish_step.remote(tokens, unplanned), self.timeouts.call)
 
     async def set_policy_version(self, version: int) -> None:
         await _get(self.handle.set_policy_version.remote(version), self.timeouts.call)

@@ -56,8 +56,8 @@ class QueueActor:
     async def wait_take(self, token_target: int, timeout_s: float | None) -> Any:
         return await self.service.wait_take(token_target, timeout_s)
 
-    def finish_step(self, tokens_per_step: int) -> None:
-        self.service.finish_step(tokens_per_step)
+    def finish_step(self, tokens_per_step: int, unplanned: int = 0) -> None:
+        self.service.finish_step(tokens_per_step, unplanned)
 
     def set_policy_version(self, version: int) -> None:
         self.service.set_policy_version(version)

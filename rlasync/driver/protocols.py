@@ -33,8 +33,9 @@ class SampleQueue(Protocol):
         `step_full`); waits at most `timeout_s` for the first one."""
         ...
 
-    async def finish_step(self, tokens: int) -> None:
-        """The step trained `tokens` raw tokens (the token allowance's next target)."""
+    async def finish_step(self, tokens: int, unplanned: int = 0) -> None:
+        """The step trained `tokens` raw tokens (the token allowance's next target); `unplanned` of its samples
+        were in no rank's row (`batch/unplanned_count`), counted by the queue."""
         ...
 
     async def set_policy_version(self, version: int) -> None: ...

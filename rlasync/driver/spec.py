@@ -132,6 +132,7 @@ class RunSpec:
             hang_timeout_s=self.hang_timeout_s,
             hang_setting=self.hang_setting,
             composed=composed,
+            min_samples=self.config.cluster.num_learners,
         )
 
     def step_loop(

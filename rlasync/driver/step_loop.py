@@ -3,7 +3,7 @@
     on_train_begin, on_epoch_begin ->
     take (the step the queue composes, a token target, or a sample count) -> on_step_begin -> learners train ->
     on_substep_end (per accumulated micro-batch but the last), on_pre_optimizer_step, on_optimizer_step ->
-    finish_step -> every weight_sync_steps: sync -> on_step_end -> a due evaluation starts in the background
+    finish_step (with the step's unplanned samples) -> every weight_sync_steps: sync -> on_step_end -> a due evaluation starts in the background
     (rlasync.driver.evaluation; its metrics are logged with on_log + on_evaluate when they arrive) -> drain the
     rollout metrics -> every logging_steps (or when a callback set control.should_log): log a window (on_log) ->
     every save_steps (or control.should_save): checkpoint (on_save) -> ... -> the evaluations still running ->
@@ -79,6 +79,9 @@ class StepSettings:
     samples_per_step: int | None = None
     composed: bool = False
     """The queue composes each step as the learner plans it (docs/algorithms.md §4.5.1): take until `step_full`."""
+    min_samples: int = 1
+    """The learner ranks: a step takes at least one sample per rank (one row each, docs/algorithms.md §4.5.2). Fewer
+    at the end of the prompt stream or on a stop are trained by no rank: counted unplanned, not trained."""
     weight_sync_steps: int = 1
     logging_steps: int = 1
     save_steps: int | None = 500
@@ -99,6 +102,7 @@ class StepSettings:
         hang_timeout_s: float,
         hang_setting: str = "rollout_worker_timeout",
         composed: bool = False,
+        min_samples: int = 1,
     ) -> StepSettings:
         """`hang_timeout_s` and `hang_setting` (the config field it comes from, named in messages): the trainer's
         heartbeat limit, also the watchdog's floor."""
@@ -114,6 +118,7 @@ class StepSettings:
             tokens_per_step=tokens_per_step,
             samples_per_step=samples_per_step,
             composed=composed,
+            min_samples=min_samples,
             weight_sync_steps=config.weight_sync_steps,
             logging_steps=config.steps_of("logging_steps", horizon),
             save_steps=save_steps,
@@ -124,6 +129,12 @@ class StepSettings:
 
     def watchdog_settings(self) -> WatchdogSettings:
         return self.watchdog if self.watchdog is not None else WatchdogSettings(floor_s=self.hang_timeout_s)
+
+
+def unplanned_count(trained: MetricItems) -> int:
+    """The step's taken samples no rank trained (`batch/unplanned_count` of the learners' items: a short tail that
+    fit in no row, docs/algorithms.md §4.5.2); the queue counts them (`QueueState.unplanned_samples`)."""
+    return int(sum(float(value) for name, value in trained if name == "batch/unplanned_count"))
 
 
 def check_actor_health(
@@ -262,6 +273,9 @@ class StepLoop:
                 if step == start:
                     await self._nothing_trained()
                 break
+            if len(refs) < s.min_samples:  # the stream ended (or a stop) with fewer samples than learner ranks
+                await self._unplanned_step(refs, take_items, tokens)
+                break
             step_window = MetricSink()
             step_window.update(take_items)
             step_window.add("perf/rollout_wait_s", wait_s)
@@ -269,7 +283,7 @@ class StepLoop:
             trained = await self.learners.train_step(refs)
             step_window.update(trained)
             self._optimizer_events(trained)
-            await self.queue.finish_step(tokens)
+            await self.queue.finish_step(tokens, unplanned_count(trained))
             step += 1
             self.watchdog.step_done()
             if step % s.weight_sync_steps == 0:
@@ -321,14 +335,19 @@ class StepLoop:
 
     async def take(self) -> tuple[list[Any], float, MetricItems, int]:
         """Fresh samples for one step: until the queue says the step is full (`composed`), else up to the token
-        target (or the sample count). While none comes, checks the fleet's health and whether the stream ended.
+        target (or the sample count), and at least one per learner rank (`min_samples`). While none comes, checks the fleet's health and whether the stream ended.
         Returns (refs, seconds spent waiting on the queue for them, take metrics, raw tokens)."""
         s = self.settings
         refs: list[Any] = []
         tokens, waited, full = 0, 0.0, False
         items: MetricItems = []
         while not full and (
-            (tokens < s.tokens_per_step or s.composed) if s.samples_per_step is None else len(refs) < s.samples_per_step
+            len(refs) < s.min_samples
+            or (
+                (tokens < s.tokens_per_step or s.composed)
+                if s.samples_per_step is None
+                else len(refs) < s.samples_per_step
+            )
         ):
             target = s.tokens_per_step - tokens if s.samples_per_step is None else 1
             started = time.perf_counter()
@@ -352,6 +371,20 @@ class StepLoop:
                 break
             self.watchdog.check(state, list(healths or ()))
         return refs, waited, items, tokens
+
+    async def _unplanned_step(self, refs: list[Any], take_items: MetricItems, tokens: int) -> None:
+        """A last take of fewer samples than learner ranks cannot fill one row per rank: no rank trains them. They
+        are counted, `batch/unplanned_count` in the last window and the queue's `unplanned_samples` (they were
+        counted as trained when taken), and the run ends as it would have after the previous step."""
+        logger.warning(
+            "the last %d samples taken (fewer than the %d learner ranks: a row each) are not trained; counted as "
+            "unplanned (batch/unplanned_count)",
+            len(refs),
+            self.settings.min_samples,
+        )
+        self.window.update(take_items)
+        self.window.add("batch/unplanned_count", float(len(refs)))
+        await self.queue.finish_step(tokens, len(refs))
 
     def _stopping(self) -> bool:
         """Whether a signal asked the run to stop (no new samples are admitted; the final checkpoint follows)."""

@@ -35,7 +35,10 @@ class StepShare:
     indices:        the step's samples this rank gets (positions in the step's list), in the order it gets them
     layout:         per micro-batch, this rank's row as positions in its own samples, in the row's order
     planner_items:  rank 0: the planner's metrics of every micro-batch (all ranks' rows); [] elsewhere
-    step_items:     rank 0: `batch/samples_per_step` and `batch/<unit>_per_step` of the whole step; [] elsewhere
+    step_items:     rank 0: `batch/samples_per_step`, `batch/<unit>_per_step`, `batch/tail_planned_count` and
+                    `batch/unplanned_count` of the whole step; [] elsewhere
+    unplanned:      the step's samples in no rank's row (positions; the same on every rank): a short tail the
+                    planner could place nowhere (docs/algorithms.md §4.5.2), trained by no rank
     """
 
     rank: int
@@ -44,6 +47,7 @@ class StepShare:
     layout: list[list[int]]
     planner_items: MetricItems = field(default_factory=list)
     step_items: MetricItems = field(default_factory=list)
+    unplanned: list[int] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:
@@ -53,11 +57,14 @@ class StepShare:
 
 def split_step(objective: Any, samples: Sequence[Any]) -> list[StepShare]:
     """Plan the step's rows with `objective`'s batcher (its world size, budget and prefix sharing) and give each
-    rank the samples of its rows. Samples in no row (an oversize sample dropped by the planner; fewer than the
-    ranks left at the end) go to no rank, as before they were trained by none. Updates `objective.seen` (the
+    rank the samples of its rows. A short tail (fewer samples than ranks left at the end) is planned into the
+    step's rows where it can be (`plan`, docs/algorithms.md §4.5.2); what could not is `unplanned` and counted,
+    `batch/unplanned_count` (the driver tells the queue: `QueueState.unplanned_samples`), and an oversize sample
+    is dropped by the planner (`batch/dropped_oversize_count`): both go to no rank. Updates `objective.seen` (the
     step's new units)."""
     samples = list(samples)
-    batches = objective.new_batcher().plan(samples)
+    batcher = objective.new_batcher()
+    batches = batcher.plan(samples)
     if not batches:
         raise ValueError(objective.unfilled_message(len(samples)))
     world = objective.world_size
@@ -72,7 +79,15 @@ def split_step(objective: Any, samples: Sequence[Any]) -> list[StepShare]:
             layouts[rank].append(list(range(len(mine), len(mine) + row.num_samples)))
             mine += [position[id(sample)] for sample in row.samples]
     planner_items = [item for batch in batches for item in batch.metrics().items()]
-    step_items = [("batch/samples_per_step", float(len(samples))), *objective.step_items(samples)]
+    unplanned = sorted(position[id(sample)] for sample in batcher.pending)
+    left_out = set(unplanned)
+    trained = [sample for i, sample in enumerate(samples) if i not in left_out]
+    step_items = [
+        ("batch/samples_per_step", float(len(samples))),
+        *objective.step_items(trained),
+        ("batch/tail_planned_count", float(getattr(batcher, "tail_planned_count", 0))),
+        ("batch/unplanned_count", float(len(unplanned))),
+    ]
     return [
         StepShare(
             rank=rank,
@@ -81,6 +96,7 @@ def split_step(objective: Any, samples: Sequence[Any]) -> list[StepShare]:
             layout=layouts[rank],
             planner_items=planner_items if rank == 0 else [],
             step_items=step_items if rank == 0 else [],
+            unplanned=unplanned,
         )
         for rank in range(world)
     ]

@@ -18,6 +18,14 @@ forward would leave the other ranks' collectives waiting); with a token budget, 
 `flush()` with fewer buffered samples than ranks cannot fill every row: it returns None and keeps the samples
 buffered (`pending`), so a later `push` continues with them; `take_pending()` hands them back instead.
 
+`plan(samples)` plans a finite list (a whole optimizer step) and completes such a short tail (docs/algorithms.md
+§4.5.2), because its samples were taken for training: the token-budget planners fill the tail's empty rows by
+moving a sample out of a row holding several (the open rows', then the latest micro-batch's first, heaviest row
+first: rows only shrink, a moved sample fits alone), else put each tail sample beside the least-loaded earlier row
+it fits in; the fixed-count planner merges the tail into the last micro-batch (no budget). What still fits nowhere
+(a step of fewer samples than ranks; single-sample rows too full to take it) stays `pending`: the caller counts
+it unplanned. `tail_planned_count` is the tail samples `plan` placed so.
+
 Dropped oversize samples (`len > token_budget`) are counted, never raised: `dropped_oversize_count` on the
 batcher is the running total, and each `MicroBatch.dropped_oversize_count` holds the drops since the previous
 emitted micro-batch (so summing the micro-batches' counts gives the total; drops after the last emitted
@@ -102,6 +110,7 @@ class BudgetBatcher:
         self.num_ranks = num_ranks
         self.token_budget = token_budget
         self.dropped_oversize_count = 0  # running total since construction
+        self.tail_planned_count = 0  # the last `plan`'s short-tail samples it placed (module docstring)
         self._dropped_since_emit = 0
         self._rows: list[Any] = self._new_rows()
 
@@ -160,10 +169,60 @@ class BudgetBatcher:
         return 0 < len(sample) <= self.token_budget and self._place(sample) is None
 
     def plan(self, samples: Iterable[Any]) -> list[Any]:
-        """Plan a finite list: every push, then a flush. Samples left over stay `pending`."""
+        """Plan a finite list: every push, then a flush; a short tail is completed (module docstring). Samples
+        that fit nowhere stay `pending`."""
         batches = [batch for sample in samples for batch in self.push(sample)]
         last = self.flush()
+        self.tail_planned_count = 0
+        if last is None and self.pending:
+            last = self._complete_tail(batches)
         return batches if last is None else [*batches, last]
+
+    def _fresh_row(self) -> Any:
+        """An empty row of this planner's kind."""
+        return self._new_rows()[0]
+
+    def _fits(self, row: Any, sample: Any) -> bool:
+        """Whether `sample` fits beside `row`'s samples within the budget."""
+        raise NotImplementedError
+
+    def _complete_tail(self, batches: list[Any]) -> Any:
+        """The open rows cannot be emitted (a row is empty): fill the empty rows with samples moved out of
+        multi-sample rows and return the last micro-batch, or, without enough of those, add each open sample to
+        the least-loaded earlier row it fits in (None returned; what fits nowhere stays pending)."""
+        open_rows = self._rows
+        tail = [sample for row in open_rows for sample in row.samples]
+        empty = [r for r, row in enumerate(open_rows) if row.num_samples == 0]
+        donors = [open_rows, *(batch.rows for batch in reversed(batches))]  # the open rows first, latest first
+        if sum(max(row.num_samples - 1, 0) for rows in donors for row in rows) >= len(empty):
+            for r in empty:
+                rows = next(rows for rows in donors if any(row.num_samples >= 2 for row in rows))
+                donor = max((d for d, row in enumerate(rows) if row.num_samples >= 2), key=lambda d: rows[d].load)
+                *kept, moved = rows[donor].samples
+                rows[donor] = self._row_of(kept)
+                open_rows[r] = self._row_of([moved])
+            self.tail_planned_count = len(tail)
+            return self._emit()
+        self._rows = self._new_rows()
+        left = []
+        for sample in tail:
+            spots = [(row.load, b, r) for b, batch in enumerate(batches) for r, row in enumerate(batch.rows)]
+            fitting = [spot for spot in spots if self._fits(batches[spot[1]].rows[spot[2]], sample)]
+            if not fitting:
+                left.append(sample)
+                continue
+            _, b, r = min(fitting)  # the least-loaded row, the earliest micro-batch and lowest rank on ties
+            batches[b].rows[r].add(sample)
+            self.tail_planned_count += 1
+        for r, sample in enumerate(left):  # fewer than the ranks: one per row, pending
+            self._rows[r].add(sample)
+        return None
+
+    def _row_of(self, samples: Iterable[Any]) -> Any:
+        row = self._fresh_row()
+        for sample in samples:
+            row.add(sample)
+        return row
 
     def _emit(self) -> Any:
         batch = self._batch(self._rows, self._dropped_since_emit)
@@ -199,6 +258,12 @@ class TokenBudgetBatcher(BudgetBatcher):
 
     def _batch(self, rows: list[Any], dropped: int) -> MicroBatch:
         return MicroBatch(rows, self.token_budget, dropped)
+
+    def _fresh_row(self) -> TreeRow:
+        return TreeRow(self.share_prefixes)
+
+    def _fits(self, row: TreeRow, sample: PackableSample) -> bool:
+        return row.fits(sample, self.token_budget)
 
     def flush(self) -> MicroBatch | None:
         """Emit the open rows at the end of a finite stream.
@@ -247,6 +312,7 @@ class FixedCountBatcher:
         self.num_ranks = num_ranks
         self.microbatch_size = microbatch_size
         self.share_prefixes = share_prefixes
+        self.tail_planned_count = 0  # the last `plan`'s short-tail samples merged into its last micro-batch
         self._buffer: list[PackableSample] = []
 
     @property
@@ -277,9 +343,15 @@ class FixedCountBatcher:
         return MicroBatch(balance_groups(samples, self.num_ranks, self.share_prefixes))
 
     def plan(self, samples: Iterable[PackableSample]) -> list[MicroBatch]:
-        """Plan a finite list: every push, then a flush. Samples left over (< num_ranks) stay `pending`."""
+        """Plan a finite list: every push, then a flush; a tail of fewer samples than ranks joins the last
+        micro-batch (rebalanced: no budget to exceed). Without a micro-batch to join it stays `pending`."""
         batches = [batch for sample in samples for batch in self.push(sample)]
         last = self.flush()
+        self.tail_planned_count = 0
+        if last is None and self._buffer and batches:
+            tail = self.take_pending()
+            self.tail_planned_count = len(tail)
+            batches[-1] = self._make_batch([*batches[-1].samples, *tail])
         return batches if last is None else [*batches, last]
 
 

@@ -25,7 +25,10 @@ full (`TakeResult.step_full`). `finish_step` starts the next step's composition.
 
 A take counts as training for the epoch, as in TRL (the trainer records a group when it reads its sample):
 `mark_trained` for taken entries, `mark_stale` for dropped ones (a group whose samples were all stale is
-leased again). Pure Python: no torch, no ray.
+leased again). The learner plans every taken sample into a row of its step, a short tail included (docs/
+algorithms.md §4.5.2); one it could place nowhere is reported back with the step (`finish_step(tokens,
+unplanned)`) and counted, `unplanned_samples` beside `taken_samples`: a sample is trained or counted as not,
+never lost silently. Pure Python: no torch, no ray.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class QueueState:
     released_by_owner: dict[str, int] = field(default_factory=dict)  # leases given back for a dead (restarted) owner
     keep_rate: float = 1.0  # the allowance's keep rate: generated tokens expected to reach the queue (floored)
     counted_inflight_tokens: float = 0.0  # in-flight tokens as the gate counts them (× keep_rate when S >= 1)
+    taken_samples: int = 0  # samples handed to the learner (counted as trained for their groups at take time)
+    unplanned_samples: int = 0  # of those, in no row of their step: trained by no rank (docs/algorithms.md §4.5.2)
 
     def to_dict(self) -> dict[str, int | float | bool]:
         return asdict(self)
@@ -129,6 +134,8 @@ class QueueService:
         self.causes: Counter[str] = Counter()
         self.last_failures: dict[str, str] = {}
         self.released_by_owner: Counter[str] = Counter()
+        self.taken_samples = 0
+        self.unplanned_samples = 0
 
     @classmethod
     def create(
@@ -304,9 +311,18 @@ class QueueService:
             self.allowance.learner_waiting = False
         return _with_drops(result, dropped)
 
-    def finish_step(self, tokens_per_step: int) -> None:
+    def finish_step(self, tokens_per_step: int, unplanned: int = 0) -> None:
         """Publish the raw tokens the learner consumed in its last optimizer step; the next take composes the next
-        step."""
+        step. `unplanned`: the step's taken samples that no rank trained (its `batch/unplanned_count`: a short
+        tail that fit in no row, docs/algorithms.md §4.5.2), counted in `state().unplanned_samples`."""
+        if unplanned < 0:
+            raise ValueError(f"finish_step: unplanned={unplanned} must be >= 0 (the step's samples in no row)")
+        if self.unplanned_samples + unplanned > self.taken_samples:
+            raise ValueError(
+                f"finish_step: unplanned={unplanned} samples, but only {self.taken_samples - self.unplanned_samples} "
+                "taken samples are not counted unplanned yet"
+            )
+        self.unplanned_samples += unplanned
         self.allowance.set_tokens_per_step(tokens_per_step)
         if self.composer is not None:
             self.composer.reset()
@@ -351,6 +367,8 @@ class QueueService:
             released_by_owner=dict(self.released_by_owner),
             keep_rate=self.allowance.keep_rate,
             counted_inflight_tokens=self.allowance.counted_inflight_tokens,
+            taken_samples=self.taken_samples,
+            unplanned_samples=self.unplanned_samples,
         )
 
     # ---- internals -----------------------------------------------------------------------------------------
@@ -368,6 +386,7 @@ class QueueService:
 
     def _account(self, result: TakeResult) -> None:
         """Tell the dispatcher and the allowance what left the queue."""
+        self.taken_samples += len(result.entries)
         for group_id, count in Counter(entry.group_id for entry in result.entries).items():
             self.dispatcher.mark_trained(group_id, count)
         for group_id, count in Counter(entry.group_id for entry in result.dropped_stale).items():

@@ -6,7 +6,12 @@ import time
 
 import pytest
 
-from tests.integration.tiny_runs import arithmetic_rows, digit_reward, tiny_grpo_config
+from tests.integration.tiny_runs import (
+    arithmetic_rows,
+    assert_every_taken_sample_trained,
+    digit_reward,
+    tiny_grpo_config,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("pickle_by_value")]
 
@@ -148,16 +153,21 @@ def test_reward_errors_surface_from_train_and_actors_are_removed(
 
 
 def test_max_staleness_zero_trains_only_fresh_samples_and_counts_drops(ray_cluster, tiny_model_dir, tmp_path):
+    """S = 0 over two learner ranks: the steps are not composed by the queue (a token target; the version's last step
+    takes everything queued), so a step's last micro-batch may hold fewer samples than ranks: that tail is planned
+    into the step's rows, and every sample taken is trained (docs/algorithms.md §4.5.2)."""
     from rlasync import AsyncGRPOTrainer
 
+    config = make_config(tmp_path, max_staleness=0)
+    config.cluster.num_learners = 2
+    config.cluster.learner_num_cpus = 0.25
     trainer = AsyncGRPOTrainer(
-        model=tiny_model_dir,
-        reward_funcs=digit_reward,
-        args=make_config(tmp_path, max_staleness=0),
-        train_dataset=arithmetic_rows(),
+        model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=arithmetic_rows()
     )
-    assert trainer.train()["global_step"] == 3
+    state = trainer.train()
+    assert state["global_step"] == 3
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert_every_taken_sample_trained(state["queue"], records)  # steps the queue does not compose: no lost tail
     assert all(r["sample/staleness_max"] == 0 for r in records if r.get("sample/staleness_max") is not None)
     assert all("sample/dropped_stale_count" in r for r in records)  # counted (0 or more) in every window
     assert alive(ray_cluster, trainer.actor_ids) == []
@@ -249,6 +259,7 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
     assert all(r["batch/samples_per_step"] == 4 * r["batch/samples_per_row"] for r in records)
     # the driver split each step: a rank was sent only its rows' samples (docs/design.md §6.2)
     assert all(0 < r["batch/samples_per_rank_max"] < r["batch/samples_per_step"] for r in records)
+    assert_every_taken_sample_trained(state["queue"], records)
     # FSDP2 over two gloo ranks: the step's metrics are reduced over both; every sync logs its phases
     sync_keys = (
         "perf/weight_sync_s",

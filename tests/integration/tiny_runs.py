@@ -78,6 +78,15 @@ def assert_exactly_once(queue, rows):
     assert queue["done"] and queue["consumed_groups"] == rows and queue["first_untrained_index"] == rows
     assert sum(outcomes.values()) == rows and set(outcomes) <= {"trained", "zero_std", "filtered", "failed"}
     assert queue["queue_size"] == 0 and queue["inflight_groups"] == 0 and queue["leased_groups"] == 0
+    assert outcomes.get("trained", 0) <= queue["taken_samples"] and 0 <= queue["unplanned_samples"]
+    assert queue["unplanned_samples"] <= queue["taken_samples"]  # samples: trained or counted unplanned (§4.5.2)
+
+
+def assert_every_taken_sample_trained(queue, records):
+    """Sample level (docs/algorithms.md §4.5.2): the samples the queue handed out add up to the learners' steps
+    (`batch/samples_per_step`, one record per step), and no step left one in no rank's row."""
+    assert queue["unplanned_samples"] == 0 and all(r.get("batch/unplanned_count", 0) == 0 for r in records)
+    assert sum(r["batch/samples_per_step"] for r in records if "batch/samples_per_step" in r) == queue["taken_samples"]
 
 
 def pickle_by_value(module):

@@ -137,6 +137,9 @@ class TokenBudgetBatcher(BudgetBatcher):
     def _batch(self, rows: list[Any], dropped: int) -> DistillMicroBatch:
         return DistillMicroBatch(rows, self.token_budget, dropped)
 
+    def _fits(self, row: DistillRow, sample: DistillationSample) -> bool:
+        return row.num_tokens + len(sample) <= self.token_budget
+
     def _describe(self, sample: Any) -> str:
         return f"prompt {sample.prompt_id}"
 

@@ -2,6 +2,7 @@
 parts, the cadences, the stopping rules, the hang check and the callback events (no Ray, milliseconds)."""
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -20,6 +21,7 @@ class FakeQueue:
         self.journal, self.left, self.tokens_each, self.empty_polls = journal, num_samples, tokens_each, empty_polls
         self.version = None
         self.finished = []
+        self.unplanned = []
         self.next_ref = 0
 
     async def take(self, token_target, timeout_s):
@@ -33,8 +35,9 @@ class FakeQueue:
         self.journal.append("take")
         return Taken(refs=[f"ref{self.next_ref}"], num_tokens=self.tokens_each, metrics=[("rollout/queue_size", 1.0)])
 
-    async def finish_step(self, tokens):
+    async def finish_step(self, tokens, unplanned=0):
         self.finished.append(tokens)
+        self.unplanned.append(unplanned)
         self.journal.append("finish_step")
 
     async def set_policy_version(self, version):
@@ -251,9 +254,9 @@ class ComposingQueue(FakeQueue):
         self.in_step += len(taken.refs)
         return taken
 
-    async def finish_step(self, tokens):
+    async def finish_step(self, tokens, unplanned=0):
         self.in_step = 0
-        await super().finish_step(tokens)
+        await super().finish_step(tokens, unplanned)
 
 
 def test_a_composed_step_takes_until_the_queue_says_it_is_full_then_a_short_last_step(tmp_path):
@@ -269,6 +272,21 @@ def test_a_sample_count_per_step(tmp_path):
     loop, _, _ = make_loop(tmp_path, horizon=2, tokens_per_step=1, samples_per_step=4)
     run(loop)
     assert [len(refs) for refs in loop.learners.trained] == [4, 4]
+    assert loop.queue.unplanned == [0, 0]
+
+
+def test_the_samples_no_rank_trained_are_reported_to_the_queue_with_the_step(tmp_path):
+    """A short tail the learners' planner could place in no row (`batch/unplanned_count`, docs/algorithms.md
+    §4.5.2) is counted by the queue at `finish_step`, not left counted as trained."""
+    loop, _, sink = make_loop(tmp_path, horizon=2, tokens_per_step=1, samples_per_step=3)
+
+    async def train_step(refs):
+        return [("loss", 0.5), ("batch/unplanned_count", float(len(refs) - 2))]  # two ranks, one row each
+
+    loop.learners.train_step = train_step
+    run(loop)
+    assert loop.queue.unplanned == [1, 1]
+    assert [r["batch/unplanned_count"] for _, r in sink.records] == [1.0, 1.0]
 
 
 def test_a_fleet_health_failure_is_raised_with_its_message_and_sinks_are_closed(tmp_path):
@@ -332,3 +350,16 @@ def test_a_checkpoint_keeps_num_tokens_and_the_log_history_for_a_resumed_run(tmp
     again.perf = StepPerf(num_tokens=resumed["num_tokens"])
     run(again, start_step=2, version=3)
     assert [record["num_tokens"] for _, record in sink2.records if "num_tokens" in record] == [logged[-1] + 64.0]
+
+
+def test_a_step_takes_a_sample_per_learner_rank_and_a_shorter_last_take_is_counted_unplanned(tmp_path):
+    """Two learner ranks (`min_samples=2`): a step of a token target a single sample reaches still takes one per
+    rank (one row each, docs/algorithms.md §4.5.2); the stream's last sample, alone, is trained by no rank: the
+    queue counts it unplanned and the last window logs it, instead of a learner error (or a silent loss)."""
+    loop, journal, sink = make_loop(tmp_path, horizon=None, num_samples=5, tokens_per_step=10)
+    loop.settings = dataclasses.replace(loop.settings, min_samples=2)
+    state = run(loop)
+    assert [len(refs) for refs in loop.learners.trained] == [2, 2] and state["global_step"] == 2
+    assert loop.queue.unplanned == [0, 0, 1] and loop.queue.finished == [20, 20, 10]
+    assert sink.records[-1][1]["batch/unplanned_count"] == 1.0
+    assert journal.count("train") == 2 and journal[-1] == "on_train_end"

@@ -25,7 +25,7 @@ class StuckQueue:
         self.polls += 1
         return Taken()
 
-    async def finish_step(self, tokens):
+    async def finish_step(self, tokens, unplanned=0):
         pass
 
     async def set_policy_version(self, version):

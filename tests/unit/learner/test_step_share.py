@@ -78,8 +78,9 @@ def check_split(settings, samples, world):
     assert [share.rank for share in shares] == list(range(world))
     taken = [i for share in shares for i in share.indices]
     assert len(taken) == len(set(taken))  # disjoint
-    planned = {id(sample) for batch in batches for sample in batch.samples}  # a short tail stays unplanned, as before
-    assert {id(samples[i]) for i in taken} == planned and len(planned) >= len(samples) - (world - 1)
+    planned = {id(sample) for batch in batches for sample in batch.samples}  # a short tail is planned too (§4.5.2)
+    assert {id(samples[i]) for i in taken} == planned == {id(sample) for sample in samples}
+    assert all(share.unplanned == [] for share in shares)
     for share in shares:
         assert len(share.layout) == len(batches)
         for batch, positions in zip(batches, share.layout, strict=True):

@@ -204,9 +204,32 @@ def test_flush_with_fewer_samples_than_ranks_returns_none_and_keeps_them():
     assert fixed.pending == samples
 
 
+def test_plan_completes_a_short_tail_by_moving_a_sample_or_joining_an_earlier_row():
+    """`plan` (a whole step, docs/algorithms.md §4.5.2): a last micro-batch of fewer samples than ranks gets a
+    sample moved out of a two-sample row; without one, the tail joins an earlier row it fits in; else it stays
+    pending (the caller counts it unplanned)."""
+    a, b, c, d, tail = (make_sample(n) for n in (10, 10, 10, 10, 35))
+    batcher = TokenBudgetBatcher(2, 40)
+    batches = batcher.plan([a, b, c, d, tail])
+    assert [[row.samples for row in batch.rows] for batch in batches] == [[[a], [b, d]], [[tail], [c]]]
+    assert batcher.pending == [] and batcher.tail_planned_count == 1
+
+    small, big, big2, big3, tail = (make_sample(n) for n in (10, 40, 40, 40, 30))
+    batcher = TokenBudgetBatcher(2, 45)
+    batches = batcher.plan([small, big, big2, big3, tail])
+    assert [[row.samples for row in batch.rows] for batch in batches] == [[[small, tail], [big]], [[big2], [big3]]]
+
+    samples = [make_sample(25) for _ in range(3)]
+    batcher = TokenBudgetBatcher(2, 40)
+    assert len(batcher.plan(samples)) == 1 and batcher.pending == samples[2:] and batcher.tail_planned_count == 0
+
+
 def test_fixed_count_flush_emits_a_short_micro_batch():
     batches = FixedCountBatcher(2, 4).plan([make_sample(3) for _ in range(7)])
     assert [b.num_samples for b in batches] == [4, 3]
+    batcher = FixedCountBatcher(2, 4)
+    batches = batcher.plan([make_sample(3) for _ in range(9)])  # a tail of one joins the last micro-batch
+    assert [b.num_samples for b in batches] == [4, 5] and batcher.pending == [] and batcher.tail_planned_count == 1
 
 
 def test_invalid_arguments_raise():
@@ -249,6 +272,9 @@ def test_token_budget_batcher_properties(samples, num_ranks, budget, placement):
     assert sum(b.dropped_oversize_count for b in batches) <= batcher.dropped_oversize_count
     check_partition(batches, batcher.pending, admissible)
     assert len(batcher.pending) < num_ranks
+    # a short tail is planned (docs/algorithms.md §4.5.2): what stays pending fits in no row of the step
+    assert all(not row.fits(s, budget) for s in batcher.pending for batch in batches for row in batch.rows)
+    assert batcher.tail_planned_count <= num_ranks - 1
     for batch in batches:
         assert_valid(batch, num_ranks, budget)
         for row in batch.rows:  # the row's own accounting matches a fresh rebuild
@@ -265,9 +291,10 @@ def test_fixed_count_batcher_properties(samples, num_ranks, extra):
     batcher = FixedCountBatcher(num_ranks, microbatch_size)
     batches = batcher.plan(samples)
     check_partition(batches, batcher.pending, samples)
-    assert len(batcher.pending) < num_ranks
+    assert len(batcher.pending) < num_ranks and (not batcher.pending or not batches)  # a tail joins the last one
     for batch in batches[:-1]:
         assert batch.num_samples == microbatch_size
+    assert not batches or batches[-1].num_samples < microbatch_size + num_ranks
     for batch in batches:
         assert_valid(batch, num_ranks)
         groups = {s.group_id for s in batch.samples}
