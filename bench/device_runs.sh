@@ -448,6 +448,12 @@ dry_run)  # carry .pydkit: issue 31's dry run on one H200, timed (< 2 min), its 
     RLASYNC_FAKE_PG_OUT=$out/fsdp_fake_pg.jsonl run dry_run_gpu_tests 420 python3 -m pytest -q -s \
         tests/gpu/test_dry_run_gpu.py tests/gpu/test_fsdp_fake_pg_gpu.py
     ;;
+ckplan_small)  # carry .pydkit, one H200: the learner's "auto" checkpoint plan on ~24 GiB (a ballast holds the rest of the GPU): rank 0 of 2 (fake group), 32768-token rows, some layers checkpointed, no OOM, peak within 10% of the dry run's estimate (~4 min)
+    use_pydkit || exit 1
+    RLASYNC_FAKE_PG_OUT=$out/ckplan_small.jsonl run ckplan_small 540 python3 -m pytest -q -s -p no:cacheprovider -rf \
+        -m slow tests/gpu/test_fsdp_fake_pg_gpu.py -k 24_gib
+    tail -n 3 "$out/ckplan_small.log"; cat "$out/ckplan_small.jsonl"
+    ;;
 reward_model)  # after kits .devicekit and the SmolLM2 calls (warm): issue 33, SmolLM2's backbone with a head fitted on its features drives GRPO beside the verifier reward (~8 min)
     export PYTHONPATH=$PWD:/tmp/site
     smollm2_ready || exit 1

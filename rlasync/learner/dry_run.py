@@ -20,9 +20,9 @@ padded to row_bucket), M its loss terms, c the compute element size: 2 under bf1
     (P*w weights + P*w gradients + 2*P*w AdamW moments) / N                        sharded_state_bytes
     + one row's activations under the learner's checkpoint plan (k of L layers):   (rlasync.model.checkpointing)
       (L - k) * (full*T + fixed) + k * input*T + (full*T + fixed if k)             the plan: plan_for_model's
-      full: what a compiled layer saves (compiled_activation_bytes_per_token;      compiled_activation_bytes_
-      Qwen3-0.6B in bf16: 45 KB per token) or the eager estimate (activation_       per_token, activation_bytes_
-      bytes_per_token); fixed: autocast's bf16 weight copies (one rank only)       per_token
+      full: what a compiled layer saves (compiled_activation_bytes_per_token;      planner_bytes_per_token:
+      Qwen3-0.6B in bf16: 45 KB per token) or the eager estimate (activation_       the learner's own figures
+      bytes_per_token); fixed: autocast's bf16 weight copies (one rank only)
       + T*H final-norm input + M*H head input
     + the chunked LM head at its backward: on a GPU the kept [M, V] logits and     lm_head_bytes
       one chunk's grad-logits in c bytes (chunked and kept by the free memory, as
@@ -32,9 +32,10 @@ padded to row_bucket), M its loss terms, c the compute element size: 2 under bf1
 
 FSDP2's MixedPrecisionPolicy casts the parameters and each layer's input to bf16, so under it the whole layer,
 residual stream included, is bf16; with one rank, autocast keeps a float32 residual stream and saves a bf16 copy of
-each layer's weights. The "auto" checkpoint plan is the learner's own, made from its planner's figures, which err
-high (`planner_bytes_per_token`): where they fit it checkpoints nothing, where they do not it checkpoints enough
-layers for them, so the memory counted here stays under the planner's budget. Against tests/gpu/
+each layer's weights. The "auto" checkpoint plan is the learner's own (`plan_for_model`), made from the same
+figures (`planner_bytes_per_token`, the one function both use) against device x gpu_share x MEMORY_FRACTION minus
+the reserved state (`training_state_bytes`: the sharded state, FSDP2's gathered root and layers, the head's
+CPU-sized buffers): the fewest checkpointed layers whose activations fit. Against tests/gpu/
 test_fsdp_fake_pg_gpu.py (Qwen3-0.6B shape, bf16 over float32 weights, compiled layers, 8192-token rows of 5120
 terms; an H200): 17.66 / 15.44 / 14.33 GiB at 2 / 4 / 8 ranks, measured 17.71 / 15.56 / 14.38
 (bench/results/fsdp_fake_pg_h200.json): 0.3-0.8% low, the small buffers (masks, row tensors, rotary tables) not
@@ -72,7 +73,6 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 RESULT_PREFIX = "RESULT "
 MAX_PROMPT = 256  # the synthetic prompts' length at most (step_shape)
-FSDP_UNSHARDED_LAYERS = 2  # FSDP2 holds the layer it runs and the one it prefetches unsharded
 
 
 class NoReduce:
@@ -302,15 +302,13 @@ def estimate_rank_memory(
 ) -> RankEstimate:
     """The formula of the module docstring for `model` (built on the meta device in the learner's dtype) on a GPU
     of `gpu_bytes` (its `gpu_share` of it; None: the learner runs on the CPU). `terms_per_row`: the loss terms of a
-    row (default: every token of the row, the worst case). The checkpoint plan is the one the learner makes:
-    "auto" on a GPU weighs the planner's own per-layer figures (`planner_bytes_per_token`, which err high), so the
-    plan may checkpoint more layers than the activations counted here need."""
+    row (default: every token of the row, the worst case). The checkpoint plan is the one the learner makes: "auto"
+    on a GPU weighs the per-layer figures counted here (`planner_bytes_per_token`), the layers as they run."""
     from rlasync.model.checkpointing import (
         MEMORY_FRACTION,
-        activation_bytes_per_token,
-        compiled_activation_bytes_per_token,
-        decoder_layer_params,
         decoder_layers,
+        fsdp_unsharded_bytes,
+        layer_element_bytes,
         plan_checkpointing,
         planner_bytes_per_token,
         sharded_state_bytes,
@@ -320,15 +318,11 @@ def estimate_rank_memory(
     from rlasync.model.row_shapes import padded_length
 
     on_gpu = gpu_bytes is not None
-    layers = decoder_layers(model)
-    num_layers = len(layers)
-    layer_params = decoder_layer_params(layers[0])
+    num_layers = len(decoder_layers(model))
     weight_bytes = next(model.parameters()).element_size()
     mixed = on_gpu and settings.bf16 and weight_bytes == 4  # as the Learner: bf16 compute over float32 weights
-    autocast = mixed and world_size == 1  # one rank: autocast; several: FSDP2's MixedPrecisionPolicy
-    compute_bytes = 2 if mixed else weight_bytes
-    # FSDP2's policy casts the parameters and each layer's inputs to bf16: the residual stream is bf16 too
-    residual_bytes = weight_bytes if autocast or not mixed else compute_bytes
+    # one rank: autocast (float32 residual stream); several: FSDP2's policy casts each layer's inputs to bf16 too
+    compute_bytes, residual_bytes, _ = layer_element_bytes(weight_bytes, mixed=mixed, world_size=world_size)
     resolved = settings.resolved(cuda=on_gpu)  # as the learner: torch_compile None compiles on CUDA only
     compiled = bool(resolved.torch_compile)
     tokens = padded_length(settings.token_budget, resolved.row_bucket) if settings.token_budget > 0 else 0
@@ -337,9 +331,8 @@ def estimate_rank_memory(
     terms = min(tokens, terms_per_row) if terms_per_row else tokens
     vocab, hidden = model.get_output_embeddings().weight.shape
     state = sharded_state_bytes(model, world_size=world_size)
-    per_token = compiled_activation_bytes_per_token if compiled else activation_bytes_per_token
-    full, saved = per_token(model.config, compute_bytes, residual_bytes)
-    fixed = compute_bytes * layer_params if autocast else 0  # autocast's bf16 weight copies, saved per layer
+    # the learner's own figures (one function for both): its plan weighs exactly what is counted here
+    full, saved, fixed = planner_bytes_per_token(model, mixed=mixed, world_size=world_size, compiled=compiled)
     choice = settings.gradient_checkpointing_layers
     if not settings.gradient_checkpointing:
         count = 0
@@ -347,20 +340,16 @@ def estimate_rank_memory(
         count = len(spread(choice, num_layers))
     elif choice == "all" or not on_gpu or settings.token_budget <= 0:
         count = num_layers  # the learner's "auto" without a GPU or without a token budget
-    else:  # "auto" on a GPU: the learner's plan, from the planner's figures (plan_for_model)
-        plan_full, plan_saved, plan_fixed = planner_bytes_per_token(model, autocast=autocast)
-        available = gpu_bytes * MEMORY_FRACTION * settings.gpu_share - training_state_bytes(
-            model, world_size=world_size
-        )
-        plan = plan_checkpointing(num_layers, tokens, plan_full, plan_saved, available, layer_fixed_bytes=plan_fixed)
+    else:  # "auto" on a GPU: the learner's plan (plan_for_model), its budget on a device with nothing else on it
+        reserved = training_state_bytes(model, world_size=world_size, mixed=mixed, tokens=tokens)
+        available = gpu_bytes * MEMORY_FRACTION * settings.gpu_share - reserved
+        plan = plan_checkpointing(num_layers, tokens, full, saved, available, layer_fixed_bytes=fixed)
         count = len(plan.layers)
     whole = full * tokens + fixed
     activations = (num_layers - count) * whole + count * saved * tokens + (whole if count else 0)
     activations += tokens * hidden * residual_bytes + terms * hidden * compute_bytes  # final norm input, head input
-    unsharded = 0
-    if world_size > 1:  # the root's parameters stay gathered from forward to backward; a layer and its prefetch
-        root = sum(p.numel() for p in model.parameters()) - num_layers * layer_params
-        unsharded = (root + FSDP_UNSHARDED_LAYERS * layer_params) * compute_bytes
+    # the root's parameters stay gathered from forward to backward; a layer and its prefetch (0 with one rank)
+    unsharded = fsdp_unsharded_bytes(model, world_size=world_size, compute_bytes=compute_bytes)
     head_weight_bytes = compute_bytes if world_size > 1 else weight_bytes  # FSDP2 gathers it in the compute dtype
     free = gpu_bytes * settings.gpu_share - (state + activations + unsharded) if on_gpu else None
     head = lm_head_bytes(

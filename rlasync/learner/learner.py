@@ -99,8 +99,9 @@ class Learner:
             device=self.device,
             tokens=padded_length(settings.token_budget, settings.row_bucket) if settings.token_budget > 0 else 0,
             enabled=settings.gradient_checkpointing,
-            autocast=self.mixed and world_size == 1,
+            mixed=self.mixed,  # one rank: autocast; several: FSDP2's MixedPrecisionPolicy (all bf16)
             world_size=world_size,
+            compiled=bool(settings.torch_compile),  # compiled layers save less than eager ones
             gpu_share=settings.gpu_share,
         )
         if rank == 0:
@@ -234,10 +235,11 @@ class Learner:
         """The objective's step; when a compiled decoder layer fails to compile, the layers go back to eager (one
         warning) and the step runs again from zeroed gradients (no optimizer step had happened)."""
         from rlasync.model.attention import _compile_errors
+        from rlasync.model.checkpointing import apply_checkpoint_plan, replan_for_eager_layers
         from rlasync.model.loading import uncompile_decoder_layers
 
         try:
-            return self.objective.step(rows)
+            return self._step_or_replan_after_oom(rows)
         except _compile_errors() as exc:
             if not self.settings.torch_compile or not uncompile_decoder_layers(self.model):
                 raise
@@ -248,8 +250,55 @@ class Learner:
                 type(exc).__name__,
                 first_line,
             )
+            # an eager layer keeps about 3x what a compiled one does: "auto" plans again for eager layers
+            plan = replan_for_eager_layers(
+                self.model, self.checkpoint_plan, mixed=self.mixed, world_size=self.world_size
+            )
+            if plan != self.checkpoint_plan:
+                self.checkpoint_plan = plan
+                apply_checkpoint_plan(self.model, plan.layers)
+                if self.rank == 0:
+                    logger.warning("eager layers: %s", plan.describe())
             self.optimizer.zero_grad(set_to_none=True)
+            return self._step_or_replan_after_oom(rows)
+
+    def _step_or_replan_after_oom(self, rows: Any) -> dict[str, Any]:
+        """The objective's step; when the "auto" plan's step runs out of device memory before the optimizer stepped,
+        on one rank, every layer is checkpointed from then on (one warning) and the step runs again from zeroed
+        gradients. With several ranks the other ranks are inside FSDP2's collectives, so the error stands (lower
+        `token_budget` or set `gradient_checkpointing_layers`), as it does for a plan the user chose."""
+        stepping = [False]
+        hook = self.optimizer.register_step_pre_hook(lambda *_: stepping.__setitem__(0, True))
+        try:
             return self.objective.step(rows)
+        except torch.OutOfMemoryError as exc:
+            plan = self.checkpoint_plan
+            all_layers = len(plan.layers) == plan.num_layers
+            if stepping[0] or self.world_size > 1 or plan.reason != "memory" or all_layers:
+                raise
+            first_line = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        finally:
+            hook.remove()
+        # out of the except block: the failed step's frames (and the activations they hold) are released
+        self._checkpoint_every_layer(first_line)
+        return self.objective.step(rows)
+
+    def _checkpoint_every_layer(self, reason: str) -> None:
+        from rlasync.model.checkpointing import CheckpointPlan, apply_checkpoint_plan
+
+        before = self.checkpoint_plan
+        self.checkpoint_plan = CheckpointPlan(before.num_layers, tuple(range(before.num_layers)), "out of memory")
+        apply_checkpoint_plan(self.model, self.checkpoint_plan.layers)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.warning(
+            "out of device memory with %d of %d decoder layers checkpointed (%s); checkpointing every layer from now "
+            "on and running the step again (set gradient_checkpointing_layers='all' or lower token_budget to start so)",
+            len(before.layers),
+            before.num_layers,
+            reason,
+        )
 
     # ---- weights and checkpoints -------------------------------------------------------------------------------
 

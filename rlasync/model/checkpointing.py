@@ -4,16 +4,20 @@ Checkpointing every layer costs a whole extra forward (about a third more comput
 rows needs about 10 GB of activations without it, and an H200 has 141 GB. So the learner checkpoints only as many
 layers as it must:
 
-    activation_bytes_per_token(config, ...)     -> (full, checkpointed) bytes one layer keeps per token
+    activation_bytes_per_token(config, ...)     -> (full, checkpointed) bytes one eager layer keeps per token
     compiled_activation_bytes_per_token(...)    -> the same for a torch.compile'd layer (what it saves, no margin)
-    activation_memory_budget(model, device,...) -> bytes left for activations (device x fraction - static state)
+    planner_bytes_per_token(model, mixed, ...)  -> the figures of the layers as the learner runs them (compiled or
+                                                   eager; autocast, FSDP2's bf16 policy, or the weights' dtype): the
+                                                   one source for the plan and the dry run's estimate
+    activation_memory_budget(model, device,...) -> bytes left for activations (device x MEMORY_FRACTION - state)
     plan_checkpointing(num_layers, tokens, ...) -> CheckpointPlan: the fewest layers that fit, spread evenly
     apply_checkpoint_plan(model, plan.layers)   -> per-layer switch (the model's checkpointing already enabled)
 
-`plan_checkpointing` is pure arithmetic (unit-tested in milliseconds). The per-token estimate is derived from the
-config (hidden, intermediate, heads, dtypes); it was calibrated against the tensors autograd actually saves for
-Llama and Qwen3 layers (saved-tensor hooks, fp32, bf16 autocast over fp32 weights and pure bf16) and errs high,
-so a plan never checkpoints fewer layers than the memory needs.
+`plan_checkpointing` is pure arithmetic (unit-tested in milliseconds). The per-token figures are derived from the
+config (hidden, intermediate, heads, dtypes): the eager one calibrated against the tensors autograd saves for Llama
+and Qwen3 layers (saved-tensor hooks, fp32, bf16 autocast over fp32 weights and pure bf16) with a 10% margin, the
+compiled one counted on a compiled Qwen3 layer (no margin; the dry run's estimate built on it is within 1% of the
+H200's measured peaks). The plan's safety margin is MEMORY_FRACTION (15% of the device left uncounted).
 """
 
 from __future__ import annotations
@@ -31,10 +35,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MEMORY_FRACTION = 0.85  # of the device's memory the planner lets the learner use (allocator slack, fragmentation)
+# The plan's safety margin: of the device's memory (x gpu_share) the plan lets the learner's counted peak use. The
+# counted peak (training state + FSDP2's gathered root and layers + one row's activations + the head's reserve) is an
+# honest estimate, 0.3-0.8% under the allocated peaks measured on an H200 (bench/results/fsdp_fake_pg_h200.json).
+# The other 15% covers what it does not count: the caching allocator's fragmentation (reserved over allocated, a few
+# percent to ~10% in training steps), the CUDA context, cuBLAS/NCCL workspaces and the compiled kernels' scratch
+# outside torch's allocator, small buffers (masks, rotary tables, row tensors). Erring high is the safe side: an OOM
+# in the middle of a run costs far more than a few recomputed layers (~1/3 of a layer's forward each).
+MEMORY_FRACTION = 0.85
 ESTIMATE_MARGIN = 1.1  # over the calibrated element counts: the estimate errs high
 HEAD_BUFFERS = 4  # [chunk, V] float32 buffers of the chunked LM head alive at once (logits, softmax, grads)
 ADAM_STATES = 2  # float32 moments per trainable parameter
+FSDP_UNSHARDED_LAYERS = 2  # FSDP2 holds the layer it runs and the one it prefetches unsharded
 
 
 @dataclass(frozen=True)
@@ -160,15 +172,48 @@ def compiled_activation_bytes_per_token(
     return float(full), float(hidden * residual_bytes)
 
 
-def planner_bytes_per_token(model: torch.nn.Module, *, autocast: bool) -> tuple[float, float, float]:
-    """(full, checkpointed, fixed) bytes per layer the "auto" plan weighs (`plan_for_model`): the eager estimate
-    (`activation_bytes_per_token`, which errs high) in the weights' dtype, or in bf16 under `autocast`, whose bf16
-    weight copies are the fixed part."""
+def layer_element_bytes(weight_bytes: int, *, mixed: bool, world_size: int = 1) -> tuple[int, int, bool]:
+    """(compute, residual, autocast): the element sizes a decoder layer's matmuls and its residual stream run in, and
+    whether autocast runs them, as the learner sets its precision up. `mixed`: bf16 compute over float32 weights
+    (`bf16=True` on a GPU). With one rank that is autocast: bf16 matmuls, the residual stream and the norms in the
+    weights' float32, a bf16 copy of each weight saved for backward. With several, FSDP2's MixedPrecisionPolicy casts
+    the parameters and each layer's input to bf16: the whole layer is bf16. Otherwise everything is in the weights'
+    dtype."""
+    if not mixed:
+        return weight_bytes, weight_bytes, False
+    if world_size > 1:
+        return 2, 2, False
+    return 2, weight_bytes, True
+
+
+def planner_bytes_per_token(
+    model: torch.nn.Module, *, mixed: bool = False, world_size: int = 1, compiled: bool = False
+) -> tuple[float, float, float]:
+    """(full, checkpointed, fixed) bytes per decoder layer as the learner runs it: the one source of these figures
+    for the "auto" plan (`plan_for_model`) and the dry run's estimate (`rlasync.learner.dry_run`).
+
+    `compiled` layers: what a compiled layer saves (`compiled_activation_bytes_per_token`, counted, no margin; the
+    dry run's estimate built on it lies within 1% of the H200 peaks of bench/results/fsdp_fake_pg_h200.json); eager
+    ones: `activation_bytes_per_token` (its ESTIMATE_MARGIN over the counted elements). The element sizes are
+    `layer_element_bytes(mixed, world_size)`; the fixed part is autocast's bf16 weight copies (one rank, mixed)."""
     weight_bytes = next(model.parameters()).element_size()
-    compute_bytes = 2 if autocast else weight_bytes
-    full, saved = activation_bytes_per_token(model.config, compute_bytes, weight_bytes)
+    compute_bytes, residual_bytes, autocast = layer_element_bytes(weight_bytes, mixed=mixed, world_size=world_size)
+    per_token = compiled_activation_bytes_per_token if compiled else activation_bytes_per_token
+    full, saved = per_token(model.config, compute_bytes, residual_bytes)
     fixed = compute_bytes * decoder_layer_params(decoder_layers(model)[0]) if autocast else 0.0
-    return full, saved, fixed
+    return full, saved, float(fixed)
+
+
+def fsdp_unsharded_bytes(model: torch.nn.Module, *, world_size: int, compute_bytes: int) -> int:
+    """What FSDP2 holds gathered on a rank besides its shards (0 with one rank): the root's parameters (embedding, LM
+    head, final norm: gathered from its forward to its backward) and FSDP_UNSHARDED_LAYERS decoder layers (the one
+    it runs and the one it prefetches), in the compute dtype (bf16 under the MixedPrecisionPolicy)."""
+    if world_size <= 1:
+        return 0
+    layers = decoder_layers(model)
+    layer = decoder_layer_params(layers[0])
+    root = sum(p.numel() for p in model.parameters()) - len(layers) * layer
+    return int((root + FSDP_UNSHARDED_LAYERS * layer) * compute_bytes)
 
 
 def sharded_state_bytes(
@@ -188,10 +233,25 @@ def sharded_state_bytes(
     return (weights + grads + states) // max(1, world_size)
 
 
-def training_state_bytes(model: torch.nn.Module, *, world_size: int = 1, optimizer_states: int = ADAM_STATES) -> int:
-    """What the "auto" plan reserves before activations: the sharded training state (`sharded_state_bytes`, its
-    moments counted as float32) plus the chunked LM head's CPU-sized buffers."""
+def training_state_bytes(
+    model: torch.nn.Module,
+    *,
+    world_size: int = 1,
+    optimizer_states: int = ADAM_STATES,
+    mixed: bool = False,
+    tokens: int = 0,
+) -> int:
+    """What the "auto" plan reserves before the decoder layers' activations: the sharded training state
+    (`sharded_state_bytes`, its moments counted as float32), what FSDP2 holds gathered (`fsdp_unsharded_bytes`, in
+    bf16 when `mixed`), a `tokens`-token row's final-norm and LM-head inputs (every token a loss term), and the
+    chunked LM head's CPU-sized buffers (on a GPU the head sizes its chunks and kept logits by the memory free then:
+    at most 3/8 of it, so it eats into MEMORY_FRACTION's margin by design and never fills it)."""
     state = sharded_state_bytes(model, world_size=world_size, optimizer_states=optimizer_states, moment_bytes=4)
+    weight_bytes = next(model.parameters()).element_size()
+    compute_bytes, residual_bytes, _ = layer_element_bytes(weight_bytes, mixed=mixed, world_size=world_size)
+    state += fsdp_unsharded_bytes(model, world_size=world_size, compute_bytes=compute_bytes)
+    hidden = int(getattr(model.config, "get_text_config", lambda: model.config)().hidden_size)
+    state += max(0, int(tokens)) * hidden * (residual_bytes + compute_bytes)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_bytes = 0
     if head is not None and getattr(head, "weight", None) is not None:
@@ -203,13 +263,19 @@ def training_state_bytes(model: torch.nn.Module, *, world_size: int = 1, optimiz
 
 
 def activation_memory_budget(
-    model: torch.nn.Module, device: torch.device, *, world_size: int = 1, fraction: float = MEMORY_FRACTION
+    model: torch.nn.Module,
+    device: torch.device,
+    *,
+    world_size: int = 1,
+    mixed: bool = False,
+    tokens: int = 0,
+    fraction: float = MEMORY_FRACTION,
 ) -> int:
     """Bytes left for one row's activations on a CUDA `device`: the smaller of total x fraction minus the training
     state, and the memory free now x fraction minus what of the state is not allocated yet (another process on the
     same device, e.g. a colocated engine, counts)."""
     free, total = torch.cuda.mem_get_info(device)
-    state = training_state_bytes(model, world_size=world_size)
+    state = training_state_bytes(model, world_size=world_size, mixed=mixed, tokens=tokens)
     resident = torch.cuda.memory_allocated(device)  # this process' weights, already loaded
     return int(min(total * fraction - state, free * fraction - max(0, state - resident)))
 
@@ -233,14 +299,17 @@ def plan_for_model(
     device: torch.device,
     tokens: int,
     enabled: bool = True,
-    autocast: bool = False,
+    mixed: bool = False,
     world_size: int = 1,
+    compiled: bool = False,
     gpu_share: float = 1.0,
 ) -> CheckpointPlan:
     """The plan of `gradient_checkpointing_layers=choice` for `model` on `device` ("auto": by memory on CUDA, every
     layer elsewhere; "all"; an int: that many layers, spread evenly; `enabled=False`: none). `gpu_share` (0, 1]: the
     part of the device the learner was given (`cluster.learner_num_gpus` when it shares the GPU with an engine that
-    may allocate after the plan is made): the budget is that part of the device's memory."""
+    may allocate after the plan is made): the budget is that part of the device's memory. "auto" weighs the layers as
+    they run (`planner_bytes_per_token`): `mixed` (bf16 compute over float32 weights: autocast with one rank, FSDP2's
+    MixedPrecisionPolicy with several) and `compiled` decoder layers."""
     layers = decoder_layers(model)
     num_layers = len(layers)
     if not enabled:
@@ -260,12 +329,25 @@ def plan_for_model(
         return CheckpointPlan(num_layers, tuple(range(num_layers)), "cpu")
     if tokens <= 0:  # fixed-count rows: their size is not known before the step
         return CheckpointPlan(num_layers, tuple(range(num_layers)), "no token_budget")
-    full, saved, fixed = planner_bytes_per_token(model, autocast=autocast)
+    full, saved, fixed = planner_bytes_per_token(model, mixed=mixed, world_size=world_size, compiled=compiled)
     if not 0 < gpu_share <= 1:
         raise ValueError(f"gpu_share={gpu_share}: must be in (0, 1] (the learner's part of its GPU)")
-    available = activation_memory_budget(model, device, world_size=world_size, fraction=MEMORY_FRACTION * gpu_share)
+    available = activation_memory_budget(
+        model, device, world_size=world_size, mixed=mixed, tokens=tokens, fraction=MEMORY_FRACTION * gpu_share
+    )
     plan = plan_checkpointing(num_layers, tokens, full, saved, available, layer_fixed_bytes=fixed)
     return plan
+
+
+def replan_for_eager_layers(
+    model: torch.nn.Module, plan: CheckpointPlan, *, mixed: bool, world_size: int
+) -> CheckpointPlan:
+    """The "auto" plan again, on the same budget, for layers that now run eager (the learner's fallback when compiling
+    them failed: an eager layer keeps about 3x what a compiled one does). Any other plan is returned as it is."""
+    if plan.reason != "memory":
+        return plan
+    full, saved, fixed = planner_bytes_per_token(model, mixed=mixed, world_size=world_size, compiled=False)
+    return plan_checkpointing(plan.num_layers, plan.tokens, full, saved, plan.available_bytes, layer_fixed_bytes=fixed)
 
 
 def apply_checkpoint_plan(model: torch.nn.Module, layers: Sequence[int]) -> None:
@@ -295,9 +377,12 @@ __all__ = [
     "checkpointed_layers",
     "compiled_activation_bytes_per_token",
     "decoder_layers",
+    "fsdp_unsharded_bytes",
+    "layer_element_bytes",
     "plan_checkpointing",
     "plan_for_model",
     "planner_bytes_per_token",
+    "replan_for_eager_layers",
     "sharded_state_bytes",
     "spread",
     "training_state_bytes",

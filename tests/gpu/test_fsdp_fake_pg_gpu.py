@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 
-def rank_settings():
+def rank_settings(token_budget: int = 8192):
     """bf16 mixed precision, compiled layers, gradient checkpointing, 8192-token rows (the bench's settings)."""
     from rlasync.algorithms.grpo.spec import GRPO
     from rlasync.config import AsyncGRPOConfig
@@ -38,7 +38,7 @@ def rank_settings():
         report_to="none",
         learning_rate=1e-5,
     )
-    return GRPO.learner_settings(config, token_budget=8192)
+    return GRPO.learner_settings(config, token_budget=token_budget)
 
 
 def rank_samples(world_size: int, vocab_size: int):
@@ -97,3 +97,39 @@ def test_one_rank_of_an_fsdp2_group_trains_a_full_step(qwen3_06b_dir, world_size
     if out:
         with open(out, "a") as f:
             f.write(json.dumps(result) + "\n")
+
+
+SMALL_GPU_GIB = 24  # an RTX 4090 / L4 / A10-class budget: what the H200 leaves free around a ballast
+
+
+@pytest.mark.slow  # on purpose only: bench/device_runs.sh ckplan_small
+def test_on_a_24_gib_gpu_the_auto_plan_checkpoints_what_it_must_and_the_step_fits(qwen3_06b_dir):
+    """Rank 0 of 2 with 32768-token rows on ~24 GiB (the rest of the H200 held by a ballast in this process, as a
+    colocated engine would hold it): "auto" plans from the memory free (the learner's own figures: compiled layers,
+    FSDP2's bf16 policy), checkpoints some but not all layers (the dry run's estimate on 24 GiB: 21 of 28, 19.7 GiB),
+    and the steps run without running out of memory, the peak near the estimate."""
+    from rlasync.learner.dry_run import GIB, estimate_rank_memory, measure_in_subprocess, meta_model, synthetic_samples
+
+    settings = rank_settings(token_budget=32768)
+    samples = synthetic_samples(151936, groups=40, group_size=8, prompt_len=544, completion_len=128)  # 20 a row
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    ballast = torch.empty(max(0, free - SMALL_GPU_GIB * GIB), dtype=torch.uint8, device="cuda")
+    try:
+        result = measure_in_subprocess(str(qwen3_06b_dir), settings, 2, samples, steps=2)
+    finally:
+        del ballast
+        torch.cuda.empty_cache()
+    model = meta_model(qwen3_06b_config(), "float32")
+    estimate = estimate_rank_memory(model, settings, 2, gpu_bytes=SMALL_GPU_GIB * GIB, terms_per_row=20 * 8 * 128)
+    result.update({"gpu_gib": SMALL_GPU_GIB, "token_budget": 32768, "estimate_gib": estimate.total_bytes / GIB})
+    print(f"PEAK_GIB small {result['peak_gib']:.2f} estimate {estimate.describe()}", result)
+    out = os.environ.get("RLASYNC_FAKE_PG_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    assert all(loss == loss for loss in result["losses"]) and result["optimizer_steps"] == [2], result
+    assert 0 < result["checkpointed_layers"] < 28, result
+    assert abs(result["checkpointed_layers"] - estimate.checkpointed_layers) <= 2, (result, estimate.describe())
+    assert result["peak_gib"] <= SMALL_GPU_GIB, result
+    assert result["peak_gib"] == pytest.approx(estimate.total_bytes / GIB, rel=0.10), (result, estimate.describe())

@@ -179,25 +179,74 @@ def test_fsdp_keeps_the_root_and_two_layers_gathered_in_the_compute_dtype(tmp_pa
     assert estimate_rank_memory(model, s, 1, gpu_bytes=140 * GIB).unsharded_bytes == 0
 
 
-def test_auto_checkpoints_the_layers_the_learners_plan_does(tmp_path):
-    """The learner plans "auto" from its planner's figures (which err high), so the estimate takes the same count and
-    counts the activations of that plan: on a 24 GiB GPU it stays under the planner's budget."""
-    from rlasync.model.checkpointing import (
-        MEMORY_FRACTION,
-        plan_checkpointing,
-        planner_bytes_per_token,
-        training_state_bytes,
-    )
+# "auto" for the Qwen3-0.6B shape (float32 master weights, bf16=True: FSDP2's bf16 policy at 2/4/8 ranks), one
+# row of `token_budget` tokens: decoder layers checkpointed at 2 / 4 / 8 ranks on a GPU of 24 / 48 / 80 / 141 GiB.
+PLAN_TABLE = {
+    # token_budget, compiled layers: {GiB: (2, 4, 8 ranks)}
+    (8192, True): {24: (0, 0, 0), 48: (0, 0, 0), 80: (0, 0, 0), 141: (0, 0, 0)},  # was 18 / 16 / 15 at 24 GiB
+    (8192, False): {24: (7, 3, 0), 48: (0, 0, 0), 80: (0, 0, 0), 141: (0, 0, 0)},  # eager layers keep ~3x more
+    (32768, True): {24: (21, 19, 18), 48: (5, 3, 3), 80: (0, 0, 0), 141: (0, 0, 0)},  # long rows must checkpoint
+}
+
+
+@pytest.mark.parametrize(("token_budget", "compiled"), list(PLAN_TABLE))
+def test_the_learners_auto_plan_for_the_qwen3_shape_by_gpu_and_ranks(tmp_path, monkeypatch, token_budget, compiled):
+    """The learner's own plan (`plan_for_model` on a CUDA device whose memory is faked) and the dry run's estimate
+    (`estimate_rank_memory`) checkpoint the same layers (one function gives both their figures), as tabled:
+
+        token_budget  layers    24 GiB        48 GiB      80 GiB   141 GiB     (at 2 / 4 / 8 ranks)
+        8192          compiled  0 / 0 / 0     0 / 0 / 0   0        0           (the float32 eager figures: 18/16/15)
+        8192          eager     7 / 3 / 0     0 / 0 / 0   0        0
+        32768         compiled  21 / 19 / 18  5 / 3 / 3   0        0
+
+    The budget is GiB x MEMORY_FRACTION: the plan's counted peak (training state, FSDP2's gathered root and layers, the
+    row's head inputs, the head's reserve, the layers' activations) stays within it; the whole estimate, with the LM
+    head keeping logits in what is free, stays under GiB x (1 + MEMORY_FRACTION) / 2 (half the margin left); and one
+    checkpointed layer fewer would not fit."""
+    from rlasync.model.checkpointing import MEMORY_FRACTION, plan_for_model, training_state_bytes
+
+    model = meta_model(qwen3_06b(), "float32")
+    s = settings(tmp_path, token_budget=token_budget, bf16=True, torch_compile=compiled)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    for gib, counts in PLAN_TABLE[(token_budget, compiled)].items():
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, gib=gib: (gib * GIB, gib * GIB))
+        for world_size, count in zip((2, 4, 8), counts):
+            plan = plan_for_model(
+                model,
+                "auto",
+                device=torch.device("cuda"),
+                tokens=token_budget,
+                mixed=True,
+                world_size=world_size,
+                compiled=compiled,
+            )
+            estimate = estimate_rank_memory(model, s, world_size, gpu_bytes=gib * GIB)
+            where = (gib, world_size, plan.describe(), estimate.describe())
+            assert len(plan.layers) == count == estimate.checkpointed_layers, where
+            assert estimate.compiled == compiled and plan.fits, where
+            budget = gib * GIB * MEMORY_FRACTION
+            reserved = training_state_bytes(model, world_size=world_size, mixed=True, tokens=token_budget)
+            assert reserved + plan.estimate_bytes <= budget, where
+            assert estimate.total_bytes - estimate.head_bytes <= budget, where
+            assert estimate.total_bytes <= gib * GIB * (1 + MEMORY_FRACTION) / 2, where
+            if count:  # the fewest: one layer fewer overflows the budget
+                fewer = dataclasses.replace(s, gradient_checkpointing_layers=count - 1)
+                over = estimate_rank_memory(model, fewer, world_size, gpu_bytes=gib * GIB)
+                head_reserve = reserved - (estimate.state_bytes + estimate.unsharded_bytes)
+                head_reserve -= token_budget * 1024 * 4  # the row's final-norm and head inputs (bf16 each)
+                assert over.total_bytes - over.head_bytes + head_reserve > budget, where
+
+
+def test_one_rank_plans_with_autocasts_figures_and_fits_its_budget(tmp_path):
+    """One rank: autocast (a float32 residual stream, bf16 weight copies saved): 8192-token rows on 24 GiB need
+    7 checkpointed layers (the float32 state is not sharded), 48 GiB none."""
+    from rlasync.model.checkpointing import MEMORY_FRACTION
 
     model = meta_model(qwen3_06b(), "float32")
     s = settings(tmp_path, token_budget=8192, bf16=True, torch_compile=True)
-    for world_size in (1, 2):
-        full, saved, fixed = planner_bytes_per_token(model, autocast=world_size == 1)
-        available = 24 * GIB * MEMORY_FRACTION - training_state_bytes(model, world_size=world_size)
-        plan = plan_checkpointing(28, 8192, full, saved, available, layer_fixed_bytes=fixed)
-        estimate = estimate_rank_memory(model, s, world_size, gpu_bytes=24 * GIB)
-        assert 0 < estimate.checkpointed_layers == len(plan.layers) < 28 and plan.fits
-        assert estimate.total_bytes < 24 * GIB * MEMORY_FRACTION, estimate.describe()
+    small = estimate_rank_memory(model, s, 1, gpu_bytes=24 * GIB)
+    assert small.checkpointed_layers == 7 and small.total_bytes - small.head_bytes <= 24 * GIB * MEMORY_FRACTION
+    assert estimate_rank_memory(model, s, 1, gpu_bytes=48 * GIB).checkpointed_layers == 0
     assert (
         estimate_rank_memory(model, settings(tmp_path, token_budget=8192), 1, gpu_bytes=None).checkpointed_layers == 28
     )

@@ -409,6 +409,96 @@ def test_a_compile_failure_falls_back_to_eager_layers_with_one_warning(
     torch._dynamo.reset()
 
 
+def _auto_plan(learner, layers, available=10**9):
+    """Put the learner on an "auto" plan of `layers` (as a GPU's memory plan would make it)."""
+    from rlasync.model.checkpointing import CheckpointPlan, apply_checkpoint_plan
+
+    learner.checkpoint_plan = CheckpointPlan(2, tuple(layers), "memory", TOKEN_BUDGET, 0, available)
+    apply_checkpoint_plan(learner.model, learner.checkpoint_plan.layers)
+
+
+def _oom_once(module):
+    """A forward pre-hook on `module` that raises CUDA's out-of-memory error once (a simulated OOM)."""
+    calls = []
+
+    def hook(*_):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    return module.register_forward_pre_hook(hook)
+
+
+def test_an_auto_plan_that_runs_out_of_memory_checkpoints_every_layer_and_runs_the_step_again(
+    model_dir, tmp_path, caplog
+):
+    settings = GRPO.learner_settings(grpo_config(tmp_path, gradient_checkpointing=True), token_budget=TOKEN_BUDGET)
+    learner = Learner(model_dir, settings)
+    _auto_plan(learner, ())
+    assert checkpointed_layers(learner.model) == ()
+    handle = _oom_once(learner.model.model.layers[1].mlp)
+    with caplog.at_level(logging.WARNING, logger="rlasync.learner.learner"):
+        metrics = dict(learner.train_step(grpo_samples()))
+    handle.remove()
+    warnings = [r.getMessage() for r in caplog.records if "out of device memory" in r.getMessage()]
+    assert len(warnings) == 1 and "0 of 2 decoder layers" in warnings[0] and "simulated" in warnings[0]
+    assert checkpointed_layers(learner.model) == (0, 1) and learner.checkpoint_plan.reason == "out of memory"
+    assert learner.info()["checkpointed_layers"] == "2/2"
+    _, (reference,) = _trained(model_dir, settings, steps=1)  # every layer checkpointed from the start ("cpu")
+    assert metrics["loss"] == pytest.approx(reference["loss"], rel=1e-5)  # the failed attempt left no gradient
+    assert metrics["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    assert learner.objective.step_core.global_step == 1  # one optimizer step
+
+
+def _raise_oom(*_):
+    raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+def test_an_out_of_memory_error_stands_where_the_step_cannot_be_run_again(model_dir, tmp_path, monkeypatch):
+    settings = GRPO.learner_settings(grpo_config(tmp_path, gradient_checkpointing=True), token_budget=TOKEN_BUDGET)
+    learner = Learner(model_dir, settings)
+    _auto_plan(learner, (0, 1))  # every layer already checkpointed: nothing left to save
+    handle = _oom_once(learner.model.model.layers[1].mlp)
+    with pytest.raises(torch.OutOfMemoryError):
+        learner.train_step(grpo_samples())
+    handle.remove()
+    _auto_plan(learner, ())
+    post = learner.optimizer.register_step_post_hook(_raise_oom)
+    with pytest.raises(torch.OutOfMemoryError):  # in the optimizer step: some weights may have moved already
+        learner.train_step(grpo_samples())
+    post.remove()
+    assert checkpointed_layers(learner.model) == ()
+    learner.world_size = 2  # several ranks: the others wait in FSDP2's collectives, a retry would not match them
+    monkeypatch.setattr(learner.objective, "step", _raise_oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        learner._step(rows=None)
+    learner.world_size = 1
+    learner.checkpoint_plan = dataclasses.replace(learner.checkpoint_plan, reason="count")  # the user's choice
+    with pytest.raises(torch.OutOfMemoryError):
+        learner._step(rows=None)
+    assert checkpointed_layers(learner.model) == ()  # no plan changed
+
+
+def test_a_compile_failure_plans_again_for_eager_layers(model_dir, tmp_path, failing_backend, compile_cache):
+    """Compiled layers keep less than eager ones: when compiling fails and the layers go eager, "auto" plans again on
+    the same budget with the eager figures."""
+    from rlasync.model.checkpointing import plan_checkpointing, planner_bytes_per_token, replan_for_eager_layers
+
+    torch._dynamo.reset()
+    config = grpo_config(tmp_path, gradient_checkpointing=True, torch_compile_backend=failing_backend)
+    learner = Learner(model_dir, GRPO.learner_settings(config, token_budget=TOKEN_BUDGET))
+    full, saved, fixed = planner_bytes_per_token(learner.model, compiled=True)
+    available = 2 * TOKEN_BUDGET * full  # compiled layers fit without checkpointing; eager ones do not
+    assert plan_checkpointing(2, TOKEN_BUDGET, full, saved, available, layer_fixed_bytes=fixed).layers == ()
+    _auto_plan(learner, (), available=available)
+    expected = replan_for_eager_layers(learner.model, learner.checkpoint_plan, mixed=False, world_size=1)
+    assert 0 < len(expected.layers)
+    learner.train_step(grpo_samples())
+    assert compiled_layer_count(learner.model) == 0 and learner.checkpoint_plan == expected
+    assert checkpointed_layers(learner.model) == expected.layers
+    torch._dynamo.reset()
+
+
 def test_the_compile_time_is_logged_at_the_step_that_paid_it(model_dir, tmp_path, compile_cache):
     """A real Dynamo compile (the aot_eager backend: traced, no code generated, seconds on the CPU) is measured by
     torch's compile timers: `perf/compile_s` > 0 at the first step, and the cache folder is the learner's."""

@@ -13,9 +13,11 @@ from rlasync.model.checkpointing import (
     activation_bytes_per_token,
     checkpointed_layers,
     compiled_activation_bytes_per_token,
+    fsdp_unsharded_bytes,
     plan_checkpointing,
     plan_for_model,
     planner_bytes_per_token,
+    replan_for_eager_layers,
     sharded_state_bytes,
     spread,
     training_state_bytes,
@@ -200,19 +202,59 @@ def test_the_training_state_shards_and_keeps_adam_moments_in_the_parameters_dtyp
     assert head > 0 and sharded_state_bytes(bf16, moment_bytes=4) == params * 12  # the planner's reserve
 
 
-def test_planner_bytes_per_token_are_the_eager_estimate_the_plan_weighs():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_planner_bytes_per_token_are_the_figures_of_the_layers_as_they_run(compiled):
+    """One function for the plan and the dry run: compiled layers weigh what a compiled layer saves, eager ones the
+    eager estimate; bf16 over float32 weights is autocast with one rank (float32 residual stream, bf16 weight copies
+    saved) and FSDP2's all-bf16 policy with several; without mixed precision everything is in the weights' dtype."""
+    per_token = compiled_activation_bytes_per_token if compiled else activation_bytes_per_token
     model = _tiny("qwen3")
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    assert planner_bytes_per_token(model, autocast=False) == (*activation_bytes_per_token(model.config, 4, 4), 0.0)
-    full, saved, fixed = planner_bytes_per_token(model, autocast=True)
-    assert (full, saved) == activation_bytes_per_token(model.config, 2, 4) and fixed == 2 * layer
+    figures = planner_bytes_per_token
+    assert figures(model, compiled=compiled) == (*per_token(model.config, 4, 4), 0.0)  # float32
+    assert figures(model, world_size=4, compiled=compiled) == (*per_token(model.config, 4, 4), 0.0)  # no policy
+    assert figures(model, mixed=True, compiled=compiled) == (*per_token(model.config, 2, 4), 2.0 * layer)  # autocast
+    for world_size in (2, 8):  # FSDP2's MixedPrecisionPolicy: the whole layer in bf16, nothing fixed
+        assert figures(model, mixed=True, world_size=world_size, compiled=compiled) == (
+            *per_token(model.config, 2, 2),
+            0.0,
+        )
+    bf16 = _tiny("qwen3", torch.bfloat16)
+    assert figures(bf16, compiled=compiled) == (*per_token(bf16.config, 2, 2), 0.0)
+    # the fix this pins: several ranks under the bf16 policy were sized as float32 eager layers (over 3x too much)
+    fsdp_full = figures(model, mixed=True, world_size=2, compiled=compiled)[0]
+    assert fsdp_full * 1.9 < activation_bytes_per_token(model.config, 4, 4)[0]
 
 
-def test_training_state_counts_weights_grads_adam_and_head_buffers():
+def test_layers_that_fall_back_to_eager_are_planned_again_on_the_same_budget():
+    """A plan made for compiled layers is too small for eager ones (the learner's fallback when compiling fails)."""
+    model = _tiny("qwen3", num_layers=4)
+    full, saved, fixed = planner_bytes_per_token(model, compiled=True)
+    compiled = plan_checkpointing(4, 512, full, saved, available_bytes=4 * 512 * full, layer_fixed_bytes=fixed)
+    assert compiled.layers == () and compiled.fits
+    eager = replan_for_eager_layers(model, compiled, mixed=False, world_size=1)
+    assert len(eager.layers) > 0 and eager.fits and eager.available_bytes == compiled.available_bytes
+    assert eager.tokens == 512 and eager.reason == "memory"
+    chosen = CheckpointPlan(4, (1,), "count")
+    assert replan_for_eager_layers(model, chosen, mixed=False, world_size=1) is chosen  # the user's choice stands
+
+
+def test_training_state_counts_weights_grads_adam_fsdp_gathers_row_inputs_and_head_buffers():
     model = _tiny("llama")
     params = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
     head = training_state_bytes(model) - params * 16
-    assert head > 0 and training_state_bytes(model, world_size=2) == params * 8 + head
+    assert head > 0
+    root = params - 2 * layer  # embedding, head, final norm
+    gathered = (root + 2 * layer) * 4  # the root and two layers, float32 (no policy)
+    assert fsdp_unsharded_bytes(model, world_size=2, compute_bytes=4) == gathered
+    assert fsdp_unsharded_bytes(model, world_size=1, compute_bytes=4) == 0
+    assert training_state_bytes(model, world_size=2) == params * 8 + gathered + head
+    assert training_state_bytes(model, world_size=2, mixed=True) == params * 8 + gathered // 2 + head  # bf16 gathers
+    # a row's final-norm and head inputs: float32 residual + bf16 head input under autocast, bf16 + bf16 under FSDP2
+    assert training_state_bytes(model, mixed=True, tokens=100) - training_state_bytes(model, mixed=True) == 100 * 64 * 6
+    extra = training_state_bytes(model, world_size=2, mixed=True, tokens=100) - (params * 8 + gathered // 2 + head)
+    assert extra == 100 * 64 * 4
 
 
 # ---- the plan for a model, and applied --------------------------------------------------------------------------
@@ -287,21 +329,21 @@ def test_compiled_layers_with_a_partial_plan_and_padded_rows_match_eager(make_mo
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_auto_on_a_gpu_plans_by_the_memory_it_reports(monkeypatch, autocast):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_auto_on_a_gpu_plans_by_the_memory_it_reports(monkeypatch, mixed):
     """The CUDA branch of "auto" with the device's memory faked: a roomy device checkpoints nothing, a tight one
     some layers, one already full of another process' memory every layer."""
     model = _tiny("llama", num_layers=6)
     cuda = torch.device("cuda")
-    state = training_state_bytes(model)
-    full, saved = activation_bytes_per_token(model.config, 2 if autocast else 4, 4)
-    fixed = 2 * sum(p.numel() for p in model.model.layers[0].parameters()) if autocast else 0
+    state = training_state_bytes(model, mixed=mixed, tokens=512)
+    full, saved = activation_bytes_per_token(model.config, 2 if mixed else 4, 4)
+    fixed = 2 * sum(p.numel() for p in model.model.layers[0].parameters()) if mixed else 0
     one_layer = 512 * full + fixed
 
     def fake(free, total, gpu_share=1.0):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-        return plan_for_model(model, "auto", device=cuda, tokens=512, autocast=autocast, gpu_share=gpu_share)
+        return plan_for_model(model, "auto", device=cuda, tokens=512, mixed=mixed, gpu_share=gpu_share)
 
     roomy = fake(free=100 * GIB, total=100 * GIB)
     assert roomy.layers == () and roomy.fits and roomy.reason == "memory"
