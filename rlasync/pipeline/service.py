@@ -166,7 +166,7 @@ class QueueService:
     def try_next_group(self, num_rollouts: int, owner: str | None = None) -> PromptLease | None:
         """A lease whose group of `num_rollouts` is admitted now, or None (gate closed or nothing leasable);
         `owner` (the rollout actor generating it) is recorded for `release_owner`."""
-        if not (self.allowance.can_start() and self.dispatcher.has_leasable()):
+        if not (self.allowance.can_start(num_rollouts) and self.dispatcher.has_leasable()):
             return None
         lease = self.dispatcher.lease()
         assert lease is not None
@@ -189,7 +189,7 @@ class QueueService:
             lease = self.try_next_group(num_rollouts, owner)
             if lease is not None:
                 return self._admission(lease, blocked_s)
-            held_by_allowance = not self.allowance.can_start()
+            held_by_allowance = not self.allowance.can_start(num_rollouts)
             remaining = None if deadline is None else deadline - loop.time()
             woke = await self._notifier.wait(remaining)
             now = self._clock()
