@@ -97,6 +97,14 @@ group completes there is no per-rollout estimate, so groups start one at a time 
 queued and nothing in flight a group can always start, even one expected to queue more than the whole
 allowance, so the gate cannot deadlock.
 
+Resume. What the allowance learned (`AllowanceState`: the last step's tokens, the completed rollouts and their
+tokens, the keep rate's two weights) is saved in `rollout_state.json` and restored by a resumed run, which then
+continues as the run would have: the gate counts in flight at the saved keep rate and mean from the first group (no
+cold start: the per-rollout estimate exists), instead of at the prior 1.0, which at k = 0.2 holds the gate to about a
+fifth of what it admitted until ~a window of groups is scored again. Checkpoints written before it existed resume
+from the priors. The saved state is the same run's: a resumed run that changes the completion length or the task
+follows the change as the estimates follow any change (the keep rate over its window; the mean over all rollouts).
+
     try_acquire(G) ──► G rollouts in flight ──finish_group(G, tokens, queued)──► queued tokens ──consumed()──►
                                    │     (queued or dropped after scoring: both feed the keep rate)
                                    └──────────cancel_group(G)──────────► gone (nothing generated is counted)
@@ -114,8 +122,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from rlasync.pipeline._notify import Notifier
 
@@ -149,6 +158,67 @@ def initial_tokens_per_step(
             raise ValueError(f"initial_tokens_per_step: {name}={value} must be >= 1")
     rows = num_learners * gradient_accumulation_steps
     return token_budget * rows * 2 * group_size // (group_size + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class AllowanceState:
+    """What the allowance learned, saved in `rollout_state.json` so that a resumed run's gate starts where the run
+    stopped instead of from its priors (module docstring, "Resume").
+
+    tokens_per_step:    the raw tokens of the last step (before the resumed run's first step, the allowance's base)
+    completed_rollouts: rollouts completed so far (the mean tokens per rollout's denominator)
+    completed_tokens:   their raw tokens (its numerator)
+    keep_kept_weight:   the keep rate's decayed kept tokens (numerator)
+    keep_scored_weight: the keep rate's decayed scored tokens (denominator; 0: the prior 1.0)
+    """
+
+    tokens_per_step: int
+    completed_rollouts: int = 0
+    completed_tokens: int = 0
+    keep_kept_weight: float = 0.0
+    keep_scored_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        fix = "remove the 'allowance' entry from rollout_state.json to start the allowance from its priors"
+        for name in ("tokens_per_step", "completed_rollouts", "completed_tokens"):
+            value = getattr(self, name)
+            low = 1 if name == "tokens_per_step" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"allowance state: {name} must be an integer >= {low}, got {value!r}; {fix}")
+        for name in ("keep_kept_weight", "keep_scored_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ValueError(f"allowance state: {name} must be a finite number >= 0, got {value!r}; {fix}")
+        if self.keep_kept_weight > self.keep_scored_weight * (1 + 1e-9):
+            raise ValueError(
+                f"allowance state: keep_kept_weight={self.keep_kept_weight} exceeds keep_scored_weight="
+                f"{self.keep_scored_weight} (a keep rate above 1); {fix}"
+            )
+        if self.completed_rollouts == 0 and self.completed_tokens > 0:
+            raise ValueError(
+                f"allowance state: completed_tokens={self.completed_tokens} with completed_rollouts=0; {fix}"
+            )
+
+    def to_dict(self) -> dict[str, int | float]:
+        return {
+            "tokens_per_step": self.tokens_per_step,
+            "completed_rollouts": self.completed_rollouts,
+            "completed_tokens": self.completed_tokens,
+            "keep_kept_weight": self.keep_kept_weight,
+            "keep_scored_weight": self.keep_scored_weight,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AllowanceState:
+        """Read the JSON object; every field but `tokens_per_step` defaults to the prior (nothing learned)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"allowance state must be a JSON object, got {data!r}")
+        unknown = sorted(set(data) - {field.name for field in fields(cls)})
+        if unknown:
+            raise ValueError(f"allowance state: unknown fields {unknown}")
+        if "tokens_per_step" not in data:
+            raise ValueError(f"allowance state has no 'tokens_per_step': {dict(data)!r}")
+        return cls(**data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +316,7 @@ class TokenAllowance:
         if self.taken >= self.allowance_tokens:
             # served: wait for the next weight sync, unless the learner still waits for samples of its step
             return self.learner_waiting and self._inflight_groups == 0 and self.queued_tokens == 0
-        if self.completed_groups == 0:
+        if self._completed_rollouts == 0:
             return self._inflight_groups == 0
         return self._sync_used() < self.allowance_tokens
 
@@ -410,6 +480,31 @@ class TokenAllowance:
     def set_tokens_per_step(self, tokens_per_step: int) -> None:
         """Publish the raw tokens the learner consumed in its last step; the allowance follows."""
         self.tokens_per_step = _positive_tokens(tokens_per_step)
+        self._notifier.notify()
+
+    # ---- resume --------------------------------------------------------------------------------------------
+
+    def learned_state(self) -> AllowanceState:
+        """What the allowance learned so far, for `rollout_state.json`."""
+        return AllowanceState(
+            tokens_per_step=self.tokens_per_step,
+            completed_rollouts=self._completed_rollouts,
+            completed_tokens=self._completed_tokens,
+            keep_kept_weight=self._kept_weight,
+            keep_scored_weight=self._scored_weight,
+        )
+
+    def restore(self, state: AllowanceState) -> None:
+        """Continue from a saved `learned_state()` (a resumed run, before anything starts): the step's tokens, the
+        mean tokens per rollout (so the cold start is over when there is one) and the keep rate with its weight.
+        With S = 0 the version's step size stays the configured one (fixed, module docstring)."""
+        if self._inflight_groups or self.queued_tokens or self._completed_rollouts:
+            raise ValueError("restore: the allowance has already started counting; restore it before the run starts")
+        self.tokens_per_step = _positive_tokens(state.tokens_per_step)
+        self._completed_rollouts = state.completed_rollouts
+        self._completed_tokens = state.completed_tokens
+        self._kept_weight = float(state.keep_kept_weight)
+        self._scored_weight = float(state.keep_scored_weight)
         self._notifier.notify()
 
     def _observe_keep(self, kept_tokens: int, tokens: int) -> None:

@@ -139,7 +139,7 @@ class QueueService:
         clock: Callable[[], float] = time.monotonic,
     ) -> QueueService:
         """A service built from its `QueueSettings`, for a fresh run or one resumed from a `rollout_state.json`
-        (prompt position and version); a streaming dataset (`settings.stream`) is leased by a
+        (prompt position, version and the allowance's learned state); a streaming dataset (`settings.stream`) is leased by a
         `StreamingDispatcher` instead of by row index."""
         start = resume or RolloutState(prompt_index=0)
         if settings.stream is not None:
@@ -150,7 +150,7 @@ class QueueService:
             )
         else:
             dispatcher = PromptDispatcher(settings.num_rows, settings.num_epochs, start_index=start.prompt_index)
-        return cls(
+        service = cls(
             dispatcher,
             max_staleness=settings.max_staleness,
             tokens_per_step=settings.tokens_per_step,
@@ -160,6 +160,9 @@ class QueueService:
             samples_per_step=settings.samples_per_step,
             step_plan=settings.step_plan,
         )
+        if start.allowance is not None:  # older checkpoints have none: the allowance starts from its priors
+            service.allowance.restore(start.allowance)
+        return service
 
     # ---- rollout side --------------------------------------------------------------------------------------
 
@@ -328,7 +331,11 @@ class QueueService:
 
     def rollout_state(self) -> RolloutState:
         """What to write to `rollout_state.json` now."""
-        return RolloutState(prompt_index=self.dispatcher.first_untrained_index(), model_version=self.policy_version)
+        return RolloutState(
+            prompt_index=self.dispatcher.first_untrained_index(),
+            model_version=self.policy_version,
+            allowance=self.allowance.learned_state(),
+        )
 
     def state(self) -> QueueState:
         return QueueState(

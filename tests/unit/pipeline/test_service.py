@@ -156,7 +156,8 @@ def test_rollout_state_round_trips_through_the_file(tmp_path):
     path = write_rollout_state(tmp_path, service.rollout_state())
     assert path.name == "rollout_state.json"
     state = read_rollout_state(tmp_path)
-    assert state == RolloutState(prompt_index=1, model_version=7)
+    assert (state.prompt_index, state.model_version) == (1, 7)
+    assert state.allowance == service.allowance.learned_state()  # the allowance's learned state too
     resumed = make_service(num_rows=10, resume=state)
     assert resumed.policy_version == 7 and resumed.try_next_group(1).position == 1
 
