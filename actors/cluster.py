@@ -482,7 +482,7 @@ class RayQueue:
     async def state(self) -> dict[str, Any]:
         return await _get(self.handle.state.remote(), self.timeouts.health)
 
-    async def rollout_state(self) -> dict[str, int]:
+    async def rollout_state(self) -> dict[str, Any]:
         return await _get(self.handle.rollout_state.remote(), self.timeouts.health)
 
 

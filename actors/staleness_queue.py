@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 @ray.remote
 class QueueActor:
-    def __init__(self, *, settings: QueueSettings, resume: dict[str, int] | None = None) -> None:
+    def __init__(self, *, settings: QueueSettings, resume: dict[str, Any] | None = None) -> None:
         state = RolloutState.from_dict(resume) if resume else None
         self.service = QueueService.create(settings, resume=state)
 
@@ -62,7 +62,7 @@ class QueueActor:
     def set_policy_version(self, version: int) -> None:
         self.service.set_policy_version(version)
 
-    def rollout_state(self) -> dict[str, int]:
+    def rollout_state(self) -> dict[str, Any]:
         return self.service.rollout_state().to_dict()
 
     def state(self) -> dict[str, Any]:

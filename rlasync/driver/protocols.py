@@ -44,7 +44,7 @@ class SampleQueue(Protocol):
         """`QueueState.to_dict()`: at least `done`, `queue_size`, `inflight_groups`."""
         ...
 
-    async def rollout_state(self) -> dict[str, int]:
+    async def rollout_state(self) -> dict[str, Any]:
         """`RolloutState.to_dict()`: what `rollout_state.json` holds."""
         ...
 

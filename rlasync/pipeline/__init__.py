@@ -5,7 +5,7 @@
     TokenAllowance    generation held to S steps of tokens ahead of training (in-flight work counted at the learned
                       keep rate), synchronous at S = 0 (allowance.py)
     QueueService      the three wired together: what the Ray actor forwards to (service.py)
-    RolloutState      rollout_state.json (resume.py)
+    RolloutState      rollout_state.json, with the allowance's learned state (resume.py)
 
 Importing this package never loads torch or ray.
 """
@@ -15,6 +15,7 @@ from rlasync.pipeline.allowance import (
     KEEP_RATE_FLOOR,
     KEEP_RATE_METRIC,
     AcquireResult,
+    AllowanceState,
     TokenAllowance,
     initial_tokens_per_step,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "KEEP_RATE_METRIC",
     "ROLLOUT_STATE_FILENAME",
     "AcquireResult",
+    "AllowanceState",
     "DropReason",
     "GroupOutcome",
     "NextGroup",

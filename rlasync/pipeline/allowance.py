@@ -5,7 +5,8 @@
     inflight_tokens = (#rollouts in flight) × mean raw tokens per completed rollout (running mean)
     keep_rate      = estimated fraction of completed rollout tokens that entered the queue (below)
     counted        = inflight_tokens × keep_rate + 2 standard deviations of that (below), at most inflight_tokens
-    a new group may start  ⇔  queued_tokens + counted < allowance
+    expected(G)    = G's rollouts × mean raw tokens per completed rollout × keep_rate   (the new group's own)
+    a new group G may start  ⇔  queued_tokens + counted + expected(G) <= allowance
 
 The keep rate. A group dropped after scoring (zero reward spread, `finish_group(..., queued=False)`) generated
 tokens that never enter the queue; when the task is nearly solved most groups are. Counting the rollouts in flight
@@ -32,7 +33,8 @@ The margin. Each group in flight is kept or dropped whole, independently: n grou
 g × Binomial(n, k), whose standard deviation is g·√(n·k·(1 − k)). Whenever generation outpaces training the gate runs
 at its threshold, so counting the mean alone lets about half the marginal admissions find more than the allowance
 ahead of them, and their samples go stale. Two standard deviations on top make that rare (the simulation: 2–4% of the
-queued samples dropped as stale at k = 0.2, as many as at k = 1, against 16–17% with the mean alone), and cost
+queued samples dropped as stale at k = 0.2, as many as at k = 1, against 16–17% with the mean alone; 2–3% at k = 0.2
+and 0.1% at k = 1 since the gate counts the new group's own tokens, below), and cost
 nothing when nothing is dropped (k = 1: the spread is 0, the gate is the one before the keep rate). The count never
 exceeds the in-flight tokens themselves: the gate admits at least what it admitted before.
 
@@ -43,11 +45,18 @@ the watchdog stops a run after 64 zero-spread groups in a row) the gate holds ge
 may wait: the task is all but solved. The floor is a constant, not a setting: what it bounds is in units of the
 allowance, which `max_staleness` already sets.
 
-Staleness. A group admitted while queued + k̂ × inflight < allowance finds ahead of it, in expectation, queued +
-k × inflight tokens that reach the learner before its own samples (the queue is FIFO). With k̂ ≈ k that is below
-the allowance, S steps of tokens, so its samples are trained within S versions of its admission, as with k = 1: the
-expected queued tokens plus the in-flight tokens that will be queued stay below the allowance, not the allowance / k
-(the more rollouts in flight, the more of them are dropped). A keep rate under-estimated for a while (it rose faster
+Staleness. A group admitted while queued + k̂ × inflight + k̂ × own <= allowance finds ahead of it, in expectation,
+queued + k × inflight tokens that reach the learner before its own samples (the queue is FIFO), and its own samples
+are trained once those and its own have been taken. With k̂ ≈ k that is within the allowance, S steps of tokens, so
+its samples are trained within S versions of its admission, as with k = 1: the expected queued tokens plus the
+in-flight tokens that will be queued stay below the allowance, not the allowance / k (the more rollouts in flight,
+the more of them are dropped). The group's own tokens count: without them the group admitted at the threshold
+(queued + counted just below the allowance) had up to a whole group past it, and its last samples went one step
+past S (`bench/keep_rate_sim.py` at k = 1: 3.1% of the queued samples dropped as stale, 0.1% counting them). They
+count at k̂ × their expected tokens, as what is in flight does; a kept group queues all of them, so counting them at
+full would bound its own staleness exactly, but admits a group less at the threshold: at k = 0.2 the simulation's
+stale share went from 2.4% to 1.3% and the learner's wait from 9.4% to 10.9% of the step (S = 1: 55% to 60%),
+and what still goes stale there is the keep rate's estimation noise, not the marginal group. A keep rate under-estimated for a while (it rose faster
 than the window follows), or more groups kept than the margin covers, overshoots; samples that end up older than S
 versions are dropped at take time (§2.7), so the trained staleness never exceeds `max_staleness`: that bound is the
 queue's, the keep rate only moves how close to it the queue runs.
@@ -56,7 +65,7 @@ queue's, the keep rate only moves how close to it the queue runs.
 it serves (`steps_per_version` = weight_sync_steps) and no more, so nothing is generated while the learner trains
 and nothing goes stale. What was already taken under the current version counts against it until `new_version()`:
 
-    a new group may start  ⇔  taken + queued + in flight < steps_per_version × step size
+    a new group may start  ⇔  taken + queued + in flight < steps_per_version × step size   (the new group not counted)
 
 in raw tokens (step size: the first step's token target, fixed, since a synchronous step takes everything its
 version generated and would otherwise grow step after step), or in samples when steps are a sample count
@@ -72,11 +81,29 @@ samples: the version generates until its steps are full (dropped groups do not c
 learner waiting for it is what the synchronous mode is (no generation overlaps training). So exactly-once and the
 no-deadlock argument above are unchanged.
 
+Nor does the synchronous gate count the new group's own tokens. Its bound is not staleness: in steps of tokens the
+version's last step takes everything queued, so a last group that overshoots the budget is trained under its own
+version, a step slightly larger, never stale. Counting the new group would stop the version up to a group short of
+its budget while the learner waits for the whole of it: nothing is then in flight to fill it, and it would start
+only through the one-at-a-time rule for a learner still waiting once the budget is taken (which reads `taken`, so
+it would not even open: a deadlock, or, patched, one more group generated alone after the rest, every version). In
+steps of samples the gate counts the rollouts in flight exactly, so with `samples_per_step` a multiple of the
+group size (whole groups queued) the version does not overshoot.
+
 `tokens_per_step` is what the learner consumed in its last step (Σ raw sample lengths), published after every
 step; before the first step it is an assumption (`initial_tokens_per_step`: every row full of unique tokens, a
 group's prompt shared by its samples). Until the first
 group completes there is no per-rollout estimate, so groups start one at a time (cold start). With nothing
-queued and nothing in flight a group can always start, so the gate cannot deadlock.
+queued and nothing in flight a group can always start, even one expected to queue more than the whole
+allowance, so the gate cannot deadlock.
+
+Resume. What the allowance learned (`AllowanceState`: the last step's tokens, the completed rollouts and their
+tokens, the keep rate's two weights) is saved in `rollout_state.json` and restored by a resumed run, which then
+continues as the run would have: the gate counts in flight at the saved keep rate and mean from the first group (no
+cold start: the per-rollout estimate exists), instead of at the prior 1.0, which at k = 0.2 holds the gate to about a
+fifth of what it admitted until ~a window of groups is scored again. Checkpoints written before it existed resume
+from the priors. The saved state is the same run's: a resumed run that changes the completion length or the task
+follows the change as the estimates follow any change (the keep rate over its window; the mean over all rollouts).
 
     try_acquire(G) ──► G rollouts in flight ──finish_group(G, tokens, queued)──► queued tokens ──consumed()──►
                                    │     (queued or dropped after scoring: both feed the keep rate)
@@ -95,8 +122,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from rlasync.pipeline._notify import Notifier
 
@@ -130,6 +158,67 @@ def initial_tokens_per_step(
             raise ValueError(f"initial_tokens_per_step: {name}={value} must be >= 1")
     rows = num_learners * gradient_accumulation_steps
     return token_budget * rows * 2 * group_size // (group_size + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class AllowanceState:
+    """What the allowance learned, saved in `rollout_state.json` so that a resumed run's gate starts where the run
+    stopped instead of from its priors (module docstring, "Resume").
+
+    tokens_per_step:    the raw tokens of the last step (before the resumed run's first step, the allowance's base)
+    completed_rollouts: rollouts completed so far (the mean tokens per rollout's denominator)
+    completed_tokens:   their raw tokens (its numerator)
+    keep_kept_weight:   the keep rate's decayed kept tokens (numerator)
+    keep_scored_weight: the keep rate's decayed scored tokens (denominator; 0: the prior 1.0)
+    """
+
+    tokens_per_step: int
+    completed_rollouts: int = 0
+    completed_tokens: int = 0
+    keep_kept_weight: float = 0.0
+    keep_scored_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        fix = "remove the 'allowance' entry from rollout_state.json to start the allowance from its priors"
+        for name in ("tokens_per_step", "completed_rollouts", "completed_tokens"):
+            value = getattr(self, name)
+            low = 1 if name == "tokens_per_step" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"allowance state: {name} must be an integer >= {low}, got {value!r}; {fix}")
+        for name in ("keep_kept_weight", "keep_scored_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ValueError(f"allowance state: {name} must be a finite number >= 0, got {value!r}; {fix}")
+        if self.keep_kept_weight > self.keep_scored_weight * (1 + 1e-9):
+            raise ValueError(
+                f"allowance state: keep_kept_weight={self.keep_kept_weight} exceeds keep_scored_weight="
+                f"{self.keep_scored_weight} (a keep rate above 1); {fix}"
+            )
+        if self.completed_rollouts == 0 and self.completed_tokens > 0:
+            raise ValueError(
+                f"allowance state: completed_tokens={self.completed_tokens} with completed_rollouts=0; {fix}"
+            )
+
+    def to_dict(self) -> dict[str, int | float]:
+        return {
+            "tokens_per_step": self.tokens_per_step,
+            "completed_rollouts": self.completed_rollouts,
+            "completed_tokens": self.completed_tokens,
+            "keep_kept_weight": self.keep_kept_weight,
+            "keep_scored_weight": self.keep_scored_weight,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AllowanceState:
+        """Read the JSON object; every field but `tokens_per_step` defaults to the prior (nothing learned)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"allowance state must be a JSON object, got {data!r}")
+        unknown = sorted(set(data) - {field.name for field in fields(cls)})
+        if unknown:
+            raise ValueError(f"allowance state: unknown fields {unknown}")
+        if "tokens_per_step" not in data:
+            raise ValueError(f"allowance state has no 'tokens_per_step': {dict(data)!r}")
+        return cls(**data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +316,7 @@ class TokenAllowance:
         if self.taken >= self.allowance_tokens:
             # served: wait for the next weight sync, unless the learner still waits for samples of its step
             return self.learner_waiting and self._inflight_groups == 0 and self.queued_tokens == 0
-        if self.completed_groups == 0:
+        if self._completed_rollouts == 0:
             return self._inflight_groups == 0
         return self._sync_used() < self.allowance_tokens
 
@@ -277,13 +366,24 @@ class TokenAllowance:
     def inflight_rollouts(self) -> int:
         return self._inflight_rollouts
 
-    def can_start(self) -> bool:
-        """Whether a new group may start now (one at a time until the first group completes)."""
+    def expected_group_tokens(self, num_rollouts: int) -> float:
+        """The tokens a new group of `num_rollouts` is expected to queue: its rollouts at the mean raw tokens per
+        rollout, times the keep rate (0 before any estimate exists)."""
+        mean = self.mean_tokens_per_rollout
+        return 0.0 if mean is None else num_rollouts * mean * self.keep_rate
+
+    def can_start(self, num_rollouts: int) -> bool:
+        """Whether a new group of `num_rollouts` may start now: S >= 1, what is queued, what is in flight (counted)
+        and the group's own expected tokens fit the allowance; one group at a time until the first group completes;
+        always with nothing queued and nothing in flight. S = 0: the version's budget (module docstring)."""
         if self.synchronous:
             return self._sync_open()
-        if self.completed_groups == 0:
+        if self._completed_rollouts == 0:
             return self._inflight_groups == 0
-        return self.queued_tokens + self.counted_inflight_tokens < self.allowance_tokens
+        if self._inflight_groups == 0 and self.queued_tokens == 0:
+            return True  # no deadlock, even for a group larger than the allowance
+        needed = self.queued_tokens + self.counted_inflight_tokens + self.expected_group_tokens(num_rollouts)
+        return needed <= self.allowance_tokens
 
     def start_group(self, num_rollouts: int) -> None:
         """Count a group of `num_rollouts` as in flight, without checking the gate (`try_acquire` checks)."""
@@ -294,27 +394,27 @@ class TokenAllowance:
 
     def try_acquire(self, num_rollouts: int) -> bool:
         """Start a group of `num_rollouts` if the gate is open; False (nothing changed) otherwise."""
-        if not self.can_start():
+        if not self.can_start(num_rollouts):
             return False
         self.start_group(num_rollouts)
         return True
 
     async def acquire(self, num_rollouts: int, timeout_s: float | None = None) -> AcquireResult:
         """Wait (up to `timeout_s`, None = forever) for the gate to open, then start the group."""
-        waited = await self.wait_until_open(timeout_s)
+        waited = await self.wait_until_open(num_rollouts, timeout_s)
         if waited.acquired:
             self.start_group(num_rollouts)
         return waited
 
-    async def wait_until_open(self, timeout_s: float | None = None) -> AcquireResult:
-        """Wait until `can_start()`; `acquired` says whether it opened before the timeout.
+    async def wait_until_open(self, num_rollouts: int, timeout_s: float | None = None) -> AcquireResult:
+        """Wait until `can_start(num_rollouts)`; `acquired` says whether it opened before the timeout.
 
         Nothing is started: a caller that acts on an open gate must do so before its next `await`.
         """
         started = self._clock()
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        while not self.can_start():
+        while not self.can_start(num_rollouts):
             remaining = None if deadline is None else deadline - loop.time()
             if not await self._notifier.wait(remaining):
                 return AcquireResult(acquired=False, waited_s=self._clock() - started)
@@ -380,6 +480,31 @@ class TokenAllowance:
     def set_tokens_per_step(self, tokens_per_step: int) -> None:
         """Publish the raw tokens the learner consumed in its last step; the allowance follows."""
         self.tokens_per_step = _positive_tokens(tokens_per_step)
+        self._notifier.notify()
+
+    # ---- resume --------------------------------------------------------------------------------------------
+
+    def learned_state(self) -> AllowanceState:
+        """What the allowance learned so far, for `rollout_state.json`."""
+        return AllowanceState(
+            tokens_per_step=self.tokens_per_step,
+            completed_rollouts=self._completed_rollouts,
+            completed_tokens=self._completed_tokens,
+            keep_kept_weight=self._kept_weight,
+            keep_scored_weight=self._scored_weight,
+        )
+
+    def restore(self, state: AllowanceState) -> None:
+        """Continue from a saved `learned_state()` (a resumed run, before anything starts): the step's tokens, the
+        mean tokens per rollout (so the cold start is over when there is one) and the keep rate with its weight.
+        With S = 0 the version's step size stays the configured one (fixed, module docstring)."""
+        if self._inflight_groups or self.queued_tokens or self._completed_rollouts:
+            raise ValueError("restore: the allowance has already started counting; restore it before the run starts")
+        self.tokens_per_step = _positive_tokens(state.tokens_per_step)
+        self._completed_rollouts = state.completed_rollouts
+        self._completed_tokens = state.completed_tokens
+        self._kept_weight = float(state.keep_kept_weight)
+        self._scored_weight = float(state.keep_scored_weight)
         self._notifier.notify()
 
     def _observe_keep(self, kept_tokens: int, tokens: int) -> None:

@@ -146,7 +146,7 @@ class QueueService:
         clock: Callable[[], float] = time.monotonic,
     ) -> QueueService:
         """A service built from its `QueueSettings`, for a fresh run or one resumed from a `rollout_state.json`
-        (prompt position and version); a streaming dataset (`settings.stream`) is leased by a
+        (prompt position, version and the allowance's learned state); a streaming dataset (`settings.stream`) is leased by a
         `StreamingDispatcher` instead of by row index."""
         start = resume or RolloutState(prompt_index=0)
         if settings.stream is not None:
@@ -157,7 +157,7 @@ class QueueService:
             )
         else:
             dispatcher = PromptDispatcher(settings.num_rows, settings.num_epochs, start_index=start.prompt_index)
-        return cls(
+        service = cls(
             dispatcher,
             max_staleness=settings.max_staleness,
             tokens_per_step=settings.tokens_per_step,
@@ -167,13 +167,16 @@ class QueueService:
             samples_per_step=settings.samples_per_step,
             step_plan=settings.step_plan,
         )
+        if start.allowance is not None:  # older checkpoints have none: the allowance starts from its priors
+            service.allowance.restore(start.allowance)
+        return service
 
     # ---- rollout side --------------------------------------------------------------------------------------
 
     def try_next_group(self, num_rollouts: int, owner: str | None = None) -> PromptLease | None:
         """A lease whose group of `num_rollouts` is admitted now, or None (gate closed or nothing leasable);
         `owner` (the rollout actor generating it) is recorded for `release_owner`."""
-        if not (self.allowance.can_start() and self.dispatcher.has_leasable()):
+        if not (self.allowance.can_start(num_rollouts) and self.dispatcher.has_leasable()):
             return None
         lease = self.dispatcher.lease()
         assert lease is not None
@@ -196,7 +199,7 @@ class QueueService:
             lease = self.try_next_group(num_rollouts, owner)
             if lease is not None:
                 return self._admission(lease, blocked_s)
-            held_by_allowance = not self.allowance.can_start()
+            held_by_allowance = not self.allowance.can_start(num_rollouts)
             remaining = None if deadline is None else deadline - loop.time()
             woke = await self._notifier.wait(remaining)
             now = self._clock()
@@ -344,7 +347,11 @@ class QueueService:
 
     def rollout_state(self) -> RolloutState:
         """What to write to `rollout_state.json` now."""
-        return RolloutState(prompt_index=self.dispatcher.first_untrained_index(), model_version=self.policy_version)
+        return RolloutState(
+            prompt_index=self.dispatcher.first_untrained_index(),
+            model_version=self.policy_version,
+            allowance=self.allowance.learned_state(),
+        )
 
     def state(self) -> QueueState:
         return QueueState(

@@ -115,6 +115,7 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     assert any(not torch.equal(before[k], after[k]) for k in before)
     saved = json.loads((ckpt / "rollout_state.json").read_text())
     assert saved["model_version"] == 3 and saved["prompt_index"] > 0
+    assert saved["allowance"]["completed_rollouts"] > 0 and saved["allowance"]["tokens_per_step"] > 0  # resumed too
 
     resumed = AsyncGRPOTrainer(
         model=tiny_model_dir,

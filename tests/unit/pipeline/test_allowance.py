@@ -43,19 +43,61 @@ def test_cold_start_runs_one_group_at_a_time_until_the_first_completes():
     assert allowance.try_acquire(4) and allowance.try_acquire(4)
 
 
-def test_queued_plus_inflight_tokens_must_stay_below_the_allowance():
+def test_queued_plus_inflight_plus_the_new_group_must_fit_the_allowance():
     allowance = TokenAllowance(max_staleness=2, tokens_per_step=1000)  # allowance 2000
     assert allowance.allowance_tokens == 2000
     allowance.try_acquire(4)
     allowance.finish_group(4, num_tokens=400)  # 100 tokens per rollout; 400 queued
-    assert allowance.try_acquire(4)  # 400 queued + 0 in flight < 2000 -> 400 + 400
-    assert allowance.try_acquire(4)  # 800 < 2000 -> 1200
-    assert allowance.try_acquire(4)  # 1200 < 2000 -> 1600
+    assert allowance.expected_group_tokens(4) == 400
+    assert allowance.try_acquire(4)  # 400 queued + 0 in flight + 400 of its own <= 2000
+    assert allowance.try_acquire(4)  # 400 + 400 + 400
+    assert allowance.try_acquire(4)  # 400 + 800 + 400
     assert allowance.inflight_tokens == 1200 and allowance.inflight_rollouts == 12 and allowance.inflight_groups == 3
-    assert allowance.try_acquire(4)  # 1600 < 2000 -> 2000
-    assert not allowance.try_acquire(4)  # 2000 is not below 2000
+    assert allowance.try_acquire(4)  # 400 + 1200 + 400 = 2000: it fits exactly
+    assert not allowance.try_acquire(4)  # 400 + 1600 + 400 > 2000
     allowance.consumed(400)  # the learner took the queued group
     assert allowance.try_acquire(4)
+
+
+def test_the_new_group_counts_its_own_expected_tokens():
+    """The marginal group: 1900 tokens queued, allowance 2000, groups of 380. Counting only what is ahead of it (1900
+    < 2000) admitted it, and its own samples then ended past `S` steps of tokens: stale when taken. Counting its own
+    tokens, it waits for the learner; a smaller group that fits still starts."""
+    allowance = TokenAllowance(max_staleness=2, tokens_per_step=1000)
+    for _ in range(5):
+        assert allowance.try_acquire(4)
+        allowance.finish_group(4, num_tokens=380)  # 95 tokens per rollout
+    assert allowance.queued_tokens == 1900 and allowance.expected_group_tokens(4) == 380
+    assert not allowance.can_start(4) and not allowance.try_acquire(4)  # 1900 + 380 > 2000
+    assert allowance.can_start(1)  # 1900 + 95 fits
+    allowance.consumed(380)
+    assert allowance.try_acquire(4)  # 1520 + 380 = 1900
+    assert allowance.try_acquire(1)  # 1520 + 380 in flight + 95 = 1995
+    assert not allowance.try_acquire(1)  # 1520 + 475 in flight + 95 > 2000
+
+
+def test_a_group_larger_than_the_allowance_still_starts_on_an_empty_pipeline():
+    """No deadlock: a group expected to queue more than the whole allowance waits for nothing queued and nothing in
+    flight, then starts alone."""
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=300)
+    allowance.try_acquire(4)
+    allowance.finish_group(4, num_tokens=400)  # one group is 400 > 300
+    assert not allowance.can_start(4)  # 400 queued
+    allowance.consumed(400)
+    assert allowance.try_acquire(4)  # empty: it starts though 400 > 300
+    assert not allowance.try_acquire(1)  # not a second one beside it
+
+
+def test_max_staleness_zero_fills_the_version_even_when_the_last_group_overshoots():
+    """S = 0 keeps its budget rule (taken + queued + in flight < budget, the new group not counted): the learner of
+    a synchronous step waits for the whole budget, so a gate that refused the group that overshoots it would leave
+    the version short and the learner waiting; the version's last step takes the overshoot (nothing goes stale)."""
+    allowance = TokenAllowance(max_staleness=0, tokens_per_step=2000)
+    assert allowance.try_acquire(4)
+    allowance.finish_group(4, num_tokens=600)
+    assert allowance.try_acquire(4) and allowance.try_acquire(4)  # 600 queued + 1200 in flight = 1800
+    assert allowance.try_acquire(4)  # 1800 < 2000: admitted though it brings the version to 2400
+    assert allowance.inflight_tokens == 1800 and not allowance.can_start(4)  # the budget is covered
 
 
 def test_the_inflight_estimate_follows_the_running_mean():
@@ -73,9 +115,11 @@ def test_the_allowance_follows_the_published_tokens_per_step():
     allowance = TokenAllowance(max_staleness=2, tokens_per_step=100)
     allowance.try_acquire(2)
     allowance.finish_group(2, num_tokens=500)
-    assert not allowance.can_start()  # 500 queued >= 200
-    allowance.set_tokens_per_step(300)
-    assert allowance.allowance_tokens == 600 and allowance.can_start()
+    assert not allowance.can_start(2)  # 500 queued + the group's own 500 > 200
+    allowance.set_tokens_per_step(400)
+    assert allowance.allowance_tokens == 800 and not allowance.can_start(2)  # 1000 > 800
+    allowance.set_tokens_per_step(500)
+    assert allowance.allowance_tokens == 1000 and allowance.can_start(2)  # 1000 fits
 
 
 def test_max_staleness_zero_still_allows_one_step_ahead():
@@ -96,7 +140,7 @@ def test_an_empty_pipeline_always_admits():
     allowance.try_acquire(8)
     allowance.finish_group(8, num_tokens=8000)
     allowance.consumed(8000)
-    assert allowance.can_start()  # nothing queued, nothing in flight, even though one group overshoots
+    assert allowance.can_start(8)  # nothing queued, nothing in flight, even though one group overshoots
 
 
 def test_misuse_names_the_problem():

@@ -66,7 +66,19 @@ def test_the_gate_admits_about_one_over_the_keep_rate_more_groups():
     assert n_mean == pytest.approx(4 * n_full, abs=3)
     # 100 n + 2 * 400 * sqrt(n * 0.25 * 0.75) < 10 000  ->  n = 71
     assert n_full < n_margin < n_mean and n_margin == pytest.approx(71, abs=2)
-    assert not margin.can_start() and margin.inflight_tokens > 2.5 * margin.allowance_tokens
+    assert not margin.can_start(G) and margin.inflight_tokens > 2.5 * margin.allowance_tokens
+
+
+def test_the_new_group_counts_at_the_keep_rate():
+    """The new group's own tokens count as what it is expected to queue: its rollouts at the mean, times k̂."""
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=10_000)
+    scored(allowance, [i % 4 == 0 for i in range(2000)])  # keep rate 1/4
+    assert allowance.expected_group_tokens(G) == pytest.approx(G * TOKENS * allowance.keep_rate)
+    assert allowance.expected_group_tokens(2 * G) == pytest.approx(2 * allowance.expected_group_tokens(G))
+    while allowance.try_acquire(G):
+        pass
+    counted = allowance.queued_tokens + allowance.counted_inflight_tokens
+    assert counted <= allowance.allowance_tokens < counted + allowance.expected_group_tokens(G)
 
 
 def test_the_margin_never_counts_more_than_the_rollouts_themselves():
@@ -102,14 +114,14 @@ def test_a_cold_start_behaves_as_before_the_keep_rate():
     )
     inflight = 0
     for _ in range(500):
-        assert new.can_start() == old.can_start()
+        assert new.can_start(G) == old.can_start(G)
         assert new.counted_inflight_tokens == old.counted_inflight_tokens
-        if inflight and (rng.random() < 0.5 or not new.can_start()):
+        if inflight and (rng.random() < 0.5 or not new.can_start(G)):
             tokens = rng.randint(1, 4) * TOKENS
             for allowance in (new, old):
                 allowance.finish_group(G, num_tokens=tokens)
             inflight -= 1
-        elif new.can_start():
+        elif new.can_start(G):
             assert new.try_acquire(G) and old.try_acquire(G)
             inflight += 1
         if new.queued_tokens and rng.random() < 0.3:

@@ -156,7 +156,8 @@ def test_rollout_state_round_trips_through_the_file(tmp_path):
     path = write_rollout_state(tmp_path, service.rollout_state())
     assert path.name == "rollout_state.json"
     state = read_rollout_state(tmp_path)
-    assert state == RolloutState(prompt_index=1, model_version=7)
+    assert (state.prompt_index, state.model_version) == (1, 7)
+    assert state.allowance == service.allowance.learned_state()  # the allowance's learned state too
     resumed = make_service(num_rows=10, resume=state)
     assert resumed.policy_version == 7 and resumed.try_next_group(1).position == 1
 
@@ -175,11 +176,12 @@ def test_old_rollout_state_files_without_model_version_resume_at_zero(tmp_path, 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_full_asynchronous_run_consumes_every_prompt_exactly_once(seed):
-    """Three fake rollout workers and a fake learner whose version moves two per step, with max_staleness=1:
-    groups left over from a step go stale and are regenerated; every prompt is consumed exactly once."""
+    """Three fake rollout workers and a fake learner whose version moves three per step, with max_staleness=2: the
+    gate admits two steps of tokens, so groups left over from a step go stale and are regenerated; every prompt is
+    consumed exactly once."""
     rng = random.Random(seed)
     num_rows, num_epochs, group_size = 7, 2, 3
-    service = make_service(num_rows=num_rows, num_epochs=num_epochs, max_staleness=1, tokens_per_step=60)
+    service = make_service(num_rows=num_rows, num_epochs=num_epochs, max_staleness=2, tokens_per_step=60)
     positions = {}  # group_id -> position
     dropped = []
     trained_groups = set()
@@ -214,7 +216,7 @@ def test_a_full_asynchronous_run_consumes_every_prompt_exactly_once(seed):
             trained_groups.update(entry.group_id for entry in result.entries)
             if result.entries:
                 service.finish_step(result.num_tokens)
-                version += 2
+                version += 3
                 service.set_policy_version(version)
             await asyncio.sleep(0)
 
