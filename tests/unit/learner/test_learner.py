@@ -81,6 +81,8 @@ GRPO_KEYS = [
     "sampling/sampling_logp_difference/mean",
     "batch/samples_per_step",
     "batch/groups_per_step",
+    "batch/tail_planned_count",
+    "batch/unplanned_count",
     "perf/forwarded_tok_s_fwd_bwd",
 ]
 DISTILL_KEYS = [
@@ -98,6 +100,8 @@ DISTILL_KEYS = [
     "teacher_entropy",
     "batch/samples_per_step",
     "batch/prompts_per_step",
+    "batch/tail_planned_count",
+    "batch/unplanned_count",
     "perf/forwarded_tok_s_fwd_bwd",
 ]
 
@@ -205,6 +209,7 @@ def check_step(learner, samples, expected_keys, unit_key, num_units):
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert metrics["batch/trained_tokens_per_step"] == sum(int(s.completion_mask.sum()) for s in samples)
     assert metrics["batch/samples_per_rank_max"] == len(samples)  # one rank: it is sent the whole step
+    assert metrics["batch/unplanned_count"] == 0  # every sample of the step is in a row
     assert metrics["batch/sample_tokens_per_rank_max"] == sum(len(s) for s in samples)
     again = dict(learner.train_step(samples))
     assert again[unit_key] == 0  # the same groups / prompts again: none is new
