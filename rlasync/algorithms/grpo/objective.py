@@ -51,7 +51,9 @@ class GrpoObjective(Objective):
         share = self.share_prefixes
         if self.settings.token_budget > 0:
             return TokenBudgetBatcher(self.world_size, self.settings.token_budget, share_prefixes=share)
-        return FixedCountBatcher(self.world_size, self.settings.per_device_train_batch_size, share_prefixes=share)
+        # B per rank: a micro-batch is B x P samples (TRL's per_device_train_batch_size, as distillation counts it)
+        micro = self.settings.per_device_train_batch_size * self.world_size
+        return FixedCountBatcher(self.world_size, micro, share_prefixes=share)
 
     def new_row(self) -> Any:
         from rlasync.packing import TreeRow

@@ -105,7 +105,7 @@ def test_each_rank_gets_a_disjoint_part_of_the_step_as_the_balancing_planned_it(
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_fixed_count_plan_and_a_distillation_plan_split_the_same_way(tmp_path, world):
-    check_split(grpo_settings(tmp_path, token_budget=0, per_device_train_batch_size=2 * world), grpo_samples(), world)
+    check_split(grpo_settings(tmp_path, token_budget=0, per_device_train_batch_size=2), grpo_samples(), world)
     check_split(distill_settings(tmp_path), distill_samples(), world)
 
 
@@ -254,3 +254,34 @@ def test_two_ranks_sent_only_their_share_take_the_one_rank_step(tmp_path):
 
 if __name__ == "__main__":
     rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+
+
+@pytest.mark.parametrize("spec", ["grpo", "distill"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fixed_count_steps_give_each_rank_per_device_train_batch_size_samples_per_micro_batch(tmp_path, spec, world):
+    """TRL's `per_device_train_batch_size` (token_budget=0): every rank's row of a micro-batch holds B samples, so
+    a step of B x GA x P samples is GA micro-batches (B = 1 with several ranks included)."""
+    per_device, accumulation = (1, 3) if world > 1 else (2, 3)
+    if spec == "grpo":
+        config = AsyncGRPOConfig(
+            output_dir=str(tmp_path),
+            max_steps=10,
+            gradient_checkpointing=False,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+        )
+        settings, samples = GRPO.learner_settings(config, token_budget=0), grpo_samples(num_groups=12, group_size=4)
+    else:
+        config = AsyncDistillationConfig(
+            output_dir=str(tmp_path),
+            max_steps=10,
+            gradient_checkpointing=False,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+        )
+        settings, samples = DISTILL.learner_settings(config, token_budget=0), distill_samples(num_prompts=48)
+    step = samples[: config.samples_per_step(world)]
+    batches = make_objective(settings, 0, world).new_batcher().plan(list(step))
+    assert len(batches) == accumulation
+    assert all(len(batch.rows) == world for batch in batches)
+    assert sum(len(row.samples) for batch in batches for row in batch.rows) == len(step)

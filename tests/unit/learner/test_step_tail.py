@@ -98,9 +98,9 @@ def test_a_tail_that_fits_nowhere_is_counted_unplanned_not_trained(tmp_path):
 
 
 def test_a_fixed_count_tail_joins_the_last_micro_batch(tmp_path):
-    """Fixed count (token_budget=0), micro-batches of 2 samples over 2 ranks: a step of 5 samples (the stream's
-    last, short step) leaves one; it joins the last micro-batch instead of being trained by no rank."""
-    settings = grpo_settings(tmp_path, token_budget=0, per_device_train_batch_size=2)
+    """Fixed count (token_budget=0), micro-batches of 2 samples over 2 ranks (one per rank): a step of 5 samples (the
+    stream's last, short step) leaves one; it joins the last micro-batch instead of being trained by no rank."""
+    settings = grpo_settings(tmp_path, token_budget=0, per_device_train_batch_size=1)
     service = synchronous_service()
     queue_groups(service, [[6, 7], [8, 9], [5]])
     taken, trained, share = take_and_split(service, settings)
