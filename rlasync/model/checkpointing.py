@@ -131,18 +131,25 @@ def activation_bytes_per_token(
     kv + 2D + NH + 4; projection inputs and outputs, attention output, the MLP's gate/up/act/product in the compute
     dtype, 5H + 3q + 4kv + 4I. A checkpointed layer keeps its input (H, residual dtype).
     """
-    text = getattr(config, "get_text_config", lambda: config)()
-    hidden = int(text.hidden_size)
-    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    heads = int(text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    hidden, intermediate, heads, head_dim, kv_heads = layer_dims(config)
     q, kv = heads * head_dim, kv_heads * head_dim
     residual_bytes = residual_bytes or compute_bytes
     residual = 4 * hidden + q + kv + 2 * head_dim + heads + 4
     compute = 5 * hidden + 3 * q + 4 * kv + 4 * intermediate
     full = ESTIMATE_MARGIN * (residual * residual_bytes + compute * compute_bytes)
     return full, float(hidden * residual_bytes)
+
+
+def layer_dims(config: PretrainedConfig) -> tuple[int, int, int, int, int]:
+    """(hidden, intermediate, attention heads, head dim, key-value heads) of a decoder layer, from the text config
+    (the usual defaults where a config leaves one out)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    hidden = int(text.hidden_size)
+    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    return hidden, intermediate, heads, head_dim, kv_heads
 
 
 def compiled_activation_bytes_per_token(
@@ -159,12 +166,7 @@ def compiled_activation_bytes_per_token(
     No margin: this is what the graph saves (a model without q/k norms saves q + kv fewer elements, so it errs high
     there). A checkpointed layer keeps its input (H, residual dtype).
     """
-    text = getattr(config, "get_text_config", lambda: config)()
-    hidden = int(text.hidden_size)
-    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    heads = int(text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    hidden, intermediate, heads, head_dim, kv_heads = layer_dims(config)
     q, kv = heads * head_dim, kv_heads * head_dim
     residual_bytes = residual_bytes or compute_bytes
     compute = 2 * hidden + 3 * q + 3 * kv + 3 * intermediate
