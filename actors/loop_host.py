@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import traceback
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from actors.fanout import actor_id
@@ -34,7 +35,8 @@ class QueuePromptSource:
     def __init__(self, actor: Any, group_size: int) -> None:
         self.actor = actor
         self.group_size = group_size
-        self.owner = f"{actor.kind} {actor.index}"  # the queue releases this owner's leases if the actor dies
+        # the queue releases this owner's leases if the actor dies; the token tells a restarted incarnation apart
+        self.owner = f"{actor.kind} {actor.index}#{uuid.uuid4().hex[:8]}"
         self.leases: dict[int, PromptLease] = {}
         self.failures: dict[int, tuple[str, str]] = {}  # group id -> (cause, one-line detail) of a failed group
         self.warned_rows: set[int] = set()

@@ -46,10 +46,19 @@ class QueueActor:
         self.service.release(lease)
 
     def release_owner(self, owner: str) -> int:
-        """Release every live, not yet queued lease of `owner` (a rollout actor that died); returns how many."""
+        """Release every live, not yet queued lease of `owner` (a rollout actor incarnation that died or is
+        removed) and lease it nothing more; returns how many."""
         released = self.service.release_owner(owner)
         if released:
-            logger.warning("released %d leases of %s (restarted): their prompts are leased again", released, owner)
+            logger.warning("released %d leases of %s: their prompts are leased again", released, owner)
+        return released
+
+    def register_owner(self, owner: str) -> int:
+        """A rollout actor incarnation starts: its earlier incarnations' leases are released and they are leased
+        nothing more (`QueueService.register_owner`); returns how many leases were released."""
+        released = self.service.register_owner(owner)
+        if released:
+            logger.warning("released %d leases of %s's earlier incarnation: leased again", released, owner)
         return released
 
     # learner side

@@ -119,6 +119,10 @@ class PromptDispatcher:
         """Record who generates the live lease `group_id` (a rollout actor), so `leases_of(owner)` finds it."""
         self._leased_group(group_id, "assign_owner").owner = owner
 
+    def owners(self) -> set[str]:
+        """The owners of live leases whose samples have not reached the queue."""
+        return {g.owner for g in self._groups.values() if g.owner is not None and not g.queued}
+
     def leases_of(self, owner: str) -> list[PromptLease]:
         """The live leases of `owner` whose samples have not reached the queue (what dies with it), oldest first."""
         return [g.lease for g in self._groups.values() if g.owner == owner and not g.queued]

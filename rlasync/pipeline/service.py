@@ -49,6 +49,11 @@ from rlasync.pipeline.settings import QueueSettings
 from rlasync.pipeline.staleness_queue import QueueEntry, StalenessQueue, TakeResult, check_group_entries, empty_take
 
 
+def owner_name(owner: str) -> str:
+    """The rollout actor's name of an owner "NAME#TOKEN" (the token tells its incarnations apart)."""
+    return owner.split("#", 1)[0]
+
+
 @dataclass(frozen=True, slots=True)
 class NextGroup:
     """Answer to `next_group`.
@@ -134,6 +139,8 @@ class QueueService:
         self.causes: Counter[str] = Counter()
         self.last_failures: dict[str, str] = {}
         self.released_by_owner: Counter[str] = Counter()
+        self._retired_owners: set[str] = set()  # dead or removed rollout actor incarnations: leased nothing more
+        self._incarnations: dict[str, str] = {}  # a rollout actor's name -> its live incarnation's owner name
         self.taken_samples = 0
         self.unplanned_samples = 0
 
@@ -176,6 +183,8 @@ class QueueService:
     def try_next_group(self, num_rollouts: int, owner: str | None = None) -> PromptLease | None:
         """A lease whose group of `num_rollouts` is admitted now, or None (gate closed or nothing leasable);
         `owner` (the rollout actor generating it) is recorded for `release_owner`."""
+        if owner is not None and self.retired(owner):
+            return None  # a dead incarnation's call answered late: leasing to it would hold a group in flight forever
         if not (self.allowance.can_start(num_rollouts) and self.dispatcher.has_leasable()):
             return None
         lease = self.dispatcher.lease()
@@ -257,14 +266,32 @@ class QueueService:
         self.allowance.cancel_group(num_rollouts)
 
     def release_owner(self, owner: str) -> int:
-        """Release every live, not yet queued lease of `owner` (a rollout actor that died and was restarted), so
-        their prompts are leased again; returns how many."""
+        """Release every live, not yet queued lease of `owner` (a rollout actor incarnation that died, or is removed)
+        so their prompts are leased again, and lease it nothing more: a `next_group` it asked before it died may be
+        answered after this (it waits up to its timeout on the gate), and a lease given then would stay in flight
+        with no one to finish it. Returns how many leases were released."""
+        self._retired_owners.add(owner)
         leases = self.dispatcher.leases_of(owner)
         for lease in leases:
             self.release(lease)
         if leases:
-            self.released_by_owner[owner] += len(leases)
+            self.released_by_owner[owner_name(owner)] += len(leases)
         return len(leases)
+
+    def register_owner(self, owner: str) -> int:
+        """A rollout actor incarnation starts (`owner` = "NAME#TOKEN", a token per incarnation): every earlier
+        incarnation of NAME is released (`release_owner`) and retired; returns the leases released."""
+        name = owner_name(owner)
+        earlier = {o for o in self.dispatcher.owners() if o != owner and owner_name(o) == name}
+        if self._incarnations.get(name) not in (None, owner):
+            earlier.add(self._incarnations[name])
+        self._incarnations[name] = owner
+        return sum(self.release_owner(o) for o in sorted(earlier))
+
+    def retired(self, owner: str) -> bool:
+        """Whether `owner` is a dead or removed incarnation (released, or superseded by a later one of its name)."""
+        live = self._incarnations.get(owner_name(owner))
+        return owner in self._retired_owners or (live is not None and live != owner)
 
     # ---- learner side --------------------------------------------------------------------------------------
 

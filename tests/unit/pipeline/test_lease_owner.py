@@ -119,3 +119,40 @@ def test_the_sinks_send_samples_by_value_so_the_queue_owns_them():
     asyncio.run(QueueSampleSink(queue, source).put(samples[0]))
     assert [[entry.payload for entry in entries] for entries in sent] == [samples, [samples[0]]]
     assert all(entry.payload is sample for entry, sample in zip(sent[0], samples, strict=True))
+
+
+def test_a_dead_incarnations_late_next_group_is_leased_nothing_after_its_restart():
+    """The race a lost node showed: a rollout actor asks `next_group` (it waits on the gate), dies, and its restarted
+    incarnation registers (releasing what the dead one held: nothing yet); then the gate opens. The waiting call of
+    the dead incarnation must get no lease (it would stay in flight forever, holding the gate), the new one must."""
+
+    async def scenario():
+        service = QueueService.create(QueueSettings(6, 1.0, max_staleness=1, tokens_per_step=40))
+        first = await service.next_group(2, 0.0, "rollout actor 0#old")
+        late = asyncio.create_task(service.next_group(2, 5.0, "rollout actor 0#old"))  # waits: cold start
+        await asyncio.sleep(0)
+        assert service.register_owner("rollout actor 0#new") == 1  # the dead incarnation's first group
+        assert service.retired("rollout actor 0#old") and not service.retired("rollout actor 0#new")
+        fresh = asyncio.create_task(service.next_group(2, 5.0, "rollout actor 0#new"))
+        await asyncio.sleep(0)
+        answer = await fresh  # the released group made room: the live incarnation is leased
+        assert answer.lease is not None
+        service.drop_group(answer.lease.group_id, "zero_std", num_tokens=8)
+        assert (await late).lease is None  # the dead incarnation, answered after the gate opened: nothing
+        state = service.state()
+        assert state.inflight_groups == 0 and service.dispatcher.num_leased == 0
+        assert state.released_by_owner == {"rollout actor 0": 1}
+        assert first.lease.position in {answer.lease.position}  # the released prompt was leased again
+
+    asyncio.run(scenario())
+
+
+def test_an_owner_released_on_removal_is_leased_nothing_more_and_other_names_are_untouched():
+    service = QueueService.create(QueueSettings(6, 1.0, max_staleness=100, tokens_per_step=10**6))
+    service.drop_group(asyncio.run(service.next_group(2, 0.0)).lease.group_id, "zero_std", num_tokens=8)
+    asyncio.run(service.next_group(2, 0.0, "rollout actor 1#a"))
+    assert service.register_owner("rollout actor 0#a") == 0  # a first start releases nothing
+    assert service.release_owner("rollout actor 0#a") == 0
+    assert asyncio.run(service.next_group(2, 0.0, "rollout actor 0#a")).lease is None  # removed: nothing more
+    assert asyncio.run(service.next_group(2, 0.0, "rollout actor 1#a")).lease is not None
+    assert service.register_owner("rollout actor 1#b") == 2  # rollout actor 1 restarted: its two leases back
