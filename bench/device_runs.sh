@@ -398,11 +398,11 @@ engine_host)  # carry .pydkit (or none after kits, warm): the TorchEngine's side
     run engine_torch_unfrozen 280 python3 bench/engine_vs_vllm.py --skip-vllm --no-freeze-heap --out "$out" --json-name engine_vs_vllm_torch_unfrozen_h200.json --budget-s 250
     grep -h -A5 '"torch_engine_new_tokens_per_s"' "$out"/engine_vs_vllm_torch*_h200.json
     ;;
-e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the default sums run with the TorchEngine, 200 steps: seconds to reward 0.9, syncs, rollout waits (~4.5 min); its checkpoint is distill_transfer's teacher
+e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the default sums run with the TorchEngine, 200 steps: seconds to reward 0.9, syncs, rollout waits (~9 min since the composed steps: 107 steps in 420 s on 2026-12-05); its checkpoint is distill_transfer's teacher
     export PYTHONPATH=$PWD:/tmp/site
     smollm2_ready || exit 1
     mkdir -p /tmp/results
-    run e2e_sums_torch 420 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json
+    run e2e_sums_torch 570 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|step_at_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
     ;;
@@ -435,7 +435,7 @@ distill_mopd)  # after distill_transfer (warm): a diffs teacher (GRPO, 150 steps
     cp /tmp/results/distill_transfer_h200.json "$out/"
     grep -h -A3 '"mopd_curves"' "$out/distill_transfer_h200.json"
     ;;
-dry_run)  # carry .pydkit (or after kits, warm): issue 31's dry run on one H200, timed (< 2 min), the refusal of a layout that does not fit, and its peak against a real 1-rank step (within 10%) (~6 min)
+dry_run)  # after kits .devicekit (warm; the dry run imports datasets): issue 31's dry run on one H200, timed (< 2 min), the refusal of a layout that does not fit, and its peak against a real 1-rank step (within 10%) (~6 min)
     use_pydkit || exit 1
     start=$(date +%s)
     run dry_run_countdown 200 python3 -m rlasync train configs/countdown_gpu.yaml --dry-run
