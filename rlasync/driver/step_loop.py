@@ -30,7 +30,6 @@ A prompt stream that ends before a single step trained is reported the same way.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from rlasync.driver.signals import ShutdownRequest, interrupted_error
 from rlasync.driver.watchdog import NoProgressError, Watchdog, WatchdogSettings
 from rlasync.metrics import MetricSink
 from rlasync.metrics.perf import StepPerf, system_generation_rate
+from rlasync.metrics.sinks import finite_values
 
 if TYPE_CHECKING:
     from transformers import TrainerState
@@ -409,7 +409,7 @@ class StepLoop:
         self._event("on_save", checkpoint=path)
 
     def _log(self, step: int, record: dict[str, Any]) -> None:
-        record = {k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        record = finite_values(record)
         for sink in self.sinks:
             sink.write(step, record)
         self.trainer_state.log_history.append({**record, "step": step})
@@ -421,7 +421,7 @@ class StepLoop:
         `log_history`, `on_log`), then `on_evaluate` with transformers' names (`eval_reward`, ...)."""
         from rlasync.rollout.evaluation import trainer_metric_names
 
-        record = {k: v for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        record = finite_values(metrics)
         for sink in self.sinks:
             sink.write(step, record)
         self.trainer_state.log_history.append({**record, "step": step})

@@ -115,7 +115,7 @@ def tracker_names(record: Record) -> dict[str, float]:
     `rewrite_logs`): `train/<name>`, except evaluation metrics, which stay `eval/<name>` (`eval_<name>` becomes
     `eval/<name>`). A TRL run and an rlasync run logged to one project share their panels."""
     named = {}
-    for key, value in _finite(record).items():
+    for key, value in finite_values(record).items():
         if key.startswith("eval/"):
             named[key] = value
         elif key.startswith("eval_"):
@@ -173,7 +173,8 @@ class WandbSink:
         self._run.finish()
 
 
-def _finite(record: Record) -> dict[str, float]:
+def finite_values(record: Record) -> dict[str, float]:
+    """The entries of `record` that hold a number (None and NaN left out): what a sink logs."""
     return {k: v for k, v in record.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
 
 
@@ -219,7 +220,7 @@ class MlflowSink:
             mlflow.log_params(dict(list(params.items())[start : start + 100]))
 
     def write(self, step: int, record: Record) -> None:
-        self._mlflow.log_metrics({k: float(v) for k, v in _finite(record).items()}, step=step)
+        self._mlflow.log_metrics({k: float(v) for k, v in finite_values(record).items()}, step=step)
 
     def close(self) -> None:
         self._mlflow.end_run()
