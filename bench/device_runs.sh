@@ -445,6 +445,7 @@ dry_run)  # after kits .devicekit (warm; the dry run imports datasets): issue 31
     run dry_run_refusal 100 python3 -m rlasync train configs/countdown_gpu.yaml --dry-run \
         --set model=/tmp/qwen2-7b --set cluster.learner_num_gpus=0.25  # Qwen2-7B's shape (config.json only)
     tail -n 8 "$out/dry_run_refusal.log"
+    [ "${QUICK:-0}" = 1 ] && exit 0  # QUICK=1: the plan and the refusal only (the peak check ran on 2026-12-05)
     run dry_run_gpu_test 270 python3 -m pytest -q -s tests/gpu/test_dry_run_gpu.py
     tail -n 15 "$out/dry_run_gpu_test.log"
     ;;

@@ -31,6 +31,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlasync.config.vocab import EngineKind
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 139.8  # an H200 (torch.cuda.get_device_properties(0).total_memory)
 CUDA_CONTEXT_GIB = 0.5  # the CUDA context and kernels of one process on a GPU (not in torch's allocator counts)
+MEASURE_MARGIN = 0.1  # a rank whose estimate is this much over its GPU share is refused without running its step
+WEIGHT_SUFFIXES = ("safetensors", "bin", "pt", "pth", "gguf")  # a model folder's weight files
 ENGINE_ELEMENT_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 DEFAULT_ENGINE_SETTINGS = {"gpu_memory_utilization": 0.9, "max_num_seqs": 256}  # TorchEngine's and VLLMEngine's
 
@@ -287,44 +290,15 @@ def learner_memory(
     verbose: bool = False,
 ) -> tuple[dict[str, Any], str | None]:
     """The learner rank's figures ({"world_size", "peak_bytes", "summary", ...}) and a failure, if measuring failed."""
-    from rlasync.learner.dry_run import estimate_rank_memory, meta_model
+    from rlasync.learner.dry_run import estimate_rank_memory, meta_model, step_shape
 
     config, world_size = spec.config, spec.config.cluster.num_learners
     on_gpu = spec.config.cluster.learner_num_gpus > 0
     figures: dict[str, Any] = {"world_size": world_size}
-    if measure and on_gpu and spec.algorithm.sink == "groups":
-        from rlasync.learner.dry_run import measure_in_subprocess, step_shape, synthetic_samples
-
-        group = spec.algorithm.group_size(config)
-        prompt, completion = step_shape(settings.token_budget, group, config.max_completion_length)
-        # the whole step, every rank's rows: each rank plans them all and trains its own (as a real rank does)
-        per_step = settings.token_budget * config.gradient_accumulation_steps * world_size
-        samples = synthetic_samples(
-            int(model_config.vocab_size),
-            groups=max(1, -(-per_step // (prompt + group * completion))),
-            group_size=group,
-            prompt_len=prompt,
-            completion_len=completion,
-            top_k=int(getattr(config, "num_sampler_logprobs", 0) or 0),
-        )
-        try:
-            result = measure_in_subprocess(spec.model, settings, world_size, samples, steps=2)
-        except Exception as exc:  # out of memory, or a failure of the step itself: its last error line
-            if verbose:
-                print(exc, file=sys.stderr)
-            errors = [line.strip() for line in str(exc).splitlines() if "Error" in line or "error" in line]
-            figures.update(peak_bytes=0, measured=False, summary="the measured step failed")
-            why = errors[-1] if errors else str(exc)
-            return figures, f"learner rank 0: the measured step failed: {why} (--verbose prints its whole output)"
-        figures.update(result, peak_bytes=int(result["peak_gib"] * GIB), measured=True)
-        figures["summary"] = (
-            f"peak {result['peak_gib']:.2f} GiB measured (2 steps of {len(samples)} synthetic samples in "
-            f"{settings.token_budget}-token rows{', fake process group' if world_size > 1 else ''})"
-        )
-        return figures, None
+    grpo_rows = spec.algorithm.sink == "groups" and settings.token_budget > 0
     terms = None  # the row's loss terms: GRPO rows as the measured step fills them, else every token of the row
-    if spec.algorithm.sink == "groups" and settings.token_budget > 0:
-        from rlasync.learner.dry_run import step_shape, terms_per_row
+    if grpo_rows:
+        from rlasync.learner.dry_run import terms_per_row
 
         group = spec.algorithm.group_size(config)
         prompt, completion = step_shape(settings.token_budget, group, config.max_completion_length)
@@ -336,13 +310,79 @@ def learner_memory(
         gpu_bytes=gpu_bytes if on_gpu else None,
         terms_per_row=terms,
     )
+    # the rank's share of its GPU: a fraction asks Ray for that much; one or more GPUs give a rank one GPU
+    share = min(float(spec.config.cluster.learner_num_gpus), 1.0) * gpu_bytes
+    over = estimate.total_bytes + CUDA_CONTEXT_GIB * GIB > (1.0 + MEASURE_MARGIN) * share
+    weightless = weights_missing(spec.model)
+    if measure and on_gpu and grpo_rows and not over and weightless is None:
+        return measure_learner(spec, model_config, settings, figures, verbose=verbose)
     if not on_gpu:
         why = "the learner runs on the CPU (cluster.learner_num_gpus=0): host memory estimated"
     elif not measure:
         why = "no GPU: learner memory estimated, not measured"
+    elif over:  # the estimate is within a few percent of a measured peak; a step that cannot fit is not run
+        why = (
+            f"estimated, not measured (the estimate is more than the {share / GIB:.1f} GiB the rank asks for: "
+            "the step would run out of memory)"
+        )
+    elif weightless is not None:
+        why = f"estimated, not measured ({weightless})"
     else:
         why = f"estimated ({spec.algorithm.name}: the measured step runs GRPO samples only)"
     figures.update(peak_bytes=estimate.total_bytes, measured=False, summary=f"{why}: {estimate.describe()}")
+    return figures, None
+
+
+def weights_missing(model: str) -> str | None:
+    """Why `model` (a local folder or a cached alias) has no weights to measure a step with, or None: a folder holding
+    only config.json plans fine (the model is built on the meta device) but cannot run a step."""
+    from rlasync.model.registry import resolve_model
+
+    try:
+        path = Path(resolve_model(model))
+    except Exception:  # a hub id the loader resolves itself: measured as it loads
+        return None
+    if not path.is_dir():
+        return None
+    if any(f.suffix.lstrip(".") in WEIGHT_SUFFIXES for f in path.iterdir() if f.is_file()):
+        return None
+    return f"no weights in {path}: a config-only folder"
+
+
+def measure_learner(
+    spec: RunSpec, model_config: PretrainedConfig, settings: LearnerSettings, figures: dict[str, Any], *, verbose: bool
+) -> tuple[dict[str, Any], str | None]:
+    """Rank 0's peak measured on this GPU (a fresh process, the fake process group for N > 1 ranks) on synthetic GRPO
+    samples that fill the whole step's rows."""
+    from rlasync.learner.dry_run import measure_in_subprocess, step_shape, synthetic_samples
+
+    config, world_size = spec.config, spec.config.cluster.num_learners
+    group = spec.algorithm.group_size(config)
+    prompt, completion = step_shape(settings.token_budget, group, config.max_completion_length)
+    # the whole step, every rank's rows: each rank plans them all and trains its own (as a real rank does)
+    per_step = settings.token_budget * config.gradient_accumulation_steps * world_size
+    samples = synthetic_samples(
+        int(model_config.vocab_size),
+        groups=max(1, -(-per_step // (prompt + group * completion))),
+        group_size=group,
+        prompt_len=prompt,
+        completion_len=completion,
+        top_k=int(getattr(config, "num_sampler_logprobs", 0) or 0),
+    )
+    try:
+        result = measure_in_subprocess(spec.model, settings, world_size, samples, steps=2)
+    except Exception as exc:  # out of memory, or a failure of the step itself: its last error line
+        if verbose:
+            print(exc, file=sys.stderr)
+        errors = [line.strip() for line in str(exc).splitlines() if "Error" in line or "error" in line]
+        figures.update(peak_bytes=0, measured=False, summary="the measured step failed")
+        why = errors[-1] if errors else str(exc)
+        return figures, f"learner rank 0: the measured step failed: {why} (--verbose prints its whole output)"
+    figures.update(result, peak_bytes=int(result["peak_gib"] * GIB), measured=True)
+    figures["summary"] = (
+        f"peak {result['peak_gib']:.2f} GiB measured (2 steps of {len(samples)} synthetic samples in "
+        f"{settings.token_budget}-token rows{', fake process group' if world_size > 1 else ''})"
+    )
     return figures, None
 
 

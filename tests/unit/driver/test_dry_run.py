@@ -213,6 +213,57 @@ def test_a_measured_step_that_runs_out_of_memory_is_a_layout_that_does_not_fit(c
     assert "learner rank 0: the measured step failed: torch.OutOfMemoryError: CUDA out of memory." in out, out
 
 
+def stand_in_gpu(monkeypatch, measured: list) -> None:
+    """A GPU of 139.8 GiB (an H200) and a measuring child that records its calls and reports a 3 GiB peak."""
+    import types
+
+    import torch
+
+    import rlasync.learner.dry_run as rank
+
+    def measure(model, settings, world_size, samples, *, steps):
+        measured.append(model)
+        return {"peak_gib": 3.0, "world_size": world_size}
+
+    monkeypatch.setattr(rank, "measure_in_subprocess", measure)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    total = int(139.8 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: types.SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "Stand-in GPU")
+
+
+def test_on_a_gpu_a_rank_whose_estimate_exceeds_its_share_is_refused_with_the_numbers_unmeasured(
+    capsys, monkeypatch, qwen2_7b
+):
+    """A 7B model on a quarter of an H200: its step would run out of memory, so it is not run; the estimate's numbers
+    refuse the layout as they do on the CPU (and a config-only folder needs no weights for that)."""
+    measured: list = []
+    stand_in_gpu(monkeypatch, measured)
+    args = (str(REPO / "configs/countdown_gpu.yaml"), "--set", f"model={qwen2_7b}")
+    code, out = dry_run(capsys, *args, "--set", "cluster.learner_num_gpus=0.25")
+    assert code == 1 and not measured, out
+    assert "estimated, not measured (the estimate is more than the 34.9 GiB the rank asks for" in out, out
+    problem = next(line for line in out.splitlines() if "learner rank 0 needs" in line)
+    assert float(problem.split("needs ")[1].split(" GiB")[0]) > 113, problem
+    assert "asks Ray for 0.25 of a GPU (34.9 GiB of 139.8" in problem and "cluster.learner_num_gpus" in problem
+    assert "measured step failed" not in out, out
+
+
+def test_on_a_gpu_a_config_only_folder_that_fits_is_estimated_and_says_why(capsys, monkeypatch, tmp_path):
+    measured: list = []
+    stand_in_gpu(monkeypatch, measured)
+    small = {**QWEN2_7B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
+    folder = tmp_path / "small"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**small, "num_key_value_heads": 2, "vocab_size": 1024}))
+    code, out = dry_run(capsys, str(REPO / "configs/countdown_gpu.yaml"), "--set", f"model={folder}")
+    assert code == 0 and not measured, out
+    assert f"estimated, not measured (no weights in {folder}: a config-only folder)" in out, out
+    (folder / "model.safetensors").write_bytes(b"")  # weights present: the step is measured
+    code, out = dry_run(capsys, str(REPO / "configs/countdown_gpu.yaml"), "--set", f"model={folder}")
+    assert code == 0 and measured == [str(folder)] and "peak 3.00 GiB measured" in out, out
+
+
 def test_distillation_places_its_local_teacher_as_an_engine(capsys):
     code, out = dry_run(
         capsys,
