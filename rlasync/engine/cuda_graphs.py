@@ -18,7 +18,7 @@ import torch
 from rlasync.engine.kv_cache import num_blocks_for
 from rlasync.engine.paged_attention import KVPool, PagedAttentionMetadata
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 def decode_batch_sizes(max_num_seqs: int, sizes: Sequence[int] = DEFAULT_BATCH_SIZES) -> tuple[int, ...]:
