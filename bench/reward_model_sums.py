@@ -3,13 +3,25 @@
 Issue 33's GPU acceptance (docs/rewards.md §2). Two stages, one command:
 
 1. **Fit.** SmolLM2-135M-Instruct loaded as `AutoModelForSequenceClassification` (num_labels=1: its backbone, a new
-   `score` head). Two-digit sums ("What is 37 + 48?") each get a correct reply and a wrong one (off by 1-10, digits
-   swapped, or another two-digit number), phrased a few ways, rendered exactly as the RewardActor renders them (the
-   reward model's own chat template, `RewardModelScorer.render` / `encode`). The pooled last-token features of the
-   frozen backbone (the head replaced by an identity) are fitted with an L2 logistic regression; its weights
-   (standardisation folded in, bias dropped: a constant shift changes no GRPO advantage) become the `score` head,
-   saved with the tokenizer as a reward-model folder. Held-out accuracy and pairwise accuracy (correct above wrong
-   for the same question) are recorded.
+   `score` head). Two-digit sums ("What is 37 + 48?") each get a group of replies in one phrasing: a correct one and
+   `--fit-negatives` wrong ones that differ from it only in the final number (the one the exact verifier reads), so
+   the reward model must check the arithmetic. Phrasings range from a bare number to sentences with correct working
+   before the answer ("Adding the tens: 30 + 40 = 70. ... So 37 + 48 = 85."); wrong sums are mostly hard (off by 1,
+   2 or 10, the carry forgotten: 37 + 48 -> 75, digits swapped, an operand), and a tenth of the groups have a reply
+   cut before its answer or without a number. `--fit-policy-questions` more groups come from the policy's own
+   replies (HF `generate`, temperature 1, up to --max-completion-length tokens): each reply with its last number set
+   to the sum and to wrong sums (its own answer first when wrong). Texts are rendered and padded exactly as the
+   RewardActor scores them (the reward model's chat template, `RewardModelScorer.render` / `encode`, right padding,
+   the head pooling the last non-pad token). `--fit-mode finetune` (default) trains backbone and head together:
+   Bradley-Terry loss on the (correct, wrong) pairs of a group plus `--fit-bce` x BCE (correct above 0, wrong below:
+   one scale across phrasings, as a GRPO group mixes them), AdamW with warmup and linear decay, bf16 autocast over
+   fp32 weights on cuda. `--fit-mode head` is the earlier fit: an L2 logistic regression (LBFGS) on the frozen
+   backbone's pooled features, its weights folded into the `score` head (bias dropped: a constant shift changes no
+   GRPO advantage). The model is saved with the tokenizer as a reward-model folder. Recorded on a fifth of the
+   questions held out: pairwise accuracy (correct above wrong, same question and phrasing; also per epoch, and
+   apart for the synthetic and the policy's groups), accuracy at 0, AUC over all held-out replies, `fit_s`; and the
+   saved folder loaded back as `RewardModel(folder)` (dtype auto: bf16 on a GPU) scores the held-out replies again
+   (`saved_held_out_pairwise_accuracy`, `saved_scores_max_abs_diff`).
 2. **GRPO.** The policy (SmolLM2-135M-Instruct) trains on two-digit sums with `reward_funcs=[RewardModel(folder)]`
    on one GPU (learner 0.4, generation 0.4, the RewardActor `--reward-gpus` 0.2), and, for comparison, with the exact
    verifier (`last_number_reward`) as the reward (`--runs rm,verifier`). Both runs log the exact verifier's accuracy
@@ -20,6 +32,7 @@ Issue 33's GPU acceptance (docs/rewards.md §2). Two stages, one command:
 
     python bench/reward_model_sums.py --out bench/results/reward_model_sums_h200.json          # one H200
     python bench/reward_model_sums.py --smoke --device cpu --steps 2 --out /tmp/rm_sums.json   # tiny random, CPU
+    python bench/reward_model_sums.py --fit-only --out /tmp/rm_fit.json                        # the fit alone
 
 `--smoke` replaces SmolLM2 with e2e_grpo's tiny random Qwen3 (the fit is then meaningless; it checks the path).
 """
@@ -145,7 +158,10 @@ def synthetic_replies(a: int, b: int, k: int, rng: random.Random) -> list[str]:
     replies = [form.format(s=s, **values) for s in [total, *wrong_answers(a, b, k, rng)]]
     if rng.random() < 0.1:
         cut = form[: form.rindex("{s}")].rstrip().format(s=total, **values)  # the text before the final number
-        replies[-1] = cut if LAST_NUMBER.search(cut) or rng.random() < 0.5 else rng.choice(NO_NUMBER)
+        numbers = LAST_NUMBER.findall(cut)
+        # wrong to the verifier: its last number is an operand or a step, not the sum (or there is none)
+        usable = numbers[-1] != str(total) if numbers else rng.random() < 0.5
+        replies[-1] = cut if usable else rng.choice(NO_NUMBER)
     return replies
 
 
@@ -181,6 +197,7 @@ def policy_groups(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlasync.data.tasks import arithmetic_rows
+    from rlasync.rewards import last_number_reward
 
     rng = random.Random(seed)
     rows = arithmetic_rows(n, seed, max_operand=99, min_operand=10)
@@ -213,7 +230,12 @@ def policy_groups(
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         for offset, (row, text) in enumerate(zip(chunk, completions, strict=True)):
             replies = counterfactual_replies(text, *operands(row), k, rng)
-            if replies is not None:
+            if replies is None:
+                continue
+            verdicts = last_number_reward(
+                [[{"role": "assistant", "content": r}] for r in replies], [row["answer"]] * (k + 1)
+            )
+            if verdicts == [1.0] + [0.0] * k:  # the exact verifier agrees with every label
                 groups.append((row["prompt"], replies, start + offset))
     del model
     if args.device == "cuda":
@@ -321,11 +343,17 @@ def finetune(
     labels[:, 0] = 1.0
     rng = random.Random(0)
     losses, epochs, step = [], [], 0
+    deadline = time.perf_counter() + args.fit_max_s
     for _ in range(args.fit_epochs):
+        if time.perf_counter() > deadline:
+            break
         model.train()
         order = list(range(len(groups)))
         rng.shuffle(order)
         for start in range(0, len(order) - per_step + 1, per_step):
+            if time.perf_counter() > deadline:
+                print(f"fit: --fit-max-s {args.fit_max_s} reached at step {step}/{steps}", flush=True)
+                break
             batch = [ids for i in order[start : start + per_step] for ids in groups[i]]
             scores = forward_scores(model, batch, pad_id, args.device).view(per_step, width)
             loss = -F.logsigmoid(scores[:, :1] - scores[:, 1:]).mean()
@@ -338,8 +366,9 @@ def finetune(
             schedule.step()
             losses.append(loss.item())
             step += 1
-            if step % 50 == 0:
-                print(f"fit step {step}/{steps}: loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", flush=True)
+            if step % max(1, min(50, steps // 10)) == 0:
+                recent = losses[-max(1, min(50, steps // 10)) :]
+                print(f"fit step {step}/{steps}: loss {sum(recent) / len(recent):.4f}", flush=True)
         model.eval()
         held_ids = [ids for group in held for ids in group]
         epochs.append(pairwise(score_all(model, held_ids, pad_id, args.device, args.fit_batch), width))
@@ -347,6 +376,7 @@ def finetune(
     window = max(1, len(losses) // 10)
     return {
         "optimizer_steps": step,
+        "optimizer_steps_planned": steps,
         "train_loss_first": sum(losses[:window]) / window if losses else None,
         "train_loss_last": sum(losses[-window:]) / window if losses else None,
         "epoch_held_out_pairwise_accuracy": epochs,
@@ -379,6 +409,7 @@ def build_reward_model(args: argparse.Namespace, policy_dir: str, folder: Path) 
         else []
     )
     sampled_s = time.perf_counter() - started
+    print(f"fit data: {len(synthetic)} synthetic groups, {len(policy)} from the policy's replies", flush=True)
 
     def encode(groups: list[Any]) -> list[list[list[int]]]:
         return [
@@ -412,16 +443,16 @@ def build_reward_model(args: argparse.Namespace, policy_dir: str, folder: Path) 
         w, bias, loss = fit_head(features[: len(train_ids)], labels, args.l2, args.fit_steps)
         with torch.no_grad():
             scorer.model.score.weight.copy_(w.to(scorer.model.score.weight.dtype).view(1, -1))
-        scores = features[len(train_ids) :] @ w
+        scores, threshold = features[len(train_ids) :] @ w, -float(bias)  # the saved head has no bias
         result.update(train_loss=loss, features=list(features.shape))
     else:
         model = scorer.model
         result.update(finetune(model, train, held, width, scorer.pad_id, args))
-        scores = score_all(model, held_ids, scorer.pad_id, args.device, args.fit_batch)
+        scores, threshold = score_all(model, held_ids, scorer.pad_id, args.device, args.fit_batch), 0.0
     labels = torch.tensor([float(i % width == 0) for i in range(len(held_ids))])
     n_syn = len(held_syn) * width
     result.update(
-        held_out_accuracy=float(((scores > 0).float() == labels).float().mean()),
+        held_out_accuracy=float(((scores > threshold).float() == labels).float().mean()),
         held_out_pairwise_accuracy=pairwise(scores, width),
         held_out_pairwise_accuracy_synthetic=pairwise(scores[:n_syn], width),
         held_out_pairwise_accuracy_policy=pairwise(scores[n_syn:], width) if held_pol else None,
@@ -440,6 +471,8 @@ def build_reward_model(args: argparse.Namespace, policy_dir: str, folder: Path) 
         saved_scores_dtype=str(saved.dtype).removeprefix("torch."),
     )
     del saved
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
@@ -555,8 +588,9 @@ def main() -> None:
     )
     parser.add_argument("--fit-negatives", type=int, default=3, help="wrong replies per question (1 correct each)")
     parser.add_argument("--fit-epochs", type=int, default=3)
-    parser.add_argument("--fit-lr", type=float, default=3e-5, help="AdamW peak learning rate (finetune)")
+    parser.add_argument("--fit-lr", type=float, default=5e-5, help="AdamW peak learning rate (finetune)")
     parser.add_argument("--fit-bce", type=float, default=0.2, help="weight of the BCE term beside the pairwise loss")
+    parser.add_argument("--fit-max-s", type=float, default=150.0, help="stop the fine-tune's steps after this long")
     parser.add_argument("--fit-step-questions", type=int, default=32, help="questions (groups) per optimizer step")
     parser.add_argument("--fit-batch", type=int, default=256, help="texts per scoring / feature forward")
     parser.add_argument("--fit-steps", type=int, default=200, help="LBFGS iterations of the head fit (head mode)")
