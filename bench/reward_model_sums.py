@@ -590,7 +590,7 @@ def main() -> None:
     parser.add_argument("--fit-epochs", type=int, default=3)
     parser.add_argument("--fit-lr", type=float, default=5e-5, help="AdamW peak learning rate (finetune)")
     parser.add_argument("--fit-bce", type=float, default=0.2, help="weight of the BCE term beside the pairwise loss")
-    parser.add_argument("--fit-max-s", type=float, default=150.0, help="stop the fine-tune's steps after this long")
+    parser.add_argument("--fit-max-s", type=float, default=120.0, help="stop the fine-tune's steps after this long")
     parser.add_argument("--fit-step-questions", type=int, default=32, help="questions (groups) per optimizer step")
     parser.add_argument("--fit-batch", type=int, default=256, help="texts per scoring / feature forward")
     parser.add_argument("--fit-steps", type=int, default=200, help="LBFGS iterations of the head fit (head mode)")
