@@ -31,7 +31,7 @@ Issue 33's GPU acceptance (docs/rewards.md §2). Two stages, one command:
    most rollout actors merged in one batch.
 
     python bench/reward_model_sums.py --out bench/results/reward_model_sums_h200.json          # one H200
-    python bench/reward_model_sums.py --smoke --device cpu --steps 2 --out /tmp/rm_sums.json   # tiny random, CPU
+    python bench/reward_model_sums.py --smoke --device cpu --steps 2 --rollout-actors 2 --out /tmp/rm.json  # CPU
     python bench/reward_model_sums.py --fit-only --out /tmp/rm_fit.json                        # the fit alone
 
 `--smoke` replaces SmolLM2 with e2e_grpo's tiny random Qwen3 (the fit is then meaningless; it checks the path).
