@@ -451,7 +451,7 @@ dry_run)  # after kits .devicekit (warm; the dry run imports datasets): issue 31
     run dry_run_gpu_test 270 python3 -m pytest -q -s tests/gpu/test_dry_run_gpu.py
     tail -n 15 "$out/dry_run_gpu_test.log"
     ;;
-reward_model)  # after kits .devicekit and the SmolLM2 calls (warm): issue 33, SmolLM2's backbone with a head fitted on its features drives GRPO beside the verifier reward (~8 min)
+reward_model)  # after kits .devicekit and the SmolLM2 calls (warm): issue 33, SmolLM2's backbone + head fine-tuned to prefer correct sums (~1-1.5 min) drives GRPO beside the verifier reward (~9 min)
     export PYTHONPATH=$PWD:/tmp/site
     smollm2_ready || exit 1
     run reward_model_sums 580 python3 bench/reward_model_sums.py --device cuda --out "$out/reward_model_sums_h200.json"
