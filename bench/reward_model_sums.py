@@ -623,6 +623,7 @@ def main() -> None:
     print("--- fitting the sums reward model", flush=True)
     results["fit"] = build_reward_model(args, policy_dir, rm_dir)
     print(json.dumps(results["fit"], indent=1), flush=True)
+    save(args.out, results)  # after the fit and after each run: a stage cut by its limit keeps what finished
     if args.fit_only:
         runs = []
     import ray  # noqa: TID251 - a driver script, as actors.cluster
@@ -634,16 +635,20 @@ def main() -> None:
         for name in runs:
             print(f"--- GRPO with reward {name!r} ({args.steps} steps)", flush=True)
             results["runs"][name] = run_grpo(args, policy_dir, str(rm_dir), name, work)
+            save(args.out, results)
     finally:
         if runs:
             ray.shutdown()
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(results, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    save(args.out, results)
+    print(json.dumps(results, indent=2))
+
+
+def save(out: str | None, results: dict[str, Any]) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
