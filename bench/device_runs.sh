@@ -403,7 +403,8 @@ e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the 
     smollm2_ready || exit 1
     mkdir -p /tmp/results
     date +%s.%N > "$out/e2e_sums_torch_started.txt"  # a run cut by the limit: bench/sums_e2e.py --metrics ... --started
-    run e2e_sums_torch 570 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json
+    sets=(); for s in ${E2E_SETS:-}; do sets+=(--set "$s"); done  # E2E_SETS="token_budget=2048 ...": a variant
+    run e2e_sums_torch 570 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json "${sets[@]}"
     cp /tmp/sums_e2e/sums_torch/metrics.jsonl "$out/sums_torch_metrics.jsonl" 2>/dev/null
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|step_at_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
