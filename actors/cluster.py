@@ -103,11 +103,15 @@ class Cluster:
         self.engine_options: dict[str, Any] = {}
         self.rollout_parts: tuple[Any, dict[str, Any], list[Any]] = (None, {}, [])
         self.answered_at: dict[str, float | None] = {}  # engine name -> when it last answered (a frozen one's error)
+        self.entered_at = time.perf_counter()
+        self.startup_s: dict[str, float] = {}  # the start-up's phases (`build`), logged as perf/startup/*_s
 
     # ---- connect and remove -------------------------------------------------------------------------------------
 
     def __enter__(self) -> Cluster:
+        self.entered_at = time.perf_counter()
         self.started_ray = connect(self.config.cluster.ray_address)
+        self.startup_s["ray"] = time.perf_counter() - self.entered_at
         if self.started_ray:
             self.reaper = start_reaper(ray.get_runtime_context().get_session_name())
         if self.guard is not None:
@@ -161,6 +165,13 @@ class Cluster:
         """Create every actor of the spec in dependency order, run the cold sync, start the rollouts; returns the
         StepLoop over adapters of the handles."""
         spec, cluster = self.spec, self.config.cluster
+        mark = time.perf_counter()
+
+        def phase(name: str) -> None:  # the time since the last phase ended
+            nonlocal mark
+            now = time.perf_counter()
+            self.startup_s[name], mark = now - mark, now
+
         engines = self.engines = self.spawn_engines()  # first: the token budget defaults to the engine's max_model_len
         teachers = self.spawn_teachers()
         max_model_len = None if self.config.token_budget is not None else self.max_model_len(engines)
@@ -168,8 +179,10 @@ class Cluster:
         group = spec.algorithm.group_size(self.config) if share else 1
         budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len, group)
         plan = step_plan(self.config, spec.algorithm, cluster.num_learners, budget, share)
-        learners = self.spawn_learners(budget)
-        connect_weights(learners, engines, cluster)
+        learners = self.spawn_learners(budget)  # the engines are built meanwhile (their actors start at once)
+        phase("learners")
+        connect_weights(learners, engines, cluster)  # waits for the engines
+        phase("engines")
         queue = self.spawn_queue(tokens_per_step, samples_per_step, plan)
         weights = RayWeightSync(
             learners,
@@ -183,9 +196,13 @@ class Cluster:
             answered_at=self.answered_at,
         )
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
+        phase("cold_sync")
         state["policy_version"] = self.version
         rewards = self.spawn_rewards()
         self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
+        phase("rollouts")
+        self.startup_s["total"] = time.perf_counter() - self.entered_at
+        state["startup_s"] = dict(self.startup_s)  # the step loop logs them with its first step (and drops them)
         fleet = RayFleet(
             self.rollouts,
             spec.algorithm.rollout_name,

@@ -107,6 +107,7 @@ def summarize(
         "mean_rollout_wait_s": wait,
         "mean_step_s": step_s,
         "first_step_rollout_wait_s": records[0].get("perf/rollout_wait_s") if steps[0] == 1 else None,
+        "startup_s": {k.split("/")[-1]: v for k, v in records[0].items() if k.startswith("perf/startup/")} or None,
         "steps_logged": len(records),
         "last_step": steps[-1],
         "seconds_total": records[-1]["time"] - started,

@@ -279,6 +279,8 @@ class StepLoop:
             step_window = MetricSink()
             step_window.update(take_items)
             step_window.add("perf/rollout_wait_s", wait_s)
+            for phase, seconds in (self.run_state.pop("startup_s", None) or {}).items():  # the run's first step only
+                step_window.add(f"perf/startup/{phase}_s", float(seconds))
             self._event("on_step_begin")
             trained = await self.learners.train_step(refs)
             step_window.update(trained)

@@ -87,6 +87,12 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     assert all(r["batch/samples_per_step"] == 2 * r["batch/samples_per_row"] for r in records)
     # the first step waits for the first groups to be generated and scored: that wait is measured
     assert records[0]["perf/rollout_wait_s"] > 0
+    # the start-up's phases, with the first step only; the phases after Ray's connection add up to within the total
+    startup = {k.split("/")[-1]: v for k, v in records[0].items() if k.startswith("perf/startup/")}
+    assert set(startup) == {"ray_s", "learners_s", "engines_s", "cold_sync_s", "rollouts_s", "total_s"}, startup
+    assert all(v >= 0 for v in startup.values()) and startup["learners_s"] > 0
+    assert sum(v for k, v in startup.items() if k != "total_s") <= startup["total_s"] + 1e-6, startup
+    assert not any(k.startswith("perf/startup/") for r in records[1:] for k in r)
     assert all(r["perf/fetch_samples_s"] >= 0 and r["perf/pack_s"] > 0 for r in records)  # the learner's own phases
     assert [r["num_tokens"] for r in records] == sorted(r["num_tokens"] for r in records) and records[0][
         "num_tokens"

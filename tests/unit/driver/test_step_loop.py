@@ -217,6 +217,21 @@ def test_logging_window_and_save_cadence(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
 
 
+def test_the_start_up_phases_are_logged_with_the_first_step_only_and_never_checkpointed(tmp_path):
+    loop, _, sink = make_loop(tmp_path, horizon=3, save_steps=2)
+    loop.run_state["startup_s"] = {"ray": 1.5, "engines": 12.0, "total": 30.0}  # as the Cluster leaves them
+    state = run(loop)
+    first, *rest = [record for _, record in sink.records]
+    assert (first["perf/startup/ray_s"], first["perf/startup/engines_s"], first["perf/startup/total_s"]) == (
+        1.5,
+        12.0,
+        30.0,
+    )
+    assert not any(key.startswith("perf/startup/") for record in rest for key in record)
+    assert "startup_s" not in state
+    assert "startup_s" not in (tmp_path / "checkpoint-2" / "trainer_state.json").read_text()
+
+
 def test_stops_at_max_steps_and_resumes_from_a_step(tmp_path):
     loop, journal, _ = make_loop(tmp_path, horizon=4)
     state = run(loop, start_step=2, version=3)
