@@ -9,7 +9,13 @@ source scored it (unscorable). With `M` the scorable rollouts (docs/algorithms.m
     A_i = 0                        for i not in M
 
 TRL's scale_rewards="batch" (the std of the whole generation batch) has no counterpart: groups are scored one at
-a time as they finish, there is no batch at scoring time (the config refuses it). A group is degenerate
+a time as they finish, there is no batch at scoring time (the config refuses it). For the same reason
+multi_objective_aggregation="normalize_then_sum" (GDPO) is refused; its group part, each reward column normalised
+in its group before the weighted sum, is `decoupled_group_advantages`, for a `compute_advantages` hook:
+
+    z_k,i = (r_k,i - mean_k) / (std_k + 1e-4)     per column k over its scored rollouts (TRL's GDPO epsilon)
+    S_i   = nansum_k w_k z_k,i                    NaN where no column scored rollout i
+    A     = group_advantages(S)                   (TRL standardises S over the generation batch instead) A group is degenerate
 (docs/algorithms.md §2.6.3) when fewer than two rollouts are scorable or every scored reward is equal; the rollout loop drops
 such groups, because their advantages are zero everywhere and they would cost a forward/backward for nothing.
 """
@@ -20,6 +26,9 @@ import numpy as np
 
 STD_EPSILON = 1e-8
 """Added to the group std before dividing, so an all-equal group gives zero advantages instead of 0/0."""
+
+DECOUPLED_STD_EPSILON = 1e-4
+"""TRL's epsilon of GDPO's per-column normalisation (`normalize_then_sum`)."""
 
 
 def _scored(rewards: np.ndarray) -> np.ndarray:
@@ -59,3 +68,35 @@ def is_degenerate_group(rewards: np.ndarray) -> bool:
     """
     scored = _scored(np.asarray(rewards, dtype=np.float64))
     return scored.size < 2 or bool(np.all(scored == scored[0]))
+
+
+def decoupled_group_advantages(values: np.ndarray, weights: np.ndarray | None = None, scale: bool = True) -> np.ndarray:
+    """GDPO's decoupled normalisation within one group (see the module docstring): `values` [C, G] per-column
+    rewards (NaN where a column did not score a rollout), `weights` [C] (None: 1 each); returns the advantages [G].
+
+    Each column is centred and divided by its own group std before the weighted sum, so a reward with a large
+    range or spread does not drown the others; the sum then gets GRPO's group normalisation (`scale=False`: only
+    centred). A column that scored fewer than two rollouts, or gave them all the same value, contributes 0 to the
+    rollouts it scored. Use it from a loop's hook with the table scoring leaves on the group:
+
+        def compute_advantages(self, group):
+            table = group.reward_table
+            return decoupled_group_advantages(table.values, table.weights)
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 2:
+        raise ValueError(f"values must be [columns, rollouts], got shape {values.shape}")
+    num_columns = values.shape[0]
+    weights = np.ones(num_columns) if weights is None else np.asarray(weights, dtype=np.float64)
+    if weights.shape != (num_columns,):
+        raise ValueError(f"weights must hold one weight per column ({num_columns}), got shape {weights.shape}")
+    normalised = np.full_like(values, np.nan)
+    for k in range(num_columns):
+        scored = ~np.isnan(values[k])
+        if scored.any():
+            column = values[k, scored]
+            normalised[k, scored] = (column - column.mean()) / (column.std() + DECOUPLED_STD_EPSILON)
+    unscored = np.isnan(values).all(axis=0)
+    summed = np.nansum(normalised * weights[:, None], axis=0)
+    summed[unscored] = np.nan
+    return group_advantages(summed, scale=scale)[0]

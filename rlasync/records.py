@@ -220,6 +220,11 @@ class RolloutGroup:
     rollout_rewards: list[float | None] = field(default_factory=list)
     reward_kwargs: dict[str, list[Any]] = field(default_factory=dict)
     rewards: np.ndarray | None = None  # [G] float64 weighted summed rewards (reward_weights), NaN where unscored
+    reward_table: Any = None
+    """The per-source rewards behind `rewards` (`rlasync.rewards.calling.RewardTable`: `names`, `values` [C, G]
+    unweighted with NaN where not scored, `weights` [C] or None), set with `rewards` before `compute_advantages(group)`
+    is called: a hook that treats the reward functions separately (GDPO's decoupled normalisation,
+    `rlasync.advantages.decoupled_group_advantages`) reads it here."""
     queued_at: float = 0.0
 
     def __len__(self) -> int:

@@ -68,7 +68,8 @@ class AsyncGRPOConfig(TrainerConfig):
     multi_objective_aggregation: str = "sum_then_normalize"
     """TRL's GRPOConfig field. "sum_then_normalize" (TRL's default, the only one here): the weighted sum of the
     reward functions is normalised within its group. TRL's "normalize_then_sum" (GDPO) ends with a normalisation
-    over the whole generation batch, which asynchronous scoring (each group as it finishes) does not have: refused."""
+    over the whole generation batch, which asynchronous scoring (each group as it finishes) does not have: refused;
+    its per-group part is `rlasync.advantages.decoupled_group_advantages`, for a `compute_advantages` hook."""
     scale_rewards: str | bool = "group"
     """TRL's GRPOConfig field: "group" / True (default): advantages are divided by the group's reward std; "none" /
     False: only centred on the group mean (Dr. GRPO). TRL's "batch" (the whole batch's std) is refused: groups are
@@ -150,7 +151,9 @@ class AsyncGRPOConfig(TrainerConfig):
                 "multi_objective_aggregation='normalize_then_sum' is not supported by rlasync: TRL normalises each "
                 "reward function within its group, then the weighted sum over the whole generation batch, and "
                 "asynchronous scoring has no batch (each group is scored as it finishes); leave the default "
-                "'sum_then_normalize', or override the loop's compute_advantages(group)"
+                "'sum_then_normalize', or override the loop's compute_advantages(group) with "
+                "rlasync.advantages.decoupled_group_advantages(group.reward_table.values, group.reward_table.weights) "
+                "(GDPO's per-group part)"
             )
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(

@@ -53,7 +53,8 @@ from rlasync.rewards.calling import (
 ROLLOUT_REWARD_COLUMN = "rollout_reward"
 
 ComputeAdvantages = Callable[[RolloutGroup], np.ndarray]
-"""`compute_advantages(group) -> [G]` advantages; `group.rewards` is set when it is called."""
+"""`compute_advantages(group) -> [G]` advantages; `group.rewards` (the weighted sums) and `group.reward_table` (the
+per-source columns behind them) are set when it is called."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,7 @@ async def score_group(
     if weights is not None:  # the functions' columns come first, every other column weighs 1
         table = table.with_weights(np.concatenate([weights, np.ones(len(table.names) - num_functions)]))
     group.rewards = table.totals()
+    group.reward_table = table
     advantages = _run_compute_advantages(compute_advantages or default_compute_advantages, group)
     degenerate = is_degenerate_group(group.rewards)
     dropped = degenerate and drop_zero_std_groups

@@ -280,3 +280,93 @@ def test_the_reward_fields_have_trl_grpo_configs_names_and_defaults():
     ours = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}
     for name in ("reward_weights", "scale_rewards", "multi_objective_aggregation"):
         assert ours[name] == theirs[name], name
+
+
+# ---- GDPO's decoupled normalisation for a compute_advantages hook (the table scoring leaves on the group) ----
+
+
+def reference_decoupled(values: np.ndarray, weights: list[float]) -> list[float]:
+    """The slow obvious reference of `decoupled_group_advantages` on one group: per column, the scored values
+    centred and divided by their population std + 1e-4; the weighted sum over the columns that scored a rollout
+    (NaN when none did); then GRPO's group normalisation of the sums (NaN -> advantage 0)."""
+    num_columns, num_rollouts = values.shape
+    normalised = [[NAN] * num_rollouts for _ in range(num_columns)]
+    for k in range(num_columns):
+        scored = [float(v) for v in values[k] if not math.isnan(v)]
+        if not scored:
+            continue
+        mean = sum(scored) / len(scored)
+        std = math.sqrt(sum((v - mean) ** 2 for v in scored) / len(scored))
+        for i in range(num_rollouts):
+            if not math.isnan(values[k, i]):
+                normalised[k][i] = (float(values[k, i]) - mean) / (std + 1e-4)
+    sums = [reference_reward([normalised[k][i] for k in range(num_columns)], weights) for i in range(num_rollouts)]
+    scored_sums = [s for s in sums if not math.isnan(s)]
+    if not scored_sums:
+        return [0.0] * num_rollouts
+    mean = sum(scored_sums) / len(scored_sums)
+    std = math.sqrt(sum((s - mean) ** 2 for s in scored_sums) / len(scored_sums))
+    return [0.0 if math.isnan(s) else (s - mean) / (std + 1e-8) for s in sums]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decoupled_advantages_match_the_reference(seed):
+    from rlasync.advantages import decoupled_group_advantages
+
+    rng = random.Random(300 + seed)
+    num_columns, num_rollouts = rng.randint(1, 4), rng.randint(2, 9)
+    values = random_columns(rng, num_columns, num_rollouts)
+    values[rng.randrange(num_columns)] *= 100.0  # one column on a far larger scale
+    weights = [rng.choice([1.0, 0.5, 2.0, rng.uniform(0.1, 3)]) for _ in range(num_columns)]
+    got = decoupled_group_advantages(values, np.array(weights))
+    np.testing.assert_allclose(got, reference_decoupled(values, weights), rtol=1e-9, atol=1e-9)
+
+
+def test_decoupled_advantages_keep_a_small_reward_from_being_drowned():
+    """Summed first, a 0-100 reward decides the order alone; normalised per column first, a 0/1 reward that
+    disagrees with it moves the advantages as much as it does (GDPO's point)."""
+    from rlasync.advantages import decoupled_group_advantages
+
+    values = np.array([[1.0, 1.0, 0.0, 0.0], [40.0, 45.0, 55.0, 60.0]])  # correctness, a 0-100 style score
+    summed = default_compute_advantages(make_group(4, rewards=values.sum(axis=0)))
+    decoupled = decoupled_group_advantages(values)
+    assert list(np.argsort(summed)) == [0, 1, 2, 3]  # summed first: the larger column alone sets the order
+    assert summed[:2].mean() < summed[2:].mean()  # and the correct rollouts are pushed down
+    assert np.argmax(decoupled) == 1  # decoupled: the best is a correct one
+    assert decoupled[:2].mean() > decoupled[2:].mean()  # and correctness counts as much as the large score
+
+
+def test_decoupled_advantages_refuse_bad_shapes():
+    from rlasync.advantages import decoupled_group_advantages
+
+    with pytest.raises(ValueError, match=r"values must be \[columns, rollouts\]"):
+        decoupled_group_advantages(np.zeros(4))
+    with pytest.raises(ValueError, match="one weight per column"):
+        decoupled_group_advantages(np.zeros((2, 4)), np.ones(3))
+
+
+def test_a_compute_advantages_hook_sees_the_reward_table():
+    """Scoring leaves the per-column table (unweighted values, the weights) on the group before the hook runs: a
+    GDPO hook gets the functions separately, and its advantages are what the samples carry."""
+    from rlasync.advantages import decoupled_group_advantages
+
+    seen = []
+
+    def gdpo(group):
+        table = group.reward_table
+        seen.append((table.names, table.values.copy(), table.weights.copy(), group.rewards.copy()))
+        return decoupled_group_advantages(table.values, table.weights)
+
+    weights = [2.0, 0.5]
+    scored = asyncio.run(
+        score_group(make_group(4), [accuracy, brevity], reward_weights=weights, compute_advantages=gdpo)
+    )
+    names, values, got_weights, rewards = seen[0]
+    assert names == ("accuracy", "brevity")
+    np.testing.assert_array_equal(values[0], [1.0, 0.0, NAN, 1.0])  # unweighted, None -> NaN
+    np.testing.assert_array_equal(values[1], [0.5, 1.0, NAN, NAN])
+    assert got_weights.tolist() == weights
+    assert_same(rewards, [reference_reward(row, weights) for row in ([1.0, 0.5], [0.0, 1.0], [NAN, NAN], [1.0, NAN])])
+    want = reference_decoupled(values, weights)
+    np.testing.assert_allclose(scored.advantages, want, rtol=1e-9, atol=1e-12)
+    assert sorted(s.advantage for s in scored.samples) == pytest.approx(sorted(want))
