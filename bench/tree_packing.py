@@ -419,6 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time the tree mode with the default config's compilation on a copy of the model, same call "
         "(needs --compile layers): default_over_compiled",
     )
+    parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=3,
+        help="--default-vs-compiled: time the two models this many times, alternating which goes first; the "
+        "median ratio is default_over_compiled",
+    )
     parser.add_argument("--no-grad-ckpt", action="store_true", help="same as --grad-ckpt none")
     parser.add_argument(
         "--grad-ckpt",
@@ -510,16 +517,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def compare_default_config(results: dict, default_model, config, shape: Shape, args, compiled_logprobs: dict) -> None:
+def compare_default_config(
+    results: dict, model, default_model, config, shape: Shape, args, compiled_logprobs: dict
+) -> None:
     """The tree mode on the default config's model (same weights, same samples) next to the compiled one's:
-    `tree_default_config`, `default_over_compiled` per shape and (smallest over shapes) at the top."""
+    `tree_default_config`, `default_over_compiled` per shape and (smallest over shapes) at the top.
+
+    With `--ab-rounds N` > 1 the two are timed N times in alternating order (round 0: the main bench's compiled
+    timing, then the default; odd rounds the default first, even rounds the compiled first): `default_over_compiled` is the median of the
+    rounds' ratios (`default_over_compiled_rounds`), since one pair measured back to back also carries the order
+    and the clock's drift (0.88 for two identically compiled models on an H200, 12 rows each, 2026-12-05)."""
     only_tree = argparse.Namespace(**{**vars(args), "modes": "tree", "profile": None})
-    measured = bench_shape(default_model, config, shape, only_tree)
-    default_logprobs = measured.pop("_tree_logprobs", {})
-    default_model.zero_grad(set_to_none=True)
     entry = results["shapes"][shape.name]
-    entry["tree_default_config"] = measured["tree"]
-    entry["default_over_compiled"] = measured["tree"]["trained_tokens_per_s"] / entry["tree"]["trained_tokens_per_s"]
+    compiled_tps = [entry["tree"]["trained_tokens_per_s"]]
+    default_tps: list[float] = []
+
+    def time_compiled() -> None:
+        again = bench_shape(model, config, shape, only_tree)
+        again.pop("_tree_logprobs", None)
+        model.zero_grad(set_to_none=True)
+        compiled_tps.append(again["tree"]["trained_tokens_per_s"])
+
+    def time_default() -> dict:
+        measured = bench_shape(default_model, config, shape, only_tree)
+        logprobs = measured.pop("_tree_logprobs", {})
+        default_model.zero_grad(set_to_none=True)
+        default_tps.append(measured["tree"]["trained_tokens_per_s"])
+        return {"tree": measured["tree"], "logprobs": logprobs}
+
+    first = time_default()  # round 0: after the compiled model's timing of the main bench
+    entry["tree_default_config"] = first["tree"]
+    default_logprobs = first["logprobs"]
+    for round_index in range(1, max(1, args.ab_rounds)):
+        if round_index % 2 == 1:  # odd rounds: the default model first
+            time_default()
+            time_compiled()
+        else:
+            time_compiled()
+            time_default()
+    ratios = [d / c for d, c in zip(default_tps, compiled_tps, strict=True)]
+    entry["default_over_compiled_rounds"] = ratios
+    entry["default_over_compiled"] = float(np.median(ratios))
     common = set(default_logprobs) & set(compiled_logprobs)
     if common:
         entry["default_config_logprob_max_abs_diff"] = max(
@@ -642,7 +680,7 @@ def main(argv=None) -> None:
         results["speedup_vs_padding_free"] = next(iter(results["shapes"].values())).get("speedup_vs_padding_free")
         results["mfu"] = {name: {m: r[m]["mfu"] for m in MODES if m in r} for name, r in results["shapes"].items()}
         if default_model is not None:
-            compare_default_config(results, default_model, config, shape, args, ours_logprobs)
+            compare_default_config(results, model, default_model, config, shape, args, ours_logprobs)
         if anchor is not None:
             from trl_tree_anchor import merge_anchor
 
