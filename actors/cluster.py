@@ -98,7 +98,8 @@ class Cluster:
         self.started_ray = False
         self.reaper: Any = None  # the local cluster's processes die with the driver (actors/reaper.py)
         self.version = spec.version
-        self.step_splitter: Any = None  # how the driver splits each step over the learner ranks (spawn_learners)
+        self.step_splitter: Any = None  # how the driver splits each step over the learner ranks (setup_learners)
+        self.learner_settings: Any = None  # what create_learners gave the ranks (setup_learners reads it)
         self.engine_count = self.rollout_count = 0  # actors of each pool made so far (they name the next one)
         self.engine_options: dict[str, Any] = {}
         self.rollout_parts: tuple[Any, dict[str, Any], list[Any]] = (None, {}, [])
@@ -179,11 +180,15 @@ class Cluster:
         group = spec.algorithm.group_size(self.config) if share else 1
         budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len, group)
         plan = step_plan(self.config, spec.algorithm, cluster.num_learners, budget, share)
-        learners = self.spawn_learners(budget)  # the engines are built meanwhile (their actors start at once)
+        learners = self.create_learners(budget)  # before the CPU actors: their processes start first
+        queue = self.spawn_queue(tokens_per_step, samples_per_step, plan)
+        rewards = self.spawn_rewards()
+        # made now, started after the cold sync: their constructors run while the learners and engines start
+        self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
+        self.setup_learners(learners)  # the engines are built meanwhile (their actors started at once)
         phase("learners")
         connect_weights(learners, engines, cluster)  # waits for the engines
         phase("engines")
-        queue = self.spawn_queue(tokens_per_step, samples_per_step, plan)
         weights = RayWeightSync(
             learners,
             engines,
@@ -198,8 +203,7 @@ class Cluster:
         self.version, _ = weights.sync_now(self.version)  # cold sync: the first served policy is version + 1
         phase("cold_sync")
         state["policy_version"] = self.version
-        rewards = self.spawn_rewards()
-        self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
+        self.start_rollouts(self.rollouts)
         phase("rollouts")
         self.startup_s["total"] = time.perf_counter() - self.entered_at
         state["startup_s"] = dict(self.startup_s)  # the step loop logs them with its first step (and drops them)
@@ -325,13 +329,12 @@ class Cluster:
         call_all(list(teachers.values()), "stats", timeout=self.timeouts.build)
         return teachers
 
-    def spawn_learners(self, budget: int) -> list[Any]:
-        """The learner ranks, set up (process group, model, optimizer; resumed from the spec's checkpoint)."""
+    def create_learners(self, budget: int) -> list[Any]:
+        """The learner ranks' actors, not set up yet (their processes start meanwhile: `setup_learners` follows)."""
         from actors.learner import LearnerActor
-        from rlasync.learner.sharing import StepSplitter
 
         spec, cluster = self.spec, self.config.cluster
-        timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
+        num_learners = cluster.num_learners
         settings = spec.algorithm.learner_settings(  # the algorithm's objective class and loss settings
             self.config,
             token_budget=budget,
@@ -354,8 +357,18 @@ class Cluster:
             )
             for rank in range(num_learners)
         ]
+        self.learner_settings = settings
+        return learners
+
+    def setup_learners(self, learners: list[Any]) -> list[Any]:
+        """Set up the ranks `create_learners` made (process group, model, optimizer; resumed from the spec's
+        checkpoint) and wait for them."""
+        from rlasync.learner.sharing import StepSplitter
+
+        cluster, settings = self.config.cluster, self.learner_settings
+        timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
         master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
-        infos = call_all(learners, "setup", master, timeout, spec.resume_dir, timeout=self.timeouts.build)
+        infos = call_all(learners, "setup", master, timeout, self.spec.resume_dir, timeout=self.timeouts.build)
         self.step_splitter = StepSplitter.for_learners(settings, num_learners, infos[0].get("share_prefixes", True))
         return learners
 
@@ -395,12 +408,16 @@ class Cluster:
         ]
 
     def spawn_rollouts(self, queue: Any, engines: list[Any], teachers: dict[str, Any], rewards: list[Any]) -> list[Any]:
-        """The rollout actors of the spec's kind, started."""
+        """The rollout actors of the spec's kind, made but not started (`start_rollouts`, after the cold sync: their
+        constructors, imports and tokenizers run while the learners and engines start)."""
         cluster = self.config.cluster
         # kept by the Cluster: a rollout actor Ray restarts (or one added later) needs its constructor arguments
         self.dataset_ref = ray.put(self.spec.train_dataset)
         self.rollout_parts = (queue, teachers, rewards)
-        rollouts = [self.spawn_rollout(engines) for _ in range(cluster.num_rollout_actors)]
+        return [self.spawn_rollout(engines) for _ in range(cluster.num_rollout_actors)]
+
+    def start_rollouts(self, rollouts: list[Any]) -> list[Any]:
+        """Start the rollout loops (waits for the actors' constructors)."""
         call_all(rollouts, "start", timeout=self.timeouts.build)
         return rollouts
 

@@ -417,7 +417,7 @@ def plan_run(
     place_on_gpus(actors)
     max_model_len = int((cluster.engine_kwargs or {}).get("max_model_len") or model_config.max_position_embeddings)
     budget, _, _ = step_budget(config, cluster.num_learners, None if config.token_budget is not None else max_model_len)
-    settings = spec.algorithm.learner_settings(  # as the Cluster's spawn_learners builds them
+    settings = spec.algorithm.learner_settings(  # as the Cluster's create_learners builds them
         config,
         token_budget=budget,
         max_steps=spec.learner.max_steps,
