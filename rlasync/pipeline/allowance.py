@@ -2,7 +2,7 @@
 
     allowance      = max_staleness × tokens_per_step                       (S >= 1)
     queued_tokens  = raw tokens of scored samples in the queue
-    inflight_tokens = (#rollouts in flight) × mean raw tokens per completed rollout (running mean)
+    inflight_tokens = (#rollouts in flight) × mean raw tokens per completed rollout (decayed mean, below)
     keep_rate      = estimated fraction of completed rollout tokens that entered the queue (below)
     counted        = inflight_tokens × keep_rate + 2 standard deviations of that (below), at most inflight_tokens
     expected(G)    = G's rollouts × mean raw tokens per completed rollout × keep_rate   (the new group's own)
@@ -71,6 +71,12 @@ in raw tokens (step size: the first step's token target, fixed, since a synchron
 version generated and would otherwise grow step after step), or in samples when steps are a sample count
 (`samples_per_step`). Once a version's budget is taken, a group starts only while the learner still waits for
 samples of its step, one at a time (its samples ran longer than planned): the gate cannot deadlock.
+
+The mean tokens per rollout. The same window, weighted by rollouts: after each completed group of n rollouts and t
+raw tokens, rollouts ← β·rollouts + n, tokens ← β·tokens + t, mean = tokens / rollouts (the first group starts
+both). Completion lengths move during a run (a solved sums task's replies shrink from ~31 to ~11 tokens in 20 steps;
+a reasoning task's grow several-fold): a whole-run mean lags them, over-counting what is in flight when they shrink
+(the gate admits too little) and under-counting it when they grow (samples go stale and are dropped at take).
 
 The synchronous gate counts in-flight rollouts at full, not at the keep rate (the estimate is still kept and
 published). A version's budget is what its steps train, and nothing generated under it may outlive it: a group
@@ -166,26 +172,25 @@ class AllowanceState:
     stopped instead of from its priors (module docstring, "Resume").
 
     tokens_per_step:    the raw tokens of the last step (before the resumed run's first step, the allowance's base)
-    completed_rollouts: rollouts completed so far (the mean tokens per rollout's denominator)
-    completed_tokens:   their raw tokens (its numerator)
+    completed_rollouts: the decayed count of completed rollouts (the mean tokens per rollout's denominator; a
+                        file written before the decay holds the plain count, read as a weight)
+    completed_tokens:   their decayed raw tokens (its numerator)
     keep_kept_weight:   the keep rate's decayed kept tokens (numerator)
     keep_scored_weight: the keep rate's decayed scored tokens (denominator; 0: the prior 1.0)
     """
 
     tokens_per_step: int
-    completed_rollouts: int = 0
-    completed_tokens: int = 0
+    completed_rollouts: float = 0
+    completed_tokens: float = 0
     keep_kept_weight: float = 0.0
     keep_scored_weight: float = 0.0
 
     def __post_init__(self) -> None:
         fix = "remove the 'allowance' entry from rollout_state.json to start the allowance from its priors"
-        for name in ("tokens_per_step", "completed_rollouts", "completed_tokens"):
-            value = getattr(self, name)
-            low = 1 if name == "tokens_per_step" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"allowance state: {name} must be an integer >= {low}, got {value!r}; {fix}")
-        for name in ("keep_kept_weight", "keep_scored_weight"):
+        value = self.tokens_per_step
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"allowance state: tokens_per_step must be an integer >= 1, got {value!r}; {fix}")
+        for name in ("completed_rollouts", "completed_tokens", "keep_kept_weight", "keep_scored_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ValueError(f"allowance state: {name} must be a finite number >= 0, got {value!r}; {fix}")
@@ -279,8 +284,8 @@ class TokenAllowance:
         self.queued_tokens = 0
         self._inflight_groups = 0
         self._inflight_rollouts = 0
-        self._completed_rollouts = 0
-        self._completed_tokens = 0
+        self._completed_rollouts = 0.0  # decayed rollouts of completed groups (the mean tokens per rollout's weight)
+        self._completed_tokens = 0.0  # their decayed raw tokens
         self.completed_groups = 0
         self._kept_weight = 0.0  # decayed tokens that scored groups queued (the keep rate's numerator)
         self._scored_weight = 0.0  # decayed tokens that scored groups generated (its denominator)
@@ -322,10 +327,12 @@ class TokenAllowance:
 
     @property
     def mean_tokens_per_rollout(self) -> float | None:
-        """Running mean of raw tokens per completed rollout; None before the first group completes."""
-        if self._completed_rollouts == 0:
+        """Decayed mean of raw tokens per completed rollout (module docstring); None before the first group
+        completes."""
+        if self._completed_rollouts <= 0:
             return None
-        return self._completed_tokens / self._completed_rollouts
+        # rounded to a millionth of a token: the decayed sums' rounding must not move a constant length off itself
+        return round(self._completed_tokens / self._completed_rollouts, 6)
 
     @property
     def inflight_tokens(self) -> float:
@@ -444,8 +451,9 @@ class TokenAllowance:
                 "(scored=False is for a group that failed after generating: pass queued=False)"
             )
         self._leave_flight(num_rollouts, "finish_group")
-        self._completed_rollouts += num_rollouts
-        self._completed_tokens += num_tokens
+        decay = 1.0 - 1.0 / self.keep_rate_window
+        self._completed_rollouts = decay * self._completed_rollouts + num_rollouts
+        self._completed_tokens = decay * self._completed_tokens + num_tokens
         self.completed_groups += 1
         if scored:
             self._observe_keep(num_tokens if queued else 0, num_tokens)
@@ -501,8 +509,8 @@ class TokenAllowance:
         if self._inflight_groups or self.queued_tokens or self._completed_rollouts:
             raise ValueError("restore: the allowance has already started counting; restore it before the run starts")
         self.tokens_per_step = _positive_tokens(state.tokens_per_step)
-        self._completed_rollouts = state.completed_rollouts
-        self._completed_tokens = state.completed_tokens
+        self._completed_rollouts = float(state.completed_rollouts)
+        self._completed_tokens = float(state.completed_tokens)
         self._kept_weight = float(state.keep_kept_weight)
         self._scored_weight = float(state.keep_scored_weight)
         self._notifier.notify()

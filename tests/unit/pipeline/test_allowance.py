@@ -100,15 +100,57 @@ def test_max_staleness_zero_fills_the_version_even_when_the_last_group_overshoot
     assert allowance.inflight_tokens == 1800 and not allowance.can_start(4)  # the budget is covered
 
 
-def test_the_inflight_estimate_follows_the_running_mean():
+def reference_mean(groups, window=128):
+    """The slow obvious reference of the mean tokens per rollout: each completed group (rollouts, tokens) weighs
+    (1 - 1/window) ** (groups completed after it), the mean is the weighted tokens over the weighted rollouts."""
+    decay = 1 - 1 / window
+    n = len(groups)
+    tokens = sum(t * decay ** (n - 1 - i) for i, (_, t) in enumerate(groups))
+    rollouts = sum(r * decay ** (n - 1 - i) for i, (r, _) in enumerate(groups))
+    return tokens / rollouts
+
+
+def test_the_inflight_estimate_follows_the_decayed_mean():
     allowance = TokenAllowance(max_staleness=1, tokens_per_step=10**6)
     allowance.try_acquire(2)
     allowance.finish_group(2, num_tokens=100)  # 50 per rollout
     allowance.try_acquire(2)
     allowance.try_acquire(2)
-    assert allowance.inflight_tokens == 200
-    allowance.finish_group(2, num_tokens=500)  # 600 tokens over 4 rollouts: 150 per rollout
-    assert allowance.mean_tokens_per_rollout == 150 and allowance.inflight_tokens == 300
+    assert allowance.mean_tokens_per_rollout == 50 and allowance.inflight_tokens == 200
+    allowance.finish_group(2, num_tokens=500)  # 250 per rollout, the earlier group weighing 127/128
+    want = reference_mean([(2, 100), (2, 500)])
+    assert 149 < want < 151
+    assert allowance.mean_tokens_per_rollout == pytest.approx(want, abs=1e-6)
+    assert allowance.inflight_tokens == pytest.approx(2 * want, abs=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 16, 128])
+def test_the_mean_matches_the_reference_over_groups_of_any_size(window):
+    import random
+
+    rng = random.Random(window)
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=10**9, keep_rate_window=window)
+    groups = []
+    for _ in range(300):
+        rollouts = rng.randint(1, 16)
+        tokens = rollouts * rng.randint(5, 400)
+        allowance.try_acquire(rollouts)
+        allowance.finish_group(rollouts, num_tokens=tokens, queued=rng.random() < 0.5)
+        groups.append((rollouts, tokens))
+        assert allowance.mean_tokens_per_rollout == pytest.approx(reference_mean(groups, window), abs=2e-6)
+
+
+def test_the_mean_follows_completions_that_shrink():
+    """Completion lengths fall from 31 to 11 tokens (a sums run being solved): ~400 groups later the decayed mean
+    has followed, where a whole-run mean would still count each rollout in flight at ~16 tokens."""
+    allowance = TokenAllowance(max_staleness=1, tokens_per_step=10**9)
+    for tokens_per_rollout, groups in ((31, 200), (11, 400)):
+        for _ in range(groups):
+            allowance.try_acquire(8)
+            allowance.finish_group(8, num_tokens=8 * tokens_per_rollout, queued=False)
+    whole_run = (31 * 200 + 11 * 400) / 600
+    assert whole_run > 17
+    assert allowance.mean_tokens_per_rollout < 12  # e^(-400/128) of the old length is left
 
 
 def test_the_allowance_follows_the_published_tokens_per_step():
@@ -132,7 +174,9 @@ def test_the_running_mean_counts_dropped_groups_but_only_queued_tokens_fill_the_
     allowance.finish_group(2, num_tokens=300, queued=False)
     allowance.try_acquire(2)
     allowance.finish_group(2, num_tokens=100)
-    assert allowance.queued_tokens == 100 and allowance.mean_tokens_per_rollout == 100
+    assert allowance.queued_tokens == 100  # the dropped group's 300 never entered the queue
+    assert allowance.mean_tokens_per_rollout == pytest.approx(reference_mean([(2, 300), (2, 100)]), abs=1e-6)
+    assert 99 < allowance.mean_tokens_per_rollout < 101  # but they count in the mean (~100 per rollout)
 
 
 def test_an_empty_pipeline_always_admits():

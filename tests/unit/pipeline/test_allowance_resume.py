@@ -126,7 +126,7 @@ def test_max_staleness_zero_keeps_its_configured_step_size():
     [
         ({"completed_rollouts": 4}, "no 'tokens_per_step'"),
         ({"tokens_per_step": 0}, "tokens_per_step must be an integer >= 1"),
-        ({"tokens_per_step": 10, "completed_rollouts": -1}, "completed_rollouts must be an integer >= 0"),
+        ({"tokens_per_step": 10, "completed_rollouts": -1}, "completed_rollouts must be a finite number >= 0"),
         ({"tokens_per_step": 10, "keep_kept_weight": "x"}, "keep_kept_weight must be a finite number"),
         ({"tokens_per_step": 10, "keep_kept_weight": 5.0, "keep_scored_weight": 1.0}, "exceeds keep_scored_weight"),
         ({"tokens_per_step": 10, "completed_tokens": 5}, "completed_rollouts=0"),
