@@ -18,6 +18,7 @@ restarted (docs/design.md §4); any other failure of the call propagates as it i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -32,12 +33,23 @@ DEFAULT_MAX_BATCH = 256
 
 class EngineChannel:
     """`generate(prompt_ids, sampling)` -> an awaitable TurnRecord, through `handle.generate_stream`; `stats()`
-    passes through. `calls` / `requests` count actor calls and the requests they carried."""
+    passes through. `calls` / `requests` count actor calls and the requests they carried.
 
-    def __init__(self, handle: Any, name: str = "generation actor", max_batch: int = DEFAULT_MAX_BATCH) -> None:
+    `counts_preemptions=False` reports the engine's preemption counter as 0: every rollout actor reads the same
+    engines, and each reports the increase it saw since its own previous look (`rollout/vllm_preemption_count`,
+    summed over the window), so only one of them (the first) counts them, or N rollout actors would report N x."""
+
+    def __init__(
+        self,
+        handle: Any,
+        name: str = "generation actor",
+        max_batch: int = DEFAULT_MAX_BATCH,
+        counts_preemptions: bool = True,
+    ) -> None:
         self.handle = handle
         self.name = name
         self.max_batch = max_batch
+        self.counts_preemptions = counts_preemptions
         self.calls = 0
         self.requests = 0
         self._pending: list[tuple[list[int], Any, asyncio.Future[Any]]] = []
@@ -53,9 +65,12 @@ class EngineChannel:
 
     async def stats(self) -> Any:
         try:
-            return await self.handle.stats.remote()
+            stats = await self.handle.stats.remote()
         except ray.exceptions.RayActorError as exc:  # the engine died: the pool keeps its cap and retries later
             raise self._lost(exc) from exc
+        if not self.counts_preemptions and getattr(stats, "num_preemptions", 0):
+            stats = dataclasses.replace(stats, num_preemptions=0)
+        return stats
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []

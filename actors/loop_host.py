@@ -197,7 +197,11 @@ class LoopHost:
         pool = self.loop.engine_pool
         known = {actor_id(channel): channel for channel in pool.engines}
         wanted = {actor_id(handle) for handle in handles}
-        added = [EngineChannel(h, label) for h, label in zip(handles, labels, strict=True) if actor_id(h) not in known]
+        added = [
+            EngineChannel(h, label, counts_preemptions=self.index == 0)  # one rollout actor counts them
+            for h, label in zip(handles, labels, strict=True)
+            if actor_id(h) not in known
+        ]
         pool.add_engines(added)
         removed = [channel for key, channel in known.items() if key not in wanted]
         pool.remove_engines(removed)

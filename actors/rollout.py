@@ -94,7 +94,9 @@ class RolloutActor(RestartableLoop, LoopHost):
             raise ValueError(f"RolloutActor sink={sink!r}: use one of {sorted(SINKS)}")
         self.kind = actor_name  # names this actor's leases at the queue and its log lines
         tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=group_size)
-        parts: dict[str, Any] = {engine_arg: [EngineChannel(h, f"generation actor {i}") for i, h in enumerate(engines)]}
+        counts = index == 0  # one rollout actor counts the engines' preemptions (EngineChannel)
+        channels = [EngineChannel(h, f"generation actor {i}", counts_preemptions=counts) for i, h in enumerate(engines)]
+        parts: dict[str, Any] = {engine_arg: channels}
         if reward_actors:
             parts["reward_scorer"] = _RewardPool(reward_actors, source=f"{actor_name} {index}", emit=self.items.extend)
         if teachers is not None:

@@ -93,3 +93,43 @@ def test_a_task_error_of_the_call_itself_is_not_translated():
 
     with pytest.raises(ValueError, match="bad sampling"):
         asyncio.run(run())
+
+
+class _StatsHandle:
+    """A GenerationActor handle whose `stats.remote()` awaits to the engine's gauges."""
+
+    def __init__(self, stats):
+        self.stats = self
+        self.value = stats
+        self._actor_id = _ActorId()
+
+    def remote(self):
+        async def answer():
+            return self.value
+
+        return answer()
+
+
+def test_only_the_counting_channel_reports_the_engines_preemptions():
+    """Four rollout actors read one engine: each reports the preemptions it saw since its own last look and the
+    window sums them, so only the first actor's channels count them (the others read 0); the other gauges pass."""
+    from actors.engine_channel import EngineChannel
+    from rlasync.engine.base import EngineStats
+    from rlasync.rollout.concurrency import ConcurrencyController
+
+    engine = EngineStats(0.3, 5, 1, 0, 640, 64)
+    channels = [EngineChannel(_StatsHandle(engine), counts_preemptions=i == 0) for i in range(4)]
+    controllers = [ConcurrencyController(512, 640, 64) for _ in channels]
+
+    async def look(total):
+        for channel in channels:
+            channel.handle.value = EngineStats(0.3, 5, 1, total, 640, 64)
+        seen = [await channel.stats() for channel in channels]
+        assert all(s.num_running == 5 and s.kv_cache_usage_frac == 0.3 for s in seen)
+        items = [dict(c.observe(s, 0)) for c, s in zip(controllers, seen, strict=True)]
+        return sum(i["rollout/vllm_preemption_count"] for i in items)
+
+    async def main():
+        return [await look(total) for total in (0, 256, 256, 768)]
+
+    assert asyncio.run(main()) == [0.0, 256.0, 0.0, 512.0]  # the engine's own increases, not 4 x
