@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,7 +34,17 @@ from actors.cluster_faults import (
     restart_options,
 )
 from actors.cluster_weights import RayWeightSync, connect_weights
-from actors.fanout import Timeouts, actor_id, call_all, call_all_async, get_all, in_thread, wait_until_dead
+from actors.fanout import (
+    Named,
+    Timeouts,
+    actor_id,
+    call_all,
+    call_all_async,
+    get_all,
+    in_thread,
+    wait_until_dead,
+)
+from actors.loop_host import FROM_QUEUE
 from actors.reaper import start_reaper, stop_reaper
 from rlasync.config.vocab import EngineKind
 from rlasync.driver import (
@@ -54,6 +65,8 @@ from rlasync.driver.watchdog import silent_engines
 from rlasync.weights.adapter import lora_engine_kwargs
 
 logger = logging.getLogger(__name__)
+# the kinds of actor that rollout actors refer to in their constructor: given Ray names (plus the named queue)
+NAMED_KINDS = frozenset({"generation", "reward", "teacher"})
 
 
 def launch(spec: RunSpec, *, state: dict[str, Any], actor_ids: list[str]) -> dict[str, Any]:
@@ -95,6 +108,8 @@ class Cluster:
         self.rollouts: list[Any] = []
         self.engines: list[Any] = []
         self.dataset_ref: Any = None
+        self.ray_names: dict[str, str] = {}  # actor id (hex) -> its Ray name (the actors rollout actors refer to)
+        self.token = uuid.uuid4().hex[:8]  # this run's part of those names (runs may share a Ray cluster)
         self.started_ray = False
         self.reaper: Any = None  # the local cluster's processes die with the driver (actors/reaper.py)
         self.version = spec.version
@@ -251,6 +266,8 @@ class Cluster:
         and which custom resources it asks for (`cluster.resources[kind]`)."""
         handle_options = {k: v for k, v in options.items() if k in ("num_cpus", "num_gpus")}
         init = {k: v for k, v in options.items() if k not in ("num_cpus", "num_gpus")}
+        if name is None and kind in NAMED_KINDS:  # rollout actors' constructors refer to them by name (Named)
+            name = f"rlasync-{self.token}-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-")
         if name is not None:
             handle_options["name"] = name
         custom = self.config.cluster.role_resources(kind)  # cluster.resources: the nodes this role may run on
@@ -260,7 +277,13 @@ class Cluster:
         self.handles.append(handle)
         self.actor_ids.append(actor_id(handle))
         self.names[actor_id(handle)] = label
+        if name is not None:
+            self.ray_names[actor_id(handle)] = name
         return handle
+
+    def named(self, handle: Any) -> Named:
+        """`handle` by its Ray name, for a restartable actor's constructor (`actors.fanout.Named`)."""
+        return Named(self.ray_names[actor_id(handle)])
 
     def spawn_engines(self) -> list[Any]:
         """The GenerationActors of the policy (they receive the weight syncs)."""
@@ -411,8 +434,10 @@ class Cluster:
         """The rollout actors of the spec's kind, made but not started (`start_rollouts`, after the cold sync: their
         constructors, imports and tokenizers run while the learners and engines start)."""
         cluster = self.config.cluster
-        # kept by the Cluster: a rollout actor Ray restarts (or one added later) needs its constructor arguments
+        # kept by the Cluster and held by the queue actor, where the rollout actors (restarted or added later too)
+        # fetch it: an object ref among their constructor's arguments would make Ray log an error at every start
         self.dataset_ref = ray.put(self.spec.train_dataset)
+        ray.get(queue.hold_dataset.remote([self.dataset_ref]), timeout=self.timeouts.build)
         self.rollout_parts = (queue, teachers, rewards)
         return [self.spawn_rollout(engines) for _ in range(cluster.num_rollout_actors)]
 
@@ -438,16 +463,16 @@ class Cluster:
             actor_name=algorithm.rollout_name,
             config=config,
             tokenizer=spec.tokenizer,
-            dataset=self.dataset_ref,
-            queue=queue,
-            engines=engines,
+            dataset=FROM_QUEUE,
+            queue=self.named(queue),  # by name, not handle (Named)
+            engines=[self.named(engine) for engine in engines],
             loop_cls=spec.rollout.loop_cls,
             loop_kwargs=spec.rollout.loop_kwargs,
             group_size=algorithm.group_size(config),
             engine_arg=algorithm.engine_arg,
             sink=algorithm.sink,
-            reward_actors=rewards if algorithm.reward_actors else None,
-            teachers=teachers if algorithm.teachers else None,
+            reward_actors=[self.named(r) for r in rewards] if algorithm.reward_actors else None,
+            teachers={k: self.named(t) for k, t in teachers.items()} if algorithm.teachers else None,
             seed=config.seed,
             num_cpus=cluster.rollout_num_cpus,
         )

@@ -6,6 +6,9 @@
     await call_all_async(handles, "method", ..., timeout=)   from the event loop: waited in a worker thread,
                                      failing as soon as any call failed (`get_all`)
     actor_id(handle)                 a handle's id (hex): the one reader of Ray's private `ActorHandle._actor_id`
+    Named(name) / resolve_named(x)   an actor passed to a restartable actor's constructor by its Ray name, looked
+                                     up there (a handle or object ref among those arguments makes Ray log an error
+                                     at every start: they might be gone when it restarts)
     wait_until_dead(handles)         after `ray.kill`: return once every actor is reported dead (bounded)
 
 A failed call raises the error Ray raises for it (a `RayActorError` carries the dead actor's id, a task error the
@@ -206,3 +209,31 @@ __all__ = [
     "remote_all",
     "wait_until_dead",
 ]
+
+
+@dataclass(frozen=True)
+class Named:
+    """An actor given by its Ray name (the Cluster names the actors other actors' constructors refer to)."""
+
+    name: str
+
+
+def resolve_named(value: Any) -> Any:
+    """`value` with every `Named` in it (itself, a list's items, a dict's values) replaced by the actor's handle; a
+    list skips names that no longer resolve (an engine removed since this actor was first made: a restart), with a
+    warning, and fails only when none does."""
+    if isinstance(value, Named):
+        return ray.get_actor(value.name)
+    if isinstance(value, list):
+        found = []
+        for item in value:
+            try:
+                found.append(resolve_named(item))
+            except ValueError as exc:  # ray.get_actor: no such (live) actor
+                logger.warning("%s is gone (%s): left out", item, exc)
+        if value and not found:
+            raise ValueError(f"none of the actors {value} could be found (all gone)")
+        return found
+    if isinstance(value, dict):
+        return {key: resolve_named(item) for key, item in value.items()}
+    return value

@@ -129,6 +129,18 @@ class QueueSampleSink:
         await self.queue.put_group.remote([QueueEntry.for_sample(sample, payload=sample)])
 
 
+class FromQueue:
+    """The `dataset` of a rollout actor's constructor that says: fetch the rows the queue actor holds
+    (`QueueActor.hold_dataset`), rather than take an object ref (which makes Ray log an error at every start of a
+    restartable actor)."""
+
+    def __repr__(self) -> str:
+        return "FROM_QUEUE"
+
+
+FROM_QUEUE = FromQueue()
+
+
 class LoopHost:
     """Mixed into a Ray actor whose `__init__` calls `_host(...)` and sets `self.loop` (with `self.items.extend` as
     its metrics callback): `start`, `health`, `drain_metrics`, `drain_completions`, `evaluate`, `stop`; for elastic pools `set_engines`,
@@ -148,8 +160,17 @@ class LoopHost:
         self, index: int, config: TrainerConfig, tokenizer: Any, dataset: Any, queue: Any, group_size: int
     ) -> Any:
         """The state every host keeps (call first in `__init__`): sets `self.source` (the queue's leases of
-        `group_size`) and returns the tokenizer, loaded if given as a path."""
+        `group_size`) and returns the tokenizer, loaded if given as a path. `queue` may be given by name (`Named`),
+        `dataset` as `FROM_QUEUE`: the rows the queue actor holds."""
         logging.basicConfig(level=logging.INFO)
+        from actors.fanout import resolve_named
+
+        queue = resolve_named(queue)
+        if dataset is FROM_QUEUE or isinstance(dataset, FromQueue):
+            import ray
+
+            [ref] = ray.get(queue.dataset.remote())
+            dataset = ray.get(ref)
         self.index, self.config, self.dataset, self.queue = index, config, dataset, queue
         self.items = []
         self.source = QueuePromptSource(self, group_size)

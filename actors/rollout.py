@@ -92,8 +92,12 @@ class RolloutActor(RestartableLoop, LoopHost):
     ) -> None:
         if sink not in SINKS:
             raise ValueError(f"RolloutActor sink={sink!r}: use one of {sorted(SINKS)}")
+        from actors.fanout import resolve_named
+
         self.kind = actor_name  # names this actor's leases at the queue and its log lines
         tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=group_size)
+        # given by name (the Cluster's `Named`: no handle among a restartable actor's arguments), or as handles
+        engines, reward_actors, teachers = (resolve_named(x) for x in (engines, reward_actors, teachers))
         counts = index == 0  # one rollout actor counts the engines' preemptions (EngineChannel)
         channels = [EngineChannel(h, f"generation actor {i}", counts_preemptions=counts) for i, h in enumerate(engines)]
         parts: dict[str, Any] = {engine_arg: channels}
@@ -105,7 +109,7 @@ class RolloutActor(RestartableLoop, LoopHost):
             config=config,
             tokenizer=tokenizer,
             prompt_source=self.source,
-            sink=SINKS[sink](queue, self.source),
+            sink=SINKS[sink](self.queue, self.source),
             metrics_callback=self.items.extend,
             rng=random.Random(seed * 1_000_003 + index),
             **parts,

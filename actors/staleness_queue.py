@@ -29,6 +29,18 @@ class QueueActor:
         state = RolloutState.from_dict(resume) if resume else None
         self.service = QueueService.create(settings, resume=state)
 
+    # the training rows (held for the rollout actors, which fetch them when they start or restart)
+    def hold_dataset(self, refs: list[Any]) -> None:
+        """Keep `[ref]`, the driver's ObjectRef of the training rows (in a list, so Ray passes the ref itself)."""
+        self.dataset_refs = list(refs)
+
+    def dataset(self) -> list[Any]:
+        """`[ref]` of the training rows (`hold_dataset`); the caller `ray.get`s it."""
+        refs = getattr(self, "dataset_refs", None)
+        if not refs:
+            raise RuntimeError("the queue actor holds no training rows (hold_dataset was not called)")
+        return refs
+
     # rollout side
     async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> Any:
         return await self.service.next_group(num_rollouts, timeout_s, owner)
