@@ -87,10 +87,11 @@ class ConcurrencyController:
         ]
 
     def _preemption_delta(self, stats: list[EngineStats]) -> int:
-        """Preemptions since the previous observation (the first counts everything since the engines started;
-        a counter that went down, e.g. a restarted engine, restarts the baseline)."""
+        """Preemptions since the previous observation (the first only sets the baseline: a rollout actor restarted
+        mid-run would otherwise report the engines' whole history at once; a counter that went down, e.g. a
+        restarted engine, restarts the baseline)."""
         total = sum(s.num_preemptions for s in stats)
-        previous = 0 if self._last_preemptions is None else self._last_preemptions
+        previous = total if self._last_preemptions is None else self._last_preemptions
         self._last_preemptions = total
         return max(0, total - previous)
 
