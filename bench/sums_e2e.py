@@ -11,7 +11,8 @@ window's mean). From each run's `metrics.jsonl` (`summarize`):
     rollout_wait_frac      mean `perf/rollout_wait_s` over mean `perf/step_s`, over the whole run (the steps that
                            have both: the first has no step time, its wait is the start-up's)
 
-Each engine's numbers merge into `--out` under its name (`torch`, `vllm`), so the engines may run in two calls.
+Each engine's numbers merge into `--out` under its name (`torch`, `vllm`), so the engines may run in two calls; a
+variant (`--set KEY=VALUE`) under the name with its settings (`torch_token_budget_2048`).
 
     python3 bench/sums_e2e.py --engines torch --out $OUT/sums_e2e_h200.json            # one H200
     python3 bench/sums_e2e.py --engines vllm --out $OUT/sums_e2e_h200.json             # vLLM kit on PYTHONPATH
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -166,6 +168,14 @@ def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     return result
 
 
+def result_key(engine: str, sets: list[str] | None) -> str:
+    """Where a run merges into `--out`: the engine's name for the config as shipped, a variant (`--set`) beside it
+    (`torch_token_budget_2048`), so a variant never overwrites the default's figures."""
+    if not sets:
+        return engine
+    return "_".join([engine, *(re.sub(r"[^A-Za-z0-9]+", "_", s).strip("_") for s in sets)])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="torch,vllm", help="comma-separated, run in this order: torch, vllm")
@@ -193,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     for engine in engines:
         result = run_engine(args, engine)
         result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        merge(Path(args.out), engine, result)
+        result["sets"] = list(args.set or [])
+        merge(Path(args.out), result_key(engine, args.set), result)
         print(json.dumps({k: v for k, v in result.items() if k != "reward_curve"}, indent=1), flush=True)
 
 

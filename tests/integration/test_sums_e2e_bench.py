@@ -21,7 +21,10 @@ def test_a_short_run_gives_the_keys_from_its_metrics(tmp_path):
     argv += ["--run-root", str(tmp_path / "runs"), "--out", str(out), "--threshold", "0", "--window", "1"]
     argv += ["--set", "token_budget=256", "--set", "max_completion_length=12"]
     sums_e2e.main(argv)
-    result = json.loads(out.read_text())["torch"]
+    results = json.loads(out.read_text())
+    assert "torch" not in results  # a variant merges beside the default, not over it
+    result = results["torch_token_budget_256_max_completion_length_12"]
+    assert result["sets"] == ["token_budget=256", "max_completion_length=12"]
     assert result["returncode"] == 0 and result["last_step"] == 2 and result["weight_sync_max_is_per_step"]
     # threshold 0 over a 1-step window: reached at step 1, after the command started and before it ended
     assert result["step_at_reward_0"] == 1 and 0 < result["seconds_to_reward_0"] < result["wall_s"]

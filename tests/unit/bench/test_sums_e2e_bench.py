@@ -109,3 +109,9 @@ def test_recompute_from_metrics_merges_under_the_engine(tmp_path):
     assert data["vllm"]["seconds_to_reward_0_9"] == pytest.approx(110) and data["vllm"]["metrics"] == str(metrics)
     with pytest.raises(SystemExit):
         sums_e2e.main(["--metrics", str(metrics), "--engines", "torch", "--out", str(out)])  # no --started
+
+
+def test_a_variant_merges_beside_the_default_not_over_it():
+    assert sums_e2e.result_key("torch", None) == "torch" and sums_e2e.result_key("vllm", []) == "vllm"
+    assert sums_e2e.result_key("torch", ["token_budget=2048"]) == "torch_token_budget_2048"
+    assert sums_e2e.result_key("torch", ["a.b=1", "c=x y"]) == "torch_a_b_1_c_x_y"
