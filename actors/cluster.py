@@ -114,7 +114,6 @@ class Cluster:
         self.reaper: Any = None  # the local cluster's processes die with the driver (actors/reaper.py)
         self.version = spec.version
         self.step_splitter: Any = None  # how the driver splits each step over the learner ranks (setup_learners)
-        self.learner_settings: Any = None  # what create_learners gave the ranks (setup_learners reads it)
         self.engine_count = self.rollout_count = 0  # actors of each pool made so far (they name the next one)
         self.engine_options: dict[str, Any] = {}
         self.rollout_parts: tuple[Any, dict[str, Any], list[Any]] = (None, {}, [])
@@ -195,12 +194,12 @@ class Cluster:
         group = spec.algorithm.group_size(self.config) if share else 1
         budget, tokens_per_step, samples_per_step = step_budget(self.config, cluster.num_learners, max_model_len, group)
         plan = step_plan(self.config, spec.algorithm, cluster.num_learners, budget, share)
-        learners = self.create_learners(budget)  # before the CPU actors: their processes start first
+        learners, settings = self.create_learners(budget)  # before the CPU actors: their processes start first
         queue = self.spawn_queue(tokens_per_step, samples_per_step, plan)
         rewards = self.spawn_rewards()
         # made now, started after the cold sync: their constructors run while the learners and engines start
         self.rollouts = self.spawn_rollouts(queue, engines, teachers, rewards)
-        self.setup_learners(learners)  # the engines are built meanwhile (their actors started at once)
+        self.setup_learners(learners, settings)  # the engines are built meanwhile (their actors started at once)
         phase("learners")
         connect_weights(learners, engines, cluster)  # waits for the engines
         phase("engines")
@@ -352,8 +351,9 @@ class Cluster:
         call_all(list(teachers.values()), "stats", timeout=self.timeouts.build)
         return teachers
 
-    def create_learners(self, budget: int) -> list[Any]:
-        """The learner ranks' actors, not set up yet (their processes start meanwhile: `setup_learners` follows)."""
+    def create_learners(self, budget: int) -> tuple[list[Any], Any]:
+        """The learner ranks' actors, not set up yet (their processes start meanwhile: `setup_learners` follows),
+        and the settings they were given."""
         from actors.learner import LearnerActor
 
         spec, cluster = self.spec, self.config.cluster
@@ -380,15 +380,14 @@ class Cluster:
             )
             for rank in range(num_learners)
         ]
-        self.learner_settings = settings
-        return learners
+        return learners, settings
 
-    def setup_learners(self, learners: list[Any]) -> list[Any]:
+    def setup_learners(self, learners: list[Any], settings: Any) -> list[Any]:
         """Set up the ranks `create_learners` made (process group, model, optimizer; resumed from the spec's
         checkpoint) and wait for them."""
         from rlasync.learner.sharing import StepSplitter
 
-        cluster, settings = self.config.cluster, self.learner_settings
+        cluster = self.config.cluster
         timeout, num_learners = cluster.collective_timeout_s, cluster.num_learners
         master = ray.get(learners[0].address.remote(), timeout=timeout) if num_learners > 1 else None
         infos = call_all(learners, "setup", master, timeout, self.spec.resume_dir, timeout=self.timeouts.build)

@@ -166,7 +166,7 @@ class LoopHost:
         from actors.fanout import resolve_named
 
         queue = resolve_named(queue)
-        if dataset is FROM_QUEUE or isinstance(dataset, FromQueue):
+        if isinstance(dataset, FromQueue):  # FROM_QUEUE, a copy after crossing Ray
             import ray
 
             [ref] = ray.get(queue.dataset.remote())

@@ -524,37 +524,29 @@ def compare_default_config(
     `tree_default_config`, `default_over_compiled` per shape and (smallest over shapes) at the top.
 
     With `--ab-rounds N` > 1 the two are timed N times in alternating order (round 0: the main bench's compiled
-    timing, then the default; odd rounds the default first, even rounds the compiled first): `default_over_compiled` is the median of the
-    rounds' ratios (`default_over_compiled_rounds`), since one pair measured back to back also carries the order
-    and the clock's drift (0.88 for two identically compiled models on an H200, 12 rows each, 2026-12-05)."""
+    timing, then the default; odd rounds the default first, even rounds the compiled first): `default_over_compiled`
+    is the median of the rounds' ratios (`default_over_compiled_rounds`), since one pair measured back to back also
+    carries the order and the clock's drift (0.88 for two identically compiled models on an H200, 12 rows each, 2026-12-05)."""
     only_tree = argparse.Namespace(**{**vars(args), "modes": "tree", "profile": None})
     entry = results["shapes"][shape.name]
     compiled_tps = [entry["tree"]["trained_tokens_per_s"]]
     default_tps: list[float] = []
 
-    def time_compiled() -> None:
-        again = bench_shape(model, config, shape, only_tree)
-        again.pop("_tree_logprobs", None)
-        model.zero_grad(set_to_none=True)
-        compiled_tps.append(again["tree"]["trained_tokens_per_s"])
-
-    def time_default() -> dict:
-        measured = bench_shape(default_model, config, shape, only_tree)
+    def time_tree(bench_model, tps: list[float]) -> dict:
+        """The tree mode on `bench_model` once: its trained tokens/s into `tps`; the measurement (log-probs apart)."""
+        measured = bench_shape(bench_model, config, shape, only_tree)
         logprobs = measured.pop("_tree_logprobs", {})
-        default_model.zero_grad(set_to_none=True)
-        default_tps.append(measured["tree"]["trained_tokens_per_s"])
+        bench_model.zero_grad(set_to_none=True)
+        tps.append(measured["tree"]["trained_tokens_per_s"])
         return {"tree": measured["tree"], "logprobs": logprobs}
 
-    first = time_default()  # round 0: after the compiled model's timing of the main bench
+    first = time_tree(default_model, default_tps)  # round 0: after the compiled model's timing of the main bench
     entry["tree_default_config"] = first["tree"]
     default_logprobs = first["logprobs"]
     for round_index in range(1, max(1, args.ab_rounds)):
-        if round_index % 2 == 1:  # odd rounds: the default model first
-            time_default()
-            time_compiled()
-        else:
-            time_compiled()
-            time_default()
+        pair = [(default_model, default_tps), (model, compiled_tps)]  # odd rounds: the default model first
+        for bench_model, tps in pair if round_index % 2 == 1 else pair[::-1]:
+            time_tree(bench_model, tps)
     ratios = [d / c for d, c in zip(default_tps, compiled_tps, strict=True)]
     entry["default_over_compiled_rounds"] = ratios
     entry["default_over_compiled"] = float(np.median(ratios))

@@ -15,8 +15,9 @@ in its group before the weighted sum, is `decoupled_group_advantages`, for a `co
 
     z_k,i = (r_k,i - mean_k) / (std_k + 1e-4)     per column k over its scored rollouts (TRL's GDPO epsilon)
     S_i   = nansum_k w_k z_k,i                    NaN where no column scored rollout i
-    A     = group_advantages(S)                   (TRL standardises S over the generation batch instead) A group is degenerate
-(docs/algorithms.md §2.6.3) when fewer than two rollouts are scorable or every scored reward is equal; the rollout loop drops
+    A     = group_advantages(S)                   (TRL standardises S over the generation batch instead)
+
+A group is degenerate (docs/algorithms.md §2.6.3) when fewer than two rollouts are scorable or every scored reward is equal; the rollout loop drops
 such groups, because their advantages are zero everywhere and they would cost a forward/backward for nothing.
 """
 
@@ -42,9 +43,9 @@ def group_reward_std(rewards: np.ndarray) -> float:
     return float(scored.std()) if scored.size else float("nan")
 
 
-def group_advantages(rewards: np.ndarray, scale: bool = True) -> tuple[np.ndarray, float]:
-    """Advantages `[G]` (float64) of one group and the group std (the divisor when `scale`; NaN if nothing is
-    scored).
+def group_advantages(rewards: np.ndarray, scale: bool = True, epsilon: float = STD_EPSILON) -> tuple[np.ndarray, float]:
+    """Advantages `[G]` (float64) of one group and the group std (the divisor when `scale`, plus `epsilon`; NaN if
+    nothing is scored).
 
     NaN rewards are left out of the mean and std and get advantage 0. `scale=False` only centres the rewards.
     """
@@ -56,7 +57,7 @@ def group_advantages(rewards: np.ndarray, scale: bool = True) -> tuple[np.ndarra
     scored = rewards[is_scored]
     std = float(scored.std())
     centred = scored - scored.mean()
-    advantages[is_scored] = centred / (std + STD_EPSILON) if scale else centred
+    advantages[is_scored] = centred / (std + epsilon) if scale else centred
     return advantages, std
 
 
@@ -90,13 +91,9 @@ def decoupled_group_advantages(values: np.ndarray, weights: np.ndarray | None = 
     weights = np.ones(num_columns) if weights is None else np.asarray(weights, dtype=np.float64)
     if weights.shape != (num_columns,):
         raise ValueError(f"weights must hold one weight per column ({num_columns}), got shape {weights.shape}")
-    normalised = np.full_like(values, np.nan)
-    for k in range(num_columns):
-        scored = ~np.isnan(values[k])
-        if scored.any():
-            column = values[k, scored]
-            normalised[k, scored] = (column - column.mean()) / (column.std() + DECOUPLED_STD_EPSILON)
+    # each column's own group normalisation (a rollout the column did not score gets 0: nothing in the sum)
+    normalised = np.stack([group_advantages(column, epsilon=DECOUPLED_STD_EPSILON)[0] for column in values])
     unscored = np.isnan(values).all(axis=0)
-    summed = np.nansum(normalised * weights[:, None], axis=0)
+    summed = (normalised * weights[:, None]).sum(axis=0)
     summed[unscored] = np.nan
     return group_advantages(summed, scale=scale)[0]

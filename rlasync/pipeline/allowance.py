@@ -326,6 +326,12 @@ class TokenAllowance:
         return self._sync_used() < self.allowance_tokens
 
     @property
+    def _window_decay(self) -> float:
+        """β = 1 − 1/window: how much of the past each completed group leaves (the keep rate and the mean tokens
+        per rollout alike)."""
+        return 1.0 - 1.0 / self.keep_rate_window
+
+    @property
     def mean_tokens_per_rollout(self) -> float | None:
         """Decayed mean of raw tokens per completed rollout (module docstring); None before the first group
         completes."""
@@ -451,7 +457,7 @@ class TokenAllowance:
                 "(scored=False is for a group that failed after generating: pass queued=False)"
             )
         self._leave_flight(num_rollouts, "finish_group")
-        decay = 1.0 - 1.0 / self.keep_rate_window
+        decay = self._window_decay
         self._completed_rollouts = decay * self._completed_rollouts + num_rollouts
         self._completed_tokens = decay * self._completed_tokens + num_tokens
         self.completed_groups += 1
@@ -521,7 +527,7 @@ class TokenAllowance:
             return  # nothing generated: no weight either way
         if self._scored_weight <= 0:  # the prior 1.0, worth KEEP_RATE_PRIOR_GROUPS groups of this size
             self._kept_weight = self._scored_weight = float(tokens * KEEP_RATE_PRIOR_GROUPS)
-        decay = 1.0 - 1.0 / self.keep_rate_window
+        decay = self._window_decay
         self._kept_weight = decay * self._kept_weight + kept_tokens
         self._scored_weight = decay * self._scored_weight + tokens
 
