@@ -72,10 +72,11 @@ def died_error(
     return RuntimeError(f"{name} died ({lost}{where}{first[:300]}); {resume_hint(output_dir)}")
 
 
-def node_of(dead_actor_id: str, wait_s: float = NODE_DEATH_WAIT_S) -> str:
+def node_of(dead_actor_id: str, wait_s: float = NODE_DEATH_WAIT_S, lost_only: bool = False) -> str:
     """ "its node N (ip) was lost: " when the actor's node is dead, else "on node N (ip): " once Ray marks the actor
     dead (its process died, the node lives on) or after `wait_s` (a call fails on a closed connection before Ray's
-    health checks declare a lost node dead); "" when Ray no longer knows the actor."""
+    health checks declare a lost node dead); "" when Ray no longer knows the actor. `lost_only`: "" unless the node
+    or the actor is declared dead within `wait_s` (an actor that stopped answering may only be slow)."""
     from ray._private.state import actors  # the GCS's actor table (no dashboard needed)
 
     deadline = time.monotonic() + wait_s
@@ -88,8 +89,10 @@ def node_of(dead_actor_id: str, wait_s: float = NODE_DEATH_WAIT_S) -> str:
         named = node_id + (f" ({ip})" if ip else "")
         if not {node["NodeID"]: node.get("Alive") for node in ray.nodes()}.get(node_id, False):
             return f"its node {named} was lost: "
-        if row.get("State") == "DEAD" or time.monotonic() >= deadline:
+        if row.get("State") == "DEAD":
             return f"on node {named}: "
+        if time.monotonic() >= deadline:
+            return "" if lost_only else f"on node {named}: "
         time.sleep(0.5)
 
 
@@ -189,6 +192,9 @@ def blame(
     except RuntimeError as named:
         return named
     if isinstance(error, ray.exceptions.ActorUnavailableError):
+        # A lost node first shows as a closed connection; Ray's health checks declare it dead seconds later.
+        if error.actor_id and node_of(error.actor_id, lost_only=True):
+            return died_error(name, error, output_dir)
         first = (str(error).strip().splitlines() or [""])[0]
         return RuntimeError(
             f"{name} stopped answering (ActorUnavailableError: {first[:300]}): frozen, overloaded or unreachable; "

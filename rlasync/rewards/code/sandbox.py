@@ -379,6 +379,8 @@ def _supervise(
         status = _collect(process, {"results": results_read, "info": info_read}, streams, limits, start)
     finally:
         _kill_group(process, _sandbox_init(bytes(streams["info"]), info_read))
+        if bwrap:
+            _kill_strays(cwd)
         os.close(results_read)
         os.close(info_read)
         for pipe in (process.stdout, process.stderr):
@@ -473,6 +475,48 @@ def _kill_group(process: subprocess.Popen, sandbox_init: int | None) -> None:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:  # pragma: no cover - a process stuck in the kernel
         logger.warning("sandbox process %d did not exit 10 s after SIGKILL", process.pid)
+
+
+def _kill_strays(workdir: str, wait_s: float = 10.0) -> None:
+    """SIGKILL every process whose arguments name `workdir` (this execution's own folder, bound into the sandbox
+    on bwrap's command line) and wait until none is left. bwrap's forked child waits on an eventfd for its parent
+    before it arms its parent-death signal; when the execution ends during bwrap's set-up (a limit hit under load)
+    and the parent is killed there, a child that has already left the process group waits forever."""
+    needle = b"\0" + os.fsencode(workdir) + b"\0"
+    deadline = time.monotonic() + wait_s
+    while True:
+        strays = [pid for pid in _pids_naming(needle) if pid != os.getpid()]
+        if not strays:
+            return
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if time.monotonic() >= deadline:  # pragma: no cover - a process stuck in the kernel
+            logger.warning("sandbox processes %s did not exit %.0f s after SIGKILL", strays, wait_s)
+            return
+        time.sleep(0.01)
+
+
+def _pids_naming(needle: bytes) -> list[int]:
+    """The live (not zombie) processes whose NUL-separated command line contains `needle`."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                cmdline = b"\0" + handle.read()
+            if needle not in cmdline:
+                continue
+            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+                if handle.read().rsplit(b")", 1)[-1].split()[0] == b"Z":  # exited; its parent reaps it
+                    continue
+        except OSError:
+            continue
+        found.append(int(entry.name))
+    return found
 
 
 def _status(returncode: int | None) -> str:

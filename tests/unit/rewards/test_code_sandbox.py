@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -392,3 +393,21 @@ def test_directories_of_dead_processes_are_swept(monkeypatch):
     finally:
         shutil.rmtree(orphaned, ignore_errors=True)
         shutil.rmtree(alive, ignore_errors=True)
+
+
+def test_a_process_that_left_the_group_during_set_up_is_killed(monkeypatch, tmp_path):
+    """bwrap forks its sandbox's first process, which calls setsid (--new-session) and arms its parent-death signal
+    only after its parent has set it up: when the execution ends during set-up, killing bwrap's group misses it.
+    A stand-in bwrap does exactly that (fork, setsid, wait); after the execution nothing naming its folder is left."""
+    fake = tmp_path / f"bwrap-{TOKEN}"
+    fake.write_text(f"#!{sys.executable}\nimport os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(120)\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: str(fake) if name == "bwrap" else None)
+
+    def survivors() -> list[int]:
+        return sandbox_module._pids_naming(os.fsencode(str(fake)))
+
+    box = Sandbox(limits=Limits(cpu_s=1, wall_s=1.0), max_concurrent=1)
+    execution = sandbox_module._execute(box, "bwrap", "print(1)", None, None)
+    assert execution.status == "timeout"
+    assert survivors() == []
