@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -157,15 +158,34 @@ def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     command = train_command(engine, run_dir, args.steps, args.set or [], Path(args.config))
     print(f"--- {engine}: {' '.join(command)}", flush=True)
     started = time.time()
-    done = subprocess.run(command, cwd=ROOT, check=False)
+    returncode, stopped = run_within(command, args.budget_s)
     wall_s = time.time() - started
-    result: dict[str, Any] = {"command": " ".join(command[1:]), "returncode": done.returncode, "wall_s": wall_s}
+    result: dict[str, Any] = {"command": " ".join(command[1:]), "returncode": returncode, "wall_s": wall_s}
+    if stopped:  # SIGTERM at the budget: the run trained what it had taken and wrote a final checkpoint
+        result["stopped_at_budget_s"] = args.budget_s
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         result.update(summarize(read_records(metrics), started, args.threshold, args.window))
     checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
     result["checkpoint"] = str(checkpoints[-1]) if checkpoints else None  # a teacher for bench/distill_transfer.py
     return result
+
+
+def run_within(command: list[str], budget_s: float | None, grace_s: float = 90.0) -> tuple[int, bool]:
+    """Run `command`; past `budget_s` send it SIGTERM (the trainer stops admitting, trains what it took and writes
+    a final checkpoint, as on a cluster's preemption) and wait `grace_s` more before killing it. Returns the exit
+    code and whether the budget stopped it. A device call's own limit would kill this script with the run, leaving
+    no summary and a checkpoint still being written."""
+    process = subprocess.Popen(command, cwd=ROOT)
+    try:
+        return process.wait(timeout=budget_s), False
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=grace_s), True
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait(), True
 
 
 def result_key(engine: str, sets: list[str] | None) -> str:
@@ -186,6 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--window", type=int, default=10, help="steps the sampled reward is averaged over")
     parser.add_argument("--set", action="append", help="more `--set KEY=VALUE` for the training run")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop each run with SIGTERM after this many seconds (a final "
+        "checkpoint is written; keep it ~100 s under the device call's limit)",
+    )
     parser.add_argument("--metrics", default=None, help="recompute from this metrics.jsonl instead of training")
     parser.add_argument("--started", type=float, default=None, help="with --metrics: the command's start (epoch s)")
     args = parser.parse_args(argv)

@@ -115,3 +115,21 @@ def test_a_variant_merges_beside_the_default_not_over_it():
     assert sums_e2e.result_key("torch", None) == "torch" and sums_e2e.result_key("vllm", []) == "vllm"
     assert sums_e2e.result_key("torch", ["token_budget=2048"]) == "torch_token_budget_2048"
     assert sums_e2e.result_key("torch", ["a.b=1", "c=x y"]) == "torch_a_b_1_c_x_y"
+
+
+def test_a_run_past_its_budget_is_stopped_with_sigterm_and_given_time_to_save(tmp_path):
+    """The budget sends SIGTERM, as a preemption would, and waits for the run to end by itself (its final
+    checkpoint); a run that ignores it is killed after the grace period; one within its budget is left alone."""
+    saved = tmp_path / "saved"
+    graceful = (
+        "import signal, sys, time, pathlib\n"
+        "def stop(*_):\n"
+        f"    time.sleep(0.3); pathlib.Path({str(saved)!r}).write_text('checkpoint'); sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n"
+    )
+    assert sums_e2e.run_within([sys.executable, "-c", graceful], budget_s=1.0, grace_s=30) == (143, True)
+    assert saved.read_text() == "checkpoint"
+    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
+    assert sums_e2e.run_within([sys.executable, "-c", stubborn], budget_s=0.5, grace_s=0.5) == (-9, True)
+    assert sums_e2e.run_within([sys.executable, "-c", "import sys; sys.exit(3)"], budget_s=30) == (3, False)
