@@ -27,7 +27,9 @@ from rlasync.engine.cuda_graphs import capture_graphs
 from rlasync.engine.kv_cache import num_blocks_for
 from rlasync.engine.paged_attention import KVPool, PagedAttentionMetadata
 
-DEFAULT_TOKEN_COUNTS = (64, 128, 256, 384, 512, 768, 1024)
+DEFAULT_TOKEN_COUNTS = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+"""The largest is the bound of a step with running requests (`Scheduler.graphed_step_tokens`): 2048 holds the
+steady mixed step of 256 running requests with ~11-token completions and ~45-token prompts (~1.3k tokens)."""
 
 
 def mixed_token_counts(max_num_batched_tokens: int, counts: Sequence[int] = DEFAULT_TOKEN_COUNTS) -> tuple[int, ...]:

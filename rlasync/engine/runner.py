@@ -139,6 +139,7 @@ class ModelRunner:
                     )
             except RuntimeError:
                 logger.exception("CUDA graph capture failed: decode steps run eagerly")
+        self.eager_steps = 0  # steps whose decoder ran eagerly (no CUDA graph held them; on the CPU: every step)
         self.mixed = None
         if mixed_graph_tokens and backend in ("varlen", "triton"):
             try:
@@ -217,6 +218,7 @@ class ModelRunner:
             sampling = [i for i, chunk in enumerate(chunks) if chunk.sample is not None]
             logits = mixed.run([chunk.token_ids for chunk in chunks], starts, block_ids, sampling, feedback)
             return logits[: len(sampling)]
+        self.eager_steps += 1
         flat_ids = [token for chunk in chunks for token in chunk.token_ids]
         ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0) - 1
         rows = ends[[i for i, chunk in enumerate(chunks) if chunk.sample is not None]].to(self.device)

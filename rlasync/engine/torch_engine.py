@@ -113,7 +113,9 @@ class TorchEngine:
     block_size             tokens per KV block; default 16, or on CUDA the first of 16, 256 that the paged
                            FlashAttention kernel accepts
     max_num_seqs           most requests running at once
-    max_num_batched_tokens token budget of one step (longer prefills are chunked); default 8192 on CUDA, 2048 on CPU
+    max_num_batched_tokens token budget of one step (longer prefills are chunked); default 8192 on CUDA, 2048 on CPU;
+                           with CUDA graphs of mixed steps, a step that has running requests is held to the largest
+                           graph (2048 tokens by default) so that it replays one (`Scheduler.graphed_step_tokens`)
     eos_token_ids          default the generation config's eos_token_id (or the model config's)
     kv_on_weight_update    "recompute" (default) or "keep": see the module docstring
     attention_backend      "auto" (on CUDA: FlashAttention varlen over the paged pool in 16-bit when a probe of it
@@ -196,7 +198,10 @@ class TorchEngine:
             compiled_sampler=compiled_sampler,
         )
         allocator = BlockAllocator(pool.num_blocks, block_size, enable_caching=enable_prefix_caching)
-        self._scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens)
+        mixed = self._runner.mixed  # None without CUDA graphs of mixed steps (or when their capture failed)
+        self._scheduler = Scheduler(
+            allocator, max_num_seqs, max_num_batched_tokens, mixed.max_tokens if mixed is not None else None
+        )
         self._request_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -281,7 +286,18 @@ class TorchEngine:
         load_sync(self.model, named_tensors, self._adapter, self._loader, self.device)
 
     def stats(self) -> EngineStats:
+        """The load gauges, and in `extra` cumulative counts: steps, generated tokens, prompt tokens served from the
+        prefix cache and, with CUDA graphs, the steps that ran the decoder eagerly (`num_eager_steps`: a step no
+        graph held, several times slower for a small model; `rollout/engine_eager_step_frac`)."""
         allocator = self._scheduler.allocator
+        extra = {
+            "num_steps": float(self._num_steps),
+            "num_generated_tokens": float(self._num_generated_tokens),
+            "prefix_cache_hit_tokens": float(self._scheduler.num_prefix_hit_tokens),
+        }
+        runner = self._runner
+        if runner.graphs is not None or runner.mixed is not None:
+            extra["num_eager_steps"] = float(runner.eager_steps)
         return EngineStats(
             kv_cache_usage_frac=allocator.usage_frac,
             num_running=self._scheduler.num_running,
@@ -289,11 +305,7 @@ class TorchEngine:
             num_preemptions=self._scheduler.num_preemptions,
             kv_capacity_tokens=allocator.capacity_tokens,
             max_model_len=self.max_model_len,
-            extra={
-                "num_steps": float(self._num_steps),
-                "num_generated_tokens": float(self._num_generated_tokens),
-                "prefix_cache_hit_tokens": float(self._scheduler.num_prefix_hit_tokens),
-            },
+            extra=extra,
         )
 
     @property

@@ -45,6 +45,7 @@ class ConcurrencyController:
             self._cap = max_concurrent_rollouts
         self._completed_at_last_increase = 0
         self._last_preemptions: int | None = None
+        self._last_steps: tuple[float, float] | None = None  # (steps, eager steps) of the engines at the last look
 
     @classmethod
     def from_stats(
@@ -84,7 +85,21 @@ class ConcurrencyController:
             ("rollout/vllm_running_requests", float(num_running)),
             ("rollout/vllm_queued_requests", float(num_waiting)),
             ("rollout/vllm_preemption_count", float(self._preemption_delta(stats))),
+            *self._eager_step_frac(stats),
         ]
+
+    def _eager_step_frac(self, stats: list[EngineStats]) -> list[tuple[str, float]]:
+        """`rollout/engine_eager_step_frac`: of the engines' steps since the previous observation, the share that ran
+        the decoder eagerly (no CUDA graph held the step); only for engines that count them (the built-in engine
+        with CUDA graphs), and nothing until a step ran since a first look."""
+        counted = [s.extra for s in stats if "num_eager_steps" in s.extra and "num_steps" in s.extra]
+        if not counted:
+            return []
+        now = (sum(e["num_steps"] for e in counted), sum(e["num_eager_steps"] for e in counted))
+        previous, self._last_steps = self._last_steps, now
+        if previous is None or now[0] <= previous[0] or now[1] < previous[1]:  # first look, idle, or a restart
+            return []
+        return [("rollout/engine_eager_step_frac", (now[1] - previous[1]) / (now[0] - previous[0]))]
 
     def _preemption_delta(self, stats: list[EngineStats]) -> int:
         """Preemptions since the previous observation (the first only sets the baseline: a rollout actor restarted

@@ -231,3 +231,55 @@ def test_random_workloads_finish_every_request_and_leak_no_block(seed, caching):
     assert all(r.slot is None for r in requests)
     if caching and seed % 2 == 0:
         assert scheduler.num_prefix_hit_tokens > 0
+
+
+def test_steps_with_running_requests_stay_within_the_largest_graph_and_a_step_with_none_keeps_the_budget():
+    """With `graphed_step_tokens` (the largest mixed-step CUDA graph) a step that has running requests computes at
+    most that many tokens, the last admitted prompt chunked to fit; a step with nothing running (the first, or after
+    a weight sync preempted everyone) keeps `max_num_batched_tokens`. Nothing is starved: every request finishes."""
+    scheduler = Scheduler(
+        BlockAllocator(num_blocks=512, block_size=4),
+        max_num_seqs=16,
+        max_num_batched_tokens=200,
+        graphed_step_tokens=24,
+    )
+    for i in range(16):
+        scheduler.add(make_request(i, 10, max_tokens=3))
+    first = run_step(scheduler)
+    assert first.num_tokens == 160 and scheduler.num_running == 16  # nothing was running: the whole budget
+    for i in range(16, 40):
+        scheduler.add(make_request(i, 10, max_tokens=3))
+    steps = 0
+    bounded = unbounded = 0
+    while scheduler.has_work:
+        had_running = bool(scheduler.running)
+        output = run_step(scheduler)
+        steps += 1
+        if had_running:
+            assert output.num_tokens <= 24, [(c.request.request_id, c.num_tokens) for c in output.chunks]
+            bounded += 1
+        else:
+            unbounded += output.num_tokens > 24
+        assert steps < 200
+    assert bounded > 5 and unbounded >= 1  # both kinds of step happened
+    chunked = Scheduler(
+        BlockAllocator(num_blocks=512, block_size=4),
+        max_num_seqs=16,
+        max_num_batched_tokens=200,
+        graphed_step_tokens=24,
+    )
+    chunked.add(make_request(0, 4, max_tokens=5))
+    run_step(chunked)
+    chunked.add(make_request(1, 30))
+    second = run_step(chunked)  # 1 decode + 23 of the new prompt's 30 tokens
+    assert [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in second.chunks] == [
+        (0, 4, 1, True),
+        (1, 0, 23, False),
+    ]
+    uncapped = Scheduler(BlockAllocator(num_blocks=512, block_size=4), max_num_seqs=16, max_num_batched_tokens=200)
+    uncapped.add(make_request(0, 4, max_tokens=5))
+    run_step(uncapped)
+    uncapped.add(make_request(1, 30))
+    assert run_step(uncapped).num_tokens == 31
+    with pytest.raises(ValueError, match="graphed_step_tokens=0"):
+        Scheduler(BlockAllocator(num_blocks=8, block_size=4), 2, 16, graphed_step_tokens=0)

@@ -160,7 +160,13 @@ def test_mixed_step_graphs_give_the_eager_tokens_with_requests_arriving_mid_deco
     }.items():
         engines[name] = engine_of(model, dtype="float32", attention_backend="triton", **kwargs)
         results[name] = asyncio.run(_staggered(engines[name], prompts, params))
-    assert engines["mixed_graphs"]._runner.mixed.replays > 0
+    mixed = engines["mixed_graphs"]
+    assert mixed._runner.mixed.replays > 0
+    # a step with running requests is held to the largest graph; the steps no graph held are counted
+    assert mixed._scheduler.graphed_step_tokens == mixed._runner.mixed.max_tokens == 256
+    assert engines["decode_graphs"]._scheduler.graphed_step_tokens is None
+    extra = mixed.stats().extra
+    assert extra["num_eager_steps"] < extra["num_steps"] and "num_eager_steps" not in engines["eager"].stats().extra
     for name in ("decode_graphs", "mixed_graphs"):
         assert [r.output_ids for r in results[name]] == [r.output_ids for r in results["eager"]], name
 

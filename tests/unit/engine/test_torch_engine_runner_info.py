@@ -41,3 +41,19 @@ def test_set_compiled_sampler_switches_the_sampler_used_by_the_next_steps(monkey
     assert asyncio.run(one()) == eager and len(calls) == 3  # one sampler call per new token, same seeded tokens
     engine.set_compiled_sampler(False)
     assert asyncio.run(one()) == eager and len(calls) == 3
+
+
+def test_on_the_cpu_every_step_runs_eagerly_and_no_eager_share_is_reported():
+    """The runner counts the steps whose decoder ran eagerly; without CUDA graphs that is every step, so the engine
+    leaves `num_eager_steps` out of its stats (the gauge `rollout/engine_eager_step_frac` is for graphed engines)."""
+    engine = make_engine(tiny_model("qwen3", init=0.05))
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True)
+
+    async def run() -> None:
+        await asyncio.gather(*(engine.generate(prompt, params) for prompt in PROMPTS))
+
+    asyncio.run(run())
+    extra = engine.stats().extra
+    assert extra["num_steps"] >= 4 and engine.runner.eager_steps == extra["num_steps"]
+    assert "num_eager_steps" not in extra
+    assert engine._scheduler.graphed_step_tokens is None  # no mixed-step graphs: only the budget bounds a step

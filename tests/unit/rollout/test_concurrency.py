@@ -95,3 +95,27 @@ def test_preemptions_are_reported_as_increases_since_the_previous_observation():
 def test_no_stats_keeps_the_cap():
     controller = ConcurrencyController(512, 640, 64)
     assert gauges(controller.observe([], 100)) == {"rollout/concurrency_cap": 10.0}
+
+
+def test_the_eager_step_share_is_reported_over_the_steps_since_the_previous_observation():
+    """`rollout/engine_eager_step_frac`: summed over the engines that count eager steps, over the steps since the
+    previous look; nothing at the first look, when no step ran, after a restart, or from engines that do not count."""
+
+    def counted(steps, eager):
+        return EngineStats(0.5, 0, 0, 0, 640, 64, extra={"num_steps": float(steps), "num_eager_steps": float(eager)})
+
+    controller = ConcurrencyController(512, 640, 64)
+    observed = [
+        gauges(controller.observe(looks, 0)).get("rollout/engine_eager_step_frac")
+        for looks in (
+            [counted(10, 2), counted(0, 0)],  # the first look: the baseline
+            [counted(40, 2), counted(10, 10)],  # 40 steps since, 10 of them eager
+            [counted(40, 2), counted(10, 10)],  # no step since
+            [counted(5, 1), counted(10, 10)],  # an engine restarted: its counters went back
+            [counted(9, 1), counted(12, 10)],  # 6 steps, none eager
+        )
+    ]
+    assert observed == [None, 0.25, None, None, 0.0]
+    plain = ConcurrencyController(512, 640, 64)
+    for _ in range(3):  # vLLM, or the built-in engine without CUDA graphs: no such counts, no gauge
+        assert "rollout/engine_eager_step_frac" not in gauges(plain.observe([stats()], 0))
