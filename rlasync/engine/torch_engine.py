@@ -314,11 +314,15 @@ class TorchEngine:
         return self._runner
 
     def runner_info(self) -> dict[str, Any]:
-        """What the model runner chose (read-only): attention backend, decode CUDA graphs, compiled sampler."""
+        """What the model runner chose (read-only): attention backend, KV block size, decode CUDA graphs, mixed-step
+        CUDA graphs and the bound they set on a step with running requests (None: none), compiled sampler."""
         runner = self._runner
         return {
             "attention_backend": runner.backend,
+            "block_size": self.block_size,
             "cuda_graphs": runner.graphs is not None,
+            "mixed_cuda_graphs": runner.mixed is not None,
+            "graphed_step_tokens": self._scheduler.graphed_step_tokens,
             "compiled_sampler": bool(runner.compiled_sampler),
         }
 

@@ -12,8 +12,17 @@ from tests.unit.engine.test_torch_engine import PROMPTS, make_engine, tiny_model
 def test_runner_info_describes_the_cpu_engine():
     engine = make_engine(tiny_model("qwen3", init=0.05))
     info = engine.runner_info()
-    assert set(info) == {"attention_backend", "cuda_graphs", "compiled_sampler"}
+    assert set(info) == {
+        "attention_backend",
+        "block_size",
+        "cuda_graphs",
+        "mixed_cuda_graphs",
+        "graphed_step_tokens",
+        "compiled_sampler",
+    }
     assert info["cuda_graphs"] is False and info["compiled_sampler"] is False  # CPU: no graphs, eager by default
+    assert info["mixed_cuda_graphs"] is False and info["graphed_step_tokens"] is None
+    assert info["block_size"] == engine.block_size > 0
     assert isinstance(info["attention_backend"], str) and info["attention_backend"]
 
 
