@@ -7,8 +7,9 @@ Two queues: `waiting` (FCFS; preempted requests go back to its front) and `runni
      recomputation after a preemption) for a prefilling one, bounded by the step's token budget
      (`max_num_batched_tokens`; a long prefill is split over several steps: chunked prefill). With
      `graphed_step_tokens` (the largest mixed-step CUDA graph, `mixed_graphs.py`) a step that has running requests
-     is bounded by it too, so it replays a graph: a step over it runs the decoder eagerly, which for a small model
-     is host-bound and several times slower. In a GRPO run with short completions requests finish and are admitted
+     is bounded by it too (never below one token per running request: decodes are not held back), so it replays
+     a graph: a step over it runs the decoder eagerly, host-bound and several times slower for a small model.
+     In a GRPO run with short completions requests finish and are admitted
      at every step (SmolLM2 on two-digit sums: ~23 of 256 per step, ~1.2k tokens a step with 45-token prompts), so
      without the bound most steps would run eagerly. A step with nothing running (the first, or after a weight sync
      preempted every request) keeps the whole budget: one large prefill;
@@ -127,8 +128,8 @@ class Scheduler:
         if self.paused:
             return output
         budget = self.max_num_batched_tokens
-        if self.graphed_step_tokens is not None and self.running:
-            budget = min(budget, self.graphed_step_tokens)
+        if self.graphed_step_tokens is not None and self.running:  # never below one token per running request
+            budget = min(budget, max(self.graphed_step_tokens, len(self.running)))
         budget = self._schedule_running(output, budget)
         if not output.preempted:
             self._admit_waiting(output, budget)

@@ -189,16 +189,20 @@ def test_requests_with_a_common_prompt_prefix_share_its_full_blocks_in_the_same_
     assert used == scheduler.allocator.num_used == 3 + 1 + 1
 
 
+@pytest.mark.parametrize("graphed", [False, True])
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_random_workloads_finish_every_request_and_leak_no_block(seed, caching):
+def test_random_workloads_finish_every_request_and_leak_no_block(seed, caching, graphed):
     """With prefix caching, prompts share prefixes (a few stems) and odd seeds clear the cache now and then (weight
-    loads); blocks may be shared, so the invariant counts distinct blocks."""
+    loads); blocks may be shared, so the invariant counts distinct blocks. `graphed`: a bound on steps with running
+    requests (the largest mixed-step graph), as on CUDA."""
     rng = random.Random(100 * caching + seed)
     allocator = BlockAllocator(
         num_blocks=rng.randint(6 + 2 * caching, 20), block_size=rng.choice([1, 2, 4]), enable_caching=caching
     )
-    scheduler = Scheduler(allocator, max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(1, 24))
+    budget = rng.randint(1, 24)
+    bound = rng.randint(1, budget) if graphed else None
+    scheduler = Scheduler(allocator, rng.randint(1, 8), budget, graphed_step_tokens=bound)
     capacity = allocator.capacity_tokens
     stems = [[rng.randint(0, 5) for _ in range(capacity)] for _ in range(3)]
     requests = []
@@ -214,10 +218,13 @@ def test_random_workloads_finish_every_request_and_leak_no_block(seed, caching):
             scheduler.add(pending.pop(0))
         if not scheduler.has_work and not pending:
             break
+        had_running = len(scheduler.running)
         output = run_step(scheduler, token=rng.randint(0, 50))
         assert output.chunks or not scheduler.has_work
         assert len({b for r in scheduler.running for b in r.block_ids}) == allocator.num_used
         assert output.num_tokens <= scheduler.max_num_batched_tokens
+        if bound is not None and had_running:
+            assert output.num_tokens <= max(bound, had_running)
         slots = [r.slot for r in scheduler.running]  # every running request holds its own slot, waiting ones none
         assert len(set(slots)) == len(slots) and all(0 <= s < scheduler.max_num_seqs for s in slots)
         assert all(r.slot is None for r in scheduler.waiting)
@@ -281,5 +288,10 @@ def test_steps_with_running_requests_stay_within_the_largest_graph_and_a_step_wi
     run_step(uncapped)
     uncapped.add(make_request(1, 30))
     assert run_step(uncapped).num_tokens == 31
+    many = Scheduler(BlockAllocator(num_blocks=64, block_size=4), 8, 200, graphed_step_tokens=4)
+    for i in range(6):
+        many.add(make_request(i, 2, max_tokens=4))
+    run_step(many)  # nothing running: the whole budget admits all six
+    assert [c.num_tokens for c in run_step(many).chunks] == [1] * 6  # more decodes than the bound: none held back
     with pytest.raises(ValueError, match="graphed_step_tokens=0"):
         Scheduler(BlockAllocator(num_blocks=8, block_size=4), 2, 16, graphed_step_tokens=0)
