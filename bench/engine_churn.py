@@ -117,7 +117,7 @@ def instrument(
     runner.graphs = CpuDecodeGraphs(runner.pool, vocab, decode_batch_sizes(max_num_seqs), max_len, _NullClock())
     counts = mixed_token_counts(args.max_num_batched_tokens, _token_counts(args.mixed_tokens))
     runner.mixed = CpuMixedGraphs(runner.pool, vocab, counts, max_num_seqs, max_len)
-    engine._scheduler.graphed_step_tokens = runner.mixed.max_tokens if bound else None
+    engine.bound_steps(runner.mixed.max_tokens if bound else None)
     decoder_forward = runner.decoder.forward
 
     def timed_decoder(*args, **kwargs):  # only steps no graph holds (a burst of prefills) run the decoder

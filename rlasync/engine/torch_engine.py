@@ -326,6 +326,13 @@ class TorchEngine:
             "compiled_sampler": bool(runner.compiled_sampler),
         }
 
+    def bound_steps(self, tokens: int | None) -> None:
+        """Hold a step that has running requests to `tokens` (None: only `max_num_batched_tokens` bounds it), as the
+        engine does with its largest mixed-step CUDA graph; a bench that installs stand-in graphs sets theirs."""
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"bound_steps({tokens}): a number of tokens >= 1, or None")
+        self._scheduler.graphed_step_tokens = tokens
+
     def set_compiled_sampler(self, on: bool) -> None:
         """Sample through the compiled (True) or eager (False) sampler from the next step on: an A/B in one engine.
         Read at each sampler call, so switch while the engine is idle."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from rlasync.engine import SamplingParams
 from tests.unit.engine.test_torch_engine import PROMPTS, make_engine, tiny_model
 
@@ -65,4 +67,8 @@ def test_on_the_cpu_every_step_runs_eagerly_and_no_eager_share_is_reported():
     extra = engine.stats().extra
     assert extra["num_steps"] >= 4 and engine.runner.eager_steps == extra["num_steps"]
     assert "num_eager_steps" not in extra
-    assert engine._scheduler.graphed_step_tokens is None  # no mixed-step graphs: only the budget bounds a step
+    assert engine.runner_info()["graphed_step_tokens"] is None  # no mixed-step graphs: only the budget bounds a step
+    engine.bound_steps(64)  # what a bench with stand-in graphs sets
+    assert engine.runner_info()["graphed_step_tokens"] == 64
+    with pytest.raises(ValueError, match="bound_steps"):
+        engine.bound_steps(0)
