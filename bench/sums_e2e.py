@@ -87,6 +87,20 @@ def wait_and_step(records: list[dict[str, Any]]) -> tuple[float | None, float | 
     return sum(w for w, _ in pairs) / len(pairs), sum(s for _, s in pairs) / len(pairs)
 
 
+def _values(records: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in records if isinstance(r.get(key), int | float) and r[key] == r[key]]  # not NaN
+
+
+def _median(records: list[dict[str, Any]], key: str) -> float | None:
+    values = _values(records, key)
+    return statistics.median(values) if values else None
+
+
+def _mean(records: list[dict[str, Any]], key: str) -> float | None:
+    values = _values(records, key)
+    return statistics.fmean(values) if values else None
+
+
 def summarize(
     records: list[dict[str, Any]], started: float, threshold: float = 0.9, window: int = 10
 ) -> dict[str, Any]:
@@ -111,6 +125,9 @@ def summarize(
         "mean_step_s": step_s,
         "first_step_rollout_wait_s": records[0].get("perf/rollout_wait_s") if steps[0] == 1 else None,
         "startup_s": {k.split("/")[-1]: v for k, v in records[0].items() if k.startswith("perf/startup/")} or None,
+        # the generation side: new tokens/s and (built-in engine with CUDA graphs) the share of its steps no graph held
+        "generated_tokens_per_s_median": _median(records, "rollout/generated_tokens_per_s"),
+        "engine_eager_step_frac_mean": _mean(records, "rollout/engine_eager_step_frac"),
         "steps_logged": len(records),
         "last_step": steps[-1],
         "seconds_total": records[-1]["time"] - started,

@@ -133,3 +133,17 @@ def test_a_run_past_its_budget_is_stopped_with_sigterm_and_given_time_to_save(tm
     stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
     assert sums_e2e.run_within([sys.executable, "-c", stubborn], budget_s=0.5, grace_s=0.5) == (-9, True)
     assert sums_e2e.run_within([sys.executable, "-c", "import sys; sys.exit(3)"], budget_s=30) == (3, False)
+
+
+def test_the_generation_sides_figures_are_summarized_when_logged(tmp_path):
+    """Generated tokens/s (median) and the engine's eager-step share (mean, NaN records left out) come from the
+    rollout gauges; a run without them (vLLM, or an older run) says None."""
+    path = write_metrics(tmp_path / "m.jsonl", [0.5] * 6, [0.01] * 6)
+    records = sums_e2e.read_records(path)
+    assert sums_e2e.summarize(records, STARTED)["engine_eager_step_frac_mean"] is None
+    gauges = [(9000.0, 0.5), (12000.0, float("nan")), (11000.0, 0.0), (13000.0, 0.1)]
+    for record, (tokens_per_s, eager) in zip(records, gauges):
+        record.update({"rollout/generated_tokens_per_s": tokens_per_s, "rollout/engine_eager_step_frac": eager})
+    out = sums_e2e.summarize(records, STARTED)
+    assert out["generated_tokens_per_s_median"] == pytest.approx(11500.0)
+    assert out["engine_eager_step_frac_mean"] == pytest.approx(0.2)
