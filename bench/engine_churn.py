@@ -14,7 +14,8 @@ staging of inputs) with each graph replay replaced by fixed logits, so what is t
     tokens; a group's requests are submitted together, as a rollout actor does), each with a completion length
     drawn from `--new-tokens` (EOS ignored); a finished group is replaced by a new one;
   * after `--warmup` finished requests, the next `--requests`: the process CPU time per finished request and per
-    engine step, with the forward (the eager decoder of steps no graph holds) and the eager sampler's time apart
+    engine step (the load's prompts are drawn beforehand; its one task per group and `gather`, as a GenerationActor
+    runs one task per request, are counted), with the forward (the eager decoder of steps no graph holds) and the eager sampler's time apart
     (on CUDA the sampler only launches kernels); steps per request, the share of mixed steps, tokens per step;
   * a cProfile top list of the measured phase (steps inline on the profiled thread) with `--profile-top`.
 
@@ -171,14 +172,23 @@ async def closed_loop(engine: TorchEngine, args: argparse.Namespace, counters: C
     marks: dict[str, float] = {}
     done = asyncio.Event()
     total = args.warmup + args.requests
+    # every group's prompt and sampling parameters drawn before the loop: the load's own making is not timed
+    groups = iter(
+        [
+            (
+                [rng.randrange(args.vocab) for _ in range(args.prompt_len)],
+                [
+                    SamplingParams(max_tokens=rng.randint(low, high), temperature=1.0, ignore_eos=True, num_logprobs=8)
+                    for _ in range(args.group)
+                ],
+            )
+            for _ in range(-(-(total + args.outstanding) // args.group) + 1)
+        ]
+    )
 
     async def group() -> None:
         nonlocal finished
-        prompt = [rng.randrange(args.vocab) for _ in range(args.prompt_len)]
-        params = [
-            SamplingParams(max_tokens=rng.randint(low, high), temperature=1.0, ignore_eos=True, num_logprobs=8)
-            for _ in range(args.group)
-        ]
+        prompt, params = next(groups)
         await asyncio.gather(*(engine.generate(prompt, p) for p in params))
         before = finished
         finished += args.group
