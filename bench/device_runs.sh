@@ -46,7 +46,7 @@ torch)  # carry .devicekit, two H200s: GPU tests, weight sync (bench/weight_sync
 onegpu)  # carry .devicekit, one H200: GPU tests (one rank of FSDP2 at world sizes 2/4/8 included), GRPO sharing the GPU over CUDA IPC, distillation on one GPU
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site
-    RLASYNC_FAKE_PG_OUT=$out/fsdp_fake_pg.jsonl run gpu_tests 280 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/engine/test_async_scheduling.py tests/unit/algorithms/distill/test_learner_step.py
+    run gpu_tests 280 python3 -m pytest -q -p no:cacheprovider -p no:logging -rf --fake-pg-out "$out/fsdp_fake_pg.jsonl" tests/gpu tests/unit/engine/test_torch_engine_cuda.py tests/unit/engine/test_async_scheduling.py tests/unit/algorithms/distill/test_learner_step.py
     run e2e_ipc 150 python3 bench/e2e_grpo.py --steps 10 --runs async --share-gpu --weight-sync-backend ipc --out "$out/e2e_ipc_h200.json"
     run e2e_distill_1gpu 170 python3 bench/e2e_grpo.py --steps 10 --runs async --trainer distill --share-gpu --out "$out/e2e_distill_h200.json"
     ;;
@@ -252,6 +252,11 @@ learner_trl8k)  # carry .pydkit .trlwheel: ours and TRL 1.16 on full 8K rows onl
     use_pydkit || exit 1
     python3 bench/tree_packing.py --trl-wheel .trlwheel/trl-1.16.0-py3-none-any.whl --trl-timeout-s 110 --shapes 544x128x8@8192 --groups 40 --steps 64 --warmup 6 --compile layers --grad-ckpt auto --modes tree --out "$out/tree_trl_8k_full.json" > "$out/tree_trl_8k_full.log" 2>&1
     grep -E "^tree|trl anchor|speedup" "$out/tree_trl_8k_full.log"
+    ;;
+ckplan_small)  # carry .pydkit: the learner's "auto" checkpoint plan on ~24 GiB (a ballast holds the rest of the H200): rank 0 of 2, 32768-token rows, peak against the estimate (~3 min)
+    use_pydkit || exit 1
+    run ckplan_small 400 python3 -m pytest -q -p no:cacheprovider -p no:logging -rP -m slow --fake-pg-out "$out/fsdp_fake_pg.jsonl" tests/gpu/test_fsdp_fake_pg_gpu.py -k 24_gib
+    grep -h "PEAK_GIB" "$out/ckplan_small.log"
     ;;
 learner_default)  # carry .pydkit (+ .devicekit for e2e): the default config (no compile flag) vs --compile layers
     use_pydkit || exit 1

@@ -7,13 +7,11 @@ rank; only the collectives are no-ops. The model is the Qwen3-0.6B shape with ra
 
 The rank runs through `rlasync.learner.dry_run.measure_in_subprocess` (what `rlasync train --dry-run` runs): each
 world size in its own process (a process joins one process group). The peak memory per world size is
-printed as `PEAK_GIB N x` and written to $RLASYNC_FAKE_PG_OUT when set (the device stage collects it).
+printed as `PEAK_GIB N x` and appended to the file `--fake-pg-out` names (tests/gpu/conftest.py; the device stage
+collects it).
 
 Run through the device tool: `python3 -m pytest -q tests/gpu/test_fsdp_fake_pg_gpu.py -s`.
 """
-
-import json
-import os
 
 import pytest
 import torch
@@ -82,7 +80,7 @@ def qwen3_06b_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_one_rank_of_an_fsdp2_group_trains_a_full_step(qwen3_06b_dir, world_size):
+def test_one_rank_of_an_fsdp2_group_trains_a_full_step(qwen3_06b_dir, world_size, fake_pg_out):
     from rlasync.learner.dry_run import measure_in_subprocess
 
     samples = rank_samples(world_size, 151936)
@@ -93,17 +91,14 @@ def test_one_rank_of_an_fsdp2_group_trains_a_full_step(qwen3_06b_dir, world_size
     assert result["gathered"] == result["full_numel"], "the weight gather must return each whole parameter once"
     assert result["local_numel"] <= result["full_numel"] / world_size * 1.01, "parameters are not sharded"
     assert result["mixed_precision"] and result["compiled_layers"] == 28, result
-    out = os.environ.get("RLASYNC_FAKE_PG_OUT")
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    fake_pg_out(result)
 
 
 SMALL_GPU_GIB = 24  # an RTX 4090 / L4 / A10-class budget: what the H200 leaves free around a ballast
 
 
 @pytest.mark.slow  # on purpose only: bench/device_runs.sh ckplan_small
-def test_on_a_24_gib_gpu_the_auto_plan_checkpoints_what_it_must_and_the_step_fits(qwen3_06b_dir):
+def test_on_a_24_gib_gpu_the_auto_plan_checkpoints_what_it_must_and_the_step_fits(qwen3_06b_dir, fake_pg_out):
     """Rank 0 of 2 with 32768-token rows on ~24 GiB (the rest of the H200 held by a ballast in this process, as a
     colocated engine would hold it): "auto" plans from the memory free (the learner's own figures: compiled layers,
     FSDP2's bf16 policy), checkpoints some but not all layers (the dry run's estimate on 24 GiB: 21 of 28, 19.7 GiB),
@@ -124,10 +119,7 @@ def test_on_a_24_gib_gpu_the_auto_plan_checkpoints_what_it_must_and_the_step_fit
     estimate = estimate_rank_memory(model, settings, 2, gpu_bytes=SMALL_GPU_GIB * GIB, terms_per_row=20 * 8 * 128)
     result.update({"gpu_gib": SMALL_GPU_GIB, "token_budget": 32768, "estimate_gib": estimate.total_bytes / GIB})
     print(f"PEAK_GIB small {result['peak_gib']:.2f} estimate {estimate.describe()}", result)
-    out = os.environ.get("RLASYNC_FAKE_PG_OUT")
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    fake_pg_out(result)
     assert all(loss == loss for loss in result["losses"]) and result["optimizer_steps"] == [2], result
     assert 0 < result["checkpointed_layers"] < 28, result
     assert abs(result["checkpointed_layers"] - estimate.checkpointed_layers) <= 2, (result, estimate.describe())

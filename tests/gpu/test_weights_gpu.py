@@ -52,8 +52,7 @@ def source_model():
 RANK_SCRIPT = r"""
 import os, sys, time
 import torch
-sys.path.insert(0, os.environ["RLASYNC_TEST_ROOT"])
-from tests_gpu_weights_source import source_model  # noqa: E402  (written next to the script by the test)
+from tests_gpu_weights_source import source_model  # written by the test into a folder on PYTHONPATH
 from rlasync.weights import build_manifest, stream_parameters
 from rlasync.weights.broadcast import WeightGroup
 
@@ -101,7 +100,7 @@ def run_nccl_pair(tmp_path, bucket_bytes, mode="send"):
     helper.write_text("import torch\n\n" + inspect.getsource(tiny_model) + "\n\n" + inspect.getsource(source_model))
     root = str(Path(__file__).resolve().parents[2])
     path = [str(tmp_path), root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    env = {**os.environ, "RLASYNC_TEST_ROOT": root, "PYTHONPATH": os.pathsep.join(path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # the helper's folder and the repository
     port = free_port()
     procs = [
         subprocess.Popen(

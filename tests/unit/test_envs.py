@@ -1,7 +1,8 @@
 """Environment variables: every `RLASYNC_*` variable rlasync reads is declared once in `rlasync/envs.py` (name,
-type, default, meaning, a typed accessor); no module of rlasync/, actors/ or bench/ reads one itself (parsed with
-`ast`: `os.environ.get(...)`, `os.environ[...]`, `os.getenv(...)`, `... in os.environ`, with the name written out
-or held in a module constant). Tests may set variables for subprocesses."""
+type, default, meaning, a typed accessor); no module of rlasync/, actors/, bench/ or tests/ reads one itself (parsed
+with `ast`: `os.environ.get(...)`, `os.environ[...]`, `os.getenv(...)`, `... in os.environ`, with the name written
+out or held in a module constant). Tests may set variables (monkeypatch) for the code under test and subprocesses; a
+test's own parameter is a pytest option (tests/gpu/conftest.py's `--fake-pg-out`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from rlasync import envs
 
 REPO = Path(__file__).resolve().parents[2]
-SCANNED = ("rlasync", "actors", "bench")
+SCANNED = ("rlasync", "actors", "bench", "tests")
 DECLARING = REPO / "rlasync" / "envs.py"
 
 

@@ -81,7 +81,8 @@ def hostile(tmp_path_factory):
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]
-    os.environ["RLASYNC_SANDBOX_TEST_SECRET"] = SECRET
+    environment = pytest.MonkeyPatch()  # the trainer's environment holds a secret (undone at the end)
+    environment.setenv("RLASYNC_SANDBOX_TEST_SECRET", SECRET)
     orphan = (
         "import os\n"
         "if os.fork() == 0:\n"
@@ -136,7 +137,7 @@ def hostile(tmp_path_factory):
         }
     finally:
         listener.close()
-        os.environ.pop("RLASYNC_SANDBOX_TEST_SECRET", None)
+        environment.undo()
         cwd_target.unlink(missing_ok=True)
     results = {name: (score, run) for name, score, run in zip(names, scores, runs, strict=True)}
     return results, facts
