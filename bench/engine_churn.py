@@ -31,12 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import datetime
 import gc
-import io
 import json
-import platform
-import pstats
 import random
 import sys
 import time
@@ -48,11 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_host import CpuDecodeGraphs, git_commit, tiny_llama  # noqa: E402
+from engine_host import CpuDecodeGraphs, run_header, tiny_llama, write_entry, write_profile  # noqa: E402
 
 from rlasync.engine import SamplingParams, TorchEngine  # noqa: E402
 from rlasync.engine import sampler as sampler_module  # noqa: E402
-from rlasync.engine.mixed_graphs import StagedMixed, mixed_token_counts, stage_mixed  # noqa: E402
+from rlasync.engine.mixed_graphs import MixedGraphs, StagedMixed, mixed_token_counts  # noqa: E402
 from rlasync.metrics.gc_pauses import freeze_heap  # noqa: E402
 
 
@@ -66,44 +62,30 @@ class Counters:
         self.launches: list[tuple[int, int, bool]] = []  # per step: tokens, requests, ran the decoder eagerly
 
 
-class CpuMixedGraphs:
-    """`mixed_graphs.MixedGraphs` on the CPU: the same staging of a mixed step's inputs into the host buffers and the
-    same copies; the replay is replaced by fixed logits [slots, V]."""
+class _Replayed:
+    """A captured graph's stand-in: replaying it computes nothing (its output, fixed logits, is already there)."""
+
+    def replay(self) -> None:
+        pass
+
+
+class CpuMixedGraphs(MixedGraphs):
+    """`mixed_graphs.MixedGraphs` on the CPU: its own `run` (the staging of a step's inputs into the host buffers and
+    their copies) with nothing captured; each token count's replay leaves fixed logits [slots, V]."""
 
     def __init__(self, pool, vocab: int, token_counts, max_num_seqs: int, max_model_len: int) -> None:
         from rlasync.engine.kv_cache import num_blocks_for
 
-        self.pool = pool
+        self.pool, self.max_model_len = pool, max_model_len
         self.token_counts = tuple(sorted(token_counts))
         max_blocks = num_blocks_for(max_model_len, pool.block_size)
         cpu = torch.device("cpu")
         self._staged = {t: StagedMixed(t, min(t, max_num_seqs) + 1, max_blocks, cpu) for t in self.token_counts}
         generator = torch.Generator().manual_seed(2)
-        self.logits = {t: torch.randn(s.slots, vocab, generator=generator) * 3 for t, s in self._staged.items()}
+        self._graphs = {
+            t: (_Replayed(), torch.randn(s.slots, vocab, generator=generator) * 3) for t, s in self._staged.items()
+        }
         self.replays = 0
-
-    @property
-    def max_tokens(self) -> int:
-        return self.token_counts[-1]
-
-    def fits(self, num_tokens: int, num_requests: int) -> bool:
-        return self._size_for(num_tokens, num_requests) is not None
-
-    def _size_for(self, num_tokens: int, num_requests: int) -> int | None:
-        return next((t for t in self.token_counts if t >= num_tokens and self._staged[t].slots > num_requests), None)
-
-    def run(self, token_ids, starts, block_ids, sample_rows, feedback=None):
-        num_tokens = sum(len(ids) for ids in token_ids)
-        tokens = self._size_for(num_tokens, len(token_ids))
-        staged = self._staged[tokens]
-        host = {k: v.numpy() for k, v in staged.views(staged.host64, staged.host32).items()}
-        stage_mixed(host, token_ids, starts, block_ids, sample_rows, self.pool.block_size, self.pool.null_block)
-        staged.dev64.copy_(staged.host64)
-        staged.dev32.copy_(staged.host32)
-        if feedback is not None:
-            staged.dev64[:tokens].index_copy_(0, *feedback)
-        self.replays += 1
-        return self.logits[tokens]
 
 
 def instrument(
@@ -273,14 +255,8 @@ def profile(engine: TorchEngine, args: argparse.Namespace, counters: Counters, l
         profiler.disable()
     finally:
         asyncio.to_thread = to_thread
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile_top)
-    folder = Path(args.profile_out)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"engine_churn_cpu_{label}.txt"
-    body = text.getvalue().replace(str(ROOT) + "/", "").replace(str(Path(torch.__file__).parents[1]) + "/", "")
-    path.write_text(f"# {' '.join(['python3', *sys.argv])}\n# the closed loop (warm-up included), steps inline\n{body}")
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    path = Path(args.profile_out) / f"engine_churn_cpu_{label}.txt"
+    return write_profile(profiler, args.profile_top, path, "the closed loop (warm-up included), steps inline")
 
 
 def main() -> None:
@@ -317,11 +293,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     entry: dict = {
-        "command": " ".join(["python3", *sys.argv]),
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "hardware": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
+        **run_header(),
         "workload": {
             k: getattr(args, k)
             for k in ("outstanding", "group", "prompt_len", "new_tokens", "warmup", "requests", "block_size")
@@ -346,13 +318,8 @@ def main() -> None:
             if args.profile_top and first:
                 entry["profile"] = profile(engine, args, counters, args.label)
             first = False
-    out = Path(args.out)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    data.setdefault("benchmark", "engine_churn: the TorchEngine's host CPU per request in the GRPO regime (CPU)")
-    data[args.label] = entry
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {out} [{args.label}]")
+    benchmark = "engine_churn: the TorchEngine's host CPU per request in the GRPO regime (CPU)"
+    write_entry(Path(args.out), args.label, entry, benchmark)
 
 
 if __name__ == "__main__":

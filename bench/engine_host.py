@@ -262,11 +262,7 @@ def main() -> None:
     )
     prompts_all = prompts_all.tolist()
     entry: dict = {
-        "command": " ".join(["python3", *sys.argv]),
-        "commit": args.commit or git_commit(),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "hardware": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
+        **run_header(args.commit),
         "path": args.path,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -305,7 +301,12 @@ def main() -> None:
             print(f"c={level} {name}: {json.dumps(stats)}", flush=True)
         if args.profile_top and level == max(levels):
             entry["profile"] = profile(engine, prompts, args, level)
-    _write(args, entry)
+    write_entry(
+        Path(args.out),
+        args.label,
+        entry,
+        "engine_host: the TorchEngine's host ms per decode step besides the forward, on the CPU (bench/engine_host.py)",
+    )
 
 
 def _runs_steps(clock: Clock, concurrency: int, skip: int) -> list[tuple]:
@@ -370,32 +371,43 @@ def profile(engine: TorchEngine, prompts, args, level: int) -> str:
     finally:
         asyncio.to_thread = to_thread
         runner.launch = launch
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile_top)
-    folder = Path(args.profile_out)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"engine_host_cpu_{args.label}.txt"
-    header = (
-        f"# {' '.join(['python3', *sys.argv])}\n# c={level} {name}, {args.new_tokens} new tokens after a "
-        f"{args.prompt_len}-token prompt, the decode steps only, path {args.path}, steps inline\n"
+    note = (
+        f"c={level} {name}, {args.new_tokens} new tokens after a {args.prompt_len}-token prompt, the decode steps "
+        f"only, path {args.path}, steps inline"
     )
-    body = text.getvalue()
-    body = body.replace(str(ROOT) + "/", "").replace(str(Path(torch.__file__).parents[1]) + "/", "")
-    path.write_text(header + body)
+    return write_profile(profiler, args.profile_top, Path(args.profile_out) / f"engine_host_cpu_{args.label}.txt", note)
+
+
+def write_profile(profiler: cProfile.Profile, top: int, path: Path, note: str) -> str:
+    """The `top` rows by own time, headed by the command and `note`, with this checkout's and torch's folders cut
+    from the file names; returns the path written (relative to the repository when inside it)."""
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    body = text.getvalue().replace(str(ROOT) + "/", "").replace(str(Path(torch.__file__).parents[1]) + "/", "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# {' '.join(['python3', *sys.argv])}\n# {note}\n{body}")
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def _write(args, entry: dict) -> None:
-    out = Path(args.out)
+def run_header(commit: str | None = None) -> dict:
+    """What every entry of a CPU lab's JSON starts with: the command, the commit, the date, the machine, torch."""
+    return {
+        "command": " ".join(["python3", *sys.argv]),
+        "commit": commit or git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "hardware": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+    }
+
+
+def write_entry(out: Path, label: str, entry: dict, benchmark: str) -> None:
+    """Merge `entry` under `label` into the JSON at `out` (the other labels kept), `benchmark` describing the file."""
     data = json.loads(out.read_text()) if out.exists() else {}
-    data.setdefault(
-        "benchmark",
-        "engine_host: the TorchEngine's host ms per decode step besides the forward, on the CPU (bench/engine_host.py)",
-    )
-    data[args.label] = entry
+    data.setdefault("benchmark", benchmark)
+    data[label] = entry
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {out} [{args.label}]")
+    print(f"wrote {out} [{label}]")
 
 
 if __name__ == "__main__":

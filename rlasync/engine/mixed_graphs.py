@@ -217,8 +217,9 @@ class MixedGraphs:
         stage_mixed(host, token_ids, starts, block_ids, sample_rows, self.pool.block_size, self.pool.null_block)
         staged.dev64.copy_(staged.host64, non_blocking=True)
         staged.dev32.copy_(staged.host32, non_blocking=True)
-        staged.copied = torch.cuda.Event()
-        staged.copied.record()
+        if staged.dev64.is_cuda:  # (a CPU stand-in for the graphs, bench/engine_churn.py, has nothing to wait for)
+            staged.copied = torch.cuda.Event()
+            staged.copied.record()
         if feedback is not None:
             staged.dev64[:tokens].index_copy_(0, *feedback)
         graph, logits = self._graphs[tokens]
