@@ -44,8 +44,7 @@ class ConcurrencyController:
         else:
             self._cap = max_concurrent_rollouts
         self._completed_at_last_increase = 0
-        self._last_preemptions: int | None = None
-        self._last_steps: tuple[float, float] | None = None  # (steps, eager steps) of the engines at the last look
+        self._last_counts: dict[str, float] = {}  # the engines' cumulative counters at the previous observation
 
     @classmethod
     def from_stats(
@@ -95,20 +94,22 @@ class ConcurrencyController:
         counted = [s.extra for s in stats if "num_eager_steps" in s.extra and "num_steps" in s.extra]
         if not counted:
             return []
-        now = (sum(e["num_steps"] for e in counted), sum(e["num_eager_steps"] for e in counted))
-        previous, self._last_steps = self._last_steps, now
-        if previous is None or now[0] <= previous[0] or now[1] < previous[1]:  # first look, idle, or a restart
+        steps = self._increase("steps", sum(e["num_steps"] for e in counted))
+        eager = self._increase("eager_steps", sum(e["num_eager_steps"] for e in counted))
+        if not steps or eager is None:  # first look, a restart, or no step since
             return []
-        return [("rollout/engine_eager_step_frac", (now[1] - previous[1]) / (now[0] - previous[0]))]
+        return [("rollout/engine_eager_step_frac", eager / steps)]
 
     def _preemption_delta(self, stats: list[EngineStats]) -> int:
-        """Preemptions since the previous observation (the first only sets the baseline: a rollout actor restarted
-        mid-run would otherwise report the engines' whole history at once; a counter that went down, e.g. a
-        restarted engine, restarts the baseline)."""
-        total = sum(s.num_preemptions for s in stats)
-        previous = total if self._last_preemptions is None else self._last_preemptions
-        self._last_preemptions = total
-        return max(0, total - previous)
+        """Preemptions since the previous observation (`_increase`: the first only sets the baseline, so a rollout
+        actor restarted mid-run does not report the engines' whole history at once)."""
+        return int(self._increase("preemptions", sum(s.num_preemptions for s in stats)) or 0)
+
+    def _increase(self, name: str, total: float) -> float | None:
+        """How much the engines' cumulative counter `name` grew since the previous observation; None at the first
+        (the baseline) and when it went down (a restarted engine: the baseline starts again)."""
+        previous, self._last_counts[name] = self._last_counts.get(name), total
+        return None if previous is None or total < previous else total - previous
 
 
 def _scale(value: int, factor: tuple[int, int]) -> int:
