@@ -28,6 +28,7 @@ class QueueActor:
     def __init__(self, *, settings: QueueSettings, resume: dict[str, Any] | None = None) -> None:
         state = RolloutState.from_dict(resume) if resume else None
         self.service = QueueService.create(settings, resume=state)
+        self.dataset_refs: list[Any] = []  # `hold_dataset`
 
     # the training rows (held for the rollout actors, which fetch them when they start or restart)
     def hold_dataset(self, refs: list[Any]) -> None:
@@ -36,10 +37,9 @@ class QueueActor:
 
     def dataset(self) -> list[Any]:
         """`[ref]` of the training rows (`hold_dataset`); the caller `ray.get`s it."""
-        refs = getattr(self, "dataset_refs", None)
-        if not refs:
+        if not self.dataset_refs:
             raise RuntimeError("the queue actor holds no training rows (hold_dataset was not called)")
-        return refs
+        return self.dataset_refs
 
     # rollout side
     async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> Any:
