@@ -403,12 +403,12 @@ engine_host)  # carry .pydkit (or none after kits, warm): the TorchEngine's side
     run engine_torch_unfrozen 280 python3 bench/engine_vs_vllm.py --skip-vllm --no-freeze-heap --out "$out" --json-name engine_vs_vllm_torch_unfrozen_h200.json --budget-s 250
     grep -h -A5 '"torch_engine_new_tokens_per_s"' "$out"/engine_vs_vllm_torch*_h200.json
     ;;
-e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the default sums run with the TorchEngine, 200 steps: seconds to reward 0.9, syncs, rollout waits (~9 min since the composed steps: 107 steps in 420 s on 2026-12-05; stopped by SIGTERM at 470 s, with its summary and a final checkpoint); its checkpoint is distill_transfer's teacher
+e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the default sums run with the TorchEngine, 200 steps: seconds to reward 0.9, syncs, rollout waits (~9 min since the composed steps: 107 steps in 420 s on 2026-12-05; stopped by SIGTERM 30 steps after reward 0.9 (E2E_AFTER_STEPS) or at 470 s (E2E_BUDGET_S), with its summary and a final checkpoint); its checkpoint is distill_transfer's teacher
     export PYTHONPATH=$PWD:/tmp/site
     smollm2_ready || exit 1
     mkdir -p /tmp/results
     sets=(); for s in ${E2E_SETS:-}; do sets+=(--set "$s"); done  # E2E_SETS="token_budget=2048 ...": a variant
-    run e2e_sums_torch 580 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s 470 "${sets[@]}"
+    run e2e_sums_torch 580 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}" --stop-after-steps "${E2E_AFTER_STEPS:-30}" "${sets[@]}"
     cp /tmp/sums_e2e/sums_torch/metrics.jsonl "$out/sums_torch_metrics.jsonl" 2>/dev/null
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|step_at_reward_0_9|weight_sync_max_s|rollout_wait_frac|generated_tokens_per_s_median|engine_eager_step_frac_mean)"' "$out/sums_e2e_h200.json"
@@ -428,7 +428,7 @@ e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums
         TRANSFORMERS_OFFLINE=1
     smollm2_ready || exit 1
     mkdir -p /tmp/results
-    run e2e_sums_vllm 580 python3 bench/sums_e2e.py --engines vllm --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s 470
+    run e2e_sums_vllm 580 python3 bench/sums_e2e.py --engines vllm --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}"
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
     ;;

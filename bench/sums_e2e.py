@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +176,16 @@ def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     command = train_command(engine, run_dir, args.steps, args.set or [], Path(args.config))
     print(f"--- {engine}: {' '.join(command)}", flush=True)
     started = time.time()
-    returncode, stopped = run_within(command, args.budget_s)
+    metrics = run_dir / "metrics.jsonl"
+    done = None
+    if args.stop_after_steps is not None:
+        done = lambda: reached_and_ran(metrics, started, args.threshold, args.window, args.stop_after_steps)  # noqa: E731
+    returncode, stopped = run_within(command, args.budget_s, done=done)
     wall_s = time.time() - started
     result: dict[str, Any] = {"command": " ".join(command[1:]), "returncode": returncode, "wall_s": wall_s}
-    if stopped:  # SIGTERM at the budget: the run trained what it had taken and wrote a final checkpoint
-        result["stopped_at_budget_s"] = args.budget_s
-    metrics = run_dir / "metrics.jsonl"
+    if stopped:  # SIGTERM: the run trained what it had taken and wrote a final checkpoint
+        result["stopped_by"] = stopped
+        result["stopped_at_s"] = wall_s
     if metrics.is_file():
         result.update(summarize(read_records(metrics), started, args.threshold, args.window))
     checkpoints = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
@@ -188,21 +193,51 @@ def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     return result
 
 
-def run_within(command: list[str], budget_s: float | None, grace_s: float = 90.0) -> tuple[int, bool]:
-    """Run `command`; past `budget_s` send it SIGTERM (the trainer stops admitting, trains what it took and writes
-    a final checkpoint, as on a cluster's preemption) and wait `grace_s` more before killing it. Returns the exit
-    code and whether the budget stopped it. A device call's own limit would kill this script with the run, leaving
-    no summary and a checkpoint still being written."""
+def reached_and_ran(metrics: Path, started: float, threshold: float, window: int, more_steps: int) -> bool:
+    """Whether the run logging to `metrics` reached the threshold and then logged `more_steps` more steps."""
+    try:
+        records = read_records(metrics)
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return False
+    _, step = seconds_to_reward(records, started, threshold, window)
+    return step is not None and records[-1]["step"] >= step + more_steps
+
+
+def run_within(
+    command: list[str],
+    budget_s: float | None,
+    grace_s: float = 90.0,
+    done: Callable[[], bool] | None = None,
+    poll_s: float = 2.0,
+) -> tuple[int, str | None]:
+    """Run `command`; past `budget_s`, or once `done()` says so (polled every `poll_s`), send it SIGTERM (the
+    trainer stops admitting, trains what it took and writes a final checkpoint, as on a cluster's preemption) and
+    wait `grace_s` more before killing it. Returns the exit code and what stopped it ("budget", "done" or None). A
+    device call's own limit would kill this script with the run, leaving no summary and a checkpoint still being
+    written."""
     process = subprocess.Popen(command, cwd=ROOT)
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    reason = "budget"
+    while True:
+        wait_s = poll_s if done is not None else None
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            wait_s = max(0.0, left if wait_s is None else min(wait_s, left))
+        try:
+            return process.wait(timeout=wait_s), None
+        except subprocess.TimeoutExpired:
+            pass
+        if done is not None and done():
+            reason = "done"
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+    process.send_signal(signal.SIGTERM)
     try:
-        return process.wait(timeout=budget_s), False
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=grace_s), True
+        return process.wait(timeout=grace_s), reason
     except subprocess.TimeoutExpired:
         process.kill()
-        return process.wait(), True
+        return process.wait(), reason
 
 
 def result_key(engine: str, sets: list[str] | None) -> str:
@@ -229,6 +264,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="stop each run with SIGTERM after this many seconds (a final "
         "checkpoint is written; keep it ~100 s under the device call's limit)",
+    )
+    parser.add_argument(
+        "--stop-after-steps",
+        type=int,
+        default=None,
+        help="stop each run with SIGTERM this many steps after its reward reached the threshold (saves device time; "
+        "the run's final checkpoint is then a teacher past the threshold)",
     )
     parser.add_argument("--metrics", default=None, help="recompute from this metrics.jsonl instead of training")
     parser.add_argument("--started", type=float, default=None, help="with --metrics: the command's start (epoch s)")

@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,11 +129,41 @@ def test_a_run_past_its_budget_is_stopped_with_sigterm_and_given_time_to_save(tm
         "signal.signal(signal.SIGTERM, stop)\n"
         "time.sleep(60)\n"
     )
-    assert sums_e2e.run_within([sys.executable, "-c", graceful], budget_s=1.0, grace_s=30) == (143, True)
+    assert sums_e2e.run_within([sys.executable, "-c", graceful], budget_s=1.0, grace_s=30) == (143, "budget")
     assert saved.read_text() == "checkpoint"
     stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
-    assert sums_e2e.run_within([sys.executable, "-c", stubborn], budget_s=0.5, grace_s=0.5) == (-9, True)
-    assert sums_e2e.run_within([sys.executable, "-c", "import sys; sys.exit(3)"], budget_s=30) == (3, False)
+    assert sums_e2e.run_within([sys.executable, "-c", stubborn], budget_s=0.5, grace_s=0.5) == (-9, "budget")
+    assert sums_e2e.run_within([sys.executable, "-c", "import sys; sys.exit(3)"], budget_s=30) == (3, None)
+
+
+def test_a_run_is_stopped_a_set_number_of_steps_after_it_reached_the_threshold(tmp_path):
+    """`--stop-after-steps`: the metrics file is polled while the run goes; SIGTERM once the windowed reward reached
+    the threshold and that many more steps were logged, not before (nor on a file not yet written)."""
+    metrics = tmp_path / "metrics.jsonl"
+    started = 1000.0
+
+    def write(rewards):
+        lines = [json.dumps({"step": i + 1, "time": started + i, "reward": r}) for i, r in enumerate(rewards)]
+        metrics.write_text("\n".join(lines) + "\n")
+
+    assert not sums_e2e.reached_and_ran(metrics, started, 0.9, 2, 3)  # no file yet
+    write([0.1, 0.95, 0.95, 0.95, 0.95])  # the 2-step window reaches 0.9 at step 3
+    assert not sums_e2e.reached_and_ran(metrics, started, 0.9, 2, 3)
+    write([0.1, 0.95, 0.95, 0.95, 0.95, 0.95])
+    assert sums_e2e.reached_and_ran(metrics, started, 0.9, 2, 3)
+    write([0.1] * 40)
+    assert not sums_e2e.reached_and_ran(metrics, started, 0.9, 2, 0)
+
+    polls = []
+
+    def done():  # says "done" at its third look
+        polls.append(1)
+        return len(polls) >= 3
+
+    graceful = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\ntime.sleep(60)\n"
+    began = time.monotonic()
+    result = sums_e2e.run_within([sys.executable, "-c", graceful], budget_s=60, grace_s=30, done=done, poll_s=0.1)
+    assert result == (143, "done") and len(polls) == 3 and time.monotonic() - began < 30
 
 
 def test_the_generation_sides_figures_are_summarized_when_logged(tmp_path):
