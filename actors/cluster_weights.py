@@ -373,6 +373,7 @@ def sync_timings(
         "perf/weight_sync_dispatch_s": max(max(p.get("started_at", started_at) - started_at, 0.0) for p in phases),
         "perf/generation_loop_lag_max_s": max(p.get("loop_lag_max_s", 0.0) for p in phases),
         "perf/generation_gc_max_s": max(p.get("gc_max_s", 0.0) for p in phases),  # one cause of a late loop
+        "perf/generation_gc_refreezes": max(p.get("gc_refreezes", 0.0) for p in phases),
         "perf/weight_sync_send_s": max(sent),
         "perf/weight_sync_stage_s": max(p.get("stage_s", 0.0) for p in phases),
         # of the transfer, the engine's own part (vLLM's workers: copies and the wait for them), where it says

@@ -27,6 +27,7 @@ import ray
 SYNC_GATE_S = (
     30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
 )
+REFREEZE_OVER_S = 0.02  # a full collection this slow freezes the heap again (rlasync.metrics.gc_pauses)
 
 
 @ray.remote
@@ -55,7 +56,9 @@ class GenerationActor:
 
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
         freeze_heap()  # the engine's start-up heap is never walked again by a full collection
-        self.gc_pauses = GcPauseMonitor()  # and the collections that still happen are timed
+        # the collections that still happen are timed; one that walks what the engine built lazily since (the
+        # compiled sampler's first steps) freezes it too, so a weight sync does not wait behind the next ones
+        self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
         self.loop_lag = LoopLagMonitor()  # how late this actor's event loop runs (a late loop delays every call)
@@ -158,7 +161,8 @@ class GenerationActor:
         """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and
         load it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until
         loaded, `resume_s`, `total_s`), `started_at` (wall clock), `loop_lag_max_s` (this actor's worst
-        event-loop lag since the previous sync) and `gc_max_s` (its longest garbage collection since then)."""
+        event-loop lag since the previous sync), `gc_max_s` (its longest garbage collection since then) and
+        `gc_refreezes` (how often a slow full collection has frozen its heap again, since it started)."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:  # a restarted incarnation: the driver recognises this error by its type
             from rlasync.weights.transport import WeightTransportNotOpen
@@ -171,11 +175,13 @@ class GenerationActor:
             phases = await self.receiver.load_into(self.engine, ticket)
         self.version = version
         self.synced.set()
+        collections = self.gc_pauses.take()
         return {
             **phases,
             "started_at": started_at,
             "loop_lag_max_s": self.loop_lag.take_max(),
-            "gc_max_s": self.gc_pauses.take()["gc_max_s"],
+            "gc_max_s": collections["gc_max_s"],
+            "gc_refreezes": collections["gc_refreezes"],
         }
 
     async def close(self) -> None:

@@ -7,6 +7,15 @@ and the number of collections, since the previous call. `freeze_heap()` collects
 that survives into the permanent generation (`gc.freeze`), so later full collections only walk what was
 allocated since: what vLLM does in its EngineCore after start-up, and what a long-lived actor does once its
 engine is built.
+
+What a process builds after that freeze is walked by every full collection again. In a GenerationActor that is
+mostly torch.compile's work done lazily at the first steps (the compiled sampler's first call leaves ~360k tracked
+objects: dynamo's and inductor's modules, graphs and caches), which made each full collection take ~80 ms on an
+H100 host, once every step or two of a GRPO run, each a stall of the engine's event loop that a weight sync waits
+behind. `GcPauseMonitor(refreeze_over_s=...)` freezes again right after a full collection that took longer: at
+that moment every tracked object has just survived a full collection, so what is frozen is live. The cost is that
+objects then live and later left in a reference cycle are never collected; hence the cap on refreezes
+(`max_refreezes`), and the threshold, which a heap of in-flight requests alone does not reach.
 """
 
 from __future__ import annotations
@@ -16,8 +25,19 @@ import time
 from typing import Any
 
 
+FULL_COLLECTION = 2
+"""The generation a full collection reports in `gc.callbacks`' info (the oldest one)."""
+
+
 class GcPauseMonitor:
-    def __init__(self) -> None:
+    def __init__(self, refreeze_over_s: float | None = None, max_refreezes: int = 8) -> None:
+        """`refreeze_over_s`: freeze the heap (`gc.freeze`) right after a full collection that took at least this
+        long, at most `max_refreezes` times (see the module doc); None: never."""
+        if refreeze_over_s is not None and not refreeze_over_s > 0:
+            raise ValueError(f"refreeze_over_s={refreeze_over_s!r}: a positive number of seconds, or None")
+        self.refreeze_over_s = refreeze_over_s
+        self.max_refreezes = max_refreezes
+        self.refreezes = 0  # in this process's life, not reset by take()
         self._started: float | None = None
         self._max = self._total = 0.0
         self._count = 0
@@ -30,10 +50,24 @@ class GcPauseMonitor:
             pause = time.perf_counter() - self._started
             self._started = None
             self._max, self._total, self._count = max(self._max, pause), self._total + pause, self._count + 1
+            if (
+                self.refreeze_over_s is not None
+                and info.get("generation") == FULL_COLLECTION
+                and pause >= self.refreeze_over_s
+                and self.refreezes < self.max_refreezes
+            ):
+                gc.freeze()  # what survived the collection just ended: live objects only
+                self.refreezes += 1
 
     def take(self) -> dict[str, float]:
-        """`{"gc_max_s", "gc_total_s", "gc_collections"}` since the last call; resets them."""
-        taken = {"gc_max_s": self._max, "gc_total_s": self._total, "gc_collections": float(self._count)}
+        """`{"gc_max_s", "gc_total_s", "gc_collections", "gc_refreezes"}`: the first three since the last call
+        (reset by it), the last over the process's life."""
+        taken = {
+            "gc_max_s": self._max,
+            "gc_total_s": self._total,
+            "gc_collections": float(self._count),
+            "gc_refreezes": float(self.refreezes),
+        }
         self._max = self._total = 0.0
         self._count = 0
         return taken
