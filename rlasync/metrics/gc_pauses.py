@@ -24,7 +24,6 @@ import gc
 import time
 from typing import Any
 
-
 FULL_COLLECTION = 2
 """The generation a full collection reports in `gc.callbacks`' info (the oldest one)."""
 
