@@ -27,7 +27,6 @@ import ray
 SYNC_GATE_S = (
     30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
 )
-REFREEZE_OVER_S = 0.02  # a full collection this slow freezes the heap again (rlasync.metrics.gc_pauses)
 
 
 @ray.remote
@@ -51,7 +50,7 @@ class GenerationActor:
 
         if num_threads and not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
-        from rlasync.metrics.gc_pauses import GcPauseMonitor, freeze_heap
+        from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, GcPauseMonitor, freeze_heap
         from rlasync.metrics.loop_lag import LoopLagMonitor
 
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))

@@ -390,12 +390,12 @@ smol2)  # carry .smol2 right after smol1: the GGUF rebuilt as a stand-in llm_smo
     run models_prepare 240 python3 -m rlasync models prepare smollm2-135m-instruct
     smollm2_ready
     ;;
-engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the TorchEngine over vLLM in its default compiled mode, 256 x 256 -> 256, seeded/unseeded x 0/8 log-probs, one process (~4 min)
+engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the TorchEngine over vLLM in its default compiled mode, 256 x 256 -> 256, seeded/unseeded x 0/8 log-probs, one process, then the TorchEngine with compiled_layers (~5 min)
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
-    run engine_vs_vllm 480 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 420
-    grep -h -E '"(ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
+    run engine_vs_vllm 540 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 480 --compiled-layers
+    grep -h -E '"(ratio_|compiled_layers_ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
     ;;
 engine_host)  # carry .pydkit (or none after kits, warm): the TorchEngine's side of engine_vs_vllm alone after the host-side cuts (issue 35), heap frozen as in GRPO then not, ~2 x 2 min; compare with engine_vs_vllm_h200.json's vLLM numbers
     use_pydkit || exit 1

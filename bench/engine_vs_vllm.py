@@ -42,7 +42,7 @@ from vllm_common import (  # noqa: E402
 )
 
 from rlasync.engine import SamplingParams  # noqa: E402
-from rlasync.metrics.gc_pauses import GcPauseMonitor, freeze_heap  # noqa: E402
+from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, GcPauseMonitor, freeze_heap  # noqa: E402
 
 WHAT = "the built-in TorchEngine over vLLM 0.25 (its best mode), 256 x 256 -> 256, seeded and unseeded, one process"
 # (name, per-request seeds, log-probs per position)
@@ -127,7 +127,7 @@ async def phase_vllm(ctx: dict[str, Any]) -> dict[str, Any]:
     return await measure(ctx["engine"], prompts, args.new_tokens, args.repeats)
 
 
-async def phase_torch_engine(ctx: dict[str, Any]) -> dict[str, Any]:
+async def phase_torch_engine(ctx: dict[str, Any], compiled_layers: bool = False) -> dict[str, Any]:
     from rlasync.engine import TorchEngine
 
     args = ctx["args"]
@@ -138,11 +138,13 @@ async def phase_torch_engine(ctx: dict[str, Any]) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.concurrency,
+        compiled_layers=compiled_layers,
     )
     startup_s = time.perf_counter() - t0
     frozen = None if args.no_freeze_heap else freeze_heap()  # as the GenerationActor does once its engine is built
     prompts = random_prompts(args.concurrency, args.prompt_len, ctx["model"]["vocab_size"], seed=11)
-    collections = GcPauseMonitor()
+    # as the GenerationActor: a slow full collection (what the compiled sampler builds lazily) refreezes the heap
+    collections = GcPauseMonitor(refreeze_over_s=None if args.no_freeze_heap else REFREEZE_OVER_S)
     try:
         result = await measure(engine, prompts, args.new_tokens, args.repeats)
         result["runner_info"] = engine.runner_info()
@@ -173,7 +175,12 @@ async def main_gpu(run: Run) -> None:
         free_gpu()
         await asyncio.sleep(2)
     torch_engine = await run.phase("torch_engine", phase_torch_engine, ctx)
-    for side, result in (("vllm", vllm), ("torch_engine", torch_engine)):
+    compiled = None
+    if run.args.compiled_layers:  # the same engine with its decoder layers compiled (`compiled_layers`), after it
+        free_gpu()
+        compiled = await run.phase("torch_engine_compiled_layers", phase_torch_engine, ctx, True)
+    sides = (("vllm", vllm), ("torch_engine", torch_engine), ("torch_engine_compiled_layers", compiled))
+    for side, result in sides:
         if result:
             summary[f"{side}_new_tokens_per_s"] = {
                 name: round(result[name]["new_tokens_per_s"]) for name, _, _ in MODES
@@ -181,6 +188,9 @@ async def main_gpu(run: Run) -> None:
     if vllm and torch_engine:
         for key, value in ratios(torch_engine, vllm).items():
             run.result[key] = summary[key] = round(value, 3)
+    if vllm and compiled:
+        for key, value in ratios(compiled, vllm).items():
+            run.result[f"compiled_layers_{key}"] = summary[f"compiled_layers_{key}"] = round(value, 3)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-freeze-heap",
         action="store_true",
         help="leave the heap unfrozen once the TorchEngine is built (the GenerationActor freezes it)",
+    )
+    parser.add_argument(
+        "--compiled-layers",
+        action="store_true",
+        help="then the TorchEngine again with compiled_layers=True (ratios compiled_layers_ratio_*)",
     )
     parser.add_argument(
         "--vllm-engine-args",

@@ -95,7 +95,9 @@ class DecodeGraphs:
         return self._logits_of(hidden)
 
     def _capture_all(self) -> None:
-        self._graphs = capture_graphs(self._forward, self.batch_sizes, warmup=[self.max_batch_size] * 2)
+        # every size runs once before any capture: a compiled decoder (`compiled_layers`) compiles for each shape it
+        # specialises on (size 1) outside the capture
+        self._graphs = capture_graphs(self._forward, self.batch_sizes, warmup=[self.max_batch_size, *self.batch_sizes])
 
     def run_decode(
         self,

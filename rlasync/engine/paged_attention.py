@@ -487,5 +487,6 @@ def register_paged_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    # opaque to torch.compile: a compiled decoder layer (the engine's `compiled_layers`) breaks its graph around it
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(paged_attention_forward))
     AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -74,6 +74,20 @@ class SampledToken(NamedTuple):
     candidates: list[int] | None  # the candidate set when top-k/top-p/min-p filter and it was asked for
 
 
+def compile_engine_layers(model: torch.nn.Module) -> None:
+    """The engine's `compiled_layers`: each decoder layer compiled by inductor (its norms, rotary embedding, residual
+    adds and MLP activation fused into a few kernels around the projections), shapes dynamic so that one compile
+    serves every step size; the paged attention between those regions stays out of the compiled graphs (registered
+    through `torch.compiler.disable`). The CUDA graphs then capture the compiled layers. Inductor's cache is the one
+    the learner keeps (`use_compile_cache`), so a second run loads what the first compiled."""
+    from rlasync.model.checkpointing import decoder_layers
+    from rlasync.model.compilation import use_compile_cache
+
+    use_compile_cache()
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
 def check_engine_support(model: torch.nn.Module) -> None:
     """Refuse (`ValueError`) a model the engine cannot run exactly."""
     config = model.config
@@ -105,6 +119,7 @@ class ModelRunner:
         mixed_graph_tokens: Sequence[int] = (),
         max_num_seqs: int = 256,
         compiled_sampler: bool | None = None,
+        compiled_layers: bool = False,
     ) -> None:
         check_engine_support(model)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -123,40 +138,60 @@ class ModelRunner:
         self.backend = backend
         self.slots = SlotSampling(max_num_seqs, device)
         self.compiled_sampler = resolve_compiled_sampler(compiled_sampler, device)
+        self.compiled_layers = bool(compiled_layers)
+        if self.compiled_layers:
+            compile_engine_layers(model)
         self.graphs = None
         if cuda_graph_sizes and backend in ("varlen", "triton"):
-            try:
-                with _on_device(device):
-                    self.graphs = DecodeGraphs(
-                        self.decoder,
-                        self.logits,
-                        pool,
-                        device,
-                        cuda_graph_sizes,
-                        max_model_len,
-                        self._no_mask,
-                        backend,
-                    )
-            except RuntimeError:
-                logger.exception("CUDA graph capture failed: decode steps run eagerly")
+            self.graphs = self._capture(
+                "decode steps",
+                lambda: DecodeGraphs(
+                    self.decoder, self.logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask, backend
+                ),
+            )
         self.eager_steps = 0  # steps whose decoder ran eagerly (no CUDA graph held them; on the CPU: every step)
         self.mixed = None
         if mixed_graph_tokens and backend in ("varlen", "triton"):
+            self.mixed = self._capture(
+                "mixed steps",
+                lambda: MixedGraphs(
+                    self.decoder,
+                    self.logits,
+                    pool,
+                    device,
+                    mixed_graph_tokens,
+                    max_num_seqs,
+                    max_model_len,
+                    self._no_mask,
+                    backend,
+                ),
+            )
+
+    def _capture(self, what: str, build: Callable[[], Any]) -> Any:
+        """`build()` (a set of CUDA graphs, captured on construction); a compile failure of the compiled layers
+        turns them back to eager (`_compile_failed`) and captures again; another failure leaves `what` eager
+        (None), logged."""
+        for _ in range(2):
             try:
-                with _on_device(device):
-                    self.mixed = MixedGraphs(
-                        self.decoder,
-                        self.logits,
-                        pool,
-                        device,
-                        mixed_graph_tokens,
-                        max_num_seqs,
-                        max_model_len,
-                        self._no_mask,
-                        backend,
-                    )
-            except RuntimeError:
-                logger.exception("CUDA graph capture of mixed steps failed: steps with a prefill run eagerly")
+                with _on_device(self.device):
+                    return build()
+            except RuntimeError as exc:
+                if not self._compile_failed(exc):
+                    logger.exception("CUDA graph capture of %s failed: they run eagerly", what)
+                    return None
+        return None
+
+    def _compile_failed(self, exc: BaseException) -> bool:
+        """Whether `exc` is a failed compile of the compiled layers; if so they run eagerly from now on (warned)."""
+        from rlasync.model.attention import _compile_errors
+        from rlasync.model.loading import uncompile_decoder_layers
+
+        if not self.compiled_layers or not isinstance(exc, _compile_errors()):
+            return False
+        uncompile_decoder_layers(self.model)
+        self.compiled_layers = False
+        logger.warning("compiled decoder layers failed (%s: %s); running them eagerly", type(exc).__name__, exc)
+        return True
 
     # ---- one engine step ----------------------------------------------------------------------------------------
 
@@ -226,13 +261,19 @@ class ModelRunner:
         input_ids = torch.tensor(flat_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if feedback is not None:
             input_ids.index_copy_(0, *feedback)
-        hidden = self.decoder(
-            input_ids=input_ids[None],
-            position_ids=meta.positions[None],
-            attention_mask=self._no_mask,
-            use_cache=False,
-            paged_attention=meta,
-        ).last_hidden_state[0]
+        while True:
+            try:
+                hidden = self.decoder(
+                    input_ids=input_ids[None],
+                    position_ids=meta.positions[None],
+                    attention_mask=self._no_mask,
+                    use_cache=False,
+                    paged_attention=meta,
+                ).last_hidden_state[0]
+                break
+            except RuntimeError as exc:  # a compile failure: the same step again with eager layers
+                if not self._compile_failed(exc):
+                    raise
         return self.logits(hidden.index_select(0, rows))
 
     def _feedback(

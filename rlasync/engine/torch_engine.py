@@ -132,6 +132,10 @@ class TorchEngine:
     compiled_sampler       sample through the torch.compile'd sampler (`sampler_compiled.py`: same tokens and
                            log-probs); None (default): on for CUDA (1.17x new tokens/s at 256 concurrent on one
                            H200, 1.45x with 8 log-probs), off on CPU; a failed compile falls back to eager, logged
+    compiled_layers        compile each decoder layer with inductor before the CUDA graphs capture them (fused
+                           norms, rotary and activations: `runner.compile_engine_layers`); off by default (its A/B
+                           against vLLM is `bench/engine_vs_vllm.py --compiled-layers`); a failed compile falls back
+                           to eager layers, logged
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class TorchEngine:
         mixed_cuda_graphs: bool = True,
         async_scheduling: bool | None = None,
         compiled_sampler: bool | None = None,
+        compiled_layers: bool = False,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -196,6 +201,7 @@ class TorchEngine:
             mixed_graph_tokens=(mixed_token_counts(max_num_batched_tokens) if graphs and mixed_cuda_graphs else ()),
             max_num_seqs=max_num_seqs,
             compiled_sampler=compiled_sampler,
+            compiled_layers=compiled_layers,
         )
         allocator = BlockAllocator(pool.num_blocks, block_size, enable_caching=enable_prefix_caching)
         mixed = self._runner.mixed  # None without CUDA graphs of mixed steps (or when their capture failed)
@@ -315,7 +321,7 @@ class TorchEngine:
 
     def runner_info(self) -> dict[str, Any]:
         """What the model runner chose (read-only): attention backend, KV block size, decode CUDA graphs, mixed-step
-        CUDA graphs and the bound they set on a step with running requests (None: none), compiled sampler."""
+        CUDA graphs and the bound they set on a step with running requests (None: none), compiled sampler and layers."""
         runner = self._runner
         return {
             "attention_backend": runner.backend,
@@ -324,6 +330,7 @@ class TorchEngine:
             "mixed_cuda_graphs": runner.mixed is not None,
             "graphed_step_tokens": self._scheduler.graphed_step_tokens,
             "compiled_sampler": bool(runner.compiled_sampler),
+            "compiled_layers": runner.compiled_layers,
         }
 
     def bound_steps(self, tokens: int | None) -> None:
