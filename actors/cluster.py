@@ -304,10 +304,12 @@ class Cluster:
                 ),
                 **(engine_kwargs or {}),
             }
+        sampling = self.spec.algorithm.sampling
         self.engine_options = dict(
             model=self.spec.model,
             dtype=engine_dtype(config),
             engine_kwargs=engine_kwargs,
+            warm_sampling=None if sampling is None else [sampling(config)],
             engine=cluster.engine,
             vllm_server_url=server_url,
             num_cpus=cluster.generation_num_cpus,

@@ -18,11 +18,14 @@ driver learns of the death from its `watch()` call failing; `weights_version()` 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from typing import Any
 
 import ray
+
+logger = logging.getLogger(__name__)
 
 SYNC_GATE_S = (
     30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
@@ -41,9 +44,12 @@ class GenerationActor:
         engine: str = "torch",
         vllm_server_url: str | None = None,
         serve_initial_weights: bool = False,
+        warm_sampling: list[Any] | None = None,
     ) -> None:
         """`serve_initial_weights`: serve the weights loaded here at once (an engine outside a training run); a
-        training run's engines wait for their first sync (the first-sync gate, kept across Ray restarts)."""
+        training run's engines wait for their first sync (the first-sync gate, kept across Ray restarts).
+        `warm_sampling`: the run's `SamplingParams`, which an engine that compiles its sampler (`warm_up`) compiles
+        for here, before the heap is frozen and while the learners set up, instead of at the first requests."""
         import torch
 
         from rlasync.engine.factory import make_engine
@@ -54,6 +60,11 @@ class GenerationActor:
         from rlasync.metrics.loop_lag import LoopLagMonitor
 
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
+        warm_up = getattr(self.engine, "warm_up", None)
+        if warm_sampling and warm_up is not None:
+            seconds = warm_up(warm_sampling)
+            if seconds:
+                logger.info("generation engine: sampler compiled for the run's sampling in %.1f s", seconds)
         freeze_heap()  # the engine's start-up heap is never walked again by a full collection
         # the collections that still happen are timed; one that walks what the engine built lazily since (the
         # compiled sampler's first steps) freezes it too, so a weight sync does not wait behind the next ones

@@ -49,6 +49,9 @@ class Algorithm:
     trainer:       "module:Class" of its trainer (what `rlasync train RUN.yaml` builds; "" for none)
     step_batcher:  "module:Class" of the token-budget batcher its objective plans rows with: the queue composes
                    each step with it (`rlasync.packing.step_plan`, docs/algorithms.md §4.5.1)
+    sampling:      the rollouts' `SamplingParams` from the config (None: not known ahead): the generation engines
+                   compile their sampler for it while the cluster starts (`TorchEngine.warm_up`), not at the
+                   first requests
     """
 
     name: str
@@ -67,6 +70,7 @@ class Algorithm:
     trainer_names: Sequence[str] = ()
     trainer: str = ""
     step_batcher: str = "rlasync.packing.planner:TokenBudgetBatcher"
+    sampling: Callable[[TrainerConfig], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.sink not in ("groups", "samples"):

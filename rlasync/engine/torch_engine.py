@@ -43,6 +43,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -332,6 +333,24 @@ class TorchEngine:
             "compiled_sampler": bool(runner.compiled_sampler),
             "compiled_layers": runner.compiled_layers,
         }
+
+    def warm_up(self, sampling: Sequence[SamplingParams]) -> float:
+        """Sample once for each of `sampling` on dummy logits (two rows), so that the compiled sampler compiles its
+        variants now (a GenerationActor calls this before it freezes its heap: the cluster's start-up, beside the
+        learners' set-up) and not at the first requests, which would wait for it. Returns the seconds it took; 0
+        without the compiled sampler (nothing to compile)."""
+        if not self._runner.compiled_sampler:
+            return 0.0
+        started = time.perf_counter()
+        with torch.inference_mode():
+            logits = torch.zeros(2, self.vocab_size, device=self.device)
+            for params in sampling:
+                seen = [0] if params.repetition_penalty != 1.0 else None
+                specs = [SampleSpec(params, seed=row, step=0, seen_ids=seen) for row in range(2)]
+                self._runner.sample_tensors(logits, specs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
 
     def bound_steps(self, tokens: int | None) -> None:
         """Hold a step that has running requests to `tokens` (None: only `max_num_batched_tokens` bounds it), as the

@@ -9,6 +9,7 @@ from typing import Any
 from rlasync.algorithms.distill.loop import AsyncDistillationLoop
 from rlasync.algorithms.spec import Algorithm
 from rlasync.config.distill import AsyncDistillationConfig
+from rlasync.engine.base import SamplingParams
 
 
 def loss_settings(config: AsyncDistillationConfig) -> Any:
@@ -39,6 +40,7 @@ DISTILL = Algorithm(
     hang_setting="heartbeat_stale_after_s",
     trainer_names=("distillation",),
     step_batcher="rlasync.algorithms.distill.batching:TokenBudgetBatcher",
+    sampling=SamplingParams.for_student,
 )
 
 __all__ = ["DISTILL", "group_size", "loss_settings"]

@@ -9,6 +9,7 @@ from rlasync.algorithms.grpo.loop import AsyncRolloutLoop
 from rlasync.algorithms.grpo.settings import group_size
 from rlasync.algorithms.spec import Algorithm
 from rlasync.config.grpo import AsyncGRPOConfig
+from rlasync.engine.base import SamplingParams
 
 
 def loss_settings(config: AsyncGRPOConfig) -> Any:
@@ -32,6 +33,7 @@ GRPO = Algorithm(
     queue_name="rlasync-staleness-queue",
     trainer="rlasync.trainers.grpo:AsyncGRPOTrainer",
     hang_setting="rollout_worker_timeout",
+    sampling=SamplingParams.from_config,
 )
 
 __all__ = ["GRPO", "group_size", "loss_settings"]

@@ -214,3 +214,29 @@ def test_cuda_compiled_equals_eager_at_engine_shape(top_k):
         batch = BatchSampling.from_params(params[:rows], seeds[:rows], "cuda")
         steps = (torch.arange(rows) * 7).cuda()
         assert_same(sample(logits[:rows], batch, steps), sample_compiled(logits[:rows], batch, steps), atol=1e-4)
+
+
+def test_warm_up_compiles_the_runs_sampling_so_requests_do_not_wait_for_it():
+    """`TorchEngine.warm_up([params])` (what a GenerationActor does before freezing its heap): the compiled sampler
+    compiles that variant there, and requests with the same sampling (slots, other batch sizes) compile nothing
+    more; an engine with the eager sampler has nothing to warm."""
+    import torch._dynamo
+
+    from rlasync.model.compilation import compile_seconds
+    from tests.unit.engine.test_torch_engine import PROMPTS, make_engine, tiny_model
+
+    torch._dynamo.reset()  # nothing compiled before in this process counts
+    params = SamplingParams(max_tokens=5, temperature=0.7, top_k=20, num_logprobs=6, ignore_eos=True)
+    engine = make_engine(tiny_model("qwen3", init=0.05), compiled_sampler=True)
+    before = compile_seconds()
+    assert engine.warm_up([params]) > 0
+    warmed = compile_seconds()
+    assert warmed > before  # the variant compiled in warm_up
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(p, params.with_seed(i)) for i, p in enumerate(PROMPTS)))
+
+    records = asyncio.run(run())
+    assert all(len(r.output_ids) == 5 for r in records)
+    assert compile_seconds() == warmed  # nothing compiled while serving
+    assert make_engine(tiny_model("qwen3"), compiled_sampler=False).warm_up([params]) == 0.0
