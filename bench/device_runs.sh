@@ -397,6 +397,14 @@ engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the TorchEngine ov
     run engine_vs_vllm 540 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 480 --compiled-layers
     grep -h -E '"(ratio_|compiled_layers_ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
     ;;
+engine_profile)  # carry .pydkit: the TorchEngine at 256 x 256 -> 256 (Qwen3-0.6B shape) with its layers eager then compiled (compiled_layers), each with torch.profiler kernel tables (~4 min)
+    use_pydkit || exit 1
+    for layers in eager compiled; do
+        flag=(); [ "$layers" = compiled ] && flag=(--compiled-layers)
+        run "engine_profile_$layers" 200 python3 bench/engine_throughput.py --no-hf --concurrency 256 --group-size 1 "${flag[@]}" --profile "$out/engine_profile_$layers" --out "$out/engine_layers_${layers}_h200.json"
+        grep -h -E '"engine_c256(_logprobs8)?_new_tokens_per_s"|"compiled_layers"' "$out/engine_layers_${layers}_h200.json"
+    done
+    ;;
 engine_host)  # carry .pydkit (or none after kits, warm): the TorchEngine's side of engine_vs_vllm alone after the host-side cuts (issue 35), heap frozen as in GRPO then not, ~2 x 2 min; compare with engine_vs_vllm_h200.json's vLLM numbers
     use_pydkit || exit 1
     run engine_torch_frozen 280 python3 bench/engine_vs_vllm.py --skip-vllm --out "$out" --json-name engine_vs_vllm_torch_h200.json --budget-s 250

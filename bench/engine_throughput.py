@@ -123,6 +123,11 @@ def main() -> None:
         help="the engine's compiled_sampler (default: the engine's, on for CUDA); compare: run the engine suite "
         "eager then compiled, keys suffixed _eager / _compiled, and compiled_over_eager_c<N> ratios",
     )
+    parser.add_argument(
+        "--compiled-layers",
+        action="store_true",
+        help="the engine's compiled_layers (each decoder layer compiled by inductor before the CUDA graphs)",
+    )
     parser.add_argument("--profile", default=None, help="write torch.profiler tables of a short run to this folder")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -162,12 +167,14 @@ def main() -> None:
         attention_backend=args.attention_backend,
         async_scheduling={"on": True, "off": False}.get(args.async_scheduling),
         compiled_sampler={"on": True, "off": False}.get(args.compiled_sampler),
+        compiled_layers=args.compiled_layers,
     )
     modes = {"compare": [("_sync", False), ("_async", True)]}.get(args.async_scheduling, [("", None)])
     sampler_modes = {"compare": [("_eager", False), ("_compiled", True)]}.get(args.compiled_sampler, [("", None)])
     runner = engine.runner_info()
     results["attention_backend"] = runner["attention_backend"]
     results["cuda_graphs"] = runner["cuda_graphs"]
+    results["compiled_layers"] = runner["compiled_layers"]
     results["async_scheduling"] = (
         args.async_scheduling if args.async_scheduling == "compare" else engine.async_scheduling
     )
