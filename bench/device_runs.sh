@@ -397,8 +397,9 @@ engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the TorchEngine ov
     run engine_vs_vllm 540 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 480 --compiled-layers
     grep -h -E '"(ratio_|compiled_layers_ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
     ;;
-engine_profile)  # carry .pydkit: the TorchEngine at 256 x 256 -> 256 (Qwen3-0.6B shape) with its layers eager then compiled (compiled_layers), each with torch.profiler kernel tables (~4 min)
+engine_profile)  # carry .pydkit: compiled_layers' CUDA test, then the TorchEngine at 256 x 256 -> 256 (Qwen3-0.6B shape) with its layers eager then compiled, each with torch.profiler kernel tables (~5 min)
     use_pydkit || exit 1
+    run compiled_layers_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/engine/test_torch_engine_cuda.py -k compiled_layers
     for layers in eager compiled; do
         flag=(); [ "$layers" = compiled ] && flag=(--compiled-layers)
         run "engine_profile_$layers" 200 python3 bench/engine_throughput.py --no-hf --concurrency 256 --group-size 1 "${flag[@]}" --profile "$out/engine_profile_$layers" --out "$out/engine_layers_${layers}_h200.json"

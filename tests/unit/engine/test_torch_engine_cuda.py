@@ -171,6 +171,29 @@ def test_mixed_step_graphs_give_the_eager_tokens_with_requests_arriving_mid_deco
         assert [r.output_ids for r in results[name]] == [r.output_ids for r in results["eager"]], name
 
 
+def test_compiled_layers_under_cuda_graphs_give_the_eager_layers_tokens(tmp_path, monkeypatch):
+    """fp32, Triton kernel, decode and mixed-step graphs: the layers compiled by inductor (`compiled_layers`) before
+    the graphs capture them give the eager layers' greedy tokens, no fallback, and the graphs replay."""
+    monkeypatch.setenv("RLASYNC_CACHE", str(tmp_path))  # inductor's cache under it
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    model = tiny_model()
+    params = SamplingParams(max_tokens=30, temperature=0)
+    prompts = PROMPTS * 6
+    results = {}
+    for compiled in (False, True):
+        engine = engine_of(
+            model,
+            dtype="float32",
+            attention_backend="triton",
+            max_num_batched_tokens=256,
+            compiled_layers=compiled,
+        )
+        results[compiled] = asyncio.run(_staggered(engine, prompts, params))
+        assert engine.runner_info()["compiled_layers"] is compiled  # compiled ones did not fall back
+        assert engine._runner.mixed.replays > 0
+    assert [r.output_ids for r in results[True]] == [r.output_ids for r in results[False]]
+
+
 @pytest.mark.skipif(not varlen_paged_available(), reason="needs torch's paged varlen FlashAttention")
 def test_mixed_step_graphs_with_flash_attention_agree_with_eager_in_bf16():
     model = tiny_model(init=0.05)
