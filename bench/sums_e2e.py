@@ -129,6 +129,11 @@ def summarize(
         # the generation side: new tokens/s and (built-in engine with CUDA graphs) the share of its steps no graph held
         "generated_tokens_per_s_median": _median(records, "rollout/generated_tokens_per_s"),
         "engine_eager_step_frac_mean": _mean(records, "rollout/engine_eager_step_frac"),
+        # what a slow sync waited behind: the generation actor's event loop and its garbage collections
+        "weight_sync_dispatch_max_s": max(_values(records, "perf/weight_sync_dispatch_s"), default=None),
+        "generation_loop_lag_max_s_median": _median(records, "perf/generation_loop_lag_max_s"),
+        "generation_gc_max_s_median": _median(records, "perf/generation_gc_max_s"),
+        "generation_gc_refreezes": max(_values(records, "perf/generation_gc_refreezes"), default=None),
         "steps_logged": len(records),
         "last_step": steps[-1],
         "seconds_total": records[-1]["time"] - started,

@@ -178,3 +178,26 @@ def test_the_generation_sides_figures_are_summarized_when_logged(tmp_path):
     out = sums_e2e.summarize(records, STARTED)
     assert out["generated_tokens_per_s_median"] == pytest.approx(11500.0)
     assert out["engine_eager_step_frac_mean"] == pytest.approx(0.2)
+
+
+def test_what_a_slow_sync_waited_behind_is_summarized(tmp_path):
+    """The largest dispatch wait of a sync, the generation actor's loop lag and longest collection (medians over the
+    steps) and its refreezes (the last count); None where a run did not log them."""
+    path = write_metrics(tmp_path / "m.jsonl", [0.5] * 4, [0.01] * 4)
+    records = sums_e2e.read_records(path)
+    assert sums_e2e.summarize(records, STARTED)["generation_gc_refreezes"] is None
+    logged = [(0.01, 0.03, 0.08, 0.0), (0.2, 0.25, 0.09, 1.0), (0.02, 0.02, 0.004, 1.0), (0.01, 0.01, 0.003, 1.0)]
+    for record, (dispatch, lag, gc_max, refreezes) in zip(records, logged):
+        record.update(
+            {
+                "perf/weight_sync_dispatch_s": dispatch,
+                "perf/generation_loop_lag_max_s": lag,
+                "perf/generation_gc_max_s": gc_max,
+                "perf/generation_gc_refreezes": refreezes,
+            }
+        )
+    out = sums_e2e.summarize(records, STARTED)
+    assert out["weight_sync_dispatch_max_s"] == 0.2
+    assert out["generation_loop_lag_max_s_median"] == pytest.approx(0.025)
+    assert out["generation_gc_max_s_median"] == pytest.approx((0.08 + 0.004) / 2)
+    assert out["generation_gc_refreezes"] == 1.0
