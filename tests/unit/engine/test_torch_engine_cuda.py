@@ -54,6 +54,11 @@ def engine_of(model, **kwargs):
     return TorchEngine(model, **{**options, **kwargs})
 
 
+def triton_fp32_engine(model, **kwargs):
+    """The engine on our Triton kernel in float32: exact enough that greedy tokens compare across engine options."""
+    return engine_of(model, dtype="float32", attention_backend="triton", **kwargs)
+
+
 async def generate_all(engine, prompts, params):
     return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
@@ -158,7 +163,7 @@ def test_mixed_step_graphs_give_the_eager_tokens_with_requests_arriving_mid_deco
         "decode_graphs": dict(cuda_graphs=True, mixed_cuda_graphs=False),
         "mixed_graphs": dict(cuda_graphs=True, mixed_cuda_graphs=True, max_num_batched_tokens=256),
     }.items():
-        engines[name] = engine_of(model, dtype="float32", attention_backend="triton", **kwargs)
+        engines[name] = triton_fp32_engine(model, **kwargs)
         results[name] = asyncio.run(_staggered(engines[name], prompts, params))
     mixed = engines["mixed_graphs"]
     assert mixed._runner.mixed.replays > 0
@@ -181,13 +186,7 @@ def test_compiled_layers_under_cuda_graphs_give_the_eager_layers_tokens(tmp_path
     prompts = PROMPTS * 6
     results = {}
     for compiled in (False, True):
-        engine = engine_of(
-            model,
-            dtype="float32",
-            attention_backend="triton",
-            max_num_batched_tokens=256,
-            compiled_layers=compiled,
-        )
+        engine = triton_fp32_engine(model, max_num_batched_tokens=256, compiled_layers=compiled)
         results[compiled] = asyncio.run(_staggered(engine, prompts, params))
         assert engine.runner_info()["compiled_layers"] is compiled  # compiled ones did not fall back
         assert engine._runner.mixed.replays > 0
@@ -224,9 +223,7 @@ def test_async_scheduling_gives_the_sync_tokens_with_cuda_graphs():
     ]
     out = {}
     for mode in (False, True):
-        engine = engine_of(
-            model, dtype="float32", attention_backend="triton", max_num_batched_tokens=256, async_scheduling=mode
-        )
+        engine = triton_fp32_engine(model, max_num_batched_tokens=256, async_scheduling=mode)
         assert engine.async_scheduling is mode
 
         async def run_all(engine=engine):
@@ -248,10 +245,8 @@ def test_async_scheduling_on_cuda_agrees_with_sync_under_arrivals_stops_preempti
     prompts = [[(3 * i + j) % 160 for j in range(1 + i % 17)] for i in range(48)]
     outputs, stats = {}, {}
     for mode in (False, True):
-        engine = engine_of(
+        engine = triton_fp32_engine(
             model,
-            dtype="float32",
-            attention_backend="triton",
             kv_cache_tokens=768,
             max_num_seqs=32,
             max_num_batched_tokens=256,
@@ -263,7 +258,7 @@ def test_async_scheduling_on_cuda_agrees_with_sync_under_arrivals_stops_preempti
     assert {r.finish_reason for r in outputs[True]} == {"stop", "length"}
     assert stats[True].num_preemptions > 0 and stats[True].kv_cache_usage_frac == 0
 
-    engine = engine_of(model, dtype="float32", attention_backend="triton", async_scheduling=True)
+    engine = triton_fp32_engine(model, async_scheduling=True)
     state = {k: v.detach().clone() for k, v in model.named_parameters()}
 
     async def with_sync():

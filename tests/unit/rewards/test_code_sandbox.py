@@ -82,7 +82,7 @@ def hostile(tmp_path_factory):
     listener.setblocking(False)
     port = listener.getsockname()[1]
     environment = pytest.MonkeyPatch()  # the trainer's environment holds a secret (undone at the end)
-    environment.setenv("RLASYNC_SANDBOX_TEST_SECRET", SECRET)
+    environment.setenv("TRAINER_SECRET_FOR_SANDBOX_TEST", SECRET)
     orphan = (
         "import os\n"
         "if os.fork() == 0:\n"
@@ -99,7 +99,7 @@ def hostile(tmp_path_factory):
         "write_etc": f"open({str(etc_target)!r}, 'w').write('x')\n" + DOUBLE,
         "write_trainer_cwd": f"open({str(cwd_target)!r}, 'w').write('x')\n" + DOUBLE,
         "read_secret_file": f"print(open({str(secret_file)!r}).read())\n" + DOUBLE,
-        "read_trainer_env": "import os\nprint(os.environ['RLASYNC_SANDBOX_TEST_SECRET'])\n" + DOUBLE,
+        "read_trainer_env": "import os\nprint(os.environ['TRAINER_SECRET_FOR_SANDBOX_TEST'])\n" + DOUBLE,
         "connect_to_host": (
             f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')\n" + DOUBLE
         ),
