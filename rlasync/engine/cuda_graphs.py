@@ -38,10 +38,14 @@ class DecodeGraphs:
         max_model_len: int,
         no_mask: torch.Tensor,
         backend: str = "varlen",
+        warm_every_size: bool = False,
     ) -> None:
+        """`warm_every_size`: run every batch size once before any capture (a compiled decoder compiles for the
+        shapes it specialises on, size 1, outside the capture); otherwise only the largest, twice."""
         self.pool = pool
         self.backend = backend
         self.batch_sizes = tuple(sorted(batch_sizes))
+        self.warm_every_size = warm_every_size
         self.max_model_len = max_model_len
         self.max_blocks = num_blocks_for(max_model_len, pool.block_size)
         size = self.batch_sizes[-1]

@@ -146,7 +146,15 @@ class ModelRunner:
             self.graphs = self._capture(
                 "decode steps",
                 lambda: DecodeGraphs(
-                    self.decoder, self.logits, pool, device, cuda_graph_sizes, max_model_len, self._no_mask, backend
+                    self.decoder,
+                    self.logits,
+                    pool,
+                    device,
+                    cuda_graph_sizes,
+                    max_model_len,
+                    self._no_mask,
+                    backend,
+                    warm_every_size=self.compiled_layers,
                 ),
             )
         self.eager_steps = 0  # steps whose decoder ran eagerly (no CUDA graph held them; on the CPU: every step)
