@@ -9,7 +9,8 @@ random prompt tokens, 256 new tokens each, EOS ignored, temperature 1. The seedi
 `use_request_seeds=False`, its engine's own random stream; the TorchEngine draws a random seed per request). The
 JSON's `ratio_<mode>` is the TorchEngine's median new tokens/s over vLLM's.
 
-The TorchEngine runs as in GRPO's GenerationActor: once it is built, the process's heap is frozen (`gc.freeze`,
+The TorchEngine runs as in GRPO's GenerationActor: once it is built, its sampler compiles for the bench's modes
+(`TorchEngine.warm_up`) and the process's heap is frozen (`gc.freeze`,
 `rlasync.metrics.gc_pauses.freeze_heap`), so Python's full collections walk only what the runs allocate (vLLM's
 engine core freezes its own the same way); `--no-freeze-heap` leaves it (the collections' time is recorded either
 way, `gc`). `--skip-vllm` measures the TorchEngine alone (no vLLM kit needed; no ratios).
@@ -141,9 +142,11 @@ async def phase_torch_engine(ctx: dict[str, Any], compiled_layers: bool = False)
         compiled_layers=compiled_layers,
     )
     startup_s = time.perf_counter() - t0
-    frozen = None if args.no_freeze_heap else freeze_heap()  # as the GenerationActor does once its engine is built
+    # as the GenerationActor: the sampler compiles for the run's sampling (each mode), then the heap is frozen
+    sampler_warm_up_s = engine.warm_up([sampling(1, 16, seeded, logprobs)[0] for _, seeded, logprobs in MODES])
+    frozen = None if args.no_freeze_heap else freeze_heap()
     prompts = random_prompts(args.concurrency, args.prompt_len, ctx["model"]["vocab_size"], seed=11)
-    # as the GenerationActor: a slow full collection (what the compiled sampler builds lazily) refreezes the heap
+    # as the GenerationActor: a slow full collection refreezes the heap
     collections = GcPauseMonitor(refreeze_over_s=None if args.no_freeze_heap else REFREEZE_OVER_S)
     try:
         result = await measure(engine, prompts, args.new_tokens, args.repeats)
@@ -153,6 +156,7 @@ async def phase_torch_engine(ctx: dict[str, Any], compiled_layers: bool = False)
         collections.close()
         await engine.close()
     result["startup_s"] = startup_s
+    result["sampler_warm_up_s"] = sampler_warm_up_s
     result["gc_frozen_objects"] = frozen
     result["gc"] = result_gc  # Python's collections during the warm-up and the timed runs
     return result
