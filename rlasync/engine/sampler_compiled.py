@@ -14,7 +14,9 @@ Same results as `sampler.sample` (the tests compare both on mixed batches with t
 is the ranking: "the k highest tokens by (processed logit descending, token id ascending)" is computed as one
 `topk` over int64 keys `ordered_bits(x) * 2**32 + (2**32 - 1 - id)` (unique per row, ordered exactly as that rule:
 the float32's bits made monotone, -0.0 folded into +0.0 as float comparison ties them), instead of `topk` plus a
-tie count by cumulative sum and a canonical re-sort; a key's low 32 bits give the id back.
+tie count by cumulative sum and a canonical re-sort; a key's low 32 bits give the id back. On CUDA the top-N
+log-probs' ids are picked after the graph by a Triton kernel with the same ranking (`triton_sampling.top_n`: one read
+of the logits, where a `topk` over the whole vocabulary's int64 keys took ~1.3 ms a step at 256 x 152k).
 
 The batch's host plan (`BatchSampling.plan`) picks the static variant (`_Variant`: which stages run, window widths
 rounded up to a power of two); the batch dimension is dynamic, so one compiled graph serves every batch size of a
@@ -72,16 +74,18 @@ class _Variant(NamedTuple):
     random: str  # "off" (all greedy), "window" (every sampled row sets top_k < V: noise on the window), "full"
     greedy: bool  # some row is greedy
     num_logprobs: int  # N of the top-N
+    top_n_kernel: bool = False  # the top-N picked after `_core` by `triton_sampling.top_n` (CUDA), not in the graph
 
     @classmethod
-    def of(cls, plan: _Plan, vocab: int, penalty: bool, num_logprobs: int) -> _Variant:
+    def of(cls, plan: _Plan, vocab: int, penalty: bool, num_logprobs: int, top_n_kernel: bool = False) -> _Variant:
         k_width = min(1 << (plan.max_top_k - 1).bit_length(), vocab) if plan.max_top_k > 0 else 0
         top_p = "off" if not plan.any_top_p else ("full" if plan.full_sort else "window")
         if not plan.any_random:
             random = "off"
         else:
             random = "window" if plan.random_all_top_k and 0 < k_width < vocab else "full"
-        return cls(penalty, k_width, top_p, plan.any_min_p, random, plan.any_greedy, num_logprobs)
+        top_n_kernel = top_n_kernel and num_logprobs > 0
+        return cls(penalty, k_width, top_p, plan.any_min_p, random, plan.any_greedy, num_logprobs, top_n_kernel)
 
 
 def rank_keys(x: Tensor, ids: Tensor) -> Tensor:
@@ -101,7 +105,8 @@ def key_ids(keys: Tensor) -> Tensor:
 
 def _core(logits, temperature, top_k, top_p, min_p, penalty, seeds, steps, seen, ids, variant: _Variant):  # noqa: C901
     """`sampler._process` + `sampler.sample` without host decisions: (token ids, log-probs, top-N ids, top-N
-    log-probs, candidate mask); top-N are None when N = 0. `ids` = arange(V) is an input, not built inside: CPU
+    log-probs, candidate mask); top-N are None when N = 0, and with `variant.top_n_kernel` they are the masked
+    logits and their log-normaliser instead (`_finish_top_n` picks the top N from them). `ids` = arange(V) is an input, not built inside: CPU
     inductor (torch 2.13) miscompiles the int64 hash of an in-graph arange (wrong tokens, or a crash)."""
     x = logits.to(torch.float32)
     b, v = x.shape
@@ -157,20 +162,45 @@ def _core(logits, temperature, top_k, top_p, min_p, penalty, seeds, steps, seen,
     logprobs = (masked.gather(-1, token_ids[:, None]) - log_norm).squeeze(-1)
 
     topn_ids = topn_logprobs = None
+    if variant.top_n_kernel:
+        return token_ids, logprobs, masked, log_norm, mask
     if variant.num_logprobs > 0:
-        n_eff = min(variant.num_logprobs, v)
-        topn_ids = key_ids(rank_keys(masked, ids).topk(n_eff, dim=-1).values)
-        top_x = masked.gather(-1, topn_ids)
-        finite = torch.isfinite(top_x)
-        topn_logprobs = torch.where(finite, top_x - log_norm, _NEG_INF)
-        topn_ids = torch.where(finite, topn_ids, -1)
-        if n_eff < variant.num_logprobs:  # vocabulary smaller than N
-            topn_ids = torch.nn.functional.pad(topn_ids, (0, variant.num_logprobs - n_eff), value=-1)
-            topn_logprobs = torch.nn.functional.pad(topn_logprobs, (0, variant.num_logprobs - n_eff), value=_NEG_INF)
+        topn_ids = key_ids(rank_keys(masked, ids).topk(min(variant.num_logprobs, v), dim=-1).values)
+        topn_ids, topn_logprobs = _top_n_outputs(masked, log_norm, topn_ids, variant.num_logprobs)
     return token_ids, logprobs, topn_ids, topn_logprobs, mask
 
 
+def _top_n_outputs(masked: Tensor, log_norm: Tensor, topn_ids: Tensor, num_logprobs: int) -> tuple[Tensor, Tensor]:
+    """(ids, log-probs) [B, num_logprobs] of the ranked top-N `topn_ids` [B, min(N, V)]: -1 / -inf past the finite
+    ones and past the vocabulary."""
+    top_x = masked.gather(-1, topn_ids)
+    finite = torch.isfinite(top_x)
+    topn_logprobs = torch.where(finite, top_x - log_norm, _NEG_INF)
+    topn_ids = torch.where(finite, topn_ids, -1)
+    n_eff = topn_ids.shape[-1]
+    if n_eff < num_logprobs:  # vocabulary smaller than N
+        topn_ids = torch.nn.functional.pad(topn_ids, (0, num_logprobs - n_eff), value=-1)
+        topn_logprobs = torch.nn.functional.pad(topn_logprobs, (0, num_logprobs - n_eff), value=_NEG_INF)
+    return topn_ids, topn_logprobs
+
+
+def _finish_top_n(masked: Tensor, log_norm: Tensor, num_logprobs: int) -> tuple[Tensor, Tensor]:
+    """The top-N of a `top_n_kernel` variant: the Triton kernel's ranked ids (the same as `_core`'s int64 keys
+    give), then `_top_n_outputs`."""
+    from rlasync.engine.triton_sampling import top_n
+
+    return _top_n_outputs(masked, log_norm, top_n(masked, min(num_logprobs, masked.shape[-1])), num_logprobs)
+
+
 _compiled = None
+
+
+def _triton_available() -> bool:
+    from rlasync.engine import triton_sampling
+
+    return triton_sampling.available()
+
+
 _token_ids: dict[tuple[torch.device, int], Tensor] = {}
 
 
@@ -189,14 +219,19 @@ def sample_compiled(
     seen_tokens: Tensor | None = None,
     return_candidates: bool = True,
     compile: bool = True,
+    top_n_kernel: bool | None = None,
 ) -> SampleResult:
     """`sampler.sample` (same arguments, same result) through the compiled `_core`; `compile=False` runs `_core`
-    eagerly (the tests check the formulation and the compilation separately)."""
+    eagerly (the tests check the formulation and the compilation separately). `top_n_kernel`: the top-N log-probs'
+    ids picked by the Triton kernel (`triton_sampling.top_n`) instead of inside `_core`; None: on CUDA when Triton
+    imports (same ids either way)."""
     seen = checked_seen(logits, batch, seen_tokens)
     b, v = logits.shape
     steps = checked_steps(steps, b, logits.device)
     plan = batch.plan
-    variant = _Variant.of(plan, v, seen is not None, batch.num_logprobs)
+    if top_n_kernel is None:
+        top_n_kernel = logits.is_cuda and _triton_available()
+    variant = _Variant.of(plan, v, seen is not None, batch.num_logprobs, top_n_kernel)
     fields = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.repetition_penalty, batch.seeds)
     ids = _token_ids.get((logits.device, v))
     if ids is None:
@@ -214,6 +249,9 @@ def sample_compiled(
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)  # one graph for every batch size
     outputs = core(*rows, ids, variant)
+    if variant.top_n_kernel:  # `_core` handed back the masked logits and their log-normaliser
+        token_ids, logprobs, masked, log_norm, mask = outputs
+        outputs = (token_ids, logprobs, *_finish_top_n(masked, log_norm, variant.num_logprobs), mask)
     token_ids, logprobs, topn_ids, topn_logprobs, mask = (None if t is None else t[:b] for t in outputs)
     candidate_ids = num_candidates = None
     if return_candidates and plan.any_filters:
