@@ -371,10 +371,11 @@ vllm_serve)  # after .vllmkit unpacked (warm): `vllm serve` behind VLLMServerEng
         TRANSFORMERS_OFFLINE=1
     run vllm_serve 360 python3 bench/vllm_serve_check.py --out "$out"
     ;;
-kits)  # carry one kit a call (.devicekit, .vllmkit or .pydkit): install it (/tmp/site; vLLM into /tmp/vsite) for the stages after
+kits)  # carry one kit a call (.devicekit, .vllmkit or .pydkit; .whl beside any): install it (/tmp/site; vLLM into /tmp/vsite) for the stages after
     if [ -d .devicekit ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicekit/*.whl || exit 1; fi
     if [ -d .pydkit ]; then use_pydkit || exit 1; fi
     if [ -d .vllmkit ]; then [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1; fi
+    if [ -d .whl ]; then [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl; fi
     ls -d /tmp/site/ray /tmp/site/pydantic /tmp/vsite/vllm 2>&1
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     ;;
@@ -418,10 +419,16 @@ e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the 
     smollm2_ready || exit 1
     mkdir -p /tmp/results
     sets=(); for s in ${E2E_SETS:-}; do sets+=(--set "$s"); done  # E2E_SETS="token_budget=2048 ...": a variant
+    if [ -n "${E2E_SPY:-}" ]; then  # E2E_SPY=1 (after kits with .whl): py-spy over the generation and a rollout actor, 15 s from ~70 s in
+        (sleep 70; for a in GenerationActor RolloutActor; do p=$(pgrep -f "ray::$a" | head -1); [ -n "$p" ] && \
+            /tmp/pyspy/bin/py-spy record -d 15 -r 100 -f raw --nonblocking -p "$p" -o "$out/pyspy_e2e_$a.txt" >/dev/null 2>&1 & done; wait
+         python3 bench/pyspy_top.py "$out"/pyspy_e2e_*.txt > "$out/top_e2e.txt" 2>&1) &
+    fi
     run e2e_sums_torch 580 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}" --stop-after-steps "${E2E_AFTER_STEPS:-30}" "${sets[@]}"
     cp /tmp/sums_e2e/sums_torch/metrics.jsonl "$out/sums_torch_metrics.jsonl" 2>/dev/null
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|step_at_reward_0_9|weight_sync_max_s|rollout_wait_frac|generated_tokens_per_s_median|engine_eager_step_frac_mean|weight_sync_dispatch_max_s|generation_gc_max_s_median|generation_gc_refreezes)"' "$out/sums_e2e_h200.json"
+    wait; [ -f "$out/top_e2e.txt" ] && head -n 40 "$out/top_e2e.txt"
     ;;
 distill_transfer)  # after e2e_sums_torch (warm: its last checkpoint is the teacher; else one is trained first, +4 min): distillation into the base SmolLM2, 60 steps, held-out accuracy curve (~4 min)
     export PYTHONPATH=$PWD:/tmp/site
