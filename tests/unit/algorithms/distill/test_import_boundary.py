@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]  # the checkout (rlasync importable from it without an install)
 
 
 def test_distill_loads_without_heavy_dependencies():
