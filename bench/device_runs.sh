@@ -449,7 +449,16 @@ e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
     ;;
-distill_mopd)  # after distill_transfer (warm): a diffs teacher (GRPO, 150 steps), then MOPD from both teachers routed by teacher_id, 60 steps, per-task curves (~7 min)
+distill_teachers)  # after e2e_sums_torch (warm): the diffs teacher (GRPO, 120 steps) MOPD needs, both teachers evaluated (~5 min; distill_mopd follows)
+    export PYTHONPATH=$PWD:/tmp/site
+    smollm2_ready || exit 1
+    mkdir -p /tmp/results
+    teacher=$(ls -d /tmp/sums_e2e/sums_torch/checkpoint-* 2>/dev/null | grep -E -- '-[0-9]+$' | sort -V | tail -1)
+    run distill_teachers 570 python3 bench/distill_transfer.py --runs teachers ${teacher:+--teacher "$teacher"} --teacher-steps 120 --out /tmp/results/distill_transfer_h200.json
+    cp /tmp/results/distill_transfer_h200.json "$out/"
+    grep -h -A12 '"teachers"' "$out/distill_transfer_h200.json" | head -20
+    ;;
+distill_mopd)  # after distill_teachers (warm; else a diffs teacher is trained first, +4 min): MOPD from both teachers routed by teacher_id, 60 steps, per-task curves (~5 min)
     export PYTHONPATH=$PWD:/tmp/site
     smollm2_ready || exit 1
     mkdir -p /tmp/results

@@ -285,7 +285,12 @@ def merge(out: Path, updates: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default="distill,mopd", help="comma-separated, in this order: distill, mopd")
+    parser.add_argument(
+        "--runs",
+        default="distill,mopd",
+        help="comma-separated, in this order: distill, mopd; or teachers: only train (and evaluate) the teachers "
+        "MOPD needs that were not given (a device call of its own when the whole would not fit in one)",
+    )
     parser.add_argument("--teacher", default=None, help="the sums teacher's checkpoint (default: train one here)")
     parser.add_argument("--teacher2", default=None, help="mopd: the diffs teacher's checkpoint (default: train one)")
     parser.add_argument("--teacher-steps", type=int, default=200, help="GRPO steps of a teacher trained here")
@@ -302,8 +307,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="bench/results/distill_transfer_h200.json")
     args = parser.parse_args(argv)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    if not runs or any(r not in ("distill", "mopd") for r in runs):
-        parser.error(f"--runs {args.runs!r}: a comma-separated list of distill, mopd")
+    if runs == ["teachers"]:
+        runs = []
+        teachers_only = True
+    elif not runs or any(r not in ("distill", "mopd") for r in runs):
+        parser.error(f"--runs {args.runs!r}: a comma-separated list of distill, mopd; or teachers")
+    else:
+        teachers_only = False
     if args.eval_every < 1 or args.steps < args.eval_every:
         parser.error(f"--eval-every {args.eval_every}: between 1 and --steps ({args.steps})")
 
@@ -319,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         },
     )
     teachers: dict[str, dict[str, Any]] = {}
-    needed = ["sums"] + (["diffs"] if "mopd" in runs else [])
+    needed = ["sums"] + (["diffs"] if "mopd" in runs or teachers_only else [])
     for task, given in (("sums", args.teacher), ("diffs", args.teacher2)):
         if task not in needed:
             continue

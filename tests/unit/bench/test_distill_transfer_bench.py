@@ -107,6 +107,31 @@ def test_bad_runs_and_eval_interval_are_refused(tmp_path):
     assert not out.exists()
 
 
+def test_teachers_only_trains_the_missing_teacher_and_runs_no_distillation(tmp_path, monkeypatch):
+    """`--runs teachers` (its own device call): the diffs teacher MOPD needs is trained, the given sums one is not,
+    both are evaluated, and no distillation runs; the later `--runs mopd --teacher2` call then finds it."""
+    trained, distilled = [], []
+
+    def fake_train(task, steps, run_dir):
+        trained.append((task, steps))
+        return str(run_dir / "checkpoint-120"), 250.0
+
+    def fake_evaluate(path, rows_by_task, max_tokens):
+        return {task: {"accuracy": 0.9 if "checkpoint" in path else 0.1, "samples": []} for task in rows_by_task}
+
+    monkeypatch.setattr(distill_transfer, "train_teacher", fake_train)
+    monkeypatch.setattr(distill_transfer, "evaluate_model", fake_evaluate)
+    monkeypatch.setattr(distill_transfer, "run_distill", lambda *a, **k: distilled.append(a) or {})
+    out = tmp_path / "d.json"
+    argv = ["--runs", "teachers", "--teacher", "/t/checkpoint-98", "--teacher-steps", "120", "--eval-prompts", "4"]
+    distill_transfer.main([*argv, "--run-root", str(tmp_path), "--out", str(out)])
+    assert trained == [("diffs", 120)] and distilled == []
+    saved = json.loads(out.read_text())
+    assert saved["teachers"]["sums"] == {"checkpoint": "/t/checkpoint-98", "trained_here": False, "accuracy": 0.9}
+    assert saved["teachers"]["diffs"]["checkpoint"] == str(tmp_path / "teacher_diffs" / "checkpoint-120")
+    assert saved["student_base"] == {"sums": 0.1, "diffs": 0.1}
+
+
 def test_merge_keeps_earlier_runs(tmp_path):
     out = tmp_path / "d.json"
     distill_transfer.merge(out, {"distill": {"minutes": 3.0}, "minutes": 3.0})
