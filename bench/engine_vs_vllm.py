@@ -195,6 +195,10 @@ async def main_gpu(run: Run) -> None:
     if vllm and compiled:
         for key, value in ratios(compiled, vllm).items():
             run.result[f"compiled_layers_{key}"] = summary[f"compiled_layers_{key}"] = round(value, 3)
+    if torch_engine and compiled:  # the A/B alone (without vLLM too): compiled layers over eager ones
+        for key, value in ratios(compiled, torch_engine).items():
+            name = key.replace("ratio_", "compiled_over_eager_layers_")
+            run.result[name] = summary[name] = round(value, 3)
 
 
 def build_parser() -> argparse.ArgumentParser:
