@@ -15,7 +15,7 @@ is the ranking: "the k highest tokens by (processed logit descending, token id a
 `topk` over int64 keys `ordered_bits(x) * 2**32 + (2**32 - 1 - id)` (unique per row, ordered exactly as that rule:
 the float32's bits made monotone, -0.0 folded into +0.0 as float comparison ties them), instead of `topk` plus a
 tie count by cumulative sum and a canonical re-sort; a key's low 32 bits give the id back. On CUDA the top-N
-log-probs' ids are picked after the graph by a Triton kernel with the same ranking (`triton_sampling.top_n`: one read
+log-probs' ids are picked after the graph by a Triton kernel with the same ranking (`top_n_ids`: one read
 of the logits, where a `topk` over the whole vocabulary's int64 keys took ~1.3 ms a step at 256 x 152k).
 
 The batch's host plan (`BatchSampling.plan`) picks the static variant (`_Variant`: which stages run, window widths
@@ -74,7 +74,7 @@ class _Variant(NamedTuple):
     random: str  # "off" (all greedy), "window" (every sampled row sets top_k < V: noise on the window), "full"
     greedy: bool  # some row is greedy
     num_logprobs: int  # N of the top-N
-    top_n_kernel: bool = False  # the top-N picked after `_core` by `triton_sampling.top_n` (CUDA), not in the graph
+    top_n_kernel: bool = False  # the top-N picked after `_core` by `top_n_ids` (CUDA, Triton), not in the graph
 
     @classmethod
     def of(cls, plan: _Plan, vocab: int, penalty: bool, num_logprobs: int, top_n_kernel: bool = False) -> _Variant:
@@ -184,12 +184,20 @@ def _top_n_outputs(masked: Tensor, log_norm: Tensor, topn_ids: Tensor, num_logpr
     return topn_ids, topn_logprobs
 
 
-def _finish_top_n(masked: Tensor, log_norm: Tensor, num_logprobs: int) -> tuple[Tensor, Tensor]:
-    """The top-N of a `top_n_kernel` variant: the Triton kernel's ranked ids (the same as `_core`'s int64 keys
-    give), then `_top_n_outputs`."""
-    from rlasync.engine.triton_sampling import top_n
+def top_n_ids(masked: Tensor, n: int) -> Tensor:
+    """[B, n] ids of the n best tokens of `masked` [B, V] (float32, no NaN), ranked by (value descending, id
+    ascending) as `rank_keys` ranks them, through the Triton kernel (`triton_sampling.chunk_top_n`: each chunk's n
+    best) and a `topk` over the chunks' candidates' keys. Needs 1 <= n <= V and Triton."""
+    from rlasync.engine.triton_sampling import chunk_top_n
 
-    return _top_n_outputs(masked, log_norm, top_n(masked, min(num_logprobs, masked.shape[-1])), num_logprobs)
+    values, ids = chunk_top_n(masked, n)
+    return key_ids(rank_keys(values, ids).topk(n, dim=-1).values)
+
+
+def _finish_top_n(masked: Tensor, log_norm: Tensor, num_logprobs: int) -> tuple[Tensor, Tensor]:
+    """The top-N of a `top_n_kernel` variant: the kernel's ranked ids (those `_core`'s int64 keys give), then
+    `_top_n_outputs`."""
+    return _top_n_outputs(masked, log_norm, top_n_ids(masked, min(num_logprobs, masked.shape[-1])), num_logprobs)
 
 
 _compiled = None
@@ -223,7 +231,7 @@ def sample_compiled(
 ) -> SampleResult:
     """`sampler.sample` (same arguments, same result) through the compiled `_core`; `compile=False` runs `_core`
     eagerly (the tests check the formulation and the compilation separately). `top_n_kernel`: the top-N log-probs'
-    ids picked by the Triton kernel (`triton_sampling.top_n`) instead of inside `_core`; None: on CUDA when Triton
+    ids picked by the Triton kernel (`top_n_ids`) instead of inside `_core`; None: on CUDA when Triton
     imports (same ids either way)."""
     seen = checked_seen(logits, batch, seen_tokens)
     b, v = logits.shape

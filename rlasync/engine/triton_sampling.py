@@ -1,5 +1,5 @@
 """The sampler's whole-vocabulary passes as Triton kernels (CUDA): the Gumbel-max (`gumbel_argmax`;
-`rlasync.engine.sampler` decides) and the exact top-N (`top_n`; the compiled sampler's top-N log-probs).
+`rlasync.engine.sampler` decides) and the exact top-N (`chunk_top_n`; the compiled sampler's top-N log-probs).
 
 Gumbel-max.
 
@@ -38,7 +38,7 @@ try:
 except ImportError:  # CPU builds of torch come without Triton
     tl = None
 
-__all__ = ["available", "gumbel_argmax", "top_n"]
+__all__ = ["available", "chunk_top_n", "gumbel_argmax"]
 
 
 def _gumbel_argmax_kernel(
@@ -122,15 +122,13 @@ def _top_n_kernel(
         taken = taken | (ids == best_id)
 
 
-def top_n(masked: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, n] int64 ids of the n highest tokens of each row of `masked` [B, V] (float32, no NaN; -inf outside the
-    candidate set), best first, ranked by (value descending, id ascending), -0.0 tied with +0.0: the ids of
-    `rank_keys(masked, arange(V)).topk(n)` (module docstring). Needs n <= V."""
-    from rlasync.engine.sampler_compiled import key_ids, rank_keys
-
+def chunk_top_n(masked: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each vocabulary chunk's n best tokens of `masked` [B, V] (float32, no NaN; -inf outside the candidate set)
+    by (value descending, id ascending), -0.0 tied with +0.0: (values [B, C*n] float32, ids [B, C*n] int64) for the C
+    chunks; the row's top n lie among them (`sampler_compiled.top_n_ids` ranks them). Needs 1 <= n <= V."""
     rows, vocab = masked.shape
     if not 1 <= n <= vocab:
-        raise ValueError(f"top_n: n={n} must be in [1, {vocab}] (the vocabulary)")
+        raise ValueError(f"chunk_top_n: n={n} must be in [1, {vocab}] (the vocabulary)")
     masked = masked.contiguous()
     num_chunks = -(-vocab // TOP_N_CHUNK)
     values = torch.empty(rows, num_chunks * n, dtype=torch.float32, device=masked.device)
@@ -138,4 +136,4 @@ def top_n(masked: torch.Tensor, n: int) -> torch.Tensor:
     jit(_top_n_kernel)[(rows, num_chunks)](
         masked, values, ids, vocab, masked.stride(0), num_chunks, N=n, CHUNK_SIZE=TOP_N_CHUNK
     )
-    return key_ids(rank_keys(values, ids).topk(n, dim=-1).values)
+    return values, ids

@@ -1,4 +1,4 @@
-"""The Triton top-N (`triton_sampling.top_n`) against the int64-key ranking the compiled sampler used before it
+"""The Triton top-N (`sampler_compiled.top_n_ids` over `triton_sampling.chunk_top_n`) against the int64-key ranking the compiled sampler used before it
 (`rank_keys(...).topk`): same ids in the same order, on rows with exact ties across chunks, -inf holes, rows with
 fewer finite tokens than N, -0.0 next to +0.0, and a vocabulary that is not a multiple of the chunk; and the compiled
 sampler's formulation with the kernel picking its top-N against the eager sampler on mixed batches."""
@@ -17,7 +17,8 @@ def reference_top_n(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def compare_top_n_with_reference() -> None:
     from rlasync.engine.sampler_compiled import key_ids, rank_keys
-    from rlasync.engine.triton_sampling import TOP_N_CHUNK, top_n
+    from rlasync.engine.sampler_compiled import top_n_ids as top_n
+    from rlasync.engine.triton_sampling import TOP_N_CHUNK
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(5)
@@ -83,10 +84,10 @@ def test_top_n_refuses_more_than_the_vocabulary():
     import pytest
 
     pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
-    from rlasync.engine.triton_sampling import top_n
+    from rlasync.engine.triton_sampling import chunk_top_n
 
     with pytest.raises(ValueError, match="n=9 must be in"):
-        top_n(torch.zeros(2, 8), 9)
+        chunk_top_n(torch.zeros(2, 8), 9)
 
 
 if __name__ == "__main__":
