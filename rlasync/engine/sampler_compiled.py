@@ -29,6 +29,7 @@ The candidate sets (`return_candidates`) read their width on the host, so they r
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -47,6 +48,7 @@ from rlasync.engine.sampler import (
 
 __all__ = ["resolve_compiled_sampler", "sample_compiled"]
 
+logger = logging.getLogger(__name__)
 _NEG_INF = float("-inf")
 _LOW32 = (1 << 32) - 1
 
@@ -106,8 +108,9 @@ def key_ids(keys: Tensor) -> Tensor:
 def _core(logits, temperature, top_k, top_p, min_p, penalty, seeds, steps, seen, ids, variant: _Variant):  # noqa: C901
     """`sampler._process` + `sampler.sample` without host decisions: (token ids, log-probs, top-N ids, top-N
     log-probs, candidate mask); top-N are None when N = 0, and with `variant.top_n_kernel` they are the masked
-    logits and their log-normaliser instead (`_finish_top_n` picks the top N from them). `ids` = arange(V) is an input, not built inside: CPU
-    inductor (torch 2.13) miscompiles the int64 hash of an in-graph arange (wrong tokens, or a crash)."""
+    logits and their log-normaliser instead (`_finish_top_n` picks the top N from them). `ids` = arange(V) is an
+    input, not built inside: CPU inductor (torch 2.13) miscompiles the int64 hash of an in-graph arange (wrong
+    tokens, or a crash)."""
     x = logits.to(torch.float32)
     b, v = x.shape
     if variant.penalty:
@@ -194,10 +197,26 @@ def top_n_ids(masked: Tensor, n: int) -> Tensor:
     return key_ids(rank_keys(values, ids).topk(n, dim=-1).values)
 
 
-def _finish_top_n(masked: Tensor, log_norm: Tensor, num_logprobs: int) -> tuple[Tensor, Tensor]:
+_TOP_N_KERNEL_FAILED: list[str] = []  # why the Triton top-N failed (once per process): the int64 keys from then on
+
+
+def _finish_top_n(masked: Tensor, log_norm: Tensor, ids: Tensor, num_logprobs: int) -> tuple[Tensor, Tensor]:
     """The top-N of a `top_n_kernel` variant: the kernel's ranked ids (those `_core`'s int64 keys give), then
-    `_top_n_outputs`."""
-    return _top_n_outputs(masked, log_norm, top_n_ids(masked, min(num_logprobs, masked.shape[-1])), num_logprobs)
+    `_top_n_outputs`. A kernel that Triton cannot build here (an error raised by Triton) gives way to the int64
+    keys, with one warning, for this call and every later one (same ids)."""
+    n = min(num_logprobs, masked.shape[-1])
+    try:
+        ranked = top_n_ids(masked, n)
+    except Exception as exc:
+        if not type(exc).__module__.startswith("triton"):
+            raise
+        if not _TOP_N_KERNEL_FAILED:
+            _TOP_N_KERNEL_FAILED.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+            logger.warning(
+                "top-N log-prob kernel failed (%s); ranking by int64 keys from now on", _TOP_N_KERNEL_FAILED[0]
+            )
+        ranked = key_ids(rank_keys(masked, ids).topk(n, dim=-1).values)
+    return _top_n_outputs(masked, log_norm, ranked, num_logprobs)
 
 
 _compiled = None
@@ -231,14 +250,14 @@ def sample_compiled(
 ) -> SampleResult:
     """`sampler.sample` (same arguments, same result) through the compiled `_core`; `compile=False` runs `_core`
     eagerly (the tests check the formulation and the compilation separately). `top_n_kernel`: the top-N log-probs'
-    ids picked by the Triton kernel (`top_n_ids`) instead of inside `_core`; None: on CUDA when Triton
-    imports (same ids either way)."""
+    ids picked by the Triton kernel (`top_n_ids`) instead of inside `_core`; None: on CUDA when Triton imports and
+    the kernel has not failed (same ids either way)."""
     seen = checked_seen(logits, batch, seen_tokens)
     b, v = logits.shape
     steps = checked_steps(steps, b, logits.device)
     plan = batch.plan
     if top_n_kernel is None:
-        top_n_kernel = logits.is_cuda and _triton_available()
+        top_n_kernel = logits.is_cuda and not _TOP_N_KERNEL_FAILED and _triton_available()
     variant = _Variant.of(plan, v, seen is not None, batch.num_logprobs, top_n_kernel)
     fields = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.repetition_penalty, batch.seeds)
     ids = _token_ids.get((logits.device, v))
@@ -259,7 +278,7 @@ def sample_compiled(
     outputs = core(*rows, ids, variant)
     if variant.top_n_kernel:  # `_core` handed back the masked logits and their log-normaliser
         token_ids, logprobs, masked, log_norm, mask = outputs
-        outputs = (token_ids, logprobs, *_finish_top_n(masked, log_norm, variant.num_logprobs), mask)
+        outputs = (token_ids, logprobs, *_finish_top_n(masked, log_norm, ids, variant.num_logprobs), mask)
     token_ids, logprobs, topn_ids, topn_logprobs, mask = (None if t is None else t[:b] for t in outputs)
     candidate_ids = num_candidates = None
     if return_candidates and plan.any_filters:

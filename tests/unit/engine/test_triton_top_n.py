@@ -94,3 +94,42 @@ if __name__ == "__main__":
     import sys
 
     compare_sampler_with_kernel() if sys.argv[1:] == ["sampler"] else compare_top_n_with_reference()
+
+
+def test_a_kernel_triton_cannot_build_gives_way_to_the_int64_keys(monkeypatch, caplog):
+    """A Triton error from the top-N kernel (e.g. no kernel for this GPU): the same ids by the int64 keys, one
+    warning, and the kernel is not chosen again; any other error propagates."""
+    import logging
+
+    import pytest
+
+    from rlasync.engine import sampler_compiled
+    from rlasync.engine.base import SamplingParams
+    from rlasync.engine.sampler import BatchSampling, sample
+
+    CompilationError = type("CompilationError", (Exception,), {"__module__": "triton.compiler.errors"})
+
+    def no_kernel(masked, n):
+        raise CompilationError("at 12:4: unsupported")
+
+    monkeypatch.setattr(sampler_compiled, "top_n_ids", no_kernel)
+    monkeypatch.setattr(sampler_compiled, "_TOP_N_KERNEL_FAILED", [])
+    params = [SamplingParams(temperature=1.0, num_logprobs=8, seed=i) for i in range(4)]
+    batch = BatchSampling.from_params(params, [11, 12, 13, 14])
+    logits = (torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 2).round()  # ties
+    steps = torch.arange(4)
+    with caplog.at_level(logging.WARNING, logger="rlasync.engine.sampler_compiled"):
+        for _ in range(2):
+            got = sampler_compiled.sample_compiled(logits, batch, steps, compile=False, top_n_kernel=True)
+            expected = sample(logits, batch, steps)
+            assert torch.equal(got.topn_ids, expected.topn_ids)
+            assert torch.allclose(got.topn_logprobs, expected.topn_logprobs, atol=1e-6)
+    assert len([r for r in caplog.records if "top-N log-prob kernel failed" in r.message]) == 1
+    assert sampler_compiled._TOP_N_KERNEL_FAILED == ["CompilationError: at 12:4: unsupported"]
+
+    def device_fault(masked, n):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(sampler_compiled, "top_n_ids", device_fault)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        sampler_compiled.sample_compiled(logits, batch, steps, compile=False, top_n_kernel=True)
