@@ -153,3 +153,4 @@ def test_the_torch_engine_phase_freezes_the_heap_as_the_generation_actor_does(tm
         assert result["gc_frozen_objects"] > 10_000  # torch's and transformers' objects at least
     assert set(result["gc"]) == {"gc_max_s", "gc_total_s", "gc_collections", "gc_refreezes"}
     assert result["seeded"]["runs"][0]["new_tokens"] == 3 * 2
+    assert result["sampler_warm_up_s"] == 0.0  # the engine's sampler warm-up ran (nothing to compile on the CPU)
