@@ -399,8 +399,8 @@ engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the sampler's top-
     run engine_vs_vllm 490 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 330 --compiled-layers
     grep -h -E '"(ratio_|compiled_layers_ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
     ;;
-engine_ab)  # after kits .devicekit (warm; no vLLM kit): the sampler's top-N kernel vs int64 keys, then the TorchEngine with layers eager then compiled at 256 x 256 -> 256, four modes (~5 min; engine_vs_vllm without vLLM)
-    export PYTHONPATH=$PWD:/tmp/site
+engine_ab)  # carry .pydkit (one call, no other kit): the sampler's top-N kernel vs int64 keys, then the TorchEngine with layers eager then compiled at 256 x 256 -> 256, four modes (~5 min; engine_vs_vllm without vLLM)
+    use_pydkit || exit 1
     run sampler_top_n 90 python3 bench/sampler_top_n.py --out "$out"
     run engine_ab 480 python3 bench/engine_vs_vllm.py --skip-vllm --compiled-layers --out "$out" --json-name engine_ab_h200.json --budget-s 330
     grep -h -E '"(compiled_over_eager_layers_|torch_engine(_compiled_layers)?_new_tokens_per_s)' -A4 "$out/engine_ab_h200.json" | head -30
