@@ -499,3 +499,11 @@ reward_model)  # after kits .devicekit and the SmolLM2 calls (warm): issue 33, S
     exit 2
     ;;
 esac
+# The scripts name their results *_h200.json whatever the card; on another card (an nvidia-h200 call may get an H100)
+# the copies in $out are renamed for it, so that nothing measured elsewhere lands under an H200 name.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+case $card in
+*H200*|"") ;;
+*H100*) for f in "$out"/*_h200.json; do [ -e "$f" ] && mv "$f" "${f%_h200.json}_h100.json" && echo "renamed $(basename "$f") for the $card"; done ;;
+*) for f in "$out"/*_h200.json; do [ -e "$f" ] && mv "$f" "${f%_h200.json}_gpu.json" && echo "renamed $(basename "$f") for the $card"; done ;;
+esac
