@@ -399,6 +399,11 @@ engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the sampler's top-
     run engine_vs_vllm 490 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 330 --compiled-layers
     grep -h -E '"(ratio_|compiled_layers_ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
     ;;
+sampler_top_n)  # carry .pydkit (one short call): the top-N kernel vs int64 keys (GPU ms, same ids), then the compiled sampler's CUDA test at the engine's shape (~2 min)
+    use_pydkit || exit 1
+    run sampler_top_n 90 python3 bench/sampler_top_n.py --out "$out"
+    run sampler_cuda_test 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/engine/test_sampler_compiled.py -k engine_shape
+    ;;
 engine_ab)  # carry .pydkit (one call, no other kit): the sampler's top-N kernel vs int64 keys, then the TorchEngine with layers eager then compiled at 256 x 256 -> 256, four modes (~5 min; engine_vs_vllm without vLLM)
     use_pydkit || exit 1
     run sampler_top_n 90 python3 bench/sampler_top_n.py --out "$out"
