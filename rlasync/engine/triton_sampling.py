@@ -16,9 +16,9 @@ argmax run in registers; a second tiny pass picks the winning chunk (first maxim
 Top-N. The N highest tokens of x [B, V] ranked by (x descending, token id ascending), -0.0 tied with +0.0, as
 `sampler_compiled.rank_keys` ranks them. Ranking by that rule as one `topk` over int64 keys of the whole vocabulary
 reads the keys (twice the logits' bytes) once per 8 bits of key in a radix select; with it, 8 log-probs cost the
-engine 1.3 ms a decode step at B = 256, V = 152k on an H100 (vLLM: 0.3 ms). Here each (row, chunk) program reads its chunk once and takes its N best in
-registers (N rounds of max, then lowest id among the maxima); the global top N lies among the chunks' N best, which
-a `topk` over their keys (N per chunk: ~600 a row) ranks.
+engine 1.3 ms a decode step at B = 256, V = 152k on an H100 (vLLM: 0.3 ms). Here each (row, chunk) program reads
+its chunk once and takes its N best in registers (N rounds of max, then lowest id among the maxima); the global top
+N lies among the chunks' N best, which a `topk` over their keys (N per chunk: ~600 a row) ranks.
 
 Triton is optional: on CPU the kernels run only under Triton's interpreter (the tests compare them with the torch
 code).
