@@ -1,5 +1,5 @@
-"""The Triton top-N (`sampler_compiled.top_n_ids` over `triton_sampling.chunk_top_n`) against the int64-key ranking the compiled sampler used before it
-(`rank_keys(...).topk`): same ids in the same order, on rows with exact ties across chunks, -inf holes, rows with
+"""The Triton top-N (`sampler_compiled.top_n_ids` over `triton_sampling.chunk_top_n`) against the int64-key ranking
+the compiled sampler used before it (`rank_keys(...).topk`): same ids in the same order, on rows with exact ties across chunks, -inf holes, rows with
 fewer finite tokens than N, -0.0 next to +0.0, and a vocabulary that is not a multiple of the chunk; and the compiled
 sampler's formulation with the kernel picking its top-N against the eager sampler on mixed batches."""
 
@@ -90,12 +90,6 @@ def test_top_n_refuses_more_than_the_vocabulary():
         chunk_top_n(torch.zeros(2, 8), 9)
 
 
-if __name__ == "__main__":
-    import sys
-
-    compare_sampler_with_kernel() if sys.argv[1:] == ["sampler"] else compare_top_n_with_reference()
-
-
 def test_a_kernel_triton_cannot_build_gives_way_to_the_int64_keys(monkeypatch, caplog):
     """A Triton error from the top-N kernel (e.g. no kernel for this GPU): the same ids by the int64 keys, one
     warning, and the kernel is not chosen again; any other error propagates."""
@@ -133,3 +127,9 @@ def test_a_kernel_triton_cannot_build_gives_way_to_the_int64_keys(monkeypatch, c
     monkeypatch.setattr(sampler_compiled, "top_n_ids", device_fault)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         sampler_compiled.sample_compiled(logits, batch, steps, compile=False, top_n_kernel=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    compare_sampler_with_kernel() if sys.argv[1:] == ["sampler"] else compare_top_n_with_reference()

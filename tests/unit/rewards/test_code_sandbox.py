@@ -46,6 +46,7 @@ ROOMY = Sandbox(limits=Limits(cpu_s=5, wall_s=20), max_concurrent=8)  # for prog
 SLACK_S = 4.0  # start-up and teardown on a loaded machine, beyond the wall limit
 TESTS = ["assert f(2) == 4", "assert f(5) == 10"]
 DOUBLE = "def f(x):\n    return 2 * x\n"
+FLOOD = "import sys\nsys.stdout.write('x' * 100_000_000)\n" + DOUBLE  # 100 MB of output, then a passing f
 TOKEN = uuid.uuid4().hex  # names the files the programs try to write
 SECRET = uuid.uuid4().hex  # the trainer's secret: in a file outside the sandbox and in an environment variable
 MARKERS = ("rlasync-sandbox-harness", f"31.{int(TOKEN[:8], 16)}")  # the harness; the orphan's `sleep` argument
@@ -103,7 +104,7 @@ def hostile(tmp_path_factory):
         "connect_to_host": (
             f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')\n" + DOUBLE
         ),
-        "print_100mb": "import sys\nsys.stdout.write('x' * 100_000_000)\n" + DOUBLE,
+        "print_100mb": FLOOD,
         "write_40mb_file": "open('/tmp/big', 'wb').write(b'x' * (40 << 20))\n" + DOUBLE,
         "orphan_child": orphan,
     }
@@ -172,7 +173,7 @@ def test_hostile_program_scores_zero_within_its_limit(hostile, name):
 def test_an_output_flood_is_stopped_at_the_output_limit():
     """The flood alone with a roomy wall limit: the output limit, not the clock, stops it, its output cut there."""
     flood = Sandbox(limits=Limits(cpu_s=5, wall_s=20, output_bytes=LIMITS.output_bytes), max_concurrent=1)
-    run = flood.run("import sys\nsys.stdout.write('x' * 100_000_000)\n" + DOUBLE, tests=TESTS)
+    run = flood.run(FLOOD, tests=TESTS)
     assert run.status == "output_limit"
     assert len(run.stdout) == LIMITS.output_bytes and not run.ok
 
