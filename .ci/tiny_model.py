@@ -1,5 +1,5 @@
 """Write a tiny random Llama (2 layers, vocabulary ~50 words) with a chat template to the folder given: the model
-the notebook runs with in CI (`RLASYNC_NOTEBOOK_MODEL`). Same shape as tests/integration/conftest.py's."""
+the notebook runs with in CI (`NOTEBOOK_MODEL`). Same shape as tests/integration/conftest.py's."""
 
 import json
 import sys

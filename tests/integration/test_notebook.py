@@ -108,10 +108,10 @@ def test_the_notebook_runs_end_to_end_through_ray_client(ray_head, tmp_path, mon
     out = tmp_path / "out"
     for key, value in {
         "RAY_AUTH_MODE": "token",
-        "RLASYNC_NOTEBOOK_RAY_ADDRESS": f"ray://127.0.0.1:{client}",
-        "RLASYNC_NOTEBOOK_MODEL": str(model),
-        "RLASYNC_NOTEBOOK_TINY": "1",
-        "RLASYNC_NOTEBOOK_OUTPUT_DIR": str(out),
+        "NOTEBOOK_RAY_ADDRESS": f"ray://127.0.0.1:{client}",
+        "NOTEBOOK_MODEL": str(model),
+        "NOTEBOOK_TINY": "1",
+        "NOTEBOOK_OUTPUT_DIR": str(out),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }.items():
         monkeypatch.setenv(key, value)
