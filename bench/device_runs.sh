@@ -391,13 +391,13 @@ smol2)  # carry .smol2 right after smol1: the GGUF rebuilt as a stand-in llm_smo
     run models_prepare 240 python3 -m rlasync models prepare smollm2-135m-instruct
     smollm2_ready
     ;;
-engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the sampler's top-N kernel vs int64 keys (bench/sampler_top_n.py), then the TorchEngine over vLLM in its default compiled mode, 256 x 256 -> 256, seeded/unseeded x 0/8 log-probs, one process, then the TorchEngine with compiled_layers (~5 min)
+engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the sampler's top-N kernel vs int64 keys (bench/sampler_top_n.py), then the TorchEngine over vLLM in its default compiled mode, 256 x 256 -> 256, seeded/unseeded x 0/8 log-probs, one process (~5 min; the compiled layers' A/B is engine_ab's: with it, 2026-12-06, the engine with compiled layers had not started within 310 s)
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
     run sampler_top_n 90 python3 bench/sampler_top_n.py --out "$out"  # the top-N kernel vs int64 keys (~1 min)
-    run engine_vs_vllm 490 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 330 --compiled-layers
-    grep -h -E '"(ratio_|compiled_layers_ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
+    run engine_vs_vllm 490 python3 bench/engine_vs_vllm.py --out "$out" --budget-s 330
+    grep -h -E '"(ratio_|vllm_mode)' "$out/engine_vs_vllm_h200.json"
     ;;
 sampler_top_n)  # carry .pydkit (one short call): the top-N kernel vs int64 keys (GPU ms, same ids), then the compiled sampler's CUDA test at the engine's shape (~2 min)
     use_pydkit || exit 1

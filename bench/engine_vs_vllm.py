@@ -170,35 +170,42 @@ async def main_gpu(run: Run) -> None:
     summary = run.result["summary"]
     run.result["vllm_mode"] = summary["vllm_mode"] = f"{run.args.engine_mode}: {VLLM_MODES[run.args.engine_mode]}"
     summary["shape"] = f"{run.args.concurrency} x {run.args.prompt_len} -> {run.args.new_tokens}"
-    vllm = None
     if not run.args.skip_vllm and await start_vllm(run, ctx):
         try:
-            vllm = await run.phase("vllm", phase_vllm, ctx)
+            await run.phase("vllm", phase_vllm, ctx)
         finally:
             await ctx.pop("engine").close()
         free_gpu()
         await asyncio.sleep(2)
-    torch_engine = await run.phase("torch_engine", phase_torch_engine, ctx)
-    compiled = None
+    await run.phase("torch_engine", phase_torch_engine, ctx)
+    summarise(run.result)  # the ratios are in the JSON even should the compiled layers' phase not end
+    run.save()
     if run.args.compiled_layers:  # the same engine with its decoder layers compiled (`compiled_layers`), after it
         free_gpu()
-        compiled = await run.phase("torch_engine_compiled_layers", phase_torch_engine, ctx, True)
-    sides = (("vllm", vllm), ("torch_engine", torch_engine), ("torch_engine_compiled_layers", compiled))
-    for side, result in sides:
-        if result:
-            summary[f"{side}_new_tokens_per_s"] = {
-                name: round(result[name]["new_tokens_per_s"]) for name, _, _ in MODES
-            }
-    if vllm and torch_engine:
-        for key, value in ratios(torch_engine, vllm).items():
-            run.result[key] = summary[key] = round(value, 3)
-    if vllm and compiled:
-        for key, value in ratios(compiled, vllm).items():
-            run.result[f"compiled_layers_{key}"] = summary[f"compiled_layers_{key}"] = round(value, 3)
-    if torch_engine and compiled:  # the A/B alone (without vLLM too): compiled layers over eager ones
-        for key, value in ratios(compiled, torch_engine).items():
-            name = key.replace("ratio_", "compiled_over_eager_layers_")
-            run.result[name] = summary[name] = round(value, 3)
+        await run.phase("torch_engine_compiled_layers", phase_torch_engine, ctx, True)
+        summarise(run.result)
+        run.save()
+
+
+def summarise(result: dict[str, Any]) -> None:
+    """The summary and ratios of `result` from the phases it holds (each side's median new tokens/s per mode)."""
+    phases, summary = result["phases"], result["summary"]
+    sides = {side: phases.get(side) for side in ("vllm", "torch_engine", "torch_engine_compiled_layers")}
+    sides = {side: value for side, value in sides.items() if value and "skipped" not in value}
+    for side, value in sides.items():
+        summary[f"{side}_new_tokens_per_s"] = {
+            name: round(value[name]["new_tokens_per_s"]) for name, _, _ in MODES if name in value
+        }
+    pairs = (
+        ("torch_engine", "vllm", "ratio_"),
+        ("torch_engine_compiled_layers", "vllm", "compiled_layers_ratio_"),
+        ("torch_engine_compiled_layers", "torch_engine", "compiled_over_eager_layers_"),  # the A/B alone
+    )
+    for side, over, prefix in pairs:
+        if side in sides and over in sides:
+            for key, value in ratios(sides[side], sides[over]).items():
+                name = prefix + key.removeprefix("ratio_")
+                result[name] = summary[name] = round(value, 3)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,3 +154,23 @@ def test_the_torch_engine_phase_freezes_the_heap_as_the_generation_actor_does(tm
     assert set(result["gc"]) == {"gc_max_s", "gc_total_s", "gc_collections", "gc_refreezes"}
     assert result["seeded"]["runs"][0]["new_tokens"] == 3 * 2
     assert result["sampler_warm_up_s"] == 0.0  # the engine's sampler warm-up ran (nothing to compile on the CPU)
+
+
+def _phase(rate: float) -> dict:
+    return {name: {"new_tokens_per_s": rate} for name, _, _ in engine_vs_vllm.MODES}
+
+
+def test_summary_holds_the_ratios_of_the_phases_that_ended():
+    # the compiled layers' phase did not end (the call's limit): vLLM's and the eager engine's ratios are still there
+    result = {"phases": {"vllm": _phase(200.0), "torch_engine": _phase(150.0)}, "summary": {}}
+    engine_vs_vllm.summarise(result)
+    assert result["ratio_unseeded"] == result["summary"]["ratio_seeded_logprobs8"] == 0.75
+    assert result["summary"]["vllm_new_tokens_per_s"]["seeded"] == 200
+    assert not [key for key in result if "compiled" in key]
+    result["phases"]["torch_engine_compiled_layers"] = _phase(300.0)
+    engine_vs_vllm.summarise(result)
+    assert result["compiled_layers_ratio_unseeded"] == 1.5
+    assert result["compiled_over_eager_layers_seeded"] == 2.0
+    skipped = {"phases": {"vllm": {"skipped": "time budget"}, "torch_engine": _phase(1.0)}, "summary": {}}
+    engine_vs_vllm.summarise(skipped)
+    assert "ratio_unseeded" not in skipped and "vllm_new_tokens_per_s" not in skipped["summary"]
