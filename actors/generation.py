@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 SYNC_GATE_S = (
     30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
 )
+STALL_S = 0.1  # an event loop this late is sampled (where it is) and, at most every STALL_REPORT_S, logged
+STALL_REPORT_S = 60.0
 
 
 @ray.remote
@@ -71,7 +73,10 @@ class GenerationActor:
         self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
-        self.loop_lag = LoopLagMonitor()  # how late this actor's event loop runs (a late loop delays every call)
+        # how late this actor's event loop runs (a late loop delays every call, a weight sync's included), and where
+        # it is while more than STALL_S late
+        self.loop_lag = LoopLagMonitor(stall_s=STALL_S)
+        self.stalls_reported_at = 0.0
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.synced = asyncio.Event()
         if serve_initial_weights:
@@ -186,6 +191,7 @@ class GenerationActor:
         self.version = version
         self.synced.set()
         collections = self.gc_pauses.take()
+        self._report_stalls()
         return {
             **phases,
             "started_at": started_at,
@@ -194,7 +200,21 @@ class GenerationActor:
             "gc_refreezes": collections["gc_refreezes"],
         }
 
+    def _report_stalls(self) -> None:
+        """Log (a warning, at most every STALL_REPORT_S) where this actor's event loop was while it ran late, over
+        the stalls since the last report."""
+        from rlasync.metrics.loop_lag import describe_stalls
+
+        if time.monotonic() - self.stalls_reported_at < STALL_REPORT_S:
+            return  # the samples add up until the next report
+        stalls = self.loop_lag.take_stalls()
+        if not stalls:
+            return
+        self.stalls_reported_at = time.monotonic()
+        logger.warning("generation actor: %s", describe_stalls(stalls, STALL_S))
+
     async def close(self) -> None:
+        self.loop_lag.stop()
         if self.receiver is not None:
             self.receiver.close()
         await self.engine.close()
