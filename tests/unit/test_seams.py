@@ -33,6 +33,7 @@ THIRD_PARTY_PRIVATES = {
     "_attn_implementation": "transformers' config field for the attention implementation in use",
     "_replace": "NamedTuple._replace (public API of named tuples)",
     "_exit": "os._exit: the documented way to leave at once (a second signal, the shutdown grace period)",
+    "_current_frames": "sys._current_frames: the documented way to read another thread's stack (a stall watchdog)",
 }
 
 
