@@ -27,11 +27,8 @@ import ray
 
 logger = logging.getLogger(__name__)
 
-SYNC_GATE_S = (
-    30.0  # a generate call waits this long for the first weight sync of this incarnation, then fails retryably
-)
-STALL_S = 0.1  # an event loop this late is sampled (where it is) and, at most every STALL_REPORT_S, logged
-STALL_REPORT_S = 60.0
+SYNC_GATE_S = 30.0  # a generate call waits this long for this incarnation's first weight sync, then fails retryably
+STALL_S, STALL_REPORT_S = 0.1, 60.0  # a loop this late is sampled (where it is), logged at most once a minute
 
 
 @ray.remote
@@ -73,10 +70,7 @@ class GenerationActor:
         self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
-        # how late this actor's event loop runs (a late loop delays every call, a weight sync's included), and where
-        # it is while more than STALL_S late
-        self.loop_lag = LoopLagMonitor(stall_s=STALL_S)
-        self.stalls_reported_at = 0.0
+        self.loop_lag = LoopLagMonitor(stall_s=STALL_S)  # how late its event loop runs (every call waits as long)
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.synced = asyncio.Event()
         if serve_initial_weights:
@@ -130,9 +124,7 @@ class GenerationActor:
         import torch
 
         device = getattr(self.engine, "device", None)
-        if device is not None:
-            return torch.device(device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
     def weight_endpoint(self) -> dict[str, Any]:
         """This engine's device identity (what `choose_transport` compares)."""
@@ -191,7 +183,7 @@ class GenerationActor:
         self.version = version
         self.synced.set()
         collections = self.gc_pauses.take()
-        self._report_stalls()
+        self.loop_lag.log_stalls(logger, "generation actor", every_s=STALL_REPORT_S)  # where its loop was while late
         return {
             **phases,
             "started_at": started_at,
@@ -199,19 +191,6 @@ class GenerationActor:
             "gc_max_s": collections["gc_max_s"],
             "gc_refreezes": collections["gc_refreezes"],
         }
-
-    def _report_stalls(self) -> None:
-        """Log (a warning, at most every STALL_REPORT_S) where this actor's event loop was while it ran late, over
-        the stalls since the last report."""
-        from rlasync.metrics.loop_lag import describe_stalls
-
-        if time.monotonic() - self.stalls_reported_at < STALL_REPORT_S:
-            return  # the samples add up until the next report
-        stalls = self.loop_lag.take_stalls()
-        if not stalls:
-            return
-        self.stalls_reported_at = time.monotonic()
-        logger.warning("generation actor: %s", describe_stalls(stalls, STALL_S))
 
     async def close(self) -> None:
         self.loop_lag.stop()

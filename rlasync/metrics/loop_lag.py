@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import sys
 import threading
 import time
@@ -43,6 +44,7 @@ class LoopLagMonitor:
         self._lock = threading.Lock()
         self._stall_samples: collections.Counter[tuple[str, ...]] = collections.Counter()
         self._stall_worst: dict[tuple[str, ...], float] = {}
+        self._reported_at: float | None = None
 
     def start(self) -> None:
         """Start sampling on the running loop (idempotent; call from a coroutine)."""
@@ -89,6 +91,24 @@ class LoopLagMonitor:
             {"stack": list(stack), "samples": count, "late_max_s": round(worst[stack], 4)}
             for stack, count in samples.most_common(top)
         ]
+
+    def stall_report(self, every_s: float) -> str | None:
+        """`describe_stalls` of the stalls since the last report, at most once every `every_s` seconds (the samples
+        add up meanwhile); None when it is too soon or there were none."""
+        now = time.monotonic()
+        if self._reported_at is not None and now - self._reported_at < every_s:
+            return None
+        stalls = self.take_stalls()
+        if not stalls:
+            return None
+        self._reported_at = now
+        return describe_stalls(stalls, self.stall_s or 0.0)
+
+    def log_stalls(self, logger: logging.Logger, who: str, every_s: float) -> None:
+        """`stall_report(every_s)` as a warning of `logger`, when there is one."""
+        report = self.stall_report(every_s)
+        if report:
+            logger.warning("%s: %s", who, report)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -107,3 +107,31 @@ def test_a_stall_is_described_by_its_worst_lateness_and_most_sampled_stack():
     text = describe_stalls(stalls, 0.1)
     assert "up to 0.26 s late" in text and "sampled 7 times while over 0.10 s late" in text
     assert text.endswith("\n  engine/torch_engine.py:500 _run_overlapped\n  engine/runner.py:396 unpack_packed")
+
+
+def test_stall_reports_come_at_most_once_per_period_and_gather_the_samples_between():
+    monitor = LoopLagMonitor(stall_s=0.1)
+    stack = ("engine/runner.py:396 unpack_packed",)
+    assert monitor.stall_report(every_s=60.0) is None  # nothing sampled yet
+    monitor._record(stack, 0.2)
+    first = monitor.stall_report(every_s=60.0)
+    assert "up to 0.20 s late" in first and "sampled 1 times" in first
+    monitor._record(stack, 0.3)
+    monitor._record(stack, 0.25)
+    assert monitor.stall_report(every_s=60.0) is None  # too soon: kept for the next report
+    second = monitor.stall_report(every_s=0.0)
+    assert "up to 0.30 s late" in second and "sampled 2 times" in second
+
+
+def test_log_stalls_warns_with_the_report(caplog):
+    import logging
+
+    monitor = LoopLagMonitor(stall_s=0.1)
+    logger = logging.getLogger("test.loop_lag")
+    monitor.log_stalls(logger, "generation actor", every_s=60.0)
+    assert not caplog.records  # no stall: no line
+    monitor._record(("engine/torch_engine.py:500 _run_overlapped",), 0.22)
+    with caplog.at_level(logging.WARNING, logger="test.loop_lag"):
+        monitor.log_stalls(logger, "generation actor", every_s=60.0)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("generation actor: its event loop ran up to 0.22 s late")
