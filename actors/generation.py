@@ -28,7 +28,7 @@ import ray
 logger = logging.getLogger(__name__)
 
 SYNC_GATE_S = 30.0  # a generate call waits this long for this incarnation's first weight sync, then fails retryably
-STALL_S, STALL_REPORT_S = 0.1, 60.0  # a loop this late is sampled (where it is), logged at most once a minute
+STALL_REPORT_S = 60.0  # with RLASYNC_LOOP_STALL_S, where a late event loop was is logged at most once a minute
 
 
 @ray.remote
@@ -55,6 +55,7 @@ class GenerationActor:
 
         if num_threads and not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
+        from rlasync import envs
         from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, GcPauseMonitor, freeze_heap
         from rlasync.metrics.loop_lag import LoopLagMonitor
 
@@ -70,7 +71,7 @@ class GenerationActor:
         self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
-        self.loop_lag = LoopLagMonitor(stall_s=STALL_S)  # how late its event loop runs (every call waits as long)
+        self.loop_lag = LoopLagMonitor(stall_s=envs.RLASYNC_LOOP_STALL_S)  # how late its loop runs: calls wait as long
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.synced = asyncio.Event()
         if serve_initial_weights:

@@ -98,7 +98,8 @@ def test_declared_variables_are_typed_documented_and_read_now(monkeypatch, tmp_p
     design = (REPO / "docs" / "design.md").read_text()
     for name, variable in envs.VARIABLES.items():
         assert name.startswith("RLASYNC_") and variable.meaning and variable.default
-        assert isinstance(envs.read(name), variable.type)
+        value = envs.read(name)
+        assert isinstance(value, variable.type) or (value is None and variable.default.startswith("unset"))
         assert name in design, f"docs/design.md lists the declared variables; {name} is missing"
     monkeypatch.setenv("RLASYNC_CACHE", str(tmp_path))
     assert envs.RLASYNC_CACHE == tmp_path
@@ -106,3 +107,11 @@ def test_declared_variables_are_typed_documented_and_read_now(monkeypatch, tmp_p
     assert envs.RLASYNC_CACHE == Path.home() / ".cache" / "rlasync"
     with pytest.raises(KeyError, match="not a declared rlasync variable"):
         envs.read("RLASYNC_TREE_ATTENTION")  # a config field now: kernels.tree_attention
+    monkeypatch.delenv("RLASYNC_LOOP_STALL_S", raising=False)
+    assert envs.RLASYNC_LOOP_STALL_S is None  # the stall watchdog is off unless asked for
+    monkeypatch.setenv("RLASYNC_LOOP_STALL_S", "0.1")
+    assert envs.RLASYNC_LOOP_STALL_S == 0.1
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv("RLASYNC_LOOP_STALL_S", bad)
+        with pytest.raises(ValueError, match="RLASYNC_LOOP_STALL_S=.*seconds > 0"):
+            envs.read("RLASYNC_LOOP_STALL_S")
