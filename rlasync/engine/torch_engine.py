@@ -133,6 +133,10 @@ class TorchEngine:
     compiled_sampler       sample through the torch.compile'd sampler (`sampler_compiled.py`: same tokens and
                            log-probs); None (default): on for CUDA (1.17x new tokens/s at 256 concurrent on one
                            H200, 1.45x with 8 log-probs), off on CPU; a failed compile falls back to eager, logged
+    launch_on_loop         with `async_scheduling`, launch each step on the event loop rather than in a worker thread
+                           (the step's collect, which waits for the GPU, stays in the thread): one thread handoff of
+                           the GIL fewer per step, the loop held for the launch's host work (a few ms); off by
+                           default (an A/B for a GIL-bound GenerationActor: `cluster.engine_kwargs`)
     compiled_layers        compile each decoder layer with inductor before the CUDA graphs capture them (fused
                            norms, rotary and activations: `runner.compile_engine_layers`); off by default (its A/B
                            against vLLM is `bench/engine_vs_vllm.py --compiled-layers`); a failed compile falls back
@@ -160,6 +164,7 @@ class TorchEngine:
         async_scheduling: bool | None = None,
         compiled_sampler: bool | None = None,
         compiled_layers: bool = False,
+        launch_on_loop: bool = False,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -188,6 +193,7 @@ class TorchEngine:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         cuda = self.device.type == "cuda"
         self.async_scheduling = cuda if async_scheduling is None else bool(async_scheduling)
+        self.launch_on_loop = bool(launch_on_loop)
         self._lock_waiters = 0  # callers waiting for the model lock: an overlapped run of steps drains for them
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -539,7 +545,10 @@ class TorchEngine:
     async def _launch(self, output: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Launch one step of the overlapped loop; a request decoding in `previous` takes its input id from there."""
         inputs = [self._overlapped_input(chunk, previous) for chunk in output.chunks]
-        step = await asyncio.to_thread(self._runner.launch, inputs, previous.step if previous else None)
+        if self.launch_on_loop:
+            step = self._runner.launch(inputs, previous.step if previous else None)
+        else:
+            step = await asyncio.to_thread(self._runner.launch, inputs, previous.step if previous else None)
         launched = InFlight(output, step)
         rows = launched.rows
         for chunk in output.chunks:

@@ -265,3 +265,36 @@ def test_the_incremental_decode_staging_holds_in_a_real_run_with_preemptions():
     asyncio.run(staggered(engine, jobs_of(12)))
     assert engine.stats().num_preemptions > 0 and len(checked) > 10
     assert staging.rows_written < sum(checked)  # rows were reused, not rewritten every step
+
+
+@pytest.mark.parametrize("launch_on_loop", [False, True])
+def test_launch_on_loop_runs_the_launch_on_the_loop_thread_with_the_same_tokens(launch_on_loop):
+    """`launch_on_loop`: each overlapped step's launch runs on the event loop's thread (else in a worker thread), its
+    collect in a worker thread either way; the tokens and log-probs are the synchronous engine's."""
+    import threading
+
+    jobs = jobs_of(10)
+    sync = make_engine(tiny_model("qwen3", init=0.05), async_scheduling=False, eos_token_ids=[5])
+    want = [as_tuple(r) for r in asyncio.run(staggered(sync, jobs))]
+    engine = make_engine(
+        tiny_model("qwen3", init=0.05), async_scheduling=True, launch_on_loop=launch_on_loop, eos_token_ids=[5]
+    )
+    threads = {"launch": set(), "collect": set()}
+    for name in threads:
+        original = getattr(engine.runner, name)
+
+        def wrapped(*args, _original=original, _name=name, **kwargs):
+            threads[_name].add(threading.get_ident())
+            return _original(*args, **kwargs)
+
+        setattr(engine.runner, name, wrapped)
+
+    async def run():
+        loop_thread = threading.get_ident()
+        return loop_thread, await staggered(engine, jobs)
+
+    loop_thread, records = asyncio.run(run())
+    assert_same_records([as_tuple(r) for r in records], want)
+    assert threads["launch"] and threads["collect"]
+    assert (threads["launch"] == {loop_thread}) is launch_on_loop
+    assert loop_thread not in threads["collect"]
