@@ -460,7 +460,7 @@ e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
     ;;
-e2e_ab)  # after kits and the SmolLM2 calls (warm): the default sums run with the TorchEngine twice in one call, E2E_BUDGET_S (200) each, first as it is, then with E2E_SETS (e.g. cluster.engine_kwargs={"launch_on_loop":true}): generated tokens/s, step time, syncs and loop lag side by side (~8 min)
+e2e_ab)  # after kits and the SmolLM2 calls (warm): the default sums run with the TorchEngine twice in one call, E2E_BUDGET_S (200) each, first as it is, then with E2E_SETS (e.g. cluster.engine_kwargs.launch_on_loop=true): generated tokens/s, step time, syncs and loop lag side by side (~8 min)
     export PYTHONPATH=$PWD:/tmp/site
     smollm2_ready || exit 1
     sets=(); for s in ${E2E_SETS:?E2E_SETS names the variant, e.g. cluster.engine_kwargs=...}; do sets+=(--set "$s"); done
