@@ -136,7 +136,8 @@ class TorchEngine:
     launch_on_loop         with `async_scheduling`, launch each step on the event loop rather than in a worker thread
                            (the step's collect, which waits for the GPU, stays in the thread): one thread handoff of
                            the GIL fewer per step, the loop held for the launch's host work (a few ms); off by
-                           default (an A/B for a GIL-bound GenerationActor: `cluster.engine_kwargs.launch_on_loop=true`)
+                           default (an A/B for a GIL-bound GenerationActor: `--set
+                           cluster.engine_kwargs.launch_on_loop=true`)
     compiled_layers        compile each decoder layer with inductor before the CUDA graphs capture them (fused
                            norms, rotary and activations: `runner.compile_engine_layers`); off by default (its A/B
                            against vLLM is `bench/engine_vs_vllm.py --compiled-layers`); a failed compile falls back
