@@ -28,7 +28,6 @@ import ray
 logger = logging.getLogger(__name__)
 
 SYNC_GATE_S = 30.0  # a generate call waits this long for this incarnation's first weight sync, then fails retryably
-STALL_REPORT_S = 60.0  # with RLASYNC_LOOP_STALL_S, where a late event loop was is logged at most once a minute
 
 
 @ray.remote
@@ -71,7 +70,8 @@ class GenerationActor:
         self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
-        self.loop_lag = LoopLagMonitor(stall_s=envs.RLASYNC_LOOP_STALL_S)  # how late its loop runs: calls wait as long
+        # how late its loop runs (calls wait as long); 50 ms wakes, as each takes the GIL the engine's host side needs
+        self.loop_lag = LoopLagMonitor(interval_s=0.05, stall_s=envs.RLASYNC_LOOP_STALL_S)
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.synced = asyncio.Event()
         if serve_initial_weights:
@@ -184,7 +184,7 @@ class GenerationActor:
         self.version = version
         self.synced.set()
         collections = self.gc_pauses.take()
-        self.loop_lag.log_stalls(logger, "generation actor", every_s=STALL_REPORT_S)  # where its loop was while late
+        self.loop_lag.log_stalls(logger, "generation actor")  # RLASYNC_LOOP_STALL_S: where its loop was while late
         return {
             **phases,
             "started_at": started_at,

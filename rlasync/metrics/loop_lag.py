@@ -107,7 +107,7 @@ class LoopLagMonitor:
         self._reported_at = now
         return describe_stalls(stalls, self.stall_s or 0.0)
 
-    def log_stalls(self, logger: logging.Logger, who: str, every_s: float) -> None:
+    def log_stalls(self, logger: logging.Logger, who: str, every_s: float = 60.0) -> None:
         """`stall_report(every_s)` as a warning of `logger`, when there is one."""
         report = self.stall_report(every_s)
         if report:
