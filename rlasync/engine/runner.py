@@ -211,8 +211,8 @@ class ModelRunner:
         """Queue one step on the device and return without waiting for it (on CUDA); chunks with a `feedback_row`
         take their last input token from `previous`'s sampled ids on the device.
 
-        Runs in a worker thread: the engine's GPU is made current here (a thread starts on GPU 0, and Triton
-        launches on the current device)."""
+        Runs in a worker thread (or on the event loop: the engine's `launch_on_loop`): the engine's GPU is made
+        current here (a thread starts on GPU 0, and Triton launches on the current device)."""
         with torch.inference_mode(), _on_device(self.device):
             logits = self.forward(chunks, previous.result.token_ids if previous and previous.result else None)
             specs = [chunk.sample for chunk in chunks if chunk.sample is not None]
