@@ -410,6 +410,11 @@ engine_ab)  # carry .pydkit (one call, no other kit): the sampler's top-N kernel
     run engine_ab 480 python3 bench/engine_vs_vllm.py --skip-vllm --compiled-layers --out "$out" --json-name engine_ab_h200.json --budget-s 330
     grep -h -E '"(compiled_over_eager_layers_|torch_engine(_compiled_layers)?_new_tokens_per_s)' -A4 "$out/engine_ab_h200.json" | head -30
     ;;
+host_gil)  # carry .pydkit (one short call): the engine's host side under threads that take the GIL (launch on the loop, loop-lag monitor at 10 vs 50 ms, the stall watchdog), a tiny Qwen3 on the GPU so the host side dominates as for SmolLM2 (~2 min)
+    use_pydkit || exit 1
+    run host_gil 240 python3 bench/engine_host_gil.py --device cuda --rounds 12 --out "$out/engine_host_gil_h200.json"
+    tail -n 14 "$out/host_gil.log"
+    ;;
 engine_profile)  # carry .pydkit: compiled_layers' CUDA test, then the TorchEngine at 256 x 256 -> 256 (Qwen3-0.6B shape) with its layers eager then compiled, each with torch.profiler kernel tables (~5 min)
     use_pydkit || exit 1
     run compiled_layers_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/engine/test_torch_engine_cuda.py -k compiled_layers

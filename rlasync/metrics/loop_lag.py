@@ -12,7 +12,8 @@ the worst lateness at which each was seen. A loop thread that waits for the GIL,
 shows only the frames above that (for a thread started on a C function: `threading.py ... run`); one that runs Python
 shows that code. Each wake of the watchdog takes the GIL from whichever thread holds it, a cost where the host side
 is GIL-bound (a GenerationActor on a GPU: a sums run with a 5 ms watchdog generated 19% fewer tokens a second than the
-run before it, 2026-12-06, not an A/B), so it is a diagnostic, off unless `stall_s` is given, polling at 20 ms.
+run before it, 2026-12-06, not an A/B; on a CPU, bench/engine_host_gil.py: 3% fewer), so it is a diagnostic, off
+unless `stall_s` is given, polling at 20 ms.
 """
 
 from __future__ import annotations
