@@ -166,11 +166,8 @@ class LoopHost:
         from actors.fanout import resolve_named
 
         queue = resolve_named(queue)
-        if isinstance(dataset, FromQueue):  # FROM_QUEUE, a copy after crossing Ray
-            import ray
-
-            [ref] = ray.get(queue.dataset.remote())
-            dataset = ray.get(ref)
+        # FROM_QUEUE (a copy after crossing Ray): fetched by `start()`, awaited (a blocking `ray.get` here, in an async
+        # actor's constructor, would make Ray warn that it blocks the event loop)
         self.index, self.config, self.dataset, self.queue = index, config, dataset, queue
         self.items = []
         self.source = QueuePromptSource(self, group_size)
@@ -181,7 +178,11 @@ class LoopHost:
         return tokenizer
 
     async def start(self) -> None:
-        self.task = asyncio.ensure_future(self._run())
+        if isinstance(self.dataset, FromQueue):  # the rows the queue actor holds, once per incarnation
+            [ref] = await self.queue.dataset.remote()
+            self.dataset = await ref
+        if self.task is None:  # two starts at once (a step's and a health check's `ensure_running`): one loop
+            self.task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         try:
