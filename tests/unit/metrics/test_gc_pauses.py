@@ -79,7 +79,9 @@ def test_a_slow_full_collection_freezes_what_survived_it_up_to_the_cap():
         gc.collect()  # walks the 300k, collects the 10k cycles, then freezes the survivors
         slow = monitor.take()
         assert slow["gc_refreezes"] == 1
-        assert 300_000 <= gc.get_freeze_count() - frozen_before <= tracked - 10_000  # the live ones only
+        # the live ones only: not the 10k in garbage cycles (give or take the few objects made since `tracked`, by
+        # the monitor's callback or another thread of the test process; once it was off by one)
+        assert 300_000 <= gc.get_freeze_count() - frozen_before <= tracked - 9_000
         gc.collect()
         fast = monitor.take()
         assert fast["gc_max_s"] < slow["gc_max_s"] / 3
