@@ -314,6 +314,7 @@ class Cluster:
             vllm_server_url=server_url,
             num_cpus=cluster.generation_num_cpus,
             num_gpus=cluster.generation_num_gpus,
+            loop_stall_s=cluster.generation_stall_s,
         )
         return [self.spawn_engine() for _ in range(cluster.num_generation_actors)]
 

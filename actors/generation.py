@@ -43,6 +43,7 @@ class GenerationActor:
         vllm_server_url: str | None = None,
         serve_initial_weights: bool = False,
         warm_sampling: list[Any] | None = None,
+        loop_stall_s: float | None = None,
     ) -> None:
         """`serve_initial_weights`: serve the weights loaded here at once (an engine outside a training run); a
         training run's engines wait for their first sync (the first-sync gate, kept across Ray restarts).
@@ -54,7 +55,6 @@ class GenerationActor:
 
         if num_threads and not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
-        from rlasync import envs
         from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, GcPauseMonitor, freeze_heap
         from rlasync.metrics.loop_lag import LoopLagMonitor
 
@@ -71,7 +71,7 @@ class GenerationActor:
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
         # how late its loop runs (calls wait as long); 50 ms wakes, as each takes the GIL the engine's host side needs
-        self.loop_lag = LoopLagMonitor(interval_s=0.05, stall_s=envs.RLASYNC_LOOP_STALL_S)
+        self.loop_lag = LoopLagMonitor(interval_s=0.05, stall_s=loop_stall_s)
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.synced = asyncio.Event()
         if serve_initial_weights:
@@ -184,7 +184,7 @@ class GenerationActor:
         self.version = version
         self.synced.set()
         collections = self.gc_pauses.take()
-        self.loop_lag.log_stalls(logger, "generation actor")  # RLASYNC_LOOP_STALL_S: where its loop was while late
+        self.loop_lag.log_stalls(logger, "generation actor")  # cluster.generation_stall_s: where its loop was
         return {
             **phases,
             "started_at": started_at,

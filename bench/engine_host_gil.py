@@ -8,7 +8,7 @@ requests of few tokens, 8 log-probs, seeded) under variants, in alternating roun
     base             the loop-lag monitor waking every 50 ms (as the GenerationActor runs it)
     launch_on_loop   the same, each step's launch on the event loop (`TorchEngine.launch_on_loop`)
     monitor_10ms     the loop-lag monitor waking every 10 ms (as it did before 2026-12-06)
-    watchdog_5ms     the 50 ms monitor plus the stall watchdog polling every 5 ms (`RLASYNC_LOOP_STALL_S`'s thread)
+    watchdog_5ms     the 50 ms monitor plus the stall watchdog polling every 5 ms (`cluster.generation_stall_s`'s thread)
 
 and reports each variant's median new tokens/s and its ratio over base. On a CPU with a tiny model (`--tiny`, the
 default there) the model's forward is small, so the host side dominates as it does for SmolLM2 on a GPU; it is a

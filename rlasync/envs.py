@@ -5,16 +5,11 @@ its name, type, default and meaning, read through a typed accessor when asked (`
 Only what belongs to a process or a machine lives here. A knob of a run is a config field instead, which crosses
 Ray with the settings to every actor: the learner's kernel switches are the config's `kernels` section
 (`rlasync.config.kernels.KernelSettings`), not variables, because a variable set where the driver runs never reaches
-the actors of an existing cluster (`ray job submit`, KubeRay). No other module of rlasync/, actors/, bench/, tests/
-or .ci/, nor examples/' notebooks (whose own parameters are `NOTEBOOK_*`), reads an `RLASYNC_*` variable
-(tests/unit/test_envs.py).
+the actors of an existing cluster (`ray job submit`, KubeRay). No other module of rlasync/, actors/, bench/ or
+tests/ reads an `RLASYNC_*` variable (tests/unit/test_envs.py).
 
     RLASYNC_CACHE   Path   ~/.cache/rlasync   where model aliases are prepared (`models/<alias>`, rlasync.model.registry)
                                               and inductor keeps compiled graphs (`inductor/`, rlasync.model.compilation)
-    RLASYNC_LOOP_STALL_S  float  unset (off)  a diagnostic: a GenerationActor whose event loop runs more than this
-                                              many seconds late samples where it is and logs it once a minute
-                                              (rlasync.metrics.loop_lag; its watchdog thread costs the actor's host
-                                              side some GIL time, so it is off unless asked for)
 
 Imports nothing of rlasync.
 """
@@ -43,18 +38,6 @@ def _cache_dir(raw: str | None) -> Path:
     return Path(raw).expanduser() if raw else Path.home() / ".cache" / "rlasync"
 
 
-def _positive_seconds_or_none(raw: str | None) -> float | None:
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ValueError(f"RLASYNC_LOOP_STALL_S={raw!r}: a number of seconds > 0 (e.g. 0.1), or unset for off")
-    return value
-
-
 VARIABLES: dict[str, Variable] = {
     variable.name: variable
     for variable in (
@@ -66,20 +49,11 @@ VARIABLES: dict[str, Variable] = {
             "cache, under inductor/ (rlasync.model.compilation)",
             _cache_dir,
         ),
-        Variable(
-            "RLASYNC_LOOP_STALL_S",
-            float,
-            "unset (off)",
-            "a diagnostic: a GenerationActor whose event loop runs more than this many seconds late samples where it "
-            "is (a watchdog thread) and logs the most sampled stack once a minute",
-            _positive_seconds_or_none,
-        ),
     )
 }
 
 if TYPE_CHECKING:
     RLASYNC_CACHE: Path
-    RLASYNC_LOOP_STALL_S: float | None
 
 
 def read(name: str) -> Any:

@@ -94,6 +94,10 @@ class ClusterConfig:
     weight_sync_staging_mb: float = 2048.0
     """Up to this many MiB of a weight sync are received while the engine still generates (held in the receive
     buffers until it has paused), so the transfer overlaps the wait for its step in flight; 0 = pause first."""
+    generation_stall_s: float | None = None
+    """A diagnostic: a GenerationActor whose event loop runs more than this many seconds late samples where it is (a
+    watchdog thread, `rlasync.metrics.loop_lag`) and logs the most sampled stack at most once a minute. None (the
+    default): off, as the watchdog's own wakes take the GIL the engine's host side needs."""
     lora_sync: str = "adapter"
     """With a trainer's `peft_config` (LoRA; `rlasync.config.vocab.LoraSync`): "adapter" sends only the adapter (the
     built-in engine merges it into its base weights; vLLM loads it as a runtime LoRA adapter), "merged" sends the
@@ -176,6 +180,9 @@ class ClusterConfig:
             raise ValueError(f"cluster.weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: must be > 0 MiB")
         if isinstance(self.weight_sync_staging_mb, bool) or not self.weight_sync_staging_mb >= 0:
             raise ValueError(f"cluster.weight_sync_staging_mb={self.weight_sync_staging_mb!r}: must be >= 0 MiB")
+        stall_s = self.generation_stall_s
+        if stall_s is not None and (isinstance(stall_s, bool) or not stall_s > 0):
+            raise ValueError(f"cluster.generation_stall_s={stall_s!r}: must be > 0 seconds (e.g. 0.1), or null for off")
         self.lora_sync = parse_lora_sync(self.lora_sync)
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
             raise ValueError(f"cluster.max_loras={self.max_loras!r}: must be a positive integer")

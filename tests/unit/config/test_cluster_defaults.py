@@ -12,3 +12,13 @@ def test_rollout_actors_follow_the_engines_unless_set():
     assert ClusterConfig(generation_num_gpus=1, num_rollout_actors=2).num_rollout_actors == 2  # set: kept
     with pytest.raises(ValueError, match="cluster.num_rollout_actors"):
         ClusterConfig(num_rollout_actors=0)
+
+
+def test_the_generation_stall_watchdog_is_off_unless_given_seconds_above_zero():
+    from rlasync.config.load import load_config
+
+    assert ClusterConfig().generation_stall_s is None
+    assert load_config(overrides=["cluster.generation_stall_s=0.1"]).cluster.generation_stall_s == 0.1
+    for bad in (0, -1.0, True):
+        with pytest.raises(ValueError, match=r"cluster.generation_stall_s=.*must be > 0 seconds"):
+            ClusterConfig(generation_stall_s=bad)
