@@ -31,6 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_throughput import qwen3_06b_config  # noqa: E402
 
 from rlasync.engine import SamplingParams, TorchEngine  # noqa: E402
 from rlasync.metrics.loop_lag import LoopLagMonitor  # noqa: E402
@@ -45,19 +48,11 @@ VARIANTS = {
 
 
 def tiny_qwen3(vocab: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    """engine_throughput's tiny Qwen3 with `vocab` tokens."""
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=vocab,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    )
+    config = qwen3_06b_config(tiny=True)
+    config.vocab_size, config.max_position_embeddings = vocab, 512
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
 
