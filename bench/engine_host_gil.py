@@ -10,8 +10,8 @@ requests of few tokens, 8 log-probs, seeded) under variants, in alternating roun
     monitor_10ms     the loop-lag monitor waking every 10 ms (as it did before 2026-12-06)
     watchdog_5ms     the 50 ms monitor plus the stall watchdog polling every 5 ms (`cluster.generation_stall_s`'s thread)
 
-and reports each variant's median new tokens/s and its ratio over base. On a CPU with a tiny model (`--tiny`, the
-default there) the model's forward is small, so the host side dominates as it does for SmolLM2 on a GPU; it is a
+and reports each variant's median new tokens/s and its ratio over base. The model is tiny (engine_throughput's
+tiny Qwen3), so its forward is small, so the host side dominates as it does for SmolLM2 on a GPU; it is a
 part of the system, not the system: the sums run's A/B is `bench/device_runs.sh e2e_ab`.
 
     python3 bench/engine_host_gil.py --device cpu --out bench/results/engine_host_gil_cpu.json

@@ -546,10 +546,11 @@ class TorchEngine:
     async def _launch(self, output: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Launch one step of the overlapped loop; a request decoding in `previous` takes its input id from there."""
         inputs = [self._overlapped_input(chunk, previous) for chunk in output.chunks]
+        prior = previous.step if previous else None
         if self.launch_on_loop:
-            step = self._runner.launch(inputs, previous.step if previous else None)
+            step = self._runner.launch(inputs, prior)
         else:
-            step = await asyncio.to_thread(self._runner.launch, inputs, previous.step if previous else None)
+            step = await asyncio.to_thread(self._runner.launch, inputs, prior)
         launched = InFlight(output, step)
         rows = launched.rows
         for chunk in output.chunks:
