@@ -465,15 +465,17 @@ e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
     ;;
-e2e_ab)  # after kits and the SmolLM2 calls (warm): the default sums run with the TorchEngine twice in one call, E2E_BUDGET_S (200) each, first as it is, then with E2E_SETS (e.g. cluster.engine_kwargs.launch_on_loop=true): generated tokens/s, step time, syncs and loop lag side by side (~8 min)
+e2e_ab)  # after kits and the SmolLM2 calls (warm): the default sums run with the TorchEngine twice in one call, E2E_BUDGET_S (200) each, first with E2E_BASE_SETS (none: as it is), then with E2E_SETS (e.g. cluster.engine_kwargs.launch_on_loop=true); E2E_AB_LABEL (ab) names the files sums_<label>_{base,variant}*: generated tokens/s, step time, syncs and loop lag side by side (~8 min)
     export PYTHONPATH=$PWD:/tmp/site
     smollm2_ready || exit 1
+    label=${E2E_AB_LABEL:-ab}
     sets=(); for s in ${E2E_SETS:?E2E_SETS names the variant, e.g. cluster.engine_kwargs=...}; do sets+=(--set "$s"); done
+    base_sets=(); for s in ${E2E_BASE_SETS:-}; do base_sets+=(--set "$s"); done
     for side in base variant; do
-        extra=(); [ "$side" = variant ] && extra=("${sets[@]}")
-        run "e2e_ab_$side" 290 python3 bench/sums_e2e.py --engines torch --run-root "/tmp/sums_ab_$side" --out "$out/sums_ab_${side}_h200.json" --budget-s "${E2E_BUDGET_S:-200}" --stop-after-steps 1000 "${extra[@]}"
-        cp "/tmp/sums_ab_$side/sums_torch/metrics.jsonl" "$out/sums_ab_${side}_metrics.jsonl" 2>/dev/null
-        grep -h -E '"(generated_tokens_per_s_median|mean_step_s|weight_sync_median_s|weight_sync_max_s|generation_loop_lag_max_s_median|rollout_wait_frac|sets)"' "$out/sums_ab_${side}_h200.json"
+        extra=("${base_sets[@]}"); [ "$side" = variant ] && extra=("${sets[@]}")
+        run "e2e_${label}_$side" 290 python3 bench/sums_e2e.py --engines torch --run-root "/tmp/sums_${label}_$side" --out "$out/sums_${label}_${side}_h200.json" --budget-s "${E2E_BUDGET_S:-200}" --stop-after-steps 1000 "${extra[@]}"
+        cp "/tmp/sums_${label}_$side/sums_torch/metrics.jsonl" "$out/sums_${label}_${side}_metrics.jsonl" 2>/dev/null
+        grep -h -E '"(generated_tokens_per_s_median|mean_step_s|seconds_to_reward_0_9|weight_sync_median_s|weight_sync_max_s|generation_loop_lag_max_s_median|rollout_wait_frac|sets)"' "$out/sums_${label}_${side}_h200.json"
     done
     ;;
 distill_teachers)  # after e2e_sums_torch (warm): the diffs teacher (GRPO, 120 steps) MOPD needs, both teachers evaluated (~5 min; distill_mopd follows)
