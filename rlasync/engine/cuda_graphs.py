@@ -41,7 +41,8 @@ class DecodeGraphs:
         warm_every_size: bool = False,
     ) -> None:
         """`warm_every_size`: run every batch size once before any capture (a compiled decoder compiles for the
-        shapes it specialises on, size 1, outside the capture); otherwise only the largest, twice."""
+        shapes it specialises on, size 1, and the fused layers' Triton kernels for the sizes they specialise on,
+        outside the capture); otherwise only the largest, twice."""
         self.pool = pool
         self.backend = backend
         self.batch_sizes = tuple(sorted(batch_sizes))

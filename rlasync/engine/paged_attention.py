@@ -354,12 +354,25 @@ def paged_attention_forward(
     k_cache, v_cache = meta.pool.keys(layer), meta.pool.values(layer)
     k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    return attend_cached(q, layer, meta, scaling, sliding_window)[None], None
+
+
+def attend_cached(
+    q: torch.Tensor,
+    layer: int,
+    meta: PagedAttentionMetadata,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q [N, Hq, D] over layer `layer`'s pool, whose keys and values of this step's tokens are already written at
+    `meta.slot_mapping` -> [N, Hq, D] in q's dtype, through `meta.backend`."""
+    k_cache, v_cache = meta.pool.keys(layer), meta.pool.values(layer)
     if meta.backend == "varlen":
-        output = _varlen_attention(q, k_cache, v_cache, meta, scaling, sliding_window)
-    elif meta.backend == "triton":
+        return _varlen_attention(q, k_cache, v_cache, meta, scaling, sliding_window)
+    if meta.backend == "triton":
         from rlasync.engine.triton_attention import triton_paged_attention
 
-        output = triton_paged_attention(
+        return triton_paged_attention(
             q,
             k_cache,
             v_cache,
@@ -371,9 +384,7 @@ def paged_attention_forward(
             scale=scaling,
             sliding_window=sliding_window,
         ).to(q.dtype)
-    else:
-        output = _reference_attention(q, k_cache, v_cache, meta.reference, scaling, sliding_window)
-    return output[None], None
+    return _reference_attention(q, k_cache, v_cache, meta.reference, scaling, sliding_window)
 
 
 def _varlen_attention(

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from rlasync.engine.base import SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import DecodeGraphs
+from rlasync.engine.fused_decoder import CHECK_TOLERANCE
 from rlasync.engine.mixed_graphs import MixedGraphs
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
 from rlasync.engine.sampler_compiled import resolve_compiled_sampler
@@ -105,7 +106,10 @@ class ModelRunner:
     empty = eager. `mixed_graph_tokens`: token counts whose mixed steps (prefill chunks with decodes, at most
     `max_num_seqs` requests) are captured too (`mixed_graphs.py`). A capture that fails is logged and those steps
     run eagerly. `compiled_sampler`: sample through `sampler_compiled` (inductor-fused; same results; None = on for
-    CUDA); a compile that fails is logged once and the eager sampler takes over."""
+    CUDA); a compile that fails is logged once and the eager sampler takes over. `fused_layers`: paged steps through
+    `fused_decoder.FusedDecoder` (the layers' elementwise work in Triton kernels; None = on for CUDA where the model
+    allows it and `compiled_layers` is off), after a start-up check against transformers' layers that turns it off,
+    logged, if they disagree."""
 
     def __init__(
         self,
@@ -120,6 +124,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         compiled_sampler: bool | None = None,
         compiled_layers: bool = False,
+        fused_layers: bool | None = None,
     ) -> None:
         check_engine_support(model)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -141,6 +146,7 @@ class ModelRunner:
         self.compiled_layers = bool(compiled_layers)
         if self.compiled_layers:
             compile_engine_layers(model)
+        self.fused_layers = self._fuse(fused_layers, backend)
         self.graphs = None
         if cuda_graph_sizes and backend in ("varlen", "triton"):
             self.graphs = self._capture(
@@ -154,7 +160,7 @@ class ModelRunner:
                     max_model_len,
                     self._no_mask,
                     backend,
-                    warm_every_size=self.compiled_layers,
+                    warm_every_size=self.compiled_layers or self.fused_layers,
                 ),
             )
         self.eager_steps = 0  # steps whose decoder ran eagerly (no CUDA graph held them; on the CPU: every step)
@@ -174,6 +180,43 @@ class ModelRunner:
                     backend,
                 ),
             )
+
+    def _fuse(self, requested: bool | None, backend: str) -> bool:
+        """Whether paged steps run through `FusedDecoder` (`fused_layers`); if so, `self.decoder` is it."""
+        from rlasync.engine.fused_decoder import FusedDecoder, check_fused, fusable
+
+        if requested is False or (requested is None and (self.device.type != "cuda" or self.compiled_layers)):
+            return False
+        if self.compiled_layers:
+            raise ValueError(
+                "fused_layers=True and compiled_layers=True: choose one (the fused layers are not compiled)"
+            )
+        reason = fusable(self.model)
+        if reason is not None:
+            if requested:
+                raise ValueError(f"fused_layers=True: this model cannot take them ({reason}); use fused_layers=None")
+            logger.info("engine layers run unfused: %s", reason)
+            return False
+        fused = FusedDecoder(self.decoder)
+        tokens = min(16, self.pool.block_size * self.pool.num_blocks)
+        meta = build_metadata(
+            self.pool, [0], [tokens], [list(range(-(-tokens // self.pool.block_size)))], self.device, backend
+        )
+        ids = torch.arange(tokens, device=self.device)[None] % self.vocab_size
+        try:
+            with _on_device(self.device):
+                error = check_fused(fused, meta, ids, self._no_mask)
+        except Exception:  # a kernel that does not build or launch here: the layers stay transformers'
+            logger.exception("fused engine layers failed their start-up check; running transformers' layers")
+            return False
+        if not error < CHECK_TOLERANCE:
+            logger.warning(
+                "fused engine layers disagree with transformers' (relative error %.3g over a %d-token step); "
+                "running transformers' layers", error, tokens,
+            )  # fmt: skip
+            return False
+        self.decoder = fused
+        return True
 
     def _capture(self, what: str, build: Callable[[], Any]) -> Any:
         """`build()` (a set of CUDA graphs, captured on construction); a compile failure of the compiled layers

@@ -142,6 +142,11 @@ class TorchEngine:
                            norms, rotary and activations: `runner.compile_engine_layers`); off by default (its A/B
                            against vLLM is `bench/engine_vs_vllm.py --compiled-layers`); a failed compile falls back
                            to eager layers, logged
+    fused_layers           paged steps through `fused_decoder.FusedDecoder`: each layer's norms, residual adds,
+                           rotary embedding, q/k norms, KV writes and SiLU in four Triton kernels around the same
+                           projections (`triton_layers`); None (default): on for CUDA where the model allows it and
+                           `compiled_layers` is off, after a start-up check against transformers' layers (a
+                           disagreement turns it off, logged)
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class TorchEngine:
         compiled_sampler: bool | None = None,
         compiled_layers: bool = False,
         launch_on_loop: bool = False,
+        fused_layers: bool | None = None,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -210,6 +216,7 @@ class TorchEngine:
             max_num_seqs=max_num_seqs,
             compiled_sampler=compiled_sampler,
             compiled_layers=compiled_layers,
+            fused_layers=fused_layers,
         )
         allocator = BlockAllocator(pool.num_blocks, block_size, enable_caching=enable_prefix_caching)
         mixed = self._runner.mixed  # None without CUDA graphs of mixed steps (or when their capture failed)
@@ -339,6 +346,7 @@ class TorchEngine:
             "graphed_step_tokens": self._scheduler.graphed_step_tokens,
             "compiled_sampler": bool(runner.compiled_sampler),
             "compiled_layers": runner.compiled_layers,
+            "fused_layers": runner.fused_layers,
         }
 
     def warm_up(self, sampling: Sequence[SamplingParams]) -> float:

@@ -22,9 +22,11 @@ def test_runner_info_describes_the_cpu_engine():
         "graphed_step_tokens",
         "compiled_sampler",
         "compiled_layers",
+        "fused_layers",
     }
     assert info["cuda_graphs"] is False and info["compiled_sampler"] is False  # CPU: no graphs, eager by default
     assert info["compiled_layers"] is False  # off unless asked for
+    assert info["fused_layers"] is False  # on by default for CUDA only
     assert info["mixed_cuda_graphs"] is False and info["graphed_step_tokens"] is None
     assert info["block_size"] == engine.block_size > 0
     assert isinstance(info["attention_backend"], str) and info["attention_backend"]
