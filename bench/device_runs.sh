@@ -391,7 +391,7 @@ smol2)  # carry .smol2 right after smol1: the GGUF rebuilt as a stand-in llm_smo
     run models_prepare 240 python3 -m rlasync models prepare smollm2-135m-instruct
     smollm2_ready
     ;;
-engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the sampler's top-N kernel vs int64 keys (bench/sampler_top_n.py), then the TorchEngine over vLLM in its default compiled mode, 256 x 256 -> 256, seeded/unseeded x 0/8 log-probs, one process (~5 min; the compiled layers' A/B is engine_ab's: with it, 2026-12-06, the engine with compiled layers had not started within 310 s)
+engine_vs_vllm)  # after kits .devicekit and .vllmkit (warm): the sampler's top-N kernel vs int64 keys (bench/sampler_top_n.py), then the TorchEngine over vLLM in its default compiled mode, 256 x 256 -> 256, seeded/unseeded x 0/8 log-probs, one process (~5 min; the layers' A/Bs are engine_ab's: with compiled layers, 2026-12-06, the engine had not started within 310 s)
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
@@ -404,24 +404,25 @@ sampler_top_n)  # carry .pydkit (one short call): the top-N kernel vs int64 keys
     run sampler_top_n 90 python3 bench/sampler_top_n.py --out "$out"
     run sampler_cuda_test 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/engine/test_sampler_compiled.py -k engine_shape
     ;;
-engine_ab)  # carry .pydkit (one call, no other kit): the sampler's top-N kernel vs int64 keys, then the TorchEngine with layers eager then compiled at 256 x 256 -> 256, four modes (~5 min; engine_vs_vllm without vLLM)
+engine_ab)  # carry .pydkit (one call, no other kit): the fused layers' CUDA tests, then the TorchEngine as it is (fused layers) and with transformers' layers (ENGINE_VARIANTS, default unfused_layers; compiled_layers took over 310 s to build on 2026-12-06) at 256 x 256 -> 256, four modes (~5 min; engine_vs_vllm without vLLM)
     use_pydkit || exit 1
-    run sampler_top_n 90 python3 bench/sampler_top_n.py --out "$out"
-    run engine_ab 480 python3 bench/engine_vs_vllm.py --skip-vllm --compiled-layers --out "$out" --json-name engine_ab_h200.json --budget-s 330
-    grep -h -E '"(compiled_over_eager_layers_|torch_engine(_compiled_layers)?_new_tokens_per_s)' -A4 "$out/engine_ab_h200.json" | head -30
+    run fused_tests 150 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_fused_decoder.py
+    variants=(); for v in ${ENGINE_VARIANTS:-unfused_layers}; do variants+=(--variant "$v"); done
+    run engine_ab 420 python3 bench/engine_vs_vllm.py --skip-vllm "${variants[@]}" --out "$out" --json-name engine_ab_h200.json --budget-s 330
+    grep -h -E '"(fused_over_unfused_layers_|compiled_over_eager_layers_|fused_layers)' "$out/engine_ab_h200.json" | head -30
     ;;
 host_gil)  # carry .pydkit (one short call): the engine's host side under threads that take the GIL (launch on the loop, loop-lag monitor at 10 vs 50 ms, the stall watchdog), a tiny Qwen3 on the GPU so the host side dominates as for SmolLM2 (~2 min)
     use_pydkit || exit 1
     run host_gil 240 python3 bench/engine_host_gil.py --device cuda --rounds 12 --out "$out/engine_host_gil_h200.json"
     tail -n 14 "$out/host_gil.log"
     ;;
-engine_profile)  # carry .pydkit: compiled_layers' CUDA test, then the TorchEngine at 256 x 256 -> 256 (Qwen3-0.6B shape) with its layers eager then compiled, each with torch.profiler kernel tables (~5 min)
+engine_profile)  # carry .pydkit: the fused layers' CUDA tests, then the TorchEngine at 256 x 256 -> 256 (Qwen3-0.6B shape) with its layers fused (the default) then transformers' (LAYERS: "fused unfused"; "compiled" adds the compiled layers, over 310 s to build on 2026-12-06), each with torch.profiler kernel tables (~5 min)
     use_pydkit || exit 1
-    run compiled_layers_test 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/engine/test_torch_engine_cuda.py -k compiled_layers
-    for layers in eager compiled; do
-        flag=(); [ "$layers" = compiled ] && flag=(--compiled-layers)
+    run fused_tests 150 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/engine/test_fused_decoder.py
+    for layers in ${LAYERS:-fused unfused}; do
+        flag=(); [ "$layers" = compiled ] && flag=(--compiled-layers); [ "$layers" = unfused ] && flag=(--unfused-layers)
         run "engine_profile_$layers" 200 python3 bench/engine_throughput.py --no-hf --concurrency 256 --group-size 1 "${flag[@]}" --profile "$out/engine_profile_$layers" --out "$out/engine_layers_${layers}_h200.json"
-        grep -h -E '"engine_c256(_logprobs8)?_new_tokens_per_s"|"compiled_layers"' "$out/engine_layers_${layers}_h200.json"
+        grep -h -E '"engine_c256(_logprobs8)?_new_tokens_per_s"|"(compiled|fused)_layers"' "$out/engine_layers_${layers}_h200.json"
     done
     ;;
 engine_host)  # carry .pydkit (or none after kits, warm): the TorchEngine's side of engine_vs_vllm alone after the host-side cuts (issue 35), heap frozen as in GRPO then not, ~2 x 2 min; compare with engine_vs_vllm_h200.json's vLLM numbers

@@ -128,6 +128,11 @@ def main() -> None:
         action="store_true",
         help="the engine's compiled_layers (each decoder layer compiled by inductor before the CUDA graphs)",
     )
+    parser.add_argument(
+        "--unfused-layers",
+        action="store_true",
+        help="the engine's fused_layers off: transformers' eager layers (the default on CUDA fuses their elementwise work)",
+    )
     parser.add_argument("--profile", default=None, help="write torch.profiler tables of a short run to this folder")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -168,6 +173,7 @@ def main() -> None:
         async_scheduling={"on": True, "off": False}.get(args.async_scheduling),
         compiled_sampler={"on": True, "off": False}.get(args.compiled_sampler),
         compiled_layers=args.compiled_layers,
+        fused_layers=False if args.unfused_layers else None,
     )
     modes = {"compare": [("_sync", False), ("_async", True)]}.get(args.async_scheduling, [("", None)])
     sampler_modes = {"compare": [("_eager", False), ("_compiled", True)]}.get(args.compiled_sampler, [("", None)])
@@ -175,6 +181,7 @@ def main() -> None:
     results["attention_backend"] = runner["attention_backend"]
     results["cuda_graphs"] = runner["cuda_graphs"]
     results["compiled_layers"] = runner["compiled_layers"]
+    results["fused_layers"] = runner["fused_layers"]
     results["async_scheduling"] = (
         args.async_scheduling if args.async_scheduling == "compare" else engine.async_scheduling
     )

@@ -128,7 +128,13 @@ async def phase_vllm(ctx: dict[str, Any]) -> dict[str, Any]:
     return await measure(ctx["engine"], prompts, args.new_tokens, args.repeats)
 
 
-async def phase_torch_engine(ctx: dict[str, Any], compiled_layers: bool = False) -> dict[str, Any]:
+VARIANTS = {  # the TorchEngine's variants measured after its default (`--variant`), as engine kwargs
+    "compiled_layers": dict(compiled_layers=True),  # decoder layers compiled by inductor (the fused layers off)
+    "unfused_layers": dict(fused_layers=False),  # transformers' eager layers (the default's fused ones off)
+}
+
+
+async def phase_torch_engine(ctx: dict[str, Any], **engine_kwargs: Any) -> dict[str, Any]:
     from rlasync.engine import TorchEngine
 
     args = ctx["args"]
@@ -139,7 +145,7 @@ async def phase_torch_engine(ctx: dict[str, Any], compiled_layers: bool = False)
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.concurrency,
-        compiled_layers=compiled_layers,
+        **engine_kwargs,
     )
     startup_s = time.perf_counter() - t0
     # as the GenerationActor: the sampler compiles for the run's sampling (each mode), then the heap is frozen
@@ -178,11 +184,11 @@ async def main_gpu(run: Run) -> None:
         free_gpu()
         await asyncio.sleep(2)
     await run.phase("torch_engine", phase_torch_engine, ctx)
-    summarise(run.result)  # the ratios are in the JSON even should the compiled layers' phase not end
+    summarise(run.result)  # the ratios are in the JSON even should a variant's phase not end
     run.save()
-    if run.args.compiled_layers:  # the same engine with its decoder layers compiled (`compiled_layers`), after it
+    for variant in run.args.variant:  # the same engine with other layers, after it
         free_gpu()
-        await run.phase("torch_engine_compiled_layers", phase_torch_engine, ctx, True)
+        await run.phase(f"torch_engine_{variant}", phase_torch_engine, ctx, **VARIANTS[variant])
         summarise(run.result)
         run.save()
 
@@ -190,7 +196,7 @@ async def main_gpu(run: Run) -> None:
 def summarise(result: dict[str, Any]) -> None:
     """The summary and ratios of `result` from the phases it holds (each side's median new tokens/s per mode)."""
     phases, summary = result["phases"], result["summary"]
-    sides = {side: phases.get(side) for side in ("vllm", "torch_engine", "torch_engine_compiled_layers")}
+    sides = {side: phases.get(side) for side in ("vllm", "torch_engine", *(f"torch_engine_{v}" for v in VARIANTS))}
     sides = {side: value for side, value in sides.items() if value and "skipped" not in value}
     for side, value in sides.items():
         summary[f"{side}_new_tokens_per_s"] = {
@@ -199,7 +205,9 @@ def summarise(result: dict[str, Any]) -> None:
     pairs = (
         ("torch_engine", "vllm", "ratio_"),
         ("torch_engine_compiled_layers", "vllm", "compiled_layers_ratio_"),
-        ("torch_engine_compiled_layers", "torch_engine", "compiled_over_eager_layers_"),  # the A/B alone
+        ("torch_engine_unfused_layers", "vllm", "unfused_layers_ratio_"),
+        ("torch_engine", "torch_engine_unfused_layers", "fused_over_unfused_layers_"),  # the default's A/B alone
+        ("torch_engine_compiled_layers", "torch_engine_unfused_layers", "compiled_over_eager_layers_"),
     )
     for side, over, prefix in pairs:
         if side in sides and over in sides:
@@ -222,9 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave the heap unfrozen once the TorchEngine is built (the GenerationActor freezes it)",
     )
     parser.add_argument(
-        "--compiled-layers",
-        action="store_true",
-        help="then the TorchEngine again with compiled_layers=True (ratios compiled_layers_ratio_*)",
+        "--variant",
+        action="append",
+        default=[],
+        choices=sorted(VARIANTS),
+        help="then the TorchEngine again as this variant (repeatable): compiled_layers (ratios compiled_layers_ratio_*) "
+        "or unfused_layers (transformers' layers: unfused_layers_ratio_*, fused_over_unfused_layers_*)",
     )
     parser.add_argument(
         "--vllm-engine-args",

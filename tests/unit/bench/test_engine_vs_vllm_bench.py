@@ -161,16 +161,30 @@ def _phase(rate: float) -> dict:
 
 
 def test_summary_holds_the_ratios_of_the_phases_that_ended():
-    # the compiled layers' phase did not end (the call's limit): vLLM's and the eager engine's ratios are still there
+    # the variants' phases did not end (the call's limit): vLLM's and the default engine's ratios are still there
     result = {"phases": {"vllm": _phase(200.0), "torch_engine": _phase(150.0)}, "summary": {}}
     engine_vs_vllm.summarise(result)
     assert result["ratio_unseeded"] == result["summary"]["ratio_seeded_logprobs8"] == 0.75
     assert result["summary"]["vllm_new_tokens_per_s"]["seeded"] == 200
-    assert not [key for key in result if "compiled" in key]
+    assert not [key for key in result if "layers" in key]
+    result["phases"]["torch_engine_unfused_layers"] = _phase(100.0)
+    engine_vs_vllm.summarise(result)
+    assert result["unfused_layers_ratio_unseeded"] == 0.5
+    assert result["fused_over_unfused_layers_seeded"] == 1.5
+    assert "compiled_layers_ratio_unseeded" not in result
     result["phases"]["torch_engine_compiled_layers"] = _phase(300.0)
     engine_vs_vllm.summarise(result)
     assert result["compiled_layers_ratio_unseeded"] == 1.5
-    assert result["compiled_over_eager_layers_seeded"] == 2.0
+    assert result["compiled_over_eager_layers_seeded"] == 3.0
+
+
+def test_variants_are_engine_kwargs_of_the_torch_engine_phase():
+    args = engine_vs_vllm.build_parser().parse_args(
+        ["--out", "x", "--variant", "unfused_layers", "--variant", "compiled_layers"]
+    )
+    assert args.variant == ["unfused_layers", "compiled_layers"]
+    assert engine_vs_vllm.VARIANTS["unfused_layers"] == {"fused_layers": False}
+    assert engine_vs_vllm.VARIANTS["compiled_layers"] == {"compiled_layers": True}
     skipped = {"phases": {"vllm": {"skipped": "time budget"}, "torch_engine": _phase(1.0)}, "summary": {}}
     engine_vs_vllm.summarise(skipped)
     assert "ratio_unseeded" not in skipped and "vllm_new_tokens_per_s" not in skipped["summary"]
