@@ -248,5 +248,29 @@ def test_engine_refuses_fused_layers_a_model_cannot_take():
     assert engine.runner_info()["fused_layers"] is False  # the default on CPU: transformers' layers
 
 
+@pytest.mark.parametrize("failure", ["disagrees", "raises"])
+def test_engine_keeps_transformers_layers_when_the_start_up_check_fails(monkeypatch, caplog, failure):
+    pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
+    import rlasync.engine.fused_decoder as fused_decoder
+    from rlasync.engine import TorchEngine
+
+    def check(fused, meta, input_ids, no_mask):
+        assert input_ids.shape[1] == meta.positions.shape[0] > 0
+        if failure == "raises":
+            raise RuntimeError("no kernel image for this device")
+        return 0.5
+
+    monkeypatch.setattr(fused_decoder, "check_fused", check)
+    with caplog.at_level("WARNING", logger="rlasync.engine.runner"):
+        engine = TorchEngine(
+            _tiny("llama", torch.float32), device="cpu", max_model_len=32, kv_cache_tokens=64, block_size=4,
+            fused_layers=True,
+        )  # fmt: skip
+    assert engine.runner_info()["fused_layers"] is False
+    assert not isinstance(engine.runner.decoder, fused_decoder.FusedDecoder)
+    expected = "disagree with transformers'" if failure == "disagrees" else "failed their start-up check"
+    assert expected in caplog.text
+
+
 if __name__ == "__main__":  # run by `triton_check` under TRITON_INTERPRET=1
     check(sys.argv[1], sys.argv[2])
