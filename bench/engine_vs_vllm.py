@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import time
@@ -168,6 +169,11 @@ async def phase_torch_engine(ctx: dict[str, Any], **engine_kwargs: Any) -> dict[
     return result
 
 
+def variant_phase(variant: str) -> Any:
+    """`phase_torch_engine` with the variant's engine kwargs (`Run.phase` passes positional args only)."""
+    return functools.partial(phase_torch_engine, **VARIANTS[variant])
+
+
 async def main_gpu(run: Run) -> None:
     ctx: dict[str, Any] = {"args": run.args, "run": run}
     ctx["model"] = await build_model(run)
@@ -188,7 +194,7 @@ async def main_gpu(run: Run) -> None:
     run.save()
     for variant in run.args.variant:  # the same engine with other layers, after it
         free_gpu()
-        await run.phase(f"torch_engine_{variant}", phase_torch_engine, ctx, **VARIANTS[variant])
+        await run.phase(f"torch_engine_{variant}", variant_phase(variant), ctx)
         summarise(run.result)
         run.save()
 

@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "bench"))
 
 import engine_vs_vllm  # noqa: E402
+import vllm_common  # noqa: E402
 
 
 class FakeEngine:
@@ -113,7 +114,6 @@ def test_the_built_in_engine_runs_every_mode_on_a_cpu():
 
 
 def test_vllm_engine_args_reach_the_engine_options():
-    import vllm_common
 
     args = engine_vs_vllm.build_parser().parse_args(
         ["--out", "/tmp/x", "--vllm-engine-args", '{"async_scheduling": true}']
@@ -125,10 +125,11 @@ def test_vllm_engine_args_reach_the_engine_options():
     )
 
 
-@pytest.mark.parametrize("no_freeze", [False, True])
-def test_the_torch_engine_phase_freezes_the_heap_as_the_generation_actor_does(tmp_path, no_freeze):
+@pytest.mark.parametrize(("no_freeze", "variant"), [(False, None), (True, None), (False, "unfused_layers")])
+def test_the_torch_engine_phase_freezes_the_heap_as_the_generation_actor_does(tmp_path, no_freeze, variant):
     """`phase_torch_engine` on a tiny random Qwen3 folder: the heap is frozen once the engine is built (unless
-    --no-freeze-heap) and the collections of the timed runs are recorded."""
+    --no-freeze-heap) and the collections of the timed runs are recorded; a variant runs through `Run.phase` as
+    `main_gpu` runs it, with its engine kwargs."""
     import gc
 
     import engine_throughput
@@ -144,7 +145,13 @@ def test_the_torch_engine_phase_freezes_the_heap_as_the_generation_actor_does(tm
     )
     ctx = {"args": args, "model": {"path": str(tmp_path / "m"), "vocab_size": 512}}
     try:
-        result = asyncio.run(engine_vs_vllm.phase_torch_engine(ctx))
+        if variant is None:
+            result = asyncio.run(engine_vs_vllm.phase_torch_engine(ctx))
+        else:
+            run = vllm_common.Run(args, "engine_vs_vllm", "test")
+            result = asyncio.run(run.phase(variant, engine_vs_vllm.variant_phase(variant), ctx))
+            assert run.result["phases"][variant] is result and not run.result["errors"]
+            assert result["runner_info"]["fused_layers"] is False
     finally:
         gc.unfreeze()
     if no_freeze:
