@@ -36,8 +36,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "sums_gpu.yaml"
-# vLLM in its own default mode (torch.compile with CUDA graphs), as bench/system_throughput.py runs it on this task
+# vLLM in its own default mode (torch.compile with CUDA graphs), as bench/system_throughput.py runs it on this task:
+# one engine on half the GPU (the config's two built-in engines are for a host-bound TorchEngine; vLLM's engine core
+# runs in a process of its own already)
 VLLM_ENGINE_KWARGS = {"max_model_len": 512, "gpu_memory_utilization": 0.3, "max_num_seqs": 256}
+VLLM_CLUSTER = ["cluster.num_generation_actors=1", "cluster.generation_num_gpus=0.5"]
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -147,7 +150,7 @@ def train_command(engine: str, run_dir: Path, steps: int | None, sets: list[str]
     set."""
     overrides = [f"output_dir={run_dir}", f"cluster.engine={engine}", "logging_steps=1"]
     if engine == "vllm":
-        overrides.append("cluster.engine_kwargs=" + json.dumps(VLLM_ENGINE_KWARGS))
+        overrides += ["cluster.engine_kwargs=" + json.dumps(VLLM_ENGINE_KWARGS), *VLLM_CLUSTER]
     if steps:
         overrides.append(f"max_steps={steps}")
     command = [sys.executable, "-m", "rlasync", "train", str(config), "--overwrite_output_dir"]
