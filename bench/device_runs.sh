@@ -436,9 +436,10 @@ e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the 
     smollm2_ready || exit 1
     mkdir -p /tmp/results
     sets=(); for s in ${E2E_SETS:-}; do sets+=(--set "$s"); done  # E2E_SETS="token_budget=2048 ...": a variant
-    if [ -n "${E2E_SPY:-}" ]; then  # E2E_SPY=1 (after kits with .whl): py-spy over the generation and a rollout actor, 15 s from ~70 s in
+    if [ -n "${E2E_SPY:-}" ]; then  # E2E_SPY=1 (after kits with .whl): py-spy over a generation and a rollout actor from ~70 s in: 12 s per thread, idle included (what each thread waits in), then 12 s of the GIL's holder only
         (sleep 70; for a in GenerationActor RolloutActor; do p=$(pgrep -f "ray::$a" | head -1); [ -n "$p" ] && \
-            /tmp/pyspy/bin/py-spy record -d 15 -r 100 -f raw --nonblocking -p "$p" -o "$out/pyspy_e2e_$a.txt" >/dev/null 2>&1 & done; wait
+            (/tmp/pyspy/bin/py-spy record -d 12 -r 100 -f raw --nonblocking --threads --idle -p "$p" -o "$out/pyspy_e2e_$a.txt" >/dev/null 2>&1
+             /tmp/pyspy/bin/py-spy record -d 12 -r 100 -f raw --nonblocking --gil -p "$p" -o "$out/pyspy_e2e_gil_$a.txt" >/dev/null 2>&1) & done; wait
          python3 bench/pyspy_top.py "$out"/pyspy_e2e_*.txt > "$out/top_e2e.txt" 2>&1) &
     fi
     run e2e_sums_torch 580 python3 bench/sums_e2e.py --engines torch --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}" --stop-after-steps "${E2E_AFTER_STEPS:-30}" "${sets[@]}"

@@ -1,6 +1,9 @@
 """Summarise py-spy's collapsed stacks (`py-spy record -f raw`): per file, the functions with the most samples,
 self (the frame on top) and total (anywhere on the stack), as percentages of that process's samples. A file
-recorded with `--subprocesses` (each stack rooted at `process PID:"command"`) is summarised per process.
+recorded with `--subprocesses` (each stack rooted at `process PID:"command"`) is summarised per process; one recorded
+with `--threads` (each stack rooted at `thread (0x...)`, after its process) per thread of each process, busiest first,
+each thread's share of its process's samples in its title (with `--idle` too, so that a thread waiting for the GIL or
+in a native call counts as much as one running Python; with `--gil`, only the thread that holds the GIL is sampled).
 
     python bench/pyspy_top.py pyspy_torch_RolloutActor.txt [...] [--top 25]
 """
@@ -29,13 +32,25 @@ def summarise(path: Path, top: int) -> str:
             continue
         frames = stack.split(";")
         process = frames.pop(0) if frames[0].startswith("process ") and len(frames) > 1 else ""
-        per_process[process].append(([frame_name(f) for f in frames], int(count)))
+        thread = frames.pop(0) if frames[0].startswith("thread ") and len(frames) > 1 else ""
+        per_process[process].append((thread, [frame_name(f) for f in frames], int(count)))
     if not per_process:
         return f"== {path.name}: no samples\n"
-    return "".join(
-        summarise_stacks(f"{path.name} {process}".strip(), stacks, top)
-        for process, stacks in sorted(per_process.items())
-    )
+    out = []
+    for process, entries in sorted(per_process.items()):
+        title = f"{path.name} {process}".strip()
+        per_thread: dict[str, list[tuple[list[str], int]]] = collections.defaultdict(list)
+        for thread, frames, n in entries:
+            per_thread[thread].append((frames, n))
+        if list(per_thread) == [""]:
+            out.append(summarise_stacks(title, per_thread[""], top))
+            continue
+        process_total = sum(n for _, _, n in entries)
+        by_size = sorted(per_thread.items(), key=lambda item: -sum(n for _, n in item[1]))
+        for thread, stacks in by_size:
+            share = 100 * sum(n for _, n in stacks) / process_total
+            out.append(summarise_stacks(f"{title} {thread} ({share:.1f}% of the process)", stacks, top))
+    return "".join(out)
 
 
 def summarise_stacks(title: str, stacks: list[tuple[list[str], int]], top: int) -> str:

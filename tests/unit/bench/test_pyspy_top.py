@@ -30,3 +30,22 @@ def test_plain_stacks_are_one_summary(tmp_path):
     text = pyspy_top.summarise(path, top=5)
     assert text.startswith("== spy.txt: 4 samples") and "75.0%  75.0%  work (b.py)" in text
     assert pyspy_top.summarise(tmp_path / "spy.txt", 5).count("== ") == 1
+
+
+def test_stacks_recorded_with_threads_are_summarised_per_thread_busiest_first(tmp_path):
+    path = tmp_path / "spy.txt"
+    path.write_text(
+        'process 11:"ray::GenerationActor";thread (0x1);run (/x/a.py:1);launch (/x/b.py:2) 30\n'
+        'process 11:"ray::GenerationActor";thread (0x2);loop (/x/c.py:3) 10\n'
+        'process 11:"ray::GenerationActor";thread (0x1);run (/x/a.py:1) 30\n'
+    )
+    text = pyspy_top.summarise(path, top=5)
+    first, second = text.split("== ")[1:]
+    assert first.startswith('spy.txt process 11:"ray::GenerationActor" thread (0x1) (85.7% of the process): 60 samples')
+    assert "50.0%  50.0%  launch (b.py)" in first and "loop" not in first
+    assert second.startswith(
+        'spy.txt process 11:"ray::GenerationActor" thread (0x2) (14.3% of the process): 10 samples'
+    )
+    plain = tmp_path / "plain.txt"
+    plain.write_text("thread (0x9);main (/a.py:1) 2\n")
+    assert pyspy_top.summarise(plain, top=5).startswith("== plain.txt thread (0x9) (100.0% of the process): 2 samples")
