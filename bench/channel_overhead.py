@@ -1,0 +1,174 @@
+"""What the rollout actors' channel to a generation actor costs the generation actor's process, per request, on the CPU.
+
+A part, not the system: the engine is a stand-in that finishes each request after a few ticks of a fixed step clock
+(as the built-in engine finishes a step's requests together), returning a TurnRecord shaped as the SmolLM2 sums run's
+(~11 output tokens, 8 sampler log-probs each). The rollout side is `--rollout-actors` Ray actors, each keeping
+`--inflight` requests in flight through `actors.engine_channel.EngineChannel` (one streaming call per event-loop turn,
+results streamed back as they finish), as the rollout actors do. What is measured in the generation actor's process:
+CPU seconds (all its threads: the event loop, Ray's own threads) per request, the streaming calls and their yields
+per engine step, and requests per second. On a GPU the engine's own host work shares that process (and its GIL).
+
+    python bench/channel_overhead.py --seconds 10 --out bench/results/channel_overhead_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class TickEngine:
+    """A stand-in engine: a request finishes after a number of steps of `tick_s` drawn from `ticks` (low, high)."""
+
+    def __init__(self, tick_s: float, ticks: tuple[int, int], new_tokens: int, logprobs: int) -> None:
+        import random
+
+        self.tick_s, self.ticks, self.new_tokens, self.logprobs = tick_s, ticks, new_tokens, logprobs
+        self.random = random.Random(0)
+        self.step = 0
+        self.waiting: dict[int, list[asyncio.Future]] = {}
+        self._clock: asyncio.Task | None = None
+
+    async def _run_clock(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            self.step += 1
+            for future in self.waiting.pop(self.step, []):
+                if not future.done():
+                    future.set_result(None)
+
+    async def generate(self, prompt_ids, sampling):
+        from rlasync.records import TurnRecord
+
+        if self._clock is None:
+            self._clock = asyncio.ensure_future(self._run_clock())
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(self.step + self.random.randint(*self.ticks), []).append(future)
+        await future
+        n = self.new_tokens
+        top = [{j: -0.1 * (j + 1) for j in range(self.logprobs)} for _ in range(n)]
+        return TurnRecord(list(prompt_ids), list(range(n)), [-0.5] * n, None, None, top, "stop")
+
+
+def make_actors(ray):
+    @ray.remote
+    class StubGeneration:
+        def __init__(self, tick_s, ticks, new_tokens, logprobs):
+            self.engine = TickEngine(tick_s, ticks, new_tokens, logprobs)
+            self.calls = 0
+            self.yields = 0
+
+        async def generate_stream(self, requests):
+            from actors.engine_channel import stream_results
+
+            self.calls += 1
+            async for ready in stream_results(self.engine, requests):
+                self.yields += 1
+                yield ready
+
+        def counters(self):
+            times = os.times()
+            return {"cpu_s": times.user + times.system, "calls": self.calls, "yields": self.yields,
+                    "steps": self.engine.step}  # fmt: skip
+
+    @ray.remote
+    class Rollouts:
+        def __init__(self, handle, inflight, prompt_len):
+            from actors.engine_channel import EngineChannel
+
+            self.channel = EngineChannel(handle)
+            self.inflight, self.prompt = inflight, list(range(prompt_len))
+            self.done = 0
+
+        async def run(self, seconds):
+            from rlasync.engine.base import SamplingParams
+
+            sampling = SamplingParams(max_tokens=16, num_logprobs=8)
+            stop = time.monotonic() + seconds
+
+            async def worker():
+                while time.monotonic() < stop:
+                    await self.channel.generate(self.prompt, sampling)
+                    self.done += 1
+
+            await asyncio.gather(*(worker() for _ in range(self.inflight)))
+            return self.done
+
+        def count(self):
+            return self.done
+
+    return StubGeneration, Rollouts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollout-actors", type=int, default=4)
+    parser.add_argument("--inflight", type=int, default=64, help="requests each rollout actor keeps in flight")
+    parser.add_argument("--tick-s", type=float, default=0.013, help="the stand-in engine's step (13 ms: the sums run)")
+    parser.add_argument(
+        "--ticks", default="3-20", help="steps a request lasts, LOW-HIGH uniform (the sums run: 2-48 tokens, ~11 mean)"
+    )
+    parser.add_argument("--new-tokens", type=int, default=11)
+    parser.add_argument("--logprobs", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=45)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import ray  # noqa: TID251 - a driver script, as actors.cluster
+
+    ray.init(num_cpus=args.rollout_actors + 2, include_dashboard=False, log_to_driver=False)
+    try:
+        StubGeneration, Rollouts = make_actors(ray)
+        low, _, high = args.ticks.partition("-")
+        gen = StubGeneration.remote(args.tick_s, (int(low), int(high or low)), args.new_tokens, args.logprobs)
+        rollouts = [Rollouts.remote(gen, args.inflight, args.prompt_len) for _ in range(args.rollout_actors)]
+        runs = [r.run.remote(args.warmup_s + args.seconds) for r in rollouts]
+        time.sleep(args.warmup_s)
+        before, done_before, t0 = (
+            ray.get(gen.counters.remote()),
+            sum(ray.get([r.count.remote() for r in rollouts])),
+            time.monotonic(),
+        )
+        time.sleep(args.seconds)
+        after, done_after, t1 = (
+            ray.get(gen.counters.remote()),
+            sum(ray.get([r.count.remote() for r in rollouts])),
+            time.monotonic(),
+        )
+        ray.get(runs)
+    finally:
+        ray.shutdown()
+    requests = done_after - done_before
+    steps = max(1, after["steps"] - before["steps"])
+    result = {
+        "benchmark": "channel_overhead",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "settings": vars(args),
+        "requests_per_s": round(requests / (t1 - t0), 1),
+        "generation_actor_cpu_us_per_request": round(1e6 * (after["cpu_s"] - before["cpu_s"]) / max(1, requests), 1),
+        "generation_actor_cpu_frac": round((after["cpu_s"] - before["cpu_s"]) / (t1 - t0), 3),
+        "streaming_calls_per_step": round((after["calls"] - before["calls"]) / steps, 2),
+        "yields_per_step": round((after["yields"] - before["yields"]) / steps, 2),
+        "requests_per_step": round(requests / steps, 2),
+        "engine_steps_per_s": round(steps / (t1 - t0), 1),
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
