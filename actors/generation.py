@@ -25,6 +25,9 @@ from typing import Any
 
 import ray
 
+from actors.engine_channel import ChannelHost
+from rlasync.engine.base import EngineError
+
 logger = logging.getLogger(__name__)
 
 SYNC_GATE_S = 30.0  # a generate call waits this long for this incarnation's first weight sync, then fails retryably
@@ -60,10 +63,8 @@ class GenerationActor:
 
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
         warm_up = getattr(self.engine, "warm_up", None)
-        if warm_sampling and warm_up is not None:
-            seconds = warm_up(warm_sampling)
-            if seconds:
-                logger.info("generation engine: sampler compiled for the run's sampling in %.1f s", seconds)
+        if warm_sampling and warm_up is not None and (seconds := warm_up(warm_sampling)):
+            logger.info("generation engine: sampler compiled for the run's sampling in %.1f s", seconds)
         freeze_heap()  # the engine's start-up heap is never walked again by a full collection
         # the collections that still happen are timed; one that walks what the engine built lazily since (the
         # compiled sampler's first steps) freezes it too, so a weight sync does not wait behind the next ones
@@ -73,6 +74,7 @@ class GenerationActor:
         # how late its loop runs (calls wait as long); 50 ms wakes, as each takes the GIL the engine's host side needs
         self.loop_lag = LoopLagMonitor(interval_s=0.05, stall_s=loop_stall_s)
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
+        self.channels = ChannelHost(self)  # the rollout actors' channels: requests in, one result stream each
         self.synced = asyncio.Event()
         if serve_initial_weights:
             self.synced.set()
@@ -83,21 +85,20 @@ class GenerationActor:
             try:
                 await asyncio.wait_for(self.synced.wait(), SYNC_GATE_S)
             except TimeoutError:
-                from rlasync.engine.base import EngineError
-
                 raise EngineError(
                     f"generation engine not synced with the current policy after {SYNC_GATE_S:.0f} s "
                     "(restarted, waiting for the driver's weight sync): retry"
                 ) from None
         return await self.engine.generate(prompt_ids, sampling)
 
-    async def generate_stream(self, requests: list[tuple[list[int], Any]]) -> Any:
-        """Many requests in one call (a Ray streaming generator): yields lists of `(index, ok, TurnRecord or
-        exception)` as they finish (`actors.engine_channel`, the rollout actors' side)."""
-        from actors.engine_channel import stream_results
-
+    async def submit(self, channel_id: str, requests: list[tuple[int, list[int], Any]]) -> None:
+        """Start a channel's requests, each through `generate` (its first-sync gate): `actors.engine_channel`."""
         self.loop_lag.start()
-        async for ready in stream_results(self, requests):  # through `generate`: its first-sync gate
+        await self.channels.submit(channel_id, requests)
+
+    async def results(self, channel_id: str) -> Any:
+        """A channel's one stream (a Ray streaming generator): lists of `(request_id, ok, TurnRecord or exception)`."""
+        async for ready in self.channels.results(channel_id):
             yield ready
 
     async def watch(self) -> None:
@@ -177,10 +178,8 @@ class GenerationActor:
 
             raise WeightTransportNotOpen("sync_weights before open_weight_transport")
         pausing, self.pausing = self.pausing, None
-        if pausing is not None:
-            phases = await self.receiver.load_into(self.engine, ticket, pausing=pausing)
-        else:
-            phases = await self.receiver.load_into(self.engine, ticket)
+        extra = {"pausing": pausing} if pausing is not None else {}
+        phases = await self.receiver.load_into(self.engine, ticket, **extra)
         self.version = version
         self.synced.set()
         collections = self.gc_pauses.take()

@@ -3,10 +3,10 @@
 A part, not the system: the engine is a stand-in that finishes each request after a few ticks of a fixed step clock
 (as the built-in engine finishes a step's requests together), returning a TurnRecord shaped as the SmolLM2 sums run's
 (~11 output tokens, 8 sampler log-probs each). The rollout side is `--rollout-actors` Ray actors, each keeping
-`--inflight` requests in flight through `actors.engine_channel.EngineChannel` (one streaming call per event-loop turn,
-results streamed back as they finish), as the rollout actors do. What is measured in the generation actor's process:
-CPU seconds (all its threads: the event loop, Ray's own threads) per request, the streaming calls and their yields
-per engine step, and requests per second. On a GPU the engine's own host work shares that process (and its GIL).
+`--inflight` requests in flight through `actors.engine_channel.EngineChannel` (one submission per event-loop turn,
+results back through the channel's one stream as they finish), as the rollout actors do. What is measured in the
+generation actor's process: CPU seconds (all its threads: the event loop, Ray's own threads) per request, the
+submissions and the stream's yields per engine step, and requests per second. On a GPU the engine's own host work shares that process (and its GIL).
 
     python bench/channel_overhead.py --seconds 10 --out bench/results/channel_overhead_cpu.json
 """
@@ -63,15 +63,19 @@ def make_actors(ray):
     @ray.remote
     class StubGeneration:
         def __init__(self, tick_s, ticks, new_tokens, logprobs):
+            from actors.engine_channel import ChannelHost
+
             self.engine = TickEngine(tick_s, ticks, new_tokens, logprobs)
+            self.channels = ChannelHost(self.engine)  # as the GenerationActor hosts them
             self.calls = 0
             self.yields = 0
 
-        async def generate_stream(self, requests):
-            from actors.engine_channel import stream_results
-
+        async def submit(self, channel_id, requests):
             self.calls += 1
-            async for ready in stream_results(self.engine, requests):
+            await self.channels.submit(channel_id, requests)
+
+        async def results(self, channel_id):
+            async for ready in self.channels.results(channel_id):
                 self.yields += 1
                 yield ready
 
@@ -159,7 +163,7 @@ def main() -> int:
         "requests_per_s": round(requests / (t1 - t0), 1),
         "generation_actor_cpu_us_per_request": round(1e6 * (after["cpu_s"] - before["cpu_s"]) / max(1, requests), 1),
         "generation_actor_cpu_frac": round((after["cpu_s"] - before["cpu_s"]) / (t1 - t0), 3),
-        "streaming_calls_per_step": round((after["calls"] - before["calls"]) / steps, 2),
+        "submissions_per_step": round((after["calls"] - before["calls"]) / steps, 2),
         "yields_per_step": round((after["yields"] - before["yields"]) / steps, 2),
         "requests_per_step": round(requests / steps, 2),
         "engine_steps_per_s": round(steps / (t1 - t0), 1),

@@ -1,5 +1,6 @@
-"""The rollout actors' channel to a GenerationActor (`actors.engine_channel`): many requests in one streaming call,
-the same results as one call each, per-request errors kept apart, a dead actor failing its requests retryably."""
+"""The rollout actors' channel to a GenerationActor (`actors.engine_channel`): many requests in one call, results
+through one stream, the same results as one call each, per-request errors kept apart, a dead actor failing its
+requests retryably."""
 
 import asyncio
 
@@ -35,6 +36,7 @@ def test_a_batch_of_requests_goes_in_one_call_and_matches_one_call_each(ray_clus
         streamed = asyncio.run(through_channel())
         one_each = ray_cluster.get([handle.generate.remote(ids, sampling) for ids, sampling in requests])
         assert channel.calls == 2 and channel.requests == 24  # one event-loop turn: 24 requests in 2 calls of <= 16
+        assert channel.streams == 1  # their results through the channel's one stream
         assert [r.output_ids for r in streamed] == [r.output_ids for r in one_each]
         flat = [lp for r in streamed for lp in r.output_log_probs]
         assert flat == pytest.approx([lp for r in one_each for lp in r.output_log_probs], abs=1e-5)

@@ -15,35 +15,62 @@ class _ActorId:
 
 
 class _Stream:
-    """A Ray streaming generator: each item awaits to one list of (index, ok, value); `outcome` an exception fails
-    the stream itself (the actor died), else every request gets `outcome`."""
+    """A Ray streaming generator of one channel: each item awaits to one list of (request id, ok, value); `outcome`
+    an exception fails the stream itself (the actor died), else each submitted request gets `outcome`."""
 
-    def __init__(self, requests, outcome):
-        self.requests, self.outcome = requests, outcome
+    def __init__(self, handle, outcome):
+        self.handle, self.outcome = handle, outcome
 
     async def __aiter__(self):
         if isinstance(self.outcome, BaseException):
             raise self.outcome
-        for index in range(len(self.requests)):
+        while True:
+            while not self.handle.submitted:
+                await asyncio.sleep(0)
+            request_id = self.handle.submitted.popleft()
 
-            async def item(index=index):
-                return [(index, True, self.outcome)]
+            async def item(request_id=request_id):
+                return [(request_id, True, self.outcome)]
 
             yield item()
 
 
-class FakeHandle:
-    def __init__(self, *outcomes):
-        self.outcomes = collections.deque(outcomes)
-        self.generate_stream = self
-        self._actor_id = _ActorId()
+class _Method:
+    def __init__(self, call):
+        self.call = call
 
     def options(self, **options):
         assert options == {"num_returns": "streaming"}
         return self
 
-    def remote(self, requests):
-        return _Stream(requests, self.outcomes.popleft())
+    def remote(self, *args):
+        return self.call(*args)
+
+
+class FakeHandle:
+    """A GenerationActor handle: each `results` stream opened takes the next of `outcomes`; `submit` queues ids."""
+
+    def __init__(self, *outcomes):
+        self.outcomes = collections.deque(outcomes)
+        self.submitted = collections.deque()
+        self.channels = []
+        self.results = _Method(self._results)
+        self.submit = _Method(self._submit)
+        self._actor_id = _ActorId()
+
+    def _results(self, channel_id):
+        self.channels.append(channel_id)
+        self.submitted.clear()  # a new incarnation knows nothing submitted before
+        return _Stream(self, self.outcomes.popleft())
+
+    def _submit(self, channel_id, requests):
+        assert channel_id == self.channels[-1]
+        self.submitted.extend(request_id for request_id, _, _ in requests)
+
+        async def done():
+            return None
+
+        return done()
 
 
 def _pool(engines, slept):
@@ -67,6 +94,22 @@ def test_an_engine_death_is_retried_on_the_restarted_engine():
 
     assert asyncio.run(run()) == "tokens"
     assert slept == [1.0] and pool.counters["generation_retries"] == 1
+    channel = pool.engines[0]
+    assert channel.streams == 2 and len(set(channel.handle.channels)) == 2  # the retry opened a new channel
+
+
+def test_a_channel_used_from_a_new_event_loop_opens_a_new_stream():
+    """The stream's reader lives on the loop that opened it; a later loop (asyncio.run again) gets its own."""
+    from actors.engine_channel import EngineChannel
+
+    channel = EngineChannel(FakeHandle("first", "second"))
+
+    async def run():
+        return await asyncio.wait_for(channel.generate([1], None), 5)
+
+    assert asyncio.run(run()) == "first"
+    assert asyncio.run(run()) == "second"
+    assert channel.streams == 2 and channel.calls == 2
 
 
 def test_the_engine_error_names_the_dead_actor_and_keeps_the_cause():

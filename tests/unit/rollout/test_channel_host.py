@@ -1,5 +1,6 @@
-"""The generation actor's side of the batched channel (`actors.engine_channel.stream_results`): every request
-answered once, in slices that leave the event loop to other calls, cancelled when the caller goes away."""
+"""The generation actor's side of the channels (`actors.engine_channel.ChannelHost`): every request answered once
+through its channel's one stream, whichever submission it came in; in slices that leave the event loop to other
+calls; cancelled when the caller goes away; channels kept apart."""
 
 import asyncio
 import random
@@ -9,7 +10,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from actors.engine_channel import stream_results  # noqa: E402
+from actors.engine_channel import ChannelHost  # noqa: E402
 from rlasync.engine.base import EngineError  # noqa: E402
 
 
@@ -32,17 +33,28 @@ class SlowAdmission:
         return ("record", prompt_ids[0])
 
 
-async def collect(engine, requests, **kwargs):
-    batches = []
-    async for ready in stream_results(engine, requests, **kwargs):
+async def collect(engine, requests, admit_slice=16, submissions=1):
+    """`requests` submitted in `submissions` calls on one channel; the stream's batches until all are answered."""
+    host = ChannelHost(engine, admit_slice=admit_slice)
+    stream = host.results("c")
+    numbered = [(i, ids, sampling) for i, (ids, sampling) in enumerate(requests)]
+    size = -(-len(numbered) // submissions)
+    for begin in range(0, len(numbered), size):
+        asyncio.ensure_future(host.submit("c", numbered[begin : begin + size]))
+    batches, answered = [], 0
+    while answered < len(requests):
+        ready = await stream.__anext__()
         assert ready  # never an empty list
         batches.append(ready)
+        answered += len(ready)
+    await stream.aclose()
     return batches
 
 
-def test_every_request_is_answered_once_with_its_own_outcome():
+@pytest.mark.parametrize("submissions", [1, 5])
+def test_every_request_is_answered_once_with_its_own_outcome(submissions):
     requests = [([i if i % 7 else -1], None) for i in range(1, 101)] + [([0], None)]
-    batches = asyncio.run(collect(SlowAdmission(), requests, admit_slice=8))
+    batches = asyncio.run(collect(SlowAdmission(), requests, admit_slice=8, submissions=submissions))
     results = [item for batch in batches for item in batch]
     assert sorted(index for index, _, _ in results) == list(range(len(requests)))
     for index, ok, value in results:
@@ -64,7 +76,7 @@ def test_a_call_arriving_during_a_large_batch_runs_after_one_slice():
 
     async def main():
         stream = asyncio.ensure_future(collect(engine, [([i + 1], None) for i in range(256)], admit_slice=16))
-        await asyncio.sleep(0)  # the stream starts its first slice
+        await asyncio.sleep(0)  # the submission starts its first slice
 
         async def probe():
             started_before_probe.append(engine.started)
@@ -94,12 +106,17 @@ def test_closing_the_stream_cancels_the_requests_still_running():
     engine = Forever()
 
     async def main():
-        stream = stream_results(engine, [([1], None)] + [([2], None)] * 40, admit_slice=8)
+        host = ChannelHost(engine, admit_slice=8)
+        stream = host.results("c")
+        submitting = asyncio.ensure_future(host.submit("c", [(0, [1], None)] + [(i, [2], None) for i in range(1, 41)]))
         first = await stream.__anext__()
         await stream.aclose()
         started = engine.started
+        await submitting
         await asyncio.sleep(0.05)
         assert engine.started == started  # no slice is admitted after the caller left
+        await host.submit("c", [(99, [1], None)])  # a late submission for the closed channel starts nothing
+        assert engine.started == started and host.open_channels == 0
         return first
 
     assert asyncio.run(main()) == [(0, True, "quick")]
@@ -125,3 +142,29 @@ def test_a_base_exception_from_the_engine_is_that_requests_answer_not_a_hang():
     results = sorted(item for batch in asyncio.run(main()) for item in batch)
     assert [(index, ok) for index, ok, _ in results] == [(0, True), (1, False), (2, True), (3, True)]
     assert isinstance(results[1][2], Interrupted)
+
+
+def test_channels_are_kept_apart_and_a_submission_may_come_before_the_stream():
+    class Echo:
+        async def generate(self, prompt_ids, sampling):
+            await asyncio.sleep(0.001 * prompt_ids[0])
+            return prompt_ids[0]
+
+    async def main():
+        host = ChannelHost(Echo())
+        await host.submit("b", [(0, [3], None), (1, [1], None)])  # before b's stream opens
+        a, b = host.results("a"), host.results("b")
+        await host.submit("a", [(0, [2], None)])
+        got_a = await a.__anext__()
+        got_b = []
+        while len(got_b) < 2:
+            got_b += await b.__anext__()
+        assert host.open_channels == 2
+        await a.aclose()
+        assert host.open_channels == 1
+        await b.aclose()
+        return got_a, got_b
+
+    got_a, got_b = asyncio.run(main())
+    assert got_a == [(0, True, 2)]
+    assert sorted(got_b) == [(0, True, 3), (1, True, 1)]
