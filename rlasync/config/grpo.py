@@ -90,7 +90,8 @@ class AsyncGRPOConfig(TrainerConfig):
 
     # ---- asynchrony ----
     max_concurrent_rollouts: int = 512
-    """Concurrent rollouts of all rollout actors (the cap of the adaptive concurrency controller)."""
+    """Concurrent rollouts of each rollout actor (the cap of its adaptive concurrency controller): `num_rollout_actors`
+    x this in flight at most."""
     max_inflight_tasks: int = -1
     """TRL's name of the concurrency cap: a positive value sets `max_concurrent_rollouts`; -1 keeps it."""
     rollout_worker_timeout: float = 300.0
