@@ -43,6 +43,11 @@ def _eps(norm: torch.nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
+def _head_norm(norm: torch.nn.Module | None) -> dict[str, Any]:
+    """`rope_rows`' arguments for a per-head norm (Qwen3's q_norm / k_norm), none without one."""
+    return {} if norm is None else {"norm_weight": norm.weight, "eps": _eps(norm)}
+
+
 def fusable(model: torch.nn.Module) -> str | None:
     """Why `model` cannot run through `FusedDecoder` (None: it can)."""
     if not triton_layers.available():
@@ -117,15 +122,12 @@ class FusedDecoder:
             normed, residual = triton_layers.add_rms_norm(x, residual, norm.weight, _eps(norm))
         attn = layer.self_attn
         index = attn.layer_idx
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         d = self.head_dim
         q = triton_layers.rope_rows(
-            attn.q_proj(normed), self.num_heads, d, cos=cos, sin=sin,
-            norm_weight=None if q_norm is None else q_norm.weight, eps=_eps(q_norm) if q_norm is not None else 1e-6,
-        )  # fmt: skip
+            attn.q_proj(normed), self.num_heads, d, cos=cos, sin=sin, **_head_norm(getattr(attn, "q_norm", None))
+        )
         triton_layers.rope_rows(
-            attn.k_proj(normed), self.num_kv_heads, d, cos=cos, sin=sin,
-            norm_weight=None if k_norm is None else k_norm.weight, eps=_eps(k_norm) if k_norm is not None else 1e-6,
+            attn.k_proj(normed), self.num_kv_heads, d, cos=cos, sin=sin, **_head_norm(getattr(attn, "k_norm", None)),
             out=meta.pool.keys(index), slots=meta.slot_mapping,
         )  # fmt: skip
         triton_layers.rope_rows(

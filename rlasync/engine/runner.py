@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from rlasync.engine.base import SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import DecodeGraphs
-from rlasync.engine.fused_decoder import CHECK_TOLERANCE
+from rlasync.engine.fused_decoder import CHECK_TOLERANCE, FusedDecoder, check_fused, fusable
 from rlasync.engine.mixed_graphs import MixedGraphs
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata
 from rlasync.engine.sampler_compiled import resolve_compiled_sampler
@@ -183,8 +183,6 @@ class ModelRunner:
 
     def _fuse(self, requested: bool | None, backend: str) -> bool:
         """Whether paged steps run through `FusedDecoder` (`fused_layers`); if so, `self.decoder` is it."""
-        from rlasync.engine.fused_decoder import FusedDecoder, check_fused, fusable
-
         if requested is False or (requested is None and (self.device.type != "cuda" or self.compiled_layers)):
             return False
         if self.compiled_layers:

@@ -252,6 +252,7 @@ def test_engine_refuses_fused_layers_a_model_cannot_take():
 def test_engine_keeps_transformers_layers_when_the_start_up_check_fails(monkeypatch, caplog, failure):
     pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
     import rlasync.engine.fused_decoder as fused_decoder
+    import rlasync.engine.runner as runner_module
     from rlasync.engine import TorchEngine
 
     def check(fused, meta, input_ids, no_mask):
@@ -260,7 +261,7 @@ def test_engine_keeps_transformers_layers_when_the_start_up_check_fails(monkeypa
             raise RuntimeError("no kernel image for this device")
         return 0.5
 
-    monkeypatch.setattr(fused_decoder, "check_fused", check)
+    monkeypatch.setattr(runner_module, "check_fused", check)
     with caplog.at_level("WARNING", logger="rlasync.engine.runner"):
         engine = TorchEngine(
             _tiny("llama", torch.float32), device="cpu", max_model_len=32, kv_cache_tokens=64, block_size=4,
