@@ -5,8 +5,9 @@ its name, type, default and meaning, read through a typed accessor when asked (`
 Only what belongs to a process or a machine lives here. A knob of a run is a config field instead, which crosses
 Ray with the settings to every actor: the learner's kernel switches are the config's `kernels` section
 (`rlasync.config.kernels.KernelSettings`), not variables, because a variable set where the driver runs never reaches
-the actors of an existing cluster (`ray job submit`, KubeRay). No other module of rlasync/, actors/, bench/ or
-tests/ reads an `RLASYNC_*` variable (tests/unit/test_envs.py).
+the actors of an existing cluster (`ray job submit`, KubeRay). No other module of rlasync/, actors/, bench/, tests/
+or .ci/, nor examples/' notebooks (whose own parameters are `NOTEBOOK_*`), reads an `RLASYNC_*` variable
+(tests/unit/test_envs.py); rlasync.model.registry's `cache_dir()` is the one accessor of `RLASYNC_CACHE`.
 
     RLASYNC_CACHE   Path   ~/.cache/rlasync   where model aliases are prepared (`models/<alias>`, rlasync.model.registry)
                                               and inductor keeps compiled graphs (`inductor/`, rlasync.model.compilation)

@@ -11,7 +11,8 @@ its cache, and how long a step spent compiling.
   compiles so far (torch's own timers, `torch._dynamo.utils.cumulative_time_spent_ns`); the learner logs the
   difference over a step as `perf/compile_s`.
 
-This is the one place that sets torch's compile environment variables. Imports nothing of rlasync but `envs`.
+This is the one place that sets torch's compile environment variables. Imports nothing of rlasync but the model
+registry's `cache_dir` (the one reader of `RLASYNC_CACHE`).
 """
 
 from __future__ import annotations

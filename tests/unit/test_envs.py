@@ -1,5 +1,6 @@
 """Environment variables: every `RLASYNC_*` variable rlasync reads is declared once in `rlasync/envs.py` (name,
-type, default, meaning, a typed accessor); no module of rlasync/, actors/, bench/ or tests/ reads one itself (parsed
+type, default, meaning, a typed accessor); no module of rlasync/, actors/, bench/, tests/ or .ci/, nor a code cell of
+examples/' notebooks, reads one itself (an example's own parameters carry its own prefix, `NOTEBOOK_*`; parsed
 with `ast`: `os.environ.get(...)`, `os.environ[...]`, `os.getenv(...)`, `... in os.environ`, with the name written
 out or held in a module constant). Tests may set variables (monkeypatch) for the code under test and subprocesses; a
 test's own parameter is a pytest option (tests/gpu/conftest.py's `--fake-pg-out`)."""
@@ -7,6 +8,7 @@ test's own parameter is a pytest option (tests/gpu/conftest.py's `--fake-pg-out`
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from rlasync import envs
 
 REPO = Path(__file__).resolve().parents[2]
-SCANNED = ("rlasync", "actors", "bench", "tests")
+SCANNED = ("rlasync", "actors", "bench", "tests", ".ci")
 DECLARING = REPO / "rlasync" / "envs.py"
 
 
@@ -69,15 +71,24 @@ def test_the_scan_finds_every_way_of_reading_a_variable():
     assert names == ["RLASYNC_A", "RLASYNC_B", "RLASYNC_C", "RLASYNC_HEAD_KEEP", "RLASYNC_E"]
 
 
+def notebook_code(path: Path) -> str:
+    """The code cells of a notebook, one module's source."""
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+
+
 def test_no_module_reads_an_rlasync_variable_outside_envs():
+    sources = [
+        (path, path.read_text())
+        for folder in SCANNED
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if path != DECLARING
+    ]
+    sources += [(path, notebook_code(path)) for path in sorted((REPO / "examples").rglob("*.ipynb"))]
+    assert any(path.suffix == ".ipynb" for path, _ in sources), "the scan reads examples/' notebooks"
     reads = []
-    for folder in SCANNED:
-        for path in sorted((REPO / folder).rglob("*.py")):
-            if path == DECLARING:
-                continue
-            reads += [
-                f"{path.relative_to(REPO)}:{line} reads ${name}" for line, name in environment_reads(path.read_text())
-            ]
+    for path, source in sources:
+        reads += [f"{path.relative_to(REPO)}:{line} reads ${name}" for line, name in environment_reads(source)]
     assert not reads, "declare the variable in rlasync/envs.py and read it there (or make it a config field):\n" + (
         "\n".join(reads)
     )
