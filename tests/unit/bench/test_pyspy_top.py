@@ -9,15 +9,21 @@ sys.path.insert(0, str(REPO / "bench"))
 import pyspy_top  # noqa: E402
 
 
+def summaries(path: Path, stacks: str) -> list[str]:
+    """`stacks` written to `path`, summarised: one string per `== ` section, the marker dropped."""
+    path.write_text(stacks)
+    text = pyspy_top.summarise(path, top=5)
+    assert text.startswith("== ")
+    return text.split("== ")[1:]
+
+
 def test_stacks_recorded_with_subprocesses_are_summarised_per_process(tmp_path):
-    path = tmp_path / "spy.txt"
-    path.write_text(
+    actor, core = summaries(
+        tmp_path / "spy.txt",
         'process 11:"ray::GenerationActor";run (/x/a.py:1);step (/x/b.py:2) 30\n'
         'process 11:"ray::GenerationActor";run (/x/a.py:9) 10\n'
-        'process 12:"VLLM::EngineCore";busy (/y/c.py:3);copy (/y/d.py:4) 60\n'
+        'process 12:"VLLM::EngineCore";busy (/y/c.py:3);copy (/y/d.py:4) 60\n',
     )
-    text = pyspy_top.summarise(path, top=5)
-    actor, core = text.split("== ")[1:]
     assert actor.startswith('spy.txt process 11:"ray::GenerationActor": 40 samples')
     assert "75.0%  75.0%  step (b.py)" in actor and "25.0% 100.0%  run (a.py)" in actor
     assert core.startswith('spy.txt process 12:"VLLM::EngineCore": 60 samples') and "copy (d.py)" in core
@@ -33,19 +39,16 @@ def test_plain_stacks_are_one_summary(tmp_path):
 
 
 def test_stacks_recorded_with_threads_are_summarised_per_thread_busiest_first(tmp_path):
-    path = tmp_path / "spy.txt"
-    path.write_text(
+    first, second = summaries(
+        tmp_path / "spy.txt",
         'process 11:"ray::GenerationActor";thread (0x1);run (/x/a.py:1);launch (/x/b.py:2) 30\n'
         'process 11:"ray::GenerationActor";thread (0x2);loop (/x/c.py:3) 10\n'
-        'process 11:"ray::GenerationActor";thread (0x1);run (/x/a.py:1) 30\n'
+        'process 11:"ray::GenerationActor";thread (0x1);run (/x/a.py:1) 30\n',
     )
-    text = pyspy_top.summarise(path, top=5)
-    first, second = text.split("== ")[1:]
     assert first.startswith('spy.txt process 11:"ray::GenerationActor" thread (0x1) (85.7% of the process): 60 samples')
     assert "50.0%  50.0%  launch (b.py)" in first and "loop" not in first
     assert second.startswith(
         'spy.txt process 11:"ray::GenerationActor" thread (0x2) (14.3% of the process): 10 samples'
     )
-    plain = tmp_path / "plain.txt"
-    plain.write_text("thread (0x9);main (/a.py:1) 2\n")
-    assert pyspy_top.summarise(plain, top=5).startswith("== plain.txt thread (0x9) (100.0% of the process): 2 samples")
+    (plain,) = summaries(tmp_path / "plain.txt", "thread (0x9);main (/a.py:1) 2\n")
+    assert plain.startswith("plain.txt thread (0x9) (100.0% of the process): 2 samples")
