@@ -1,18 +1,17 @@
 """GenerationActor: hosts one engine (`cluster.engine`: the built-in TorchEngine on CPU or the one GPU Ray gives it,
 vLLM's AsyncLLM on that GPU, or a client of `vllm serve`) and receives weight syncs.
 
-The transport is chosen once by the driver (`rlasync.weights.transport.TransportPlan`); `open_weight_transport`
-makes this engine's receiver for it. A weight sync is one call, `sync_weights(ticket)`, made while learner rank 0
-sends: a broadcast is received while the engine still generates (up to `staging_bytes` of it is held in its receive
-buffers), the engine pauses (its step in flight finishes) meanwhile, then the weights are copied in, the rest is
-received, and it resumes. Over NCCL the buckets land in GPU buffers on the engine's device; over gloo they arrive
-on the CPU and are copied in; over IPC the ticket holds handles to learner rank 0's buckets. vLLM engines receive
-in their own workers (and pause themselves).
+The transport is chosen once by the driver (`rlasync.weights.transport.TransportPlan`); `open_weight_transport` makes
+this engine's receiver for it. A weight sync is one call, `sync_weights(ticket)`, made while learner rank 0 sends: a
+broadcast is received while the engine still generates (up to `staging_bytes` of it held in its receive buffers), the
+engine pauses (its step in flight finishes) meanwhile, then the weights are copied in, the rest is received, and it
+resumes. Over NCCL the buckets land in GPU buffers on the engine's device; over gloo they arrive on the CPU and are
+copied in; over IPC the ticket holds handles to learner rank 0's buckets. vLLM engines receive in their own workers.
 
-Restarts (docs/design.md §4): Ray restarts a GenerationActor that died (`max_restarts`). The new incarnation holds
-the initial weights, so `generate` waits at a first-sync gate (at most `SYNC_GATE_S`, then a retryable
-`EngineError`) until the driver has re-opened the weight transport for it and sent it the current policy. The
-driver learns of the death from its `watch()` call failing; `weights_version()` is None until the first sync.
+Restarts (docs/design.md §4): Ray restarts a GenerationActor that died (`max_restarts`). The new incarnation holds the
+initial weights, so `generate` waits at a first-sync gate (at most `SYNC_GATE_S`, then a retryable `EngineError`)
+until the driver has re-opened the weight transport for it and sent it the current policy. The driver learns of the
+death from its `watch()` call failing; `weights_version()` is None until the first sync.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 import time
 from typing import Any
 
@@ -47,17 +47,21 @@ class GenerationActor:
         serve_initial_weights: bool = False,
         warm_sampling: list[Any] | None = None,
         loop_stall_s: float | None = None,
+        switch_interval_s: float | None = None,
     ) -> None:
         """`serve_initial_weights`: serve the weights loaded here at once (an engine outside a training run); a
         training run's engines wait for their first sync (the first-sync gate, kept across Ray restarts).
         `warm_sampling`: the run's `SamplingParams`, which an engine that compiles its sampler (`warm_up`) compiles
-        for here, before the heap is frozen and while the learners set up, instead of at the first requests."""
+        for here, before the heap is frozen and while the learners set up, instead of at the first requests.
+        `switch_interval_s`: the GIL switch interval here (`cluster.generation_switch_interval_s`)."""
         import torch
 
         from rlasync.engine.factory import make_engine
 
         if num_threads and not torch.cuda.is_available():
             torch.set_num_threads(num_threads)
+        if switch_interval_s:
+            sys.setswitchinterval(switch_interval_s)
         from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, GcPauseMonitor, freeze_heap
         from rlasync.metrics.loop_lag import LoopLagMonitor
 
@@ -167,11 +171,11 @@ class GenerationActor:
             await self.engine.resume()
 
     async def sync_weights(self, ticket: Any = None, version: int | None = None) -> dict[str, float]:
-        """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and
-        load it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until the engine stopped, `load_s` from then until
-        loaded, `resume_s`, `total_s`), `started_at` (wall clock), `loop_lag_max_s` (this actor's worst
-        event-loop lag since the previous sync), `gc_max_s` (its longest garbage collection since then) and
-        `gc_refreezes` (how often a slow full collection has frozen its heap again, since it started)."""
+        """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and load
+        it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until
+        the engine stopped, `load_s` from then until loaded, `resume_s`, `total_s`), `started_at` (wall clock),
+        `loop_lag_max_s` (this actor's worst event-loop lag since the previous sync), `gc_max_s` (its longest garbage
+        collection since then), `gc_refreezes` (how often a slow full collection froze its heap again, in all)."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:  # a restarted incarnation: the driver recognises this error by its type
             from rlasync.weights.transport import WeightTransportNotOpen
@@ -184,13 +188,7 @@ class GenerationActor:
         self.synced.set()
         collections = self.gc_pauses.take()
         self.loop_lag.log_stalls(logger, "generation actor")  # cluster.generation_stall_s: where its loop was
-        return {
-            **phases,
-            "started_at": started_at,
-            "loop_lag_max_s": self.loop_lag.take_max(),
-            "gc_max_s": collections["gc_max_s"],
-            "gc_refreezes": collections["gc_refreezes"],
-        }
+        return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max(), **collections}
 
     async def close(self) -> None:
         self.loop_lag.stop()

@@ -9,6 +9,8 @@ requests of few tokens, 8 log-probs, seeded) under variants, in alternating roun
     launch_on_loop   the same, each step's launch on the event loop (`TorchEngine.launch_on_loop`)
     monitor_10ms     the loop-lag monitor waking every 10 ms (as it did before 2026-12-06)
     watchdog_5ms     the 50 ms monitor plus the stall watchdog polling every 5 ms (`cluster.generation_stall_s`'s thread)
+    switch_1ms       base with the interpreter's GIL switch interval at 1 ms (`sys.setswitchinterval`; Python's is 5 ms)
+    switch_0.5ms     the same at 0.5 ms (`cluster.generation_switch_interval_s`)
 
 and reports each variant's median new tokens/s and its ratio over base. The model is tiny (engine_throughput's
 tiny Qwen3), so its forward is small, so the host side dominates as it does for SmolLM2 on a GPU; it is a
@@ -39,11 +41,13 @@ from rlasync.engine import SamplingParams, TorchEngine  # noqa: E402
 from rlasync.metrics.loop_lag import LoopLagMonitor  # noqa: E402
 
 VARIANTS = {
-    # name: (launch on the loop, monitor interval s, watchdog poll s or None)
-    "base": (False, 0.05, None),
-    "launch_on_loop": (True, 0.05, None),
-    "monitor_10ms": (False, 0.01, None),
-    "watchdog_5ms": (False, 0.05, 0.005),
+    # name: (launch on the loop, monitor interval s, watchdog poll s or None, GIL switch interval s or None)
+    "base": (False, 0.05, None, None),
+    "launch_on_loop": (True, 0.05, None, None),
+    "monitor_10ms": (False, 0.01, None, None),
+    "watchdog_5ms": (False, 0.05, 0.005, None),
+    "switch_1ms": (False, 0.05, None, 0.001),
+    "switch_0.5ms": (False, 0.05, None, 0.0005),
 }
 
 
@@ -58,8 +62,10 @@ def tiny_qwen3(vocab: int) -> torch.nn.Module:
 
 
 async def one_round(engine: TorchEngine, variant: str, args: argparse.Namespace, round_index: int) -> dict:
-    launch_on_loop, interval_s, poll_s = VARIANTS[variant]
+    launch_on_loop, interval_s, poll_s, switch_s = VARIANTS[variant]
     engine.launch_on_loop = launch_on_loop
+    default_switch_s = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s or default_switch_s)
     # stall_s tiny: the watchdog polls at poll_s and samples whenever the loop is the least late (the cost asked for)
     monitor = LoopLagMonitor(interval_s=interval_s, stall_s=1e-6 if poll_s else None, poll_s=poll_s or 0.02)
     monitor.start()
@@ -76,6 +82,7 @@ async def one_round(engine: TorchEngine, variant: str, args: argparse.Namespace,
         outputs = await asyncio.gather(*(engine.generate(p, s) for p in prompts for s in params))
     finally:
         monitor.stop()
+        sys.setswitchinterval(default_switch_s)
     seconds = time.perf_counter() - start
     generated = sum(len(o.output_ids) for o in outputs)
     return {
