@@ -315,7 +315,7 @@ class Cluster:
             num_cpus=cluster.generation_num_cpus,
             num_gpus=cluster.generation_num_gpus,
             loop_stall_s=cluster.generation_stall_s,
-            switch_interval_s=cluster.generation_switch_interval_s,
+            switch_interval_s=cluster.gil_switch_interval_s,
         )
         return [self.spawn_engine() for _ in range(cluster.num_generation_actors)]
 

@@ -53,7 +53,7 @@ class GenerationActor:
         training run's engines wait for their first sync (the first-sync gate, kept across Ray restarts).
         `warm_sampling`: the run's `SamplingParams`, which an engine that compiles its sampler (`warm_up`) compiles
         for here, before the heap is frozen and while the learners set up, instead of at the first requests.
-        `switch_interval_s`: the GIL switch interval here (`cluster.generation_switch_interval_s`)."""
+        `switch_interval_s`: the GIL switch interval here (`cluster.gil_switch_interval_s`)."""
         import torch
 
         from rlasync.engine.factory import make_engine

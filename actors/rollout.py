@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -94,6 +95,8 @@ class RolloutActor(RestartableLoop, LoopHost):
             raise ValueError(f"RolloutActor sink={sink!r}: use one of {sorted(SINKS)}")
         from actors.fanout import resolve_named
 
+        if config.cluster.gil_switch_interval_s:
+            sys.setswitchinterval(config.cluster.gil_switch_interval_s)
         self.kind = actor_name  # names this actor's leases at the queue and its log lines
         tokenizer = self._host(index, config, tokenizer, dataset, queue, group_size=group_size)
         # given by name (the Cluster's `Named`: no handle among a restartable actor's arguments), or as handles

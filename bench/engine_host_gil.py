@@ -10,7 +10,7 @@ requests of few tokens, 8 log-probs, seeded) under variants, in alternating roun
     monitor_10ms     the loop-lag monitor waking every 10 ms (as it did before 2026-12-06)
     watchdog_5ms     the 50 ms monitor plus the stall watchdog polling every 5 ms (`cluster.generation_stall_s`'s thread)
     switch_1ms       base with the interpreter's GIL switch interval at 1 ms (`sys.setswitchinterval`; Python's is 5 ms)
-    switch_0.5ms     the same at 0.5 ms (`cluster.generation_switch_interval_s`)
+    switch_0.5ms     the same at 0.5 ms (`cluster.gil_switch_interval_s`)
 
 and reports each variant's median new tokens/s and its ratio over base. The model is tiny (engine_throughput's
 tiny Qwen3), so its forward is small, so the host side dominates as it does for SmolLM2 on a GPU; it is a

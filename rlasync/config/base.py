@@ -98,12 +98,13 @@ class ClusterConfig:
     """A diagnostic: a GenerationActor whose event loop runs more than this many seconds late samples where it is (a
     watchdog thread, `rlasync.metrics.loop_lag`) and logs the most sampled stack at most once a minute. None (the
     default): off, as the watchdog's own wakes take the GIL the engine's host side needs."""
-    generation_switch_interval_s: float | None = None
-    """The GIL's switch interval in each GenerationActor's process (`sys.setswitchinterval`; None: Python's 5 ms). A
-    thread that gives the GIL up (a torch call that releases it, Ray's C++ calls, the event loop's poll) waits up to
-    this long to get it back while another thread runs Python: the engine's host side runs on the event loop and in
-    a worker thread, so each release on the loop can cost it a whole interval, and a weight sync's call waits behind
-    them (`rlasync.metrics.loop_lag`)."""
+    gil_switch_interval_s: float | None = None
+    """The GIL's switch interval in each GenerationActor's and RolloutActor's process (`sys.setswitchinterval`;
+    None: Python's 5 ms). A thread that gives the GIL up (a torch call that releases it, Ray's C++ calls, the event
+    loop's poll) waits up to this long to get it back while another thread runs Python: a GenerationActor's host
+    side runs on its event loop and in a worker thread, so each release on the loop can cost it a whole interval
+    and a weight sync's call waits behind them; a busy rollout loop holds back Ray's threads that deliver its
+    results (`bench/gil_convoy.py`)."""
     lora_sync: str = "adapter"
     """With a trainer's `peft_config` (LoRA; `rlasync.config.vocab.LoraSync`): "adapter" sends only the adapter (the
     built-in engine merges it into its base weights; vLLM loads it as a runtime LoRA adapter), "merged" sends the
@@ -189,10 +190,10 @@ class ClusterConfig:
         stall_s = self.generation_stall_s
         if stall_s is not None and (isinstance(stall_s, bool) or not stall_s > 0):
             raise ValueError(f"cluster.generation_stall_s={stall_s!r}: must be > 0 seconds (e.g. 0.1), or null for off")
-        switch_s = self.generation_switch_interval_s
+        switch_s = self.gil_switch_interval_s
         if switch_s is not None and (isinstance(switch_s, bool) or not 0 < switch_s <= 0.1):
             raise ValueError(
-                f"cluster.generation_switch_interval_s={switch_s!r}: must be in (0, 0.1] seconds (e.g. 0.0005), or "
+                f"cluster.gil_switch_interval_s={switch_s!r}: must be in (0, 0.1] seconds (e.g. 0.0005), or "
                 "null for Python's default"
             )
         self.lora_sync = parse_lora_sync(self.lora_sync)

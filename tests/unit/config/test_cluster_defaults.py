@@ -24,12 +24,12 @@ def test_the_generation_stall_watchdog_is_off_unless_given_seconds_above_zero():
             ClusterConfig(generation_stall_s=bad)
 
 
-def test_the_generation_switch_interval_is_pythons_unless_given_seconds_in_range():
+def test_the_gil_switch_interval_is_pythons_unless_given_seconds_in_range():
     from rlasync.config.load import load_config
 
-    assert ClusterConfig().generation_switch_interval_s is None
-    config = load_config(overrides=["cluster.generation_switch_interval_s=0.0005"])
-    assert config.cluster.generation_switch_interval_s == 0.0005
+    assert ClusterConfig().gil_switch_interval_s is None
+    config = load_config(overrides=["cluster.gil_switch_interval_s=0.0005"])
+    assert config.cluster.gil_switch_interval_s == 0.0005
     for bad in (0, -0.001, 0.5, True):
-        with pytest.raises(ValueError, match=r"cluster.generation_switch_interval_s=.*must be in \(0, 0.1\] seconds"):
-            ClusterConfig(generation_switch_interval_s=bad)
+        with pytest.raises(ValueError, match=r"cluster.gil_switch_interval_s=.*must be in \(0, 0.1\] seconds"):
+            ClusterConfig(gil_switch_interval_s=bad)
