@@ -26,13 +26,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-class TickEngine:
-    """A stand-in engine: a request finishes after a number of steps of `tick_s` drawn from `ticks` (low, high)."""
+def spin(seconds: float, releases: int = 0) -> None:
+    """Run Python for `seconds` of this thread's CPU time, giving the GIL up `releases` times on the way (as a
+    torch call that releases it does) and taking it back each time."""
+    for _ in range(releases + 1):
+        end = time.thread_time() + seconds / (releases + 1)
+        while time.thread_time() < end:
+            pass
+        if releases:
+            time.sleep(0)
 
-    def __init__(self, tick_s: float, ticks: tuple[int, int], new_tokens: int, logprobs: int) -> None:
+
+class TickEngine:
+    """A stand-in engine: a request finishes after a number of steps of `tick_s` drawn from `ticks` (low, high).
+    With `host_s` each step also runs that much Python in a worker thread and `loop_s` on the event loop, as the
+    built-in engine's host side does (its launch and read-back in a thread, its scheduling on the loop), each giving
+    the GIL up `releases` times (the torch calls among them)."""
+
+    def __init__(
+        self, tick_s: float, ticks: tuple[int, int], new_tokens: int, logprobs: int, host_s: float = 0.0,
+        loop_s: float = 0.0, releases: int = 0,
+    ) -> None:  # fmt: skip
         import random
 
         self.tick_s, self.ticks, self.new_tokens, self.logprobs = tick_s, ticks, new_tokens, logprobs
+        self.host_s, self.loop_s, self.releases = host_s, loop_s, releases
         self.random = random.Random(0)
         self.step = 0
         self.waiting: dict[int, list[asyncio.Future]] = {}
@@ -40,7 +58,10 @@ class TickEngine:
 
     async def _run_clock(self) -> None:
         while True:
-            await asyncio.sleep(self.tick_s)
+            await asyncio.sleep(max(self.tick_s - self.host_s - self.loop_s, 0.0))
+            if self.host_s:
+                await asyncio.to_thread(spin, self.host_s, self.releases)
+            spin(self.loop_s, self.releases)
             self.step += 1
             for future in self.waiting.pop(self.step, []):
                 if not future.done():
@@ -62,10 +83,12 @@ class TickEngine:
 def make_actors(ray):
     @ray.remote
     class StubGeneration:
-        def __init__(self, tick_s, ticks, new_tokens, logprobs):
+        def __init__(self, tick_s, ticks, new_tokens, logprobs, host_s, loop_s, releases, switch_s):
             from actors.engine_channel import ChannelHost
 
-            self.engine = TickEngine(tick_s, ticks, new_tokens, logprobs)
+            if switch_s:
+                sys.setswitchinterval(switch_s)
+            self.engine = TickEngine(tick_s, ticks, new_tokens, logprobs, host_s, loop_s, releases)
             self.channels = ChannelHost(self.engine)  # as the GenerationActor hosts them
             self.calls = 0
             self.yields = 0
@@ -78,6 +101,9 @@ def make_actors(ray):
             async for ready in self.channels.results(channel_id):
                 self.yields += 1
                 yield ready
+
+        async def ping(self):
+            return None
 
         def counters(self):
             times = os.times()
@@ -124,6 +150,11 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=11)
     parser.add_argument("--logprobs", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=45)
+    parser.add_argument("--host-ms", type=float, default=0.0, help="Python a step runs in a worker thread")
+    parser.add_argument("--loop-ms", type=float, default=0.0, help="Python a step runs on the event loop")
+    parser.add_argument("--releases", type=int, default=0, help="GIL releases in each step's host and loop work")
+    parser.add_argument("--switch-ms", type=float, default=None, help="the generation actor's GIL switch interval")
+    parser.add_argument("--ping-ms", type=float, default=20.0, help="a call to the generation actor this often")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--out", default=None)
@@ -135,7 +166,10 @@ def main() -> int:
     try:
         StubGeneration, Rollouts = make_actors(ray)
         low, _, high = args.ticks.partition("-")
-        gen = StubGeneration.remote(args.tick_s, (int(low), int(high or low)), args.new_tokens, args.logprobs)
+        gen = StubGeneration.remote(
+            args.tick_s, (int(low), int(high or low)), args.new_tokens, args.logprobs, args.host_ms / 1000,
+            args.loop_ms / 1000, args.releases, None if args.switch_ms is None else args.switch_ms / 1000,
+        )  # fmt: skip
         rollouts = [Rollouts.remote(gen, args.inflight, args.prompt_len) for _ in range(args.rollout_actors)]
         runs = [r.run.remote(args.warmup_s + args.seconds) for r in rollouts]
         time.sleep(args.warmup_s)
@@ -144,7 +178,12 @@ def main() -> int:
             sum(ray.get([r.count.remote() for r in rollouts])),
             time.monotonic(),
         )
-        time.sleep(args.seconds)
+        pings = []  # how long a call to the generation actor takes to come back (waiting for its loop included)
+        while time.monotonic() < t0 + args.seconds:
+            sent = time.perf_counter()
+            ray.get(gen.ping.remote())
+            pings.append(time.perf_counter() - sent)
+            time.sleep(max(args.ping_ms / 1000 - (time.perf_counter() - sent), 0.0))
         after, done_after, t1 = (
             ray.get(gen.counters.remote()),
             sum(ray.get([r.count.remote() for r in rollouts])),
@@ -167,6 +206,9 @@ def main() -> int:
         "yields_per_step": round((after["yields"] - before["yields"]) / steps, 2),
         "requests_per_step": round(requests / steps, 2),
         "engine_steps_per_s": round(steps / (t1 - t0), 1),
+        "ping_ms_median": round(1000 * sorted(pings)[len(pings) // 2], 2),
+        "ping_ms_p99": round(1000 * sorted(pings)[int(0.99 * (len(pings) - 1))], 2),
+        "ping_ms_max": round(1000 * max(pings), 2),
     }
     print(json.dumps(result, indent=1))
     if args.out:
