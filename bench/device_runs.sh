@@ -19,12 +19,19 @@ stage=${1:?usage: bench/device_runs.sh STAGE (bash bench/device_runs.sh --help l
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on failure
-    local name=$1 limit=$2
+run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on failure; the GPU's utilization each second meanwhile in $out/NAME.gpu.csv
+    local name=$1 limit=$2 smi="" rc
     shift 2
     echo "== $name ($(date +%T))"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 1000 > "$out/$name.gpu.csv" 2>/dev/null &
+        smi=$!
+    fi
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "   rc $? ($(date +%T))"
+    rc=$?
+    [ -n "$smi" ] && kill "$smi" 2>/dev/null
+    echo "   rc $rc ($(date +%T))"
+    [ -s "$out/$name.gpu.csv" ] && sort -n "$out/$name.gpu.csv" | awk -F, '{u[NR]=$1} END {if (NR) print "   GPU utilization: median " u[int((NR+1)/2)] "%, p90 " u[int(0.9*NR)+0] "%, " NR " s"}'
     tail -n 4 "$out/$name.log"
 }
 use_pydkit() {  # pydantic and its three wheels (.pydkit) into /tmp/site, once per warm machine; the repo and it on PYTHONPATH
