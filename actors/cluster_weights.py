@@ -113,11 +113,12 @@ class RayWeightSync:
     `perf/weight_sync_pause_s` (until paused, overlapping the transfer), `perf/weight_sync_transfer_s` (paused until
     loaded: what of the transfer did not overlap, and the copies) and `perf/weight_sync_resume_s`; also
     `perf/weight_sync_dispatch_s` (until the slowest engine's call started), `perf/weight_sync_send_s` (rank 0's
-    send, waiting for the receivers included) and `perf/generation_loop_lag_max_s` (the worst event-loop lag of a
-    GenerationActor since the previous sync). The parts that sum to the total: barrier (of which `_pack_s`,
-    rank 0 filling its IPC buckets) + the slowest engine's pause + transfer + resume (+ `_stage_s`, mapping
-    handles before pausing) + `_calls_s` (the driver's Ray round trips around them) + `_finish_s` (finish and the
-    version bump, together). Over IPC every engine `begin_sync`s first: it pauses while the learners pack.
+    send, waiting for the receivers included), `perf/generation_loop_lag_max_s` (the worst event-loop lag of a
+    GenerationActor since the previous sync) and `perf/generation_cpu_frac` (the busiest GenerationActor process's
+    CPU seconds per second since then: near 1.0, bound by its GIL). The parts that sum to the total: barrier (of
+    which `_pack_s`, rank 0 filling its IPC buckets) + the slowest engine's pause + transfer + resume (+ `_stage_s`,
+    mapping handles before pausing) + `_calls_s` (the driver's Ray round trips around them) + `_finish_s` (finish and
+    the version bump, together). Over IPC every engine `begin_sync`s first: it pauses while the learners pack.
 
     Restarted engines (docs/design.md §4): the driver holds one `watch()` call per engine, which never returns, so
     its failure says the engine died (a frozen engine's does not fail). A sync that fails because an engine died
@@ -372,6 +373,7 @@ def sync_timings(
         # how long the slowest engine's call waited to start (a busy actor), and the learners' send
         "perf/weight_sync_dispatch_s": max(max(p.get("started_at", started_at) - started_at, 0.0) for p in phases),
         "perf/generation_loop_lag_max_s": max(p.get("loop_lag_max_s", 0.0) for p in phases),
+        "perf/generation_cpu_frac": max(p.get("cpu_frac", 0.0) for p in phases),  # the busiest engine's process
         "perf/generation_gc_max_s": max(p.get("gc_max_s", 0.0) for p in phases),  # one cause of a late loop
         "perf/generation_gc_refreezes": max(p.get("gc_refreezes", 0.0) for p in phases),
         "perf/weight_sync_send_s": max(sent),

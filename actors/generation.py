@@ -64,6 +64,7 @@ class GenerationActor:
             sys.setswitchinterval(switch_interval_s)
         from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, GcPauseMonitor, freeze_heap
         from rlasync.metrics.loop_lag import LoopLagMonitor
+        from rlasync.metrics.process_cpu import ProcessCpu
 
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
         warm_up = getattr(self.engine, "warm_up", None)
@@ -77,6 +78,7 @@ class GenerationActor:
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
         # how late its loop runs (calls wait as long); 50 ms wakes, as each takes the GIL the engine's host side needs
         self.loop_lag = LoopLagMonitor(interval_s=0.05, stall_s=loop_stall_s)
+        self.cpu = ProcessCpu()  # how busy this process is between syncs (near 1.0: bound by its GIL)
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.channels = ChannelHost(self)  # the rollout actors' channels: requests in, one result stream each
         self.synced = asyncio.Event()
@@ -174,8 +176,9 @@ class GenerationActor:
         """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and load
         it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until
         the engine stopped, `load_s` from then until loaded, `resume_s`, `total_s`), `started_at` (wall clock),
-        `loop_lag_max_s` (this actor's worst event-loop lag since the previous sync), `gc_max_s` (its longest garbage
-        collection since then), `gc_refreezes` (how often a slow full collection froze its heap again, in all)."""
+        `loop_lag_max_s` (this actor's worst event-loop lag since the previous sync), `cpu_frac` (its process's CPU
+        seconds per second since then), `gc_max_s` (its longest garbage collection since then), `gc_refreezes` (how
+        often a slow full collection froze its heap again, in all)."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:  # a restarted incarnation: the driver recognises this error by its type
             from rlasync.weights.transport import WeightTransportNotOpen
@@ -186,7 +189,7 @@ class GenerationActor:
         phases = await self.receiver.load_into(self.engine, ticket, **extra)
         self.version = version
         self.synced.set()
-        collections = self.gc_pauses.take()
+        collections = {**self.gc_pauses.take(), "cpu_frac": self.cpu.take()}
         self.loop_lag.log_stalls(logger, "generation actor")  # cluster.generation_stall_s: where its loop was
         return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max(), **collections}
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import ray
 
+from rlasync.metrics.loop_lag import LoopLagMonitor
+from rlasync.metrics.process_cpu import ProcessCpu
 from rlasync.pipeline import QueueService, RolloutState
 from rlasync.pipeline.settings import QueueSettings
 
@@ -29,6 +31,8 @@ class QueueActor:
         state = RolloutState.from_dict(resume) if resume else None
         self.service = QueueService.create(settings, resume=state)
         self.dataset_refs: list[Any] = []  # `hold_dataset`
+        # how busy this actor is (every rollout actor's leases and groups pass here): reported with each take
+        self.cpu, self.loop_lag = ProcessCpu(), LoopLagMonitor(interval_s=0.05)
 
     # the training rows (held for the rollout actors, which fetch them when they start or restart)
     def hold_dataset(self, refs: list[Any]) -> None:
@@ -75,7 +79,13 @@ class QueueActor:
 
     # learner side
     async def wait_take(self, token_target: int, timeout_s: float | None) -> Any:
-        return await self.service.wait_take(token_target, timeout_s)
+        """The service's take, its metrics with this actor's `perf/queue_cpu_frac` (CPU seconds per second since the
+        previous take) and `perf/queue_loop_lag_max_s` (its event loop's worst lag since then)."""
+        self.loop_lag.start()
+        result = await self.service.wait_take(token_target, timeout_s)
+        result.metrics["perf/queue_cpu_frac"] = self.cpu.take()
+        result.metrics["perf/queue_loop_lag_max_s"] = self.loop_lag.take_max()
+        return result
 
     def finish_step(self, tokens_per_step: int, unplanned: int = 0) -> None:
         self.service.finish_step(tokens_per_step, unplanned)

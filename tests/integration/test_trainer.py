@@ -253,6 +253,7 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
     config.cluster.num_rollout_actors = 2
     config.cluster.num_reward_actors = 1  # reward functions in a RewardActor, not in the rollout loops
     config.cluster.learner_num_cpus = 0.25
+    config.cluster.gil_switch_interval_s = 0.001  # set in the generation and rollout actors' processes
     trainer = AsyncGRPOTrainer(
         model=tiny_model_dir, reward_funcs=digit_reward, args=config, train_dataset=arithmetic_rows()
     )
@@ -276,6 +277,9 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
         "perf/weight_sync_dispatch_s",
         "perf/weight_sync_send_s",
         "perf/generation_loop_lag_max_s",
+        "perf/generation_cpu_frac",
+        "perf/queue_cpu_frac",
+        "perf/queue_loop_lag_max_s",
     )
     for record in records:
         assert all(record[key] >= 0 for key in sync_keys), record
