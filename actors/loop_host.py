@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.fanout import actor_id
 from rlasync.data.prompts import leased_row_problem
+from rlasync.metrics.process_cpu import ProcessCpu
 from rlasync.pipeline import QueueEntry
 from rlasync.records import DROP_REASONS, GroupOutcome, PromptLease
 
@@ -170,6 +171,7 @@ class LoopHost:
         # actor's constructor, would make Ray warn that it blocks the event loop)
         self.index, self.config, self.dataset, self.queue = index, config, dataset, queue
         self.items = []
+        self.cpu = ProcessCpu()  # how busy this process is between two drains (near 1.0: bound by its GIL)
         self.source = QueuePromptSource(self, group_size)
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
@@ -266,8 +268,10 @@ class LoopHost:
         return samples.drain() if samples is not None else []
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
+        """The loop's metric items since the last drain, and `rollout/actor_cpu_frac_max`: this process's CPU seconds
+        per second since then (over the rollout actors, the busiest one's)."""
         items, self.items[:] = list(self.items), []
-        return items
+        return [*items, ("rollout/actor_cpu_frac_max", self.cpu.take())]
 
     async def stop(self) -> None:
         await self.loop.stop()

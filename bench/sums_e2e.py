@@ -137,10 +137,12 @@ def summarize(
         "generation_loop_lag_max_s_median": _median(records, "perf/generation_loop_lag_max_s"),
         "generation_gc_max_s_median": _median(records, "perf/generation_gc_max_s"),
         "generation_gc_refreezes": max(_values(records, "perf/generation_gc_refreezes"), default=None),
-        # which process is saturated (CPU seconds per second; ~1.0: bound by its GIL): the busiest engine, the queue
+        # which process is saturated (CPU seconds per second; ~1.0: bound by its GIL): the busiest engine, the queue,
+        # the busiest rollout actor
         "generation_cpu_frac_median": _median(records, "perf/generation_cpu_frac"),
         "queue_cpu_frac_median": _median(records, "perf/queue_cpu_frac"),
         "queue_loop_lag_max_s_median": _median(records, "perf/queue_loop_lag_max_s"),
+        "rollout_actor_cpu_frac_median": _median(records, "rollout/actor_cpu_frac_max"),
         "steps_logged": len(records),
         "last_step": steps[-1],
         "seconds_total": records[-1]["time"] - started,

@@ -280,6 +280,7 @@ def test_two_learner_ranks_two_rollout_actors_and_a_reward_actor(ray_cluster, ti
         "perf/generation_cpu_frac",
         "perf/queue_cpu_frac",
         "perf/queue_loop_lag_max_s",
+        "rollout/actor_cpu_frac_max",
     )
     for record in records:
         assert all(record[key] >= 0 for key in sync_keys), record

@@ -206,14 +206,17 @@ def test_what_a_slow_sync_waited_behind_is_summarized(tmp_path):
     assert out["generation_cpu_frac_median"] is None  # not logged by this run
 
 
-def test_how_busy_the_engines_and_the_queue_were_is_summarized(tmp_path):
-    """The busiest engine's and the queue actor's CPU fraction and the queue's loop lag, medians over the steps."""
+def test_how_busy_the_engines_the_queue_and_the_rollout_actors_were_is_summarized(tmp_path):
+    """The busiest engine's, the queue actor's and the busiest rollout actor's CPU fraction and the queue's loop lag,
+    medians over the steps."""
     records = sums_e2e.read_records(write_metrics(tmp_path / "m.jsonl", [0.5] * 3, [0.01] * 3))
     for record, (engine, queue, lag) in zip(records, [(0.9, 0.2, 0.01), (1.0, 0.4, 0.05), (0.7, 0.3, 0.02)]):
         record.update(
             {"perf/generation_cpu_frac": engine, "perf/queue_cpu_frac": queue, "perf/queue_loop_lag_max_s": lag}
         )
+        record["rollout/actor_cpu_frac_max"] = queue + 0.5
     out = sums_e2e.summarize(records, STARTED)
     assert out["generation_cpu_frac_median"] == pytest.approx(0.9)
     assert out["queue_cpu_frac_median"] == pytest.approx(0.3)
     assert out["queue_loop_lag_max_s_median"] == pytest.approx(0.02)
+    assert out["rollout_actor_cpu_frac_median"] == pytest.approx(0.8)
