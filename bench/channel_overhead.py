@@ -106,8 +106,9 @@ def make_actors(ray):
             return None
 
         def counters(self):
-            times = os.times()
-            return {"cpu_s": times.user + times.system, "calls": self.calls, "yields": self.yields,
+            from rlasync.metrics.process_cpu import process_cpu_s
+
+            return {"cpu_s": process_cpu_s(), "calls": self.calls, "yields": self.yields,
                     "steps": self.engine.step}  # fmt: skip
 
     @ray.remote
