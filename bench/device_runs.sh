@@ -506,6 +506,17 @@ distill_mopd)  # after distill_teachers (warm; else a diffs teacher is trained f
     cp /tmp/results/distill_transfer_h200.json "$out/"
     grep -h -A3 '"mopd_curves"' "$out/distill_transfer_h200.json"
     ;;
+fused_smollm2)  # after kits .devicekit and the SmolLM2 calls (warm): the fused layers' start-up check on SmolLM2 (each layer vs transformers', the last hidden states vs float32), then SmolLM2's engine alone with its layers fused and not, 15 s each (~2 min)
+    export PYTHONPATH=$PWD:/tmp/site
+    smollm2_ready || exit 1
+    run fused_check 120 python3 bench/fused_check.py --device cuda --out "$out/fused_check_h200.json"
+    grep -h -E '"(bfloat16_|passes|would)' "$out/fused_check_h200.json"
+    for layers in fused unfused; do
+        kw='{}'; [ "$layers" = unfused ] && kw='{"fused_layers": false}'
+        run "engine_smollm2_$layers" 100 python3 bench/system_throughput.py engine --engine torch --seconds "${ENGINE_S:-15}" --engine-kwargs "$kw" --out "$out/engine_smollm2_${layers}_h200.json"
+        grep -h -E '"(new_tokens_per_s|fused_layers)"' "$out/engine_smollm2_${layers}_h200.json"
+    done
+    ;;
 dry_run)  # after kits .devicekit (warm; the dry run imports datasets): issue 31's dry run on one H200, timed (< 2 min), the refusal of a layout that does not fit, and its peak against a real 1-rank step (within 10%) (~6 min)
     use_pydkit || exit 1
     start=$(date +%s)

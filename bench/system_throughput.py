@@ -129,6 +129,8 @@ def stage_engine(args: argparse.Namespace) -> None:
     prompts = _request_mix(tokenizer, 4096, config.num_generations, seed=1)
     result = asyncio.run(_closed_loop(engine, prompts, sampling, args.concurrency, args.seconds, args.warmup_s))
     result.update(concurrency=args.concurrency, engine_kwargs=kwargs)
+    if hasattr(engine, "runner_info"):  # the built-in engine: which layers and graphs it runs
+        result["runner_info"] = engine.runner_info()
     asyncio.run(engine.close()) if hasattr(engine, "close") else None
     key = f"engine_alone_{args.engine}" + ("_no_mixed_graphs" if args.no_mixed_graphs else "")
     _merge(Path(args.out), key, result)

@@ -141,6 +141,15 @@ def check_decoder(model_type: str, dtype_name: str = "float32") -> None:
     meta = build_metadata(pools[1], [0], [5], [[7, 8]], device)
     ids = torch.randint(0, config.vocab_size, (1, 5), generator=generator).to(device)
     assert check_fused(fused, meta, ids, no_mask) < tol
+    # ... and finds a wrong kernel (a SiLU-and-product off by a factor, in every layer) past its tolerance
+    from rlasync.engine import fused_decoder
+
+    right = fused_decoder.triton_layers.silu_mul
+    fused_decoder.triton_layers.silu_mul = lambda gate, up: right(gate, up) * 8
+    try:
+        assert check_fused(fused, meta, ids, no_mask) > 2 * fused_decoder.CHECK_TOLERANCE
+    finally:
+        fused_decoder.triton_layers.silu_mul = right
     # a call without paged attention is transformers' own forward
     with torch.inference_mode():
         plain = fused(input_ids=ids, use_cache=False).last_hidden_state
@@ -208,6 +217,10 @@ def test_kernels_match_eager_ops(triton_check, dtype_name):
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_fused_decoder_matches_transformers(triton_check, model_type):
     triton_check(check, __file__, model_type, "float32")
+
+
+def test_fused_decoder_matches_transformers_in_bfloat16(triton_check):
+    triton_check(check, __file__, "llama", "bfloat16")
 
 
 def test_engine_with_fused_layers_generates_as_without(triton_check):
