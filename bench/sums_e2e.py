@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import re
 import signal
@@ -44,8 +45,10 @@ VLLM_CLUSTER = ["cluster.num_generation_actors=1", "cluster.generation_num_gpus=
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The training records of a metrics.jsonl (lines with a `step`), in step order; evaluation records left out."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The training records of a metrics.jsonl (lines with a `step`), in step order; evaluation records left out
+    (a `.gz` one, as kept under bench/results/e2e/, is read through gzip)."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
     return sorted((r for r in records if isinstance(r.get("step"), int)), key=lambda r: r["step"])
 
 
