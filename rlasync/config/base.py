@@ -104,7 +104,8 @@ class ClusterConfig:
     loop's poll) waits up to this long to get it back while another thread runs Python: a GenerationActor's host
     side runs on its event loop and in a worker thread, so each release on the loop can cost it a whole interval
     and a weight sync's call waits behind them; a busy rollout loop holds back Ray's threads that deliver its
-    results (`bench/gil_convoy.py`)."""
+    results (`bench/gil_convoy.py`). The SmolLM2 sums run on an H100 was no faster at 0.5 ms than at 5 ms
+    (`bench/results/sums_gil_h100.json`)."""
     lora_sync: str = "adapter"
     """With a trainer's `peft_config` (LoRA; `rlasync.config.vocab.LoraSync`): "adapter" sends only the adapter (the
     built-in engine merges it into its base weights; vLLM loads it as a runtime LoRA adapter), "merged" sends the
