@@ -128,14 +128,19 @@ def prepare_for_training(
 
 
 def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = None, mode: str | None = None) -> None:
-    """Regional compilation: `layer.compile()` on each decoder layer (the compiled call replaces the layer's own;
-    `uncompile_decoder_layers` undoes it). `mode="reduce-overhead"` replays CUDA graphs (needs static row shapes)."""
+    """Regional compilation: `layer.compile(dynamic=True)` on each decoder layer (the compiled call replaces the
+    layer's own; `uncompile_decoder_layers` undoes it): one graph for every row length from the first call. Dynamo's
+    default would compile the first length statically and compile again, dynamic, at the first other length (9 s of
+    a cold start on an H100 for SmolLM2, at a run's 7th step); a graph per length is no faster (docs/algorithms.md
+    §5.5). The modes that replay CUDA graphs ("reduce-overhead", "max-autotune") keep Dynamo's default: graphs want
+    static row shapes."""
     from rlasync.config.trl_fields import COMPILE_MODES
 
     if mode not in COMPILE_MODES:
         raise ValueError(f"torch_compile_mode={mode!r}: use one of {[m for m in COMPILE_MODES if m]} or None")
+    dynamic = None if mode in ("reduce-overhead", "max-autotune") else True
     for layer in decoder_layers(model):
-        layer.compile(**_given({"backend": backend, "mode": mode}))
+        layer.compile(**_given({"backend": backend, "mode": mode, "dynamic": dynamic}))
 
 
 def uncompile_decoder_layers(model: torch.nn.Module) -> int:
