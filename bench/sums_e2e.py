@@ -135,6 +135,7 @@ def summarize(
         # the generation side: new tokens/s and (built-in engine with CUDA graphs) the share of its steps no graph held
         "generated_tokens_per_s_median": _median(records, "rollout/generated_tokens_per_s"),
         "engine_eager_step_frac_mean": _mean(records, "rollout/engine_eager_step_frac"),
+        "engine_fused_layers_frac_mean": _mean(records, "rollout/engine_fused_layers_frac"),
         # what a slow sync waited behind: the generation actor's event loop and its garbage collections
         "weight_sync_dispatch_max_s": max(_values(records, "perf/weight_sync_dispatch_s"), default=None),
         "generation_loop_lag_max_s_median": _median(records, "perf/generation_loop_lag_max_s"),

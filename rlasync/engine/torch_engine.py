@@ -309,12 +309,15 @@ class TorchEngine:
     def stats(self) -> EngineStats:
         """The load gauges, and in `extra` cumulative counts: steps, generated tokens, prompt tokens served from the
         prefix cache and, with CUDA graphs, the steps that ran the decoder eagerly (`num_eager_steps`: a step no
-        graph held, several times slower for a small model; `rollout/engine_eager_step_frac`)."""
+        graph held, several times slower for a small model; `rollout/engine_eager_step_frac`); and `fused_layers`,
+        1.0 when the decoder runs fused (`rollout/engine_fused_layers_frac`: a start-up check that turned them off
+        shows in the run's metrics, not only in a worker's log)."""
         allocator = self._scheduler.allocator
         extra = {
             "num_steps": float(self._num_steps),
             "num_generated_tokens": float(self._num_generated_tokens),
             "prefix_cache_hit_tokens": float(self._scheduler.num_prefix_hit_tokens),
+            "fused_layers": float(bool(self._runner.fused_layers)),
         }
         runner = self._runner
         if runner.graphs is not None or runner.mixed is not None:

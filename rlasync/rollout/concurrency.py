@@ -85,6 +85,7 @@ class ConcurrencyController:
             ("rollout/vllm_queued_requests", float(num_waiting)),
             ("rollout/vllm_preemption_count", float(self._preemption_delta(stats))),
             *self._eager_step_frac(stats),
+            *_fused_layers_frac(stats),
         ]
 
     def _eager_step_frac(self, stats: list[EngineStats]) -> list[tuple[str, float]]:
@@ -110,6 +111,13 @@ class ConcurrencyController:
         (the baseline) and when it went down (a restarted engine: the baseline starts again)."""
         previous, self._last_counts[name] = self._last_counts.get(name), total
         return None if previous is None or total < previous else total - previous
+
+
+def _fused_layers_frac(stats: list[EngineStats]) -> list[tuple[str, float]]:
+    """`rollout/engine_fused_layers_frac`: the share of the engines that report it (the built-in engine) whose decoder
+    runs fused layers; nothing when none reports it."""
+    flags = [s.extra["fused_layers"] for s in stats if "fused_layers" in s.extra]
+    return [("rollout/engine_fused_layers_frac", sum(flags) / len(flags))] if flags else []
 
 
 def _scale(value: int, factor: tuple[int, int]) -> int:

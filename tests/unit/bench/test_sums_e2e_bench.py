@@ -180,6 +180,20 @@ def test_the_generation_sides_figures_are_summarized_when_logged(tmp_path):
     out = sums_e2e.summarize(records, STARTED)
     assert out["generated_tokens_per_s_median"] == pytest.approx(11500.0)
     assert out["engine_eager_step_frac_mean"] == pytest.approx(0.2)
+    assert out["engine_fused_layers_frac_mean"] is None
+    for record, fused in zip(records, (1.0, 0.0, 1.0, 1.0)):
+        record["rollout/engine_fused_layers_frac"] = fused
+    assert sums_e2e.summarize(records, STARTED)["engine_fused_layers_frac_mean"] == pytest.approx(0.75)
+
+
+def test_gzipped_metrics_read_as_plain_ones(tmp_path):
+    """bench/results/e2e/ keeps each run's metrics.jsonl gzipped; `--metrics` reads either."""
+    import gzip
+
+    path = write_metrics(tmp_path / "m.jsonl", [0.5] * 6, [0.01] * 6)
+    packed = tmp_path / "m.jsonl.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert sums_e2e.read_records(packed) == sums_e2e.read_records(path) and len(sums_e2e.read_records(path)) == 6
 
 
 def test_what_a_slow_sync_waited_behind_is_summarized(tmp_path):

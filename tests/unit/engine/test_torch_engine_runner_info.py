@@ -71,6 +71,7 @@ def test_on_the_cpu_every_step_runs_eagerly_and_no_eager_share_is_reported():
     extra = engine.stats().extra
     assert extra["num_steps"] >= 4 and engine.runner.eager_steps == extra["num_steps"]
     assert "num_eager_steps" not in extra
+    assert extra["fused_layers"] == 0.0 and engine.runner_info()["fused_layers"] is False  # CPU: transformers' layers
     assert engine.runner_info()["graphed_step_tokens"] is None  # no mixed-step graphs: only the budget bounds a step
     engine.bound_steps(64)  # what a bench with stand-in graphs sets
     assert engine.runner_info()["graphed_step_tokens"] == 64

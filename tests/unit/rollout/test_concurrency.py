@@ -119,3 +119,13 @@ def test_the_eager_step_share_is_reported_over_the_steps_since_the_previous_obse
     plain = ConcurrencyController(512, 640, 64)
     for _ in range(3):  # vLLM, or the built-in engine without CUDA graphs: no such counts, no gauge
         assert "rollout/engine_eager_step_frac" not in gauges(plain.observe([stats()], 0))
+
+
+def test_the_fused_layers_share_counts_the_engines_that_report_it():
+    def engine(fused=None):
+        return EngineStats(0.5, 0, 0, 0, 640, 64, extra={} if fused is None else {"fused_layers": float(fused)})
+
+    controller = ConcurrencyController(512, 640, 64)
+    assert gauges(controller.observe([engine(True), engine(False)], 0))["rollout/engine_fused_layers_frac"] == 0.5
+    assert gauges(controller.observe([engine(True), engine()], 0))["rollout/engine_fused_layers_frac"] == 1.0
+    assert "rollout/engine_fused_layers_frac" not in gauges(controller.observe([engine()], 0))  # vLLM: no gauge
