@@ -163,9 +163,14 @@ def test_two_teachers_route_by_column_and_a_run_resumes(ray_cluster, tiny_model_
     }
     assert all(0.0 < f < 1.0 for f in fractions.values()), fractions  # both teachers scored part of every step
     assert sum(fractions.values()) == pytest.approx(1.0)
-    # the sharp teacher is far from the student, the student-like one is the student itself (jsd ~ 0 at step 1)
-    first = records[0]
-    assert first["teacher_jsd/sharp"] > 10 * max(first["teacher_jsd/student_like"], 1e-6)
+    # the sharp teacher is far from the student, the student-like one is the student itself (jsd ~ 0 early on); each
+    # teacher's first logged value (a step's batch is what arrived first: one teacher's samples alone at times, as
+    # seen on a loaded CI machine, so the two may come from different steps)
+    first = {
+        teacher: next(r[f"teacher_jsd/{teacher}"] for r in records if f"teacher_jsd/{teacher}" in r)
+        for teacher in teachers
+    }
+    assert first["sharp"] > 10 * max(first["student_like"], 1e-6), first
 
     resumed = AsyncDistillationTrainer(
         model=tiny_model_dir, args=config(3), train_dataset=dataset, teacher_model=teachers

@@ -368,7 +368,7 @@ def _supervise(
         os.close(results_write)
         os.close(info_write)
     config = dict(config, results_fd=results_write)  # pass_fds keeps the number; bwrap passes it through
-    status, ended_by_itself = None, False
+    status = None
     streams = {"stdout": bytearray(), "stderr": bytearray(), "results": bytearray(), "info": bytearray()}
     try:
         try:
@@ -377,11 +377,10 @@ def _supervise(
         except OSError:
             pass
         status = _collect(process, {"results": results_read, "info": info_read}, streams, limits, start)
-        ended_by_itself = status is None
     finally:
         sandbox_init = _sandbox_init(bytes(streams["info"]), info_read)
         _kill_group(process, sandbox_init)
-        if bwrap and (sandbox_init is None or not ended_by_itself):  # a limit (or an error) may have hit set-up
+        if bwrap:  # bwrap's forked child may outlive it when its set-up was cut short (`_kill_strays`)
             _kill_strays(cwd)
         os.close(results_read)
         os.close(info_read)
@@ -484,9 +483,10 @@ def _kill_strays(workdir: str, wait_s: float = 10.0) -> None:
     on bwrap's command line) and wait until none is left. bwrap's forked child waits on an eventfd for its parent
     before it arms its parent-death signal; when the execution ends during bwrap's set-up (a limit hit under load,
     before bwrap reported the child's pid) and the parent is killed there, a child that has already left the
-    process group waits forever. A scan of /proc costs ~10 us per process on the host: it runs after an execution
-    that a limit or an error ended, or whose child's pid bwrap never reported, not after one that ended by itself
-    (bwrap exits only once its child has)."""
+    process group waits forever. A scan of /proc costs ~10 us per process on the host; it runs after every
+    execution: it once ran only after one that a limit or an error ended, or whose child's pid bwrap never reported,
+    and a CI run under load still left such a child behind (blocked on its eventfd, its parent gone, its workdir
+    removed) after an execution outside those cases."""
     needle = b"\0" + os.fsencode(workdir) + b"\0"
     deadline = time.monotonic() + wait_s
     while True:
