@@ -606,7 +606,7 @@ def main(argv=None) -> None:
 
     torch.manual_seed(args.seed)
     torch._dynamo.config.recompile_limit = 64
-    if args.static_shapes:  # every row length its own static graph (Dynamo's default turns a second length dynamic)
+    if args.static_shapes:  # every row length its own static graph (with the layers compiled dynamic=False below)
         torch._dynamo.config.automatic_dynamic_shapes = False
     config = model_config(args.layers, args.tiny)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -633,6 +633,11 @@ def main(argv=None) -> None:
         default_options = {**options, "compile": {"none": False}.get(default_config_compile(args.device), "layers")}
         default_model = prepare_for_training(default_model, **default_options).train()
     model = prepare_for_training(model, **options)
+    if args.static_shapes and options.get("compile") in (True, "layers"):  # the learner compiles them dynamic
+        from rlasync.model.checkpointing import decoder_layers
+
+        for layer in decoder_layers(model):
+            layer.compile(dynamic=False)
     model.train()
 
     results = {
