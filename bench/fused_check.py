@@ -21,10 +21,6 @@ from datetime import UTC, datetime
 import torch
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a registry name or an HF folder")
@@ -35,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from rlasync.engine.fused_decoder import CHECK_TOLERANCE, FusedDecoder, check_fused, fusable
+    from rlasync.engine.fused_decoder import CHECK_TOLERANCE, FusedDecoder, check_fused, fusable, relative_error
     from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, build_metadata, register_paged_attention
     from rlasync.model.registry import resolve_model
 
@@ -88,11 +84,11 @@ def main(argv: list[str] | None = None) -> None:
             entry = result.setdefault(label, {})
             entry[f"{name}_check_fused_per_layer_max"] = per_layer
             entry[f"{name}_check_s"] = round(check_s, 3)
-            entry[f"{name}_last_hidden_fused_vs_transformers"] = relative(mine, eager)
+            entry[f"{name}_last_hidden_fused_vs_transformers"] = relative_error(mine, eager)
             if dtype == torch.bfloat16:
                 reference = last[label]["float32"]
-                entry["bfloat16_transformers_vs_float32"] = relative(eager, reference)
-                entry["bfloat16_fused_vs_float32"] = relative(mine, reference)
+                entry["bfloat16_transformers_vs_float32"] = relative_error(eager, reference)
+                entry["bfloat16_fused_vs_float32"] = relative_error(mine, reference)
         del model, decoder, fused
     for label in inputs:
         entry = result[label]

@@ -141,6 +141,11 @@ class FusedDecoder:
         return mlp.down_proj(triton_layers.silu_mul(mlp.gate_proj(normed), mlp.up_proj(normed))), residual
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """||got - expected|| / ||expected|| (L2 over every element; an all-zero `expected` counts as tiny, not zero)."""
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
 def check_fused(
     fused: FusedDecoder, meta: PagedAttentionMetadata, input_ids: torch.Tensor, no_mask: torch.Tensor
 ) -> float:
@@ -178,5 +183,5 @@ def check_fused(
             out, residual = fused._layer(layer, hidden.reshape(-1, hidden.shape[-1]), None, cos[0], sin[0], meta)
             got = out.float() + residual.float()
             want = expected.reshape(got.shape).float()
-            worst = max(worst, float((got - want).norm() / want.norm().clamp_min(1e-12)))
+            worst = max(worst, relative_error(got, want))
     return worst

@@ -87,38 +87,28 @@ def test_compile_seconds_counts_a_compile_and_nothing_else():
     torch._dynamo.reset()
 
 
-def _tiny_llama():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-def test_compiled_layers_serve_every_row_length_with_one_graph():
+def test_compiled_layers_serve_every_row_length_with_one_graph(make_model):
     """The learner's regional compile is dynamic from the first call: rows of a new length reuse the graph (Dynamo's
     default compiles the first length statically and again at the second: what the frame count shows without it)."""
     from torch._dynamo.testing import CompileCounter
 
+    from rlasync.model.checkpointing import decoder_layers
     from rlasync.model.loading import compile_decoder_layers, uncompile_decoder_layers
 
     def frames(compile_layers) -> int:
         torch._dynamo.reset()
-        model, counter = _tiny_llama(), CompileCounter()
+        model, counter = make_model("llama"), CompileCounter()
         compile_layers(model, counter)
         with torch.no_grad():
             for length in (10, 14, 22):  # none a size of the model (Dynamo gives equal sizes one symbol)
-                model(torch.arange(length)[None] % 64, use_cache=False)
+                model(torch.arange(length)[None], use_cache=False)
         uncompile_decoder_layers(model)
         return counter.frame_count
 
     assert frames(lambda model, counter: compile_decoder_layers(model, backend=counter)) == 1
 
     def dynamos_default(model, counter):
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             layer.compile(backend=counter)
 
     assert frames(dynamos_default) == 2  # the reference: a second, dynamic graph at the second length
@@ -126,10 +116,10 @@ def test_compiled_layers_serve_every_row_length_with_one_graph():
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
-def test_modes_that_replay_cuda_graphs_keep_static_row_shapes(monkeypatch, mode):
+def test_modes_that_replay_cuda_graphs_keep_static_row_shapes(make_model, monkeypatch, mode):
     from rlasync.model.loading import compile_decoder_layers
 
-    model, seen = _tiny_llama(), []
+    model, seen = make_model("llama"), []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
     compile_decoder_layers(model, mode=mode)
     assert seen == [{"mode": mode}] * 2
