@@ -20,6 +20,8 @@ from typing import Any
 
 import ray
 
+from actors.group_payload import fetch
+
 
 @ray.remote
 class LearnerActor:
@@ -80,11 +82,11 @@ class LearnerActor:
         return self.learner.info()
 
     def train_step(self, refs: list[Any], share: Any = None) -> list[tuple[str, Any]]:
-        """Fetch this rank's samples (ObjectRefs the queue owns: those of its rows, laid out by `share`, a
-        `rlasync.learner.sharing.StepShare`; without a share the whole step's) and train one step; rank 0 returns
-        the metric items, the other ranks []."""
+        """Fetch this rank's samples (what the queue's entries hold: `GroupPart`s or ObjectRefs, those of its rows,
+        laid out by `share`, a `rlasync.learner.sharing.StepShare`; without a share the whole step's) and train one
+        step; rank 0 returns the metric items, the other ranks []."""
         started = time.perf_counter()
-        samples = ray.get(refs, timeout=self.timeout_s)
+        samples = fetch(refs, timeout_s=self.timeout_s)
         return self.learner.train_step(samples, fetch_s=time.perf_counter() - started, share=share)
 
     # ---- weights -----------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The named StalenessQueue actor: forwards to one `rlasync.pipeline.QueueService`.
 
-Holds ObjectRefs of scored samples (`QueueEntry.payload`) plus their metadata; never fetches them. The rollout
-actors send the samples by value and this actor `ray.put`s them, so it owns them: they outlive a rollout actor that
-dies (Ray 2.56 removed `ray.put(_owner=...)`; an object owned by a dead worker is lost). Async
+Holds references to scored samples (`QueueEntry.payload`) plus their metadata; never fetches them. The rollout
+actors send a group's samples by value and this actor `ray.put`s them as one object (`actors.group_payload`), so it
+owns them: they outlive a rollout actor that dies (Ray 2.56 removed `ray.put(_owner=...)`; an object owned by a dead
+worker is lost). Async
 actor: `next_group` and `wait_take` wait on the service's notifier without blocking other calls.
 
 Leases carry their owner (the rollout actor's name); `release_owner(owner)` gives back every lease a dead (and
@@ -12,11 +13,11 @@ restarted) rollout actor still held, so those prompts are generated again and th
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 import ray
 
+from actors.group_payload import own_group
 from rlasync.metrics.loop_lag import LoopLagMonitor
 from rlasync.metrics.process_cpu import ProcessCpu
 from rlasync.pipeline import QueueService, RolloutState
@@ -50,8 +51,7 @@ class QueueActor:
         return await self.service.next_group(num_rollouts, timeout_s, owner)
 
     def put_group(self, entries: list[Any]) -> None:
-        owned = [e if isinstance(e.payload, ray.ObjectRef) else replace(e, payload=ray.put(e.payload)) for e in entries]
-        self.service.put_group(owned)
+        self.service.put_group(own_group(entries))  # the group's samples as one object (actors/group_payload.py)
 
     def drop_group(
         self, group_id: int, reason: str, num_tokens: int = 0, cause: str | None = None, detail: str | None = None
