@@ -3,8 +3,8 @@
 Holds references to scored samples (`QueueEntry.payload`) plus their metadata; never fetches them. The rollout
 actors send a group's samples by value and this actor `ray.put`s them as one object (`actors.group_payload`), so it
 owns them: they outlive a rollout actor that dies (Ray 2.56 removed `ray.put(_owner=...)`; an object owned by a dead
-worker is lost). Async
-actor: `next_group` and `wait_take` wait on the service's notifier without blocking other calls.
+worker is lost). Async actor: `next_group` and `wait_take` wait on the service's notifier without blocking other
+calls.
 
 Leases carry their owner (the rollout actor's name); `release_owner(owner)` gives back every lease a dead (and
 restarted) rollout actor still held, so those prompts are generated again and the epoch stays exactly once.
