@@ -193,8 +193,10 @@ def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     run_dir = Path(args.run_root) / f"sums_{engine}"
     command = train_command(engine, run_dir, args.steps, args.set or [], Path(args.config))
     print(f"--- {engine}: {' '.join(command)}", flush=True)
-    started = time.time()
     metrics = run_dir / "metrics.jsonl"
+    # a run before this one in the same folder (the command overwrites it): its records would say "done" at once
+    metrics.unlink(missing_ok=True)
+    started = time.time()
     done = None
     if args.stop_after_steps is not None:
         done = lambda: reached_and_ran(metrics, started, args.threshold, args.window, args.stop_after_steps)  # noqa: E731

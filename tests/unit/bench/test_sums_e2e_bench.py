@@ -4,6 +4,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -234,3 +235,21 @@ def test_how_busy_the_engines_the_queue_and_the_rollout_actors_were_is_summarize
     assert out["queue_cpu_frac_median"] == pytest.approx(0.3)
     assert out["queue_loop_lag_max_s_median"] == pytest.approx(0.02)
     assert out["rollout_actor_cpu_frac_median"] == pytest.approx(0.8)
+
+
+def test_a_previous_runs_metrics_in_the_folder_neither_stop_nor_summarize_the_new_run(tmp_path, monkeypatch):
+    """A second run into the same folder: the first run's metrics.jsonl (which reached the threshold) is removed
+    before the command starts, so `--stop-after-steps` waits for the new run's own records (2026-12-06: a variant
+    run was stopped 2 s in by its predecessor's records)."""
+    run_dir = tmp_path / "sums_torch"
+    run_dir.mkdir()
+    write_metrics(run_dir / "metrics.jsonl", ramp(), [0.02] * 60)
+    new_run = "import time; time.sleep(0.5)"  # logs nothing and ends by itself
+    monkeypatch.setattr(sums_e2e, "train_command", lambda *a, **k: [sys.executable, "-c", new_run])
+    args = SimpleNamespace(
+        run_root=str(tmp_path), steps=None, set=[], config="x.yaml", stop_after_steps=3, threshold=0.9, window=10,
+        budget_s=30,
+    )  # fmt: skip
+    result = sums_e2e.run_engine(args, "torch")
+    assert result["returncode"] == 0 and "stopped_by" not in result
+    assert "seconds_to_reward_0_9" not in result and not (run_dir / "metrics.jsonl").exists()
