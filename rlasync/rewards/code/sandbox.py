@@ -382,6 +382,7 @@ def _supervise(
         _kill_group(process, sandbox_init)
         if bwrap:  # bwrap's forked child may outlive it when its set-up was cut short (`_kill_strays`)
             _kill_strays(cwd)
+            _kill_orphans()
         os.close(results_read)
         os.close(info_read)
         for pipe in (process.stdout, process.stderr):
@@ -502,6 +503,27 @@ def _kill_strays(workdir: str, wait_s: float = 10.0) -> None:
             logger.warning("sandbox processes %s did not exit %.0f s after SIGKILL", strays, wait_s)
             return
         time.sleep(0.01)
+
+
+def _kill_orphans() -> None:
+    """SIGKILL the live processes of this process's earlier executions: those naming one of its sandbox folders
+    (`rlasync-sandbox-<namespace>-<this pid>-...`) that no longer exists (an execution removes its folder when it
+    ends). `_kill_strays` missed such a child now and then on CI (bwrap's forked child, PID 1 of its namespace,
+    blocked on its eventfd, still in the execution's process group, its folder gone); each execution's sweep now
+    also catches what an earlier one left."""
+    prefix = os.fsencode(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
+    for pid in _pids_naming(b"\0" + prefix):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                args = handle.read().split(b"\0")
+        except OSError:
+            continue
+        folders = {arg for arg in args if arg.startswith(prefix)}
+        if folders and not any(os.path.exists(folder) for folder in folders) and pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _pids_naming(needle: bytes) -> list[int]:

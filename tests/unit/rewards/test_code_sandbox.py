@@ -423,3 +423,34 @@ def test_a_process_that_left_the_group_during_set_up_is_killed(monkeypatch, tmp_
     execution = sandbox_module._execute(box, "bwrap", "print(1)", None, None)
     assert execution.status == "timeout"
     assert survivors() == []
+
+
+def test_an_earlier_executions_orphan_is_swept_and_a_live_ones_process_is_not(tmp_path):
+    """`_kill_orphans` (after every bwrap execution): a process naming one of this process's sandbox folders that is
+    gone is killed (bwrap's blocked child of an execution that ended); one whose folder still exists (an execution
+    still running) is left alone, as is one naming another process's folder."""
+    sandbox = sandbox_module
+    base = os.path.join(tempfile.gettempdir(), f"rlasync-sandbox-{sandbox._pid_namespace()}-")
+    live = tempfile.mkdtemp(prefix=f"rlasync-sandbox-{sandbox._pid_namespace()}-{os.getpid()}-")
+    sleeper = "import time; time.sleep(60)"
+    folders = {
+        "gone": f"{base}{os.getpid()}-gone{TOKEN}/box",
+        "live": os.path.join(live, "box"),
+        "other": f"{base}{os.getpid() + 1}-gone{TOKEN}/box",
+    }
+    os.mkdir(folders["live"])
+    procs = {k: subprocess.Popen([sys.executable, "-c", sleeper, "--bind", v, "/sandbox"]) for k, v in folders.items()}
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+            folders[k].encode() not in Path(f"/proc/{p.pid}/cmdline").read_bytes() for k, p in procs.items()
+        ):
+            time.sleep(0.01)  # until each has exec'd with its arguments
+        sandbox._kill_orphans()
+        assert procs["gone"].wait(timeout=10) == -9
+        assert procs["live"].poll() is None and procs["other"].poll() is None
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        shutil.rmtree(live, ignore_errors=True)
