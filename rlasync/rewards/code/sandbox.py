@@ -382,7 +382,6 @@ def _supervise(
         _kill_group(process, sandbox_init)
         if bwrap:  # bwrap's forked child may outlive it when its set-up was cut short (`_kill_strays`)
             _kill_strays(cwd)
-            _kill_orphans()
         os.close(results_read)
         os.close(info_read)
         for pipe in (process.stdout, process.stderr):
@@ -480,54 +479,48 @@ def _kill_group(process: subprocess.Popen, sandbox_init: int | None) -> None:
 
 
 def _kill_strays(workdir: str, wait_s: float = 10.0) -> None:
-    """SIGKILL every process whose arguments name `workdir` (this execution's own folder, bound into the sandbox
-    on bwrap's command line) and wait until none is left. bwrap's forked child waits on an eventfd for its parent
-    before it arms its parent-death signal; when the execution ends during bwrap's set-up (a limit hit under load,
-    before bwrap reported the child's pid) and the parent is killed there, a child that has already left the
-    process group waits forever. A scan of /proc costs ~10 us per process on the host; it runs after every
-    execution: it once ran only after one that a limit or an error ended, or whose child's pid bwrap never reported,
-    and a CI run under load still left such a child behind (blocked on its eventfd, its parent gone, its workdir
-    removed) after an execution outside those cases."""
-    needle = b"\0" + os.fsencode(workdir) + b"\0"
+    """SIGKILL what bwrap executions of this process left behind, from one scan of /proc per pass: every process
+    naming `workdir` (this execution's own folder, bound into the sandbox on bwrap's command line), waiting until
+    none is left, and every process naming only sandbox folders of this process that are gone (an earlier
+    execution's orphan), killed without waiting.
+
+    bwrap's forked child waits on an eventfd for its parent before it arms its parent-death signal; when the
+    execution ends during bwrap's set-up (a limit hit under load, before bwrap reported the child's pid) and the
+    parent is killed there, a child that has already left the process group waits forever. CI runs under load also
+    left such a child behind (PID 1 of its namespace, blocked on its eventfd, still in the execution's process group,
+    its folder removed) after executions outside that case, so the scan runs after every execution and each one also
+    sweeps what an earlier one left. A scan costs ~10 us per process on the host."""
+    prefix = os.fsencode(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
+    own = os.fsencode(workdir)
     deadline = time.monotonic() + wait_s
     while True:
-        strays = [pid for pid in _pids_naming(needle) if pid != os.getpid()]
+        strays = []
+        for pid, args in _processes_naming(b"\0" + prefix):
+            if pid == os.getpid():
+                continue
+            if own in args:
+                strays.append(pid)
+            elif not any(os.path.exists(arg) for arg in args if arg.startswith(prefix)):
+                _kill(pid)
         if not strays:
             return
         for pid in strays:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill(pid)
         if time.monotonic() >= deadline:  # pragma: no cover - a process stuck in the kernel
             logger.warning("sandbox processes %s did not exit %.0f s after SIGKILL", strays, wait_s)
             return
         time.sleep(0.01)
 
 
-def _kill_orphans() -> None:
-    """SIGKILL the live processes of this process's earlier executions: those naming one of its sandbox folders
-    (`rlasync-sandbox-<namespace>-<this pid>-...`) that no longer exists (an execution removes its folder when it
-    ends). `_kill_strays` missed such a child now and then on CI (bwrap's forked child, PID 1 of its namespace,
-    blocked on its eventfd, still in the execution's process group, its folder gone); each execution's sweep now
-    also catches what an earlier one left."""
-    prefix = os.fsencode(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
-    for pid in _pids_naming(b"\0" + prefix):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                args = handle.read().split(b"\0")
-        except OSError:
-            continue
-        folders = {arg for arg in args if arg.startswith(prefix)}
-        if folders and not any(os.path.exists(folder) for folder in folders) and pid != os.getpid():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
-def _pids_naming(needle: bytes) -> list[int]:
-    """The live (not zombie) processes whose NUL-separated command line contains `needle`."""
+def _processes_naming(needle: bytes) -> list[tuple[int, list[bytes]]]:
+    """The live (not zombie) processes whose NUL-separated command line contains `needle`, with their arguments."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -542,7 +535,7 @@ def _pids_naming(needle: bytes) -> list[int]:
                     continue
         except OSError:
             continue
-        found.append(int(entry.name))
+        found.append((int(entry.name), cmdline[1:].split(b"\0")))
     return found
 
 

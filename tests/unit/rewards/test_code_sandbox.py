@@ -417,7 +417,7 @@ def test_a_process_that_left_the_group_during_set_up_is_killed(monkeypatch, tmp_
     monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: str(fake) if name == "bwrap" else None)
 
     def survivors() -> list[int]:
-        return sandbox_module._pids_naming(os.fsencode(str(fake)))
+        return [pid for pid, _ in sandbox_module._processes_naming(os.fsencode(str(fake)))]
 
     box = Sandbox(limits=Limits(cpu_s=1, wall_s=1.0), max_concurrent=1)
     execution = sandbox_module._execute(box, "bwrap", "print(1)", None, None)
@@ -426,9 +426,9 @@ def test_a_process_that_left_the_group_during_set_up_is_killed(monkeypatch, tmp_
 
 
 def test_an_earlier_executions_orphan_is_swept_and_a_live_ones_process_is_not(tmp_path):
-    """`_kill_orphans` (after every bwrap execution): a process naming one of this process's sandbox folders that is
-    gone is killed (bwrap's blocked child of an execution that ended); one whose folder still exists (an execution
-    still running) is left alone, as is one naming another process's folder."""
+    """`_kill_strays` (after every bwrap execution) also sweeps earlier executions: a process naming one of this
+    process's sandbox folders that is gone is killed (bwrap's blocked child of an execution that ended); one whose
+    folder still exists (an execution still running) is left alone, as is one naming another process's folder."""
     sandbox = sandbox_module
     base = os.path.join(tempfile.gettempdir(), f"rlasync-sandbox-{sandbox._pid_namespace()}-")
     live = tempfile.mkdtemp(prefix=f"rlasync-sandbox-{sandbox._pid_namespace()}-{os.getpid()}-")
@@ -446,7 +446,7 @@ def test_an_earlier_executions_orphan_is_swept_and_a_live_ones_process_is_not(tm
             folders[k].encode() not in Path(f"/proc/{p.pid}/cmdline").read_bytes() for k, p in procs.items()
         ):
             time.sleep(0.01)  # until each has exec'd with its arguments
-        sandbox._kill_orphans()
+        sandbox._kill_strays(f"{base}{os.getpid()}-current{TOKEN}")
         assert procs["gone"].wait(timeout=10) == -9
         assert procs["live"].poll() is None and procs["other"].poll() is None
     finally:
