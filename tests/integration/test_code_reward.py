@@ -75,3 +75,12 @@ def test_code_reward_runs_in_the_reward_actor(ray_cluster, tiny_model_dir, tmp_p
     sandbox_module._last_sweep[0] = -math.inf
     assert Sandbox().run("print(1)").stdout == "1\n"
     assert set(Path(tempfile.gettempdir()).glob("rlasync-sandbox-*")) <= sandbox_dirs_before
+    # nor is any of its sandboxes' processes left: bwrap's child of an execution cut short during its set-up waits
+    # for its dead parent forever unless that execution killed it
+    its_folders = os.fsencode(f"-{reward_pid}-")
+    left = [
+        pid
+        for pid, args in sandbox_module._processes_naming(b"rlasync-sandbox-")
+        if any(its_folders in a for a in args)
+    ]
+    assert left == []

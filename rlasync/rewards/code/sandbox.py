@@ -479,18 +479,18 @@ def _kill_group(process: subprocess.Popen, sandbox_init: int | None) -> None:
 
 
 def _kill_strays(workdir: str, wait_s: float = 10.0) -> None:
-    """SIGKILL what bwrap executions of this process left behind, from one scan of /proc per pass: every process
+    """SIGKILL what bwrap executions on this machine left behind, from one scan of /proc per pass: every process
     naming `workdir` (this execution's own folder, bound into the sandbox on bwrap's command line), waiting until
-    none is left, and every process naming only sandbox folders of this process that are gone (an earlier
-    execution's orphan), killed without waiting.
+    none is left, and every process whose sandbox folders all belong to executions that are over (an orphan),
+    killed without waiting.
 
-    bwrap's forked child waits on an eventfd for its parent before it arms its parent-death signal; when the
-    execution ends during bwrap's set-up (a limit hit under load, before bwrap reported the child's pid) and the
-    parent is killed there, a child that has already left the process group waits forever. CI runs under load also
-    left such a child behind (PID 1 of its namespace, blocked on its eventfd, still in the execution's process group,
-    its folder removed) after executions outside that case, so the scan runs after every execution and each one also
-    sweeps what an earlier one left. A scan costs ~10 us per process on the host."""
-    prefix = os.fsencode(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
+    bwrap's forked child waits on an eventfd for its parent before it arms its parent-death signal, so a child
+    whose parent dies during set-up waits forever: when this process kills an execution then (a limit hit under
+    load), and when the process that started the execution is itself killed then (a RewardActor removed by
+    `ray.kill` mid-execution: `--die-with-parent` ends bwrap, not yet its child). An execution is over once its
+    folder is gone or the process that made it is dead; folders are named `rlasync-sandbox-<pid namespace>-<pid>-*`,
+    and only this PID namespace's are looked at. A scan costs ~10 us per process on the host."""
+    prefix = os.fsencode(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}{_pid_namespace()}-"))
     own = os.fsencode(workdir)
     deadline = time.monotonic() + wait_s
     while True:
@@ -500,7 +500,7 @@ def _kill_strays(workdir: str, wait_s: float = 10.0) -> None:
                 continue
             if own in args:
                 strays.append(pid)
-            elif not any(os.path.exists(arg) for arg in args if arg.startswith(prefix)):
+            elif all(_execution_over(arg[len(prefix) :], arg) for arg in args if arg.startswith(prefix)):
                 _kill(pid)
         if not strays:
             return
@@ -510,6 +510,23 @@ def _kill_strays(workdir: str, wait_s: float = 10.0) -> None:
             logger.warning("sandbox processes %s did not exit %.0f s after SIGKILL", strays, wait_s)
             return
         time.sleep(0.01)
+
+
+def _execution_over(name: bytes, path: bytes) -> bool:
+    """Whether the execution whose folder is `path` (named `<pid>-<random>[/...]` after the prefix) is over: the
+    folder is gone, or the process that made it is dead."""
+    if not os.path.exists(path):
+        return True
+    owner = name.split(b"-", 1)[0]
+    if not owner.isdigit():
+        return False
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # alive (another user's process)
+    return False
 
 
 def _kill(pid: int) -> None:

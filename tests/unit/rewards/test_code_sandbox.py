@@ -425,32 +425,43 @@ def test_a_process_that_left_the_group_during_set_up_is_killed(monkeypatch, tmp_
     assert survivors() == []
 
 
-def test_an_earlier_executions_orphan_is_swept_and_a_live_ones_process_is_not(tmp_path):
-    """`_kill_strays` (after every bwrap execution) also sweeps earlier executions: a process naming one of this
-    process's sandbox folders that is gone is killed (bwrap's blocked child of an execution that ended); one whose
-    folder still exists (an execution still running) is left alone, as is one naming another process's folder."""
+def test_orphans_of_executions_that_are_over_are_killed_and_live_executions_are_not(tmp_path):
+    """`_kill_strays` (after every bwrap execution) also kills what executions that are over left behind, whoever
+    ran them: a process naming a sandbox folder that is gone (bwrap's blocked child of an execution this or another
+    process ended), or one whose folder belongs to a dead process (a RewardActor killed mid-execution) is killed;
+    one naming the folder of a live process's execution (this process's or another's) is left alone."""
     sandbox = sandbox_module
     base = os.path.join(tempfile.gettempdir(), f"rlasync-sandbox-{sandbox._pid_namespace()}-")
-    live = tempfile.mkdtemp(prefix=f"rlasync-sandbox-{sandbox._pid_namespace()}-{os.getpid()}-")
-    sleeper = "import time; time.sleep(60)"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid names a folder of a dead process (not reused within the test: pids wrap far later)
+    made = [
+        tempfile.mkdtemp(prefix=f"rlasync-sandbox-{sandbox._pid_namespace()}-{pid}-")
+        for pid in (os.getpid(), os.getppid(), dead.pid)
+    ]
     folders = {
         "gone": f"{base}{os.getpid()}-gone{TOKEN}/box",
-        "live": os.path.join(live, "box"),
-        "other": f"{base}{os.getpid() + 1}-gone{TOKEN}/box",
+        "other_gone": f"{base}{os.getppid()}-gone{TOKEN}/box",
+        "live": os.path.join(made[0], "box"),
+        "other_live": os.path.join(made[1], "box"),
+        "dead_owner": os.path.join(made[2], "box"),
     }
-    os.mkdir(folders["live"])
+    sleeper = "import time; time.sleep(60)"
     procs = {k: subprocess.Popen([sys.executable, "-c", sleeper, "--bind", v, "/sandbox"]) for k, v in folders.items()}
     try:
+        for folder in made:
+            os.mkdir(os.path.join(folder, "box"))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(
             folders[k].encode() not in Path(f"/proc/{p.pid}/cmdline").read_bytes() for k, p in procs.items()
         ):
             time.sleep(0.01)  # until each has exec'd with its arguments
         sandbox._kill_strays(f"{base}{os.getpid()}-current{TOKEN}")
-        assert procs["gone"].wait(timeout=10) == -9
-        assert procs["live"].poll() is None and procs["other"].poll() is None
+        for name in ("gone", "other_gone", "dead_owner"):
+            assert procs[name].wait(timeout=10) == -9, name
+        assert procs["live"].poll() is None and procs["other_live"].poll() is None
     finally:
         for p in procs.values():
             p.kill()
             p.wait()
-        shutil.rmtree(live, ignore_errors=True)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
