@@ -91,7 +91,7 @@ def tree_block_mask(
     kv_num_blocks, kv_indices = _ordered_blocks(partial)
     full_kv_num_blocks, full_kv_indices = _ordered_blocks(full)
     mask_mod = tree_mask_mod(subtree_end, position_ids, sliding_window, num_blocks * block_size)
-    return BlockMask.from_kv_blocks(
+    block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks[None, None],
         kv_indices[None, None],
         full_kv_num_blocks[None, None],
@@ -100,6 +100,33 @@ def tree_block_mask(
         mask_mod=mask_mod,
         seq_lengths=(n, n),
     )
+    mark_block_dims_dynamic(block_mask)
+    return block_mask
+
+
+BLOCK_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+def mark_block_dims_dynamic(block_mask: Any) -> None:
+    """Mark the block dims of a `BlockMask`'s tensors dynamic for torch.compile. A decoder layer compiled with
+    `dynamic=True` still specialized on the first row's block count on CUDA (Inductor's FlexAttention lowering
+    guards on it) and compiled again at the first row of another padded length: 13 s at step 6 of the SmolLM2 sums
+    run on an H100 with cold caches. Marked, one graph serves every row length (`bench/flex_recompile.py`). No
+    effect in eager mode."""
+    for name in BLOCK_FIELDS:
+        tensor = getattr(block_mask, name, None)
+        if isinstance(tensor, torch.Tensor):
+            for dim in range(2, tensor.dim()):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def _ordered_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlasync.model.block_mask import tree_block_mask, tree_block_sparsity, tree_mask_mod
+from rlasync.model.block_mask import BLOCK_FIELDS, tree_block_mask, tree_block_sparsity, tree_mask_mod
 from rlasync.model.tree_mask import dense_tree_mask
 from rlasync.packing import TreeRow, pack, sample_positions
 from rlasync.records import RolloutSample
@@ -108,3 +108,42 @@ def test_eager_flex_attention_with_the_block_mask_equals_dense_sdpa(seed):
         mask = dense_tree_mask(end, depth, window)
         dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(flex, dense, atol=1e-5, rtol=0)
+
+
+def chain_block_mask(n: int, block_size: int, device: str = "cpu"):
+    """One sample of n tokens (plain causal attention) as a tree row's block mask."""
+    return tree_block_mask(torch.arange(1, n + 1, device=device), torch.arange(n, device=device), None, block_size)
+
+
+def test_the_block_masks_block_dims_are_marked_dynamic_for_the_compiler():
+    """A compiled layer would otherwise specialize on the first row's block count (see the CUDA test below); the
+    mark is Dynamo's own attribute on the tensor."""
+    block_mask = chain_block_mask(96, 32)
+    for name in BLOCK_FIELDS:
+        tensor = getattr(block_mask, name)
+        if tensor is not None:
+            assert set(range(2, tensor.dim())) <= getattr(tensor, "_dynamo_weak_dynamic_indices", set()), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor's FlexAttention lowering specializes on CUDA")
+@pytest.mark.filterwarnings("ignore")
+def test_a_compiled_layer_keeps_one_graph_across_row_lengths_on_cuda():
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    class Tree:  # as TreeAttention: the row's masks in a dict on an object passed as a keyword
+        def __init__(self, block_mask):
+            self.masks = {None: block_mask}
+
+    def layer(x, *, tree):
+        q = x.transpose(1, 2)
+        return flex_attention(q, q, q, block_mask=tree.masks[None]).transpose(1, 2).sum(-1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, dynamic=True)
+    for n in (1024, 896, 768):
+        compiled(
+            torch.randn(1, n, 2, 64, device="cuda", dtype=torch.bfloat16), tree=Tree(chain_block_mask(n, 128, "cuda"))
+        )
+    assert counters["stats"]["unique_graphs"] == 1
