@@ -37,6 +37,7 @@ class LearnerActor:
         self.sender: Any = None
         self.timeout_s = 300.0
         self.device = self._pick_device()
+        self.gc_pauses: Any = None  # this process's garbage collections, timed (`setup`)
 
     @staticmethod
     def _pick_device() -> Any:
@@ -79,6 +80,12 @@ class LearnerActor:
             reducer=reducer,
             resume_dir=resume_dir,
         )
+        from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, GcPauseMonitor, freeze_heap
+
+        freeze_heap()  # the model's and the step's start-up heap is never walked again by a full collection
+        if self.gc_pauses is not None:
+            self.gc_pauses.close()
+        self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)  # nor what the first compile builds
         return self.learner.info()
 
     def train_step(self, refs: list[Any], share: Any = None) -> list[tuple[str, Any]]:
@@ -87,7 +94,12 @@ class LearnerActor:
         step; rank 0 returns the metric items, the other ranks []."""
         started = time.perf_counter()
         samples = fetch(refs, timeout_s=self.timeout_s)
-        return self.learner.train_step(samples, fetch_s=time.perf_counter() - started, share=share)
+        items = self.learner.train_step(samples, fetch_s=time.perf_counter() - started, share=share)
+        collections = self.gc_pauses.take()  # the longest collection since the previous step (this rank's)
+        if items:
+            items += [("perf/learner_gc_max_s", collections["gc_max_s"])]
+            items += [("perf/learner_gc_refreezes", collections["gc_refreezes"])]
+        return items
 
     # ---- weights -----------------------------------------------------------------------------------------------
 

@@ -141,6 +141,8 @@ def summarize(
         "generation_loop_lag_max_s_median": _median(records, "perf/generation_loop_lag_max_s"),
         "generation_gc_max_s_median": _median(records, "perf/generation_gc_max_s"),
         "generation_gc_refreezes": max(_values(records, "perf/generation_gc_refreezes"), default=None),
+        "learner_gc_max_s": max(_values(records, "perf/learner_gc_max_s"), default=None),
+        "learner_gc_refreezes": max(_values(records, "perf/learner_gc_refreezes"), default=None),
         # which process is saturated (CPU seconds per second; ~1.0: bound by its GIL): the busiest engine, the queue,
         # the busiest rollout actor
         "generation_cpu_frac_median": _median(records, "perf/generation_cpu_frac"),

@@ -94,6 +94,9 @@ def test_short_run_trains_syncs_logs_and_cleans_up(ray_cluster, tiny_model_dir, 
     assert sum(v for k, v in startup.items() if k != "total_s") <= startup["total_s"] + 1e-6, startup
     assert not any(k.startswith("perf/startup/") for r in records[1:] for k in r)
     assert all(r["perf/fetch_samples_s"] >= 0 and r["perf/pack_s"] > 0 for r in records)  # the learner's own phases
+    # its process's garbage collections are timed (the heap frozen after set-up: none need run, each is timed)
+    assert all(0 <= r["perf/learner_gc_max_s"] < 5.0 for r in records)
+    assert all(r["perf/learner_gc_refreezes"] in range(9) for r in records)
     assert [r["num_tokens"] for r in records] == sorted(r["num_tokens"] for r in records) and records[0][
         "num_tokens"
     ] > 0

@@ -211,9 +211,12 @@ def test_what_a_slow_sync_waited_behind_is_summarized(tmp_path):
                 "perf/generation_loop_lag_max_s": lag,
                 "perf/generation_gc_max_s": gc_max,
                 "perf/generation_gc_refreezes": refreezes,
+                "perf/learner_gc_max_s": gc_max / 2,
+                "perf/learner_gc_refreezes": refreezes,
             }
         )
     out = sums_e2e.summarize(records, STARTED)
+    assert out["learner_gc_max_s"] == pytest.approx(0.045) and out["learner_gc_refreezes"] == 1.0  # the largest
     assert out["weight_sync_dispatch_max_s"] == 0.2
     assert out["generation_loop_lag_max_s_median"] == pytest.approx(0.025)
     assert out["generation_gc_max_s_median"] == pytest.approx((0.08 + 0.004) / 2)
