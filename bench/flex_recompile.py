@@ -66,7 +66,7 @@ def run(variant: str, lengths: list[int], device: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--lengths", default="8192,7680,7168,8192")
     args = parser.parse_args()
