@@ -507,6 +507,12 @@ def test_the_autoscaler_adds_a_generation_node_for_the_elastic_policy_and_remove
     sizes = [r["elastic/generation_actors"] for r in records]
     assert sizes[:5] == [1.0] * 5 and sizes[5:9] == [2.0] * 4 and set(sizes[10:]) == {1.0}, sizes  # steps 6-9: 2
     first, grown = up_at_step[min(up_at_step)], up_at_step[9]
-    assert sorted(first) == ["generation#1", "head#1", "learner#1", "rollout#1"], first  # one node per group
-    assert sorted(grown) == ["generation#1", "generation#2", "head#1", "learner#1", "rollout#1"], grown
+
+    # nodes by group (their numbers count launches: Ray's autoscaler may launch a second node for a pending actor
+    # while the first still starts, and remove it idle, so the grown node can be "generation#3")
+    def groups(nodes: list[str]) -> list[str]:
+        return sorted(node.split("#")[0] for node in nodes)
+
+    assert set(groups(first)) == {"generation", "head", "learner", "rollout"}, first  # a node per group
+    assert groups(grown) == ["generation", "generation", "head", "learner", "rollout"], grown
     assert left == ["head#1"], "idle worker nodes were not removed"
