@@ -515,13 +515,17 @@ def _kill_strays(workdir: str, wait_s: float = 10.0) -> None:
 def _execution_over(name: bytes, path: bytes) -> bool:
     """Whether the execution whose folder is `path` (named `<pid>-<random>[/...]` after the prefix) is over: the
     folder is gone, or the process that made it is dead."""
-    if not os.path.exists(path):
-        return True
-    owner = name.split(b"-", 1)[0]
-    if not owner.isdigit():
+    return not os.path.exists(path) or _maker_dead(os.fsdecode(name))
+
+
+def _maker_dead(name: str) -> bool:
+    """Whether the process that made a sandbox folder is dead; `name` is the folder's name after
+    `rlasync-sandbox-<pid namespace>-`: `<pid>-<random>[/...]`."""
+    pid = name.split("-", 1)[0]
+    if not pid.isdigit():
         return False
     try:
-        os.kill(int(owner), 0)
+        os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
     except OSError:
@@ -605,15 +609,8 @@ def _pid_namespace() -> str:
 
 def _sweep(namespace: str) -> None:
     for path in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}{namespace}-*-*"):
-        pid = path.name[len(_DIR_PREFIX) + len(namespace) + 1 :].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if _maker_dead(path.name[len(_DIR_PREFIX) + len(namespace) + 1 :]):  # this process's own: alive, kept
             _remove_tree(str(path))
-        except OSError:
-            pass  # alive (another user's process)
 
 
 def _remove_tree(path: str) -> None:
