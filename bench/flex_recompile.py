@@ -13,16 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-BLOCK_FIELDS = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
+from rlasync.model.block_mask import BLOCK_FIELDS, mark_block_dims_dynamic
 
 
 class Holder:  # as TreeAttention: the row's masks in a dict on an object passed as a keyword
@@ -46,12 +37,14 @@ def run(variant: str, lengths: list[int], device: str) -> dict:
     calls = []
     for n in lengths:
         bm = create_block_mask(causal, 1, 1, n, n, device=device, BLOCK_SIZE=128)
-        if variant in ("maybe_mark", "mark"):
+        if variant == "maybe_mark":  # what tree_block_mask does to the learner's masks
+            mark_block_dims_dynamic(bm)
+        elif variant == "mark":  # strict: Dynamo raises if anything forces the dims static
             for name in BLOCK_FIELDS:
                 t = getattr(bm, name)
                 if t is not None:
                     for d in range(2, t.dim()):
-                        (torch._dynamo.mark_dynamic if variant == "mark" else torch._dynamo.maybe_mark_dynamic)(t, d)
+                        torch._dynamo.mark_dynamic(t, d)
         x = torch.randn(1, n, 8, 64, device=device, dtype=torch.bfloat16)
         t0 = time.perf_counter()
         try:
