@@ -470,7 +470,8 @@ e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums
         TRANSFORMERS_OFFLINE=1
     smollm2_ready || exit 1
     mkdir -p /tmp/results
-    run e2e_sums_vllm 580 python3 bench/sums_e2e.py --engines vllm --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}"
+    sets=(); for s in ${E2E_SETS:-}; do sets+=(--set "$s"); done  # a variant, e.g. two engines (see e2e_sums_torch)
+    run e2e_sums_vllm 580 python3 bench/sums_e2e.py --engines vllm --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}" "${sets[@]}"
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
     ;;

@@ -93,6 +93,7 @@ async def warm_up(engine: Any, prompts: list[list[int]]) -> None:
 
 async def measure(engine: Any, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, Any]:
     """Every mode `repeats` times, interleaved; per mode the runs and their median new tokens/s."""
+    initial = getattr(engine, "use_request_seeds", None)
     await warm_up(engine, prompts)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in MODES}
     for _ in range(repeats):
@@ -107,7 +108,8 @@ async def measure(engine: Any, prompts: list[list[int]], new_tokens: int, repeat
             if before is not None:
                 run["preemptions"] = preemptions(engine) - before  # > 0: the KV cache was short, the run is slowed
             runs[name].append(run)
-    set_seeding(engine, True)
+    if initial is not None:
+        engine.use_request_seeds = initial  # left as training runs it
     return {
         name: {"runs": values, "new_tokens_per_s": statistics.median(r["new_tokens_per_s"] for r in values)}
         for name, values in runs.items()

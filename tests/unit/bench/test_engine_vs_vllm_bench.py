@@ -20,7 +20,7 @@ class FakeEngine:
 
     def __init__(self, vllm_like: bool, delay_s: float = 0.0):
         if vllm_like:
-            self.use_request_seeds = True
+            self.use_request_seeds = False  # VLLMEngine's default
         self.delay_s, self.sent = delay_s, []
 
     async def generate(self, prompt, params):
@@ -47,7 +47,7 @@ def test_every_mode_sends_its_seeding_policy_and_logprobs():
     for name in result:
         assert len(result[name]["runs"]) == 2
         assert result[name]["runs"][0]["new_tokens"] == 40 * 4
-    assert engine.use_request_seeds is True  # left as training runs it
+    assert engine.use_request_seeds is False  # left as training runs it
     warm = [s for s in engine.sent if s[3] == 16]
     assert {(s[0], s[2]) for s in warm} == {(False, 0), (False, 8), (True, 0), (True, 8)}
 

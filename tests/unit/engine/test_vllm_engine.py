@@ -14,6 +14,7 @@ import torch
 
 from rlasync.config.grpo import ClusterConfig
 from rlasync.engine import EngineError, make_engine
+from rlasync.engine.base import SamplingParams
 from rlasync.engine.vllm_engine import (
     VLLMEngine,
     import_vllm,
@@ -288,6 +289,38 @@ def test_engine_args_pause_resume_load_weights_and_stats():
     stats = engine.stats()
     assert (stats.num_running, stats.kv_cache_usage_frac, stats.num_preemptions) == (3, 0.5, 2)
     assert stats.kv_capacity_tokens == 160 and stats.max_model_len == 96
+
+
+@pytest.fixture
+def fake_vllm_params(monkeypatch):
+    """A `vllm` module with the two names `_vllm_params` imports: SamplingParams keeps its keyword arguments."""
+
+    class Params:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    module = SimpleNamespace(SamplingParams=Params)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(
+        sys.modules, "vllm.sampling_params", SimpleNamespace(RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"))
+    )
+
+
+def test_request_seeds_reach_vllm_only_when_asked(fake_vllm_params):
+    """By default vLLM samples from the engine's own stream (seeded at random per engine, so engines differ): a
+    request's seed is dropped. With `use_request_seeds` it is passed, and a request without one gets a random one."""
+    seeded = SamplingParams(max_tokens=4, temperature=1.0, seed=1234)
+    unseeded = SamplingParams(max_tokens=4, temperature=1.0)
+    default = FakeVLLMEngine("m")
+    assert default.use_request_seeds is False
+    assert default._vllm_params(seeded, 4).kwargs["seed"] is None
+    assert default._vllm_params(unseeded, 4).kwargs["seed"] is None
+    seeds = [FakeVLLMEngine("m")._llm.args["seed"] for _ in range(4)]
+    assert len(set(seeds)) == 4  # one random stream per engine
+    asked = FakeVLLMEngine("m", use_request_seeds=True)
+    assert asked._vllm_params(seeded, 4).kwargs["seed"] == 1234
+    drawn = {asked._vllm_params(unseeded, 4).kwargs["seed"] for _ in range(8)}
+    assert None not in drawn and len(drawn) == 8
 
 
 def test_receive_weights_pauses_unless_paused_and_weight_transfer_needs_the_backend():
