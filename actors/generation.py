@@ -62,7 +62,7 @@ class GenerationActor:
             torch.set_num_threads(num_threads)
         if switch_interval_s:
             sys.setswitchinterval(switch_interval_s)
-        from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, GcPauseMonitor, freeze_heap
+        from rlasync.metrics.gc_pauses import REFREEZE_OVER_S, CollectionHold, GcPauseMonitor, freeze_heap
         from rlasync.metrics.loop_lag import LoopLagMonitor
         from rlasync.metrics.process_cpu import ProcessCpu
 
@@ -74,6 +74,7 @@ class GenerationActor:
         # the collections that still happen are timed; one that walks what the engine built lazily since (the
         # compiled sampler's first steps) freezes it too, so a weight sync does not wait behind the next ones
         self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
+        self.gc_hold = CollectionHold(limit_s=SYNC_GATE_S)  # none starts during a sync: begin_sync until it ends
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
         # how late its loop runs (calls wait as long); 50 ms wakes, as each takes the GIL the engine's host side needs
@@ -91,10 +92,8 @@ class GenerationActor:
             try:
                 await asyncio.wait_for(self.synced.wait(), SYNC_GATE_S)
             except TimeoutError:
-                raise EngineError(
-                    f"generation engine not synced with the current policy after {SYNC_GATE_S:.0f} s "
-                    "(restarted, waiting for the driver's weight sync): retry"
-                ) from None
+                why = f"not synced with the current policy after {SYNC_GATE_S:.0f} s (restarted, waiting for a sync)"
+                raise EngineError(f"generation engine {why}: retry") from None
         return await self.engine.generate(prompt_ids, sampling)
 
     async def submit(self, channel_id: str, requests: list[tuple[int, list[int], Any]]) -> None:
@@ -121,12 +120,6 @@ class GenerationActor:
 
     def max_model_len(self) -> int:
         return self.engine.max_model_len
-
-    async def pause(self) -> None:
-        await self.engine.pause()
-
-    async def resume(self) -> None:
-        await self.engine.resume()
 
     def _device(self) -> Any:
         import torch
@@ -158,6 +151,7 @@ class GenerationActor:
         from rlasync.weights.apply import begin_pause
 
         if getattr(self.receiver, "pauses_early", False) and self.pausing is None:
+            self.gc_hold.hold()
             self.pausing = begin_pause(self.engine)
             asyncio.get_running_loop().call_later(SYNC_GATE_S, lambda p=self.pausing: self._abandon(p))
 
@@ -171,14 +165,15 @@ class GenerationActor:
         if pausing is not None:
             await asyncio.gather(pausing, return_exceptions=True)
             await self.engine.resume()
+        self.gc_hold.release()
 
     async def sync_weights(self, ticket: Any = None, version: int | None = None) -> dict[str, float]:
         """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and load
         it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until
         the engine stopped, `load_s` from then until loaded, `resume_s`, `total_s`), `started_at` (wall clock),
         `loop_lag_max_s` (this actor's worst event-loop lag since the previous sync), `cpu_frac` (its process's CPU
-        seconds per second since then), `gc_max_s` (its longest garbage collection since then), `gc_refreezes` (how
-        often a slow full collection froze its heap again, in all)."""
+        seconds per second since then), `gc_max_s` (its longest garbage collection since then: none starts during a
+        sync, `gc_hold`), `gc_refreezes` (how often a slow full collection froze its heap again, in all)."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:  # a restarted incarnation: the driver recognises this error by its type
             from rlasync.weights.transport import WeightTransportNotOpen
@@ -186,7 +181,11 @@ class GenerationActor:
             raise WeightTransportNotOpen("sync_weights before open_weight_transport")
         pausing, self.pausing = self.pausing, None
         extra = {"pausing": pausing} if pausing is not None else {}
-        phases = await self.receiver.load_into(self.engine, ticket, **extra)
+        self.gc_hold.hold()
+        try:
+            phases = await self.receiver.load_into(self.engine, ticket, **extra)
+        finally:  # a hold begun by begin_sync ends here too
+            self.gc_hold.release()
         self.version = version
         self.synced.set()
         collections = {**self.gc_pauses.take(), "cpu_frac": self.cpu.take()}

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from actors.group_payload import fetch
+from rlasync.metrics.gc_pauses import CollectionHold
 
 
 @ray.remote
@@ -38,6 +39,7 @@ class LearnerActor:
         self.timeout_s = 300.0
         self.device = self._pick_device()
         self.gc_pauses: Any = None  # this process's garbage collections, timed (`setup`)
+        self.gc_hold = CollectionHold()  # none starts during a weight sync: prepare_weights until finish_weights
 
     @staticmethod
     def _pick_device() -> Any:
@@ -93,6 +95,7 @@ class LearnerActor:
         laid out by `share`, a `rlasync.learner.sharing.StepShare`; without a share the whole step's) and train one
         step; rank 0 returns the metric items, the other ranks []."""
         started = time.perf_counter()
+        self.gc_hold.release_if_stale()  # a sync that failed before its finish_weights
         samples = fetch(refs, timeout_s=self.timeout_s)
         items = self.learner.train_step(samples, fetch_s=time.perf_counter() - started, share=share)
         collections = self.gc_pauses.take()  # the longest collection since the previous step (this rank's)
@@ -127,6 +130,7 @@ class LearnerActor:
 
     def prepare_weights(self) -> Any:
         """Every rank: the sync's ticket (IPC: rank 0 packs the weights and returns their handles; None else)."""
+        self.gc_hold.hold()
         return self._sender().prepare(self.learner.weight_stream())
 
     def send_weights(self) -> float:
@@ -142,6 +146,7 @@ class LearnerActor:
 
     def finish_weights(self) -> None:
         """Every rank, once every engine has loaded: release what the sync held (IPC: the shared buckets)."""
+        self.gc_hold.release()
         self._sender().finish()
 
     def checksum(self) -> float:

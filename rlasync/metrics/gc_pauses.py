@@ -80,6 +80,56 @@ class GcPauseMonitor:
             gc.callbacks.remove(self._callback)
 
 
+class CollectionHold:
+    """Automatic garbage collection off for a short window that something else waits on (a weight sync: the learner
+    is blocked until every engine has paused, loaded and resumed); a collection due inside the window runs after it.
+
+    `hold()` disables automatic collection (`gc.disable`) unless something else already had; `release()` restores
+    it (idempotent). A hold outlives its window only if no `release()` follows: `stale()` says so after `limit_s`,
+    and `release_if_stale()` (called where the next work starts) ends it, so collection is never off for long.
+    `holds` counts the windows held; `overdue` those ended by `release_if_stale`."""
+
+    def __init__(self, limit_s: float = 5.0, clock: Any = time.monotonic) -> None:
+        if not limit_s > 0:
+            raise ValueError(f"limit_s={limit_s!r}: a positive number of seconds")
+        self.limit_s = limit_s
+        self._clock = clock
+        self._since: float | None = None
+        self._reenable = False
+        self.holds = 0
+        self.overdue = 0
+
+    @property
+    def held(self) -> bool:
+        return self._since is not None
+
+    def hold(self) -> None:
+        if self._since is not None:
+            return
+        self._reenable = gc.isenabled()
+        gc.disable()
+        self._since = self._clock()
+        self.holds += 1
+
+    def release(self) -> None:
+        if self._since is None:
+            return
+        self._since = None
+        if self._reenable:
+            gc.enable()
+
+    def stale(self) -> bool:
+        return self._since is not None and self._clock() - self._since > self.limit_s
+
+    def release_if_stale(self) -> bool:
+        """End a hold older than `limit_s` (its window's release never came); True if one was ended."""
+        if not self.stale():
+            return False
+        self.overdue += 1
+        self.release()
+        return True
+
+
 def freeze_heap() -> int:
     """Collect, then freeze what survived (see the module doc); returns how many objects are frozen now."""
     gc.collect()

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from rlasync.metrics.gc_pauses import GcPauseMonitor, freeze_heap
+from rlasync.metrics.gc_pauses import CollectionHold, GcPauseMonitor, freeze_heap
 
 
 class Node:
@@ -108,3 +108,48 @@ def test_no_refreeze_without_a_threshold_and_a_bad_threshold_is_refused():
         monitor.close()
     with pytest.raises(ValueError, match="refreeze_over_s"):
         GcPauseMonitor(refreeze_over_s=0)
+
+
+def test_a_hold_defers_automatic_collections_until_released():
+    """Inside a hold the allocations that would set off collections set off none; the release lets them run."""
+    monitor = GcPauseMonitor()
+    hold = CollectionHold()
+    assert gc.isenabled()
+    try:
+        gc.collect()
+        monitor.take()
+        hold.hold()
+        hold.hold()  # nested: one window
+        assert hold.held and not gc.isenabled() and hold.holds == 1
+        keep = cycles(50_000)  # far past gen 0's threshold
+        assert monitor.take()["gc_collections"] == 0
+        hold.release()
+        assert gc.isenabled() and not hold.held
+        more = cycles(50_000)
+        assert monitor.take()["gc_collections"] > 0
+        hold.release()  # idempotent
+        assert gc.isenabled()
+        del keep, more
+    finally:
+        hold.release()
+        monitor.close()
+
+
+def test_a_hold_keeps_collection_off_if_it_was_off_and_a_forgotten_hold_expires():
+    now = [0.0]
+    hold = CollectionHold(limit_s=2.0, clock=lambda: now[0])
+    gc.disable()
+    try:
+        hold.hold()
+        hold.release()
+        assert not gc.isenabled()  # someone else had turned it off: left off
+    finally:
+        gc.enable()
+    hold.hold()
+    now[0] = 1.5
+    assert not hold.release_if_stale() and hold.held
+    now[0] = 2.5
+    assert hold.stale() and hold.release_if_stale()
+    assert gc.isenabled() and not hold.held and hold.overdue == 1
+    with pytest.raises(ValueError, match="limit_s"):
+        CollectionHold(limit_s=0)
