@@ -74,7 +74,7 @@ class GenerationActor:
         # the collections that still happen are timed; one that walks what the engine built lazily since (the
         # compiled sampler's first steps) freezes it too, so a weight sync does not wait behind the next ones
         self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
-        self.gc_hold = CollectionHold(limit_s=SYNC_GATE_S)  # none starts during a sync: begin_sync until it ends
+        self.gc_hold = CollectionHold()  # no collection in a sync: from begin_sync (or sync_weights) to its end
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
         # how late its loop runs (calls wait as long); 50 ms wakes, as each takes the GIL the engine's host side needs

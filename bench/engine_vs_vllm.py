@@ -109,7 +109,7 @@ async def measure(engine: Any, prompts: list[list[int]], new_tokens: int, repeat
                 run["preemptions"] = preemptions(engine) - before  # > 0: the KV cache was short, the run is slowed
             runs[name].append(run)
     if initial is not None:
-        engine.use_request_seeds = initial  # left as training runs it
+        set_seeding(engine, initial)  # left as training runs it
     return {
         name: {"runs": values, "new_tokens_per_s": statistics.median(r["new_tokens_per_s"] for r in values)}
         for name, values in runs.items()
