@@ -471,9 +471,17 @@ e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums
     smollm2_ready || exit 1
     mkdir -p /tmp/results
     sets=(); for s in ${E2E_SETS:-}; do sets+=(--set "$s"); done  # a variant, e.g. two engines (see e2e_sums_torch)
+    if [ -n "${E2E_SPY:-}" ]; then  # E2E_SPY=1 (after kits with .whl): py-spy over the GenerationActor (vLLM's front end) from E2E_SPY_AFTER_S (150: past vLLM's start-up) in, 12 s per thread idle included, then 12 s of the GIL's holder
+        (sleep "${E2E_SPY_AFTER_S:-150}"; for a in "ray::GenerationActor"; do p=$(pgrep -f "$a" | head -1); n=${a#ray::}; [ -n "$p" ] && \
+            (/tmp/pyspy/bin/py-spy record -d 12 -r 100 -f raw --nonblocking --threads --idle -p "$p" -o "$out/pyspy_vllm_$n.txt" >/dev/null 2>&1
+             /tmp/pyspy/bin/py-spy record -d 12 -r 100 -f raw --nonblocking --gil -p "$p" -o "$out/pyspy_vllm_gil_$n.txt" >/dev/null 2>&1) & done; wait
+         python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_e2e_vllm.txt" 2>&1) &
+    fi
     run e2e_sums_vllm 580 python3 bench/sums_e2e.py --engines vllm --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}" "${sets[@]}"
     cp /tmp/results/sums_e2e_h200.json "$out/"
-    grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|rollout_wait_frac)"' "$out/sums_e2e_h200.json"
+    cp /tmp/sums_e2e/sums_vllm/metrics.jsonl "$out/sums_vllm_metrics.jsonl" 2>/dev/null
+    grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|weight_sync_median_s|rollout_wait_frac|generated_tokens_per_s_median)"' "$out/sums_e2e_h200.json"
+    wait; [ -f "$out/top_e2e_vllm.txt" ] && head -n 60 "$out/top_e2e_vllm.txt"
     ;;
 e2e_ab)  # after kits and the SmolLM2 calls (warm): the default sums run with the TorchEngine twice in one call, E2E_BUDGET_S (200) each, first with E2E_BASE_SETS (none: as it is), then with E2E_SETS (e.g. cluster.engine_kwargs.launch_on_loop=true); E2E_AB_LABEL (ab) names the files sums_<label>_{base,variant}*: generated tokens/s, step time, syncs and loop lag side by side (~8 min)
     export PYTHONPATH=$PWD:/tmp/site

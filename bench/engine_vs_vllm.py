@@ -128,7 +128,10 @@ def ratios(torch_engine: dict[str, Any], vllm: dict[str, Any]) -> dict[str, floa
 async def phase_vllm(ctx: dict[str, Any]) -> dict[str, Any]:
     args = ctx["args"]
     prompts = random_prompts(args.concurrency, args.prompt_len, ctx["model"]["vocab_size"], seed=11)
-    return await measure(ctx["engine"], prompts, args.new_tokens, args.repeats)
+    result = await measure(ctx["engine"], prompts, args.new_tokens, args.repeats)
+    if hasattr(ctx["engine"], "stat_loggers"):  # which stat loggers vLLM runs (ours alone: no Prometheus metrics)
+        result["stat_loggers"] = ctx["engine"].stat_loggers()
+    return result
 
 
 VARIANTS = {  # the TorchEngine's variants measured after its default (`--variant`), as engine kwargs

@@ -30,8 +30,10 @@ they are in 0.25's source:
                  `NCCLWeightTransferEngine.trainer_init` + `trainer_send_weights`). vLLM's `collective_rpc` timeout is
                  not enforced by the single-process executor: the waits here are bounded by `asyncio.wait_for`
                  and, inside the worker, by the weight group's own timeout
-  stats          a per-engine `StatLoggerBase` (`SchedulerStats.num_running_reqs / num_waiting_reqs /
-                 kv_cache_usage`, `IterationStats.num_preempted_reqs`) and `cache_config.num_gpu_blocks * block_size`
+  stats          a stat logger (`SchedulerStats.num_running_reqs / num_waiting_reqs / kv_cache_usage`,
+                 `IterationStats.num_preempted_reqs`) and `cache_config.num_gpu_blocks * block_size`; by default a
+                 `PrometheusStatLogger` subclass that builds no metrics, so `StatLoggerManager` adds no Prometheus
+                 logger of its own (it does unless a custom logger is one)
   also in 0.25   `sleep(level)` / `wake_up(tags)` (not used: the learner and the engine share a GPU by memory
                  fractions), `is_paused()`, `reset_prefix_cache()`
 
@@ -95,10 +97,13 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 @functools.cache  # asked once per request: the answer is fixed per vLLM install
-def _has_flat_logprobs(params_class: Any) -> bool:
-    """Whether this vLLM's `SamplingParams` takes `flat_logprobs` (flat lists instead of a dict per position)."""
+def _params_extras(params_class: Any) -> dict[str, bool]:
+    """The `SamplingParams` fields this vLLM takes beyond 0.25's basics, set for every request: `flat_logprobs` (flat
+    lists instead of a dict of `Logprob` objects per position) and `skip_clone` (each request's params are built
+    for it alone, so vLLM's input processing need not deep-copy them: `deepcopy` was 7-8% of the GenerationActor's
+    Python time in the sums run, bench/LOG.md 2026-12-07)."""
     fields = getattr(params_class, "__struct_fields__", None) or getattr(params_class, "__dataclass_fields__", {})
-    return "flat_logprobs" in fields
+    return {name: True for name in ("flat_logprobs", "skip_clone") if name in fields}
 
 
 class _Gauges:
@@ -112,27 +117,58 @@ class _Gauges:
         self.num_generated_tokens = 0
 
 
-def _stat_logger_factory(gauges: _Gauges) -> Any:
-    """A vLLM per-engine stat-logger factory feeding `gauges` (the class derives from vLLM's `StatLoggerBase`)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
+def _stat_logger_factory(gauges: _Gauges, prometheus: bool = False) -> Any:
+    """A vLLM stat-logger factory feeding `gauges`.
 
-    class RlasyncStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
+    vLLM 0.25's `StatLoggerManager` adds its `PrometheusStatLogger` to every `AsyncLLM` that logs stats (ours must: the
+    gauges come from those stats) unless a custom logger already is one. Its metrics, which nobody scrapes inside a
+    GenerationActor, cost ~7% of that process's Python time in the sums run (a histogram observation and a locked
+    counter per finished request, bench/LOG.md 2026-12-07), so by default our logger takes its place: a subclass that
+    builds none of its metrics. With `prometheus=True` vLLM keeps its own and ours is a plain per-engine logger."""
+    from vllm.v1.metrics import loggers
+
+    def update(scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            gauges.num_running = int(scheduler_stats.num_running_reqs)
+            gauges.num_waiting = int(scheduler_stats.num_waiting_reqs)
+            gauges.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+        if iteration_stats is not None:
+            gauges.num_preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+            gauges.num_generated_tokens += int(getattr(iteration_stats, "num_generation_tokens", 0))
+
+    if prometheus or not hasattr(loggers, "PrometheusStatLogger"):
+
+        class RlasyncStatLogger(loggers.StatLoggerBase):
+            def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+                self.engine_index = engine_index
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                update(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return RlasyncStatLogger
+
+    class RlasyncPrometheusStandIn(loggers.PrometheusStatLogger):
+        """In Prometheus's place (vLLM then adds no other): its interface, none of its metrics."""
+
+        def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+            self.engine_indexes = list(engine_indexes or [0])  # no super().__init__(): it would register the metrics
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                gauges.num_running = int(scheduler_stats.num_running_reqs)
-                gauges.num_waiting = int(scheduler_stats.num_waiting_reqs)
-                gauges.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
-            if iteration_stats is not None:
-                gauges.num_preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
-                gauges.num_generated_tokens += int(getattr(iteration_stats, "num_generation_tokens", 0))
+            update(scheduler_stats, iteration_stats)
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            pass
 
         def log_engine_initialized(self) -> None:
             pass
 
-    return RlasyncStatLogger
+        def log(self) -> None:
+            pass
+
+    return RlasyncPrometheusStandIn
 
 
 class VLLMEngine(VLLMWeightLoading):
@@ -151,6 +187,8 @@ class VLLMEngine(VLLMWeightLoading):
                             tokens/s than its batched sampler), and the engine's own seed (random unless given) already
                             keeps data-parallel engines from decoding alike (docs/algorithms.md §2.4)
     clear_cache_on_pause    drop the prefix cache on pause and recompute running requests under the new weights
+    prometheus_metrics      keep vLLM's Prometheus metrics in the actor's process (off: nobody scrapes them there,
+                            and they cost the front end ~7% of its Python time; our own gauges feed `stats()`)
     weight_transfer_backend None, or "nccl" for vLLM's own NCCL weight transfer (`init_weight_transfer`)
     rpc_timeout_s           bound of every weight-loading call; control_timeout_s: of pause/resume
     **engine_args           any other `vllm.AsyncEngineArgs` field (e.g. enforce_eager, compilation_config,
@@ -169,6 +207,7 @@ class VLLMEngine(VLLMWeightLoading):
         seed: int | None = None,
         use_request_seeds: bool = False,
         clear_cache_on_pause: bool = True,
+        prometheus_metrics: bool = False,
         weight_transfer_backend: str | None = None,
         rpc_timeout_s: float = 600.0,
         control_timeout_s: float = 300.0,
@@ -189,6 +228,7 @@ class VLLMEngine(VLLMWeightLoading):
             self._adapters = RuntimeAdapters(lora_dir, int(engine_args.get("max_loras", 1)), base_model=model)
         self.use_request_seeds = bool(use_request_seeds)
         self.clear_cache_on_pause = bool(clear_cache_on_pause)
+        self.prometheus_metrics = bool(prometheus_metrics)
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.control_timeout_s = float(control_timeout_s)
         self.chunk_bytes = int(chunk_bytes)
@@ -203,7 +243,7 @@ class VLLMEngine(VLLMWeightLoading):
             "seed": secrets.randbits(31) if seed is None else int(seed),
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": EXTENSION_QUALNAME,
-            "disable_log_stats": True,  # only our stat logger: no Prometheus registry in the actor
+            "disable_log_stats": True,  # no periodic log lines; the stats still flow to our logger (`_build`)
             **engine_args,
         }
         if max_model_len is not None:
@@ -236,7 +276,8 @@ class VLLMEngine(VLLMWeightLoading):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_stat_logger_factory(self._gauges)])
+        factory = _stat_logger_factory(self._gauges, prometheus=self.prometheus_metrics)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[factory])
 
     # ---- the Engine interface -------------------------------------------------------------------------------------
 
@@ -265,7 +306,7 @@ class VLLMEngine(VLLMWeightLoading):
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
-            **({"flat_logprobs": True} if _has_flat_logprobs(VllmSamplingParams) else {}),
+            **_params_extras(VllmSamplingParams),
         )
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TurnRecord:
@@ -345,6 +386,11 @@ class VLLMEngine(VLLMWeightLoading):
     @property
     def is_paused(self) -> bool:
         return self._paused
+
+    def stat_loggers(self) -> list[str]:
+        """The class names of the stat loggers vLLM built (by default one, ours, in Prometheus's place)."""
+        manager = getattr(self._llm, "logger_manager", None)
+        return [type(stat_logger).__name__ for stat_logger in getattr(manager, "stat_loggers", [])]
 
     def stats(self) -> EngineStats:
         gauges = self._gauges

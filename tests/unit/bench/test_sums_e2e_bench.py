@@ -98,8 +98,9 @@ def test_the_command_is_the_run_file_with_engine_and_per_step_logging(tmp_path):
     assert "cluster.engine=vllm" in sets and "max_steps=50" in sets and sets[-1] == "seed=1"
     (kwargs,) = [s for s in sets if s.startswith("cluster.engine_kwargs=")]
     assert "kv_cache_tokens" not in kwargs  # the run file's TorchEngine kwargs are no vLLM arguments
-    # one vLLM engine on half the GPU, where the run file has two TorchEngines on a quarter each
-    assert "cluster.num_generation_actors=1" in sets and "cluster.generation_num_gpus=0.5" in sets
+    # two vLLM engines on a quarter of the GPU each, each with a fixed KV cache (neither sizes it by what is free)
+    assert "cluster.num_generation_actors=2" in sets and "cluster.generation_num_gpus=0.25" in sets
+    assert json.loads(kwargs.split("=", 1)[1])["kv_cache_memory_bytes"] > 0
 
 
 def test_recompute_from_metrics_merges_under_the_engine(tmp_path):

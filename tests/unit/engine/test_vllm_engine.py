@@ -323,6 +323,93 @@ def test_request_seeds_reach_vllm_only_when_asked(fake_vllm_params):
     assert None not in drawn and len(drawn) == 8
 
 
+def test_request_params_skip_vllms_deep_copy_where_it_offers_the_field(monkeypatch):
+    """Each request's params are built for it alone: where vLLM's SamplingParams has `skip_clone` (0.25 does) it is
+    set, so vLLM's input processing copies them shallowly; a vLLM without the field gets neither extra."""
+
+    class Params:
+        __struct_fields__ = ("max_tokens", "flat_logprobs", "skip_clone")
+
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    class OldParams(Params):
+        __struct_fields__ = ("max_tokens",)
+
+    kinds = SimpleNamespace(RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", kinds)
+    request = SamplingParams(max_tokens=4, temperature=1.0)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=Params))
+    kwargs = FakeVLLMEngine("m")._vllm_params(request, 4).kwargs
+    assert kwargs["skip_clone"] is True and kwargs["flat_logprobs"] is True
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=OldParams))
+    kwargs = FakeVLLMEngine("m")._vllm_params(request, 4).kwargs
+    assert "skip_clone" not in kwargs and "flat_logprobs" not in kwargs
+
+
+@pytest.fixture
+def fake_vllm_loggers(monkeypatch):
+    """vLLM 0.25's logger classes as stand-ins; building the real Prometheus logger registers its metrics (here: an
+    error), and `manager` follows 0.25's StatLoggerManager: it adds a Prometheus logger unless one was given."""
+
+    class StatLoggerBase:
+        def log(self):
+            pass
+
+    class AggregateStatLoggerBase(StatLoggerBase):
+        pass
+
+    class PrometheusStatLogger(AggregateStatLoggerBase):
+        built = 0
+
+        def __init__(self, vllm_config, engine_indexes=None):
+            PrometheusStatLogger.built += 1  # vLLM's registers ~100 metrics here
+
+    loggers = SimpleNamespace(
+        StatLoggerBase=StatLoggerBase,
+        AggregateStatLoggerBase=AggregateStatLoggerBase,
+        PrometheusStatLogger=PrometheusStatLogger,
+    )
+    for name in ("vllm", "vllm.v1", "vllm.v1.metrics"):
+        monkeypatch.setitem(sys.modules, name, SimpleNamespace())
+    sys.modules["vllm.v1.metrics"].loggers = loggers
+    monkeypatch.setitem(sys.modules, "vllm.v1.metrics.loggers", loggers)
+
+    def manager(factories):
+        built = [
+            f(vllm_config=None, engine_indexes=[0]) if issubclass(f, AggregateStatLoggerBase) else f(None, 0)
+            for f in factories
+        ]
+        if not any(isinstance(b, PrometheusStatLogger) for b in built):
+            built.append(PrometheusStatLogger(None, [0]))
+        return built
+
+    return SimpleNamespace(classes=loggers, manager=manager)
+
+
+def test_our_stat_logger_takes_prometheus_place_unless_asked_to_keep_it(fake_vllm_loggers):
+    from rlasync.engine.vllm_engine import _Gauges, _stat_logger_factory
+
+    prometheus = fake_vllm_loggers.classes.PrometheusStatLogger
+    gauges = _Gauges()
+    built = fake_vllm_loggers.manager([_stat_logger_factory(gauges)])
+    assert len(built) == 1 and isinstance(built[0], prometheus) and prometheus.built == 0  # no metrics registered
+    stats = SimpleNamespace(num_running_reqs=7, num_waiting_reqs=3, kv_cache_usage=0.25)
+    built[0].record(stats, SimpleNamespace(num_preempted_reqs=2, num_generation_tokens=40), engine_idx=0)
+    built[0].record(None, SimpleNamespace(num_preempted_reqs=1, num_generation_tokens=8))
+    built[0].log_engine_initialized(), built[0].record_sleep_state(1, 0), built[0].log()
+    assert (gauges.num_running, gauges.num_waiting, gauges.kv_cache_usage) == (7, 3, 0.25)
+    assert (gauges.num_preemptions, gauges.num_generated_tokens) == (3, 48)
+
+    kept = _Gauges()
+    built = fake_vllm_loggers.manager([_stat_logger_factory(kept, prometheus=True)])
+    assert len(built) == 2 and prometheus.built == 1 and not isinstance(built[0], prometheus)
+    built[0].record(stats, None)
+    assert kept.num_running == 7
+    assert FakeVLLMEngine("m").prometheus_metrics is False
+    assert FakeVLLMEngine("m", prometheus_metrics=True).prometheus_metrics is True
+
+
 def test_receive_weights_pauses_unless_paused_and_weight_transfer_needs_the_backend():
     engine = FakeVLLMEngine("m")
 
