@@ -116,6 +116,24 @@ def _mean(records: list[dict[str, Any]], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+SYNC_PARTS = ("dispatch", "pause", "transfer", "resume", "barrier", "pack", "calls", "finish")
+
+
+def sync_parts(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]] | None:
+    """Where the syncs' time went: per part of `perf/weight_sync_*` (docs/algorithms.md §6.1), its median over the
+    run and its value at the step of the largest sync."""
+    synced = [r for r in records if isinstance(r.get("perf/weight_sync_s"), int | float)]
+    if not synced:
+        return None
+    largest = max(synced, key=lambda r: r["perf/weight_sync_s"])
+    parts = {}
+    for part in SYNC_PARTS:
+        key = f"perf/weight_sync_{part}_s"
+        if _values(synced, key):
+            parts[part] = {"median_s": _median(synced, key), "at_max_s": largest.get(key)}
+    return {**parts, "max_step": largest.get("step")}
+
+
 def summarize(
     records: list[dict[str, Any]], started: float, threshold: float = 0.9, window: int = 10
 ) -> dict[str, Any]:
@@ -146,6 +164,7 @@ def summarize(
         "engine_fused_layers_frac_mean": _mean(records, "rollout/engine_fused_layers_frac"),
         # what a slow sync waited behind: the generation actor's event loop and its garbage collections
         "weight_sync_dispatch_max_s": max(_values(records, "perf/weight_sync_dispatch_s"), default=None),
+        "weight_sync_parts": sync_parts(records),
         "generation_loop_lag_max_s_median": _median(records, "perf/generation_loop_lag_max_s"),
         "generation_gc_max_s_median": _median(records, "perf/generation_gc_max_s"),
         "generation_gc_refreezes": max(_values(records, "perf/generation_gc_refreezes"), default=None),

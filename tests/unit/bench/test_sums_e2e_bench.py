@@ -225,6 +225,18 @@ def test_what_a_slow_sync_waited_behind_is_summarized(tmp_path):
     assert out["generation_cpu_frac_median"] is None  # not logged by this run
 
 
+def test_the_syncs_parts_are_summarized_as_medians_and_at_the_largest_sync(tmp_path):
+    path = write_metrics(tmp_path / "m.jsonl", [0.5] * 3, [0.03, 0.12, 0.04])
+    records = sums_e2e.read_records(path)
+    for record, (pause, dispatch) in zip(records, [(0.01, 0.005), (0.08, 0.03), (0.02, 0.006)]):
+        record.update({"perf/weight_sync_pause_s": pause, "perf/weight_sync_dispatch_s": dispatch})
+    parts = sums_e2e.summarize(records, STARTED)["weight_sync_parts"]
+    assert parts["max_step"] == records[1]["step"]
+    assert parts["pause"] == {"median_s": 0.02, "at_max_s": 0.08}
+    assert parts["dispatch"] == {"median_s": 0.006, "at_max_s": 0.03}
+    assert "transfer" not in parts  # not logged by this run
+
+
 def test_how_busy_the_engines_the_queue_and_the_rollout_actors_were_is_summarized(tmp_path):
     """The busiest engine's, the queue actor's and the busiest rollout actor's CPU fraction and the queue's loop lag,
     medians over the steps."""
