@@ -6,7 +6,9 @@
 #               annotated-types==0.7.0 typing-inspection==0.4.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0
 #               antlr4-python3-runtime==4.13.2)
 #   .pydkit     pydantic and its three wheels (all the learner benches need besides the GPU image)
-#   .vllmkit    vLLM 0.25 and its deps, with an unpack.sh (into /tmp/vsite)
+#   .vllmkit    vLLM 0.25 and its deps, with an unpack.sh (into /tmp/vsite); .vllmkit_a, .vllmkit_b  the same in two
+#               halves (`bash bench/device_runs.sh split_vllmkit` on the workstation) for when the working tree and the
+#               whole kit together pass what one call carries (64 MiB): stages vllm_a, then vllm_b
 #   .trlwheel   TRL 1.16's wheel;  .whl  py-spy;  .smol1, .smol2  the SmolLM2 GGUF in two halves
 #   .fa4a, .fa4b  FlashAttention-4's CuTe DSL runtime and wheels (flash_kit, learner_flash)
 # A stage "after" another expects the machine still warm from it (the next call within 30 s keeps /tmp/site).
@@ -385,6 +387,25 @@ kits)  # carry one kit a call (.devicekit, .vllmkit or .pydkit; .whl beside any)
     if [ -d .whl ]; then [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl; fi
     ls -d /tmp/site/ray /tmp/site/pydantic /tmp/vsite/vllm 2>&1
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    ;;
+split_vllmkit)  # on the workstation, not a device call: .vllmkit's archive cut into .vllmkit_a and .vllmkit_b (each with the unpack script and the checksum)
+    [ -f .vllmkit/vsite.tar.xz ] || { echo "no .vllmkit/vsite.tar.xz to split" >&2; exit 1; }
+    rm -rf .vllmkit_a .vllmkit_b && mkdir -p .vllmkit_a .vllmkit_b
+    half=$(( ($(stat -c %s .vllmkit/vsite.tar.xz) + 1) / 2 ))
+    split -b "$half" -a 1 .vllmkit/vsite.tar.xz /tmp/vsite.part. || exit 1
+    mv /tmp/vsite.part.a .vllmkit_a/ && mv /tmp/vsite.part.b .vllmkit_b/ || exit 1
+    cp .vllmkit/unpack.sh .vllmkit/vsite.sha256 .vllmkit_b/
+    du -sh .vllmkit_a .vllmkit_b
+    ;;
+vllm_a)  # carry .vllmkit_a: the first half of vLLM's kit into /tmp/vkit (vllm_b follows within 30 s)
+    mkdir -p /tmp/vkit && cp .vllmkit_a/vsite.part.a /tmp/vkit/ && ls -l /tmp/vkit
+    ;;
+vllm_b)  # carry .vllmkit_b right after vllm_a: the kit rejoined, checked and unpacked into /tmp/vsite (as kits with .vllmkit)
+    [ -f /tmp/vkit/vsite.part.a ] || { echo "vllm_a did not run on this machine (it went cold?)" >&2; exit 1; }
+    cat /tmp/vkit/vsite.part.a .vllmkit_b/vsite.part.b > /tmp/vkit/vsite.tar.xz && rm /tmp/vkit/vsite.part.a
+    cp .vllmkit_b/unpack.sh .vllmkit_b/vsite.sha256 /tmp/vkit/
+    bash /tmp/vkit/unpack.sh /tmp/vkit || exit 1
+    rm -f /tmp/vkit/vsite.tar.xz; ls -d /tmp/vsite/vllm
     ;;
 smol1)  # carry .smol1 (after kits, warm): the first half of SmolLM2-135M-Instruct's GGUF into /tmp (smol2 follows within 30 s)
     cp -r .smol1 /tmp/ && ls -l /tmp/.smol1
