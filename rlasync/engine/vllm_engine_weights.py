@@ -43,6 +43,9 @@ class VLLMWeightLoading:
 
     _llm: Any
     _paused: bool
+    _held: bool  # vLLM's scheduler paused (False while only `_paused`: `sync_without_pause`)
+    clear_cache_on_pause: bool
+    _hold: Callable[[], Awaitable[None]]  # pause vLLM's scheduler itself
     chunk_bytes: int
     rpc_timeout_s: float
     control_timeout_s: float
@@ -68,6 +71,7 @@ class VLLMWeightLoading:
                     "vLLM weight sync from persistent buckets failed (%s); syncing tensor by tensor from now on",
                     self._flat_failed,
                 )
+        await self._ensure_held()  # several calls follow: no vLLM step may run between them
         named_tensors, is_adapter = peek_adapter(named_tensors)
         if is_adapter:
             return await self.load_adapter(named_tensors)
@@ -99,7 +103,10 @@ class VLLMWeightLoading:
         nothing per tensor here, nothing blocking this event loop (the learner synchronized before handing out
         the handles)."""
         started = time.perf_counter()
-        results = await self._rpc("load_flat_ipc", key, flat_buckets(handles))
+        if self._held or not self.clear_cache_on_pause:
+            results = await self._rpc("load_flat_ipc", key, flat_buckets(handles))
+        else:  # vLLM still stepping (`sync_without_pause`): the load, then the running requests preempted
+            results = await self._load_between_steps(key, handles)
         worker = results[0]
         # `engine_s`: the slowest worker's own time (mapping, copies, the wait for them); the rest of `seconds` is
         # vLLM's collective_rpc round trip (this process -> EngineCore -> its workers and back)
@@ -108,6 +115,34 @@ class VLLMWeightLoading:
             "engine_s": max(float(r.get("seconds", 0.0)) for r in results),
             "seconds": time.perf_counter() - started,
         }
+
+    async def _load_between_steps(self, key: str, handles: Sequence[Any]) -> list[Any]:
+        """The load and the preemption of the running requests (`reset_prefix_cache(reset_running_requests=True)`)
+        sent back to back: vLLM's EngineCore takes utility calls in the order sent and runs them between its steps,
+        so the load lands whole between two steps, and the reset (usually before the next step) marks the running
+        requests' KV and any output frame still in flight stale, as the pause's cache clearing does."""
+        import asyncio
+
+        renderer = getattr(self._llm, "renderer", None)
+        if getattr(renderer, "mm_processor_cache", None) is not None:  # multimodal caches: vLLM's own pause clears them
+            await self._ensure_held()
+            return await self._rpc("load_flat_ipc", key, flat_buckets(handles))
+        load = asyncio.ensure_future(self._rpc("load_flat_ipc", key, flat_buckets(handles)))
+        reset = asyncio.ensure_future(
+            bounded(self._llm.reset_prefix_cache(True, True), self.control_timeout_s, "reset_prefix_cache")
+        )
+        results, reset_ok = await asyncio.gather(load, reset, return_exceptions=True)
+        for outcome in (results, reset_ok):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        if reset_ok is False:
+            logger.warning("vLLM did not reset its prefix cache after a weight sync: running requests keep old KV")
+        return results
+
+    async def _ensure_held(self) -> None:
+        """Pause vLLM's scheduler if this engine is paused only in its own state (`sync_without_pause`)."""
+        if self._paused and not self._held:
+            await self._hold()
 
     async def load_adapter(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         """One LoRA sync: write the adapter, `add_lora` it as `rlasync-v{k}` (new requests use it), `remove_lora`
@@ -160,6 +195,7 @@ class VLLMWeightLoading:
         paused, and resuming then). A stalled sender fails the group's wait with `TimeoutError`."""
         rows = manifest_rows(manifest)
         async with paused_for_update(self):
+            await self._ensure_held()
             results = await self._rpc("receive_weights", rows)
         return results[0] if results else {}
 
@@ -194,6 +230,7 @@ class VLLMWeightLoading:
         info = nccl_update_info(manifest, packed)
         started = time.perf_counter()
         async with paused_for_update(self):
+            await self._ensure_held()
             await bounded(self._llm.start_weight_update(), self.control_timeout_s, "start_weight_update")
             try:
                 await bounded(

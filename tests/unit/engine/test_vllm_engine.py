@@ -247,6 +247,10 @@ class FakeLLM:
     async def resume_generation(self):
         self.calls.append(("resume",))
 
+    async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        self.calls.append(("reset", reset_running_requests, reset_connector))
+        return getattr(self, "reset_result", True)
+
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append(("rpc", method, timeout))
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
@@ -552,6 +556,70 @@ def test_an_ipc_sync_is_one_rpc_the_worker_maps_once_and_replays():
     run(engine.load_weights(MappedWeights(shared.key, shared.handles())))
     assert llm.worker._rlasync_flat.pairs is worker_pairs  # mapped once
     shared.release()
+
+
+def test_sync_without_pause_swaps_ipc_weights_between_steps_and_pauses_for_anything_else(caplog):
+    """`sync_without_pause`: pause/resume touch only the engine's own state; an IPC sync from persistent buckets is
+    the load then the running requests' preemption, sent back to back (nothing else); a per-tensor load or a
+    broadcast still pauses vLLM first and resumes it after. Without the cache clearing, the load alone."""
+    from rlasync.weights.ipc import MappedWeights, SharedWeights
+    from rlasync.weights.plan import ManifestEntry
+
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in WEIGHTS.items()]
+    shared = SharedWeights.pack(WEIGHTS.items(), manifest, "cpu")
+    engine = FakeVLLMEngine("m", sync_without_pause=True)
+    llm, model = engine._llm, engine._llm.worker.model_runner.model
+    names = lambda: [c[1] if c[0] == "rpc" else c[0] for c in llm.calls]  # noqa: E731
+
+    async def ipc_sync(weights):
+        shared.fill(weights.items(), manifest)
+        await engine.pause()
+        assert engine.is_paused and llm.calls[-1:] != [("pause", "keep", True)]
+        result = await engine.load_weights(MappedWeights(shared.key, shared.handles()))
+        await engine.resume()
+        return result
+
+    flipped = {"a": -WEIGHTS["a"], "b": WEIGHTS["b"] * 3}
+    run(ipc_sync(flipped))
+    assert names() == ["load_flat_ipc", "reset"] and llm.calls[-1] == ("reset", True, True)
+    assert torch.equal(model.a, flipped["a"]) and torch.equal(model.b, flipped["b"]) and not engine.is_paused
+
+    llm.calls.clear()
+    run(engine.pause())
+    run(engine.load_weights(WEIGHTS.items()))  # per tensor: several calls, so vLLM pauses
+    run(engine.resume())
+    assert names()[0] == "pause" and names()[-1] == "resume" and "load_weights_payload" in names()
+    assert torch.equal(model.a, WEIGHTS["a"])
+
+    llm.calls.clear()
+    llm.reset_result = False
+    with caplog.at_level("WARNING", logger="rlasync.engine.vllm_engine_weights"):
+        run(ipc_sync(WEIGHTS))
+    assert "did not reset its prefix cache" in caplog.text
+
+    keep = FakeVLLMEngine("m", sync_without_pause=True, clear_cache_on_pause=False)
+    keep._llm.worker = llm.worker
+    run(keep.pause()), run(keep.load_weights(MappedWeights(shared.key, shared.handles()))), run(keep.resume())
+    assert [c[1] if c[0] == "rpc" else c[0] for c in keep._llm.calls] == ["load_flat_ipc"]
+    assert FakeVLLMEngine("m").sync_without_pause is False
+    shared.release()
+
+
+def test_sync_without_pause_still_pauses_vllm_for_a_broadcast():
+    engine = FakeVLLMEngine("m", sync_without_pause=True)
+
+    class FakeGroup:
+        def receive(self, entries):
+            for entry in entries:
+                yield entry.name, torch.ones(entry.shape, dtype=getattr(torch, entry.dtype))
+
+        def close(self):
+            pass
+
+    engine._llm.worker._rlasync_group = FakeGroup()
+    run(engine.receive_weights([("a", "float32", (3, 4))]))
+    calls = [c[0] if c[0] != "rpc" else c[1] for c in engine._llm.calls]
+    assert calls == ["pause", "receive_weights", "resume"] and not engine.is_paused
 
 
 def test_a_failed_flat_sync_falls_back_to_the_per_tensor_path_for_good(monkeypatch, caplog):
