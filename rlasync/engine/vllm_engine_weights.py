@@ -33,6 +33,10 @@ async def bounded(awaitable: Any, timeout_s: float, what: str) -> Any:
         raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s") from exc
 
 
+def _said(outcome: Any) -> str:
+    return f"failed ({type(outcome).__name__}: {outcome})" if isinstance(outcome, BaseException) else "was refused"
+
+
 def _adapter_entries(handles: Sequence[Any]) -> bool:
     """Whether persistent buckets hold a LoRA adapter (a runtime adapter for vLLM, not weights to copy in)."""
     return any(str(entry[0]).endswith(".lora_A.weight") for entries, _ in handles for entry in entries[:1])
@@ -132,11 +136,13 @@ class VLLMWeightLoading:
             bounded(self._llm.reset_prefix_cache(True, True), self.control_timeout_s, "reset_prefix_cache")
         )
         results, reset_ok = await asyncio.gather(load, reset, return_exceptions=True)
-        for outcome in (results, reset_ok):
-            if isinstance(outcome, BaseException):
-                raise outcome
-        if reset_ok is False:
-            logger.warning("vLLM did not reset its prefix cache after a weight sync: running requests keep old KV")
+        if isinstance(results, BaseException):
+            raise results
+        if reset_ok is not True:  # failed, or vLLM said no: its own pause clears the cache and preempts instead
+            logger.warning(
+                "vLLM's prefix cache reset after a weight sync %s: pausing vLLM to clear it", _said(reset_ok)
+            )
+            await self._ensure_held()
         return results
 
     async def _ensure_held(self) -> None:
