@@ -50,6 +50,21 @@ GRADIENT_CHECKPOINTING_KWARGS = ("use_reentrant",)
 JSON_DICT_FIELDS = ("model_init_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs")
 
 
+BUILTIN_ENGINE_KWARGS = frozenset(
+    {
+        "kv_cache_tokens",
+        "eos_token_ids",
+        "kv_on_weight_update",
+        "attention_backend",
+        "cuda_graphs",
+        "mixed_cuda_graphs",
+        "compiled_sampler",
+        "compiled_layers",
+        "launch_on_loop",
+        "fused_layers",
+    }
+)
+"""`cluster.engine_kwargs` only the built-in engine (`TorchEngine`) takes: another engine is refused them at load."""
 RESOURCE_ROLES = ("learner", "generation", "rollout", "reward", "queue", "teacher")
 """The actor roles `ClusterConfig.resources` names (the kinds the Cluster spawns)."""
 
@@ -203,6 +218,14 @@ class ClusterConfig:
         if isinstance(self.engine_kwargs, str):
             self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
         self.engine = parse_engine(self.engine)
+        foreign = sorted(set(self.engine_kwargs or ()) & BUILTIN_ENGINE_KWARGS) if self.engine != EngineKind.TORCH else []
+        if foreign:
+            raise ValueError(
+                f"cluster.engine_kwargs has {', '.join(foreign)}: the built-in engine's, which cluster.engine="
+                f"{self.engine.value!r} does not take; replace cluster.engine_kwargs with that engine's (vLLM sizes "
+                "its KV cache by gpu_memory_utilization or kv_cache_memory_bytes), e.g. --set "
+                """'cluster.engine_kwargs={"max_model_len": 512, "gpu_memory_utilization": 0.2}'"""
+            )
         if self.engine.traits.needs_url:
             if not self.vllm_server_url:
                 raise ValueError(

@@ -456,6 +456,23 @@ def test_make_engine_validates_the_kind_and_the_url():
         make_engine("torch", "m", base_url="http://x:1")
 
 
+def test_the_built_in_engines_own_kwargs_are_refused_for_another_engine():
+    """`BUILTIN_ENGINE_KWARGS` are TorchEngine arguments VLLMEngine does not name (they would reach vLLM's engine
+    args and fail on the GPU, minutes in); a run that switches `cluster.engine` with them is refused at load."""
+    import inspect
+
+    from rlasync.config.base import BUILTIN_ENGINE_KWARGS
+    from rlasync.engine.torch_engine import TorchEngine
+
+    torch_params = set(inspect.signature(TorchEngine.__init__).parameters)
+    vllm_params = set(inspect.signature(VLLMEngine.__init__).parameters)
+    assert BUILTIN_ENGINE_KWARGS <= torch_params and not BUILTIN_ENGINE_KWARGS & vllm_params
+    with pytest.raises(ValueError, match="cluster.engine_kwargs has kv_cache_tokens, launch_on_loop: the built-in"):
+        ClusterConfig(engine="vllm", engine_kwargs={"kv_cache_tokens": 8, "launch_on_loop": True, "max_num_seqs": 4})
+    assert ClusterConfig(engine="torch", engine_kwargs={"kv_cache_tokens": 8}).engine_kwargs == {"kv_cache_tokens": 8}
+    assert ClusterConfig(engine="vllm", engine_kwargs='{"gpu_memory_utilization": 0.2}').engine == "vllm"
+
+
 def test_cluster_config_engine_fields():
     assert ClusterConfig().engine == "torch" and ClusterConfig(engine="vllm").engine == "vllm"
     config = ClusterConfig(engine="vllm_server", vllm_server_url="http://10.0.0.5:8000")
