@@ -218,7 +218,9 @@ class ClusterConfig:
         if isinstance(self.engine_kwargs, str):
             self.engine_kwargs = _parse_json_dict("cluster.engine_kwargs", self.engine_kwargs)
         self.engine = parse_engine(self.engine)
-        foreign = sorted(set(self.engine_kwargs or ()) & BUILTIN_ENGINE_KWARGS) if self.engine != EngineKind.TORCH else []
+        foreign = (
+            sorted(set(self.engine_kwargs or ()) & BUILTIN_ENGINE_KWARGS) if self.engine != EngineKind.TORCH else []
+        )
         if foreign:
             raise ValueError(
                 f"cluster.engine_kwargs has {', '.join(foreign)}: the built-in engine's, which cluster.engine="
