@@ -414,8 +414,9 @@ def test_our_stat_logger_takes_prometheus_place_unless_asked_to_keep_it(fake_vll
     assert FakeVLLMEngine("m", prometheus_metrics=True).prometheus_metrics is True
 
 
-def test_receive_weights_pauses_unless_paused_and_weight_transfer_needs_the_backend():
-    engine = FakeVLLMEngine("m")
+@pytest.mark.parametrize("sync_without_pause", [False, True])  # a broadcast pauses vLLM either way
+def test_receive_weights_pauses_unless_paused_and_weight_transfer_needs_the_backend(sync_without_pause):
+    engine = FakeVLLMEngine("m", sync_without_pause=sync_without_pause)
 
     class FakeGroup:
         def receive(self, entries):
@@ -429,6 +430,7 @@ def test_receive_weights_pauses_unless_paused_and_weight_transfer_needs_the_back
     result = run(engine.receive_weights([("a", "float32", (3, 4))]))
     calls = [c[0] if c[0] != "rpc" else c[1] for c in engine._llm.calls]
     assert calls == ["pause", "receive_weights", "resume"] and result["num_tensors"] == 1
+    assert not engine.is_paused
     with pytest.raises(RuntimeError, match="weight_transfer_backend='nccl'"):
         run(engine.update_weights_nccl([("a", "float32", (3, 4))]))
 
@@ -621,23 +623,6 @@ def test_sync_without_pause_swaps_ipc_weights_between_steps_and_pauses_for_anyth
     assert [c[1] if c[0] == "rpc" else c[0] for c in keep._llm.calls] == ["load_flat_ipc"]
     assert FakeVLLMEngine("m").sync_without_pause is False
     shared.release()
-
-
-def test_sync_without_pause_still_pauses_vllm_for_a_broadcast():
-    engine = FakeVLLMEngine("m", sync_without_pause=True)
-
-    class FakeGroup:
-        def receive(self, entries):
-            for entry in entries:
-                yield entry.name, torch.ones(entry.shape, dtype=getattr(torch, entry.dtype))
-
-        def close(self):
-            pass
-
-    engine._llm.worker._rlasync_group = FakeGroup()
-    run(engine.receive_weights([("a", "float32", (3, 4))]))
-    calls = [c[0] if c[0] != "rpc" else c[1] for c in engine._llm.calls]
-    assert calls == ["pause", "receive_weights", "resume"] and not engine.is_paused
 
 
 def test_a_failed_flat_sync_falls_back_to_the_per_tensor_path_for_good(monkeypatch, caplog):
