@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.vllm_engine_lora import RuntimeAdapters, lora_request
-from rlasync.engine.vllm_engine_weights import VLLMWeightLoading, bounded
+from rlasync.engine.vllm_engine_weights import VLLMWeightLoading, bounded, multimodal_cache
 from rlasync.engine.vllm_outputs import (  # noqa: F401 - re-exported: these lived here first
     SAMPLING_MASK_WARNING,
     score_from_prompt_logprobs,
@@ -392,9 +392,8 @@ class VLLMEngine(VLLMWeightLoading):
         self._paused = self._held = True
 
     async def _pause_scheduler(self, llm: Any, core: Any) -> None:
-        renderer = getattr(llm, "renderer", None)
-        if self.clear_cache_on_pause and getattr(renderer, "mm_processor_cache", None) is not None:
-            await renderer.clear_mm_cache_async()  # multimodal inputs cached on this side (vLLM does the same)
+        if self.clear_cache_on_pause and multimodal_cache(llm) is not None:
+            await llm.renderer.clear_mm_cache_async()  # multimodal inputs cached on this side (vLLM does the same)
         await core.pause_scheduler_async(mode="keep", clear_cache=self.clear_cache_on_pause)
 
     async def resume(self) -> None:

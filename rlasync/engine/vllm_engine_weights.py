@@ -33,6 +33,11 @@ async def bounded(awaitable: Any, timeout_s: float, what: str) -> Any:
         raise TimeoutError(f"vLLM {what} did not finish within {timeout_s:.0f} s") from exc
 
 
+def multimodal_cache(llm: Any) -> Any:
+    """The multimodal processor cache on this side of vLLM (None for a text model): what a pause also clears."""
+    return getattr(getattr(llm, "renderer", None), "mm_processor_cache", None)
+
+
 def _said(outcome: Any) -> str:
     return f"failed ({type(outcome).__name__}: {outcome})" if isinstance(outcome, BaseException) else "was refused"
 
@@ -107,6 +112,8 @@ class VLLMWeightLoading:
         nothing per tensor here, nothing blocking this event loop (the learner synchronized before handing out
         the handles)."""
         started = time.perf_counter()
+        if self.clear_cache_on_pause and multimodal_cache(self._llm) is not None:
+            await self._ensure_held()  # multimodal caches: vLLM's own pause clears them
         if self._held or not self.clear_cache_on_pause:
             results = await self._rpc("load_flat_ipc", key, flat_buckets(handles))
         else:  # vLLM still stepping (`sync_without_pause`): the load, then the running requests preempted
@@ -127,10 +134,6 @@ class VLLMWeightLoading:
         requests' KV and any output frame still in flight stale, as the pause's cache clearing does."""
         import asyncio
 
-        renderer = getattr(self._llm, "renderer", None)
-        if getattr(renderer, "mm_processor_cache", None) is not None:  # multimodal caches: vLLM's own pause clears them
-            await self._ensure_held()
-            return await self._rpc("load_flat_ipc", key, flat_buckets(handles))
         load = asyncio.ensure_future(self._rpc("load_flat_ipc", key, flat_buckets(handles)))
         reset = asyncio.ensure_future(
             bounded(self._llm.reset_prefix_cache(True, True), self.control_timeout_s, "reset_prefix_cache")
