@@ -134,6 +134,22 @@ def sync_parts(records: list[dict[str, Any]]) -> dict[str, dict[str, float | Non
     return {**parts, "max_step": largest.get("step")}
 
 
+STEP_PARTS = "step rollout_wait take train_call learner_step fwd_bwd optimizer pack fetch_samples weight_sync step_tail"
+
+
+def step_parts(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Where a step's time went, the mean of each `perf/*_s` part over the steps from the second on (the first
+    compiles): `step` = `step_tail` + `take` (of which `rollout_wait`) + `train_call` (of which `learner_step`, in
+    which `pack`, `fwd_bwd` and `optimizer`) + the queue's finish + `weight_sync`; `unaccounted` is what of `step`
+    those parts do not cover (0 up to rounding: the driver times them back to back)."""
+    later = [r for r in records if r.get("step", 0) >= 2 and isinstance(r.get("perf/step_s"), int | float)]
+    parts = {part: _mean(later, f"perf/{part}_s") for part in STEP_PARTS.split()}
+    if parts["step"] is None or parts["train_call"] is None:
+        return None  # a run from before the driver timed its parts
+    covered = sum(parts[p] or 0.0 for p in ("step_tail", "take", "train_call", "weight_sync"))
+    return {**{k: v for k, v in parts.items() if v is not None}, "unaccounted": parts["step"] - covered}
+
+
 def summarize(
     records: list[dict[str, Any]], started: float, threshold: float = 0.9, window: int = 10
 ) -> dict[str, Any]:
@@ -165,6 +181,7 @@ def summarize(
         # what a slow sync waited behind: the generation actor's event loop and its garbage collections
         "weight_sync_dispatch_max_s": max(_values(records, "perf/weight_sync_dispatch_s"), default=None),
         "weight_sync_parts": sync_parts(records),
+        "step_parts": step_parts(records),
         "generation_loop_lag_max_s_median": _median(records, "perf/generation_loop_lag_max_s"),
         "generation_gc_max_s_median": _median(records, "perf/generation_gc_max_s"),
         "generation_gc_refreezes": max(_values(records, "perf/generation_gc_refreezes"), default=None),

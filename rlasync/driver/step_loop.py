@@ -264,7 +264,9 @@ class StepLoop:
         last_step_end: float | None = None
         start = step
         while (s.horizon is None or step < s.horizon) and not self._stopping():
+            take_start = time.perf_counter()
             refs, wait_s, take_items, tokens = await self.take()
+            take_s = time.perf_counter() - take_start
             if not refs and self._stopping():
                 logger.info("a signal stopped the run after step %d", step)
                 break
@@ -281,8 +283,13 @@ class StepLoop:
             step_window.add("perf/rollout_wait_s", wait_s)
             for phase, seconds in (self.run_state.pop("startup_s", None) or {}).items():  # the run's first step only
                 step_window.add(f"perf/startup/{phase}_s", float(seconds))
+            if last_step_end is not None:  # the previous step's tail: its metrics, callbacks, logging, saving
+                step_window.add("perf/step_tail_s", take_start - last_step_end)
+            step_window.add("perf/take_s", take_s)
             self._event("on_step_begin")
+            train_start = time.perf_counter()
             trained = await self.learners.train_step(refs)
+            step_window.add("perf/train_call_s", time.perf_counter() - train_start)
             step_window.update(trained)
             self._optimizer_events(trained)
             await self.queue.finish_step(tokens, unplanned_count(trained))

@@ -220,6 +220,7 @@ class Learner:
         metrics["perf/compile_s"] = compile_s if compile_s > 0 else float("nan")  # NaN: not logged (every rank: a key)
         metrics["perf/fetch_samples_s"] = fetch_s  # the step's samples out of the object store
         metrics["perf/pack_s"] = packed_at - started  # planning and packing the micro-batches
+        metrics["perf/learner_step_s"] = time.perf_counter() - started  # this rank's wall time: packing, step, host
         metrics["batch/forwarded_tokens_per_step"] = float(rows.forwarded_tokens)
         metrics["batch/trained_tokens_per_step"] = float(rows.trained_tokens)
         metrics["batch/samples_per_rank_max"] = float(len(received))  # what this rank was sent (max over ranks)

@@ -237,6 +237,20 @@ def test_the_syncs_parts_are_summarized_as_medians_and_at_the_largest_sync(tmp_p
     assert "transfer" not in parts  # not logged by this run
 
 
+def test_the_steps_parts_are_summarized_as_means_from_the_second_step_with_what_they_leave_uncovered(tmp_path):
+    records = sums_e2e.read_records(write_metrics(tmp_path / "m.jsonl", [0.5] * 3, [0.1, 0.1, 0.2]))
+    assert sums_e2e.summarize(records, STARTED)["step_parts"] is None  # a run before the driver timed its parts
+    for record, (tail, take, call) in zip(records, [(None, 30.0, 9.0), (0.1, 0.5, 1.2), (0.3, 0.2, 1.0)]):
+        record.update({"perf/take_s": take, "perf/train_call_s": call, "perf/learner_step_s": call - 0.1})
+        if tail is not None:
+            record["perf/step_tail_s"] = tail
+    parts = sums_e2e.summarize(records, STARTED)["step_parts"]
+    assert parts["step"] == 2.0 and parts["take"] == pytest.approx(0.35) and parts["train_call"] == pytest.approx(1.1)
+    assert parts["learner_step"] == pytest.approx(1.0) and parts["weight_sync"] == pytest.approx(0.15)
+    assert parts["unaccounted"] == pytest.approx(2.0 - (0.2 + 0.35 + 1.1 + 0.15))  # the first step left out
+    assert "fwd_bwd" not in parts  # not logged by this run
+
+
 def test_how_busy_the_engines_the_queue_and_the_rollout_actors_were_is_summarized(tmp_path):
     """The busiest engine's, the queue actor's and the busiest rollout actor's CPU fraction and the queue's loop lag,
     medians over the steps."""

@@ -51,6 +51,7 @@ PERF_KEYS = [
     "perf/fetch_samples_s",
     "perf/fwd_bwd_s",
     "perf/fwd_s",
+    "perf/learner_step_s",
     "perf/optimizer_s",
     "perf/pack_s",
 ]
