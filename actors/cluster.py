@@ -42,6 +42,7 @@ from actors.fanout import (
     call_all_async,
     get_all,
     in_thread,
+    remote_all,
     wait_until_dead,
 )
 from actors.loop_host import FROM_QUEUE
@@ -609,8 +610,9 @@ class RayFleet:
     async def ensure_running(self) -> None:
         if self.heal is not None:
             await self.heal()
-        for index, rollout in enumerate(self.handles):
-            released = await self._call(index, rollout.ensure_running.remote(), self.timeouts.restart)
+        refs = [rollout.ensure_running.remote() for rollout in self.handles]  # all asked at once: one round trip
+        for index, (rollout, ref) in enumerate(zip(self.handles, refs)):  # (at every step, to busy actors)
+            released = await self._call(index, ref, self.timeouts.restart)
             if released is not None:  # Ray restarted it with its first engines: give it the current ones
                 await self._call(index, rollout.set_engines.remote(self.engines, self.labels()), self.timeouts.call)
                 self.restarts += 1
@@ -661,8 +663,9 @@ class RayFleet:
             self.answered_at[name] = known if at is None or (known is not None and known > at) else at
 
     async def drain_metrics(self) -> list[tuple[str, Any]]:
+        draining = remote_all(self.handles, "drain_metrics")  # asked with the restart check: one round trip
         await self.ensure_running()
-        drained = await call_all_async(self.handles, "drain_metrics", timeout=self.timeouts.call)
+        drained = await _get(draining, self.timeouts.call)
         restarts = [item for watch in self.watches for item in watch.check()]
         if self.restarts:  # rollout actors Ray restarted, counted by ensure_running
             restarts.append(("faults/rollout_restarts", float(self.restarts)))
