@@ -134,19 +134,19 @@ def sync_parts(records: list[dict[str, Any]]) -> dict[str, dict[str, float | Non
     return {**parts, "max_step": largest.get("step")}
 
 
-STEP_PARTS = "step rollout_wait take train_call learner_step fwd_bwd optimizer pack fetch_samples weight_sync step_tail"
+STEP_PARTS = "step rollout_wait take train_call learner_step fwd_bwd optimizer pack fetch_samples finish_step weight_sync step_tail"
 
 
 def step_parts(records: list[dict[str, Any]]) -> dict[str, float] | None:
     """Where a step's time went, the mean of each `perf/*_s` part over the steps from the second on (the first
     compiles): `step` = `step_tail` + `take` (of which `rollout_wait`) + `train_call` (of which `learner_step`, in
-    which `pack`, `fwd_bwd` and `optimizer`) + the queue's finish + `weight_sync`; `unaccounted` is what of `step`
-    those parts do not cover (0 up to rounding: the driver times them back to back)."""
+    which `pack`, `fwd_bwd` and `optimizer`) + `finish_step` + `weight_sync`; `unaccounted` is what of `step` those
+    parts do not cover (~0: the driver times them back to back)."""
     later = [r for r in records if r.get("step", 0) >= 2 and isinstance(r.get("perf/step_s"), int | float)]
     parts = {part: _mean(later, f"perf/{part}_s") for part in STEP_PARTS.split()}
     if parts["step"] is None or parts["train_call"] is None:
         return None  # a run from before the driver timed its parts
-    covered = sum(parts[p] or 0.0 for p in ("step_tail", "take", "train_call", "weight_sync"))
+    covered = sum(parts[p] or 0.0 for p in ("step_tail", "take", "train_call", "finish_step", "weight_sync"))
     return {**{k: v for k, v in parts.items() if v is not None}, "unaccounted": parts["step"] - covered}
 
 

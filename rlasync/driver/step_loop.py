@@ -292,7 +292,9 @@ class StepLoop:
             step_window.add("perf/train_call_s", time.perf_counter() - train_start)
             step_window.update(trained)
             self._optimizer_events(trained)
+            finish_start = time.perf_counter()
             await self.queue.finish_step(tokens, unplanned_count(trained))
+            step_window.add("perf/finish_step_s", time.perf_counter() - finish_start)
             step += 1
             self.watchdog.step_done()
             if step % s.weight_sync_steps == 0:

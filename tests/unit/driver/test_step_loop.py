@@ -204,13 +204,13 @@ def test_weight_sync_cadence_and_the_policy_version_logged(tmp_path):
     assert not any("perf/weight_sync_s" in r for s, r in sink.records if s % 2 == 1)
 
 
-def test_the_step_time_splits_into_the_tail_the_take_the_learners_call_and_the_sync(tmp_path):
+def test_the_step_time_splits_into_the_tail_the_take_the_learners_call_the_finish_and_the_sync(tmp_path):
     """`perf/step_s` = the previous step's tail (callbacks, metrics, logging) + `perf/take_s` (the rollout wait in
-    it) + `perf/train_call_s` + the queue's finish + `perf/weight_sync_s`: each part is timed where it runs."""
+    it) + `perf/train_call_s` + `perf/finish_step_s` + `perf/weight_sync_s`: each part is timed where it runs."""
     import time
 
     loop, _, sink = make_loop(tmp_path, horizon=4)
-    take, train, sync = loop.queue.take, loop.learners.train_step, loop.weights.sync
+    take, train, sync, finish = loop.queue.take, loop.learners.train_step, loop.weights.sync, loop.queue.finish_step
 
     async def slow_take(*args):
         await asyncio.sleep(0.01)
@@ -229,7 +229,12 @@ def test_the_step_time_splits_into_the_tail_the_take_the_learners_call_and_the_s
     def slow_step_end(*args, **kwargs):
         time.sleep(0.04)  # a callback's work at the end of the step: the next step's tail
 
+    async def slow_finish(*args):
+        await asyncio.sleep(0.03)  # a busy queue actor answering late
+        return await finish(*args)
+
     loop.queue.take, loop.learners.train_step, loop.weights.sync = slow_take, slow_train, slow_sync
+    loop.queue.finish_step = slow_finish
     loop.callbacks[0].on_step_end = slow_step_end
     run(loop)
     records = [record for _, record in sink.records]
@@ -237,7 +242,8 @@ def test_the_step_time_splits_into_the_tail_the_take_the_learners_call_and_the_s
     for record in records[1:]:
         assert record["perf/step_tail_s"] >= 0.04 and record["perf/take_s"] >= 0.01
         assert record["perf/train_call_s"] >= 0.05 and record["perf/take_s"] >= record["perf/rollout_wait_s"]
-        parts = sum(record[f"perf/{part}_s"] for part in ("step_tail", "take", "train_call", "weight_sync"))
+        assert record["perf/finish_step_s"] >= 0.03
+        parts = sum(record[f"perf/{p}_s"] for p in ("step_tail", "take", "train_call", "finish_step", "weight_sync"))
         assert parts <= record["perf/step_s"] < parts + 0.03  # what is left: a few lines between the parts
 
 
