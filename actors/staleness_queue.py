@@ -47,7 +47,12 @@ class QueueActor:
         return self.dataset_refs
 
     # rollout side
-    async def next_group(self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None) -> Any:
+    async def next_group(
+        self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None, drops: list[Any] = ()
+    ) -> Any:
+        """The next lease; `drops` (`drop_group`'s arguments) are the caller's groups dropped since its last call,
+        applied first (one call where a lease and a drop would take two: `QueuePromptSource.drop`)."""
+        self.drop_groups(drops)
         return await self.service.next_group(num_rollouts, timeout_s, owner)
 
     def put_group(self, entries: list[Any]) -> None:
@@ -57,6 +62,10 @@ class QueueActor:
         self, group_id: int, reason: str, num_tokens: int = 0, cause: str | None = None, detail: str | None = None
     ) -> None:
         self.service.drop_group(group_id, reason, num_tokens, cause, detail)  # type: ignore[arg-type]
+
+    def drop_groups(self, drops: list[Any]) -> None:
+        for drop in drops:
+            self.service.drop_group(*drop)
 
     def release(self, lease: Any) -> None:
         self.service.release(lease)

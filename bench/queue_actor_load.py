@@ -69,6 +69,7 @@ class Client:
         self.entry = QueueEntry
         self.rng = np.random.default_rng(index)
         self.groups = 0
+        self.drops: list = []  # `--drops-with-lease`: held for the next `next_group` call, as QueuePromptSource does
 
     async def run(self, seconds: float, keep_rate: float) -> int:
         self.groups = 0
@@ -79,7 +80,8 @@ class Client:
     async def _one(self, end: float, keep_rate: float) -> None:
         a = self.args
         while time.monotonic() < end:
-            answer = await self.queue.next_group.remote(self.group_size, 0.5, self.owner)
+            drops, self.drops = self.drops, []
+            answer = await self.queue.next_group.remote(self.group_size, 0.5, self.owner, drops)
             lease = answer.lease
             if lease is None:
                 continue
@@ -92,6 +94,8 @@ class Client:
                     for _ in range(self.group_size)
                 ]
                 await self.queue.put_group.remote([self.entry.for_sample(s, payload=s) for s in samples])
+            elif a["drops_with_lease"]:
+                self.drops.append((lease.group_id, "zero_std", tokens, "constant", None))
             else:
                 await self.queue.drop_group.remote(lease.group_id, "zero_std", tokens, "constant", None)
             self.groups += 1
@@ -154,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion-len", type=int, default=11)
     parser.add_argument("--logprobs", type=int, default=8)
     parser.add_argument("--keep-rates", default="0,1,0.15", help="one phase each: 0 all drops, 1 all puts")
+    parser.add_argument(
+        "--drops-with-lease",
+        action="store_true",
+        help="a dropped group rides on the client's next next_group call (the rollout actors' way since 2026-12-07) "
+        "instead of its own drop_group call",
+    )
     parser.add_argument("--label", default="run")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -167,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = QueueSettings(num_rows=100_000, num_epochs=None, max_staleness=2, tokens_per_step=tokens_per_step)
         queue = QueueActor.options(num_cpus=0).remote(settings=settings)
         pid = ray.get(queue.__ray_call__.remote(lambda self: os.getpid()))
-        shape = {k: getattr(args, k) for k in ("inflight", "prompt_len", "completion_len", "logprobs")}
+        shape = {
+            k: getattr(args, k) for k in ("inflight", "prompt_len", "completion_len", "logprobs", "drops_with_lease")
+        }
         clients = [Client.remote(queue, i, args.group_size, shape) for i in range(args.clients)]
         learner = Learner.remote(queue, tokens_per_step)
         phase(queue, clients, learner, 2.0, 0.5, pid)  # warm-up: imports, first calls
