@@ -610,7 +610,7 @@ class RayFleet:
     async def ensure_running(self) -> None:
         if self.heal is not None:
             await self.heal()
-        refs = [rollout.ensure_running.remote() for rollout in self.handles]  # all asked at once: one round trip
+        refs = remote_all(self.handles, "ensure_running")  # all asked at once: one round trip
         for index, (rollout, ref) in enumerate(zip(self.handles, refs)):  # (at every step, to busy actors)
             released = await self._call(index, ref, self.timeouts.restart)
             if released is not None:  # Ray restarted it with its first engines: give it the current ones
