@@ -321,10 +321,14 @@ class LoopHost:
         return samples.drain() if samples is not None else []
 
     def drain_metrics(self) -> list[tuple[str, Any]]:
-        """The loop's metric items since the last drain, and `rollout/actor_cpu_frac_max`: this process's CPU seconds
-        per second since then (over the rollout actors, the busiest one's)."""
+        """The loop's metric items since the last drain, folded per key where that changes no window
+        (`compress_items`: thousands a step late in a GRPO run, most from dropped groups), and
+        `rollout/actor_cpu_frac_max`: this process's CPU seconds per second since then (over the rollout actors, the
+        busiest one's)."""
+        from rlasync.metrics.reduce import compress_items
+
         items, self.items[:] = list(self.items), []
-        return [*items, ("rollout/actor_cpu_frac_max", self.cpu.take())]
+        return [*compress_items(items), ("rollout/actor_cpu_frac_max", self.cpu.take())]
 
     async def stop(self) -> None:
         await self.loop.stop()

@@ -64,6 +64,42 @@ def reduce_values(key: str, values: list[MetricValue]) -> float | None:
     return sum(floats) / len(floats)
 
 
+def compress_items(items: Iterable[tuple[str, MetricValue]]) -> list[tuple[str, MetricValue]]:
+    """`items` with each key's values folded into one where its rule allows without changing any window they join:
+    rate pairs summed into one pair, counters summed, max / min / last kept; a gauge (mean) keeps every value, as a
+    key whose values mix floats and pairs does (the sink raises on it). The first-seen order of keys is kept. A
+    rollout actor drains thousands of items a step late in a GRPO run (~11 a rollout, every dropped group's too):
+    folded there, the driver receives and adds a few hundred."""
+    values: dict[str, list[MetricValue]] = {}
+    for key, value in items:
+        values.setdefault(key, []).append(tuple(value) if isinstance(value, list) else value)
+    out: list[tuple[str, MetricValue]] = []
+    for key, seen in values.items():
+        pairs = [isinstance(v, tuple) for v in seen]
+        if len(seen) == 1 or (any(pairs) and not all(pairs)):
+            out += [(key, v) for v in seen]
+            continue
+        rule = reduction_for(key, seen[0])
+        if rule == "rate":
+            out.append((key, (sum(float(v[0]) for v in seen), sum(float(v[1]) for v in seen))))  # type: ignore[index]
+            continue
+        if rule == "mean":
+            out += [(key, v) for v in seen]
+            continue
+        floats = [float(v) for v in seen if not math.isnan(float(v))]  # type: ignore[arg-type]
+        if not floats:
+            out.append((key, math.nan))
+        elif rule == "sum":
+            out.append((key, sum(floats)))
+        elif rule == "max":
+            out.append((key, max(floats)))
+        elif rule == "min":
+            out.append((key, min(floats)))
+        else:  # last
+            out.append((key, floats[-1]))
+    return out
+
+
 class MetricSink:
     """Collects metric values over a logging window and reduces them by docs/algorithms.md §8.1's rules.
 
