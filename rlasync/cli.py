@@ -67,7 +67,8 @@ def _models(argv: Sequence[str]) -> int:
     parser.add_argument("name", nargs="?", help="alias to prepare")
     parser.add_argument("--force", action="store_true", help="convert again even if cached")
     args = parser.parse_args(argv)
-    from rlasync.model.registry import ALIASES, cache_dir, prepare_model
+    from rlasync.envs import cache_dir
+    from rlasync.model.registry import ALIASES, prepare_model
 
     if args.action == "list":
         for alias, spec in ALIASES.items():

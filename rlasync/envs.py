@@ -7,7 +7,7 @@ Ray with the settings to every actor: the learner's kernel switches are the conf
 (`rlasync.config.kernels.KernelSettings`), not variables, because a variable set where the driver runs never reaches
 the actors of an existing cluster (`ray job submit`, KubeRay). No other module of rlasync/, actors/, bench/, tests/
 or .ci/, nor examples/' notebooks (whose own parameters are `NOTEBOOK_*`), reads an `RLASYNC_*` variable
-(tests/unit/test_envs.py); rlasync.model.registry's `cache_dir()` is the one accessor of `RLASYNC_CACHE`.
+(tests/unit/test_envs.py), and no other module names one: rlasync's cache folder is `cache_dir()` here.
 
     RLASYNC_CACHE   Path   ~/.cache/rlasync   where model aliases are prepared (`models/<alias>`, rlasync.model.registry)
                                               and inductor keeps compiled graphs (`inductor/`, rlasync.model.compilation)
@@ -57,6 +57,12 @@ if TYPE_CHECKING:
     RLASYNC_CACHE: Path
 
 
+def cache_dir() -> Path:
+    """rlasync's cache folder (`RLASYNC_CACHE` now): the converted models (rlasync.model.registry) and inductor's
+    cache (rlasync.model.compilation)."""
+    return read("RLASYNC_CACHE")
+
+
 def read(name: str) -> Any:
     """The typed value of the declared variable `name` in this process's environment now."""
     variable = VARIABLES.get(name)
@@ -75,4 +81,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *VARIABLES])
 
 
-__all__ = ["VARIABLES", "Variable", "read", *VARIABLES]
+__all__ = ["VARIABLES", "Variable", "cache_dir", "read", *VARIABLES]

@@ -4,15 +4,15 @@ its cache, and how long a step spent compiling.
 - `resolve_torch_compile(torch_compile, cuda=...)`: TRL's `torch_compile` made tri-state. None (rlasync's default)
   means "auto": compiled on CUDA, eager on the CPU; an explicit True / False keeps TRL's meaning (True compiles on
   the CPU too); a `torch_compile_backend` or `torch_compile_mode` turns it on (transformers' rule).
-- `use_compile_cache()`: inductor's cache (and Triton's, which inductor keeps under it) in `<RLASYNC_CACHE>/inductor`
-  instead of a temporary folder, so a repeated or resumed run loads its compiled graphs instead of compiling them
-  again; every rank of a node shares it (inductor locks its files). A value the user set is kept.
+- `use_compile_cache()`: inductor's cache (and Triton's, which inductor keeps under it) in `inductor/` under rlasync's
+  cache folder instead of a temporary folder, so a repeated or resumed run loads its compiled graphs instead of
+  compiling them again; every rank of a node shares it (inductor locks its files). A value the user set is kept.
 - `compile_seconds()`: the seconds this process has spent in Dynamo's frame compiles and AOTAutograd's backward
   compiles so far (torch's own timers, `torch._dynamo.utils.cumulative_time_spent_ns`); the learner logs the
   difference over a step as `perf/compile_s`.
 
-This is the one place that sets torch's compile environment variables. Imports nothing of rlasync but the model
-registry's `cache_dir` (the one reader of `RLASYNC_CACHE`).
+This is the one place that sets torch's compile environment variables. Imports nothing of rlasync but
+`rlasync.envs.cache_dir` (rlasync's cache folder).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CACHE_SUBDIR = "inductor"
-"""The folder of inductor's cache under `RLASYNC_CACHE`."""
+"""The folder of inductor's cache under rlasync's cache folder (`rlasync.envs.cache_dir()`)."""
 
 COMPILE_TIMERS = ("entire_frame_compile", "entire_backward_compile")
 """torch's cumulative timers (`torch._dynamo.utils.cumulative_time_spent_ns`) that `compile_seconds` adds up: every
@@ -49,9 +49,9 @@ def resolve_torch_compile(
 
 
 def default_inductor_cache_dir() -> Path:
-    """`<RLASYNC_CACHE>/inductor` (`~/.cache/rlasync/inductor` by default): under the one cache folder rlasync
-    keeps (`rlasync.model.registry.cache_dir`, beside the converted models)."""
-    from rlasync.model.registry import cache_dir
+    """`inductor/` under the one cache folder rlasync keeps (`rlasync.envs.cache_dir()`, beside the converted
+    models; `~/.cache/rlasync/inductor` by default)."""
+    from rlasync.envs import cache_dir
 
     return cache_dir() / CACHE_SUBDIR
 
@@ -65,7 +65,7 @@ def _torch_default_cache_dir() -> str | None:
 
 
 def use_compile_cache(directory: str | Path | None = None) -> Path:
-    """Point inductor's cache at `directory` (default `<RLASYNC_CACHE>/inductor`) unless TORCHINDUCTOR_CACHE_DIR
+    """Point inductor's cache at `directory` (default `default_inductor_cache_dir()`) unless TORCHINDUCTOR_CACHE_DIR
     names another folder already (the user's choice; torch's own temporary default, which inductor writes into the
     environment on its first use, counts as unset). Turns on the FX graph and AOTAutograd caches where torch's
     defaults leave them off and the user did not set them. Returns the folder in use."""

@@ -6,7 +6,7 @@ with transformers + gguf (dequantised to float32), copied into a freshly built m
 loaded from GGUF refuses `save_pretrained`), and saved with its tokenizer as an ordinary HF folder under the cache
 directory. Later uses return that folder at once. `rlasync models prepare NAME` does it explicitly.
 
-The cache directory is `$RLASYNC_CACHE` or `~/.cache/rlasync` (`rlasync.envs`), under `models/<alias>`.
+The folder is `models/<alias>` under rlasync's cache folder (`rlasync.envs.cache_dir()`, `~/.cache/rlasync` by default).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlasync import envs
+from rlasync.envs import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,6 @@ ALIASES: dict[str, GGUFAlias] = {
 }
 
 READY_MARKER = ".rlasync-ready-v2"  # bump when the conversion changes: older folders are converted again
-
-
-def cache_dir() -> Path:
-    """rlasync's cache folder (`RLASYNC_CACHE`): the converted models, and inductor's cache
-    (`rlasync.model.compilation`); the one place that reads the variable."""
-    return envs.RLASYNC_CACHE
 
 
 def is_alias(name: str) -> bool:
