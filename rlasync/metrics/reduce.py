@@ -82,21 +82,11 @@ def compress_items(items: Iterable[tuple[str, MetricValue]]) -> list[tuple[str, 
         rule = reduction_for(key, seen[0])
         if rule == "rate":
             out.append((key, (sum(float(v[0]) for v in seen), sum(float(v[1]) for v in seen))))  # type: ignore[index]
-            continue
-        if rule == "mean":
+        elif rule == "mean":
             out += [(key, v) for v in seen]
-            continue
-        floats = [float(v) for v in seen if not math.isnan(float(v))]  # type: ignore[arg-type]
-        if not floats:
-            out.append((key, math.nan))
-        elif rule == "sum":
-            out.append((key, sum(floats)))
-        elif rule == "max":
-            out.append((key, max(floats)))
-        elif rule == "min":
-            out.append((key, min(floats)))
-        else:  # last
-            out.append((key, floats[-1]))
+        else:  # a counter, max, min or last: the window's own reduction of these values (all NaN: NaN again)
+            value = reduce_values(key, seen)
+            out.append((key, math.nan if value is None else value))
     return out
 
 
