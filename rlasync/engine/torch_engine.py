@@ -34,6 +34,16 @@ the same logits with the same (seed, step) as in a synchronous run, both give th
 run back to back while the model lock is held; the loop drains (reads the step in flight and launches none) when
 the engine is paused, when someone waits for the lock (`score`, `pause`, `load_weights`), or before a step with a
 repetition penalty (its seen-token mask needs the ids on the host), so a paused engine never has a step in flight.
+
+Loads between steps (`load_between_steps`, the weight sync's path over CUDA IPC): no pause. A lock guards the
+launch of every step (and a synchronous step's whole run); the load takes it, enqueues its copies on the stream the
+steps run on, right behind the step(s) already launched, and counts a new weights epoch, then waits (without the
+lock) until its copies are done. The steps launched before it read the old weights (stream order), every later one
+the new. The loop, under the same lock before planning a step, sees the epoch change: it reads the steps in flight,
+then (`kv_on_weight_update="recompute"`) preempts every running request and clears the prefix cache, as a paused
+load does. So the load waits for the launch in progress (host time) and the GPU's work already queued, not for the
+loop to reach a drained state (reading both steps in flight and recording their tokens: host time that grows with the
+running requests).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -202,6 +213,9 @@ class TorchEngine:
         self.async_scheduling = cuda if async_scheduling is None else bool(async_scheduling)
         self.launch_on_loop = bool(launch_on_loop)
         self._lock_waiters = 0  # callers waiting for the model lock: an overlapped run of steps drains for them
+        self._steps_lock = threading.Lock()  # held to launch a step (a synchronous one: to run it) or enqueue a load
+        self._weights_epoch = 0  # loads between steps so far (changed under `_steps_lock`)
+        self._kv_epoch = 0  # the epoch the running requests' KV and the prefix cache were computed under (loop only)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if cuda else DEFAULT_MAX_NUM_BATCHED_TOKENS
         graphs = cuda_graphs and cuda
@@ -268,7 +282,11 @@ class TorchEngine:
             async with self._exclusive():
                 if self._scheduler.paused:
                     continue
-                return await asyncio.to_thread(self._runner.score, ids, prompt_length, top_k, temperature)
+                return await asyncio.to_thread(self._score, ids, prompt_length, top_k, temperature)
+
+    def _score(self, ids: list[int], prompt_length: int, top_k: int, temperature: float) -> ScoreResult:
+        with self._steps_lock:  # no load between steps changes the weights under this forward
+            return self._runner.score(ids, prompt_length, top_k, temperature)
 
     async def pause(self) -> None:
         """Stop scheduling; returns once the forward in flight (if any) has finished. Requests are kept."""
@@ -304,7 +322,49 @@ class TorchEngine:
     def _load(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Full weights, a LoRA adapter (merged into the kept base weights), or persistent IPC buckets (a replayed
         copy plan); returns once the copies are done (`rlasync.engine.weights.load_sync`)."""
-        load_sync(self.model, named_tensors, self._adapter, self._loader, self.device)
+        with self._steps_lock:
+            load_sync(self.model, named_tensors, self._adapter, self._loader, self.device)
+
+    loads_between_steps = True  # `load_between_steps` below: a weight sync needs no pause
+
+    def load_between_steps(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, float]:
+        """Copy weights in place without pausing (any thread; blocking, so call it through `asyncio.to_thread`): the
+        copies are queued behind the steps already launched and every later step reads the new weights; running
+        requests are preempted before the next step (module docstring). Returns once the copies are done (the sender
+        may overwrite its buckets then): `wait_s` until the launch lock was free, `load_s` from then until done
+        (the GPU's queued steps included)."""
+        if self._closed:
+            raise EngineError("TorchEngine is closed")
+        started = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        with self._steps_lock:
+            locked = time.perf_counter()
+            with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
+                load_sync(self.model, named_tensors, self._adapter, self._loader, self.device, wait=False)
+                done = torch.cuda.Event() if cuda else None
+                if done is not None:
+                    done.record(torch.cuda.current_stream(self.device))
+            self._weights_epoch += 1
+        if done is not None:
+            done.synchronize()
+        return {"wait_s": locked - started, "load_s": time.perf_counter() - locked}
+
+    def _catch_up_weights(self) -> None:
+        """After a load between steps (none in flight now): the running requests' KV and the cached prefixes were
+        computed by the old weights: preempt them (recompute) and clear the prefix cache, as a paused load does."""
+        epoch = self._weights_epoch
+        if epoch == self._kv_epoch:
+            return
+        self._kv_epoch = epoch
+        if self.kv_on_weight_update == "recompute":
+            self._scheduler.preempt_all()
+        self._scheduler.allocator.clear_cache()
+
+    async def _hold_steps(self) -> None:
+        """Take the launch lock from the loop (a load holds it only while it queues its copies; polled, so a
+        cancelled loop never leaves it taken)."""
+        while not self._steps_lock.acquire(blocking=False):
+            await asyncio.sleep(0.0002)
 
     def stats(self) -> EngineStats:
         """The load gauges, and in `extra` cumulative counts: steps, generated tokens, prompt tokens served from the
@@ -500,21 +560,23 @@ class TorchEngine:
             self._fail_all(EngineError(f"TorchEngine loop stopped: {exc!r}"))
 
     async def _step_once(self) -> None:
-        output = self._scheduler.schedule()
-        if not output.chunks:
-            raise RuntimeError(
-                f"scheduler made an empty step with {self._scheduler.num_waiting} waiting and "
-                f"{self._scheduler.num_running} running requests"
-            )
-        await self._step(output)
-
-    async def _step(self, output: SchedulerOutput) -> None:
-        chunk_inputs = [self._chunk_input(chunk) for chunk in output.chunks]
+        await self._hold_steps()
         try:
-            sampled = await asyncio.to_thread(self._runner.execute, chunk_inputs)
-        except Exception as exc:
-            self._fail_steps(exc, output)
-            return
+            self._catch_up_weights()
+            output = self._scheduler.schedule()
+            if not output.chunks:
+                raise RuntimeError(
+                    f"scheduler made an empty step with {self._scheduler.num_waiting} waiting and "
+                    f"{self._scheduler.num_running} running requests"
+                )
+            chunk_inputs = [self._chunk_input(chunk) for chunk in output.chunks]
+            try:
+                sampled = await asyncio.to_thread(self._runner.execute, chunk_inputs)
+            except Exception as exc:
+                self._fail_steps(exc, output)
+                return
+        finally:
+            self._steps_lock.release()
         self._num_steps += 1
         self._scheduler.complete(output)
         self._append_all(output.chunks, sampled)
@@ -531,14 +593,23 @@ class TorchEngine:
                 launched, output = None, SchedulerOutput()
                 drain = scheduler.paused or self._lock_waiters > 0 or (inflight is not None and self._needs_host_ids())
                 if not drain:
-                    output = scheduler.schedule()
-                    if output.chunks:
-                        launched = await self._launch(output, inflight)
-                    elif inflight is None:
-                        raise _EmptyStep(
-                            f"scheduler made an empty step with {scheduler.num_waiting} waiting and "
-                            f"{scheduler.num_running} running requests"
-                        )
+                    await self._hold_steps()
+                    try:
+                        if self._weights_epoch != self._kv_epoch:  # loaded between steps: read those in flight first
+                            drain = inflight is not None
+                            if not drain:
+                                self._catch_up_weights()
+                        if not drain:
+                            output = scheduler.schedule()
+                            if output.chunks:
+                                launched = await self._launch(output, inflight)
+                            elif inflight is None:
+                                raise _EmptyStep(
+                                    f"scheduler made an empty step with {scheduler.num_waiting} waiting and "
+                                    f"{scheduler.num_running} running requests"
+                                )
+                    finally:
+                        self._steps_lock.release()
                 if inflight is not None:
                     sampled = await asyncio.to_thread(self._runner.collect, inflight.step)
                     self._append_all(inflight.output.chunks, sampled)

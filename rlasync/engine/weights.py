@@ -228,10 +228,13 @@ def load_sync(
     adapter: Any,
     loader: PlannedLoader,
     device: torch.device,
+    *,
+    wait: bool = True,
 ) -> str:
     """One weight sync into a built-in engine's model: a LoRA adapter stream (A, s*B pairs) through `adapter`
     (`rlasync.weights.adapter.AdapterMerger`), full weights through `loader` (replaying a copy plan for persistent
-    buckets); on CUDA, returns once the copies are done (the sender may then overwrite its buckets). How it loaded."""
+    buckets); on CUDA, returns once the copies are done (the sender may then overwrite its buckets), or with
+    `wait=False` once they are queued on the current stream (the caller waits for them). How it loaded."""
     from rlasync.weights.adapter import LORA_A, peek_adapter
 
     if getattr(named_tensors, "key", ""):  # persistent buckets: peeking would map them again
@@ -243,6 +246,6 @@ def load_sync(
         how = "adapter"
     else:
         how = loader.load(model, pairs, lambda stream: load_named_weights(model, stream))
-    if device.type == "cuda":
+    if wait and device.type == "cuda":
         torch.cuda.synchronize(device)
     return how

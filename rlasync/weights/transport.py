@@ -34,7 +34,7 @@ import torch
 
 from rlasync.config.vocab import AUTO, WeightTransport, parse_weight_sync_backend
 from rlasync.weights.adapter import is_adapter_manifest
-from rlasync.weights.apply import load_while_pausing, paused_for_update
+from rlasync.weights.apply import load_between_steps, load_while_pausing, paused_for_update
 from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup, device_identity, free_port
 from rlasync.weights.plan import ManifestEntry
 
@@ -331,13 +331,14 @@ class BroadcastReceiver:
 class IpcReceiver:
     """Maps learner rank 0's persistent buckets (the ticket's handles; once per bucket set, cached by its key),
     then pauses, loads (the engine may replay a copy plan cached for that key: one batched copy) and resumes.
-    Pausing may start earlier (`begin`, while the learner packs): the step in flight drains meanwhile."""
+    Pausing may start earlier (`begin`, while the learner packs): the step in flight drains meanwhile. An engine
+    that `loads_between_steps` (the built-in one) is not paused: its copies queue behind its launched steps."""
 
-    pauses_early = True
-
-    def __init__(self, manifest: Sequence[ManifestEntry]) -> None:
+    def __init__(self, manifest: Sequence[ManifestEntry], *, between_steps: bool = False) -> None:
         self.manifest = list(manifest)
         self.mapped: Any = None
+        self.between_steps = between_steps
+        self.pauses_early = not between_steps  # the actor's `begin_sync` starts a pause only for a paused load
 
     def stage(self, ticket: Any) -> Any:
         """The ticket's buckets as `MappedWeights` (mapped again only when the buckets changed)."""
@@ -355,7 +356,10 @@ class IpcReceiver:
         start = time.perf_counter()
         mapped = self.stage(ticket)
         staged = time.perf_counter()
-        phases = await load_while_pausing(engine, iter(()), 0, load=mapped, pausing=pausing)
+        if self.between_steps and pausing is None:
+            phases = await load_between_steps(engine, mapped)
+        else:
+            phases = await load_while_pausing(engine, iter(()), 0, load=mapped, pausing=pausing)
         return {**phases, "stage_s": staged - start, "pack_s": float(getattr(ticket, "pack_s", 0.0))}
 
     def close(self) -> None:
@@ -404,7 +408,7 @@ async def make_receiver(
     group here (every member at once). "ipc" maps handles; an engine with its own receiver receives in place (full weights only: a LoRA
     adapter sync goes through the engine's `load_weights`, which loads it as a runtime adapter)."""
     if plan.kind.traits.process_group is None:
-        return IpcReceiver(manifest)
+        return IpcReceiver(manifest, between_steps=bool(getattr(engine, "loads_between_steps", False)))
     if isinstance(engine, SelfReceivingEngine) and not is_adapter_manifest(manifest):  # adapters: load_weights
         return await EngineNativeReceiver.open(plan, rank, manifest, engine)
     return BroadcastReceiver(plan, rank, manifest, device)

@@ -6,12 +6,14 @@ requests arriving mid-run, repetition penalties (drained steps), and a weight up
 import asyncio
 
 import pytest
+import torch
 
 from rlasync.engine import SamplingParams
 from tests.unit.engine.test_torch_engine import (
     PROMPTS,
     assert_ends_greedy_under,
     generate_all,
+    greedy_reference,
     make_engine,
     perturbed_state,
     tiny_model,
@@ -298,3 +300,90 @@ def test_launch_on_loop_runs_the_launch_on_the_loop_thread_with_the_same_tokens(
     assert threads["launch"] and threads["collect"]
     assert (threads["launch"] == {loop_thread}) is launch_on_loop
     assert loop_thread not in threads["collect"]
+
+
+# ---- loads between steps (the weight sync without a pause) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_a_load_between_steps_reaches_the_running_requests_without_a_pause(async_mode):
+    model = tiny_model("llama")
+    new_state = perturbed_state(model)
+    reference = tiny_model("llama")
+    reference.load_state_dict(new_state, strict=False)
+    engine = make_engine(model, async_scheduling=async_mode)
+    greedy = SamplingParams(max_tokens=30, temperature=0)
+
+    async def run():
+        tasks = [asyncio.create_task(engine.generate(p, greedy)) for p in PROMPTS]
+        await wait_until(lambda: engine.stats().extra["num_steps"] >= 3)
+        running, preemptions = engine.stats().num_running, engine.stats().num_preemptions
+        assert running > 0
+        phases = await asyncio.to_thread(engine.load_between_steps, new_state.items())
+        assert not engine.is_paused and set(phases) == {"wait_s", "load_s"}
+        records = await asyncio.gather(*tasks)
+        return records, running, preemptions
+
+    records, running, preemptions = asyncio.run(run())
+    assert engine.stats().num_preemptions >= preemptions + 1  # the running requests recomputed their KV
+    for record in records:
+        assert len(record.output_ids) == 30 and len(record.output_log_probs) == 30
+    assert_ends_greedy_under(reference, records)  # every token after the load is the new model's greedy choice
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_a_load_between_steps_waits_for_the_step_being_launched_and_no_step_sees_mixed_weights(async_mode):
+    import threading
+    import time
+
+    model = tiny_model("llama")
+    engine = make_engine(model, async_scheduling=async_mode)
+    first = next(model.parameters())
+    runner = engine.runner
+    name = "launch" if async_mode else "execute"
+    inner = getattr(runner, name)
+    seen, in_step = [], threading.Event()
+
+    def slow_step(*args, **kwargs):  # the weights a step starts with are those it ends with
+        before = first.detach().clone()
+        in_step.set()
+        time.sleep(0.03)
+        out = inner(*args, **kwargs)
+        seen.append(torch.equal(before, first))
+        return out
+
+    setattr(runner, name, slow_step)
+    new_state = perturbed_state(model)
+
+    async def run():
+        tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=12, temperature=0))) for p in PROMPTS]
+        await wait_until(lambda: engine.stats().extra["num_steps"] >= 2)
+        in_step.clear()
+        await asyncio.to_thread(in_step.wait, 5)  # a step is running now: the load queues behind it
+        phases = await asyncio.to_thread(engine.load_between_steps, new_state.items())
+        await asyncio.gather(*tasks)
+        return phases
+
+    phases = asyncio.run(run())
+    assert phases["wait_s"] >= 0.01  # it waited for the step's launch to end
+    assert seen and all(seen)
+    assert torch.equal(first, new_state[next(n for n, _ in model.named_parameters())])
+
+
+def test_a_load_between_steps_clears_the_prefix_cache():
+    model = tiny_model("qwen3", seed=4, init=0.05)
+    engine = make_engine(model, enable_prefix_caching=True)
+    prompt = PROMPTS[4]
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+
+    async def run():
+        await generate_all(engine, [prompt] * 3, [greedy] * 3)
+        hits = engine.stats().extra["prefix_cache_hit_tokens"]
+        await asyncio.to_thread(engine.load_between_steps, perturbed_state(model).items())
+        after = await engine.generate(prompt, greedy)
+        return hits, after
+
+    hits, after = asyncio.run(run())
+    assert hits > 0
+    assert engine.stats().extra["prefix_cache_hit_tokens"] == hits  # nothing cached under the old weights is reused
+    assert after.output_ids == greedy_reference(model, prompt, 12)  # the model holds the loaded weights

@@ -220,6 +220,58 @@ def test_ipc_on_the_cpu_reuses_persistent_buckets_mapped_once_until_close():
         asyncio.run(receiver.load_into(engine, None))
 
 
+class BetweenSteps(FakeEngine):
+    """An engine that loads between its steps (as the built-in one): never paused for a sync."""
+
+    loads_between_steps = True
+
+    def load_between_steps(self, named_tensors):
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+        self.events.append(("between", threading.current_thread() is threading.main_thread()))
+        return {"wait_s": 0.001, "load_s": 0.002}
+
+
+def test_ipc_into_an_engine_that_loads_between_steps_never_pauses_it():
+    learner, engine = tiny_model(0), BetweenSteps()
+    manifest = build_manifest(learner)
+    plan, _ = choose_transport(CPU, [CPU], "ipc", **{**WHERE, "bucket_bytes": 256})
+    sender = make_sender(plan, "cpu", manifest=manifest)
+    receiver = asyncio.run(make_receiver(plan, 1, manifest, engine, "cpu"))
+    assert isinstance(receiver, IpcReceiver) and not receiver.pauses_early  # the actor's begin_sync starts no pause
+    try:
+        for _ in range(2):
+            phases = sync_once(sender, receiver, engine, learner)
+            check_phases(phases, extra={"stage_s", "pack_s"})
+            assert phases["pause_s"] == 0.001 and phases["load_s"] == 0.002 and phases["resume_s"] == 0.0
+            assert same_weights(learner, engine.model)
+            with torch.no_grad():
+                next(learner.parameters()).add_(1.0)
+        assert engine.events == [("between", False)] * 2  # loaded off the event loop's thread, no pause or resume
+        # a pause begun before the ticket (an engine of another kind would have started one) is honoured
+        pausing = asyncio.run(_paused_load(receiver, engine, sender.prepare(stream_parameters(learner))))
+        assert pausing[-3:] == ["pause", "load", "resume"]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def _paused_load(receiver, engine, ticket):
+    from rlasync.weights.apply import begin_pause
+
+    await receiver.load_into(engine, ticket, pausing=begin_pause(engine))
+    return engine.events
+
+
+def test_ipc_into_an_engine_without_loads_between_steps_pauses_early():
+    learner, engine = tiny_model(0), FakeEngine()
+    plan, _ = choose_transport(CPU, [CPU], "ipc", **{**WHERE, "bucket_bytes": 256})
+    receiver = asyncio.run(make_receiver(plan, 1, build_manifest(learner), engine, "cpu"))
+    assert receiver.pauses_early and not receiver.between_steps
+
+
 def test_an_engine_with_its_own_receiver_joins_and_receives_in_place():
     learner, engine = tiny_model(0), SelfReceiving()
     manifest = build_manifest(learner)
