@@ -3,10 +3,9 @@ vLLM's AsyncLLM on that GPU, or a client of `vllm serve`) and receives weight sy
 
 The transport is chosen once by the driver (`rlasync.weights.transport.TransportPlan`); `open_weight_transport` makes
 this engine's receiver for it. A weight sync is one call, `sync_weights(ticket)`, made while learner rank 0 sends: a
-broadcast is received while the engine still generates (up to `staging_bytes` of it held in its receive buffers), the
-engine pauses (its step in flight finishes) meanwhile, then the weights are copied in, the rest is received, and it
-resumes. Over NCCL the buckets land in GPU buffers on the engine's device; over gloo they arrive on the CPU and are
-copied in; over IPC the ticket holds handles to learner rank 0's buckets. vLLM engines receive in their own workers.
+broadcast is received while the engine still generates (up to `staging_bytes` held), the engine pauses meanwhile, the
+weights are copied in and it resumes; over IPC the ticket holds handles to learner rank 0's buckets (the built-in
+engine loads them between steps, unpaused). vLLM engines receive in their own workers.
 
 Restarts (docs/design.md §4): Ray restarts a GenerationActor that died (`max_restarts`). The new incarnation holds the
 initial weights, so `generate` waits at a first-sync gate (at most `SYNC_GATE_S`, then a retryable `EngineError`)
@@ -33,7 +32,7 @@ logger = logging.getLogger(__name__)
 SYNC_GATE_S = 30.0  # a generate call waits this long for this incarnation's first weight sync, then fails retryably
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"weights": 1})  # sync_weights' own loop: not behind the busy engine loop's callbacks
 class GenerationActor:
     def __init__(
         self,
@@ -49,11 +48,9 @@ class GenerationActor:
         loop_stall_s: float | None = None,
         switch_interval_s: float | None = None,
     ) -> None:
-        """`serve_initial_weights`: serve the weights loaded here at once (an engine outside a training run); a
-        training run's engines wait for their first sync (the first-sync gate, kept across Ray restarts).
-        `warm_sampling`: the run's `SamplingParams`, which an engine that compiles its sampler (`warm_up`) compiles
-        for here, before the heap is frozen and while the learners set up, instead of at the first requests.
-        `switch_interval_s`: the GIL switch interval here (`cluster.gil_switch_interval_s`)."""
+        """`serve_initial_weights`: serve the weights loaded here at once (outside a training run; a run's engines
+        wait for their first sync). `warm_sampling`: the run's `SamplingParams`, compiled for here (`warm_up`) rather
+        than at the first requests. `switch_interval_s`: the GIL switch interval (`cluster.gil_switch_interval_s`)."""
         import torch
 
         from rlasync.engine.factory import make_engine
@@ -70,13 +67,12 @@ class GenerationActor:
         warm_up = getattr(self.engine, "warm_up", None)
         if warm_sampling and warm_up is not None and (seconds := warm_up(warm_sampling)):
             logger.info("generation engine: sampler compiled for the run's sampling in %.1f s", seconds)
-        freeze_heap()  # the engine's start-up heap is never walked again by a full collection
-        # the collections that still happen are timed; one that walks what the engine built lazily since (the
-        # compiled sampler's first steps) freezes it too, so a weight sync does not wait behind the next ones
+        freeze_heap()  # the start-up heap is never walked again; a slow later collection freezes what it walked
         self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
         self.gc_hold = CollectionHold()  # no collection in a sync: from begin_sync (or sync_weights) to its end
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
+        self.main_loop: Any = None  # the engine's loop (`open_weight_transport`): a paused load runs there
         # how late its loop runs (calls wait as long); 50 ms wakes, as each takes the GIL the engine's host side needs
         self.loop_lag = LoopLagMonitor(interval_s=0.05, stall_s=loop_stall_s)
         self.cpu = ProcessCpu()  # how busy this process is between syncs (near 1.0: bound by its GIL)
@@ -107,8 +103,7 @@ class GenerationActor:
             yield ready
 
     async def watch(self) -> None:
-        """Never returns: the driver keeps one call per incarnation in flight, and its failure tells it this actor
-        died (a frozen actor's call just stays pending)."""
+        """Never returns: the driver keeps one in flight; its failure says this actor died (a frozen one's pends)."""
         await asyncio.Event().wait()
 
     def weights_version(self) -> int | None:
@@ -124,8 +119,7 @@ class GenerationActor:
     def _device(self) -> Any:
         import torch
 
-        device = getattr(self.engine, "device", None)
-        return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(getattr(self.engine, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     def weight_endpoint(self) -> dict[str, Any]:
         """This engine's device identity (what `choose_transport` compares)."""
@@ -142,6 +136,7 @@ class GenerationActor:
 
         if self.receiver is not None:
             self.receiver.close()
+        self.main_loop = asyncio.get_running_loop()
         self.receiver = await make_receiver(plan, rank, manifest, self.engine, self._device())
 
     async def begin_sync(self) -> None:
@@ -167,18 +162,24 @@ class GenerationActor:
             await self.engine.resume()
         self.gc_hold.release()
 
+    @ray.method(concurrency_group="weights")
     async def sync_weights(self, ticket: Any = None, version: int | None = None) -> dict[str, float]:
-        """Receive one sync (`ticket`: what learner rank 0's `prepare_weights` returned) of policy `version` and load
-        it, pausing only for the copy (then the first-sync gate opens): returns the phases' seconds (`pause_s` until
-        the engine stopped, `load_s` from then until loaded, `resume_s`, `total_s`), `started_at` (wall clock),
-        `loop_lag_max_s` (this actor's worst event-loop lag since the previous sync), `cpu_frac` (its process's CPU
-        seconds per second since then), `gc_max_s` (its longest garbage collection since then: none starts during a
-        sync, `gc_hold`), `gc_refreezes` (how often a slow full collection froze its heap again, in all)."""
+        """Receive one sync (`ticket`: learner rank 0's `prepare_weights`) of policy `version` and load it (then the
+        first-sync gate opens): the phases' seconds (`pause_s`, `load_s`, `resume_s`, `total_s`), `started_at` (wall
+        clock), since the previous sync this actor's worst loop lag (`loop_lag_max_s`), CPU seconds a second
+        (`cpu_frac`), longest collection (`gc_max_s`; none in a sync, `gc_hold`), and `gc_refreezes`. In its own
+        loop; a load that pauses the engine (not one between steps) runs on the engine's loop."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:  # a restarted incarnation: the driver recognises this error by its type
             from rlasync.weights.transport import WeightTransportNotOpen
 
             raise WeightTransportNotOpen("sync_weights before open_weight_transport")
+        load, loop = self._load(ticket, version, started_at), self.main_loop
+        if loop is None or getattr(self.receiver, "between_steps", False):
+            return await load
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(load, loop))
+
+    async def _load(self, ticket: Any, version: int | None, started_at: float) -> dict[str, float]:
         pausing, self.pausing = self.pausing, None
         extra = {"pausing": pausing} if pausing is not None else {}
         self.gc_hold.hold()
@@ -187,7 +188,7 @@ class GenerationActor:
         finally:  # a hold begun by begin_sync ends here too
             self.gc_hold.release()
         self.version = version
-        self.synced.set()
+        (self.main_loop or asyncio.get_running_loop()).call_soon_threadsafe(self.synced.set)  # the engine loop's
         collections = {**self.gc_pauses.take(), "cpu_frac": self.cpu.take()}
         self.loop_lag.log_stalls(logger, "generation actor")  # cluster.generation_stall_s: where its loop was
         return {**phases, "started_at": started_at, "loop_lag_max_s": self.loop_lag.take_max(), **collections}

@@ -62,6 +62,7 @@ BUILTIN_ENGINE_KWARGS = frozenset(
         "compiled_layers",
         "launch_on_loop",
         "fused_layers",
+        "loads_between_steps",
     }
 )
 """`cluster.engine_kwargs` only the built-in engine (`TorchEngine`) takes: another engine is refused them at load."""

@@ -158,6 +158,8 @@ class TorchEngine:
                            projections (`triton_layers`); None (default): on for CUDA where the model allows it and
                            `compiled_layers` is off, after a start-up check against transformers' layers (a
                            disagreement turns it off, logged)
+    loads_between_steps    a weight sync over CUDA IPC loads between steps without a pause (`load_between_steps`);
+                           False: the sync pauses the engine first, as every other transport does (an A/B)
     """
 
     def __init__(
@@ -183,6 +185,7 @@ class TorchEngine:
         compiled_layers: bool = False,
         launch_on_loop: bool = False,
         fused_layers: bool | None = None,
+        loads_between_steps: bool = True,
     ) -> None:
         if kv_on_weight_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_weight_update={kv_on_weight_update!r}: use 'recompute' or 'keep'")
@@ -212,6 +215,7 @@ class TorchEngine:
         cuda = self.device.type == "cuda"
         self.async_scheduling = cuda if async_scheduling is None else bool(async_scheduling)
         self.launch_on_loop = bool(launch_on_loop)
+        self.loads_between_steps = bool(loads_between_steps)  # an IPC weight sync loads between steps, no pause
         self._lock_waiters = 0  # callers waiting for the model lock: an overlapped run of steps drains for them
         self._steps_lock = threading.Lock()  # held to launch a step (a synchronous one: to run it) or enqueue a load
         self._weights_epoch = 0  # loads between steps so far (changed under `_steps_lock`)
@@ -324,8 +328,6 @@ class TorchEngine:
         copy plan); returns once the copies are done (`rlasync.engine.weights.load_sync`)."""
         with self._steps_lock:
             load_sync(self.model, named_tensors, self._adapter, self._loader, self.device)
-
-    loads_between_steps = True  # `load_between_steps` below: a weight sync needs no pause
 
     def load_between_steps(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, float]:
         """Copy weights in place without pausing (any thread; blocking, so call it through `asyncio.to_thread`): the

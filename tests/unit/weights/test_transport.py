@@ -266,10 +266,18 @@ async def _paused_load(receiver, engine, ticket):
 
 
 def test_ipc_into_an_engine_without_loads_between_steps_pauses_early():
-    learner, engine = tiny_model(0), FakeEngine()
+    learner, switched_off = tiny_model(0), BetweenSteps()
+    switched_off.loads_between_steps = False  # TorchEngine(loads_between_steps=False): the A/B's other side
     plan, _ = choose_transport(CPU, [CPU], "ipc", **{**WHERE, "bucket_bytes": 256})
-    receiver = asyncio.run(make_receiver(plan, 1, build_manifest(learner), engine, "cpu"))
-    assert receiver.pauses_early and not receiver.between_steps
+    for engine in (FakeEngine(), switched_off):
+        receiver = asyncio.run(make_receiver(plan, 1, build_manifest(learner), engine, "cpu"))
+        assert receiver.pauses_early and not receiver.between_steps
+        sender = make_sender(plan, "cpu", manifest=build_manifest(learner))
+        try:
+            sync_once(sender, receiver, engine, learner)
+        finally:
+            sender.close()
+        assert engine.events == ["pause", "load", "resume"] and same_weights(learner, engine.model)
 
 
 def test_an_engine_with_its_own_receiver_joins_and_receives_in_place():
