@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlasync.engine.base import SamplingParams
-from rlasync.records import TurnRecord
+from rlasync.records import TopLogprobs, TurnRecord
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -29,7 +29,7 @@ class Request:
     stop_ids: frozenset[int]  # stop_token_ids, plus the EOS ids unless ignore_eos
     token_ids: list[int] = field(init=False)
     output_log_probs: list[float] = field(default_factory=list)
-    sampler_logprobs: list[dict[int, float]] | None = None
+    sampler_logprobs: list[Any] | None = None  # per output token the sampler's packed top-N row (`TopLogprobs`)
     sampling_mask: list[list[int]] | None = None
     block_ids: list[int] = field(default_factory=list)
     prompt_block_keys: list[Any] = field(default_factory=list)  # prefix-cache keys of the full prompt blocks
@@ -70,7 +70,7 @@ class Request:
         self,
         token_id: int,
         logprob: float,
-        top_logprobs: dict[int, float] | None = None,
+        top_logprobs: Any = None,
         candidates: list[int] | None = None,
     ) -> str | None:
         """Record one sampled token (into the first pending placeholder, if any); returns the finish reason when
@@ -86,7 +86,7 @@ class Request:
             token_ids.append(token_id)
         self.output_log_probs.append(logprob)
         if self.sampler_logprobs is not None:
-            self.sampler_logprobs.append(top_logprobs or {})
+            self.sampler_logprobs.append(top_logprobs)
         if self.sampling_mask is not None:
             self.sampling_mask.append(candidates if candidates is not None else [])
         if token_id in self.stop_ids:
@@ -106,12 +106,35 @@ class Request:
         self.token_ids.append(0)
         self.num_pending += 1
 
+    def _top_logprobs(self) -> TopLogprobs | None:
+        rows = self.sampler_logprobs
+        if rows is None:
+            return None
+        k = self.params.num_logprobs
+        try:
+            return TopLogprobs.from_rows(rows, k)
+        except (ValueError, TypeError):  # rows of steps whose widest ask differed (or a step without top-N)
+            width = max([len(row) // 2 for row in rows if row is not None] + [k])
+            return TopLogprobs.from_rows([_widen(row, width) for row in rows], k)
+
     def to_turn_record(self) -> TurnRecord:
         return TurnRecord(
             prompt_ids=list(self.prompt_ids),
             output_ids=self.output_ids,
             output_log_probs=list(self.output_log_probs),
             output_sampling_mask=self.sampling_mask,
-            output_sampler_logprobs=self.sampler_logprobs,
+            output_sampler_logprobs=self._top_logprobs(),
             finish_reason=self.finish_reason,
         )
+
+
+def _widen(row: Any, width: int) -> Any:
+    """A packed top-N row (N ids, N log-probs) padded to `width` (-1 ids, -inf log-probs): steps of other widths."""
+    import numpy as np
+
+    out = np.full(2 * width, -np.inf)
+    out[:width] = -1.0
+    if row is not None:
+        n = len(row) // 2
+        out[:n], out[width : width + n] = row[:n], row[n:]
+    return out

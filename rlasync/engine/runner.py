@@ -71,7 +71,7 @@ class SampledToken(NamedTuple):
 
     token_id: int
     logprob: float
-    top_logprobs: dict[int, float] | None  # the top-N processed log-probs (num_logprobs = N), finite ones only
+    top_logprobs: Any  # the top-N processed log-probs: a float64 row of N ranked ids then their log-probs (-inf pads)
     candidates: list[int] | None  # the candidate set when top-k/top-p/min-p filter and it was asked for
 
 
@@ -435,27 +435,16 @@ def unpack_packed(packed: torch.Tensor, result: object, params: Sequence[Samplin
     has_candidates = result.candidate_ids is not None and result.num_candidates is not None
     token_ids = packed[:, 0].to(torch.int64).tolist()
     logprobs = packed[:, 1].tolist()
-    if has_topn:
-        top_ids = packed[:, 2 : 2 + n].to(torch.int64).tolist()
-        top_logprobs = packed[:, 2 + n : 2 + 2 * n].tolist()  # Python floats (`tolist` of float64)
+    if has_topn:  # a row per request, kept by it until it finishes (`TopLogprobs.from_rows`): no dict per token
+        top_rows = packed[:, 2 : 2 + 2 * n].numpy().copy()  # a copy: the pinned buffer goes back to its allocator
     if has_candidates:
         begin = 2 + 2 * n  # the candidates' first column, their count after them
         candidate_ids = packed[:, begin : begin + c].to(torch.int64).tolist()
         counts = packed[:, begin + c].to(torch.int64).tolist()
-    neg_inf = float("-inf")
     out = []
     append = out.append
     for row, p in enumerate(params):
-        top = None
-        k = p.num_logprobs
-        if k > 0 and has_topn:
-            ids, lps = top_ids[row], top_logprobs[row]
-            if k < n:
-                ids, lps = ids[:k], lps[:k]
-            if neg_inf in lps:  # ranked: -inf only pads a row with fewer than k candidates
-                top = {i: lp for i, lp in zip(ids, lps) if lp != neg_inf}
-            else:
-                top = dict(zip(ids, lps))
+        top = top_rows[row] if has_topn and p.num_logprobs > 0 else None
         candidates = None
         if has_candidates and p.return_sampling_mask and p.filters:
             candidates = candidate_ids[row][: counts[row]]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from rlasync.records import TrainingSequence, TurnRecord
+from rlasync.records import TopLogprobs, TrainingSequence, TurnRecord
 
 FINISH_STOP = "stop"
 
@@ -118,7 +118,10 @@ class _SequenceBuilder:
         self.logprobs += [lp if m else 0.0 for lp, m in zip(turn.output_log_probs or [0.0] * count, mask)]
         topk = turn.output_sampler_logprobs
         self.has_topk |= topk is not None
-        self.topk += [topk[j] if topk is not None and mask[j] else None for j in range(count)]
+        if isinstance(topk, TopLogprobs):  # arrays: a position keeps (its source, its row), ranked at build
+            self.topk += [(topk, j) if mask[j] else None for j in range(count)]
+        else:
+            self.topk += [topk[j] if topk is not None and mask[j] else None for j in range(count)]
         candidates = turn.output_sampling_mask
         self.has_candidates |= candidates is not None
         self.candidates += [candidates[j] if candidates is not None and mask[j] else None for j in range(count)]
@@ -129,11 +132,23 @@ class _SequenceBuilder:
         if num_sampler_logprobs > 0 and self.has_topk:
             topk_ids = np.full((length, num_sampler_logprobs), -1, dtype=np.int64)
             topk_logprobs = np.full((length, num_sampler_logprobs), -np.inf, dtype=np.float32)
+            from_arrays: dict[int, tuple[TopLogprobs, list[int], list[int]]] = {}
             for position, entry in enumerate(self.topk):
-                if entry:
+                if isinstance(entry, tuple):
+                    source, row = entry
+                    held = from_arrays.setdefault(id(source), (source, [], []))
+                    held[1].append(position)
+                    held[2].append(row)
+                elif entry:
                     ranked = sorted(entry.items(), key=lambda item: (-item[1], item[0]))[:num_sampler_logprobs]
                     topk_ids[position, : len(ranked)] = [token for token, _ in ranked]
                     topk_logprobs[position, : len(ranked)] = [logprob for _, logprob in ranked]
+            for source, positions, rows in from_arrays.values():
+                ids, logprobs = source.ids[rows], source.logprobs[rows]
+                order = np.lexsort((ids, -logprobs), axis=-1)  # the dicts' rule: log-prob down, then id; pads last
+                width = min(num_sampler_logprobs, ids.shape[1])
+                topk_ids[positions, :width] = np.take_along_axis(ids, order, -1)[:, :width]
+                topk_logprobs[positions, :width] = np.take_along_axis(logprobs, order, -1)[:, :width]
         if self.has_candidates:
             width = max([len(c) for c in self.candidates if c is not None] + [1])
             sampling_mask = np.full((length, width), -1, dtype=np.int64)

@@ -71,12 +71,19 @@ async def load_while_pausing(
 
 async def load_between_steps(engine: Any, load: Any) -> dict[str, float]:
     """Load `load` into an engine that `loads_between_steps` (the built-in engine): no pause; its copies queue
-    behind the steps already launched. The phases as `load_while_pausing` names them: `pause_s` is the wait for the
-    engine's launch lock (nothing pauses), `load_s` from then until the copies were done, `resume_s` 0."""
+    behind the steps already launched. The phases as `load_while_pausing` names them, summing to `total_s`:
+    `pause_s` until the copies began (nothing pauses: the hand-over to a worker thread and the wait for the engine's
+    launch lock, `lock_wait_s`), `load_s` the copies until done, `resume_s` 0."""
     start = time.perf_counter()
     result = await asyncio.to_thread(engine.load_between_steps, load)
     total = time.perf_counter() - start
-    return {"pause_s": result["wait_s"], "load_s": result["load_s"], "resume_s": 0.0, "total_s": total}
+    return {
+        "pause_s": max(total - result["load_s"], 0.0),
+        "load_s": result["load_s"],
+        "resume_s": 0.0,
+        "total_s": total,
+        "lock_wait_s": result["wait_s"],
+    }
 
 
 def begin_pause(engine: Any) -> asyncio.Task:

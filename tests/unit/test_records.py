@@ -5,6 +5,7 @@ import pickle
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from rlasync.packing import TreeRow, pack
 from rlasync.pipeline import PromptDispatcher
@@ -63,3 +64,19 @@ def test_packing_takes_any_sample_with_the_protocols_fields():
     a, b = pack(plain), pack(record)
     np.testing.assert_array_equal(a.input_ids, b.input_ids)
     np.testing.assert_array_equal(a.advantages, b.advantages)
+
+
+def test_top_logprobs_read_as_dicts_pickle_as_arrays_and_build_from_packed_rows():
+    from rlasync.records import TopLogprobs
+
+    rows = [np.array([5.0, 9.0, 2.0, -0.1, -1.0, -np.inf]), np.array([3.0, 4.0, 8.0, -0.2, -0.3, -0.4])]
+    top = TopLogprobs.from_rows(rows, k=3)
+    assert list(top) == [{5: -0.1, 9: -1.0}, {3: -0.2, 4: -0.3, 8: -0.4}]  # the -inf pad is not an entry
+    assert top.ids.tolist() == [[5, 9, -1], [3, 4, 8]] and top[0:1] == [{5: -0.1, 9: -1.0}]
+    assert TopLogprobs.from_rows(rows, k=2) == [{5: -0.1, 9: -1.0}, {3: -0.2, 4: -0.3}]
+    assert top == list(top) and top != [{5: -0.1}] and top == pickle.loads(pickle.dumps(top))
+    arrays = TopLogprobs(top.ids, top.logprobs)  # from arrays (not packed rows): the same, pickled too
+    assert arrays == top and pickle.loads(pickle.dumps(arrays)) == top and repr(arrays) == repr(top)
+    assert len(TopLogprobs.from_rows([], k=4)) == 0
+    with pytest.raises(ValueError, match="same"):
+        TopLogprobs(np.zeros((2, 3)), np.zeros((2, 4)))

@@ -8,6 +8,7 @@ from rlasync.engine.base import SamplingParams
 from rlasync.engine.runner import _unpack
 from rlasync.engine.sampler import BatchSampling, sample
 from rlasync.engine.slot_sampling import SlotSampling
+from rlasync.records import TopLogprobs
 
 PARAMS = [
     SamplingParams(temperature=0.0),
@@ -77,7 +78,10 @@ def test_packed_results_unpack_to_the_sampler_tensors():
         if p.num_logprobs:
             ids = result.topn_ids[row, : p.num_logprobs].tolist()
             lps = result.topn_logprobs[row, : p.num_logprobs].tolist()
-            assert token.top_logprobs == {i: lp for i, lp in zip(ids, lps) if lp != float("-inf")}
+            # a packed row: the step's N ranked ids, then their log-probs
+            assert token.top_logprobs.tolist() == result.topn_ids[row].tolist() + result.topn_logprobs[row].tolist()
+            (top,) = TopLogprobs.from_rows([token.top_logprobs], p.num_logprobs)  # as the request reads it
+            assert top == {i: lp for i, lp in zip(ids, lps) if lp != float("-inf")}
         else:
             assert token.top_logprobs is None
         if p.filters and p.return_sampling_mask:
@@ -126,7 +130,9 @@ def test_unpacked_top_logprobs_keep_the_rank_order_and_drop_the_padding_of_short
     logits = torch.randn(3, 30) * 2
     result = sample(logits, BatchSampling.from_params(params, [1, 2, 3], "cpu"), torch.zeros(3, dtype=torch.int64))
     tokens = _unpack(result, params)
-    short, full, greedy = (list(t.top_logprobs.items()) for t in tokens)
+    short, full, greedy = (
+        list(TopLogprobs.from_rows([t.top_logprobs], p.num_logprobs)[0].items()) for t, p in zip(tokens, params)
+    )
     assert len(short) == 2 and len(full) == 4 and len(greedy) == 2
     for row, items in enumerate((short, full, greedy)):
         n = params[row].num_logprobs
@@ -135,3 +141,23 @@ def test_unpacked_top_logprobs_keep_the_rank_order_and_drop_the_padding_of_short
         assert result.topn_logprobs[row, len(items) : n].eq(float("-inf")).all()
         assert all(type(i) is int and type(lp) is float for i, lp in items)
         assert [lp for _, lp in items] == sorted((lp for _, lp in items), reverse=True)
+
+
+def test_a_requests_top_logprobs_from_steps_of_different_widths_read_as_its_own_top_k():
+    """A request asking for 2 log-probs in steps whose widest ask was 4, then 2, then none at all (None): its record
+    holds its own 2 best of each step, ranked, with pads where a step had none."""
+    import numpy as np
+
+    from rlasync.engine.request import Request
+
+    request = Request(0, [1, 2], SamplingParams(num_logprobs=2, max_tokens=8), 0, 8, frozenset())
+    rows = [
+        np.array([7.0, 3.0, 9.0, 1.0, -0.1, -0.5, -2.0, -3.0]),  # N = 4
+        np.array([4.0, 6.0, -0.2, -np.inf]),  # N = 2, one candidate only
+        None,
+    ]
+    for token, row in zip([7, 4, 5], rows):
+        request.append(token, -0.1, row)
+    top = request.to_turn_record().output_sampler_logprobs
+    assert list(top) == [{7: -0.1, 3: -0.5}, {4: -0.2}, {}]
+    assert top.ids.tolist() == [[7, 3], [4, -1], [-1, -1]]

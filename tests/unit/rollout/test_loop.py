@@ -619,6 +619,40 @@ def test_sequences_from_turn_records_have_masks_and_padded_top_k():
     ]
 
 
+def test_sequences_from_top_logprob_arrays_equal_those_from_the_same_dicts():
+    """The built-in engine's `TopLogprobs` (ranked arrays) and the same entries as dicts (vLLM's form) give the same
+    training arrays: ties broken by id, -inf pads dropped, masked positions left out, several turns, K below N."""
+    from rlasync.records import TopLogprobs
+
+    rng = np.random.default_rng(0)
+    turns_arrays, turns_dicts = [], []
+    prompt = [1, 2]
+    for turn_index, (count, n) in enumerate([(5, 4), (3, 6), (4, 4)]):
+        ids = np.stack([rng.choice(50, size=n, replace=False) for _ in range(count)])
+        logprobs = np.round(rng.normal(-2, 1, size=(count, n)))  # whole numbers: ties between ids
+        logprobs[0, -2:] = -np.inf  # fewer than N candidates
+        logprobs = -np.sort(-logprobs, axis=1)  # ranked (ties in either order)
+        ids[logprobs == -np.inf] = -1
+        top = TopLogprobs(ids, logprobs)
+        output = [int(i) for i in ids[:, 0]]
+        kwargs = dict(
+            prompt_ids=list(prompt),
+            output_ids=output,
+            output_log_probs=[float(x) for x in logprobs[:, 0]],
+            output_mask=[1 if (j + turn_index) % 3 else 0 for j in range(count)],
+        )
+        turns_arrays.append(TurnRecord(**kwargs, output_sampler_logprobs=top))
+        turns_dicts.append(TurnRecord(**kwargs, output_sampler_logprobs=[top[j] for j in range(count)]))
+        assert top == [top[j] for j in range(count)] and len(top) == count
+        prompt = prompt + output + [7]
+    for k in (3, 4, 6):
+        (a,) = build_training_sequences(turns_arrays, "r", num_sampler_logprobs=k)
+        (b,) = build_training_sequences(turns_dicts, "r", num_sampler_logprobs=k)
+        assert a.sampler_topk_ids.tolist() == b.sampler_topk_ids.tolist()
+        np.testing.assert_array_equal(a.sampler_topk_logprobs, b.sampler_topk_logprobs)
+        assert a.input_ids.tolist() == b.input_ids.tolist()
+
+
 def test_sequences_without_sampler_extras_leave_them_out():
     turn = TurnRecord([1, 2], [10, 11], [-0.5, -0.6])
     (sequence,) = build_training_sequences([turn], "r", num_sampler_logprobs=8)

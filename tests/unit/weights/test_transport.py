@@ -4,6 +4,7 @@ ipc on the CPU through shared memory, an engine with its own receiver, and extra
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -231,6 +232,7 @@ class BetweenSteps(FakeEngine):
             for name, tensor in named_tensors:
                 params[name].copy_(tensor)
         self.events.append(("between", threading.current_thread() is threading.main_thread()))
+        time.sleep(0.003)  # the reported parts lie within the call, as a real engine's do
         return {"wait_s": 0.001, "load_s": 0.002}
 
 
@@ -244,8 +246,10 @@ def test_ipc_into_an_engine_that_loads_between_steps_never_pauses_it():
     try:
         for _ in range(2):
             phases = sync_once(sender, receiver, engine, learner)
-            check_phases(phases, extra={"stage_s", "pack_s"})
-            assert phases["pause_s"] == 0.001 and phases["load_s"] == 0.002 and phases["resume_s"] == 0.0
+            check_phases(phases, extra={"stage_s", "pack_s", "lock_wait_s"})
+            assert phases["lock_wait_s"] == 0.001 and phases["load_s"] == 0.002 and phases["resume_s"] == 0.0
+            # the phases sum to the call: pause_s is everything before the copies (thread hand-over, lock wait)
+            assert phases["pause_s"] + phases["load_s"] == pytest.approx(phases["total_s"], abs=1e-9)
             assert same_weights(learner, engine.model)
             with torch.no_grad():
                 next(learner.parameters()).add_(1.0)
