@@ -168,7 +168,8 @@ async def sync(engine, stream):
     await engine.resume()
 
 
-def test_adapter_sync_gives_the_engine_the_merged_models_logprobs(model_dir, tmp_path):
+@pytest.mark.parametrize("how", ["paused", "between_steps"])
+def test_adapter_sync_gives_the_engine_the_merged_models_logprobs(model_dir, tmp_path, how):
     from rlasync.engine.torch_engine import TorchEngine
 
     learner = Learner(model_dir, settings(tmp_path, lora()))
@@ -185,7 +186,10 @@ def test_adapter_sync_gives_the_engine_the_merged_models_logprobs(model_dir, tmp
     for step in range(3):  # the first sync, then two more after training steps: no accumulation of deltas
         streamed = list(learner.weight_stream())
         assert [name for name, _ in streamed] == [entry.name for entry in manifest]
-        asyncio.run(sync(engine, streamed))
+        if how == "paused":
+            asyncio.run(sync(engine, streamed))
+        else:  # the IPC sync's path: no pause, the merge queued behind the engine's steps
+            engine.load_between_steps(streamed)
         reference = merged_reference(learner)
         for ids in SEQUENCES:
             torch.testing.assert_close(
