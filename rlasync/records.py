@@ -127,8 +127,8 @@ class TopLogprobs(Sequence):
     `logprobs` float64, [T, N], best first; a token with fewer than N candidates is padded with -1 / -inf). It reads
     as the list of dicts `TurnRecord.output_sampler_logprobs` names (item `t` is `{id: log-prob}` of token t's finite
     entries), but it is built, pickled and turned into training arrays without a Python dict per token: the built-in
-    engine returns it (a short completion with 8 log-probs per token is mostly such dicts otherwise). Built from the
-    engine's packed rows (`from_rows`) it keeps them as one block until `ids` or `logprobs` is read."""
+    engine returns it (a short completion with 8 log-probs per token is mostly such dicts otherwise). It holds one
+    float64 block, [T, 2N] (ids, then log-probs: the engine's packed rows, `from_rows`), split when read."""
 
     __slots__ = ("_packed", "_k", "_ids", "_logprobs")
 
@@ -139,7 +139,7 @@ class TopLogprobs(Sequence):
                 f"TopLogprobs needs ids and logprobs of the same [tokens, N] shape, got {ids.shape} and "
                 f"{logprobs.shape}"
             )
-        self._packed, self._k, self._ids, self._logprobs = None, ids.shape[1], ids, logprobs
+        self._packed, self._k, self._ids, self._logprobs = np.hstack([ids, logprobs]), ids.shape[1], None, None
 
     @classmethod
     def from_rows(cls, rows: list[Any], k: int) -> TopLogprobs:
@@ -178,7 +178,7 @@ class TopLogprobs(Sequence):
         return self._logprobs
 
     def __len__(self) -> int:
-        return (self._packed if self._packed is not None else self._ids).shape[0]
+        return self._packed.shape[0]
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
@@ -196,24 +196,14 @@ class TopLogprobs(Sequence):
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> tuple[Any, ...]:  # raw bytes: a few microseconds, where small ndarrays take ~13
-        if self._packed is not None:
-            rows, width = self._packed.shape
-            return (_top_logprobs_from_bytes, (self._packed.tobytes(), rows, width, self._k, True))
-        return (_top_logprobs_from_bytes, (self._ids.tobytes() + self._logprobs.tobytes(), *self._ids.shape, False))
+        return (_top_logprobs_from_bytes, (self._packed.tobytes(), *self._packed.shape, self._k))
 
     def __repr__(self) -> str:
         return f"TopLogprobs({len(self)} tokens x {self._k})"
 
 
-def _top_logprobs_from_bytes(data: bytes, rows: int, width: int, k: int, packed: bool = False) -> TopLogprobs:
-    if packed:
-        return TopLogprobs._of_packed(np.frombuffer(data, dtype=np.float64).reshape(rows, width), k)
-    top = TopLogprobs.__new__(TopLogprobs)
-    half = rows * width * 8
-    top._packed, top._k = None, width
-    top._ids = np.frombuffer(data[:half], dtype=np.int64).reshape(rows, width)
-    top._logprobs = np.frombuffer(data[half:], dtype=np.float64).reshape(rows, width)
-    return top
+def _top_logprobs_from_bytes(data: bytes, rows: int, width: int, k: int) -> TopLogprobs:
+    return TopLogprobs._of_packed(np.frombuffer(data, dtype=np.float64).reshape(rows, width), k)
 
 
 @dataclass(frozen=True, slots=True)
