@@ -597,11 +597,10 @@ class TorchEngine:
                 if not drain:
                     await self._hold_steps()
                     try:
-                        if self._weights_epoch != self._kv_epoch:  # loaded between steps: read those in flight first
-                            drain = inflight is not None
-                            if not drain:
-                                self._catch_up_weights()
-                        if not drain:
+                        if self._weights_epoch != self._kv_epoch and inflight is not None:
+                            drain = True  # loaded between steps: read the steps in flight first
+                        else:
+                            self._catch_up_weights()
                             output = scheduler.schedule()
                             if output.chunks:
                                 launched = await self._launch(output, inflight)

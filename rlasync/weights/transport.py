@@ -338,7 +338,11 @@ class IpcReceiver:
         self.manifest = list(manifest)
         self.mapped: Any = None
         self.between_steps = between_steps
-        self.pauses_early = not between_steps  # the actor's `begin_sync` starts a pause only for a paused load
+
+    @property
+    def pauses_early(self) -> bool:
+        """The actor's `begin_sync` starts a pause only for a paused load."""
+        return not self.between_steps
 
     def stage(self, ticket: Any) -> Any:
         """The ticket's buckets as `MappedWeights` (mapped again only when the buckets changed)."""
