@@ -138,11 +138,17 @@ def test_async_equals_sync_with_a_repetition_penalty_in_the_mix():
     assert_same_records(out[True][0], out[False][0])
 
 
-def test_async_pause_drains_the_step_in_flight_and_a_weight_update_applies_to_the_rest():
+def model_and_new_weights():
+    """A tiny model, a perturbed state for it, and a reference model holding that state."""
     model = tiny_model("llama")
     new_state = perturbed_state(model)
     reference = tiny_model("llama")
     reference.load_state_dict(new_state, strict=False)
+    return model, new_state, reference
+
+
+def test_async_pause_drains_the_step_in_flight_and_a_weight_update_applies_to_the_rest():
+    model, new_state, reference = model_and_new_weights()
     engine = make_engine(model, async_scheduling=True)
     greedy = SamplingParams(max_tokens=30, temperature=0)
 
@@ -307,24 +313,20 @@ def test_launch_on_loop_runs_the_launch_on_the_loop_thread_with_the_same_tokens(
 
 @pytest.mark.parametrize("async_mode", [False, True])
 def test_a_load_between_steps_reaches_the_running_requests_without_a_pause(async_mode):
-    model = tiny_model("llama")
-    new_state = perturbed_state(model)
-    reference = tiny_model("llama")
-    reference.load_state_dict(new_state, strict=False)
+    model, new_state, reference = model_and_new_weights()
     engine = make_engine(model, async_scheduling=async_mode)
     greedy = SamplingParams(max_tokens=30, temperature=0)
 
     async def run():
         tasks = [asyncio.create_task(engine.generate(p, greedy)) for p in PROMPTS]
         await wait_until(lambda: engine.stats().extra["num_steps"] >= 3)
-        running, preemptions = engine.stats().num_running, engine.stats().num_preemptions
-        assert running > 0
+        assert engine.stats().num_running > 0
+        preemptions = engine.stats().num_preemptions
         phases = await asyncio.to_thread(engine.load_between_steps, new_state.items())
         assert not engine.is_paused and set(phases) == {"wait_s", "load_s"}
-        records = await asyncio.gather(*tasks)
-        return records, running, preemptions
+        return await asyncio.gather(*tasks), preemptions
 
-    records, running, preemptions = asyncio.run(run())
+    records, preemptions = asyncio.run(run())
     assert engine.stats().num_preemptions >= preemptions + 1  # the running requests recomputed their KV
     for record in records:
         assert len(record.output_ids) == 30 and len(record.output_log_probs) == 30
