@@ -73,8 +73,7 @@ class GenerationActor:
         self.receiver: Any = None  # the weight transport's receiver (`open_weight_transport`)
         self.pausing: Any = None  # a pause begun before the sync's ticket arrived (`begin_sync`)
         self.main_loop: Any = None  # the engine's loop (`open_weight_transport`): a paused load runs there
-        # how late its loop runs (calls wait as long); 50 ms wakes, as each takes the GIL the engine's host side needs
-        self.loop_lag = LoopLagMonitor(interval_s=0.05, stall_s=loop_stall_s)
+        self.loop_lag = LoopLagMonitor(interval_s=0.05, stall_s=loop_stall_s)  # how late its loop runs; few wakes
         self.cpu = ProcessCpu()  # how busy this process is between syncs (near 1.0: bound by its GIL)
         self.version: int | None = None  # the policy version last loaded; None: this incarnation's initial weights
         self.channels = ChannelHost(self)  # the rollout actors' channels: requests in, one result stream each
@@ -167,21 +166,22 @@ class GenerationActor:
         """Receive one sync (`ticket`: learner rank 0's `prepare_weights`) of policy `version` and load it (then the
         first-sync gate opens): the phases' seconds (`pause_s`, `load_s`, `resume_s`, `total_s`), `started_at` (wall
         clock), since the previous sync this actor's worst loop lag (`loop_lag_max_s`), CPU seconds a second
-        (`cpu_frac`), longest collection (`gc_max_s`; none in a sync, `gc_hold`), and `gc_refreezes`. In its own
-        loop; a load that pauses the engine (not one between steps) runs on the engine's loop."""
+        (`cpu_frac`), longest collection (`gc_max_s`; none in a sync, `gc_hold`), and `gc_refreezes`. In its own loop:
+        a load between steps blocks it (no thread hand-over); a paused one runs on the engine's loop."""
         started_at = time.time()  # wall clock: the driver measures how long this call waited to start
         if self.receiver is None:  # a restarted incarnation: the driver recognises this error by its type
             from rlasync.weights.transport import WeightTransportNotOpen
 
             raise WeightTransportNotOpen("sync_weights before open_weight_transport")
-        load, loop = self._load(ticket, version, started_at), self.main_loop
-        if loop is None or getattr(self.receiver, "between_steps", False):
+        inline = bool(getattr(self.receiver, "between_steps", False))
+        load, loop = self._load(ticket, version, started_at, inline), self.main_loop
+        if loop is None or inline:
             return await load
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(load, loop))
 
-    async def _load(self, ticket: Any, version: int | None, started_at: float) -> dict[str, float]:
+    async def _load(self, ticket: Any, version: int | None, started_at: float, inline: bool) -> dict[str, float]:
         pausing, self.pausing = self.pausing, None
-        extra = {"pausing": pausing} if pausing is not None else {}
+        extra = {"pausing": pausing} if pausing is not None else {"inline": True} if inline else {}
         self.gc_hold.hold()
         try:
             phases = await self.receiver.load_into(self.engine, ticket, **extra)

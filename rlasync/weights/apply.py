@@ -69,13 +69,18 @@ async def load_while_pausing(
     return phases
 
 
-async def load_between_steps(engine: Any, load: Any) -> dict[str, float]:
+async def load_between_steps(engine: Any, load: Any, *, inline: bool = False) -> dict[str, float]:
     """Load `load` into an engine that `loads_between_steps` (the built-in engine): no pause; its copies queue
     behind the steps already launched. The phases as `load_while_pausing` names them, summing to `total_s`:
     `pause_s` until the copies began (nothing pauses: the hand-over to a worker thread and the wait for the engine's
-    launch lock, `lock_wait_s`), `load_s` the copies until done, `resume_s` 0."""
+    launch lock, `lock_wait_s`), `load_s` the copies until done, `resume_s` 0. `inline`: block this thread instead
+    (a caller on an event loop of its own, as the generation actor's sync call: no worker-thread hand-over, which
+    costs a GIL hand-off each way while the engine's loop is busy)."""
     start = time.perf_counter()
-    result = await asyncio.to_thread(engine.load_between_steps, load)
+    if inline:
+        result = engine.load_between_steps(load)
+    else:
+        result = await asyncio.to_thread(engine.load_between_steps, load)
     total = time.perf_counter() - start
     return {
         "pause_s": max(total - result["load_s"], 0.0),

@@ -356,12 +356,15 @@ class IpcReceiver:
             self.mapped = MappedWeights(ticket.key, ticket.handles)
         return self.mapped
 
-    async def load_into(self, engine: Any, ticket: Any, pausing: Any = None) -> dict[str, float]:
+    async def load_into(
+        self, engine: Any, ticket: Any, pausing: Any = None, *, inline: bool = False
+    ) -> dict[str, float]:
+        """`inline`: a load between steps blocks the calling thread (`load_between_steps`)."""
         start = time.perf_counter()
         mapped = self.stage(ticket)
         staged = time.perf_counter()
         if self.between_steps and pausing is None:
-            phases = await load_between_steps(engine, mapped)
+            phases = await load_between_steps(engine, mapped, inline=inline)
         else:
             phases = await load_while_pausing(engine, iter(()), 0, load=mapped, pausing=pausing)
         return {**phases, "stage_s": staged - start, "pack_s": float(getattr(ticket, "pack_s", 0.0))}

@@ -254,6 +254,13 @@ def test_ipc_into_an_engine_that_loads_between_steps_never_pauses_it():
             with torch.no_grad():
                 next(learner.parameters()).add_(1.0)
         assert engine.events == [("between", False)] * 2  # loaded off the event loop's thread, no pause or resume
+        # inline (the generation actor's sync call, on a loop of its own): the calling thread loads, no hand-over
+        with torch.no_grad():
+            next(learner.parameters()).add_(1.0)
+        ticket = sender.prepare(stream_parameters(learner))
+        phases = asyncio.run(receiver.load_into(engine, ticket, inline=True))
+        assert engine.events[-1] == ("between", True) and same_weights(learner, engine.model)
+        assert phases["pause_s"] + phases["load_s"] == pytest.approx(phases["total_s"], abs=1e-9)
         # a pause begun before the ticket (an engine of another kind would have started one) is honoured
         pausing = asyncio.run(_paused_load(receiver, engine, sender.prepare(stream_parameters(learner))))
         assert pausing[-3:] == ["pause", "load", "resume"]
