@@ -113,7 +113,7 @@ class Request:
         k = self.params.num_logprobs
         try:
             return TopLogprobs.from_rows(rows, k)
-        except (ValueError, TypeError):  # rows of steps whose widest ask differed (or a step without top-N)
+        except ValueError:  # rows of steps whose widest ask differed (or a step without top-N: a None row)
             width = max([len(row) // 2 for row in rows if row is not None] + [k])
             return TopLogprobs.from_rows([_widen(row, width) for row in rows], k)
 

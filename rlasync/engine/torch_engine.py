@@ -101,6 +101,12 @@ FINISH_ERROR = "error"
 class _EmptyStep(RuntimeError):
     """The scheduler planned nothing although requests wait and nothing is in flight (a bug: fails every request)."""
 
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__(
+            f"scheduler made an empty step with {scheduler.num_waiting} waiting and {scheduler.num_running} running "
+            "requests"
+        )
+
 
 @dataclass(slots=True)
 class InFlight:
@@ -567,10 +573,7 @@ class TorchEngine:
             self._catch_up_weights()
             output = self._scheduler.schedule()
             if not output.chunks:
-                raise RuntimeError(
-                    f"scheduler made an empty step with {self._scheduler.num_waiting} waiting and "
-                    f"{self._scheduler.num_running} running requests"
-                )
+                raise _EmptyStep(self._scheduler)
             chunk_inputs = [self._chunk_input(chunk) for chunk in output.chunks]
             try:
                 sampled = await asyncio.to_thread(self._runner.execute, chunk_inputs)
@@ -605,10 +608,7 @@ class TorchEngine:
                             if output.chunks:
                                 launched = await self._launch(output, inflight)
                             elif inflight is None:
-                                raise _EmptyStep(
-                                    f"scheduler made an empty step with {scheduler.num_waiting} waiting and "
-                                    f"{scheduler.num_running} running requests"
-                                )
+                                raise _EmptyStep(scheduler)
                     finally:
                         self._steps_lock.release()
                 if inflight is not None:
