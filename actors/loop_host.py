@@ -18,6 +18,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from actors.fanout import actor_id
+from actors.group_payload import pack_group
 from rlasync.data.prompts import leased_row_problem
 from rlasync.metrics.process_cpu import ProcessCpu
 from rlasync.pipeline import QueueEntry
@@ -161,8 +162,8 @@ class QueueGroupSink:
                 scored.drop_detail(),
             )
             return
-        # by value: the queue actor ray.puts them, so it owns them and they outlive this actor
-        await self.queue.put_group.remote([QueueEntry.for_sample(s, payload=s) for s in result.scored.samples])
+        # by value (packed): the queue actor ray.puts them, so it owns them and they outlive this actor
+        await self.queue.put_group.remote(*pack_group(result.scored.samples))
 
 
 class QueueSampleSink:

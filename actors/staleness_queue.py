@@ -1,7 +1,7 @@
 """The named StalenessQueue actor: forwards to one `rlasync.pipeline.QueueService`.
 
 Holds references to scored samples (`QueueEntry.payload`) plus their metadata; never fetches them. The rollout
-actors send a group's samples by value and this actor `ray.put`s them as one object (`actors.group_payload`), so it
+actors send a group's samples pickled as one bytes object and this actor `ray.put`s it (`actors.group_payload`), so it
 owns them: they outlive a rollout actor that dies (Ray 2.56 removed `ray.put(_owner=...)`; an object owned by a dead
 worker is lost). Async actor: `next_group` and `wait_take` wait on the service's notifier without blocking other
 calls.
@@ -55,8 +55,10 @@ class QueueActor:
         self.drop_groups(drops)
         return await self.service.next_group(num_rollouts, timeout_s, owner)
 
-    def put_group(self, entries: list[Any]) -> None:
-        self.service.put_group(own_group(entries))  # the group's samples as one object (actors/group_payload.py)
+    def put_group(self, entries: list[Any], packed: bytes | None = None) -> None:
+        """A kept group's entries; `packed`: its samples pickled by the rollout actor (`pack_group`), stored as
+        they are (actors/group_payload.py: one object a group either way)."""
+        self.service.put_group(own_group(entries, packed))
 
     def drop_group(
         self, group_id: int, reason: str, num_tokens: int = 0, cause: str | None = None, detail: str | None = None

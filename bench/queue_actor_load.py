@@ -1,13 +1,14 @@
 """What the queue actor's process spends per group, on the CPU: a lease, then the group's samples put or its drop.
 
-A part, not the system. In the default SmolLM2 sums run every group passes the named queue actor twice (`next_group`,
-then `put_group` with its 8 samples by value, or `drop_group` when its rewards have no spread); late in the run ~340
-groups a second go through it and its process runs at ~1.38 CPU-seconds a second (`perf/queue_cpu_frac`), more than
-a core. If more engines raise generation, this process is the next one to saturate. Here `--clients` Ray actors
-stand in for the rollout actors: each keeps `--inflight` groups going, leasing with the real `QueuePromptSource`
-call (`next_group`) and handing over through the real sink calls (`put_group` of `QueueEntry.for_sample(s, payload=s)`
-with samples shaped as the sums run's: a 45-token prompt, an 11-token completion, 8 sampler log-probs a token;
-`drop_group` with the group's tokens) with probability `--keep-rate`; a learner stand-in takes what is queued
+A part, not the system. In the default SmolLM2 sums run every group passes the named queue actor (`next_group`, then
+`put_group` with its 8 samples, or a drop when its rewards have no spread); late in the run ~340 groups a second go
+through it and its process runs at ~1.1-1.4 CPU-seconds a second (`perf/queue_cpu_frac`), more than a core. If more
+engines raise generation, this process is the next one to saturate. Here `--clients` Ray actors stand in for the
+rollout actors: each keeps `--inflight` groups going, leasing with the real `QueuePromptSource` call (`next_group`)
+and handing over through the real sink calls (`put_group` of the group packed by `actors.group_payload.pack_group`,
+or with `--by-value` of `QueueEntry.for_sample(s, payload=s)`; samples shaped as the sums run's: a 45-token prompt,
+an 11-token completion, 8 sampler log-probs a token; `drop_group` with the group's tokens, or with
+`--drops-with-lease` on the next `next_group`) with probability `--keep-rate`; a learner stand-in takes what is queued
 (`wait_take`, `finish_step`, `set_policy_version`) and frees it. The queue actor is `actors.staleness_queue.QueueActor`
 itself. Measured in its process: CPU seconds (all threads) per group, split by running all-drop and all-put phases,
 and groups a second.
@@ -93,7 +94,12 @@ class Client:
                     )
                     for _ in range(self.group_size)
                 ]
-                await self.queue.put_group.remote([self.entry.for_sample(s, payload=s) for s in samples])
+                if a["by_value"]:  # the rollout actors' way before 2026-12-07 13:30
+                    await self.queue.put_group.remote([self.entry.for_sample(s, payload=s) for s in samples])
+                else:  # packed by the rollout actor, as `RolloutActor`'s sink does
+                    from actors.group_payload import pack_group
+
+                    await self.queue.put_group.remote(*pack_group(samples))
             elif a["drops_with_lease"]:
                 self.drops.append((lease.group_id, "zero_std", tokens, "constant", None))
             else:
@@ -164,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a dropped group rides on the client's next next_group call (the rollout actors' way since 2026-12-07) "
         "instead of its own drop_group call",
     )
+    parser.add_argument(
+        "--by-value",
+        action="store_true",
+        help="a kept group's samples go by value (Ray pickles them; the queue unpickles and ray.puts them) instead "
+        "of packed by the client (actors.group_payload.pack_group, the rollout actors' way)",
+    )
     parser.add_argument("--label", default="run")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -178,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         queue = QueueActor.options(num_cpus=0).remote(settings=settings)
         pid = ray.get(queue.__ray_call__.remote(lambda self: os.getpid()))
         shape = {
-            k: getattr(args, k) for k in ("inflight", "prompt_len", "completion_len", "logprobs", "drops_with_lease")
+            k: getattr(args, k)
+            for k in ("inflight", "prompt_len", "completion_len", "logprobs", "drops_with_lease", "by_value")
         }
         clients = [Client.remote(queue, i, args.group_size, shape) for i in range(args.clients)]
         learner = Learner.remote(queue, tokens_per_step)

@@ -2,6 +2,7 @@
 gives back exactly the samples the step names, in the step's order, whatever mix of groups and plain refs."""
 
 import numpy as np
+import pytest
 
 
 def _sample(group_id, i):
@@ -24,7 +25,7 @@ def _sample(group_id, i):
 def test_the_queue_owns_a_group_as_one_object_and_fetch_returns_each_sample(ray_cluster):
     import ray
 
-    from actors.group_payload import GroupPart, fetch, own_group
+    from actors.group_payload import GroupPart, fetch, own_group, pack_group
     from actors.staleness_queue import QueueActor
     from rlasync.pipeline import QueueEntry
     from rlasync.pipeline.settings import QueueSettings
@@ -42,16 +43,35 @@ def test_the_queue_owns_a_group_as_one_object_and_fetch_returns_each_sample(ray_
     assert [s.rollout_id for s in got] == ["g1r2", "g9r0", "g1r0", "g1r2"]
     np.testing.assert_array_equal(got[0].sampler_logprobs, loose[2].sampler_logprobs)
 
-    # through the queue actor: two groups put by value, one take, the payloads fetched as a learner rank does
+    # a group packed by its rollout actor: the bytes stored as they are, fetch unpickles them once
+    entries, packed = pack_group(loose)
+    assert isinstance(packed, bytes) and [e.payload for e in entries] == [GroupPart(None, i) for i in range(3)]
+    with pytest.raises(ValueError, match="packed"):
+        own_group(entries)  # parts without their bytes
+    owned = own_group(entries, packed)
+    assert [type(ray.get(e.payload.ref)) for e in owned] == [bytes] * 3
+    got = fetch([owned[2].payload, owned[0].payload])
+    assert [s.rollout_id for s in got] == ["g1r2", "g1r0"]
+    np.testing.assert_array_equal(got[0].sampler_logprobs, loose[2].sampler_logprobs)
+    # a sample plain pickle cannot take goes by value (Ray's cloudpickle takes it)
+    odd = _sample(2, 0)
+    odd.metrics["f"] = lambda: 1.0
+    by_value, none = pack_group([odd])
+    assert none is None and by_value[0].payload is odd
+
+    # through the queue actor: a group put by value and one packed, one take, the payloads fetched as a rank does
     queue = QueueActor.options(num_cpus=0).remote(
         settings=QueueSettings(num_rows=10, num_epochs=None, max_staleness=2, tokens_per_step=10_000)
     )
     try:
         groups = {}
-        for _ in range(2):
+        for packed_here in (False, True):
             lease = ray.get(queue.next_group.remote(3, 5.0, "test#0")).lease
             samples = [_sample(lease.group_id, i) for i in range(3)]
-            ray.get(queue.put_group.remote([QueueEntry.for_sample(s, payload=s) for s in samples]))
+            if packed_here:
+                ray.get(queue.put_group.remote(*pack_group(samples)))
+            else:
+                ray.get(queue.put_group.remote([QueueEntry.for_sample(s, payload=s) for s in samples]))
             groups[lease.group_id] = samples
         taken = ray.get(queue.wait_take.remote(10_000, 5.0))
         payloads = [e.payload for e in taken.entries]
