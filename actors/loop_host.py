@@ -29,18 +29,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 LEASE_POLL_S = 5.0
-DROP_FLUSH_S = 0.05  # a dropped group no lease carried within this long is sent by itself
+DROP_FLUSH_S = 0.05  # a finished group (kept or dropped) no lease carried within this long is sent by itself
 
 
 class QueuePromptSource:
     """Leases groups of `group_size` rollouts from the queue actor; a lease whose work failed or was filtered is
     dropped there (retrying cannot help), a cancelled one (the loop is stopping) is released to be leased again.
 
-    A group dropped after its work (`drop`: zero reward spread, most groups of a nearly solved task) rides on the next
-    `next_group` call, which a finished group's free slot makes at once: one queue call per such group instead of
-    two (the queue actor's process spends ~0.7 ms of CPU a call, `bench/queue_actor_load.py`). One that no lease
-    carried within `DROP_FLUSH_S` goes by itself, and every one at once after the prompt stream ended, so none is
-    held back from the queue's accounting (a composed step waits for its groups' outcomes)."""
+    A finished group, kept (`keep`: its samples, packed) or dropped after its work (`drop`: zero reward spread, most
+    groups of a nearly solved task), rides on the next `next_group` call, which its free slot makes at once: one
+    queue call per group instead of two (the queue actor's process spends ~0.7 ms of CPU a call,
+    `bench/queue_actor_load.py`). What no lease carried within `DROP_FLUSH_S` goes by itself (`hand_over`), and
+    every group at once after the prompt stream ended, so none is held back from the queue's accounting (a composed
+    step waits for its groups' outcomes)."""
 
     def __init__(self, actor: Any, group_size: int) -> None:
         self.actor = actor
@@ -51,15 +52,16 @@ class QueuePromptSource:
         self.failures: dict[int, tuple[str, str]] = {}  # group id -> (cause, one-line detail) of a failed group
         self.warned_rows: set[int] = set()
         self.drops: list[tuple[int, str, int, str | None, str | None]] = []  # `drop`s no call has carried yet
-        self.done = False  # the queue said the prompt stream ended: no lease follows, drops go at once
+        self.kept: list[tuple[list[Any], bytes | None]] = []  # `keep`s (put_group's arguments) no call has carried
+        self.done = False  # the queue said the prompt stream ended: no lease follows, groups go at once
         self._flusher: asyncio.Task | None = None
 
     async def lease(self) -> PromptLease | None:
         self._raise_failed_flush()
         waited = 0.0
         while True:
-            drops, self.drops = self.drops, []
-            answer = await self.actor.queue.next_group.remote(self.group_size, LEASE_POLL_S, self.owner, drops)
+            (drops, self.drops), (kept, self.kept) = (self.drops, []), (self.kept, [])
+            answer = await self.actor.queue.next_group.remote(self.group_size, LEASE_POLL_S, self.owner, drops, kept)
             waited += answer.waited_s
             if answer.lease is not None and not await self._usable(answer.lease):
                 continue  # a bad row, dropped and counted: lease the next one
@@ -67,7 +69,7 @@ class QueuePromptSource:
                 break
             if answer.done:
                 self.done = True
-                await self.flush_drops()
+                await self.flush()
                 return None
         lease = answer.lease
         self.actor.loop.update_policy_version(answer.policy_version)
@@ -107,18 +109,31 @@ class QueuePromptSource:
             await self.actor.queue.drop_group.remote(*drop)
             return
         self.drops.append(drop)
+        self._flush_soon()
+
+    async def keep(self, entries: list[Any], packed: bytes | None) -> None:
+        """Queue a kept group (`put_group`'s arguments, `actors.group_payload.pack_group`): with the next lease's
+        call (class docstring), at once when none follows. A failed send of an earlier batch is raised here."""
+        self._raise_failed_flush()
+        if self.done:
+            await self.actor.queue.put_group.remote(entries, packed)
+            return
+        self.kept.append((entries, packed))
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
         if self._flusher is None:
             self._flusher = asyncio.ensure_future(self._flush_later())
 
     async def _flush_later(self) -> None:
         await asyncio.sleep(DROP_FLUSH_S)
-        await self.flush_drops()
+        await self.flush()
 
-    async def flush_drops(self) -> None:
-        """Send the drops no lease has carried (one call)."""
-        drops, self.drops = self.drops, []
-        if drops:
-            await self.actor.queue.drop_groups.remote(drops)
+    async def flush(self) -> None:
+        """Send the finished groups no lease has carried (one call)."""
+        (drops, self.drops), (kept, self.kept) = (self.drops, []), (self.kept, [])
+        if drops or kept:
+            await self.actor.queue.hand_over.remote(drops, kept)
 
     def _raise_failed_flush(self) -> None:
         flusher = self._flusher
@@ -126,7 +141,7 @@ class QueuePromptSource:
             return
         self._flusher = None
         if not flusher.cancelled() and flusher.exception() is not None:
-            raise RuntimeError(f"dropping groups at the queue failed: {flusher.exception()!r}") from flusher.exception()
+            raise RuntimeError(f"handing groups to the queue failed: {flusher.exception()!r}") from flusher.exception()
 
     async def release(self, lease: PromptLease, reason: GroupOutcome) -> None:
         queue_lease = self.leases.pop(lease.group_id, None)
@@ -162,8 +177,9 @@ class QueueGroupSink:
                 scored.drop_detail(),
             )
             return
-        # by value (packed): the queue actor ray.puts them, so it owns them and they outlive this actor
-        await self.queue.put_group.remote(*pack_group(result.scored.samples))
+        # by value (packed): the queue actor ray.puts them, so it owns them and they outlive this actor; with the
+        # next lease's call (QueuePromptSource.keep)
+        await self.source.keep(*pack_group(result.scored.samples))
 
 
 class QueueSampleSink:
@@ -240,9 +256,9 @@ class LoopHost:
                 await self.loop.run()
             except BaseException:
                 with contextlib.suppress(Exception):  # best effort: the loop's own error is the one to report
-                    await self.source.flush_drops()
+                    await self.source.flush()
                 raise
-            await self.source.flush_drops()  # the outcomes of groups dropped since the last lease
+            await self.source.flush()  # the groups finished since the last lease
         except BaseException as exc:  # kept for health(): the driver raises it with its message
             cause = exc
             while cause.__cause__ is not None and isinstance(cause, RuntimeError):

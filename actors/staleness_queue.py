@@ -48,11 +48,16 @@ class QueueActor:
 
     # rollout side
     async def next_group(
-        self, num_rollouts: int, timeout_s: float | None = None, owner: str | None = None, drops: list[Any] = ()
+        self,
+        num_rollouts: int,
+        timeout_s: float | None = None,
+        owner: str | None = None,
+        drops: list[Any] = (),
+        groups: list[Any] = (),
     ) -> Any:
-        """The next lease; `drops` (`drop_group`'s arguments) are the caller's groups dropped since its last call,
-        applied first (one call where a lease and a drop would take two: `QueuePromptSource.drop`)."""
-        self.drop_groups(drops)
+        """The next lease; the caller's groups finished since its last call are applied first (`hand_over`: one
+        call where a lease and a group's hand-over would take two, `QueuePromptSource`)."""
+        self.hand_over(drops, groups)
         return await self.service.next_group(num_rollouts, timeout_s, owner)
 
     def put_group(self, entries: list[Any], packed: bytes | None = None) -> None:
@@ -65,7 +70,10 @@ class QueueActor:
     ) -> None:
         self.service.drop_group(group_id, reason, num_tokens, cause, detail)  # type: ignore[arg-type]
 
-    def drop_groups(self, drops: list[Any]) -> None:
+    def hand_over(self, drops: list[Any] = (), groups: list[Any] = ()) -> None:
+        """Finished groups: `groups` kept (`put_group`'s arguments) are queued, then `drops` (`drop_group`'s) applied."""
+        for entries, packed in groups:
+            self.put_group(entries, packed)
         for drop in drops:
             self.service.drop_group(*drop)
 

@@ -8,7 +8,8 @@ rollout actors: each keeps `--inflight` groups going, leasing with the real `Que
 and handing over through the real sink calls (`put_group` of the group packed by `actors.group_payload.pack_group`,
 or with `--by-value` of `QueueEntry.for_sample(s, payload=s)`; samples shaped as the sums run's: a 45-token prompt,
 an 11-token completion, 8 sampler log-probs a token; `drop_group` with the group's tokens, or with
-`--drops-with-lease` on the next `next_group`) with probability `--keep-rate`; a learner stand-in takes what is queued
+`--drops-with-lease` on the next `next_group`, as with `--kept-with-lease` a kept group) with probability
+`--keep-rate`; a learner stand-in takes what is queued
 (`wait_take`, `finish_step`, `set_policy_version`) and frees it. The queue actor is `actors.staleness_queue.QueueActor`
 itself. Measured in its process: CPU seconds (all threads) per group, split by running all-drop and all-put phases,
 and groups a second.
@@ -71,6 +72,7 @@ class Client:
         self.rng = np.random.default_rng(index)
         self.groups = 0
         self.drops: list = []  # `--drops-with-lease`: held for the next `next_group` call, as QueuePromptSource does
+        self.kept: list = []  # `--kept-with-lease`: the same for kept groups
 
     async def run(self, seconds: float, keep_rate: float) -> int:
         self.groups = 0
@@ -81,8 +83,8 @@ class Client:
     async def _one(self, end: float, keep_rate: float) -> None:
         a = self.args
         while time.monotonic() < end:
-            drops, self.drops = self.drops, []
-            answer = await self.queue.next_group.remote(self.group_size, 0.5, self.owner, drops)
+            (drops, self.drops), (kept, self.kept) = (self.drops, []), (self.kept, [])
+            answer = await self.queue.next_group.remote(self.group_size, 0.5, self.owner, drops, kept)
             lease = answer.lease
             if lease is None:
                 continue
@@ -99,7 +101,10 @@ class Client:
                 else:  # packed by the rollout actor, as `RolloutActor`'s sink does
                     from actors.group_payload import pack_group
 
-                    await self.queue.put_group.remote(*pack_group(samples))
+                    if a["kept_with_lease"]:  # held for the next next_group call, as QueuePromptSource.keep does
+                        self.kept.append(pack_group(samples))
+                    else:
+                        await self.queue.put_group.remote(*pack_group(samples))
             elif a["drops_with_lease"]:
                 self.drops.append((lease.group_id, "zero_std", tokens, "constant", None))
             else:
@@ -171,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         "instead of its own drop_group call",
     )
     parser.add_argument(
+        "--kept-with-lease",
+        action="store_true",
+        help="a kept group (packed) rides on the client's next next_group call (the rollout actors' way since "
+        "2026-12-07 13:40) instead of its own put_group call",
+    )
+    parser.add_argument(
         "--by-value",
         action="store_true",
         help="a kept group's samples go by value (Ray pickles them; the queue unpickles and ray.puts them) instead "
@@ -191,7 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         pid = ray.get(queue.__ray_call__.remote(lambda self: os.getpid()))
         shape = {
             k: getattr(args, k)
-            for k in ("inflight", "prompt_len", "completion_len", "logprobs", "drops_with_lease", "by_value")
+            for k in (
+                "inflight",
+                "prompt_len",
+                "completion_len",
+                "logprobs",
+                "drops_with_lease",
+                "by_value",
+                "kept_with_lease",
+            )
         }
         clients = [Client.remote(queue, i, args.group_size, shape) for i in range(args.clients)]
         learner = Learner.remote(queue, tokens_per_step)

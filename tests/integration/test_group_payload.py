@@ -68,8 +68,8 @@ def test_the_queue_owns_a_group_as_one_object_and_fetch_returns_each_sample(ray_
         for packed_here in (False, True):
             lease = ray.get(queue.next_group.remote(3, 5.0, "test#0")).lease
             samples = [_sample(lease.group_id, i) for i in range(3)]
-            if packed_here:
-                ray.get(queue.put_group.remote(*pack_group(samples)))
+            if packed_here:  # as a rollout actor's held group goes when no lease carries it
+                ray.get(queue.hand_over.remote([], [pack_group(samples)]))
             else:
                 ray.get(queue.put_group.remote([QueueEntry.for_sample(s, payload=s) for s in samples]))
             groups[lease.group_id] = samples
