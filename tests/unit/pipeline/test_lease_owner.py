@@ -94,31 +94,52 @@ def test_the_service_records_owners_and_releases_a_dead_owners_live_leases():
 
 
 def test_the_sinks_send_samples_by_value_so_the_queue_owns_them():
-    """A rollout actor's samples reach the queue inside the call, not as ObjectRefs (which the rollout actor would
-    own: lost with its node, docs/design.md §4 "Nodes"); the queue actor `ray.put`s them and owns them."""
+    """A rollout actor's samples reach the queue inside its calls, not as ObjectRefs (which the rollout actor would
+    own: lost with its node, docs/design.md §4 "Nodes"); the queue actor `ray.put`s them and owns them. A GRPO group
+    goes pickled into one bytes object (`pack_group`), held for the next lease's call; samples plain pickle cannot
+    take go as they are."""
+    import pickle
     from types import SimpleNamespace
 
-    from actors.loop_host import QueueGroupSink, QueueSampleSink
+    import numpy as np
 
-    class Sample:
+    from actors.group_payload import GroupPart
+    from actors.loop_host import QueueGroupSink, QueueSampleSink
+    from rlasync.records import RolloutSample
+
+    class Sample:  # a local class: plain pickle cannot take it
         group_id, prompt_id, policy_version, num_trained_tokens, row_index = 3, 3, 1, 4, 0
 
         def __len__(self):
             return 8
 
-    sent = []
+    sent, kept = [], []
 
     async def put_group(entries):
         sent.append(entries)
 
+    async def keep(entries, packed):
+        kept.append((entries, packed))
+
     queue = SimpleNamespace(put_group=SimpleNamespace(remote=put_group))
-    source = SimpleNamespace(taken=lambda group_id: None)
-    samples = [Sample(), Sample()]
-    result = SimpleNamespace(group_id=3, dropped=False, scored=SimpleNamespace(samples=samples))
-    asyncio.run(QueueGroupSink(queue, source).put(result))
-    asyncio.run(QueueSampleSink(queue, source).put(samples[0]))
-    assert [[entry.payload for entry in entries] for entries in sent] == [samples, [samples[0]]]
-    assert all(entry.payload is sample for entry, sample in zip(sent[0], samples, strict=True))
+    source = SimpleNamespace(taken=lambda group_id: None, keep=keep)
+    samples = [
+        RolloutSample(
+            input_ids=np.arange(4 + i), completion_mask=np.arange(4 + i) >= 2, sampler_logprobs=np.zeros(4 + i),
+            advantage=1.0, group_id=3, policy_version=1, rollout_id=f"r{i}",
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    odd = [Sample(), Sample()]
+    for group in (samples, odd):
+        result = SimpleNamespace(group_id=3, dropped=False, scored=SimpleNamespace(samples=group))
+        asyncio.run(QueueGroupSink(queue, source).put(result))
+    asyncio.run(QueueSampleSink(queue, source).put(odd[0]))
+    (entries, packed), (odd_entries, none) = kept
+    assert [e.payload for e in entries] == [GroupPart(None, 0), GroupPart(None, 1)]
+    assert [s.rollout_id for s in pickle.loads(packed)] == ["r0", "r1"]
+    assert none is None and all(e.payload is s for e, s in zip(odd_entries, odd, strict=True))
+    assert [[entry.payload for entry in entries] for entries in sent] == [[odd[0]]]
 
 
 def test_a_dead_incarnations_late_next_group_is_leased_nothing_after_its_restart():
