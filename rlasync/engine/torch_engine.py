@@ -335,12 +335,13 @@ class TorchEngine:
         with self._steps_lock:
             load_sync(self.model, named_tensors, self._adapter, self._loader, self.device)
 
-    def load_between_steps(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, float]:
+    def load_between_steps(self, named_tensors: Iterable[tuple[str, Any]], done_event: Any = None) -> dict[str, float]:
         """Copy weights in place without pausing (any thread; blocking, so call it through `asyncio.to_thread`): the
         copies are queued behind the steps already launched and every later step reads the new weights; running
         requests are preempted before the next step (module docstring). Returns once the copies are done (the sender
-        may overwrite its buckets then): `wait_s` until the launch lock was free, `load_s` from then until done
-        (the GPU's queued steps included)."""
+        may overwrite its buckets then), or on CUDA with `done_event` (the sender's interprocess event, which it waits
+        for before refilling) once they are queued and the event recorded behind them: `wait_s` until the launch
+        lock was free, `load_s` from then until done or queued (done: the GPU's queued steps included)."""
         if self._closed:
             raise EngineError("TorchEngine is closed")
         started = time.perf_counter()
@@ -349,11 +350,11 @@ class TorchEngine:
             locked = time.perf_counter()
             with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
                 load_sync(self.model, named_tensors, self._adapter, self._loader, self.device, wait=False)
-                done = torch.cuda.Event() if cuda else None
+                done = (done_event or torch.cuda.Event()) if cuda else None
                 if done is not None:
                     done.record(torch.cuda.current_stream(self.device))
             self._weights_epoch += 1
-        if done is not None:
+        if done is not None and done_event is None:
             done.synchronize()
         return {"wait_s": locked - started, "load_s": time.perf_counter() - locked}
 

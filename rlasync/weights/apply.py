@@ -69,18 +69,22 @@ async def load_while_pausing(
     return phases
 
 
-async def load_between_steps(engine: Any, load: Any, *, inline: bool = False) -> dict[str, float]:
+async def load_between_steps(
+    engine: Any, load: Any, *, inline: bool = False, done_event: Any = None
+) -> dict[str, float]:
     """Load `load` into an engine that `loads_between_steps` (the built-in engine): no pause; its copies queue
     behind the steps already launched. The phases as `load_while_pausing` names them, summing to `total_s`:
     `pause_s` until the copies began (nothing pauses: the hand-over to a worker thread and the wait for the engine's
     launch lock, `lock_wait_s`), `load_s` the copies until done, `resume_s` 0. `inline`: block this thread instead
     (a caller on an event loop of its own, as the generation actor's sync call: no worker-thread hand-over, which
-    costs a GIL hand-off each way while the engine's loop is busy)."""
+    costs a GIL hand-off each way while the engine's loop is busy). `done_event` (an IPC ticket's event for this
+    engine, CUDA): recorded behind the copies instead of waiting for them, `load_s` then ends once they are queued."""
     start = time.perf_counter()
+    kwargs = {"done_event": done_event} if done_event is not None else {}
     if inline:
-        result = engine.load_between_steps(load)
+        result = engine.load_between_steps(load, **kwargs)
     else:
-        result = await asyncio.to_thread(engine.load_between_steps, load)
+        result = await asyncio.to_thread(engine.load_between_steps, load, **kwargs)
     total = time.perf_counter() - start
     return {
         "pause_s": max(total - result["load_s"], 0.0),

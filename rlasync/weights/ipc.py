@@ -15,6 +15,7 @@ done copying (its copies synchronized) before its sync call returns.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import uuid
@@ -175,11 +176,42 @@ def open_shared(handles: Sequence[tuple[BucketEntries, Any]]) -> Iterator[tuple[
 @dataclass(frozen=True)
 class IpcTicket:
     """What learner rank 0 hands every engine for one IPC sync: the persistent buckets' `key` and `handles` (the
-    same every sync: an engine maps them once) and how long the pack took."""
+    same every sync: an engine maps them once), how long the pack took and, on CUDA, `done_events`: per engine
+    (rank r at index r - 1) the IPC handle of an interprocess event the engine may record after queueing its copies
+    instead of waiting for them; learner rank 0's next pack waits for every one on its stream (`copies_done`)."""
 
     key: str
     handles: list[tuple[BucketEntries, Any]]
     pack_s: float = 0.0
+    done_events: tuple[bytes, ...] = ()
+
+    def done_event(self, rank: int, device: torch.device) -> Any:
+        """Engine `rank`'s event (opened once per process and handle), or None: none for it, or not on CUDA."""
+        if device.type != "cuda" or not 0 < rank <= len(self.done_events):
+            return None
+        return _open_event(self.done_events[rank - 1], device.index or 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _open_event(handle: bytes, device_index: int) -> Any:
+    return torch.cuda.Event.from_ipc_handle(device_index, handle)
+
+
+class CopyEvents:
+    """Learner rank 0's side of `IpcTicket.done_events`: one interprocess event per engine, made at the first sync.
+    `wait` puts the current stream behind every engine's last recorded copies (nothing to wait for before an engine
+    recorded one), before the buckets are refilled."""
+
+    def __init__(self, num_engines: int, device: torch.device) -> None:
+        self.events = [torch.cuda.Event(interprocess=True) for _ in range(num_engines)]
+        with torch.cuda.device(device):
+            self.handles = tuple(bytes(event.ipc_handle()) for event in self.events)
+        self.device = device
+
+    def wait(self) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        for event in self.events:
+            stream.wait_event(event)
 
 
 class MappedWeights:

@@ -25,6 +25,7 @@ where rank 0 consumes it); only rank 0's sends. No ray here: the actor shells ca
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from rlasync.weights.adapter import is_adapter_manifest
 from rlasync.weights.apply import load_between_steps, load_while_pausing, paused_for_update
 from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup, device_identity, free_port
 from rlasync.weights.plan import ManifestEntry
+
+logger = logging.getLogger(__name__)
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -199,23 +202,36 @@ class IpcSender:
     """Learner rank 0 without a group: `prepare` fills persistent shareable buckets on its device (allocated at the
     first sync, reused by every later one: same handles, which each engine maps once) and returns an `IpcTicket`
     once the copies are done; the buckets live until `close`. An engine copies out of them inside its sync call,
-    which returns only once its copies are done, so the next `prepare` never overwrites what is being read."""
+    which returns once its copies are done or, on CUDA, once they are queued with the ticket's event for it recorded
+    behind them (`IpcTicket.done_events`): the next `prepare` puts its refill behind every engine's event, so it
+    never overwrites what is being read."""
 
     streams_in = "prepare"
 
     def __init__(self, plan: TransportPlan, device: torch.device | str, manifest: Sequence[ManifestEntry]) -> None:
         self.manifest, self.device, self.bucket_bytes = list(manifest), torch.device(device), plan.bucket_bytes
+        self.num_engines = plan.world_size - 1
         self.shared: Any = None
+        self.copies: Any = None  # CopyEvents (CUDA)
 
     def prepare(self, stream: NamedTensors) -> Any:
-        from rlasync.weights.ipc import IpcTicket, SharedWeights
+        from rlasync.weights.ipc import CopyEvents, IpcTicket, SharedWeights
 
         start = time.perf_counter()
         if self.shared is None:
             self.shared = SharedWeights.allocate(self.manifest, self.device, self.bucket_bytes)
+        if self.copies is None and self.device.type == "cuda" and self.num_engines > 0:
+            try:
+                self.copies = CopyEvents(self.num_engines, self.device)
+            except RuntimeError as exc:  # no interprocess events here: the engines wait for their copies instead
+                logger.warning("IPC weight sync without copy events (%s): each engine waits for its copies", exc)
+                self.num_engines = 0
+        if self.copies is not None:
+            self.copies.wait()  # the engines' copies of the previous sync (long done, as a rule) come first
         self.shared.fill(stream, self.manifest)
         self.shared.synchronize()  # the engines read these bytes from another process
-        return IpcTicket(self.shared.key, self.shared.handles(), time.perf_counter() - start)
+        done_events = self.copies.handles if self.copies is not None else ()
+        return IpcTicket(self.shared.key, self.shared.handles(), time.perf_counter() - start, done_events)
 
     def send(self, stream: NamedTensors) -> None:
         pass
@@ -334,10 +350,18 @@ class IpcReceiver:
     Pausing may start earlier (`begin`, while the learner packs): the step in flight drains meanwhile. An engine
     that `loads_between_steps` (the built-in one) is not paused: its copies queue behind its launched steps."""
 
-    def __init__(self, manifest: Sequence[ManifestEntry], *, between_steps: bool = False) -> None:
+    def __init__(
+        self,
+        manifest: Sequence[ManifestEntry],
+        *,
+        between_steps: bool = False,
+        rank: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.manifest = list(manifest)
         self.mapped: Any = None
         self.between_steps = between_steps
+        self.rank, self.device = rank, torch.device(device)  # which of the ticket's `done_events` is this engine's
 
     @property
     def pauses_early(self) -> bool:
@@ -364,7 +388,8 @@ class IpcReceiver:
         mapped = self.stage(ticket)
         staged = time.perf_counter()
         if self.between_steps and pausing is None:
-            phases = await load_between_steps(engine, mapped, inline=inline)
+            done = ticket.done_event(self.rank, self.device) if hasattr(ticket, "done_event") else None
+            phases = await load_between_steps(engine, mapped, inline=inline, done_event=done)
         else:
             phases = await load_while_pausing(engine, iter(()), 0, load=mapped, pausing=pausing)
         return {**phases, "stage_s": staged - start, "pack_s": float(getattr(ticket, "pack_s", 0.0))}
@@ -415,7 +440,8 @@ async def make_receiver(
     group here (every member at once). "ipc" maps handles; an engine with its own receiver receives in place (full weights only: a LoRA
     adapter sync goes through the engine's `load_weights`, which loads it as a runtime adapter)."""
     if plan.kind.traits.process_group is None:
-        return IpcReceiver(manifest, between_steps=bool(getattr(engine, "loads_between_steps", False)))
+        between = bool(getattr(engine, "loads_between_steps", False))
+        return IpcReceiver(manifest, between_steps=between, rank=rank, device=device)
     if isinstance(engine, SelfReceivingEngine) and not is_adapter_manifest(manifest):  # adapters: load_weights
         return await EngineNativeReceiver.open(plan, rank, manifest, engine)
     return BroadcastReceiver(plan, rank, manifest, device)

@@ -325,3 +325,37 @@ def test_other_learner_ranks_gather_in_the_phase_rank_0_consumes_the_stream(plan
     sender.send(stream())
     sender.finish()
     assert stream.iterated == 1
+
+
+def test_a_between_steps_load_records_the_tickets_event_of_its_own_rank(monkeypatch):
+    """On CUDA the ticket carries one interprocess event per engine (rank r at r - 1): the engine records its own
+    behind its copies instead of waiting for them (opened once per handle). The CUDA half: test_ipc_events_cuda.py."""
+    from rlasync.weights import ipc
+    from rlasync.weights.ipc import IpcTicket
+
+    opened = []
+    monkeypatch.setattr(ipc, "_open_event", lambda handle, index: opened.append((handle, index)) or f"event {handle}")
+
+    class Recording(BetweenSteps):
+        def load_between_steps(self, named_tensors, done_event=None):
+            self.events.append(("event", done_event))
+            return super().load_between_steps(named_tensors)
+
+    learner, engine = tiny_model(0), Recording()
+    manifest = build_manifest(learner)
+    plan, _ = choose_transport(CPU, [CPU], "ipc", **{**WHERE, "bucket_bytes": 256})
+    sender = make_sender(plan, "cpu", manifest=manifest)
+    try:
+        cpu_ticket = sender.prepare(stream_parameters(learner))
+        assert cpu_ticket.done_events == ()  # on the CPU the copies are done when the load returns
+        ticket = IpcTicket(cpu_ticket.key, cpu_ticket.handles, 0.0, (b"first", b"second", b"third"))
+        receiver = IpcReceiver(manifest, between_steps=True, rank=2, device=torch.device("cuda", 1))
+        asyncio.run(receiver.load_into(engine, ticket, inline=True))
+        assert engine.events[0] == ("event", "event b'second'") and opened == [(b"second", 1)]
+        assert same_weights(learner, engine.model)
+        off_cuda = IpcReceiver(manifest, between_steps=True, rank=2, device="cpu")
+        asyncio.run(off_cuda.load_into(engine, ticket, inline=True))
+        assert engine.events[-2] == ("event", None)  # not on CUDA: nothing to record
+        assert ticket.done_event(4, torch.device("cuda", 0)) is None  # no event for a rank the ticket lacks
+    finally:
+        sender.close()
