@@ -350,11 +350,12 @@ class TorchEngine:
             locked = time.perf_counter()
             with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
                 load_sync(self.model, named_tensors, self._adapter, self._loader, self.device, wait=False)
-                done = (done_event or torch.cuda.Event()) if cuda else None
+                done_event = _recorded(done_event, self.device) if cuda and done_event is not None else None
+                done = torch.cuda.Event() if cuda and done_event is None else None
                 if done is not None:
                     done.record(torch.cuda.current_stream(self.device))
             self._weights_epoch += 1
-        if done is not None and done_event is None:
+        if done is not None:
             done.synchronize()
         return {"wait_s": locked - started, "load_s": time.perf_counter() - locked}
 
@@ -701,6 +702,17 @@ class TorchEngine:
         # the block list itself, not a copy: it only changes in `schedule()` (between steps), and a request dropped
         # during the step gets a new, empty list
         return ChunkInput(token_ids[start : start + chunk.num_tokens], start, request.block_ids, sample, feedback_row)
+
+
+def _recorded(event: Any, device: torch.device) -> Any:
+    """`event` (a sender's interprocess event) recorded on the current stream, or None when it cannot be (the caller
+    then waits for its copies itself)."""
+    try:
+        event.record(torch.cuda.current_stream(device))
+    except RuntimeError as exc:
+        logger.warning("TorchEngine: could not record the weight sync's copy event (%s); waiting for the copies", exc)
+        return None
+    return event
 
 
 # ---- construction helpers -----------------------------------------------------------------------------------------

@@ -281,11 +281,15 @@ def _greedy_choices(model, record):
     return logits[len(record.prompt_ids) - 1 : -1].argmax(-1).tolist()
 
 
-def test_loads_between_overlapped_graphed_steps_switch_every_request_from_the_old_to_the_new_model_at_one_token():
+@pytest.mark.parametrize("copy_event", [False, True], ids=["waits", "records_event"])
+def test_loads_between_overlapped_graphed_steps_switch_every_request_from_the_old_to_the_new_model_at_one_token(
+    copy_event,
+):
     """Async scheduling, decode and mixed-step graphs, fp32 Triton: weights loaded between steps from another
     thread (no pause) while 48 requests decode. The copies queue behind the launched steps, so each record is the old
     model's greedy tokens up to some point and the new model's after it (a step that read half-copied weights, or
-    new weights over stale KV, would break that); loading the same weights again changes no token."""
+    new weights over stale KV, would break that); loading the same weights again changes no token. With a copy
+    event (an IPC sync's: the load returns once its copies are queued) the same holds, and the event completes."""
     import copy
 
     old = tiny_model().cuda().float()
@@ -301,8 +305,12 @@ def test_loads_between_overlapped_graphed_steps_switch_every_request_from_the_ol
         tasks = [asyncio.ensure_future(engine.generate(p, greedy)) for p in prompts]
         for state in states:
             await asyncio.sleep(0.02)
-            await asyncio.to_thread(engine.load_between_steps, state.items())
+            event = torch.cuda.Event(interprocess=True) if copy_event else None
+            await asyncio.to_thread(engine.load_between_steps, state.items(), event)
             assert not engine.is_paused
+            if event is not None:
+                event.synchronize()
+                assert event.query()
         return await asyncio.gather(*tasks)
 
     same = {k: v.detach().clone() for k, v in old.named_parameters()}
