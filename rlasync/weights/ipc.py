@@ -16,6 +16,7 @@ done copying (its copies synchronized) before its sync call returns.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import tempfile
 import uuid
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 
 from rlasync.weights.plan import ManifestEntry, bucket_layout, bucket_manifest, next_matching
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 1 << 30
 
@@ -186,10 +189,15 @@ class IpcTicket:
     done_events: tuple[bytes, ...] = ()
 
     def done_event(self, rank: int, device: torch.device) -> Any:
-        """Engine `rank`'s event (opened once per process and handle), or None: none for it, or not on CUDA."""
+        """Engine `rank`'s event (opened once per process and handle), or None: none for it, not on CUDA, or it
+        cannot be opened here (the engine then waits for its copies)."""
         if device.type != "cuda" or not 0 < rank <= len(self.done_events):
             return None
-        return _open_event(self.done_events[rank - 1], device.index or 0)
+        try:
+            return _open_event(self.done_events[rank - 1], device.index or 0)
+        except RuntimeError as exc:
+            logger.warning("IPC weight sync: the copy event could not be opened (%s); waiting for the copies", exc)
+            return None
 
 
 @functools.lru_cache(maxsize=64)

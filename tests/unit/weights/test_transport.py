@@ -357,5 +357,11 @@ def test_a_between_steps_load_records_the_tickets_event_of_its_own_rank(monkeypa
         asyncio.run(off_cuda.load_into(engine, ticket, inline=True))
         assert engine.events[-2] == ("event", None)  # not on CUDA: nothing to record
         assert ticket.done_event(4, torch.device("cuda", 0)) is None  # no event for a rank the ticket lacks
+
+        def unopenable(handle, index):
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+        monkeypatch.setattr(ipc, "_open_event", unopenable)
+        assert ticket.done_event(1, torch.device("cuda", 0)) is None  # the engine waits for its copies instead
     finally:
         sender.close()
