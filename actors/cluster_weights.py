@@ -50,6 +50,7 @@ def connect_weights(
         timeout_s=timeout,
         bucket_bytes=max(1, int(cluster.weight_sync_bucket_mb * (1 << 20))),
         staging_bytes=int(cluster.weight_sync_staging_mb * (1 << 20)),
+        copy_events=cluster.weight_sync_copy_events,
     )
     if why_not_nccl:
         _warn_once(f"weight sync: {why_not_nccl}")

@@ -110,6 +110,10 @@ class ClusterConfig:
     weight_sync_staging_mb: float = 2048.0
     """Up to this many MiB of a weight sync are received while the engine still generates (held in the receive
     buffers until it has paused), so the transfer overlaps the wait for its step in flight; 0 = pause first."""
+    weight_sync_copy_events: bool = True
+    """CUDA IPC into the built-in engine: each engine records an interprocess event behind its queued copies and
+    returns at once; learner rank 0's next pack waits for it on the GPU (docs/algorithms.md §6.3). False: each
+    engine waits for its copies inside the sync, as before (an A/B)."""
     generation_stall_s: float | None = None
     """A diagnostic: a GenerationActor whose event loop runs more than this many seconds late samples where it is (a
     watchdog thread, `rlasync.metrics.loop_lag`) and logs the most sampled stack at most once a minute. None (the
@@ -204,6 +208,8 @@ class ClusterConfig:
             raise ValueError(f"cluster.weight_sync_bucket_mb={self.weight_sync_bucket_mb!r}: must be > 0 MiB")
         if isinstance(self.weight_sync_staging_mb, bool) or not self.weight_sync_staging_mb >= 0:
             raise ValueError(f"cluster.weight_sync_staging_mb={self.weight_sync_staging_mb!r}: must be >= 0 MiB")
+        if not isinstance(self.weight_sync_copy_events, bool):
+            raise ValueError(f"cluster.weight_sync_copy_events={self.weight_sync_copy_events!r}: must be true or false")
         stall_s = self.generation_stall_s
         if stall_s is not None and (isinstance(stall_s, bool) or not stall_s > 0):
             raise ValueError(f"cluster.generation_stall_s={stall_s!r}: must be > 0 seconds (e.g. 0.1), or null for off")

@@ -61,6 +61,7 @@ class TransportPlan:
     timeout_s: float
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     staging_bytes: int = 0  # a broadcast receiver's bytes received before its engine has paused
+    copy_events: bool = True  # IPC on CUDA: engines record an event behind their copies instead of waiting for them
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", WeightTransport(self.kind))
@@ -135,6 +136,7 @@ def choose_transport(
     timeout_s: float,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     staging_bytes: int = 0,
+    copy_events: bool = True,
 ) -> tuple[TransportPlan, str | None]:
     """The run's `TransportPlan` from learner rank 0's and every engine's device identity (pure: dicts in, plan
     out), and why NCCL was not chosen when a GPU was involved (None otherwise)."""
@@ -147,6 +149,7 @@ def choose_transport(
         timeout_s=float(timeout_s),
         bucket_bytes=max(1, int(bucket_bytes)),
         staging_bytes=max(0, int(staging_bytes)) if kind.traits.stages else 0,
+        copy_events=bool(copy_events),
     )
     return plan, why_not_nccl
 
@@ -210,7 +213,7 @@ class IpcSender:
 
     def __init__(self, plan: TransportPlan, device: torch.device | str, manifest: Sequence[ManifestEntry]) -> None:
         self.manifest, self.device, self.bucket_bytes = list(manifest), torch.device(device), plan.bucket_bytes
-        self.num_engines = plan.world_size - 1
+        self.num_engines = plan.world_size - 1 if plan.copy_events else 0  # no events: each engine waits
         self.shared: Any = None
         self.copies: Any = None  # CopyEvents (CUDA)
 

@@ -33,3 +33,19 @@ def test_the_gil_switch_interval_is_pythons_unless_given_seconds_in_range():
     for bad in (0, -0.001, 0.5, True):
         with pytest.raises(ValueError, match=r"cluster.gil_switch_interval_s=.*must be in \(0, 0.1\] seconds"):
             ClusterConfig(gil_switch_interval_s=bad)
+
+
+def test_copy_events_are_on_unless_turned_off_and_reach_the_transport_plan():
+    from rlasync.config.load import load_config
+    from rlasync.weights.transport import choose_transport
+
+    assert ClusterConfig().weight_sync_copy_events is True
+    off = load_config(overrides=["cluster.weight_sync_copy_events=false"]).cluster
+    assert off.weight_sync_copy_events is False
+    for bad in ("no", 0, None):
+        with pytest.raises(ValueError, match=r"cluster.weight_sync_copy_events=.*must be true or false"):
+            ClusterConfig(weight_sync_copy_events=bad)
+    where = {"device": "cpu", "node": "n0", "gpu": None}
+    for flag in (True, False):
+        plan, _ = choose_transport(where, [where], "ipc", host="h", port=1, timeout_s=1.0, copy_events=flag)
+        assert plan.copy_events is flag

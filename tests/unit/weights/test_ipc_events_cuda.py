@@ -54,3 +54,21 @@ def test_the_next_pack_waits_on_the_gpu_for_an_engines_recorded_copies():
         assert control < 0.3 and waited > 0.4 and again < 0.3, (control, waited, again)
     finally:
         engine.communicate("done\n", timeout=60)
+
+
+def test_a_plan_without_copy_events_gives_tickets_without_them():
+    """cluster.weight_sync_copy_events=false: each engine waits for its copies inside the sync (no events to record)."""
+    from torch import nn
+
+    from rlasync.weights import build_manifest, stream_parameters
+    from rlasync.weights.transport import choose_transport, make_sender
+
+    model = nn.Linear(8, 8).cuda()
+    where = {"device": "cuda", "node": "n0", "gpu": "uuid-0"}
+    for flag, engines in ((True, 2), (False, 0)):
+        plan, _ = choose_transport(where, [where, where], "ipc", host="h", port=1, timeout_s=1.0, copy_events=flag)
+        sender = make_sender(plan, "cuda", manifest=build_manifest(model))
+        try:
+            assert len(sender.prepare(stream_parameters(model)).done_events) == engines
+        finally:
+            sender.close()
