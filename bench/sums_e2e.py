@@ -49,7 +49,14 @@ VLLM_ENGINE_KWARGS = {
     "max_num_seqs": 256,
     "kv_cache_memory_bytes": 4_000_000_000,
 }
-VLLM_CLUSTER = ["cluster.num_generation_actors=2", "cluster.generation_num_gpus=0.25"]
+# two vLLM engines fed by four rollout actors, as measured since 2026-12-07 (the file's default became four built-in
+# engines and eight rollout actors; four vLLM processes at these memory settings would not fit beside the learner)
+VLLM_CLUSTER = [
+    "cluster.num_generation_actors=2",
+    "cluster.generation_num_gpus=0.25",
+    "cluster.num_rollout_actors=4",
+    "cluster.rollout_num_cpus=1",
+]
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
