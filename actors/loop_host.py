@@ -60,7 +60,7 @@ class QueuePromptSource:
         self._raise_failed_flush()
         waited = 0.0
         while True:
-            (drops, self.drops), (kept, self.kept) = (self.drops, []), (self.kept, [])
+            drops, kept = self._take_held()
             answer = await self.actor.queue.next_group.remote(self.group_size, LEASE_POLL_S, self.owner, drops, kept)
             waited += answer.waited_s
             if answer.lease is not None and not await self._usable(answer.lease):
@@ -131,9 +131,14 @@ class QueuePromptSource:
 
     async def flush(self) -> None:
         """Send the finished groups no lease has carried (one call)."""
-        (drops, self.drops), (kept, self.kept) = (self.drops, []), (self.kept, [])
+        drops, kept = self._take_held()
         if drops or kept:
             await self.actor.queue.hand_over.remote(drops, kept)
+
+    def _take_held(self) -> tuple[list[Any], list[Any]]:
+        """The drops and kept groups no call has carried yet, handed to the caller's call."""
+        (drops, self.drops), (kept, self.kept) = (self.drops, []), (self.kept, [])
+        return drops, kept
 
     def _raise_failed_flush(self) -> None:
         flusher = self._flusher

@@ -181,7 +181,7 @@ class IpcTicket:
     """What learner rank 0 hands every engine for one IPC sync: the persistent buckets' `key` and `handles` (the
     same every sync: an engine maps them once), how long the pack took and, on CUDA, `done_events`: per engine
     (rank r at index r - 1) the IPC handle of an interprocess event the engine may record after queueing its copies
-    instead of waiting for them; learner rank 0's next pack waits for every one on its stream (`copies_done`)."""
+    instead of waiting for them; learner rank 0's next pack waits for every one on its stream (`CopyEvents.wait`)."""
 
     key: str
     handles: list[tuple[BucketEntries, Any]]
@@ -206,9 +206,21 @@ def _open_event(handle: bytes, device_index: int) -> Any:
 
 
 class CopyEvents:
-    """Learner rank 0's side of `IpcTicket.done_events`: one interprocess event per engine, made at the first sync.
-    `wait` puts the current stream behind every engine's last recorded copies (nothing to wait for before an engine
-    recorded one), before the buckets are refilled."""
+    """Learner rank 0's side of `IpcTicket.done_events`: one interprocess event per engine (`make`). `wait` puts the
+    current stream behind every engine's last recorded copies (nothing to wait for before an engine recorded one),
+    before the buckets are refilled."""
+
+    @classmethod
+    def make(cls, num_engines: int, device: torch.device) -> CopyEvents | None:
+        """The events, or None: not on CUDA, no engines, or no interprocess events here (the engines then wait for
+        their copies inside the sync, a warning)."""
+        if device.type != "cuda" or num_engines < 1:
+            return None
+        try:
+            return cls(num_engines, device)
+        except RuntimeError as exc:
+            logger.warning("IPC weight sync without copy events (%s): each engine waits for its copies", exc)
+            return None
 
     def __init__(self, num_engines: int, device: torch.device) -> None:
         self.events = [torch.cuda.Event(interprocess=True) for _ in range(num_engines)]

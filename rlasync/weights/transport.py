@@ -25,7 +25,6 @@ where rank 0 consumes it); only rank 0's sends. No ray here: the actor shells ca
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,8 +37,6 @@ from rlasync.weights.adapter import is_adapter_manifest
 from rlasync.weights.apply import load_between_steps, load_while_pausing, paused_for_update
 from rlasync.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightGroup, device_identity, free_port
 from rlasync.weights.plan import ManifestEntry
-
-logger = logging.getLogger(__name__)
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -212,23 +209,19 @@ class IpcSender:
     streams_in = "prepare"
 
     def __init__(self, plan: TransportPlan, device: torch.device | str, manifest: Sequence[ManifestEntry]) -> None:
+        from rlasync.weights.ipc import CopyEvents
+
         self.manifest, self.device, self.bucket_bytes = list(manifest), torch.device(device), plan.bucket_bytes
-        self.num_engines = plan.world_size - 1 if plan.copy_events else 0  # no events: each engine waits
         self.shared: Any = None
-        self.copies: Any = None  # CopyEvents (CUDA)
+        # None (CPU, plan.copy_events off, or none to be had): each engine waits for its copies inside the sync
+        self.copies = CopyEvents.make(plan.world_size - 1, self.device) if plan.copy_events else None
 
     def prepare(self, stream: NamedTensors) -> Any:
-        from rlasync.weights.ipc import CopyEvents, IpcTicket, SharedWeights
+        from rlasync.weights.ipc import IpcTicket, SharedWeights
 
         start = time.perf_counter()
         if self.shared is None:
             self.shared = SharedWeights.allocate(self.manifest, self.device, self.bucket_bytes)
-        if self.copies is None and self.device.type == "cuda" and self.num_engines > 0:
-            try:
-                self.copies = CopyEvents(self.num_engines, self.device)
-            except RuntimeError as exc:  # no interprocess events here: the engines wait for their copies instead
-                logger.warning("IPC weight sync without copy events (%s): each engine waits for its copies", exc)
-                self.num_engines = 0
         if self.copies is not None:
             self.copies.wait()  # the engines' copies of the previous sync (long done, as a rule) come first
         self.shared.fill(stream, self.manifest)
