@@ -313,9 +313,21 @@ def test_launch_on_loop_runs_the_launch_on_the_loop_thread_with_the_same_tokens(
 
 @pytest.mark.parametrize("async_mode", [False, True])
 def test_a_load_between_steps_reaches_the_running_requests_without_a_pause(async_mode):
+    import time
+
     model, new_state, reference = model_and_new_weights()
     engine = make_engine(model, async_scheduling=async_mode)
     greedy = SamplingParams(max_tokens=30, temperature=0)
+    # Steps of 20 ms or more: the load (started from another thread, which a busy machine may start late) lands
+    # with well over ten tokens still to come, not after the requests finished.
+    name = "launch" if async_mode else "execute"
+    inner = getattr(engine.runner, name)
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.02)
+        return inner(*args, **kwargs)
+
+    setattr(engine.runner, name, slow_step)
 
     async def run():
         tasks = [asyncio.create_task(engine.generate(p, greedy)) for p in PROMPTS]
