@@ -113,11 +113,16 @@ def make_actors(ray):
 
     @ray.remote
     class Rollouts:
-        def __init__(self, handle, inflight, prompt_len):
+        def __init__(self, handles, inflight, prompt_len, group=1, routing="request"):
             from actors.engine_channel import EngineChannel
+            from rlasync.rollout.engine_pool import EnginePool
 
-            self.channel = EngineChannel(handle)
+            self.channels = [EngineChannel(handle, name=f"generation actor {i}") for i, handle in enumerate(handles)]
+            self.pool = EnginePool(
+                self.channels, max_concurrent=inflight, emit=lambda items: None, stats_interval_s=None
+            )
             self.inflight, self.prompt = inflight, list(range(prompt_len))
+            self.group, self.routing = group, routing
             self.done = 0
 
         async def run(self, seconds):
@@ -125,13 +130,18 @@ def make_actors(ray):
 
             sampling = SamplingParams(max_tokens=16, num_logprobs=8)
             stop = time.monotonic() + seconds
+            keys = iter(range(1 << 62))
 
-            async def worker():
+            async def one(key):
+                await self.pool.generate(self.prompt, sampling, affinity=key)
+                self.done += 1
+
+            async def worker():  # a group of `group` requests at a time, started in one event-loop turn
                 while time.monotonic() < stop:
-                    await self.channel.generate(self.prompt, sampling)
-                    self.done += 1
+                    key = next(keys) if self.routing == "group" else None
+                    await asyncio.gather(*(one(key) for _ in range(self.group)))
 
-            await asyncio.gather(*(worker() for _ in range(self.inflight)))
+            await asyncio.gather(*(worker() for _ in range(max(1, self.inflight // self.group))))
             return self.done
 
         def count(self):
@@ -143,6 +153,15 @@ def make_actors(ray):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollout-actors", type=int, default=4)
+    parser.add_argument("--engines", type=int, default=1, help="generation actors (stand-ins)")
+    parser.add_argument("--group", type=int, default=1, help="requests started together (a GRPO group: 8)")
+    parser.add_argument(
+        "--routing",
+        choices=["request", "group", "home"],
+        default="request",
+        help="request: each request to the least-loaded engine; group: a group's requests to one engine (affinity); "
+        "home: rollout actor i sends to engine i mod E only",
+    )
     parser.add_argument("--inflight", type=int, default=64, help="requests each rollout actor keeps in flight")
     parser.add_argument("--tick-s", type=float, default=0.013, help="the stand-in engine's step (13 ms: the sums run)")
     parser.add_argument(
@@ -163,38 +182,55 @@ def main() -> int:
 
     import ray  # noqa: TID251 - a driver script, as actors.cluster
 
-    ray.init(num_cpus=args.rollout_actors + 2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=args.rollout_actors + args.engines + 1, include_dashboard=False, log_to_driver=False)
     try:
         StubGeneration, Rollouts = make_actors(ray)
         low, _, high = args.ticks.partition("-")
-        gen = StubGeneration.remote(
-            args.tick_s, (int(low), int(high or low)), args.new_tokens, args.logprobs, args.host_ms / 1000,
-            args.loop_ms / 1000, args.releases, None if args.switch_ms is None else args.switch_ms / 1000,
-        )  # fmt: skip
-        rollouts = [Rollouts.remote(gen, args.inflight, args.prompt_len) for _ in range(args.rollout_actors)]
+        gens = [
+            StubGeneration.remote(
+                args.tick_s,
+                (int(low), int(high or low)),
+                args.new_tokens,
+                args.logprobs,
+                args.host_ms / 1000,
+                args.loop_ms / 1000,
+                args.releases,
+                None if args.switch_ms is None else args.switch_ms / 1000,
+            )  # fmt: skip
+            for _ in range(args.engines)
+        ]
+        gen = gens[0]
+        routing = "group" if args.routing == "group" else "request"
+        rollouts = [
+            Rollouts.remote(
+                [gens[i % len(gens)]] if args.routing == "home" else gens,
+                args.inflight,
+                args.prompt_len,
+                args.group,
+                routing,
+            )  # fmt: skip
+            for i in range(args.rollout_actors)
+        ]
         runs = [r.run.remote(args.warmup_s + args.seconds) for r in rollouts]
         time.sleep(args.warmup_s)
-        before, done_before, t0 = (
-            ray.get(gen.counters.remote()),
-            sum(ray.get([r.count.remote() for r in rollouts])),
-            time.monotonic(),
-        )
+
+        def counters():
+            each = ray.get([g.counters.remote() for g in gens])
+            return {key: sum(c[key] for c in each) for key in ("cpu_s", "calls", "yields", "steps")}
+
+        before, done_before, t0 = counters(), sum(ray.get([r.count.remote() for r in rollouts])), time.monotonic()
         pings = []  # how long a call to the generation actor takes to come back (waiting for its loop included)
         while time.monotonic() < t0 + args.seconds:
             sent = time.perf_counter()
             ray.get(gen.ping.remote())
             pings.append(time.perf_counter() - sent)
             time.sleep(max(args.ping_ms / 1000 - (time.perf_counter() - sent), 0.0))
-        after, done_after, t1 = (
-            ray.get(gen.counters.remote()),
-            sum(ray.get([r.count.remote() for r in rollouts])),
-            time.monotonic(),
-        )
+        after, done_after, t1 = counters(), sum(ray.get([r.count.remote() for r in rollouts])), time.monotonic()
         ray.get(runs)
     finally:
         ray.shutdown()
     requests = done_after - done_before
-    steps = max(1, after["steps"] - before["steps"])
+    steps = max(1, after["steps"] - before["steps"])  # summed over the engines: per engine step
     result = {
         "benchmark": "channel_overhead",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -206,7 +242,7 @@ def main() -> int:
         "submissions_per_step": round((after["calls"] - before["calls"]) / steps, 2),
         "yields_per_step": round((after["yields"] - before["yields"]) / steps, 2),
         "requests_per_step": round(requests / steps, 2),
-        "engine_steps_per_s": round(steps / (t1 - t0), 1),
+        "engine_steps_per_s": round(steps / (t1 - t0) / args.engines, 1),  # each engine
         "ping_ms_median": round(1000 * sorted(pings)[len(pings) // 2], 2),
         "ping_ms_p99": round(1000 * sorted(pings)[int(0.99 * (len(pings) - 1))], 2),
         "ping_ms_max": round(1000 * max(pings), 2),

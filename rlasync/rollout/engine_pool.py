@@ -1,6 +1,7 @@
 """`EnginePool`: the generation engines one rollout loop sends requests to (GRPO rollouts and distillation students).
 
-    pool.generate(prompt_ids, sampling)  the least-loaded engine (ties: round robin), transient errors retried
+    pool.generate(prompt_ids, sampling)  the least-loaded engine (ties: round robin), transient errors retried;
+                                         `affinity=key`: the engine the key's first request went to (a group)
     pool.retrying(what, call)            any engine call (a teacher's score) through the same retry path
     pool.observe(completed)              every `stats_interval_s`: the engines' gauges to the ConcurrencyController
     pool.cap                             the controller's concurrency cap (None until it has seen stats)
@@ -8,6 +9,13 @@
                                          flight finish (`inflight_on`), `served` counts each engine's answers
     pool.answer_report()                 per engine: its name, requests in flight, seconds since it last answered
                                          (a request or a stats call): the driver names a frozen engine from it
+
+Affinity: requests sharing a key (the GRPO loop passes the group id) go to one engine, chosen least-loaded by
+the key's first request, while it stays in the pool and answers. A group's rollouts then reach the engine in one
+submission (`actors.engine_channel` gathers an event-loop turn's requests per engine) where a spread group took one
+per engine, their results come back in fewer yields, the prompt is prefilled on one engine, and a multi-turn
+rollout's later turns find their prefix in that engine's cache. A key is forgotten when its request fails
+(the retry chooses again) and after `AFFINITY_MEMORY` newer keys.
 
 A stats call that does not answer within `stats_timeout_s` is given up (the cap stays): a frozen engine must not
 freeze the loop's heartbeat, which would blame the loop instead of the engine.
@@ -26,7 +34,7 @@ import collections
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 from rlasync.engine.base import EngineError, SamplingParams
@@ -37,6 +45,7 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R")
 RETRY_METRIC = "rollout/vllm_retry_count"
 RETRYABLE_EXCEPTIONS: tuple[type[BaseException], ...] = (EngineError, TimeoutError, ConnectionError)
+AFFINITY_MEMORY = 4096  # keys remembered (least recent forgotten first): far more than groups in flight
 
 
 def retry_backoff_s(attempt: int) -> float:
@@ -91,6 +100,7 @@ class EnginePool:
         self._inflight: dict[int, tuple[Any, float]] = {}  # request number -> (engine, start time)
         self._joined: dict[int, float] = {id(engine): clock() for engine in self.engines}
         self._answered: dict[int, float] = {}  # id(engine) -> when it last answered a request or a stats call
+        self._affinity: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()  # key -> its engine
         self._request_numbers = 0
         self._next = 0
         self._next_stats_at = -float("inf")
@@ -132,10 +142,13 @@ class EnginePool:
         """Requests `engine` answered (successfully) since it joined this pool."""
         return self._served.get(id(engine), 0)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, what: str = "generation") -> TurnRecord:
-        """One request to the least-loaded engine, transient errors retried (each retry picks an engine again and
-        resends the same request, seed included)."""
-        return await self.retrying(what, lambda: self._on_least_loaded(list(prompt_ids), sampling))
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, what: str = "generation", affinity: Hashable = None
+    ) -> TurnRecord:
+        """One request to the least-loaded engine, or with `affinity` to the engine of the key's earlier requests
+        (module docstring); transient errors retried (each retry chooses an engine again and resends the same
+        request, seed included)."""
+        return await self.retrying(what, lambda: self._on_engine(list(prompt_ids), sampling, affinity))
 
     async def retrying(self, what: str, call: Callable[[], Awaitable[R]]) -> R:
         """`call()` with `retryable_exceptions` retried (see the module docstring); `what` names it in logs and
@@ -156,11 +169,26 @@ class EnginePool:
                 attempt += 1
                 await self._sleep(delay)
 
-    async def _on_least_loaded(self, prompt_ids: list[int], sampling: SamplingParams) -> TurnRecord:
+    def _choose(self, affinity: Hashable) -> Any:
+        """The key's engine while it is in the pool, else the least-loaded one (ties: round robin), remembered."""
+        if affinity is not None:
+            engine = self._affinity.get(affinity)
+            if engine is not None and any(engine is known for known in self.engines):
+                self._affinity.move_to_end(affinity)
+                return engine
         count = len(self.engines)
         start, self._next = self._next, (self._next + 1) % count
         index = min(((start + k) % count for k in range(count)), key=lambda i: self._load[id(self.engines[i])])
-        engine = self.engines[index]  # held: the pool may drop it (elastic) while this request runs
+        engine = self.engines[index]
+        if affinity is not None:
+            self._affinity[affinity] = engine
+            self._affinity.move_to_end(affinity)
+            if len(self._affinity) > AFFINITY_MEMORY:
+                self._affinity.popitem(last=False)
+        return engine
+
+    async def _on_engine(self, prompt_ids: list[int], sampling: SamplingParams, affinity: Hashable) -> TurnRecord:
+        engine = self._choose(affinity)  # held: the pool may drop it (elastic) while this request runs
         self._load[id(engine)] += 1
         number, self._request_numbers = self._request_numbers, self._request_numbers + 1
         self._inflight[number] = (engine, self._clock())
@@ -169,6 +197,10 @@ class EnginePool:
             self._served[id(engine)] += 1
             self._answered[id(engine)] = self._clock()
             return record
+        except self.retryable_exceptions:
+            if affinity is not None and self._affinity.get(affinity) is engine:
+                del self._affinity[affinity]  # the retry (and the key's next requests) choose again
+            raise
         finally:
             self._load[id(engine)] -= 1
             del self._inflight[number]

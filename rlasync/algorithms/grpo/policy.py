@@ -230,9 +230,13 @@ class RolloutPolicy(PolicyBase):
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with a fresh 63-bit seed; transient engine errors are retried with backoff
-        (docs/algorithms.md §2.5), a rejected request is not."""
+        (docs/algorithms.md §2.5), a rejected request is not. Within a rollout task, the group's requests (every
+        turn of every rollout) go to one engine (`EnginePool` affinity: one submission for the group, the prompt
+        prefilled once, later turns' prefixes cached)."""
         sampling = self.settings.sampling.with_seed(self._rng.getrandbits(SEED_BITS))
-        return await self.engine_pool.generate(prompt_ids, sampling)
+        context = _ROLLOUT_CONTEXT.get()
+        affinity = ("group", context.group_id) if context is not None else None
+        return await self.engine_pool.generate(prompt_ids, sampling, affinity=affinity)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """`[G]` advantages of a scored group (`group.rewards` is set); default: GRPO's group normalisation

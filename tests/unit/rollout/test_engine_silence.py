@@ -45,9 +45,9 @@ def test_the_report_says_when_each_engine_last_answered_and_how_many_requests_wa
     pool = EnginePool([alive, frozen], max_concurrent=4, emit=lambda items: None, clock=clock)
 
     async def run():
-        await pool._on_least_loaded([1], SamplingParams())  # the least loaded: engine 0 answers
+        await pool._on_engine([1], SamplingParams(), None)  # the least loaded: engine 0 answers
         clock.now += 30.0
-        stuck = asyncio.ensure_future(pool._on_least_loaded([1], SamplingParams()))  # engine 1 (less loaded now)
+        stuck = asyncio.ensure_future(pool._on_engine([1], SamplingParams(), None))  # engine 1 (less loaded now)
         await asyncio.sleep(0)
         clock.now += 12.0
         report = pool.answer_report()

@@ -406,25 +406,27 @@ def test_a_lowered_cap_holds_back_new_rollouts():
     assert engine.max_inflight == 1
 
 
-def test_requests_go_to_the_least_loaded_engine():
+def test_a_groups_requests_go_to_one_engine_and_the_next_group_to_the_least_loaded():
     engines = [FakeEngine(), FakeEngine()]
 
     async def scenario():
         gate = asyncio.Event()
         for engine in engines:
             engine.gate = gate
-        loop = make_loop(num_rows=2, engine=engines, args=config(max_concurrent_rollouts=6))
+        loop = make_loop(num_rows=2, engine=engines, args=config(max_concurrent_rollouts=8))
         task = asyncio.create_task(loop.run())
-        await engines[0].wait_inflight(3)
-        await engines[1].wait_inflight(3)
-        assert (engines[0].inflight, engines[1].inflight) == (3, 3)
+        await engines[0].wait_inflight(4)
+        await engines[1].wait_inflight(4)
+        assert (engines[0].inflight, engines[1].inflight) == (4, 4)
         gate.set()
         await task
         return loop
 
     loop = asyncio.run(scenario())
     assert scored_group_ids(loop) == [0, 1]
-    assert len(engines[0].requests) + len(engines[1].requests) == 8
+    prompts = [{tuple(ids) for ids, _ in engine.requests} for engine in engines]
+    assert [len(engine.requests) for engine in engines] == [4, 4]
+    assert len(prompts[0]) == len(prompts[1]) == 1 and prompts[0] != prompts[1]  # one group (one prompt) an engine
 
 
 # ---- hooks ------------------------------------------------------------------------------------------------
