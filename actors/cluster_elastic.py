@@ -44,6 +44,7 @@ class RayPools:
     def __init__(self, cluster: Any, weights: Any, fleet: Any, queue: Any, state: dict[str, Any]) -> None:
         self.cluster, self.weights, self.fleet, self.queue, self.state = cluster, weights, fleet, queue, state
         self.timeouts = cluster.timeouts  # actors/fanout.py Timeouts
+        self.answered_for_gone: dict[str, int] = {}  # engine id -> requests it answered rollout actors since removed
 
     def sizes(self) -> Sizes:
         return Sizes(len(self.weights.engines), len(self.fleet.handles))
@@ -61,6 +62,8 @@ class RayPools:
             self.add_rollouts(target.rollout - sizes.rollout)
         if target.rollout < sizes.rollout:
             items += self.remove_rollouts(sizes.rollout - target.rollout)
+        if target.rollout != sizes.rollout:
+            self._place_rollouts()
         if target.generation < sizes.generation:
             self.remove_engines(sizes.generation - target.generation)
         logger.info("elastic: pools resized %s -> %s in %.1f s", sizes, self.sizes(), time.perf_counter() - started)
@@ -95,7 +98,7 @@ class RayPools:
                 "remove_engine",
                 engine,
                 policy_version=self.weights.version,
-                requests=served.get(key, 0),
+                requests=served.get(key, 0) + self.answered_for_gone.pop(key, 0),
                 weights_version=version,
             )
         return gone
@@ -136,6 +139,14 @@ class RayPools:
             self._event("add_rollout", rollout, policy_version=self.weights.version)
         return new
 
+    def _place_rollouts(self) -> None:
+        """Each rollout actor as member i of the resized pool (`EnginePool.place`: its home engines)."""
+        if self.cluster.config.cluster.engine_placement != "home":
+            return
+        handles = self.fleet.handles
+        count = len(handles)
+        call_all(handles, "place_engines", each=[(i, count) for i in range(count)], timeout=self.timeouts.call)
+
     def remove_rollouts(self, n: int) -> list[tuple[str, Any]]:
         handles = self.fleet.handles
         n = min(n, len(handles) - 1)
@@ -148,6 +159,10 @@ class RayPools:
         except Exception as exc:  # a hung loop: its leases are released below anyway
             logger.warning("elastic: stopping the leaving rollout actors: %s", exc)
         drained = call_all(gone, "drain_metrics", timeout=self.timeouts.call)
+        ids = [actor_id(engine) for engine in self.weights.engines]  # what each engine answered the leaving actors
+        for report in call_all(gone, "engine_report", ids, timeout=self.timeouts.call):
+            for key, (answered, _) in report.items():
+                self.answered_for_gone[key] = self.answered_for_gone.get(key, 0) + answered
         released = self._release(owners)
         del handles[-n:]
         self._kill(gone)

@@ -314,6 +314,13 @@ class LoopHost:
                 [c.name for c in removed],
             )
 
+    def place_engines(self, member: int | None, members: int = 1) -> None:
+        """This actor as rollout actor `member` of `members`: its loop sends to its home engines
+        (`EnginePool.place`; None: to every engine). Set at start and again when the rollout pool is resized."""
+        pool = getattr(self.loop, "engine_pool", None)
+        if pool is not None:
+            pool.place(member if member is None or member < members else None, members)
+
     def engine_report(self, ids: list[str]) -> dict[str, tuple[int, int]]:
         """`{actor id: (requests answered, requests in flight)}` of these engines in this loop's pool (also of
         engines removed from it)."""

@@ -118,3 +118,5 @@ class RolloutActor(RestartableLoop, LoopHost):
             **parts,
             **(loop_kwargs or {}),
         )
+        if config.cluster.engine_placement == "home":
+            self.place_engines(index, config.cluster.num_rollout_actors)

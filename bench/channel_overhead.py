@@ -113,7 +113,7 @@ def make_actors(ray):
 
     @ray.remote
     class Rollouts:
-        def __init__(self, handles, inflight, prompt_len, group=1, routing="request"):
+        def __init__(self, handles, inflight, prompt_len, group=1, routing="request", member=None, members=1):
             from actors.engine_channel import EngineChannel
             from rlasync.rollout.engine_pool import EnginePool
 
@@ -121,6 +121,7 @@ def make_actors(ray):
             self.pool = EnginePool(
                 self.channels, max_concurrent=inflight, emit=lambda items: None, stats_interval_s=None
             )
+            self.pool.place(member, members)  # None: every engine
             self.inflight, self.prompt = inflight, list(range(prompt_len))
             self.group, self.routing = group, routing
             self.done = 0
@@ -138,7 +139,7 @@ def make_actors(ray):
 
             async def worker():  # a group of `group` requests at a time, started in one event-loop turn
                 while time.monotonic() < stop:
-                    key = next(keys) if self.routing == "group" else None
+                    key = next(keys) if self.routing != "request" else None
                     await asyncio.gather(*(one(key) for _ in range(self.group)))
 
             await asyncio.gather(*(worker() for _ in range(max(1, self.inflight // self.group))))
@@ -160,7 +161,7 @@ def main() -> int:
         choices=["request", "group", "home"],
         default="request",
         help="request: each request to the least-loaded engine; group: a group's requests to one engine (affinity); "
-        "home: rollout actor i sends to engine i mod E only",
+        "home: that, and rollout actor i of N placed on its home engines (EnginePool.place: i mod E when E divides N)",
     )
     parser.add_argument("--inflight", type=int, default=64, help="requests each rollout actor keeps in flight")
     parser.add_argument("--tick-s", type=float, default=0.013, help="the stand-in engine's step (13 ms: the sums run)")
@@ -200,14 +201,16 @@ def main() -> int:
             for _ in range(args.engines)
         ]
         gen = gens[0]
-        routing = "group" if args.routing == "group" else "request"
+        home = args.routing == "home"
         rollouts = [
             Rollouts.remote(
-                [gens[i % len(gens)]] if args.routing == "home" else gens,
+                gens,
                 args.inflight,
                 args.prompt_len,
                 args.group,
-                routing,
+                args.routing,
+                i if home else None,
+                args.rollout_actors,
             )  # fmt: skip
             for i in range(args.rollout_actors)
         ]

@@ -114,6 +114,11 @@ class ClusterConfig:
     """CUDA IPC into the built-in engine: each engine records an interprocess event behind its queued copies and
     returns at once; learner rank 0's next pack waits for it on the GPU (docs/algorithms.md §6.3). False: each
     engine waits for its copies inside the sync, as before (an A/B)."""
+    engine_placement: str = "home"
+    """Which engines a rollout actor sends to: "home" (rollout actor i of N to its home engines when one count divides
+    the other, e.g. two rollout actors an engine: each engine answers fewer actors, which costs its process less of
+    Ray's work; `rlasync.rollout.engine_pool`), "any" (every actor to every engine, the least loaded first: for
+    engines of unequal speed)."""
     generation_stall_s: float | None = None
     """A diagnostic: a GenerationActor whose event loop runs more than this many seconds late samples where it is (a
     watchdog thread, `rlasync.metrics.loop_lag`) and logs the most sampled stack at most once a minute. None (the
@@ -210,6 +215,8 @@ class ClusterConfig:
             raise ValueError(f"cluster.weight_sync_staging_mb={self.weight_sync_staging_mb!r}: must be >= 0 MiB")
         if not isinstance(self.weight_sync_copy_events, bool):
             raise ValueError(f"cluster.weight_sync_copy_events={self.weight_sync_copy_events!r}: must be true or false")
+        if self.engine_placement not in ("home", "any"):
+            raise ValueError(f"cluster.engine_placement={self.engine_placement!r}: use \"home\" or \"any\"")
         stall_s = self.generation_stall_s
         if stall_s is not None and (isinstance(stall_s, bool) or not stall_s > 0):
             raise ValueError(f"cluster.generation_stall_s={stall_s!r}: must be > 0 seconds (e.g. 0.1), or null for off")

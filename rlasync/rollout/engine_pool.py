@@ -5,6 +5,8 @@
     pool.retrying(what, call)            any engine call (a teacher's score) through the same retry path
     pool.observe(completed)              every `stats_interval_s`: the engines' gauges to the ConcurrencyController
     pool.cap                             the controller's concurrency cap (None until it has seen stats)
+    pool.place(member, members)          one of `members` pools sharing the engines (the rollout actors): send to
+                                         this member's home engines (below)
     pool.add_engines / remove_engines    elastic pools: a removed engine gets no new request, its requests in
                                          flight finish (`inflight_on`), `served` counts each engine's answers
     pool.answer_report()                 per engine: its name, requests in flight, seconds since it last answered
@@ -16,6 +18,16 @@ submission (`actors.engine_channel` gathers an event-loop turn's requests per en
 per engine, their results come back in fewer yields, the prompt is prefilled on one engine, and a multi-turn
 rollout's later turns find their prefix in that engine's cache. A key is forgotten when its request fails
 (the retry chooses again) and after `AFFINITY_MEMORY` newer keys.
+
+Home engines (`place`): where `members` rollout actors share `E` engines and one count divides the other, member
+`m` sends only to its home engines: engine `m mod E` when E divides `members` (each engine serves `members / E`
+actors), engines `m, m + members, ...` when `members` divides E (each actor its `E / members` engines); otherwise
+(and unplaced) to every engine. An engine then sends its results to fewer rollout actors: one result stream yield a
+step for each (`actors.engine_channel`) where every rollout actor had requests finishing on every engine, and each
+yield is Ray's work in the process that runs the engine's host side. Balance comes from the even split, not from
+load: engines of unequal speed are better served unplaced (`cluster.engine_placement="any"`). A home engine whose
+request failed is passed over for `FAILED_ENGINE_COOLDOWN_S` (the others take the retries and new groups); when no
+home engine is left, every engine is a candidate.
 
 A stats call that does not answer within `stats_timeout_s` is given up (the cap stays): a frozen engine must not
 freeze the loop's heartbeat, which would blame the loop instead of the engine.
@@ -46,6 +58,7 @@ R = TypeVar("R")
 RETRY_METRIC = "rollout/vllm_retry_count"
 RETRYABLE_EXCEPTIONS: tuple[type[BaseException], ...] = (EngineError, TimeoutError, ConnectionError)
 AFFINITY_MEMORY = 4096  # keys remembered (least recent forgotten first): far more than groups in flight
+FAILED_ENGINE_COOLDOWN_S = 10.0  # an engine whose request failed is passed over this long when others are left
 
 
 def retry_backoff_s(attempt: int) -> float:
@@ -101,6 +114,9 @@ class EnginePool:
         self._joined: dict[int, float] = {id(engine): clock() for engine in self.engines}
         self._answered: dict[int, float] = {}  # id(engine) -> when it last answered a request or a stats call
         self._affinity: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()  # key -> its engine
+        self._placement: tuple[int, int] | None = None  # (member, members): `place`
+        self._home: list[Any] | None = None  # the home engines, recomputed when the engines or placement change
+        self._failed_at: dict[int, float] = {}  # id(engine) -> when a request on it last failed
         self._request_numbers = 0
         self._next = 0
         self._next_stats_at = -float("inf")
@@ -124,6 +140,7 @@ class EnginePool:
             self._load.setdefault(id(engine), 0)
             self._served.setdefault(id(engine), 0)
             self._joined.setdefault(id(engine), self._clock())
+        self._home = None
 
     def remove_engines(self, engines: Sequence[Any]) -> None:
         """These engines get no new request (a retry picks another one); their requests in flight finish."""
@@ -133,6 +150,22 @@ class EnginePool:
             raise ValueError("an engine pool needs at least one engine: add the new engines before removing the last")
         self.engines[:] = kept
         self._next %= len(kept)
+        self._home = None
+
+    def place(self, member: int | None, members: int = 1) -> None:
+        """Make this pool member `member` of `members` pools that share its engines (module docstring: home
+        engines); None: every engine is a candidate."""
+        if member is not None and not 0 <= member < members:
+            raise ValueError(f"place(member={member}, members={members}): member must be in [0, members)")
+        self._placement = None if member is None else (member, members)
+        self._home = None
+
+    @property
+    def home(self) -> list[Any]:
+        """The engines this pool sends new groups to while they are healthy (all of them unless placed evenly)."""
+        if self._home is None:
+            self._home = home_engines(self.engines, self._placement)
+        return self._home
 
     def inflight_on(self, engine: Any) -> int:
         """Requests still unanswered by `engine` (also after it was removed)."""
@@ -170,22 +203,33 @@ class EnginePool:
                 await self._sleep(delay)
 
     def _choose(self, affinity: Hashable) -> Any:
-        """The key's engine while it is in the pool, else the least-loaded one (ties: round robin), remembered."""
+        """The key's engine while it is in the pool, else the least-loaded candidate (ties: round robin),
+        remembered. Candidates: the home engines not cooling down after a failure, else every such engine, else all."""
         if affinity is not None:
             engine = self._affinity.get(affinity)
             if engine is not None and any(engine is known for known in self.engines):
                 self._affinity.move_to_end(affinity)
                 return engine
-        count = len(self.engines)
-        start, self._next = self._next, (self._next + 1) % count
-        index = min(((start + k) % count for k in range(count)), key=lambda i: self._load[id(self.engines[i])])
-        engine = self.engines[index]
+        candidates = self.home
+        if self._failed_at:
+            candidates = self._healthy(candidates) or self._healthy(self.engines) or self.engines
+        count = len(candidates)
+        start, self._next = self._next % count, self._next + 1
+        index = min(((start + k) % count for k in range(count)), key=lambda i: self._load[id(candidates[i])])
+        engine = candidates[index]
         if affinity is not None:
             self._affinity[affinity] = engine
             self._affinity.move_to_end(affinity)
             if len(self._affinity) > AFFINITY_MEMORY:
                 self._affinity.popitem(last=False)
         return engine
+
+    def _healthy(self, engines: list[Any]) -> list[Any]:
+        """`engines` without those whose request failed within FAILED_ENGINE_COOLDOWN_S (forgotten after it)."""
+        now = self._clock()
+        for key in [key for key, at in self._failed_at.items() if now - at >= FAILED_ENGINE_COOLDOWN_S]:
+            del self._failed_at[key]
+        return [engine for engine in engines if id(engine) not in self._failed_at]
 
     async def _on_engine(self, prompt_ids: list[int], sampling: SamplingParams, affinity: Hashable) -> TurnRecord:
         engine = self._choose(affinity)  # held: the pool may drop it (elastic) while this request runs
@@ -198,6 +242,7 @@ class EnginePool:
             self._answered[id(engine)] = self._clock()
             return record
         except self.retryable_exceptions:
+            self._failed_at[id(engine)] = self._clock()  # passed over for a while (when others are left)
             if affinity is not None and self._affinity.get(affinity) is engine:
                 del self._affinity[affinity]  # the retry (and the key's next requests) choose again
             raise
@@ -260,10 +305,24 @@ class EnginePool:
         self._emit(self.controller.observe(stats, completed))
 
 
+def home_engines(engines: list[Any], placement: tuple[int, int] | None) -> list[Any]:
+    """Member `m` of `members`' home engines among `engines` (module docstring): `[engines[m % E]]` when E divides
+    `members`, `engines[m % members::members]` when `members` divides E, else all of them."""
+    count = len(engines)
+    if placement is None or count == 0:
+        return list(engines)
+    member, members = placement
+    if members % count == 0:
+        return [engines[member % count]]
+    if count % members == 0:
+        return list(engines[member % members :: members])
+    return list(engines)
+
+
 def engine_name(engine: Any, index: int) -> str:
     """How an engine is named in reports: its `name` (an EngineChannel's: "generation actor 0"), else its index."""
     name = getattr(engine, "name", None)
     return name if isinstance(name, str) and name else f"engine {index}"
 
 
-__all__ = ["RETRY_METRIC", "EnginePool", "engine_name", "resolve", "retry_backoff_s"]
+__all__ = ["RETRY_METRIC", "EnginePool", "engine_name", "home_engines", "resolve", "retry_backoff_s"]
