@@ -216,7 +216,7 @@ class ClusterConfig:
         if not isinstance(self.weight_sync_copy_events, bool):
             raise ValueError(f"cluster.weight_sync_copy_events={self.weight_sync_copy_events!r}: must be true or false")
         if self.engine_placement not in ("home", "any"):
-            raise ValueError(f"cluster.engine_placement={self.engine_placement!r}: use \"home\" or \"any\"")
+            raise ValueError(f'cluster.engine_placement={self.engine_placement!r}: use "home" or "any"')
         stall_s = self.generation_stall_s
         if stall_s is not None and (isinstance(stall_s, bool) or not stall_s > 0):
             raise ValueError(f"cluster.generation_stall_s={stall_s!r}: must be > 0 seconds (e.g. 0.1), or null for off")
