@@ -2,7 +2,7 @@
 
 A part, not the system: the engine is a stand-in that finishes each request after a few ticks of a fixed step clock
 (as the built-in engine finishes a step's requests together), returning a TurnRecord shaped as the SmolLM2 sums run's
-(~11 output tokens, 8 sampler log-probs each). The rollout side is `--rollout-actors` Ray actors, each keeping
+(~11 output tokens, 8 sampler log-probs each, as `TopLogprobs` arrays). The rollout side is `--rollout-actors` Ray actors, each keeping
 `--inflight` requests in flight through `actors.engine_channel.EngineChannel` (one submission per event-loop turn,
 results back through the channel's one stream as they finish), as the rollout actors do. What is measured in the
 generation actor's process: CPU seconds (all its threads: the event loop, Ray's own threads) per request, the
@@ -68,15 +68,19 @@ class TickEngine:
                     future.set_result(None)
 
     async def generate(self, prompt_ids, sampling):
-        from rlasync.records import TurnRecord
+        import numpy as np
+
+        from rlasync.records import TopLogprobs, TurnRecord
 
         if self._clock is None:
             self._clock = asyncio.ensure_future(self._run_clock())
         future = asyncio.get_running_loop().create_future()
         self.waiting.setdefault(self.step + self.random.randint(*self.ticks), []).append(future)
         await future
-        n = self.new_tokens
-        top = [{j: -0.1 * (j + 1) for j in range(self.logprobs)} for _ in range(n)]
+        n, k = self.new_tokens, self.logprobs
+        # the sampler's top-N as the built-in engine returns it: one packed row per token (ids, then log-probs)
+        row = np.array([*range(k), *(-0.1 * (j + 1) for j in range(k))], dtype=np.float64)
+        top = TopLogprobs.from_rows([row] * n, k) if k else None
         return TurnRecord(list(prompt_ids), list(range(n)), [-0.5] * n, None, None, top, "stop")
 
 

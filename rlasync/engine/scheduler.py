@@ -258,8 +258,8 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         """Drop a request (finished, aborted or failed) from whichever queue holds it and free its blocks."""
-        if request in self.waiting:
-            self.waiting.remove(request)
-        elif request in self.running:
+        if request.slot is not None:  # it runs (a request holds a slot exactly while it is in `running`)
             self.running.remove(request)
+        elif request in self.waiting:  # (not scanned for a running request: the queue may be long)
+            self.waiting.remove(request)
         self._release(request)

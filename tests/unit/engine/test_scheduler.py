@@ -295,3 +295,28 @@ def test_steps_with_running_requests_stay_within_the_largest_graph_and_a_step_wi
     assert [c.num_tokens for c in run_step(many).chunks] == [1] * 6  # more decodes than the bound: none held back
     with pytest.raises(ValueError, match="graphed_step_tokens=0"):
         Scheduler(BlockAllocator(num_blocks=8, block_size=4), 2, 16, graphed_step_tokens=0)
+
+
+def test_finish_drops_a_running_a_preempted_and_a_waiting_request_and_frees_their_blocks_and_slots():
+    scheduler = Scheduler(BlockAllocator(num_blocks=6, block_size=4), max_num_seqs=2, max_num_batched_tokens=100)
+    requests = [make_request(i, 5) for i in range(4)]
+    for request in requests:
+        scheduler.add(request)
+    run_step(scheduler)  # requests 0 and 1 run (two slots), 2 and 3 wait
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    assert running == requests[:2] and waiting == requests[2:]
+    assert all(r.slot is not None for r in running) and all(r.slot is None for r in waiting)
+    scheduler.finish(requests[1])  # running: out of `running`, its slot and blocks back
+    scheduler.finish(requests[3])  # waiting
+    assert scheduler.running == [requests[0]] and list(scheduler.waiting) == [requests[2]]
+    assert requests[1].slot is None and requests[1].block_ids == []
+    victim = scheduler.preempt_all()[0]  # preempted: back in `waiting`, without a slot
+    scheduler.finish(victim)
+    assert scheduler.running == [] and list(scheduler.waiting) == [requests[2]]
+    scheduler.finish(requests[2])
+    assert not scheduler.has_work and scheduler.allocator.num_free == 6
+    run_step(scheduler)  # nothing left to schedule, and both slots are free for new requests
+    for request in [make_request(10 + i, 3) for i in range(2)]:
+        scheduler.add(request)
+    run_step(scheduler)
+    assert sorted(r.slot for r in scheduler.running) == [0, 1]

@@ -4,6 +4,7 @@ stats, stops, rejection and failures."""
 
 import asyncio
 import math
+import re
 
 import pytest
 import torch
@@ -415,8 +416,11 @@ def test_a_prompt_longer_than_max_model_len_is_rejected_at_once():
     engine = make_engine(tiny_model("llama"), max_model_len=16)
 
     async def run():
-        for prompt in (list(range(16)), list(range(40)), [], [1, 999]):
+        for prompt in (list(range(16)), list(range(40)), []):
             with pytest.raises(RequestRejectedError):
+                await asyncio.wait_for(engine.generate(prompt, SamplingParams()), timeout=1)
+        for prompt, bad in (([1, 999], [999]), ([-1, 3, -5], [-1, -5]), ([2, engine.vocab_size], [engine.vocab_size])):
+            with pytest.raises(RequestRejectedError, match=rf"token ids {re.escape(str(bad))} are outside the vocab"):
                 await asyncio.wait_for(engine.generate(prompt, SamplingParams()), timeout=1)
         return engine.stats()
 
