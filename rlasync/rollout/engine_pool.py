@@ -176,7 +176,11 @@ class EnginePool:
         return self._served.get(id(engine), 0)
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, what: str = "generation", affinity: Hashable = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        what: str = "generation",
+        affinity: Hashable | None = None,
     ) -> TurnRecord:
         """One request to the least-loaded engine, or with `affinity` to the engine of the key's earlier requests
         (module docstring); transient errors retried (each retry chooses an engine again and resends the same
@@ -202,7 +206,7 @@ class EnginePool:
                 attempt += 1
                 await self._sleep(delay)
 
-    def _choose(self, affinity: Hashable) -> Any:
+    def _choose(self, affinity: Hashable | None) -> Any:
         """The key's engine while it is in the pool, else the least-loaded candidate (ties: round robin),
         remembered. Candidates: the home engines not cooling down after a failure, else every such engine, else all."""
         if affinity is not None:
@@ -231,7 +235,9 @@ class EnginePool:
             del self._failed_at[key]
         return [engine for engine in engines if id(engine) not in self._failed_at]
 
-    async def _on_engine(self, prompt_ids: list[int], sampling: SamplingParams, affinity: Hashable) -> TurnRecord:
+    async def _on_engine(
+        self, prompt_ids: list[int], sampling: SamplingParams, affinity: Hashable | None
+    ) -> TurnRecord:
         engine = self._choose(affinity)  # held: the pool may drop it (elastic) while this request runs
         self._load[id(engine)] += 1
         number, self._request_numbers = self._request_numbers, self._request_numbers + 1
