@@ -5,7 +5,7 @@ import asyncio
 
 from rlasync.engine.base import SamplingParams
 from rlasync.rollout import engine_pool
-from tests.unit.rollout.test_engine_pool import Engine, pool
+from tests.unit.rollout.test_engine_pool import Engine, load_while_held, pool
 
 
 async def settle():
@@ -20,24 +20,15 @@ def where(engines):
 
 def test_a_groups_requests_go_to_one_engine_and_groups_spread_by_load():
     engines = [Engine("a"), Engine("b"), Engine("c")]
-
-    async def scenario():
-        gate = asyncio.Event()
-        for engine in engines:
-            engine.gate = gate
-        p, _, _ = pool(engines)
-        tasks = [
-            asyncio.create_task(p.generate([1], SamplingParams(seed=10 * group + i), affinity=("g", group)))
+    load = load_while_held(
+        engines,
+        lambda p: [
+            p.generate([1], SamplingParams(seed=10 * group + i), affinity=("g", group))
             for group in range(3)
             for i in range(4)
-        ]
-        await settle()
-        load = p.load
-        gate.set()
-        await asyncio.gather(*tasks)
-        return load
-
-    assert asyncio.run(scenario()) == [4, 4, 4]  # one group an engine (least loaded at each group's first request)
+        ],
+    )
+    assert load == [4, 4, 4]  # one group an engine (least loaded at each group's first request)
     placed = where(engines)
     for group in range(3):
         assert len({placed[10 * group + i] for i in range(4)}) == 1
