@@ -185,6 +185,8 @@ def summarize(
         "generated_tokens_per_s_median": _median(records, "rollout/generated_tokens_per_s"),
         "engine_eager_step_frac_mean": _mean(records, "rollout/engine_eager_step_frac"),
         "engine_fused_layers_frac_mean": _mean(records, "rollout/engine_fused_layers_frac"),
+        # the longest step launch of any engine (0.1 s or more: a kernel compiled mid-run, which a sync waits for)
+        "engine_launch_max_s": max(_values(records, "rollout/engine_launch_max_s"), default=None),
         # what a slow sync waited behind: the generation actor's event loop and its garbage collections
         "weight_sync_dispatch_max_s": max(_values(records, "perf/weight_sync_dispatch_s"), default=None),
         "weight_sync_parts": sync_parts(records),

@@ -94,6 +94,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # CPU; on CUDA 8192 (fewer, fuller prefill steps, as vLLM's throughput default)
 DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+# A step's launch (the host side from its inputs to its kernels queued) longer than this is a compile (Triton's or
+# inductor's first build of a kernel for a shape or a variant start-up did not warm): it holds the launch lock, so a
+# weight sync waits for it. Logged with the step's shape (the first `SLOW_LAUNCHES_LOGGED`) and counted.
+SLOW_LAUNCH_S = 0.1
+SLOW_LAUNCHES_LOGGED = 20
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
@@ -252,6 +257,8 @@ class TorchEngine:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._num_steps = 0
+        self._launch_max_s = 0.0  # the longest step launch so far (`stats().extra["launch_max_s"]`)
+        self._slow_launches = 0  # launches of SLOW_LAUNCH_S or more
         self._num_generated_tokens = 0
 
     # ---- the Engine interface -------------------------------------------------------------------------------------
@@ -381,13 +388,17 @@ class TorchEngine:
         prefix cache and, with CUDA graphs, the steps that ran the decoder eagerly (`num_eager_steps`: a step no
         graph held, several times slower for a small model; `rollout/engine_eager_step_frac`); and `fused_layers`,
         1.0 when the decoder runs fused (`rollout/engine_fused_layers_frac`: a start-up check that turned them off
-        shows in the run's metrics, not only in a worker's log)."""
+        shows in the run's metrics, not only in a worker's log); `launch_max_s`, the longest launch of a step so far,
+        and `num_slow_launches`, those of `SLOW_LAUNCH_S` or more (`rollout/engine_launch_max_s`: a compile mid-run,
+        which a weight sync waits for)."""
         allocator = self._scheduler.allocator
         extra = {
             "num_steps": float(self._num_steps),
             "num_generated_tokens": float(self._num_generated_tokens),
             "prefix_cache_hit_tokens": float(self._scheduler.num_prefix_hit_tokens),
             "fused_layers": float(bool(self._runner.fused_layers)),
+            "launch_max_s": self._launch_max_s,
+            "num_slow_launches": float(self._slow_launches),
         }
         runner = self._runner
         if runner.graphs is not None or runner.mixed is not None:
@@ -625,6 +636,29 @@ class TorchEngine:
         except Exception as exc:
             self._fail_steps(exc, inflight, launched, output)
 
+    def _timed_launch(self, seconds: float, inputs: Sequence[ChunkInput], eager: bool) -> None:
+        """Record a launch's time; log a slow one (a first compile mid-run) with the step's shape."""
+        self._launch_max_s = max(self._launch_max_s, seconds)
+        if seconds < SLOW_LAUNCH_S:
+            return
+        self._slow_launches += 1
+        if self._slow_launches <= SLOW_LAUNCHES_LOGGED:
+            lengths = [len(chunk.token_ids) for chunk in inputs]
+            sampling = sum(chunk.sample is not None for chunk in inputs)
+            kind = "eager" if eager else ("decode" if max(lengths) == 1 else "mixed")
+            logger.warning(
+                "TorchEngine: step %d took %.0f ms to launch (%s step: %d requests, %d tokens, longest chunk %d, "
+                "%d sampling): a kernel built for a shape or variant the start-up did not warm; a weight sync "
+                "waits for such a launch",
+                self._num_steps + 1,
+                seconds * 1e3,
+                kind,
+                len(inputs),
+                sum(lengths),
+                max(lengths),
+                sampling,
+            )
+
     def _needs_host_ids(self) -> bool:
         return any(r.params.repetition_penalty != 1.0 for r in self._scheduler.running)
 
@@ -632,10 +666,12 @@ class TorchEngine:
         """Launch one step of the overlapped loop; a request decoding in `previous` takes its input id from there."""
         inputs = [self._overlapped_input(chunk, previous) for chunk in output.chunks]
         prior = previous.step if previous else None
+        eager_before, started = self._runner.eager_steps, time.perf_counter()
         if self.launch_on_loop:
             step = self._runner.launch(inputs, prior)
         else:
             step = await asyncio.to_thread(self._runner.launch, inputs, prior)
+        self._timed_launch(time.perf_counter() - started, inputs, self._runner.eager_steps > eager_before)
         launched = InFlight(output, step)
         rows = launched.rows
         for chunk in output.chunks:

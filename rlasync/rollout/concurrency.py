@@ -86,6 +86,7 @@ class ConcurrencyController:
             ("rollout/vllm_preemption_count", float(self._preemption_delta(stats))),
             *self._eager_step_frac(stats),
             *_fused_layers_frac(stats),
+            *_launch_max(stats),
         ]
 
     def _eager_step_frac(self, stats: list[EngineStats]) -> list[tuple[str, float]]:
@@ -118,6 +119,14 @@ def _fused_layers_frac(stats: list[EngineStats]) -> list[tuple[str, float]]:
     runs fused layers; nothing when none reports it."""
     flags = [s.extra["fused_layers"] for s in stats if "fused_layers" in s.extra]
     return [("rollout/engine_fused_layers_frac", sum(flags) / len(flags))] if flags else []
+
+
+def _launch_max(stats: list[EngineStats]) -> list[tuple[str, float]]:
+    """`rollout/engine_launch_max_s`: the longest step launch any engine has made so far (the built-in engine's
+    `launch_max_s`; 0.1 s or more is a kernel compiled mid-run, which a weight sync waits for, and the engine logs
+    each such launch with the step's shape). Nothing for engines that do not report it."""
+    launches = [s.extra["launch_max_s"] for s in stats if "launch_max_s" in s.extra]
+    return [("rollout/engine_launch_max_s", max(launches))] if launches else []
 
 
 def _scale(value: int, factor: tuple[int, int]) -> int:

@@ -186,6 +186,10 @@ def test_the_generation_sides_figures_are_summarized_when_logged(tmp_path):
     for record, fused in zip(records, (1.0, 0.0, 1.0, 1.0)):
         record["rollout/engine_fused_layers_frac"] = fused
     assert sums_e2e.summarize(records, STARTED)["engine_fused_layers_frac_mean"] == pytest.approx(0.75)
+    assert out["engine_launch_max_s"] is None
+    for record, launch in zip(records, (0.02, 0.31, float("nan"), 0.05)):
+        record["rollout/engine_launch_max_s"] = launch
+    assert sums_e2e.summarize(records, STARTED)["engine_launch_max_s"] == pytest.approx(0.31)
 
 
 def test_gzipped_metrics_read_as_plain_ones(tmp_path):

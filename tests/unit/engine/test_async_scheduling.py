@@ -401,3 +401,29 @@ def test_a_load_between_steps_clears_the_prefix_cache():
     assert hits > 0
     assert engine.stats().extra["prefix_cache_hit_tokens"] == hits  # nothing cached under the old weights is reused
     assert after.output_ids == greedy_reference(model, prompt, 12)  # the model holds the loaded weights
+
+
+def test_a_slow_launch_is_logged_with_its_step_and_reported_in_the_stats(caplog):
+    """A launch of `SLOW_LAUNCH_S` or more (a kernel compiled mid-run, which holds the launch lock a weight sync
+    waits for) is logged with the step's shape and counted; `launch_max_s` is the longest launch so far."""
+    import time
+
+    from rlasync.engine import torch_engine
+
+    engine = make_engine(tiny_model("qwen3", init=0.05), async_scheduling=True, eos_token_ids=[5])
+    original, calls = engine.runner.launch, []
+
+    def third_is_slow(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 3:
+            time.sleep(torch_engine.SLOW_LAUNCH_S + 0.02)
+        return original(*args, **kwargs)
+
+    engine.runner.launch = third_is_slow
+    with caplog.at_level("WARNING", logger="rlasync.engine.torch_engine"):
+        asyncio.run(staggered(engine, jobs_of(4)))
+    extra = engine.stats().extra
+    assert extra["num_slow_launches"] == 1.0
+    assert torch_engine.SLOW_LAUNCH_S + 0.02 <= extra["launch_max_s"] < 5.0
+    (message,) = [r.getMessage() for r in caplog.records if "to launch" in r.getMessage()]
+    assert message.startswith("TorchEngine: step 3 took ") and " step: " in message and "requests" in message

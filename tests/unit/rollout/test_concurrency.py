@@ -129,3 +129,13 @@ def test_the_fused_layers_share_counts_the_engines_that_report_it():
     assert gauges(controller.observe([engine(True), engine(False)], 0))["rollout/engine_fused_layers_frac"] == 0.5
     assert gauges(controller.observe([engine(True), engine()], 0))["rollout/engine_fused_layers_frac"] == 1.0
     assert "rollout/engine_fused_layers_frac" not in gauges(controller.observe([engine()], 0))  # vLLM: no gauge
+
+
+def test_the_longest_launch_is_the_largest_any_engine_reports():
+    def engine(launch_max_s=None):
+        extra = {} if launch_max_s is None else {"launch_max_s": launch_max_s}
+        return EngineStats(0.5, 0, 0, 0, 640, 64, extra=extra)
+
+    controller = ConcurrencyController(512, 640, 64)
+    assert gauges(controller.observe([engine(0.02), engine(0.31), engine()], 0))["rollout/engine_launch_max_s"] == 0.31
+    assert "rollout/engine_launch_max_s" not in gauges(controller.observe([engine()], 0))  # vLLM: no gauge
