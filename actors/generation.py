@@ -49,8 +49,8 @@ class GenerationActor:
         switch_interval_s: float | None = None,
     ) -> None:
         """`serve_initial_weights`: serve the weights loaded here at once (outside a training run; a run's engines
-        wait for their first sync). `warm_sampling`: the run's `SamplingParams`, compiled for here (`warm_up`) rather
-        than at the first requests. `switch_interval_s`: the GIL switch interval (`cluster.gil_switch_interval_s`)."""
+        wait for their first sync). `warm_sampling`: the run's `SamplingParams`, built for here (`warm_up`: the sampler,
+        a dummy run on CUDA), not in the first steps. `switch_interval_s`: `cluster.gil_switch_interval_s`."""
         import torch
 
         from rlasync.engine.factory import make_engine
@@ -66,7 +66,7 @@ class GenerationActor:
         self.engine = make_engine(engine, model, base_url=vllm_server_url, dtype=dtype, **(engine_kwargs or {}))
         warm_up = getattr(self.engine, "warm_up", None)
         if warm_sampling and warm_up is not None and (seconds := warm_up(warm_sampling)):
-            logger.info("generation engine: sampler compiled for the run's sampling in %.1f s", seconds)
+            logger.info("generation engine: warmed up for the run's sampling (sampler, dummy steps) in %.1f s", seconds)
         freeze_heap()  # the start-up heap is never walked again; a slow later collection freezes what it walked
         self.gc_pauses = GcPauseMonitor(refreeze_over_s=REFREEZE_OVER_S)
         self.gc_hold = CollectionHold()  # no collection in a sync: from begin_sync (or sync_weights) to its end

@@ -83,6 +83,7 @@ from rlasync.engine.runner import (
     check_engine_support,
 )
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
+from rlasync.engine.warm_up import note_launch, warm_steps, warm_up
 from rlasync.engine.weights import PlannedLoader, load_sync
 from rlasync.records import TurnRecord
 from rlasync.weights.adapter import AdapterMerger, adapter_base
@@ -94,11 +95,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # CPU; on CUDA 8192 (fewer, fuller prefill steps, as vLLM's throughput default)
 DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS = 8192
-# A step's launch (the host side from its inputs to its kernels queued) longer than this is a compile (Triton's or
-# inductor's first build of a kernel for a shape or a variant start-up did not warm): it holds the launch lock, so a
-# weight sync waits for it. Logged with the step's shape (the first `SLOW_LAUNCHES_LOGGED`) and counted.
-SLOW_LAUNCH_S = 0.1
-SLOW_LAUNCHES_LOGGED = 20
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
@@ -258,6 +254,7 @@ class TorchEngine:
         self._closed = False
         self._num_steps = 0
         self._launch_max_s = 0.0  # the longest step launch so far (`stats().extra["launch_max_s"]`)
+        self._warming = False  # `warm_steps` runs: its slow launches are expected, not logged
         self._slow_launches = 0  # launches of SLOW_LAUNCH_S or more
         self._num_generated_tokens = 0
 
@@ -434,22 +431,13 @@ class TorchEngine:
         }
 
     def warm_up(self, sampling: Sequence[SamplingParams]) -> float:
-        """Sample once for each of `sampling` on dummy logits (two rows), so that the compiled sampler compiles its
-        variants now (a GenerationActor calls this before it freezes its heap: the cluster's start-up, beside the
-        learners' set-up) and not at the first requests, which would wait for it. Returns the seconds it took; 0
-        without the compiled sampler (nothing to compile)."""
-        if not self._runner.compiled_sampler:
-            return 0.0
-        started = time.perf_counter()
-        with torch.inference_mode():
-            logits = torch.zeros(2, self.vocab_size, device=self.device)
-            for params in sampling:
-                seen = [0] if params.repetition_penalty != 1.0 else None
-                specs = [SampleSpec(params, seed=row, step=0, seen_ids=seen) for row in range(2)]
-                self._runner.sample_tensors(logits, specs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - started
+        """Build at start-up what the first requests would (`rlasync.engine.warm_up.warm_up`: the compiled sampler's
+        variants for `sampling`, then on CUDA `warm_steps`); the seconds it took, 0 when there was nothing to do."""
+        return warm_up(self, sampling)
+
+    def warm_steps(self, sampling: Sequence[SamplingParams], **options: Any) -> float:
+        """A short dummy GRPO-shaped run through the real steps (`rlasync.engine.warm_up.warm_steps`)."""
+        return warm_steps(self, sampling, **options)
 
     def bound_steps(self, tokens: int | None) -> None:
         """Hold a step that has running requests to `tokens` (None: only `max_num_batched_tokens` bounds it), as the
@@ -636,29 +624,6 @@ class TorchEngine:
         except Exception as exc:
             self._fail_steps(exc, inflight, launched, output)
 
-    def _timed_launch(self, seconds: float, inputs: Sequence[ChunkInput], eager: bool) -> None:
-        """Record a launch's time; log a slow one (a first compile mid-run) with the step's shape."""
-        self._launch_max_s = max(self._launch_max_s, seconds)
-        if seconds < SLOW_LAUNCH_S:
-            return
-        self._slow_launches += 1
-        if self._slow_launches <= SLOW_LAUNCHES_LOGGED:
-            lengths = [len(chunk.token_ids) for chunk in inputs]
-            sampling = sum(chunk.sample is not None for chunk in inputs)
-            kind = "eager" if eager else ("decode" if max(lengths) == 1 else "mixed")
-            logger.warning(
-                "TorchEngine: step %d took %.0f ms to launch (%s step: %d requests, %d tokens, longest chunk %d, "
-                "%d sampling): a kernel built for a shape or variant the start-up did not warm; a weight sync "
-                "waits for such a launch",
-                self._num_steps + 1,
-                seconds * 1e3,
-                kind,
-                len(inputs),
-                sum(lengths),
-                max(lengths),
-                sampling,
-            )
-
     def _needs_host_ids(self) -> bool:
         return any(r.params.repetition_penalty != 1.0 for r in self._scheduler.running)
 
@@ -671,7 +636,7 @@ class TorchEngine:
             step = self._runner.launch(inputs, prior)
         else:
             step = await asyncio.to_thread(self._runner.launch, inputs, prior)
-        self._timed_launch(time.perf_counter() - started, inputs, self._runner.eager_steps > eager_before)
+        note_launch(self, time.perf_counter() - started, inputs, self._runner.eager_steps > eager_before)
         launched = InFlight(output, step)
         rows = launched.rows
         for chunk in output.chunks:

@@ -408,7 +408,7 @@ def test_a_slow_launch_is_logged_with_its_step_and_reported_in_the_stats(caplog)
     waits for) is logged with the step's shape and counted; `launch_max_s` is the longest launch so far."""
     import time
 
-    from rlasync.engine import torch_engine
+    from rlasync.engine import warm_up
 
     engine = make_engine(tiny_model("qwen3", init=0.05), async_scheduling=True, eos_token_ids=[5])
     original, calls = engine.runner.launch, []
@@ -416,7 +416,7 @@ def test_a_slow_launch_is_logged_with_its_step_and_reported_in_the_stats(caplog)
     def third_is_slow(*args, **kwargs):
         calls.append(None)
         if len(calls) == 3:
-            time.sleep(torch_engine.SLOW_LAUNCH_S + 0.02)
+            time.sleep(warm_up.SLOW_LAUNCH_S + 0.02)
         return original(*args, **kwargs)
 
     engine.runner.launch = third_is_slow
@@ -424,6 +424,57 @@ def test_a_slow_launch_is_logged_with_its_step_and_reported_in_the_stats(caplog)
         asyncio.run(staggered(engine, jobs_of(4)))
     extra = engine.stats().extra
     assert extra["num_slow_launches"] == 1.0
-    assert torch_engine.SLOW_LAUNCH_S + 0.02 <= extra["launch_max_s"] < 5.0
+    assert warm_up.SLOW_LAUNCH_S + 0.02 <= extra["launch_max_s"] < 5.0
     (message,) = [r.getMessage() for r in caplog.records if "to launch" in r.getMessage()]
     assert message.startswith("TorchEngine: step 3 took ") and " step: " in message and "requests" in message
+
+
+def test_warm_steps_runs_real_steps_and_leaves_nothing_behind(caplog):
+    """`warm_steps`: a dummy GRPO-shaped run through the real steps (so what the first real steps would build is
+    built at start-up); afterwards no block is held or cached, the launch record is reset (its slow launches are
+    not logged), and seeded requests get exactly the tokens and log-probs of an engine that never warmed."""
+    import time
+
+    from rlasync.engine import warm_up
+
+    sampling = [SamplingParams(max_tokens=48, temperature=1.0, num_logprobs=3)]
+    jobs = jobs_of(8)
+    cold = make_engine(tiny_model("qwen3", init=0.05), async_scheduling=True, eos_token_ids=[5], max_num_seqs=8)
+    want = [as_tuple(r) for r in asyncio.run(staggered(cold, jobs))]
+
+    engine = make_engine(tiny_model("qwen3", init=0.05), async_scheduling=True, eos_token_ids=[5], max_num_seqs=8)
+    original, prompts = engine.runner.launch, []
+
+    def first_is_slow(chunks, *args, **kwargs):
+        if not prompts:
+            time.sleep(warm_up.SLOW_LAUNCH_S + 0.02)
+        prompts.append(len(chunks))
+        return original(chunks, *args, **kwargs)
+
+    engine.runner.launch = first_is_slow
+    with caplog.at_level("WARNING", logger="rlasync.engine.torch_engine"):
+        seconds = engine.warm_steps(sampling, num_requests=20, max_tokens=4)
+    assert seconds > warm_up.SLOW_LAUNCH_S
+    extra = engine.stats().extra
+    assert extra["num_steps"] >= 4 and extra["num_generated_tokens"] >= 20
+    assert max(prompts) == 8  # requests waited for slots: the steps ran full
+    allocator = engine._scheduler.allocator
+    assert allocator.num_used == 0 and allocator.num_cached == 0
+    assert extra["launch_max_s"] == 0.0 and extra["num_slow_launches"] == 0.0
+    assert not [r for r in caplog.records if "to launch" in r.getMessage()]
+    engine.runner.launch = original
+    assert_same_records([as_tuple(r) for r in asyncio.run(staggered(engine, jobs))], want)
+
+
+def test_warm_steps_does_nothing_while_paused_or_serving():
+    engine = make_engine(tiny_model("qwen3", init=0.05), async_scheduling=True)
+
+    async def paused():
+        await engine.pause()
+        try:
+            return engine.warm_steps([SamplingParams(max_tokens=4)], num_requests=4)
+        finally:
+            await engine.resume()
+
+    assert asyncio.run(paused()) == 0.0
+    assert engine.stats().extra["num_steps"] == 0.0
