@@ -631,12 +631,12 @@ class TorchEngine:
         """Launch one step of the overlapped loop; a request decoding in `previous` takes its input id from there."""
         inputs = [self._overlapped_input(chunk, previous) for chunk in output.chunks]
         prior = previous.step if previous else None
-        eager_before, started = self._runner.eager_steps, time.perf_counter()
+        eager_before = self._runner.eager_steps
         if self.launch_on_loop:
-            step = self._runner.launch(inputs, prior)
+            step, seconds = self._timed_launch(inputs, prior)
         else:
-            step = await asyncio.to_thread(self._runner.launch, inputs, prior)
-        note_launch(self, time.perf_counter() - started, inputs, self._runner.eager_steps > eager_before)
+            step, seconds = await asyncio.to_thread(self._timed_launch, inputs, prior)
+        note_launch(self, seconds, inputs, self._runner.eager_steps > eager_before)
         launched = InFlight(output, step)
         rows = launched.rows
         for chunk in output.chunks:
@@ -650,6 +650,11 @@ class TorchEngine:
         self._scheduler.complete(output)
         self._num_steps += 1
         return launched
+
+    def _timed_launch(self, inputs: list[ChunkInput], prior: Any) -> tuple[Any, float]:
+        """The runner's launch and its own seconds (not the hand-off to a worker thread and back)."""
+        started = time.perf_counter()
+        return self._runner.launch(inputs, prior), time.perf_counter() - started
 
     def _overlapped_input(self, chunk: Any, previous: InFlight | None) -> ChunkInput:
         request = chunk.request
