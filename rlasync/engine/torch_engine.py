@@ -83,7 +83,7 @@ from rlasync.engine.runner import (
     check_engine_support,
 )
 from rlasync.engine.scheduler import Scheduler, SchedulerOutput
-from rlasync.engine.warm_up import note_launch, warm_steps, warm_up
+from rlasync.engine.warm_up import LaunchRecord, dummy_jobs, run_jobs, warm_up
 from rlasync.engine.weights import PlannedLoader, load_sync
 from rlasync.records import TurnRecord
 from rlasync.weights.adapter import AdapterMerger, adapter_base
@@ -253,9 +253,7 @@ class TorchEngine:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._num_steps = 0
-        self._launch_max_s = 0.0  # the longest step launch so far (`stats().extra["launch_max_s"]`)
-        self._warming = False  # `warm_steps` runs: its slow launches are expected, not logged
-        self._slow_launches = 0  # launches of SLOW_LAUNCH_S or more
+        self.launches = LaunchRecord()  # the longest step launch, the slow ones (a kernel built mid-run)
         self._num_generated_tokens = 0
 
     # ---- the Engine interface -------------------------------------------------------------------------------------
@@ -385,17 +383,15 @@ class TorchEngine:
         prefix cache and, with CUDA graphs, the steps that ran the decoder eagerly (`num_eager_steps`: a step no
         graph held, several times slower for a small model; `rollout/engine_eager_step_frac`); and `fused_layers`,
         1.0 when the decoder runs fused (`rollout/engine_fused_layers_frac`: a start-up check that turned them off
-        shows in the run's metrics, not only in a worker's log); `launch_max_s`, the longest launch of a step so far,
-        and `num_slow_launches`, those of `SLOW_LAUNCH_S` or more (`rollout/engine_launch_max_s`: a compile mid-run,
-        which a weight sync waits for)."""
+        shows in the run's metrics, not only in a worker's log); `launch_max_s` / `num_slow_launches`: `LaunchRecord`'s."""
         allocator = self._scheduler.allocator
         extra = {
             "num_steps": float(self._num_steps),
             "num_generated_tokens": float(self._num_generated_tokens),
             "prefix_cache_hit_tokens": float(self._scheduler.num_prefix_hit_tokens),
             "fused_layers": float(bool(self._runner.fused_layers)),
-            "launch_max_s": self._launch_max_s,
-            "num_slow_launches": float(self._slow_launches),
+            "launch_max_s": self.launches.max_s,
+            "num_slow_launches": float(self.launches.slow),
         }
         runner = self._runner
         if runner.graphs is not None or runner.mixed is not None:
@@ -431,13 +427,21 @@ class TorchEngine:
         }
 
     def warm_up(self, sampling: Sequence[SamplingParams]) -> float:
-        """Build at start-up what the first requests would (`rlasync.engine.warm_up.warm_up`: the compiled sampler's
-        variants for `sampling`, then on CUDA `warm_steps`); the seconds it took, 0 when there was nothing to do."""
+        """Build at start-up what the first steps would (`rlasync.engine.warm_up`); its seconds, 0: nothing to do."""
         return warm_up(self, sampling)
 
-    def warm_steps(self, sampling: Sequence[SamplingParams], **options: Any) -> float:
-        """A short dummy GRPO-shaped run through the real steps (`rlasync.engine.warm_up.warm_steps`)."""
-        return warm_steps(self, sampling, **options)
+    def warm_steps(self, sampling: Sequence[SamplingParams], num_requests: int | None = None, **options: Any) -> float:
+        """A dummy GRPO-shaped batch through the real steps (`warm_up.dummy_jobs`); its seconds, 0 if paused or busy."""
+        scheduler = self._scheduler
+        if scheduler.paused or scheduler.has_work or not sampling:
+            return 0.0
+        count = scheduler.max_num_seqs * 5 // 4 if num_requests is None else num_requests  # so that requests wait
+        jobs = dummy_jobs(sampling, count, self.vocab_size, self.max_model_len, **options)
+        try:
+            with self.launches.warming():
+                return run_jobs(self.generate, jobs)
+        finally:
+            scheduler.allocator.clear_cache()  # the dummy prompts' blocks: no later request shares them
 
     def bound_steps(self, tokens: int | None) -> None:
         """Hold a step that has running requests to `tokens` (None: only `max_num_batched_tokens` bounds it), as the
@@ -636,7 +640,7 @@ class TorchEngine:
             step, seconds = self._timed_launch(inputs, prior)
         else:
             step, seconds = await asyncio.to_thread(self._timed_launch, inputs, prior)
-        note_launch(self, seconds, inputs, self._runner.eager_steps > eager_before)
+        self.launches.note(seconds, inputs, self._runner.eager_steps > eager_before, self._num_steps + 1)
         launched = InFlight(output, step)
         rows = launched.rows
         for chunk in output.chunks:
@@ -652,8 +656,7 @@ class TorchEngine:
         return launched
 
     def _timed_launch(self, inputs: list[ChunkInput], prior: Any) -> tuple[Any, float]:
-        """The runner's launch and its own seconds (not the hand-off to a worker thread and back)."""
-        started = time.perf_counter()
+        started = time.perf_counter()  # the runner's own seconds, not the hand-off to a worker thread and back
         return self._runner.launch(inputs, prior), time.perf_counter() - started
 
     def _overlapped_input(self, chunk: Any, previous: InFlight | None) -> ChunkInput:
