@@ -63,16 +63,11 @@ import torch
 
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import decode_batch_sizes
+from rlasync.engine.engine_build import build_model, build_pool, choose_engine_layout, eos_ids
 from rlasync.engine.kv_cache import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
     BlockAllocator,
-    kv_bytes_per_token,
-    kv_shape,
-    num_blocks_for,
 )
-from rlasync.engine.kv_cache import kv_cache_tokens as kv_budget_tokens
 from rlasync.engine.mixed_graphs import mixed_token_counts
-from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, choose_layout, register_paged_attention
 from rlasync.engine.request import Request
 from rlasync.engine.runner import (
     ChunkInput,
@@ -86,10 +81,10 @@ from rlasync.engine.scheduler import Scheduler, SchedulerOutput
 from rlasync.engine.warm_up import LaunchRecord, dummy_jobs, run_jobs, warm_up
 from rlasync.engine.weights import PlannedLoader, load_sync
 from rlasync.records import TurnRecord
-from rlasync.weights.adapter import AdapterMerger, adapter_base
+from rlasync.weights.adapter import AdapterMerger
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -199,16 +194,16 @@ class TorchEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:  # pin "cuda" to the GPU current now
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.model = _build_model(model, dtype, self.device)
+        self.model = build_model(model, dtype, self.device)
         self._adapter = AdapterMerger()  # LoRA syncs: W = W0 + s*B@A over the base weights kept at the first one
         self._loader = PlannedLoader()  # IPC syncs: the first one's copies recorded, then replayed in one batch
         check_engine_support(self.model)
         config = self.model.config
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
-        self.eos_token_ids = _eos_ids(self.model, eos_token_ids)
+        self.eos_token_ids = eos_ids(self.model, eos_token_ids)
         self.kv_on_weight_update = kv_on_weight_update
-        backend, block_size = _choose_layout(self.model, self.device, attention_backend, block_size)
-        pool = _build_pool(
+        backend, block_size = choose_engine_layout(self.model, self.device, attention_backend, block_size)
+        pool = build_pool(
             self.model,
             self.device,
             block_size,
@@ -722,79 +717,3 @@ def _recorded(event: Any, device: torch.device) -> Any:
         logger.warning("TorchEngine: could not record the weight sync's copy event (%s); waiting for the copies", exc)
         return None
     return event
-
-
-# ---- construction helpers -----------------------------------------------------------------------------------------
-
-
-def _build_model(model: str | torch.nn.Module, dtype: str | torch.dtype | None, device: torch.device) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    register_paged_attention()
-    if isinstance(model, str):
-        model = adapter_base(model)  # a LoRA checkpoint: the engine holds the base, adapters arrive by sync
-        torch_dtype = _resolve_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype, attn_implementation=ATTENTION_NAME)
-    elif dtype is not None:
-        model = model.to(_resolve_dtype(dtype))
-    return model.to(device).eval().requires_grad_(False)
-
-
-def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(names)}")
-    return names[dtype]
-
-
-def _eos_ids(model: Any, eos_token_ids: Sequence[int] | int | None) -> frozenset[int]:
-    if eos_token_ids is None:
-        generation_config = getattr(model, "generation_config", None)
-        eos_token_ids = getattr(generation_config, "eos_token_id", None)
-        if eos_token_ids is None:
-            eos_token_ids = getattr(model.config, "eos_token_id", None)
-    if eos_token_ids is None:
-        return frozenset()
-    if isinstance(eos_token_ids, int):
-        return frozenset({eos_token_ids})
-    return frozenset(int(token) for token in eos_token_ids)
-
-
-def _model_shape(config: PretrainedConfig) -> tuple[int, int, int, int]:
-    """(num_layers, num_heads, num_kv_heads, head_dim)."""
-    return kv_shape(config)
-
-
-def _choose_layout(model: Any, device: torch.device, backend: str, block_size: int | None) -> tuple[str, int]:
-    _, num_heads, num_kv_heads, head_dim = _model_shape(model.config)
-    dtype = next(model.parameters()).dtype
-    return choose_layout(backend, block_size, device, dtype, num_heads, num_kv_heads, head_dim)
-
-
-def _build_pool(
-    model: Any,
-    device: torch.device,
-    block_size: int,
-    max_model_len: int,
-    kv_cache_tokens: int | None,
-    gpu_memory_utilization: float,
-    max_num_seqs: int,
-) -> KVPool:
-    num_layers, _, num_kv_heads, head_dim = _model_shape(model.config)
-    dtype = next(model.parameters()).dtype
-    bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype.itemsize)
-    budget = DEFAULT_CPU_KV_CACHE_BYTES
-    if kv_cache_tokens is None and device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(gpu_memory_utilization * total) - (total - free)
-    tokens = kv_budget_tokens(
-        kv_cache_tokens,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        bytes_per_token=bytes_per_token,
-        budget_bytes=budget,
-    )
-    num_blocks = num_blocks_for(tokens, block_size)
-    return KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
