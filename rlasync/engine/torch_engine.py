@@ -57,7 +57,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -82,9 +82,6 @@ from rlasync.engine.warm_up import LaunchRecord, dummy_jobs, run_jobs, warm_up
 from rlasync.engine.weights import PlannedLoader, load_sync
 from rlasync.records import TurnRecord
 from rlasync.weights.adapter import AdapterMerger
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
