@@ -475,6 +475,7 @@ e2e_sums_torch)  # after kits and the SmolLM2 calls (.smol1, .smol2; warm): the 
     cp /tmp/results/sums_e2e_h200.json "$out/"
     grep -h -E '"(seconds_to_reward_0_9|step_at_reward_0_9|weight_sync_max_s|rollout_wait_frac|generated_tokens_per_s_median|engine_eager_step_frac_mean|engine_fused_layers_frac_mean|engine_launch_max_s|weight_sync_dispatch_max_s|generation_gc_max_s_median|generation_gc_refreezes|learner_gc_max_s|learner_gc_refreezes)"' "$out/sums_e2e_h200.json"
     python3 -c "import json, sys; print('step_parts', json.load(open(sys.argv[1])).get('torch', {}).get('step_parts'))" "$out/sums_e2e_h200.json"
+    grep -h "ms to launch" "$out/e2e_sums_torch.log" | head -n 8  # launches that built a kernel mid-run (LaunchRecord)
     wait; [ -f "$out/top_e2e.txt" ] && head -n 40 "$out/top_e2e.txt"
     ;;
 distill_transfer)  # after e2e_sums_torch (warm: its last checkpoint is the teacher; else one is trained first, +4 min): distillation into the base SmolLM2, 60 steps, held-out accuracy curve (~4 min)
