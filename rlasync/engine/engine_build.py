@@ -4,7 +4,7 @@ paged attention layout and the KV pool sized from the memory it may take."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -12,9 +12,6 @@ from rlasync.engine.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, kv_bytes_per_tok
 from rlasync.engine.kv_cache import kv_cache_tokens as kv_budget_tokens
 from rlasync.engine.paged_attention import ATTENTION_NAME, KVPool, choose_layout, register_paged_attention
 from rlasync.weights.adapter import adapter_base
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
 
 
 def build_model(model: str | torch.nn.Module, dtype: str | torch.dtype | None, device: torch.device) -> Any:
@@ -52,13 +49,8 @@ def eos_ids(model: Any, eos_token_ids: Sequence[int] | int | None) -> frozenset[
     return frozenset(int(token) for token in eos_token_ids)
 
 
-def model_shape(config: PretrainedConfig) -> tuple[int, int, int, int]:
-    """(num_layers, num_heads, num_kv_heads, head_dim)."""
-    return kv_shape(config)
-
-
 def choose_engine_layout(model: Any, device: torch.device, backend: str, block_size: int | None) -> tuple[str, int]:
-    _, num_heads, num_kv_heads, head_dim = model_shape(model.config)
+    _, num_heads, num_kv_heads, head_dim = kv_shape(model.config)
     dtype = next(model.parameters()).dtype
     return choose_layout(backend, block_size, device, dtype, num_heads, num_kv_heads, head_dim)
 
@@ -72,7 +64,7 @@ def build_pool(
     gpu_memory_utilization: float,
     max_num_seqs: int,
 ) -> KVPool:
-    num_layers, _, num_kv_heads, head_dim = model_shape(model.config)
+    num_layers, _, num_kv_heads, head_dim = kv_shape(model.config)
     dtype = next(model.parameters()).dtype
     bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype.itemsize)
     budget = DEFAULT_CPU_KV_CACHE_BYTES

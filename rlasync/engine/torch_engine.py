@@ -64,9 +64,7 @@ import torch
 from rlasync.engine.base import EngineError, EngineStats, RequestRejectedError, SamplingParams, ScoreResult
 from rlasync.engine.cuda_graphs import decode_batch_sizes
 from rlasync.engine.engine_build import build_model, build_pool, choose_engine_layout, eos_ids
-from rlasync.engine.kv_cache import (
-    BlockAllocator,
-)
+from rlasync.engine.kv_cache import BlockAllocator
 from rlasync.engine.mixed_graphs import mixed_token_counts
 from rlasync.engine.request import Request
 from rlasync.engine.runner import (
