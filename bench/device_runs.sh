@@ -487,7 +487,7 @@ distill_transfer)  # after e2e_sums_torch (warm: its last checkpoint is the teac
     cp /tmp/results/distill_transfer_h200.json "$out/"
     grep -h -E '"(student_accuracy_start|student_accuracy_final|minutes)"' "$out/distill_transfer_h200.json"
     ;;
-e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums run with vLLM, 200 steps, merged into the same JSON (~6.5 min)
+e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums run with vLLM, 200 steps, merged into the same JSON (~6.5 min); E2E_VLLM_KWARGS='{"direct_sync":true}' a variant of vLLM's arguments, E2E_AFTER_STEPS stops it that many steps after 0.9
     [ -d /tmp/vsite/vllm ] || bash .vllmkit/unpack.sh || exit 1
     export PYTHONPATH=/tmp/vsite:$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1
@@ -500,10 +500,13 @@ e2e_sums_vllm)  # after e2e_sums_torch and kit .vllmkit (warm): the default sums
              /tmp/pyspy/bin/py-spy record -d 12 -r 100 -f raw --nonblocking --gil -p "$p" -o "$out/pyspy_vllm_gil_$n.txt" >/dev/null 2>&1) & done; wait
          python3 bench/pyspy_top.py "$out"/pyspy_vllm_*.txt > "$out/top_e2e_vllm.txt" 2>&1) &
     fi
-    run e2e_sums_vllm 580 python3 bench/sums_e2e.py --engines vllm --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}" "${sets[@]}"
+    vkw=(); [ -n "${E2E_VLLM_KWARGS:-}" ] && vkw=(--vllm-kwargs "$E2E_VLLM_KWARGS")  # e.g. '{"direct_sync":true}': merged into vLLM's engine arguments
+    run e2e_sums_vllm 580 python3 bench/sums_e2e.py --engines vllm --run-root /tmp/sums_e2e --out /tmp/results/sums_e2e_h200.json --budget-s "${E2E_BUDGET_S:-470}" --stop-after-steps "${E2E_AFTER_STEPS:-1000}" "${sets[@]}" "${vkw[@]}"
     cp /tmp/results/sums_e2e_h200.json "$out/"
     cp /tmp/sums_e2e/sums_vllm/metrics.jsonl "$out/sums_vllm_metrics.jsonl" 2>/dev/null
-    grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|weight_sync_median_s|rollout_wait_frac|generated_tokens_per_s_median)"' "$out/sums_e2e_h200.json"
+    grep -h -E '"(seconds_to_reward_0_9|weight_sync_max_s|weight_sync_median_s|weight_sync_p90_s|rollout_wait_frac|generated_tokens_per_s_median)"' "$out/sums_e2e_h200.json"
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(k, 'parts', v.get('weight_sync_parts')) for k, v in d.items() if k.startswith('vllm') and isinstance(v, dict)]" "$out/sums_e2e_h200.json"
+    grep -h "sync door" "$out/e2e_sums_vllm.log" | head -n 5  # direct_sync: a door that did not open or failed
     wait; [ -f "$out/top_e2e_vllm.txt" ] && head -n 60 "$out/top_e2e_vllm.txt"
     ;;
 e2e_ab)  # after kits and the SmolLM2 calls (warm): the default sums run with the TorchEngine twice in one call, E2E_BUDGET_S (200) each, first with E2E_BASE_SETS (none: as it is), then with E2E_SETS (e.g. cluster.engine_kwargs.launch_on_loop=true); E2E_AB_LABEL (ab) names the files sums_<label>_{base,variant}*: generated tokens/s, step time, syncs and loop lag side by side (~8 min)

@@ -210,12 +210,20 @@ def summarize(
     }
 
 
-def train_command(engine: str, run_dir: Path, steps: int | None, sets: list[str], config: Path = CONFIG) -> list[str]:
+def train_command(
+    engine: str,
+    run_dir: Path,
+    steps: int | None,
+    sets: list[str],
+    config: Path = CONFIG,
+    vllm_kwargs: dict[str, Any] | None = None,
+) -> list[str]:
     """`rlasync train configs/sums_gpu.yaml` (or `config`) with the engine, the output folder and per-step logging
-    set."""
+    set; `vllm_kwargs` are merged into vLLM's engine arguments (e.g. `{"direct_sync": true}`)."""
     overrides = [f"output_dir={run_dir}", f"cluster.engine={engine}", "logging_steps=1"]
     if engine == "vllm":
-        overrides += ["cluster.engine_kwargs=" + json.dumps(VLLM_ENGINE_KWARGS), *VLLM_CLUSTER]
+        kwargs = {**VLLM_ENGINE_KWARGS, **(vllm_kwargs or {})}
+        overrides += ["cluster.engine_kwargs=" + json.dumps(kwargs, separators=(",", ":")), *VLLM_CLUSTER]
     if steps:
         overrides.append(f"max_steps={steps}")
     command = [sys.executable, "-m", "rlasync", "train", str(config), "--overwrite_output_dir"]
@@ -246,7 +254,9 @@ def hardware() -> dict[str, Any]:
 
 def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     run_dir = Path(args.run_root) / f"sums_{engine}"
-    command = train_command(engine, run_dir, args.steps, args.set or [], Path(args.config))
+    extra = getattr(args, "vllm_kwargs", None)  # a namespace built by hand (tests) may leave it out
+    vllm_kwargs = json.loads(extra) if extra else None
+    command = train_command(engine, run_dir, args.steps, args.set or [], Path(args.config), vllm_kwargs)
     print(f"--- {engine}: {' '.join(command)}", flush=True)
     metrics = run_dir / "metrics.jsonl"
     # a run before this one in the same folder (the command overwrites it): its records would say "done" at once
@@ -347,6 +357,11 @@ def main(argv: list[str] | None = None) -> None:
         help="stop each run with SIGTERM this many steps after its reward reached the threshold (saves device time; "
         "the run's final checkpoint is then a teacher past the threshold)",
     )
+    parser.add_argument(
+        "--vllm-kwargs",
+        default=None,
+        help="JSON merged into vLLM's engine arguments (e.g. '{\"direct_sync\": true}'); the result key names it",
+    )
     parser.add_argument("--metrics", default=None, help="recompute from this metrics.jsonl instead of training")
     parser.add_argument("--started", type=float, default=None, help="with --metrics: the command's start (epoch s)")
     args = parser.parse_args(argv)
@@ -364,8 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     for engine in engines:
         result = run_engine(args, engine)
         result["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        result["sets"] = list(args.set or [])
-        merge(Path(args.out), result_key(engine, args.set), result)
+        variant = list(args.set or [])
+        if args.vllm_kwargs and engine == "vllm":
+            variant.append(f"vllm_kwargs={args.vllm_kwargs}")
+        result["sets"] = variant
+        merge(Path(args.out), result_key(engine, variant), result)
         print(json.dumps({k: v for k, v in result.items() if k != "reward_curve"}, indent=1), flush=True)
 
 

@@ -190,6 +190,9 @@ class VLLMEngine(VLLMWeightLoading):
     sync_without_pause      an IPC weight sync swaps the weights between two of vLLM's steps (one utility call) and
                             preempts the running requests after, instead of pausing and resuming vLLM's scheduler
                             around it: two round trips through vLLM's front end fewer per sync (`pause`)
+    direct_sync             an IPC weight sync does not cross vLLM's front end at all: one message through a socket
+                            of the worker's own, applied at the worker's next step (`rlasync.engine.vllm_door`);
+                            implies `sync_without_pause`
     prometheus_metrics      keep vLLM's Prometheus metrics in the actor's process (off: nobody scrapes them there,
                             and they cost the front end ~7% of its Python time; our own gauges feed `stats()`)
     weight_transfer_backend None, or "nccl" for vLLM's own NCCL weight transfer (`init_weight_transfer`)
@@ -212,6 +215,7 @@ class VLLMEngine(VLLMWeightLoading):
         clear_cache_on_pause: bool = True,
         prometheus_metrics: bool = False,
         sync_without_pause: bool = False,
+        direct_sync: bool = False,
         weight_transfer_backend: str | None = None,
         rpc_timeout_s: float = 600.0,
         control_timeout_s: float = 300.0,
@@ -233,7 +237,11 @@ class VLLMEngine(VLLMWeightLoading):
         self.use_request_seeds = bool(use_request_seeds)
         self.clear_cache_on_pause = bool(clear_cache_on_pause)
         self.prometheus_metrics = bool(prometheus_metrics)
-        self.sync_without_pause = bool(sync_without_pause)
+        self.direct_sync = bool(direct_sync)
+        self.sync_without_pause = bool(sync_without_pause) or self.direct_sync
+        self._door = None  # the worker's sync door (`direct_sync`), opened with the weight transport
+        self._door_loop = None
+        self.door_counts = {}
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.control_timeout_s = float(control_timeout_s)
         self.chunk_bytes = int(chunk_bytes)
@@ -429,6 +437,7 @@ class VLLMEngine(VLLMWeightLoading):
         """Shut the EngineCore down (its GPU memory is freed); later requests raise `EngineError`."""
         if not self._closed:
             self._closed = True
+            self.close_door()
             self._llm.shutdown()
 
     # ---- internals ----------------------------------------------------------------------------------------------

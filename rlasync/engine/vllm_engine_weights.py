@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
+from rlasync.engine.vllm_door import DoorClient
 from rlasync.engine.vllm_worker import encode_weights, flat_buckets, manifest_rows, nccl_update_info
 from rlasync.weights.adapter import peek_adapter
 from rlasync.weights.apply import paused_for_update
@@ -60,6 +61,129 @@ class VLLMWeightLoading:
     control_timeout_s: float
     weight_transfer_backend: str | None
     _rpc: Callable[..., Awaitable[list[Any]]]  # the host's collective_rpc: _rpc(method, *args, timeout_s=None)
+    direct_sync: bool
+    _door: DoorClient | None  # the worker's sync door, once open (`direct_sync`)
+    _door_loop: asyncio.AbstractEventLoop | None  # the engine's loop (vLLM's front end): nudges and fallbacks go there
+    door_counts: dict[str, int]  # loads the door applied at a step / on a nudge, resets vLLM refused
+
+    # ---- the sync door (`direct_sync`): an IPC sync that does not cross the front end ----------------------------
+
+    @property
+    def loads_between_steps(self) -> bool:
+        """An IPC sync goes through the worker's sync door without a pause (`load_between_steps`); true once the
+        door is open (`open_loads_between_steps`)."""
+        return self._door is not None
+
+    @property
+    def copy_event_handles(self) -> bool:
+        """`load_between_steps` takes the ticket's copy event as its raw IPC handle (the worker records it): this
+        process opens no CUDA event (nor a CUDA context) of its own."""
+        return True
+
+    async def open_loads_between_steps(self) -> None:
+        """Open the worker's sync door (`direct_sync` only; once), on the engine's loop. A door that does not open,
+        or an engine of several workers (tensor parallel: each would apply a load at its own next step), keeps the
+        front end's path, with a warning."""
+        if not self.direct_sync or self._door is not None:
+            return
+        self._door_loop = asyncio.get_running_loop()
+        try:
+            paths = await self._rpc("open_sync_door", timeout_s=self.control_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - an untried vLLM build: the front end's path still works
+            logger.warning(
+                "vLLM's sync door did not open (%s: %s); weight syncs go through the front end", type(exc).__name__, exc
+            )
+            return
+        if len(paths) != 1:
+            logger.warning(
+                "vLLM engine of %d workers: direct_sync needs one (no common step boundary); weight syncs "
+                "go through the front end",
+                len(paths),
+            )
+            await self._rpc("close_sync_door", timeout_s=self.control_timeout_s)
+            return
+        self._door = DoorClient(str(paths[0]), self.rpc_timeout_s)
+
+    def load_between_steps(self, load: Any, done_event: bytes | None = None) -> dict[str, float]:
+        """One IPC sync through the sync door (`rlasync.engine.vllm_door`), blocking the calling thread (the
+        generation actor's sync thread, not the front end's loop): the worker applies it at the start of its next
+        step, or at once on the nudge sent through the front end for an idle engine; then, with
+        `clear_cache_on_pause`, the running requests are preempted and the prefix cache dropped (sent after, not
+        awaited: a step or two may sample from the new weights over the old KV, their log-probs being what was
+        sampled). `done_event`: the ticket's copy event as a raw IPC handle, recorded by the worker. Returns
+        `wait_s` (until the worker began the load: the step boundary) and `load_s` (the worker's load). A load the
+        door cannot take (an adapter, one-off buckets, a multimodal model) or a door that failed goes through the
+        front end: pause, `load_weights`, resume, on the engine's loop."""
+        started = time.perf_counter()
+        handles, key = getattr(load, "handles", None), getattr(load, "key", "")
+        door = self._door
+        if (
+            door is None
+            or not handles
+            or not key
+            or _adapter_entries(handles)
+            or getattr(self, "_flat_failed", None)
+            or multimodal_cache(self._llm) is not None
+        ):
+            return self._through_front_end(load, started)
+        try:
+            seq = door.send_load(key, flat_buckets(handles), done_event)
+            self._on_engine_loop(self._rpc("apply_sync_door", seq, timeout_s=self.control_timeout_s), "nudge")
+            answer = door.wait(seq)
+        except (OSError, ConnectionError) as exc:  # TimeoutError (an OSError) included: the door is closed now
+            if isinstance(exc, TimeoutError):
+                raise
+            logger.warning("vLLM's sync door failed (%s); weight syncs go through the front end from now on", exc)
+            self._door = None
+            return self._through_front_end(load, started)
+        if not answer["ok"]:
+            self._flat_failed = answer["error"]
+            logger.warning(
+                "vLLM weight sync from persistent buckets failed (%s); syncing tensor by tensor from now on",
+                self._flat_failed,
+            )
+            return self._through_front_end(load, started)
+        self.door_counts[answer["applied_by"]] = self.door_counts.get(answer["applied_by"], 0) + 1
+        if self.clear_cache_on_pause:
+            self._on_engine_loop(self._reset_after_load(), "prefix cache reset")
+        total = time.perf_counter() - started
+        load_s = min(float(answer["result"].get("seconds", 0.0)), total)
+        return {"wait_s": total - load_s, "load_s": load_s, "door_wait_s": float(answer["waited_s"])}
+
+    def _through_front_end(self, load: Any, started: float) -> dict[str, float]:
+        loop = self._door_loop
+        if loop is None:
+            raise RuntimeError("VLLMEngine.load_between_steps before open_loads_between_steps")
+        future = asyncio.run_coroutine_threadsafe(self._paused_load(load), loop)
+        future.result(timeout=self.rpc_timeout_s + 2 * self.control_timeout_s)
+        return {"wait_s": 0.0, "load_s": time.perf_counter() - started}
+
+    async def _paused_load(self, load: Any) -> None:
+        async with paused_for_update(self):
+            await self.load_weights(load)
+
+    async def _reset_after_load(self) -> None:
+        reset = await bounded(self._llm.reset_prefix_cache(True, True), self.control_timeout_s, "reset_prefix_cache")
+        if reset is not True:
+            self.door_counts["resets_refused"] = self.door_counts.get("resets_refused", 0) + 1
+            logger.warning(
+                "vLLM refused the prefix cache reset after a weight sync: running requests keep the old weights' KV"
+            )
+
+    def _on_engine_loop(self, coro: Any, what: str) -> None:
+        """Run `coro` on the engine's loop without waiting for it; a failure is logged."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._door_loop)  # type: ignore[arg-type]
+
+        def done(f: Any) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                logger.warning("vLLM sync door: the %s failed: %s", what, f.exception())
+
+        future.add_done_callback(done)
+
+    def close_door(self) -> None:
+        if self._door is not None:
+            self._door.close()
+            self._door = None
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
         """Load `(HF name, tensor)` pairs in place through the workers' `model.load_weights`; only while paused.

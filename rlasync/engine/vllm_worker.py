@@ -11,6 +11,9 @@ so its methods run inside the worker process, next to the model, and are reached
     load_weights_payload(payload)                 tensors sent inline (CPU bytes) or as CUDA IPC handles (same GPU)
     load_flat_ipc(key, buckets)                   an IPC sync: learner rank 0's persistent buckets, mapped once,
                                                   the recorded copies replayed as one batched copy
+    open_sync_door() / apply_sync_door() / close_sync_door()
+                                                  `load_flat_ipc` through a socket of the worker's own, applied at
+                                                  its next step (`rlasync.engine.vllm_door`)
     init_weight_group(host, port, rank, world_size, timeout_s)
                                                   join rlasync's weight-sync group (`rlasync.weights.broadcast`)
     receive_weights(manifest)                     receive one broadcast per manifest entry from learner rank 0
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import pickle
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -44,6 +48,8 @@ from typing import Any
 PAYLOAD_FORMAT = "rlasync-weights-v1"
 DEFAULT_CHUNK_BYTES = 256 << 20
 EXTENSION_QUALNAME = "rlasync.engine.vllm_worker.WorkerExtension"
+
+logger = logging.getLogger(__name__)
 
 
 # ---- payloads (sender side: the engine adapters) -------------------------------------------------------------------
@@ -224,11 +230,13 @@ class WorkerExtension:
         """Load one payload of `encode_weights` (a dict, or its JSON) through the model's `load_weights` (in place)."""
         return self._rlasync_load(decode_weights(payload, self._rlasync_device()))
 
-    def load_flat_ipc(self, key: str, buckets: Sequence[Any]) -> dict[str, Any]:
+    def load_flat_ipc(self, key: str, buckets: Sequence[Any], done_event: bytes | None = None) -> dict[str, Any]:
         """One sync from learner rank 0's persistent buckets (`rlasync.weights.ipc.SharedWeights`; `buckets` as
         `flat_buckets` encodes them): mapped once per `key` (the same handles every sync), the first load through
         the model's `load_weights` with its copies recorded, later ones one batched copy of the recorded shards
-        into the fused parameters (`rlasync.engine.weights.CopyPlan`; the loader again if it is not replayable)."""
+        into the fused parameters (`rlasync.engine.weights.CopyPlan`; the loader again if it is not replayable).
+        `done_event`: the IPC handle of learner rank 0's event for this engine (`IpcTicket.done_events`), recorded
+        behind the copies instead of waiting for them (the sender waits for it before refilling its buckets)."""
         import torch
 
         from rlasync.engine.weights import PlannedLoader
@@ -241,7 +249,8 @@ class WorkerExtension:
         with torch.no_grad():
             how = cached.loader.load(self._rlasync_model(), cached, lambda pairs: self._rlasync_load(pairs))
         queued = time.perf_counter()
-        if torch.cuda.is_available():
+        recorded = done_event is not None and self._rlasync_record(done_event)
+        if torch.cuda.is_available() and not recorded:
             torch.cuda.synchronize()  # the sender refills its buckets once this returns
         ended = time.perf_counter()
         # the phases inside the worker: mapping the buckets (first sync only), queueing the copies (host), waiting
@@ -255,7 +264,30 @@ class WorkerExtension:
             "queue_s": queued - mapped,
             "gpu_wait_s": ended - queued,
             "bytes": sum(t.numel() * t.element_size() for _, t in cached.pairs),
+            "recorded": bool(recorded),
         }
+
+    def _rlasync_record(self, handle: bytes) -> bool:
+        """Record the sender's interprocess event on this worker's stream, behind the queued copies; False (the
+        caller waits for the copies) off CUDA or where it cannot be opened."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        device = torch.device(self._rlasync_device())
+        index = device.index if device.type == "cuda" and device.index is not None else torch.cuda.current_device()
+        events = self.__dict__.setdefault("_rlasync_events", {})
+        try:
+            event = events.get(bytes(handle))
+            if event is None:
+                event = events[bytes(handle)] = torch.cuda.Event.from_ipc_handle(index, bytes(handle))
+            event.record(torch.cuda.current_stream(index))
+        except RuntimeError as exc:
+            if not getattr(self, "_rlasync_event_warned", False):
+                self._rlasync_event_warned = True
+                logger.warning("vLLM worker: the weight sync's copy event failed (%s); waiting for the copies", exc)
+            return False
+        return True
 
     def _rlasync_open(self, buckets: Sequence[Any]) -> list[tuple[str, Any]]:
         from pathlib import Path
@@ -273,6 +305,35 @@ class WorkerExtension:
             for name, dtype, shape, offset, num_bytes in entries:
                 pairs.append((name, flat[offset : offset + num_bytes].view(getattr(torch, dtype)).view(tuple(shape))))
         return pairs
+
+    def open_sync_door(self) -> str:
+        """Open this worker's sync door (`rlasync.engine.vllm_door`; once) and return its socket's path: loads sent
+        through it are applied at the start of the worker's next step, or by `apply_sync_door`."""
+        from rlasync.engine.vllm_door import install_door
+
+        door = getattr(self, "_rlasync_door", None)
+        if door is None:
+            door = self._rlasync_door = install_door(
+                self, lambda request: self.load_flat_ipc(request["key"], request["buckets"], request.get("event"))
+            )
+        return door.path
+
+    def apply_sync_door(self, seq: Any = 0, timeout_s: Any = 5.0) -> int:
+        """Apply the loads pending at the sync door now (the client's nudge through the front end, for an engine
+        with no step to run), once load `seq` has arrived (the nudge may overtake it); how many."""
+        door = getattr(self, "_rlasync_door", None)
+        if door is None:
+            return 0
+        door.wait_received(int(seq), float(timeout_s))
+        return door.apply_pending("nudge")
+
+    def close_sync_door(self) -> None:
+        from rlasync.engine.vllm_door import remove_door
+
+        door = getattr(self, "_rlasync_door", None)
+        if door is not None:
+            remove_door(self, door)
+        self._rlasync_door = None
 
     def init_weight_group(
         self,

@@ -384,11 +384,19 @@ class IpcReceiver:
         mapped = self.stage(ticket)
         staged = time.perf_counter()
         if self.between_steps and pausing is None:
-            done = ticket.done_event(self.rank, self.device) if hasattr(ticket, "done_event") else None
+            done = self._done_event(engine, ticket)
             phases = await load_between_steps(engine, mapped, inline=inline, done_event=done)
         else:
             phases = await load_while_pausing(engine, iter(()), 0, load=mapped, pausing=pausing)
         return {**phases, "stage_s": staged - start, "pack_s": float(getattr(ticket, "pack_s", 0.0))}
+
+    def _done_event(self, engine: Any, ticket: Any) -> Any:
+        """This engine's copy event: opened here, or as its raw handle for an engine whose workers record it
+        (`copy_event_handles`: vLLM's; this process then needs no CUDA context of its own)."""
+        if not getattr(engine, "copy_event_handles", False):
+            return ticket.done_event(self.rank, self.device) if hasattr(ticket, "done_event") else None
+        events = getattr(ticket, "done_events", ())
+        return bytes(events[self.rank - 1]) if self.device.type == "cuda" and 0 < self.rank <= len(events) else None
 
     def close(self) -> None:
         self.mapped = None
@@ -436,6 +444,9 @@ async def make_receiver(
     group here (every member at once). "ipc" maps handles; an engine with its own receiver receives in place (full weights only: a LoRA
     adapter sync goes through the engine's `load_weights`, which loads it as a runtime adapter)."""
     if plan.kind.traits.process_group is None:
+        opener = getattr(engine, "open_loads_between_steps", None)  # vLLM's sync door (`direct_sync`)
+        if opener is not None:
+            await opener()
         between = bool(getattr(engine, "loads_between_steps", False))
         return IpcReceiver(manifest, between_steps=between, rank=rank, device=device)
     if isinstance(engine, SelfReceivingEngine) and not is_adapter_manifest(manifest):  # adapters: load_weights

@@ -101,6 +101,12 @@ def test_the_command_is_the_run_file_with_engine_and_per_step_logging(tmp_path):
     # two vLLM engines on a quarter of the GPU each, each with a fixed KV cache (neither sizes it by what is free)
     assert "cluster.num_generation_actors=2" in sets and "cluster.generation_num_gpus=0.25" in sets
     assert json.loads(kwargs.split("=", 1)[1])["kv_cache_memory_bytes"] > 0
+    direct = sums_e2e.train_command("vllm", tmp_path / "v", None, [], vllm_kwargs={"direct_sync": True})
+    (kwargs,) = [s for s in direct if s.startswith("cluster.engine_kwargs=")]
+    merged = json.loads(kwargs.split("=", 1)[1])
+    assert merged["direct_sync"] is True and merged["max_num_seqs"] == sums_e2e.VLLM_ENGINE_KWARGS["max_num_seqs"]
+    assert " " not in kwargs  # one shell word (bench/device_runs.sh splits E2E_SETS on spaces)
+    assert sums_e2e.result_key("vllm", ['vllm_kwargs={"direct_sync": true}']) == "vllm_vllm_kwargs_direct_sync_true"
 
 
 def test_recompute_from_metrics_merges_under_the_engine(tmp_path):
