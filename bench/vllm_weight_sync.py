@@ -221,8 +221,51 @@ async def flat_ipc_sync(
                 "median_pause_ms": statistics.median(r["pause_ms"] for r in later),
                 "request_errors": sum(isinstance(d, BaseException) for d in done),
             }
+        if hasattr(engine, "open_loads_between_steps"):  # the sync door (`direct_sync`), idle and generating
+            out.update(await door_rounds(engine, mapped, prompts, rounds, new_tokens))
     finally:
         shared.release()
+    return out
+
+
+async def door_rounds(engine: Any, mapped: Any, prompts: list[list[int]], rounds: int, new_tokens: int) -> dict:
+    """The same syncs through vLLM's sync door (`VLLMEngine(direct_sync=True)`, switched on here): sent from a
+    thread as the generation actor's sync thread sends them, no pause; `wait_ms` is the wait for the worker's next
+    step (or the nudge when idle), `worker_ms` its load."""
+    engine.direct_sync = engine.sync_without_pause = True
+    await engine.open_loads_between_steps()
+    if not engine.loads_between_steps:
+        return {"door": {"skipped": "the sync door did not open (see the log)"}}
+    out: dict[str, Any] = {}
+    for label in ("door_idle", "door_generating"):
+        busy = []
+        if label == "door_generating":
+            params = [SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True) for _ in prompts]
+            busy = [asyncio.ensure_future(engine.generate(p, sp)) for p, sp in zip(prompts, params)]
+            await asyncio.sleep(1.0)
+        rows = []
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            loaded = await asyncio.to_thread(engine.load_between_steps, mapped)
+            rows.append(
+                {
+                    "total_ms": (time.perf_counter() - t0) * 1e3,
+                    "wait_ms": loaded["wait_s"] * 1e3,
+                    "worker_ms": loaded["load_s"] * 1e3,
+                    "door_wait_ms": loaded.get("door_wait_s", float("nan")) * 1e3,
+                }
+            )
+            if busy:
+                await asyncio.sleep(0.3)
+        done = await asyncio.wait_for(asyncio.gather(*busy, return_exceptions=True), 180.0)
+        out[label] = {
+            "rounds": rows,
+            "median_total_ms": statistics.median(r["total_ms"] for r in rows[1:]),
+            "max_total_ms": max(r["total_ms"] for r in rows[1:]),
+            "median_wait_ms": statistics.median(r["wait_ms"] for r in rows[1:]),
+            "request_errors": sum(isinstance(d, BaseException) for d in done),
+            "applied": dict(engine.door_counts),
+        }
     return out
 
 

@@ -72,3 +72,39 @@ def test_flat_sync_rounds_load_the_weights_and_split_the_round_trip():
     prompts = vllm_common.random_prompts(8, 64, 50, seed=11)
     assert out["generating"]["request_errors"] == sum(p[0] % 2 for p in prompts)
     assert out["idle"]["request_errors"] == 0
+
+
+def test_door_rounds_switch_the_sync_door_on_and_time_its_syncs():
+    """`door_rounds` over the fake vLLM engine of the door's tests (its worker in-process): the door opens, every
+    sync arrives (applied on the nudge: no step runs here), the rows split the wait from the worker's load."""
+    from rlasync.weights.ipc import MappedWeights, SharedWeights
+    from rlasync.weights.plan import ManifestEntry
+    from tests.unit.engine.test_vllm_door import DoorEngine
+    from tests.unit.engine.test_vllm_engine import WEIGHTS
+
+    class Generating(DoorEngine):
+        async def generate(self, prompt, params):
+            await asyncio.sleep(0.02)
+            return prompt
+
+    manifest = [ManifestEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in WEIGHTS.items()]
+    shared = SharedWeights.pack(WEIGHTS.items(), manifest, "cpu")
+    engine = Generating("m")
+    assert not engine.direct_sync
+    prompts = vllm_common.random_prompts(4, 8, 50, seed=1)
+    try:
+        out = asyncio.run(
+            vllm_weight_sync.door_rounds(engine, MappedWeights(shared.key, shared.handles()), prompts, 2, 4)
+        )
+    finally:
+        shared.release()
+        engine.close_door()
+        engine._llm.worker.close_sync_door()
+    model = engine._llm.worker.model_runner.model
+    assert engine.direct_sync and torch.equal(model.a, WEIGHTS["a"])
+    for label in ("door_idle", "door_generating"):
+        part = out[label]
+        assert len(part["rounds"]) == 3 and part["request_errors"] == 0
+        assert all(r["total_ms"] >= r["worker_ms"] >= 0 and r["wait_ms"] >= 0 for r in part["rounds"])
+        assert part["max_total_ms"] >= part["median_total_ms"]
+    assert out["door_generating"]["applied"] == {"nudge": 6}
