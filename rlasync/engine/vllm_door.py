@@ -20,6 +20,7 @@ file in a directory only this user can enter).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -97,6 +98,7 @@ class SyncDoor:
         self._closed = False
         self.applied = {"step": 0, "nudge": 0}
         threading.Thread(target=self._accept, name="rlasync-sync-door", daemon=True).start()
+        atexit.register(self.close)  # the socket's folder goes with the worker's process (a clean exit)
 
     def has_pending(self) -> bool:
         return bool(self._pending)  # a read without the lock: an empty list is the common case, checked every step
@@ -126,6 +128,7 @@ class SyncDoor:
         return len(pending)
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         with self._arrived:
             self._closed = True
             self._arrived.notify_all()
