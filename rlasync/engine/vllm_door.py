@@ -6,11 +6,11 @@ busiest part of the generation actor's process, and the two crossings were most 
 run, two engines on one H100: pause 36 ms and dispatch 20 ms at the median of a 65 ms sync).
 
 The door is a Unix socket the worker listens on (`SyncDoor`, opened once through one `collective_rpc`). A sync from
-learner rank 0's persistent buckets is one message through it (`DoorClient.load`, from the generation actor's own
-sync thread); a thread in the worker process receives it and leaves it pending; the worker applies it at the start
-of its next `execute_model` (the door wraps that method on the worker instance), so it lands between two steps on
-the stream the steps run on: no step reads half of each set of weights. The worker answers through the socket once
-the copies are done. When the engine is idle no step comes: the client also sends `apply_sync_door` through the
+learner rank 0's persistent buckets is one message through it (`DoorClient.send_load`, from the generation actor's
+own sync thread); a thread in the worker process receives it and leaves it pending; the worker applies it at the
+start of its next `execute_model` (the door wraps that method on the worker instance), so it lands between two steps
+on the stream the steps run on: no step reads half of each set of weights. The worker answers through the socket
+(`DoorClient.wait`) once the copies are queued with the sender's event recorded behind them (done, without one). When the engine is idle no step comes: the client also sends `apply_sync_door` through the
 front end (not awaited), which vLLM's EngineCore runs between steps or at once when idle, and which applies whatever
 is pending; whichever comes first applies the load, the other finds nothing.
 
