@@ -430,7 +430,11 @@ class VLLMEngine(VLLMWeightLoading):
             num_preemptions=gauges.num_preemptions,
             kv_capacity_tokens=capacity,
             max_model_len=self.max_model_len,
-            extra={"num_generated_tokens": float(self._num_generated_tokens)},
+            extra={
+                "num_generated_tokens": float(self._num_generated_tokens),
+                # the sync door's loads (`direct_sync`): applied at a step, on a nudge (idle), cache resets refused
+                **{f"sync_door_{k}": float(v) for k, v in self.door_counts.items()},
+            },
         )
 
     async def close(self) -> None:

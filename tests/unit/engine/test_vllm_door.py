@@ -255,7 +255,7 @@ def test_direct_sync_goes_through_the_door_and_the_front_end_gets_only_the_nudge
     assert ("reset", True, True) in llm.calls
     assert sum(engine.door_counts.get(k, 0) for k in ("step", "nudge")) == 3
     if not stepping:
-        assert engine.door_counts == {"nudge": 3}
+        assert engine.door_counts == {"nudge": 3} and engine.stats().extra["sync_door_nudge"] == 3.0
     on(loop, engine.close())
     loop.call_soon_threadsafe(loop.stop)
     thread.join()
