@@ -317,3 +317,42 @@ def test_the_ipc_receiver_hands_vllm_the_raw_event_handle_and_opens_the_door():
     assert IpcReceiver([], rank=3, device="cuda")._done_event(SimpleNamespace(copy_event_handles=True), ticket) is None
     cpu = IpcReceiver([], rank=1, device="cpu")
     assert cpu._done_event(SimpleNamespace(copy_event_handles=True), ticket) is None
+
+
+def test_an_ipc_transport_to_a_direct_sync_engine_loads_through_the_door_without_a_pause():
+    """The generation actor's path: `make_receiver` (on the engine's loop) opens the door, so the IPC receiver
+    loads between steps (no early pause); a sync from learner rank 0's persistent buckets, run inline on the sync
+    thread, reaches the worker through the door (an idle worker: on the nudge), twice with the same buckets."""
+    from rlasync.weights import build_manifest, stream_parameters
+    from rlasync.weights.transport import IpcReceiver, choose_transport, make_receiver, make_sender
+
+    learner = FakeModel()
+    manifest = build_manifest(learner)
+    cpu = {"device": "cpu", "node": "n0", "gpu": None}
+    plan, _ = choose_transport(cpu, [cpu], "ipc", host="127.0.0.1", port=1234, timeout_s=30.0, bucket_bytes=1 << 20)
+    sender = make_sender(plan, "cpu", manifest=manifest)
+    engine = DoorEngine("m", direct_sync=True)
+    llm, worker = engine._llm, engine._llm.worker
+    loop, thread = engine_loop()
+    try:
+        receiver = on(loop, make_receiver(plan, 1, manifest, engine, "cpu"))
+        assert isinstance(receiver, IpcReceiver) and receiver.between_steps and not receiver.pauses_early
+        for scale in (2.0, -3.0):
+            with torch.no_grad():
+                learner.a.copy_(WEIGHTS["a"] * scale)
+                learner.b.copy_(WEIGHTS["b"] * scale)
+            ticket = sender.prepare(stream_parameters(learner))
+            phases = asyncio.run(receiver.load_into(engine, ticket, inline=True))  # this thread: the sync thread
+            assert torch.equal(worker.model_runner.model.a, learner.a) and torch.equal(
+                worker.model_runner.model.b, learner.b
+            )
+            assert phases["resume_s"] == 0.0 and phases["total_s"] >= phases["load_s"] >= 0
+            sender.finish()
+    finally:
+        sender.close()
+        on(loop, engine.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+    names = [c[1] if c[0] == "rpc" else c[0] for c in llm.calls]
+    assert "pause" not in names and "load_flat_ipc" not in names and names.count("apply_sync_door") == 2
+    assert engine.door_counts.get("nudge") == 2
