@@ -73,8 +73,8 @@ class LaunchRecord:
         kind = "eager" if eager else ("decode" if max(lengths) == 1 else "mixed")
         logger.warning(
             "TorchEngine: step %d took %.0f ms to launch (%s step: %d requests, %d tokens, longest chunk %d, "
-            "%d sampling): a kernel built for a shape or variant the start-up did not warm; a weight sync waits for "
-            "such a launch",
+            "%d sampling): on CUDA most likely a kernel built for a shape or variant the start-up did not warm (on "
+            "the CPU a launch includes the step's compute); a weight sync waits for such a launch",
             step,
             seconds * 1e3,
             kind,
