@@ -272,16 +272,14 @@ class WorkerExtension:
         caller waits for the copies) off CUDA or where it cannot be opened."""
         import torch
 
+        from rlasync.weights.ipc import open_event
+
         if not torch.cuda.is_available():
             return False
         device = torch.device(self._rlasync_device())
         index = device.index if device.type == "cuda" and device.index is not None else torch.cuda.current_device()
-        events = self.__dict__.setdefault("_rlasync_events", {})
         try:
-            event = events.get(bytes(handle))
-            if event is None:
-                event = events[bytes(handle)] = torch.cuda.Event.from_ipc_handle(index, bytes(handle))
-            event.record(torch.cuda.current_stream(index))
+            open_event(bytes(handle), index).record(torch.cuda.current_stream(index))
         except RuntimeError as exc:
             if not getattr(self, "_rlasync_event_warned", False):
                 self._rlasync_event_warned = True

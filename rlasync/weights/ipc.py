@@ -194,14 +194,15 @@ class IpcTicket:
         if device.type != "cuda" or not 0 < rank <= len(self.done_events):
             return None
         try:
-            return _open_event(self.done_events[rank - 1], device.index or 0)
+            return open_event(self.done_events[rank - 1], device.index or 0)
         except RuntimeError as exc:
             logger.warning("IPC weight sync: the copy event could not be opened (%s); waiting for the copies", exc)
             return None
 
 
 @functools.lru_cache(maxsize=64)
-def _open_event(handle: bytes, device_index: int) -> Any:
+def open_event(handle: bytes, device_index: int) -> Any:
+    """An interprocess event from its IPC handle (`IpcTicket.done_events`), opened once per process and handle."""
     return torch.cuda.Event.from_ipc_handle(device_index, handle)
 
 

@@ -334,7 +334,7 @@ def test_a_between_steps_load_records_the_tickets_event_of_its_own_rank(monkeypa
     from rlasync.weights.ipc import IpcTicket
 
     opened = []
-    monkeypatch.setattr(ipc, "_open_event", lambda handle, index: opened.append((handle, index)) or f"event {handle}")
+    monkeypatch.setattr(ipc, "open_event", lambda handle, index: opened.append((handle, index)) or f"event {handle}")
 
     class Recording(BetweenSteps):
         def load_between_steps(self, named_tensors, done_event=None):
@@ -361,7 +361,7 @@ def test_a_between_steps_load_records_the_tickets_event_of_its_own_rank(monkeypa
         def unopenable(handle, index):
             raise RuntimeError("CUDA error: invalid resource handle")
 
-        monkeypatch.setattr(ipc, "_open_event", unopenable)
+        monkeypatch.setattr(ipc, "open_event", unopenable)
         assert ticket.done_event(1, torch.device("cuda", 0)) is None  # the engine waits for its copies instead
     finally:
         sender.close()
