@@ -96,7 +96,6 @@ class SyncDoor:
         self._pending: list[_Pending] = []
         self._received = 0  # the largest sequence number received
         self._closed = False
-        self.applied = {"step": 0, "nudge": 0}
         threading.Thread(target=self._accept, name="rlasync-sync-door", daemon=True).start()
         atexit.register(self.close)  # the socket's folder goes with the worker's process (a clean exit)
 
@@ -120,7 +119,6 @@ class SyncDoor:
                 logger.warning("a weight load through the sync door failed: %s: %s", type(exc).__name__, exc)
                 answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             answer.update(seq=item.request.get("seq"), waited_s=started - item.arrived, applied_by=applied_by)
-            self.applied[applied_by] = self.applied.get(applied_by, 0) + 1
             try:
                 send_message(item.conn, answer)
             except OSError as exc:  # the client went away: it times out or reconnects
@@ -149,7 +147,7 @@ class SyncDoor:
             while True:
                 try:
                     request = recv_message(conn)
-                except (OSError, ConnectionError, pickle.UnpicklingError) as exc:
+                except (OSError, pickle.UnpicklingError) as exc:  # ConnectionError is an OSError
                     logger.warning("the sync door dropped a connection: %s", exc)
                     return
                 if request is None:
@@ -172,15 +170,12 @@ def install_door(worker: Any, apply: Callable[[dict[str, Any]], dict[str, Any]])
         return step(*args, **kwargs)
 
     worker.execute_model = execute_model
-    worker._rlasync_unwrapped_step = step
     return door
 
 
 def remove_door(worker: Any, door: SyncDoor) -> None:
-    step = getattr(worker, "_rlasync_unwrapped_step", None)
-    if step is not None:
-        worker.__dict__.pop("execute_model", None)
-        worker._rlasync_unwrapped_step = None
+    """Close `door` and unwrap the worker's `execute_model` (the wrapper is an instance attribute over the class's)."""
+    worker.__dict__.pop("execute_model", None)
     door.close()
 
 

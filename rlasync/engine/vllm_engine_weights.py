@@ -130,9 +130,9 @@ class VLLMWeightLoading:
             seq = door.send_load(key, flat_buckets(handles), done_event)
             self._on_engine_loop(self._rpc("apply_sync_door", seq, timeout_s=self.control_timeout_s), "nudge")
             answer = door.wait(seq)
-        except (OSError, ConnectionError) as exc:  # TimeoutError (an OSError) included: the door is closed now
-            if isinstance(exc, TimeoutError):
-                raise
+        except TimeoutError:  # the client closed its connection: a late answer cannot pass for the next load's
+            raise
+        except OSError as exc:  # ConnectionError included
             logger.warning("vLLM's sync door failed (%s); weight syncs go through the front end from now on", exc)
             self._door = None
             return self._through_front_end(load, started)
